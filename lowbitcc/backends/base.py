@@ -1,0 +1,57 @@
+"""The transport interface that compressed schedules run over."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from lowbitcc.counters import Stats
+
+
+class Transport(Protocol):
+    """Moves uint8 message rows between the ``size`` ranks of one group.
+
+    All methods block until the data has arrived; a dead or stalled peer raises within the
+    group's timeout. Every rank must call the same methods in the same order.
+    """
+
+    rank: int
+    size: int
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """``send`` is ``uint8 [size, P]``: row ``j`` goes to rank ``j``. Returns ``[size, P]``
+        whose row ``i`` came from rank ``i`` (row ``rank`` is this rank's own row)."""
+        ...
+
+    def all_gather(self, send: torch.Tensor) -> torch.Tensor:
+        """``send`` is ``uint8 [P]``; returns ``[size, P]`` whose row ``i`` came from rank ``i``."""
+        ...
+
+
+class MeteredTransport:
+    """Wraps a `Transport`, adding the bytes this rank sends and the time spent to `stats`."""
+
+    def __init__(self, inner: Transport, stats: "Stats", category: str = "compressed") -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.size = inner.size
+        self.stats = stats
+        self.category = category
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        return self._metered(self.inner.all_to_all, send, send.shape[1])
+
+    def all_gather(self, send: torch.Tensor) -> torch.Tensor:
+        return self._metered(self.inner.all_gather, send, send.numel())
+
+    def _metered(self, fn, send: torch.Tensor, row_bytes: int) -> torch.Tensor:
+        start = time.perf_counter()
+        out = fn(send)
+        self.stats.add(
+            self.category, wire_s=time.perf_counter() - start,
+            wire_bytes=(self.size - 1) * row_bytes,
+        )
+        return out

@@ -1,0 +1,138 @@
+"""Configuration of the "loco" backend: one object, read from the environment once.
+
+`LocoConfig` holds every knob. Each field has an environment variable of the same name in upper
+case with the prefix ``LOCO_`` (``bits`` -> ``LOCO_BITS``). Precedence, lowest first: the defaults
+below, then ``LOCO_*`` variables, then a `LocoConfig` passed as ``pg_options`` to
+``init_process_group`` / ``new_group`` (which replaces the environment-derived config whole).
+Values are validated when the process group is created; an invalid value raises `ValueError`
+naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ENV_PREFIX = "LOCO_"
+POLICIES = ("backward", "always", "never")
+ERROR_DTYPES = ("int8", "bf16", "fp32")
+BITS = (2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocoConfig:
+    """Knobs of LoCo compression for one process group.
+
+    Attributes:
+        bits: code width of compressed payloads (2, 4 or 8).
+        group_size: elements sharing one fp32 scale; a multiple of 8.
+        beta: LoCo moving-average factor of the error state, in [0, 1); 0 is classic error feedback.
+        feedback: keep and apply an error state at all (False: plain quantization, for studies).
+        reset_interval: the error state of a key is zeroed every this many uses (0: never).
+        error_dtype: storage of the error state: "int8" (per-group scales), "bf16" or "fp32".
+        min_size: tensors with fewer elements than this travel exact.
+        policy: which eligible calls are compressed: "backward" (calls issued while autograd runs
+            a backward pass), "always" or "never".
+        check: exchange a 32-byte call descriptor before each compressible call so that a shape,
+            dtype or op mismatch across ranks raises on every rank instead of hanging.
+        max_keys: the most error states kept per process; the least recently used are dropped.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    beta: float = 0.8
+    feedback: bool = True
+    reset_interval: int = 1024
+    error_dtype: str = "int8"
+    min_size: int = 65536
+    policy: str = "backward"
+    check: bool = True
+    max_keys: int = 4096
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first invalid field."""
+
+        def bad(field: str, allowed: str) -> ValueError:
+            value = getattr(self, field)
+            return ValueError(
+                f"lowbitcc: invalid {field}={value!r} ({ENV_PREFIX}{field.upper()}): "
+                f"expected {allowed}"
+            )
+
+        if not _is_int(self.bits) or self.bits not in BITS:
+            raise bad("bits", "one of 2, 4, 8")
+        if not _is_int(self.group_size) or self.group_size < 8 or self.group_size % 8:
+            raise bad("group_size", "a positive multiple of 8")
+        if self.group_size > 1 << 20:
+            raise bad("group_size", "at most 1048576")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float):
+            raise bad("beta", "a number in [0, 1)")
+        if not 0.0 <= float(self.beta) < 1.0:
+            raise bad("beta", "a number in [0, 1)")
+        if not isinstance(self.feedback, bool):
+            raise bad("feedback", "a bool")
+        if not _is_int(self.reset_interval) or self.reset_interval < 0:
+            raise bad("reset_interval", "an integer >= 0 (0 disables resets)")
+        if self.error_dtype not in ERROR_DTYPES:
+            raise bad("error_dtype", "one of " + ", ".join(ERROR_DTYPES))
+        if not _is_int(self.min_size) or self.min_size < 1:
+            raise bad("min_size", "an integer >= 1")
+        if self.policy not in POLICIES:
+            raise bad("policy", "one of " + ", ".join(POLICIES))
+        if not isinstance(self.check, bool):
+            raise bad("check", "a bool")
+        if not _is_int(self.max_keys) or self.max_keys < 1:
+            raise bad("max_keys", "an integer >= 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LocoConfig:
+        """Build a config from the defaults overridden by ``LOCO_*`` variables.
+
+        Unknown ``LOCO_*`` variables raise, so that a typo is not silently ignored.
+        """
+        environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for name, raw in environ.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            field = name[len(ENV_PREFIX):].lower()
+            if field not in fields:
+                known = ", ".join(ENV_PREFIX + f.upper() for f in fields)
+                raise ValueError(f"lowbitcc: unknown environment variable {name}; known: {known}")
+            values[field] = _parse(field, fields[field].type, raw)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> LocoConfig:
+        """A copy with ``changes`` applied and validated."""
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse(field: str, type_name: Any, raw: str) -> Any:
+    text = raw.strip()
+    try:
+        if type_name in ("int", int):
+            return int(text)
+        if type_name in ("float", float):
+            return float(text)
+        if type_name in ("bool", bool):
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+    except ValueError:
+        raise ValueError(
+            f"lowbitcc: invalid {ENV_PREFIX}{field.upper()}={raw!r}: expected a {type_name}"
+        ) from None
+    return text.lower()

@@ -1,0 +1,61 @@
+"""Process-wide counters of what the "loco" groups sent, for `lowbitcc.stats()`.
+
+Two categories, ``compressed`` and ``exact``. For each: ``calls``; ``tensor_bytes`` (sum of the
+input sizes); ``logical_bytes`` (bytes this rank would have sent with the same schedule had the
+elements travelled in their own dtype); ``wire_bytes`` (bytes this rank actually sent, headers and
+scales included); ``codec_s`` and ``wire_s`` (seconds spent encoding/decoding and exchanging).
+For exact calls, whose schedule is gloo's, ``logical_bytes`` and ``wire_bytes`` are the ring
+estimate ``factor * tensor_bytes`` with nccl-tests' bus factors. ``compressed`` also has
+``residual_sq`` and ``input_sq``, the squared norms of the quantization residual and of the
+compensated input, and ``relative_error = sqrt(residual_sq / input_sq)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass
+class Counters:
+    calls: int = 0
+    tensor_bytes: int = 0
+    logical_bytes: int = 0
+    wire_bytes: int = 0
+    codec_s: float = 0.0
+    wire_s: float = 0.0
+    residual_sq: float = 0.0
+    input_sq: float = 0.0
+
+
+class Stats:
+    """Thread-safe accumulation of `Counters` per category."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters = {"compressed": Counters(), "exact": Counters()}
+
+    def add(self, category: str, **deltas: float) -> None:
+        with self._lock:
+            c = self._counters[category]
+            for name, delta in deltas.items():
+                setattr(c, name, getattr(c, name) + delta)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            out = {k: dataclasses.asdict(v) for k, v in self._counters.items()}
+        comp = out["compressed"]
+        comp["relative_error"] = (
+            math.sqrt(comp["residual_sq"] / comp["input_sq"]) if comp["input_sq"] > 0 else 0.0
+        )
+        comp["ratio"] = comp["wire_bytes"] / comp["logical_bytes"] if comp["logical_bytes"] else 0.0
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counters = {"compressed": Counters(), "exact": Counters()}
+
+
+STATS = Stats()

@@ -1,0 +1,137 @@
+"""The wire format of compressed messages, and of the call descriptor exchanged before them.
+
+A compressed *shard message* carries ``numel`` elements of one shard, quantized in groups of
+``G`` (the last group zero-padded). Layout, little-endian, ``P = payload_bytes(...)`` bytes::
+
+    offset  size           field
+    0       32             header (`ShardHeader`)
+    32      4 * ngroups    fp32 scales
+    32+4ng  ng * G * b / 8 packed codes (see `reference.pack`)
+    ...     0..3           zero padding to a multiple of 4 bytes
+
+A *call descriptor* (`CallDescriptor`, 32 bytes) describes a whole collective call; all ranks
+exchange theirs before a compressible call so that mismatched calls fail on every rank.
+
+Decoders compute the expected size of everything from their own arguments and compare it with
+what they read; no length read off the wire is trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import zlib
+
+import torch
+
+HEADER_BYTES = 32
+SHARD_MAGIC = b"LBCS"
+CALL_MAGIC = b"LBCD"
+VERSION = 1
+
+FLAG_NONFINITE = 1
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16"}
+
+
+class WireFormatError(RuntimeError):
+    """A received message is truncated, corrupt or belongs to another call."""
+
+
+def ngroups(numel: int, group_size: int) -> int:
+    return -(-numel // group_size)
+
+
+def payload_bytes(numel: int, bits: int, group_size: int) -> int:
+    """Size in bytes of one shard message of ``numel`` elements."""
+    ng = ngroups(numel, group_size)
+    raw = HEADER_BYTES + 4 * ng + ng * group_size * bits // 8
+    return -(-raw // 4) * 4
+
+
+_SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardHeader:
+    """Header of one shard message; ``signature`` is `call_signature` of the call."""
+
+    bits: int
+    dtype_code: int
+    flags: int
+    group_size: int
+    numel: int
+    seq: int
+    shard: int
+    world: int
+    signature: int
+
+    def pack(self) -> bytes:
+        return _SHARD.pack(
+            SHARD_MAGIC, VERSION, self.bits, self.dtype_code, self.flags, self.group_size,
+            self.numel, self.seq & 0xFFFFFFFF, self.shard, self.world, self.signature,
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> ShardHeader:
+        if len(raw) < HEADER_BYTES:
+            raise WireFormatError(f"shard message of {len(raw)} bytes is shorter than its header")
+        magic, version, bits, dtype_code, flags, group_size, numel, seq, shard, world, sig = (
+            _SHARD.unpack_from(raw)
+        )
+        if magic != SHARD_MAGIC:
+            raise WireFormatError(f"bad magic {magic!r} in shard message (expected {SHARD_MAGIC!r})")
+        if version != VERSION:
+            raise WireFormatError(f"wire format version {version}, this build speaks {VERSION}")
+        return cls(bits, dtype_code, flags, group_size, numel, seq, shard, world, sig)
+
+
+def call_signature(collective: str, numel: int, dtype: torch.dtype) -> int:
+    """32-bit signature of a call, carried in every shard header of that call."""
+    return zlib.crc32(f"{collective}|{numel}|{dtype}".encode())
+
+
+_CALL = struct.Struct("<4sBBBBQIIII")  # 32 bytes
+
+COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2}
+COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class CallDescriptor:
+    """What a rank is about to do; every rank must describe the same call."""
+
+    collective: str
+    dtype: torch.dtype
+    op: int
+    numel: int
+    seq: int
+    bits: int
+    group_size: int
+    compressed: bool
+
+    def pack(self) -> bytes:
+        dtype_code = DTYPE_CODES.get(self.dtype, 255)
+        return _CALL.pack(
+            CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
+            self.numel, self.seq & 0xFFFFFFFF, self.bits, self.group_size, int(self.compressed),
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> CallDescriptor:
+        magic, version, coll, dtype_code, op, numel, seq, bits, group_size, compressed = (
+            _CALL.unpack_from(raw)
+        )
+        if magic != CALL_MAGIC or version != VERSION or coll not in COLLECTIVE_NAMES:
+            raise WireFormatError("corrupt call descriptor received")
+        dtype = next((d for d, c in DTYPE_CODES.items() if c == dtype_code), None)
+        return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size, bool(compressed))
+
+    def describe(self) -> str:
+        kind = "compressed" if self.compressed else "exact"
+        dtype = str(self.dtype).replace("torch.", "") if self.dtype else "non-float"
+        return (
+            f"{kind} {self.collective}(numel={self.numel}, dtype={dtype}, op={self.op}, "
+            f"bits={self.bits}, group_size={self.group_size}) as call #{self.seq}"
+        )

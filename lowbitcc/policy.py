@@ -1,0 +1,123 @@
+"""Which calls are compressed, and under which error-feedback key.
+
+The decision is taken in the thread that issues the collective, at the moment it is issued:
+
+- `exact()` and `compressed()` are process-wide context managers (not thread-local: DDP and FSDP
+  issue their collectives from autograd's threads); the innermost active one wins, else the
+  group's ``policy`` ("backward", "always" or "never") decides.
+- Under "backward", a call is compressed when it is issued while autograd runs a backward pass
+  (``torch._C._current_graph_task_id() >= 0``): DDP's bucket all-reduces and FSDP's gradient
+  reduce-scatters are; a loss or metric all-reduce in the training loop is not.
+- Only ``all_reduce`` / ``reduce_scatter`` with SUM, AVG or PREMUL_SUM on fp32, bf16 or fp16
+  tensors of at least ``min_size`` elements are eligible.
+
+Keys follow logical tensors: ``(group, collective, dtype, numel, ordinal)`` where the ordinal
+counts calls of that signature since the current backward pass began (or, outside backward, since
+the last optimizer step). `feedback_key` names calls explicitly instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMPRESSIBLE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)
+
+_lock = threading.Lock()
+_mode_stack: list[str] = []
+_key_stack: list[list] = []  # [name, calls issued inside]
+_optimizer_steps = 0
+
+
+@contextlib.contextmanager
+def exact() -> Iterator[None]:
+    """Within this block no call is compressed, on any "loco" group of this process."""
+    with _pushed(_mode_stack, "never"):
+        yield
+
+
+@contextlib.contextmanager
+def compressed() -> Iterator[None]:
+    """Within this block every eligible call is compressed, inside backward or not."""
+    with _pushed(_mode_stack, "always"):
+        yield
+
+
+@contextlib.contextmanager
+def feedback_key(name: str) -> Iterator[None]:
+    """Calls issued in this block use error-feedback keys ``name``, ``name#1``, ``name#2``, ...
+
+    Use it to give a tensor a stable key outside backward, e.g. around a hand-written
+    gradient all-reduce that runs once per step.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("lowbitcc.feedback_key needs a non-empty string")
+    with _pushed(_key_stack, [name, 0]):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(stack: list, item: object) -> Iterator[None]:
+    with _lock:
+        stack.append(item)
+    try:
+        yield
+    finally:
+        with _lock:
+            stack.remove(item)
+
+
+def mode(default: str) -> str:
+    """The policy in force now: the innermost context's, else ``default``."""
+    with _lock:
+        return _mode_stack[-1] if _mode_stack else default
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() >= 0
+
+
+def wants_compression(policy: str) -> bool:
+    """Whether a compressible call issued now should be compressed under ``policy``."""
+    active = mode(policy)
+    if active == "never":
+        return False
+    return active == "always" or in_backward()
+
+
+def eligible(tensor: torch.Tensor, op: dist.ReduceOp) -> bool:
+    """Op and dtype allow compression (size is checked separately, after ranks agree)."""
+    return tensor.dtype in COMPRESSIBLE_DTYPES and op in COMPRESSIBLE_OPS and not tensor.is_sparse
+
+
+def explicit_key() -> str | None:
+    """The next explicit key if a `feedback_key` block is active (and count this call)."""
+    with _lock:
+        if not _key_stack:
+            return None
+        entry = _key_stack[-1]
+        name, calls = entry
+        entry[1] += 1
+        return name if calls == 0 else f"{name}#{calls}"
+
+
+def epoch() -> tuple[str, int]:
+    """What ordinals count within: the current backward pass, or the current optimizer step."""
+    task = torch._C._current_graph_task_id()
+    if task >= 0:
+        return ("backward", task)
+    return ("step", _optimizer_steps)
+
+
+def _count_optimizer_step(*_args: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
