@@ -1,0 +1,101 @@
+"""The reference codec and the wire format, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbitcc.kernels import reference, wire
+from lowbitcc.kernels.codec import ShardCodec
+
+BITS = st.sampled_from([2, 4, 8])
+
+
+def _codec(bits=4, group=128, seq=7, world=3, signature=99) -> ShardCodec:
+    return ShardCodec(bits=bits, group_size=group, dtype_code=0, seq=seq, world=world,
+                      signature=signature)
+
+
+@given(bits=BITS, groups=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_pack_unpack_round_trip(bits, groups, seed):
+    q = reference.qmax(bits)
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-q, q + 1, (groups, 16), generator=g, dtype=torch.int8)
+    packed = reference.pack(codes, bits)
+    assert packed.numel() == codes.numel() * bits // 8
+    assert torch.equal(reference.unpack(packed, bits, codes.numel()).view_as(codes), codes)
+
+
+@given(bits=BITS, groups=st.integers(1, 10), scale=st.floats(1e-6, 1e6), seed=st.integers(0, 999))
+@settings(max_examples=60, deadline=None)
+def test_quantize_error_is_at_most_half_a_step(bits, groups, scale, seed):
+    y = torch.randn(groups, 64, generator=torch.Generator().manual_seed(seed)) * scale
+    codes, scales = reference.quantize(y, bits)
+    assert int(codes.abs().max()) <= reference.qmax(bits)
+    err = (y - reference.dequantize(codes, scales)).abs()
+    assert bool((err <= scales[:, None] / 2 * (1 + 1e-5)).all())
+
+
+def test_zero_and_non_finite_groups():
+    y = torch.zeros(3, 8)
+    y[1, 2] = float("nan")
+    y[2, 0] = float("inf")
+    codes, scales = reference.quantize(y, 4)
+    assert scales[0] == 0 and torch.isnan(scales[1:]).all()
+    assert int(codes.abs().sum()) == 0
+    out = reference.dequantize(codes, scales)
+    assert torch.equal(out[0], torch.zeros(8)) and torch.isnan(out[1:]).all()
+
+
+def test_loco_update_matches_formula():
+    g = torch.randn(4, 32)
+    e = torch.randn(4, 32) * 0.1
+    codes, scales, new_e, r = reference.compensate_quantize(g, e, 4, 0.8)
+    y = g + e
+    assert torch.equal(r, y - reference.dequantize(codes, scales))
+    assert torch.allclose(new_e, 0.8 * e + 0.2 * r)
+    _, _, ef, r0 = reference.compensate_quantize(g, e, 4, 0.0)
+    assert torch.equal(ef, r0)
+
+
+@given(m=st.integers(1, 3000), bits=BITS, rows=st.integers(1, 4))
+@settings(max_examples=40, deadline=None)
+def test_codec_round_trip_and_sizes(m, bits, rows):
+    codec = _codec(bits=bits, group=64)
+    x = torch.randn(rows, m)
+    res = codec.encode(x, None, 0.8, list(range(rows)))
+    assert res.messages.shape == (rows, wire.payload_bytes(m, bits, 64))
+    decoded = codec.decode(res.messages, m, list(range(rows)))
+    codes, scales = reference.quantize(
+        torch.nn.functional.pad(x, (0, codec.padded(m) - m)).reshape(-1, 64), bits
+    )
+    expected = reference.dequantize(codes, scales).view(rows, -1)[:, :m]
+    assert torch.equal(decoded, expected)
+    assert torch.equal(codec.decode_sum(res.messages[:1].repeat(3, 1), m, 0), expected[0] * 3)
+
+
+def test_decoder_rejects_messages_of_another_call():
+    codec = _codec()
+    msgs = codec.encode(torch.randn(2, 500), None, 0.8, [0, 1]).messages
+    with pytest.raises(wire.WireFormatError, match="shard 1 != 0"):
+        codec.decode(msgs[1:], 500, [0])
+    with pytest.raises(wire.WireFormatError, match="sequence"):
+        _codec(seq=8).decode(msgs, 500, [0, 1])
+    with pytest.raises(wire.WireFormatError, match="expected 2 messages"):
+        codec.decode(msgs[:, :-4], 500, [0, 1])
+    corrupt = msgs.clone()
+    corrupt[0, :4] = 0
+    with pytest.raises(wire.WireFormatError, match="bad magic"):
+        codec.decode(corrupt, 500, [0, 1])
+    with pytest.raises(wire.WireFormatError, match="numel"):
+        codec.decode(msgs, 499, [0, 1])
+
+
+def test_call_descriptor_round_trip():
+    d = wire.CallDescriptor("all_reduce", torch.bfloat16, 0, 123456, 9, 4, 128, True)
+    assert wire.CallDescriptor.unpack(d.pack()) == d
+    assert len(d.pack()) == wire.HEADER_BYTES
+    assert "numel=123456" in d.describe() and "bfloat16" in d.describe()
