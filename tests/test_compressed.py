@@ -146,8 +146,8 @@ def _feedback_tracking(rank, world, gloo, collective):
     """|cumsum(out) - cumsum(exact)| / |cumsum(exact)| after 50 calls, per config.
 
     Input model: consecutive gradients are strongly correlated (a fixed signal plus 1% noise),
-    which is where quantization bias accumulates without feedback. With i.i.d. inputs the
-    no-feedback error is a random walk instead and the advantage over 50 calls shrinks
+    which is where quantization bias accumulates without feedback. With noisier inputs (30%
+    noise and a drift) the no-feedback error is closer to a random walk and the advantage shrinks
     (measured: 3.9x for beta 0.8, 6.4x for beta 0; see docs/architecture.md).
     """
     configs = {
