@@ -14,6 +14,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _codec_bench(args: argparse.Namespace) -> int:
+    from lowbitcc import codec_bench
+
+    codec_bench.run(min_size=args.b, max_size=args.e, factor=args.f, threads=args.threads,
+                    reference_max=args.reference_max, json_path=args.json, min_time=args.min_time)
+    return 0
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lowbitcc", description="LoCo-compressed collectives for PyTorch: tools.",
@@ -26,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     demo.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
     demo.set_defaults(func=_demo)
+    bench = sub.add_parser("codec-bench", help="codec encode/decode throughput vs copy bandwidth")
+    bench.add_argument("-b", type=_size, default=64 << 10, help="smallest size (default 64K)")
+    bench.add_argument("-e", type=_size, default=256 << 20, help="largest size (default 256M)")
+    bench.add_argument("-f", type=int, default=4, help="size multiplier per step (default 4)")
+    bench.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts")
+    bench.add_argument("--reference-max", type=_size, default=64 << 20,
+                       help="largest size for the slow reference codec (default 64M)")
+    bench.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    bench.add_argument("--json", help="write results to this JSON file")
+    bench.set_defaults(func=_codec_bench)
     return parser
 
 

@@ -1,21 +1,35 @@
 """`CallCompressor`: what a schedule needs to compress one call, bound to that call.
 
-A schedule sees only three operations, each on shard matrices (see `kernels.codec`):
-``encode(stage, x, shard_ids)`` compensates ``x`` with the error state of ``(key, stage)``,
-quantizes and frames it, and stores the new error; ``decode`` and ``decode_sum`` validate and
-decode received messages. Error state, statistics and the codec stay out of the schedule.
+A schedule sees only these operations, on shard sources (see `kernels.codec`):
+``encode(stage, source, shard_ids)`` compensates the source with the error state of
+``(key, stage)``, quantizes and frames it; ``decode_sum`` and ``decode_into`` validate and decode
+received messages. New error states are kept until `finish`, which stores them, or drops every
+stage's state if anything in the call was non-finite. Error state, statistics and the codec stay
+out of the schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from lowbitcc.config import LocoConfig
+from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 from lowbitcc.kernels.codec import ShardCodec
-from lowbitcc.counters import Stats
+from lowbitcc.kernels.error_state import ErrorState
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """``rows`` rows of ``m`` elements of flat ``tensor`` (zero past its end), times ``factor``."""
+
+    tensor: torch.Tensor
+    rows: int
+    m: int
+    factor: float = 1.0
 
 
 class CallCompressor:
@@ -29,42 +43,49 @@ class CallCompressor:
         self.store = store
         self.key = key
         self.stats = stats
-        self.saw_nonfinite = False
-        self._stages: list[str] = []
+        self.nonfinite = False
+        self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
 
-    def encode(self, stage: str, x: torch.Tensor, shard_ids: list[int]) -> torch.Tensor:
-        """Messages ``uint8 [k, P]`` for the ``k`` rows of fp32 ``x`` ``[k, m]``."""
+    def encode(self, stage: str, source: Source, shard_ids: list[int]) -> torch.Tensor:
+        """Messages ``uint8 [rows, P]`` for the rows of ``source``."""
         start = time.perf_counter()
-        key = f"{self.key}|{stage}"
-        self._stages.append(key)
-        shape = (x.shape[0], self.codec.padded(x.shape[1]))
         cfg = self.config
-        error = self.store.load(key, shape, cfg.reset_interval) if cfg.feedback else None
-        result = self.codec.encode(x, error, cfg.beta, shard_ids, feedback=cfg.feedback)
-        nonfinite = bool(result.nonfinite.any())
-        self.saw_nonfinite |= nonfinite
-        if cfg.feedback:
-            self.store.store(key, result.new_error, nonfinite, cfg.error_dtype, cfg.group_size)
+        key = f"{self.key}|{stage}"
+        error_dtype = cfg.error_dtype if cfg.feedback else None
+        state, uses = (None, 0)
+        if error_dtype:
+            numel = source.rows * self.codec.padded(source.m)
+            state, uses = self.store.take(key, numel, error_dtype, cfg.reset_interval)
+        result = self.codec.encode(
+            source.tensor, source.rows, source.m, source.factor, state, cfg.beta, shard_ids,
+            error_dtype,
+        )
+        self.nonfinite |= any(result.nonfinite)
+        if error_dtype:
+            self._new_states[key] = (result.error, uses + 1)
         self.stats.add(
             "compressed", codec_s=time.perf_counter() - start,
             residual_sq=result.residual_sq, input_sq=result.input_sq,
         )
         return result.messages
 
-    def decode(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> torch.Tensor:
-        start = time.perf_counter()
-        values = self.codec.decode(messages, m, shard_ids)
-        self.stats.add("compressed", codec_s=time.perf_counter() - start)
-        return values
-
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int) -> torch.Tensor:
         start = time.perf_counter()
-        total = self.codec.decode_sum(messages, m, shard)
+        total, nonfinite = self.codec.decode_sum(messages, m, shard)
+        self.nonfinite |= nonfinite
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return total
 
-    def finish(self, output_nonfinite: bool) -> None:
-        """Drop every stage's error state of this call if anything in it was non-finite."""
-        if output_nonfinite or self.saw_nonfinite:
-            for key in self._stages:
-                self.store.drop(key)
+    def decode_into(
+        self, messages: torch.Tensor, m: int, shard_ids: list[int], out: torch.Tensor
+    ) -> None:
+        start = time.perf_counter()
+        self.nonfinite |= self.codec.decode_into(messages, m, shard_ids, out)
+        self.stats.add("compressed", codec_s=time.perf_counter() - start)
+
+    def finish(self, output_nonfinite: bool = False) -> None:
+        """Store the new error states, or drop them all if the call saw a non-finite value."""
+        bad = self.nonfinite or output_nonfinite
+        for key, (state, uses) in self._new_states.items():
+            self.store.put(key, state, uses, bad)
+        self._new_states.clear()

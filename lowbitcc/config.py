@@ -19,6 +19,7 @@ ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
 ERROR_DTYPES = ("int8", "bf16", "fp32")
 BITS = (2, 4, 8)
+CODECS = ("auto", "reference", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,8 @@ class LocoConfig:
         check: exchange a 32-byte call descriptor before each compressible call so that a shape,
             dtype or op mismatch across ranks raises on every rank instead of hanging.
         max_keys: the most error states kept per process; the least recently used are dropped.
+        codec: codec implementation: "auto" (fused C++ kernels when they build, else the
+            reference), "reference" (pure torch) or "cpu" (the kernels, or fail).
     """
 
     bits: int = 4
@@ -50,6 +53,7 @@ class LocoConfig:
     policy: str = "backward"
     check: bool = True
     max_keys: int = 4096
+    codec: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +92,8 @@ class LocoConfig:
             raise bad("check", "a bool")
         if not _is_int(self.max_keys) or self.max_keys < 1:
             raise bad("max_keys", "an integer >= 1")
+        if self.codec not in CODECS:
+            raise bad("codec", "one of " + ", ".join(CODECS))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LocoConfig:

@@ -32,7 +32,7 @@ from lowbitcc import policy
 from lowbitcc.algorithms import direct
 from lowbitcc.backends.base import MeteredTransport
 from lowbitcc.backends.gloo import GlooTransport
-from lowbitcc.compressor import CallCompressor
+from lowbitcc.compressor import CallCompressor, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.feedback import FeedbackStore
 from lowbitcc.kernels import wire
@@ -139,6 +139,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._closed = False
+        self._codec_impl = _codec_impl(config.codec)
         self._worker = threading.Thread(
             target=self._run, name=f"lowbitcc-worker-r{rank}", daemon=True
         )
@@ -156,7 +157,6 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _get_backend_name(self) -> str:
         return BACKEND_NAME
 
-    @property
     def name(self) -> str:  # type: ignore[override]
         return BACKEND_NAME
 
@@ -341,81 +341,76 @@ class LocoProcessGroup(dist.ProcessGroup):
         collective: str,
         source: torch.Tensor,
         op: ReduceOp,
-        run: Callable[[torch.Tensor, CallCompressor], torch.Tensor],
+        run: Callable[[Source, CallCompressor], None],
         exact: Callable[[], Any],
-        write: Callable[[torch.Tensor], None],
     ) -> Callable[[], Any]:
         """A worker job for one compressible all-reduce / reduce-scatter.
 
-        ``source`` is the input; ``run(x_fp32_flat, compressor)`` runs the schedule and returns the
-        fp32 result, ``write`` stores it into the output (casting), ``exact()`` issues the exact
-        fallback (used when the agreed size is below ``min_size``).
+        ``source`` is the input; ``run(source, compressor)`` runs the schedule and writes the
+        output; ``exact()`` issues the exact fallback (used when the agreed size is below
+        ``min_size``).
         """
         cfg = self.config
         numel = source.numel()
         seq = self._next_seq()
         key = self._key(collective, source, numel)
-        red = self._reduction(op)
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(_op_type(op)), numel=numel, seq=seq,
             bits=cfg.bits, group_size=cfg.group_size, compressed=numel >= cfg.min_size,
         )
+        factor = self._input_factor(op)
 
         def job() -> Any:
             if cfg.check:
                 self._agree(desc)
             if not desc.compressed:
                 return exact()
+            n = self.size()
             itemsize = source.element_size()
-            STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize)
-            x = source.detach().reshape(-1).to(torch.float32)
-            if red.factor is not None:
-                x = x * red.factor
-            elif red.divisor is not None:
-                x = x / red.divisor
+            m = -(-numel // n)
+            STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
+                      logical_bytes=(2 if collective == "all_reduce" else 1) * (n - 1) * m * itemsize)
             codec = ShardCodec(
                 bits=cfg.bits, group_size=cfg.group_size, dtype_code=wire.DTYPE_CODES[source.dtype],
-                seq=seq, world=self.size(),
-                signature=wire.call_signature(collective, numel, source.dtype),
+                seq=seq, world=n, signature=wire.call_signature(collective, numel, source.dtype),
+                impl=self._codec_impl,
             )
             comp = CallCompressor(codec, cfg, FEEDBACK, key, STATS)
-            result = run(x, comp)
-            comp.finish(output_nonfinite=not bool(torch.isfinite(result).all()))
-            phases = 2 if collective == "all_reduce" else 1
-            m = -(-numel // self.size())
-            STATS.add("compressed", logical_bytes=phases * (self.size() - 1) * m * itemsize)
-            write(result)
+            flat = source.detach().reshape(-1).contiguous()
+            run(Source(flat, n, m, factor), comp)
+            comp.finish()
             return None
 
         return job
 
-    def _all_reduce_compressed(self, tensor: torch.Tensor, op: ReduceOp, opts: Any) -> Callable:
-        n = self.size()
+    def _input_factor(self, op: ReduceOp) -> float:
+        """What compressed inputs are multiplied by: PREMUL_SUM's factor, 1/n for AVG, else 1."""
+        red = self._reduction(op)
+        if red.divisor is not None:
+            return 1.0 / red.divisor
+        if red.factor is not None:
+            return float(red.factor)
+        return 1.0
 
-        def run(x: torch.Tensor, comp: CallCompressor) -> torch.Tensor:
-            numel = x.numel()
-            m = -(-numel // n)
-            padded = torch.zeros(n * m, dtype=torch.float32)
-            padded[:numel] = x
-            return direct.all_reduce(padded.view(n, m), comp, self._transport).reshape(-1)[:numel]
+    def _all_reduce_compressed(self, tensor: torch.Tensor, op: ReduceOp, opts: Any) -> Callable:
+        def run(source: Source, comp: CallCompressor) -> None:
+            out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
+            direct.all_reduce(source, out, comp, self._transport)
+            if out.data_ptr() != tensor.data_ptr():
+                tensor.copy_(out.view(tensor.shape))
 
         def exact() -> Any:
             return self._exact_reduction(
                 opts, [tensor], [tensor], lambda o, ins: self._inner.allreduce(ins, o), True
             )()
 
-        def write(result: torch.Tensor) -> None:
-            tensor.copy_(result.view(tensor.shape))
-
-        return self._compressed_call("all_reduce", tensor, op, run, exact, write)
+        return self._compressed_call("all_reduce", tensor, op, run, exact)
 
     def _reduce_scatter_compressed(
         self, output: torch.Tensor, source: torch.Tensor, op: ReduceOp, opts: Any
     ) -> Callable:
-        n = self.size()
-
-        def run(x: torch.Tensor, comp: CallCompressor) -> torch.Tensor:
-            return direct.reduce_scatter(x.view(n, -1), comp, self._transport)
+        def run(src: Source, comp: CallCompressor) -> None:
+            output.copy_(direct.reduce_scatter(src, comp, self._transport).view(output.shape))
 
         def exact() -> Any:
             return self._exact_reduction(
@@ -424,10 +419,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                 False,
             )()
 
-        def write(result: torch.Tensor) -> None:
-            output.copy_(result.view(output.shape))
-
-        return self._compressed_call("reduce_scatter", source, op, run, exact, write)
+        return self._compressed_call("reduce_scatter", source, op, run, exact)
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
@@ -626,6 +618,19 @@ def _sequence(jobs: list[Callable[[], Any]], outputs: list[torch.Tensor]) -> Cal
         return outputs
 
     return job
+
+
+def _codec_impl(choice: str) -> str:
+    """Resolve ``config.codec`` ("auto", "reference" or "cpu") to an implementation name."""
+    if choice == "reference":
+        return "reference"
+    from lowbitcc.kernels import cpu
+
+    if cpu.load() is not None:
+        return "cpu"
+    if choice == "cpu":
+        raise RuntimeError("lowbitcc: LOCO_CODEC=cpu but the C++ CPU codec could not be built")
+    return "reference"
 
 
 def _check_tensors(what: str, tensors: list[torch.Tensor]) -> None:

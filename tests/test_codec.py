@@ -65,33 +65,36 @@ def test_loco_update_matches_formula():
 @settings(max_examples=40, deadline=None)
 def test_codec_round_trip_and_sizes(m, bits, rows):
     codec = _codec(bits=bits, group=64)
-    x = torch.randn(rows, m)
-    res = codec.encode(x, None, 0.8, list(range(rows)))
+    x = torch.randn(rows * m)
+    res = codec.encode(x, rows, m, 1.0, None, 0.8, list(range(rows)), None)
     assert res.messages.shape == (rows, wire.payload_bytes(m, bits, 64))
-    decoded = codec.decode(res.messages, m, list(range(rows)))
+    decoded = torch.empty(rows * m)
+    codec.decode_into(res.messages, m, list(range(rows)), decoded)
     codes, scales = reference.quantize(
-        torch.nn.functional.pad(x, (0, codec.padded(m) - m)).reshape(-1, 64), bits
+        torch.nn.functional.pad(x.view(rows, m), (0, codec.padded(m) - m)).reshape(-1, 64), bits
     )
     expected = reference.dequantize(codes, scales).view(rows, -1)[:, :m]
-    assert torch.equal(decoded, expected)
-    assert torch.equal(codec.decode_sum(res.messages[:1].repeat(3, 1), m, 0), expected[0] * 3)
+    assert torch.equal(decoded.view(rows, m), expected)
+    total, nonfinite = codec.decode_sum(res.messages[:1].repeat(3, 1), m, 0)
+    assert torch.equal(total, expected[0] * 3) and not nonfinite
 
 
 def test_decoder_rejects_messages_of_another_call():
     codec = _codec()
-    msgs = codec.encode(torch.randn(2, 500), None, 0.8, [0, 1]).messages
+    msgs = codec.encode(torch.randn(1000), 2, 500, 1.0, None, 0.8, [0, 1], None).messages
+    out = torch.empty(1000)
     with pytest.raises(wire.WireFormatError, match="shard 1 != 0"):
-        codec.decode(msgs[1:], 500, [0])
+        codec.decode_into(msgs[1:], 500, [0], out[:500])
     with pytest.raises(wire.WireFormatError, match="sequence"):
-        _codec(seq=8).decode(msgs, 500, [0, 1])
+        _codec(seq=8).decode_into(msgs, 500, [0, 1], out)
     with pytest.raises(wire.WireFormatError, match="expected 2 messages"):
-        codec.decode(msgs[:, :-4], 500, [0, 1])
+        codec.decode_into(msgs[:, :-4].contiguous(), 500, [0, 1], out)
     corrupt = msgs.clone()
     corrupt[0, :4] = 0
     with pytest.raises(wire.WireFormatError, match="bad magic"):
-        codec.decode(corrupt, 500, [0, 1])
+        codec.decode_into(corrupt, 500, [0, 1], out)
     with pytest.raises(wire.WireFormatError, match="numel"):
-        codec.decode(msgs, 499, [0, 1])
+        codec.decode_sum(msgs, 499, 0)
 
 
 def test_call_descriptor_round_trip():

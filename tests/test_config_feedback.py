@@ -7,6 +7,7 @@ import torch
 
 from lowbitcc import LocoConfig
 from lowbitcc.feedback import FeedbackStore
+from lowbitcc.kernels.error_state import ErrorState
 
 
 def test_defaults_follow_the_design():
@@ -20,6 +21,7 @@ def test_defaults_follow_the_design():
     ("beta", -0.1, "beta"), ("reset_interval", -1, "reset_interval"),
     ("error_dtype", "fp8", "error_dtype"), ("min_size", 0, "min_size"),
     ("policy", "sometimes", "policy"), ("max_keys", 0, "max_keys"), ("feedback", 1, "feedback"),
+    ("codec", "gpu", "codec"),
 ])
 def test_invalid_values_raise_naming_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -37,43 +39,50 @@ def test_environment_parsing():
         LocoConfig.from_env({"LOCO_BIT": "4"})
 
 
+def _state(numel=256, dtype="fp32"):
+    return ErrorState.encode(torch.randn(numel), dtype, 128)
+
+
 def test_store_reset_interval_shape_change_and_non_finite():
     store = FeedbackStore()
-    e = torch.randn(2, 128)
-    assert store.load("k", (2, 128), reset_interval=3) is None
-    store.store("k", e, False, "fp32", 128)
-    assert torch.equal(store.load("k", (2, 128), 3), e)
-    store.store("k", e, False, "fp32", 128)
-    store.store("k", e, False, "fp32", 128)
-    assert store.uses("k") == 3
-    assert store.load("k", (2, 128), 3) is None  # third use reached: reset
-    store.store("k", e, False, "fp32", 128)
-    assert store.load("k", (4, 128), 0) is None  # shape changed: reset
-    store.store("k", e, False, "fp32", 128)
-    store.store("k", e, True, "fp32", 128)
+    assert store.take("k", 256, "fp32", reset_interval=3) == (None, 0)
+    s = _state()
+    store.put("k", s, 1, False)
+    got, uses = store.take("k", 256, "fp32", 3)
+    assert got is s and uses == 1
+    store.put("k", s, 3, False)
+    assert store.take("k", 256, "fp32", 3) == (None, 0)  # third use reached: reset
+    store.put("k", s, 1, False)
+    assert store.take("k", 512, "fp32", 0) == (None, 0)  # shape changed: reset
+    store.put("k", s, 1, False)
+    assert store.take("k", 256, "int8", 0) == (None, 0)  # storage changed: reset
+    store.put("k", s, 1, True)  # non-finite call: nothing stored
     assert "k" not in store.keys()
 
 
 def test_int8_storage_is_accurate_and_lru_bounded():
-    store = FeedbackStore(max_keys=2)
-    e = torch.randn(3, 256)
-    store.store("a", e, False, "int8", 128)
-    back = store.load("a", (3, 256), 0)
+    e = torch.randn(768)
+    back = ErrorState.encode(e, "int8", 128).decode()
     step = e.view(-1, 128).abs().amax(dim=1, keepdim=True) / 127
     assert bool(((back.view(-1, 128) - e.view(-1, 128)).abs() <= step / 2 + 1e-7).all())
-    store.store("b", e, False, "bf16", 128)
-    store.store("c", e, False, "int8", 128)
+    assert torch.equal(ErrorState.encode(e, "bf16", 128).decode(), e.to(torch.bfloat16).float())
+    store = FeedbackStore(max_keys=2)
+    for key in "abc":
+        store.put(key, _state(), 1, False)
     assert store.keys() == ["b", "c"]
 
 
 def test_state_dict_round_trip():
     store = FeedbackStore()
-    store.store("a", torch.randn(1, 128), False, "int8", 128)
-    store.store("b", torch.randn(1, 128), False, "fp32", 128)
+    store.put("a", _state(dtype="int8"), 2, False)
+    store.put("b", _state(dtype="fp32"), 5, False)
     sd = store.state_dict()
     other = FeedbackStore()
     other.load_state_dict(sd)
     for key in ("a", "b"):
-        assert torch.equal(other.load(key, (1, 128), 0), store.load(key, (1, 128), 0))
+        assert other.uses(key) == store.uses(key)
+        mine = store.take(key, 256, sd["states"][key]["dtype"], 0)[0]
+        theirs = other.take(key, 256, sd["states"][key]["dtype"], 0)[0]
+        assert torch.equal(mine.decode(), theirs.decode())
     with pytest.raises(ValueError, match="version"):
         other.load_state_dict({"version": 99, "states": {}})

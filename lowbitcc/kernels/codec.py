@@ -1,14 +1,16 @@
 """Shard codec: LoCo-compensated quantization of shards into wire messages, and back.
 
-The codec works on a *shard matrix* ``x`` of shape ``[n, m]`` fp32: ``n`` shards of ``m``
-elements each (row ``j`` is destined for rank ``j`` in a reduce-scatter, or a single row for an
-all-gather stage). Each row is quantized on its own in groups of ``G`` (the row's last group
-zero-padded), so group boundaries never straddle shards. The error state of a shard matrix is an
-fp32 tensor ``[n, mp]`` with ``mp = ceil(m / G) * G`` (the padding lanes stay zero).
+A *shard source* is a flat tensor of ``numel`` elements (fp32, bf16 or fp16) seen as ``rows``
+rows of ``m`` elements: row ``r`` holds elements ``r*m .. r*m+m-1``, indices past ``numel`` read
+as zero, and every element is multiplied by ``factor`` (fp32) first. Row ``j`` is destined for
+rank ``j`` in a reduce-scatter; an all-gather stage encodes a single row. Each row is quantized
+on its own in groups of ``G`` (its last group zero-padded), so no group straddles rows. The
+error state of a source is an `ErrorState` of ``rows * mp`` elements, ``mp = ceil(m / G) * G``.
 
-Message rows are ``uint8 [n, P]`` with ``P = wire.payload_bytes(m, bits, G)``; the caller owns
-every returned tensor. The arithmetic is `reference`'s; faster kernels replace the bodies of
-`encode_rows` and `decode_rows` and must produce identical bytes.
+Messages are ``uint8 [rows, P]`` with ``P = wire.payload_bytes(m, bits, G)``; the caller owns
+every returned tensor. Two implementations produce identical bytes: ``reference`` (pure torch,
+the specification) and ``cpu`` (the fused C++ kernels of `cpu_codec.cpp`); ``auto`` picks the
+kernels when they could be built.
 """
 
 from __future__ import annotations
@@ -18,27 +20,30 @@ import dataclasses
 import torch
 
 from lowbitcc.kernels import reference, wire
+from lowbitcc.kernels.error_state import ErrorState
+
+ERROR_MODES = {None: 0, "int8": 1, "fp32": 2, "bf16": 3}
 
 
 @dataclasses.dataclass
 class EncodeResult:
     """What one `ShardCodec.encode` produced.
 
-    ``messages`` is ``uint8 [n, P]``; ``new_error`` fp32 ``[n, mp]`` (None when feedback is off);
-    ``nonfinite`` a bool per row; ``residual_sq`` / ``input_sq`` the squared L2 norms of the
-    quantization residual and of the compensated input over finite rows (for statistics).
+    ``messages`` is ``uint8 [rows, P]``; ``error`` the new error state (None when feedback is
+    off); ``nonfinite`` a bool per row; ``residual_sq`` / ``input_sq`` the squared L2 norms of the
+    quantization residual and of the compensated input over finite groups (for statistics).
     """
 
     messages: torch.Tensor
-    new_error: torch.Tensor | None
-    nonfinite: torch.Tensor
+    error: ErrorState | None
+    nonfinite: list[bool]
     residual_sq: float
     input_sq: float
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardCodec:
-    """Encode and decode shard matrices for one call: ``bits``, group size, header fields."""
+    """Encode and decode shard messages for one call: ``bits``, group size, header fields."""
 
     bits: int
     group_size: int
@@ -46,6 +51,7 @@ class ShardCodec:
     seq: int
     world: int
     signature: int
+    impl: str = "reference"
 
     def padded(self, m: int) -> int:
         return wire.ngroups(m, self.group_size) * self.group_size
@@ -53,64 +59,133 @@ class ShardCodec:
     def message_bytes(self, m: int) -> int:
         return wire.payload_bytes(m, self.bits, self.group_size)
 
+    # -- encode ---------------------------------------------------------------------------------
     def encode(
         self,
-        x: torch.Tensor,
-        error: torch.Tensor | None,
+        source: torch.Tensor,
+        rows: int,
+        m: int,
+        factor: float,
+        error: ErrorState | None,
         beta: float,
         shard_ids: list[int],
-        feedback: bool = True,
+        error_dtype: str | None,
     ) -> EncodeResult:
-        """Compensate ``x`` ``[n, m]`` with ``error`` ``[n, mp]``, quantize and frame each row.
+        """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
-        ``shard_ids[i]`` is the shard index written into row ``i``'s header.
+        ``error`` is the state to apply (None: zero); ``error_dtype`` the storage of the new
+        state (None: feedback off, no state kept). ``error`` is consumed: the kernels update it
+        in place. ``shard_ids[i]`` is the shard index written into row ``i``'s header.
         """
-        n, m = x.shape
+        if source.dim() != 1 or not source.is_contiguous():
+            raise ValueError("ShardCodec.encode needs a flat contiguous source")
+        if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)):
+            error = None
+        messages = torch.zeros(rows, self.message_bytes(m), dtype=torch.uint8)
+        if self.impl == "cpu":
+            result = self._encode_cpu(source, rows, m, factor, error, beta, error_dtype, messages)
+        else:
+            result = self._encode_reference(source, rows, m, factor, error, beta, error_dtype,
+                                            messages)
+        self._write_headers(result.messages, m, shard_ids, result.nonfinite)
+        return result
+
+    def _encode_reference(self, source, rows, m, factor, error, beta, error_dtype, messages):
         mp = self.padded(m)
-        g = torch.zeros(n, mp, dtype=torch.float32)
-        g[:, :m] = x
-        groups = g.view(-1, self.group_size)
-        e = None if error is None else error.view(-1, self.group_size)
+        g = torch.zeros(rows * m, dtype=torch.float32)
+        n = min(source.numel(), rows * m)
+        g[:n] = source[:n].to(torch.float32)
+        if factor != 1.0:
+            g = g * factor
+        y = torch.zeros(rows, mp, dtype=torch.float32)
+        y[:, :m] = g.view(rows, m)
+        groups = y.view(-1, self.group_size)
+        e = None if error is None else error.decode().view(-1, self.group_size)
         codes, scales, new_e, residual = reference.compensate_quantize(
-            groups, e, self.bits, beta if feedback else 0.0
+            groups, e, self.bits, beta if error_dtype else 0.0
         )
-        scales = scales.view(n, -1)
-        nonfinite = ~torch.isfinite(scales).all(dim=1)
-        messages = torch.zeros(n, self.message_bytes(m), dtype=torch.uint8)
         ng = mp // self.group_size
-        code_bytes = mp * self.bits // 8
-        messages[:, wire.HEADER_BYTES:wire.HEADER_BYTES + 4 * ng] = scales.view(torch.uint8)
         start = wire.HEADER_BYTES + 4 * ng
-        messages[:, start:start + code_bytes] = reference.pack(codes, self.bits).view(n, code_bytes)
+        messages[:, wire.HEADER_BYTES:start] = scales.view(rows, ng).view(torch.uint8)
+        code_bytes = mp * self.bits // 8
+        messages[:, start:start + code_bytes] = reference.pack(codes, self.bits).view(rows, -1)
+        group_finite = torch.isfinite(scales)
+        compensated = groups if e is None else groups + e
+        return EncodeResult(
+            messages=messages,
+            error=None if not error_dtype else ErrorState.encode(
+                new_e.reshape(-1), error_dtype, self.group_size),
+            nonfinite=(~group_finite.view(rows, ng).all(dim=1)).tolist(),
+            residual_sq=float(residual[group_finite].double().square().sum()),
+            input_sq=float(compensated[group_finite].double().square().sum()),
+        )
+
+    def _encode_cpu(self, source, rows, m, factor, error, beta, error_dtype, messages):
+        from lowbitcc.kernels import cpu
+
+        kernels = cpu.load()
+        mp = self.padded(m)
+        state = error if error is not None else (
+            ErrorState.zeros(rows * mp, error_dtype, self.group_size) if error_dtype else None
+        )
+        empty = torch.empty(0)
+        nonfinite = torch.zeros(rows, dtype=torch.uint8)
+        residual_sq, input_sq = kernels.encode(
+            source, rows, m, float(factor), messages, nonfinite, ERROR_MODES[error_dtype],
+            error is not None,
+            state.data if state is not None and error_dtype == "int8" else empty,
+            state.scales if state is not None and error_dtype == "int8" else empty,
+            state.data if state is not None and error_dtype != "int8" else empty,
+            float(beta), self.bits, self.group_size, torch.get_num_threads(),
+        )
+        return EncodeResult(messages, state, [bool(v) for v in nonfinite.tolist()],
+                            residual_sq, input_sq)
+
+    def _write_headers(self, messages, m, shard_ids, nonfinite) -> None:
         for i, shard in enumerate(shard_ids):
             header = wire.ShardHeader(
                 bits=self.bits, dtype_code=self.dtype_code,
-                flags=wire.FLAG_NONFINITE if bool(nonfinite[i]) else 0,
+                flags=wire.FLAG_NONFINITE if nonfinite[i] else 0,
                 group_size=self.group_size, numel=m, seq=self.seq, shard=shard,
                 world=self.world, signature=self.signature,
             )
             messages[i, :wire.HEADER_BYTES] = torch.frombuffer(
                 bytearray(header.pack()), dtype=torch.uint8
             )
-        finite_rows = ~nonfinite
-        residual_rows = residual.view(n, mp)[finite_rows]
-        input_rows = (groups if e is None else groups + e).view(n, mp)[finite_rows]
-        return EncodeResult(
-            messages=messages,
-            new_error=new_e.view(n, mp) if feedback else None,
-            nonfinite=nonfinite,
-            residual_sq=float(residual_rows.square().sum()),
-            input_sq=float(input_rows.square().sum()),
-        )
 
-    def decode(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> torch.Tensor:
-        """Decode ``uint8 [k, P]`` messages of ``m`` elements into fp32 ``[k, m]``.
+    # -- decode ---------------------------------------------------------------------------------
+    def decode_sum(self, messages: torch.Tensor, m: int, shard: int) -> tuple[torch.Tensor, bool]:
+        """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``."""
+        nonfinite = self.check(messages, m, [shard] * messages.shape[0])
+        if self.impl == "cpu":
+            from lowbitcc.kernels import cpu
 
-        Row ``i`` must carry shard ``shard_ids[i]`` of this call; anything else raises
-        `wire.WireFormatError` before a byte of the body is read.
-        """
+            total = cpu.load().decode_sum(messages, m, self.bits, self.group_size,
+                                          torch.get_num_threads())
+            return total, nonfinite
+        values = self._decode_reference(messages, m)
+        total = values[0].clone()
+        for row in values[1:]:
+            total += row
+        return total, nonfinite
+
+    def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
+                    out: torch.Tensor) -> bool:
+        """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite."""
+        nonfinite = self.check(messages, m, shard_ids)
+        if out.numel() > messages.shape[0] * m or not out.is_contiguous():
+            raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
+        if self.impl == "cpu":
+            from lowbitcc.kernels import cpu
+
+            cpu.load().decode_into(messages, m, self.bits, self.group_size, out,
+                                   torch.get_num_threads())
+        else:
+            out.copy_(self._decode_reference(messages, m).reshape(-1)[:out.numel()])
+        return nonfinite
+
+    def _decode_reference(self, messages: torch.Tensor, m: int) -> torch.Tensor:
         k = messages.shape[0]
-        self.check(messages, m, shard_ids)
         mp = self.padded(m)
         ng = mp // self.group_size
         start = wire.HEADER_BYTES + 4 * ng
@@ -121,26 +196,21 @@ class ShardCodec:
         values = reference.dequantize(codes.view(-1, self.group_size), scales.reshape(-1))
         return values.view(k, mp)[:, :m]
 
-    def decode_sum(self, messages: torch.Tensor, m: int, shard: int) -> torch.Tensor:
-        """Decode ``k`` messages of the same shard and sum them in fp32, in row order: ``[m]``."""
-        values = self.decode(messages, m, [shard] * messages.shape[0])
-        total = values[0].clone()
-        for row in values[1:]:
-            total += row
-        return total
-
-    def check(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> None:
-        """Validate the size and header of each message row against what this call expects."""
+    def check(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
+        """Validate size and header of each row against this call; True if any row is flagged
+        non-finite. Raises `wire.WireFormatError` naming the first difference."""
         expected_bytes = self.message_bytes(m)
-        if messages.dtype != torch.uint8 or messages.dim() != 2:
-            raise wire.WireFormatError("messages must be a 2-D uint8 tensor")
+        if messages.dtype != torch.uint8 or messages.dim() != 2 or not messages.is_contiguous():
+            raise wire.WireFormatError("messages must be a contiguous 2-D uint8 tensor")
         if messages.shape[1] != expected_bytes or messages.shape[0] != len(shard_ids):
             raise wire.WireFormatError(
                 f"expected {len(shard_ids)} messages of {expected_bytes} bytes, "
                 f"got {tuple(messages.shape)}"
             )
+        nonfinite = False
+        raw = messages[:, :wire.HEADER_BYTES].numpy().tobytes()
         for i, shard in enumerate(shard_ids):
-            h = wire.ShardHeader.unpack(messages[i, :wire.HEADER_BYTES].numpy().tobytes())
+            h = wire.ShardHeader.unpack(raw[i * wire.HEADER_BYTES:(i + 1) * wire.HEADER_BYTES])
             problems = [
                 f"{name} {got} != {want}"
                 for name, got, want in (
@@ -159,3 +229,5 @@ class ShardCodec:
                 raise wire.WireFormatError(
                     f"message {i} does not belong to this call: " + ", ".join(problems)
                 )
+            nonfinite |= bool(h.flags & wire.FLAG_NONFINITE)
+        return nonfinite

@@ -41,8 +41,11 @@ def quantize(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     amax = y.abs().amax(dim=1)
     finite = torch.isfinite(amax)
     nonzero = amax > 0
-    scale = torch.where(finite, amax / q, torch.full_like(amax, float("nan")))
-    inv = torch.where(finite & nonzero, q / torch.where(nonzero, amax, 1.0), 0.0)
+    # tensor / tensor: one correctly rounded division each (torch turns `scalar / tensor` into
+    # reciprocal-then-multiply, which rounds twice)
+    qt = torch.full_like(amax, q)
+    scale = torch.where(finite, amax / qt, torch.full_like(amax, float("nan")))
+    inv = torch.where(finite & nonzero, qt / torch.where(nonzero, amax, 1.0), 0.0)
     codes = torch.round(y * inv[:, None]).clamp_(-q, q)
     codes = torch.where(finite[:, None], codes, 0.0)
     # NaN in a finite group is impossible (amax would be NaN), so the cast is well defined.

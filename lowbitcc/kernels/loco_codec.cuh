@@ -1,0 +1,93 @@
+// lowbitcc codec arithmetic shared by the C++ CPU kernels and the CUDA kernels.
+//
+// Every function here is the element-level form of lowbitcc/kernels/reference.py, the executable
+// specification; implementations built from this header must produce the same bytes. Compile
+// without FMA contraction (-ffp-contract=off, nvcc --fmad=false) and without fast-math: each
+// operation below is one correctly rounded IEEE fp32 operation, as in the reference.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define LOCO_HD __host__ __device__ __forceinline__
+#else
+#include <math.h>
+#define LOCO_HD static inline
+#endif
+
+namespace loco {
+
+constexpr int kHeaderBytes = 32;
+
+// Largest code magnitude of the symmetric b-bit quantizer: 1, 7 or 127.
+LOCO_HD int qmax(int bits) { return (1 << (bits - 1)) - 1; }
+
+LOCO_HD bool finite(float x) { return x - x == 0.0f; }  // false for NaN and +-Inf
+
+// The quiet NaN torch writes (0x7fc00000), so NaN scales are the same bytes everywhere.
+LOCO_HD float quiet_nan() {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+  return __int_as_float(0x7fc00000);
+#else
+  return __builtin_nanf("");
+#endif
+}
+
+// Running max of |v| that propagates NaN, as torch.amax does.
+LOCO_HD float amax_step(float amax, float v) {
+  float a = fabsf(v);
+  if (a != a || amax != amax) return quiet_nan();
+  return a > amax ? a : amax;
+}
+
+// Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0);
+// a non-finite group gets scale NaN and inv 0 (all its codes are 0).
+struct GroupScale {
+  float scale;
+  float inv;
+  bool finite;
+};
+
+LOCO_HD GroupScale group_scale(float amax, int q) {
+  GroupScale s;
+  s.finite = finite(amax);
+  float qf = (float)q;
+  s.scale = s.finite ? amax / qf : quiet_nan();
+  s.inv = (s.finite && amax > 0.0f) ? qf / amax : 0.0f;
+  return s;
+}
+
+// code = clamp(round_half_even(y * inv), -q, q); rintf rounds half to even in the default mode.
+LOCO_HD int quantize_one(float y, float inv, int q, bool group_finite) {
+  if (!group_finite) return 0;
+  float t = rintf(y * inv);
+  float qf = (float)q;
+  t = t > qf ? qf : t;
+  t = t < -qf ? -qf : t;
+  return (int)t;
+}
+
+LOCO_HD float dequantize_one(int code, float scale) { return (float)code * scale; }
+
+// Stored form of a code: u = code + 2^(b-1), b bits, element k of a byte at bits b*k.
+LOCO_HD uint32_t code_to_field(int code, int bits) {
+  return (uint32_t)(code + (1 << (bits - 1)));
+}
+
+LOCO_HD int field_to_code(uint32_t byte, int k, int bits) {
+  uint32_t mask = (1u << bits) - 1u;
+  return (int)((byte >> (bits * k)) & mask) - (1 << (bits - 1));
+}
+
+// LoCo error update. has_error: an error state was applied (y = g + e).
+// Matches reference.compensate_quantize: beta == 0 -> r; no state -> r * (1 - beta);
+// else e * beta + r * (1 - beta), each product and the sum rounded separately.
+LOCO_HD float update_error(float e, float r, float beta, float one_minus_beta, bool has_error) {
+  if (beta == 0.0f) return r;
+  if (!has_error) return r * one_minus_beta;
+  float a = e * beta;
+  float b = r * one_minus_beta;
+  return a + b;
+}
+
+}  // namespace loco
