@@ -22,97 +22,161 @@ namespace {
 
 enum ErrorMode : int64_t { kNoError = 0, kInt8 = 1, kFp32 = 2, kBf16 = 3 };
 
-template <typename T>
-struct Encoder {
-  const T* src;
+struct EncodeArgs {
   int64_t numel, rows, m, ng, P;
   float factor;
   bool scale_input;
   uint8_t* msgs;
-  int64_t mode;
   bool has_error;
   int8_t* ecodes;
   float* escales;
   float* ef32;
   at::BFloat16* ebf16;
   float beta, omb;
-  int bits, G;
+  int G;
+};
 
-  // Encodes group gi; returns false if the group is non-finite.
-  bool group(int64_t gi, float* y, float* e, int8_t* codes, double& res_sq, double& in_sq) const {
-    const int64_t row = gi / ng, gcol = gi % ng;
-    const int64_t col0 = gcol * G;
-    const int q = loco::qmax(bits);
-    const int64_t limit = std::min<int64_t>(G, std::max<int64_t>(0, m - col0));
-    const int64_t base = row * m + col0;
-    const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, numel - base));
-    for (int64_t j = 0; j < valid; ++j) {
-      float x = static_cast<float>(src[base + j]);
-      y[j] = scale_input ? x * factor : x;
-    }
-    for (int64_t j = valid; j < G; ++j) y[j] = 0.0f;
-    if (has_error) {
-      const int64_t off = gi * G;
-      if (mode == kInt8) {
-        const float s = escales[gi];
-        for (int j = 0; j < G; ++j) e[j] = loco::dequantize_one(ecodes[off + j], s);
-      } else if (mode == kFp32) {
-        for (int j = 0; j < G; ++j) e[j] = ef32[off + j];
-      } else {
-        for (int j = 0; j < G; ++j) e[j] = static_cast<float>(ebf16[off + j]);
-      }
-      for (int j = 0; j < G; ++j) y[j] = y[j] + e[j];
-    }
-    float amax = 0.0f;
-    for (int j = 0; j < G; ++j) amax = loco::amax_step(amax, y[j]);
-    const loco::GroupScale s = loco::group_scale(amax, q);
-    for (int j = 0; j < G; ++j) codes[j] = (int8_t)loco::quantize_one(y[j], s.inv, q, s.finite);
+constexpr int kLanes = 8;  // G is a multiple of 8
 
-    uint8_t* row_msg = msgs + row * P;
-    std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
-    uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * ng + col0 * bits / 8;
-    const int per_byte = 8 / bits;
-    for (int b = 0; b < G / per_byte; ++b) {
-      uint32_t byte = 0;
-      for (int k = 0; k < per_byte; ++k)
-        byte |= loco::code_to_field(codes[b * per_byte + k], bits) << (bits * k);
-      packed[b] = (uint8_t)byte;
+// max |v| over v[0..G), NaN if any v is NaN (or +-Inf: then the group is non-finite anyway).
+// Kept in kLanes independent lanes so the loop vectorizes; max is exact in any order.
+inline float group_amax(const float* v, int G) {
+  float lane[kLanes] = {0.0f};
+  int bad[kLanes] = {0};
+  for (int j = 0; j < G; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) {
+      const float a = fabsf(v[j + k]);
+      lane[k] = a > lane[k] ? a : lane[k];
+      bad[k] |= (a != a);
     }
+  float amax = 0.0f;
+  int any_bad = 0;
+  for (int k = 0; k < kLanes; ++k) {
+    amax = lane[k] > amax ? lane[k] : amax;
+    any_bad |= bad[k];
+  }
+  return any_bad ? loco::quiet_nan() : amax;
+}
 
-    if (s.finite) {
-      double rs = 0.0, is = 0.0;
-      for (int j = 0; j < G; ++j) {
-        const float r = y[j] - loco::dequantize_one(codes[j], s.scale);
-        rs += (double)r * r;
-        is += (double)y[j] * y[j];
-      }
-      res_sq += rs;
-      in_sq += is;
+// Packs G codes (G a multiple of 8) into G * BITS / 8 bytes.
+template <int BITS>
+inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
+  constexpr int kPer = 8 / BITS;
+  for (int b = 0; b < G / kPer; ++b) {
+    uint32_t byte = 0;
+    for (int k = 0; k < kPer; ++k)
+      byte |= loco::code_to_field(codes[b * kPer + k], BITS) << (BITS * k);
+    out[b] = (uint8_t)byte;
+  }
+}
+
+// Encodes group gi of the source; returns false if the group is non-finite.
+// Scratch buffers y, e (G floats) and codes (G int8) belong to the calling thread.
+template <typename T, int BITS, int MODE>
+bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e,
+                  int8_t* codes, double& res_sq, double& in_sq) {
+  const int G = a.G;
+  const int64_t row = gi / a.ng, gcol = gi % a.ng;
+  const int64_t col0 = gcol * G;
+  const int64_t limit = std::min<int64_t>(G, std::max<int64_t>(0, a.m - col0));
+  const int64_t base = row * a.m + col0;
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
+  const T* x = src + base;
+  if (a.scale_input) {
+    for (int64_t j = 0; j < valid; ++j) y[j] = static_cast<float>(x[j]) * a.factor;
+  } else {
+    for (int64_t j = 0; j < valid; ++j) y[j] = static_cast<float>(x[j]);
+  }
+  for (int64_t j = valid; j < G; ++j) y[j] = 0.0f;
+  const int64_t off = gi * G;
+  if (MODE != kNoError && a.has_error) {
+    if (MODE == kInt8) {
+      const float s = a.escales[gi];
+      const int8_t* c = a.ecodes + off;
+      for (int j = 0; j < G; ++j) e[j] = loco::dequantize_one(c[j], s);
+    } else if (MODE == kFp32) {
+      for (int j = 0; j < G; ++j) e[j] = a.ef32[off + j];
+    } else {
+      for (int j = 0; j < G; ++j) e[j] = static_cast<float>(a.ebf16[off + j]);
     }
-    if (mode == kNoError) return s.finite;
+    for (int j = 0; j < G; ++j) y[j] = y[j] + e[j];
+  }
+  const loco::GroupScale s = loco::group_scale(group_amax(y, G), loco::qmax(BITS));
+  uint8_t* row_msg = a.msgs + row * a.P;
+  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + col0 * BITS / 8;
+  if (!s.finite) {
+    for (int j = 0; j < G; ++j) codes[j] = 0;
+    pack_codes<BITS>(codes, G, packed);
+    return false;
+  }
+  const float qf = (float)loco::qmax(BITS);
+  for (int j = 0; j < G; ++j) codes[j] = (int8_t)loco::quantize_finite(y[j], s.inv, qf);
+  pack_codes<BITS>(codes, G, packed);
 
-    // New error, written over the old one of this group.
-    float eamax = 0.0f;
+  // statistics only: lane sums (their order differs from the reference's, which is allowed)
+  float rs[kLanes] = {0.0f}, is[kLanes] = {0.0f};
+  for (int j = 0; j < G; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) {
+      const float r = y[j + k] - loco::dequantize_one(codes[j + k], s.scale);
+      rs[k] += r * r;
+      is[k] += y[j + k] * y[j + k];
+    }
+  for (int k = 0; k < kLanes; ++k) {
+    res_sq += rs[k];
+    in_sq += is[k];
+  }
+  if (MODE != kNoError) {
     for (int j = 0; j < G; ++j) {
       const float r = y[j] - loco::dequantize_one(codes[j], s.scale);
-      const float ne = loco::update_error(has_error ? e[j] : 0.0f, r, beta, omb, has_error);
-      e[j] = ne;
-      eamax = loco::amax_step(eamax, ne);
+      e[j] = loco::update_error(a.has_error ? e[j] : 0.0f, r, a.beta, a.omb, a.has_error);
     }
-    const int64_t off = gi * G;
-    if (mode == kInt8) {
-      const loco::GroupScale es = loco::group_scale(eamax, 127);
-      for (int j = 0; j < G; ++j)
-        ecodes[off + j] = (int8_t)loco::quantize_one(e[j], es.inv, 127, es.finite);
-      escales[gi] = es.scale;
-    } else if (mode == kFp32) {
-      for (int j = 0; j < G; ++j) ef32[off + j] = e[j];
-    } else {
-      for (int j = 0; j < G; ++j) ebf16[off + j] = at::BFloat16(e[j]);
-    }
-    return s.finite;
   }
-};
+  const float eamax = MODE == kNoError ? 0.0f : group_amax(e, G);
+  if (MODE == kInt8) {
+    const loco::GroupScale es = loco::group_scale(eamax, 127);
+    int8_t* c = a.ecodes + off;
+    if (es.finite) {
+      for (int j = 0; j < G; ++j) c[j] = (int8_t)loco::quantize_finite(e[j], es.inv, 127.0f);
+    } else {
+      for (int j = 0; j < G; ++j) c[j] = 0;
+    }
+    a.escales[gi] = es.scale;
+  } else if (MODE == kFp32) {
+    for (int j = 0; j < G; ++j) a.ef32[off + j] = e[j];
+  } else if (MODE == kBf16) {
+    for (int j = 0; j < G; ++j) a.ebf16[off + j] = at::BFloat16(e[j]);
+  }
+  return true;
+}
+
+template <typename T, int BITS, int MODE>
+void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq, double& in_sq,
+                int threads) {
+  const int64_t groups = a.rows * a.ng;
+  double rs = 0.0, is = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : rs, is)
+  {
+    std::vector<float> y(a.G), e(a.G);
+    std::vector<int8_t> codes(a.G);
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi)
+      bad[gi] = !encode_group<T, BITS, MODE>(src, a, gi, y.data(), e.data(), codes.data(), rs, is);
+  }
+  res_sq = rs;
+  in_sq = is;
+}
+
+template <typename T, int BITS>
+void encode_bits(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
+                 double& is, int threads) {
+  switch (mode) {
+    case kNoError: return encode_all<T, BITS, kNoError>(src, a, bad, rs, is, threads);
+    case kInt8: return encode_all<T, BITS, kInt8>(src, a, bad, rs, is, threads);
+    case kFp32: return encode_all<T, BITS, kFp32>(src, a, bad, rs, is, threads);
+    default: return encode_all<T, BITS, kBf16>(src, a, bad, rs, is, threads);
+  }
+}
 
 template <typename T>
 std::vector<double> encode_typed(const torch::Tensor& source, int64_t rows, int64_t m,
@@ -120,40 +184,32 @@ std::vector<double> encode_typed(const torch::Tensor& source, int64_t rows, int6
                                  int64_t mode, bool has_error, torch::Tensor& ecodes,
                                  torch::Tensor& escales, torch::Tensor& eflt, double beta,
                                  int64_t bits, int64_t G, int threads) {
-  Encoder<T> enc;
-  enc.src = source.data_ptr<T>();
-  enc.numel = source.numel();
-  enc.rows = rows;
-  enc.m = m;
-  enc.ng = (m + G - 1) / G;
-  enc.P = messages.size(1);
-  enc.factor = (float)factor;
-  enc.scale_input = factor != 1.0;
-  enc.msgs = messages.data_ptr<uint8_t>();
-  enc.mode = mode;
-  enc.has_error = has_error;
-  enc.ecodes = mode == kInt8 ? ecodes.data_ptr<int8_t>() : nullptr;
-  enc.escales = mode == kInt8 ? escales.data_ptr<float>() : nullptr;
-  enc.ef32 = mode == kFp32 ? eflt.data_ptr<float>() : nullptr;
-  enc.ebf16 = mode == kBf16 ? eflt.data_ptr<at::BFloat16>() : nullptr;
-  enc.beta = (float)beta;
-  enc.omb = (float)(1.0 - beta);
-  enc.bits = (int)bits;
-  enc.G = (int)G;
-  const int64_t groups = rows * enc.ng;
-  std::vector<uint8_t> bad(groups, 0);
+  EncodeArgs a;
+  a.numel = source.numel();
+  a.rows = rows;
+  a.m = m;
+  a.ng = (m + G - 1) / G;
+  a.P = messages.size(1);
+  a.factor = (float)factor;
+  a.scale_input = factor != 1.0;
+  a.msgs = messages.data_ptr<uint8_t>();
+  a.has_error = has_error;
+  a.ecodes = mode == kInt8 ? ecodes.data_ptr<int8_t>() : nullptr;
+  a.escales = mode == kInt8 ? escales.data_ptr<float>() : nullptr;
+  a.ef32 = mode == kFp32 ? eflt.data_ptr<float>() : nullptr;
+  a.ebf16 = mode == kBf16 ? eflt.data_ptr<at::BFloat16>() : nullptr;
+  a.beta = (float)beta;
+  a.omb = (float)(1.0 - beta);
+  a.G = (int)G;
+  std::vector<uint8_t> bad(rows * a.ng, 0);
   double res_sq = 0.0, in_sq = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : res_sq, in_sq)
-  {
-    std::vector<float> y(G), e(G);
-    std::vector<int8_t> codes(G);
-#pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < groups; ++gi)
-      bad[gi] = !enc.group(gi, y.data(), e.data(), codes.data(), res_sq, in_sq);
-  }
+  const T* src = source.data_ptr<T>();
+  if (bits == 2) encode_bits<T, 2>(src, a, mode, bad.data(), res_sq, in_sq, threads);
+  else if (bits == 4) encode_bits<T, 4>(src, a, mode, bad.data(), res_sq, in_sq, threads);
+  else encode_bits<T, 8>(src, a, mode, bad.data(), res_sq, in_sq, threads);
   uint8_t* nf = nonfinite.data_ptr<uint8_t>();
   for (int64_t r = 0; r < rows; ++r)
-    nf[r] = std::any_of(bad.begin() + r * enc.ng, bad.begin() + (r + 1) * enc.ng,
+    nf[r] = std::any_of(bad.begin() + r * a.ng, bad.begin() + (r + 1) * a.ng,
                         [](uint8_t b) { return b != 0; });
   return {res_sq, in_sq};
 }
@@ -186,14 +242,24 @@ std::vector<double> encode(const torch::Tensor& source, int64_t rows, int64_t m,
   }
 }
 
-// Decodes group gcol of message row r into v[0..G).
-inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int G, float* v) {
+// Decodes group gcol of one message into v[0..G).
+template <int BITS>
+inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
+  constexpr int kPer = 8 / BITS;
   float scale;
   std::memcpy(&scale, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
-  const uint8_t* packed = msg + loco::kHeaderBytes + 4 * ng + gcol * G * bits / 8;
-  const int per_byte = 8 / bits;
-  for (int j = 0; j < G; ++j)
-    v[j] = loco::dequantize_one(loco::field_to_code(packed[j / per_byte], j % per_byte, bits), scale);
+  const uint8_t* packed = msg + loco::kHeaderBytes + 4 * ng + gcol * G * BITS / 8;
+  for (int b = 0; b < G / kPer; ++b) {
+    const uint32_t byte = packed[b];
+    for (int k = 0; k < kPer; ++k)
+      v[b * kPer + k] = loco::dequantize_one(loco::field_to_code(byte, k, BITS), scale);
+  }
+}
+
+inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int G, float* v) {
+  if (bits == 4) decode_group_bits<4>(msg, ng, gcol, G, v);
+  else if (bits == 8) decode_group_bits<8>(msg, ng, gcol, G, v);
+  else decode_group_bits<2>(msg, ng, gcol, G, v);
 }
 
 void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G) {

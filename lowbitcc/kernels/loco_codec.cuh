@@ -33,11 +33,11 @@ LOCO_HD float quiet_nan() {
 #endif
 }
 
-// Running max of |v| that propagates NaN, as torch.amax does.
+// Running max of |v| that propagates NaN, as torch.amax does (branch-free, so it vectorizes;
+// the NaN's payload may differ, only its presence matters).
 LOCO_HD float amax_step(float amax, float v) {
   float a = fabsf(v);
-  if (a != a || amax != amax) return quiet_nan();
-  return a > amax ? a : amax;
+  return (a > amax || a != a) ? a : amax;
 }
 
 // Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0);
@@ -58,13 +58,16 @@ LOCO_HD GroupScale group_scale(float amax, int q) {
 }
 
 // code = clamp(round_half_even(y * inv), -q, q); rintf rounds half to even in the default mode.
-LOCO_HD int quantize_one(float y, float inv, int q, bool group_finite) {
-  if (!group_finite) return 0;
+// Only for finite groups (a non-finite group's codes are all 0).
+LOCO_HD int quantize_finite(float y, float inv, float qf) {
   float t = rintf(y * inv);
-  float qf = (float)q;
   t = t > qf ? qf : t;
   t = t < -qf ? -qf : t;
   return (int)t;
+}
+
+LOCO_HD int quantize_one(float y, float inv, int q, bool group_finite) {
+  return group_finite ? quantize_finite(y, inv, (float)q) : 0;
 }
 
 LOCO_HD float dequantize_one(int code, float scale) { return (float)code * scale; }
