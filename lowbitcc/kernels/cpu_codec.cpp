@@ -38,24 +38,25 @@ struct EncodeArgs {
 
 constexpr int kLanes = 8;  // G is a multiple of 8
 
-// max |v| over v[0..G), NaN if any v is NaN (or +-Inf: then the group is non-finite anyway).
-// Kept in kLanes independent lanes so the loop vectorizes; max is exact in any order.
+// max |v| over v[0..G), or NaN if any v is NaN or +-Inf (the group is then non-finite).
+// On the bit patterns with the sign cleared, unsigned order is the order of |v| for finite
+// values, and NaN/Inf patterns (>= 0x7f800000) exceed every finite one: an integer max that
+// vectorizes, exact in any order.
 inline float group_amax(const float* v, int G) {
-  float lane[kLanes] = {0.0f};
-  int bad[kLanes] = {0};
+  uint32_t lane[kLanes] = {0};
   for (int j = 0; j < G; j += kLanes)
     for (int k = 0; k < kLanes; ++k) {
-      const float a = fabsf(v[j + k]);
-      lane[k] = a > lane[k] ? a : lane[k];
-      bad[k] |= (a != a);
+      uint32_t bits;
+      std::memcpy(&bits, v + j + k, sizeof(bits));
+      bits &= 0x7fffffffu;
+      lane[k] = bits > lane[k] ? bits : lane[k];
     }
-  float amax = 0.0f;
-  int any_bad = 0;
-  for (int k = 0; k < kLanes; ++k) {
-    amax = lane[k] > amax ? lane[k] : amax;
-    any_bad |= bad[k];
-  }
-  return any_bad ? loco::quiet_nan() : amax;
+  uint32_t top = 0;
+  for (int k = 0; k < kLanes; ++k) top = lane[k] > top ? lane[k] : top;
+  if (top >= 0x7f800000u) return loco::quiet_nan();
+  float amax;
+  std::memcpy(&amax, &top, sizeof(amax));
+  return amax;
 }
 
 // Packs G codes (G a multiple of 8) into G * BITS / 8 bytes.
