@@ -36,7 +36,7 @@ def load() -> ModuleType | None:
             extra_include_paths=[str(HERE)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
-            verbose=os.environ.get("LOCO_BUILD_VERBOSE") == "1",
+            verbose=os.environ.get("LOWBITCC_BUILD_VERBOSE") == "1",
         )
     except Exception as exc:  # noqa: BLE001 (any build failure means: use the reference)
         warnings.warn(
