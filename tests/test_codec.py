@@ -102,3 +102,38 @@ def test_call_descriptor_round_trip():
     assert wire.CallDescriptor.unpack(d.pack()) == d
     assert len(d.pack()) == wire.HEADER_BYTES
     assert "numel=123456" in d.describe() and "bfloat16" in d.describe()
+
+
+@given(data=st.binary(min_size=0, max_size=600), rows=st.integers(1, 3), m=st.integers(1, 300),
+       impl=st.sampled_from(["reference", "cpu"]))
+@settings(max_examples=200, deadline=None)
+def test_decoder_fuzz_random_bytes_raise_cleanly(data, rows, m, impl):
+    codec = ShardCodec(4, 64, 0, 7, 3, 99, impl)
+    size = codec.message_bytes(m)
+    raw = (data * (rows * size // max(len(data), 1) + 1))[: rows * size] if data else b""
+    messages = torch.frombuffer(bytearray(raw.ljust(rows * size, b"\0")), dtype=torch.uint8)
+    messages = messages.view(rows, size)
+    with pytest.raises(wire.WireFormatError):
+        codec.decode_into(messages, m, list(range(rows)), torch.empty(rows * m))
+    with pytest.raises(wire.WireFormatError):
+        codec.decode_sum(messages[:, : max(size - 4 * (len(data) % 3), 1)].contiguous(), m, 0)
+
+
+@given(position=st.integers(0, wire.HEADER_BYTES - 1), value=st.integers(0, 255),
+       impl=st.sampled_from(["reference", "cpu"]))
+@settings(max_examples=200, deadline=None)
+def test_decoder_fuzz_header_mutations_are_caught_or_harmless(position, value, impl):
+    codec = ShardCodec(4, 64, 0, 7, 3, 99, impl)
+    msgs = codec.encode(torch.randn(2 * 300), 2, 300, 1.0, None, 0.8, [0, 1], None).messages
+    expected = torch.empty(600)
+    codec.decode_into(msgs, 300, [0, 1], expected)
+    mutated = msgs.clone()
+    mutated[0, position] = value
+    out = torch.empty(600)
+    try:
+        codec.decode_into(mutated, 300, [0, 1], out)
+    except wire.WireFormatError:
+        return
+    # accepted only if the byte was unchanged or is the flags byte (non-finite marker)
+    assert value == int(msgs[0, position]) or position == 7
+    assert torch.equal(out, expected)
