@@ -83,9 +83,8 @@ class CallCompressor:
         self.nonfinite |= self.codec.decode_into(messages, m, shard_ids, out)
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
 
-    def finish(self, output_nonfinite: bool = False) -> None:
+    def finish(self) -> None:
         """Store the new error states, or drop them all if the call saw a non-finite value."""
-        bad = self.nonfinite or output_nonfinite
         for key, (state, uses) in self._new_states.items():
-            self.store.put(key, state, uses, bad)
+            self.store.put(key, state, uses, self.nonfinite)
         self._new_states.clear()

@@ -66,10 +66,6 @@ class FeedbackStore:
             while len(self._states) > self.max_keys:
                 self._states.popitem(last=False)
 
-    def drop(self, key: str) -> None:
-        with self._lock:
-            self._states.pop(key, None)
-
     def uses(self, key: str) -> int:
         with self._lock:
             entry = self._states.get(key)
@@ -83,19 +79,12 @@ class FeedbackStore:
         """A picklable copy of every entry (tensors cloned), for checkpoints."""
         with self._lock:
             entries = list(self._states.items())
-        return {
-            "version": STATE_DICT_VERSION,
-            "states": {
-                key: {
-                    "uses": uses,
-                    "dtype": s.dtype,
-                    "group_size": s.group_size,
-                    "data": s.data.clone(),
-                    "scales": None if s.scales is None else s.scales.clone(),
-                }
-                for key, (s, uses) in entries
-            },
-        }
+        states = {}
+        for key, (state, uses) in entries:
+            copy = state.clone()
+            states[key] = {"uses": uses, "dtype": copy.dtype, "group_size": copy.group_size,
+                           "data": copy.data, "scales": copy.scales}
+        return {"version": STATE_DICT_VERSION, "states": states}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace every entry with those of ``state_dict`` (from `state_dict`)."""
@@ -105,9 +94,8 @@ class FeedbackStore:
                 f"{STATE_DICT_VERSION}"
             )
         states = collections.OrderedDict(
-            (key, (ErrorState(v["dtype"], v["data"].clone(),
-                              None if v["scales"] is None else v["scales"].clone(),
-                              int(v["group_size"])), int(v["uses"])))
+            (key, (ErrorState(v["dtype"], v["data"], v["scales"], int(v["group_size"])).clone(),
+                   int(v["uses"])))
             for key, v in state_dict["states"].items()
         )
         with self._lock:
