@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 
 import torch
 
@@ -33,11 +34,13 @@ class Source:
 
 
 class CallCompressor:
-    """Codec + error feedback + statistics for the call keyed ``key``."""
+    """Codec + error feedback + statistics for the call keyed ``key``, on rank ``rank``."""
 
     def __init__(
-        self, codec: ShardCodec, config: LocoConfig, store: FeedbackStore, key: str, stats: Stats
+        self, codec: ShardCodec, config: LocoConfig, store: FeedbackStore, key: str, stats: Stats,
+        rank: int = 0,
     ) -> None:
+        self.rank = rank
         self.codec = codec
         self.config = config
         self.store = store
@@ -56,9 +59,11 @@ class CallCompressor:
         if error_dtype:
             numel = source.rows * self.codec.padded(source.m)
             state, uses = self.store.take(key, numel, error_dtype, cfg.reset_interval)
+        # stochastic rounding: each rank and stage of a call draws its own random bits
+        stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, cfg.beta, shard_ids,
-            error_dtype,
+            error_dtype, stream,
         )
         self.nonfinite |= any(result.nonfinite)
         if error_dtype:

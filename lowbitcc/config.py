@@ -15,6 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from lowbitcc.kernels.reference import ROUNDINGS
+
 ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
 ERROR_DTYPES = ("int8", "bf16", "fp32")
@@ -41,6 +43,9 @@ class LocoConfig:
         max_keys: the most error states kept per process; the least recently used are dropped.
         codec: codec implementation: "auto" (fused C++ kernels when they build, else the
             reference), "reference" (pure torch) or "cpu" (the kernels, or fail).
+        rounding: "nearest" (half to even) or "stochastic" (unbiased; counter-based random bits,
+            the same on every implementation and reproducible from ``seed``).
+        seed: seed of stochastic rounding's random stream (an integer in [0, 2**32)).
     """
 
     bits: int = 4
@@ -54,6 +59,8 @@ class LocoConfig:
     check: bool = True
     max_keys: int = 4096
     codec: str = "auto"
+    rounding: str = "nearest"
+    seed: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -94,6 +101,10 @@ class LocoConfig:
             raise bad("max_keys", "an integer >= 1")
         if self.codec not in CODECS:
             raise bad("codec", "one of " + ", ".join(CODECS))
+        if self.rounding not in ROUNDINGS:
+            raise bad("rounding", "one of " + ", ".join(ROUNDINGS))
+        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
+            raise bad("seed", "an integer in [0, 2**32)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LocoConfig:

@@ -373,9 +373,9 @@ class LocoProcessGroup(dist.ProcessGroup):
             codec = ShardCodec(
                 bits=cfg.bits, group_size=cfg.group_size, dtype_code=wire.DTYPE_CODES[source.dtype],
                 seq=seq, world=n, signature=wire.call_signature(collective, numel, source.dtype),
-                impl=self._codec_impl,
+                impl=self._codec_impl, rounding=cfg.rounding, seed=cfg.seed,
             )
-            comp = CallCompressor(codec, cfg, FEEDBACK, key, STATS)
+            comp = CallCompressor(codec, cfg, FEEDBACK, key, STATS, rank=self.rank())
             flat = source.detach().reshape(-1).contiguous()
             run(Source(flat, n, m, factor), comp)
             comp.finish()

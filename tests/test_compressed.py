@@ -188,3 +188,30 @@ def test_error_feedback_tracks_cumulative_sum(world, collective):
     for gaps in run_ranks(_feedback_tracking, world, collective):
         assert gaps["loco"] * 5 <= gaps["none"], gaps
         assert gaps["ef"] * 5 <= gaps["none"], gaps
+
+
+def _stochastic_all_reduce(rank, world, gloo):
+    q = 7
+    x = _input(rank, 100003, torch.float32, salt=5)
+    out = x.clone()
+    with lowbitcc.compressed(), lowbitcc.feedback_key("stochastic"):
+        dist.all_reduce(out)
+    ref = x.double()
+    dist.all_reduce(ref, group=gloo)
+    amax = _group_amax(x.double(), world, 128)
+    dist.all_reduce(amax, group=gloo)
+    # stochastic rounding errs by less than one step (not half) in each of the two stages
+    bound = 2 * amax / q * 1.01 + 1e-6
+    err = (out.double() - ref).abs()
+    nearest_group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(feedback=False))
+    nearest = x.clone()
+    with lowbitcc.compressed():
+        dist.all_reduce(nearest, group=nearest_group)
+    return {"identical": _identical_everywhere(out, gloo), "within_bound": bool((err <= bound).all()),
+            "rel": float(err.norm() / ref.norm()), "differs_from_nearest": not torch.equal(out, nearest)}
+
+
+def test_stochastic_rounding_all_reduce_identical_and_bounded():
+    for r in run_ranks(_stochastic_all_reduce, 3, env={"LOCO_ROUNDING": "stochastic", "LOCO_SEED": "17"}):
+        assert r["identical"] and r["within_bound"] and r["differs_from_nearest"], r
+        assert r["rel"] < 0.4, r

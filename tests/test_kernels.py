@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU codec co
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _codecs(bits, group):
-    args = dict(bits=bits, group_size=group, dtype_code=0, seq=3, world=4, signature=11)
+def _codecs(bits, group, rounding="nearest", seed=0):
+    args = dict(bits=bits, group_size=group, dtype_code=0, seq=3, world=4, signature=11,
+                rounding=rounding, seed=seed)
     return ShardCodec(impl="reference", **args), ShardCodec(impl="cpu", **args)
 
 
@@ -37,25 +38,27 @@ def _same_state(a: ErrorState | None, b: ErrorState | None) -> bool:
     with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
     factor=st.sampled_from([1.0, 0.25, 1 / 3]), short=st.integers(0, 3),
     poison=st.sampled_from([None, "nan", "inf"]), seed=st.integers(0, 2**31 - 1),
+    rounding=st.sampled_from(["nearest", "stochastic"]), stream=st.integers(0, 2**32 - 1),
 )
 @settings(max_examples=300, deadline=None)
 def test_cpu_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_dtype,
-                                             with_state, beta, factor, short, poison, seed):
+                                             with_state, beta, factor, short, poison, seed,
+                                             rounding, stream):
     gen = torch.Generator().manual_seed(seed)
     numel = max(1, rows * m - short * (m // 2))  # the last row may be partly past the end
     x = (torch.randn(numel, generator=gen) * 3).to(dtype)
     if poison is not None:
         x[int(torch.randint(numel, (1,), generator=gen))] = float(poison)
-    ref, ker = _codecs(bits, group)
+    ref, ker = _codecs(bits, group, rounding, seed)
     state = None
     if error_dtype and with_state:
         state = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
                                   error_dtype, group)
     shards = list(range(rows))
     a = ref.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
-                   error_dtype)
+                   error_dtype, stream)
     b = ker.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
-                   error_dtype)
+                   error_dtype, stream)
     assert torch.equal(a.messages, b.messages)
     assert a.nonfinite == b.nonfinite
     if not any(a.nonfinite):
@@ -74,3 +77,63 @@ def test_cpu_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_
         nan_a, nan_b = torch.isnan(out_a), torch.isnan(out_b)
         assert torch.equal(nan_a, nan_b)
         assert torch.equal(out_a[~nan_a].view(torch.uint8), out_b[~nan_b].view(torch.uint8))
+
+
+def test_mix32_matches_known_values_and_int64_tensor_form():
+    """The Python-int and int64-tensor forms of the hash agree, and stay below 2**32."""
+    from lowbitcc.kernels import reference
+
+    xs = [0, 1, 2, 0xDEADBEEF, 2**32 - 1, 123456789]
+    as_tensor = reference.mix32(torch.tensor(xs, dtype=torch.int64)).tolist()
+    assert as_tensor == [reference.mix32(x) for x in xs]
+    assert all(0 <= v < 2**32 for v in as_tensor)
+    assert len(set(as_tensor)) == len(xs)
+
+
+def test_uniform24_is_uniform_and_keyed():
+    from lowbitcc.kernels import reference
+
+    u = reference.uniform24(1 << 20, *reference.stream_keys(0, 1, 0))
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert float(u.mean()) == pytest.approx(0.5, abs=2e-3)
+    hist = torch.histc(u, bins=16, min=0.0, max=1.0) / u.numel()
+    assert torch.allclose(hist, torch.full_like(hist, 1 / 16), atol=2e-3)
+    other_seq = reference.uniform24(1 << 20, *reference.stream_keys(0, 2, 0))
+    other_stream = reference.uniform24(1 << 20, *reference.stream_keys(0, 1, 1))
+    other_seed = reference.uniform24(1 << 20, *reference.stream_keys(7, 1, 0))
+    for v in (other_seq, other_stream, other_seed):
+        assert abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < 5e-3
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_stochastic_rounding_is_unbiased_where_nearest_is_not(impl):
+    """A constant between two code levels: nearest always rounds the same way, stochastic
+    rounding's mean over many calls (different sequence numbers) converges to the value."""
+    G, bits = 128, 4
+    x = torch.full((G,), 0.3)
+    x[0] = 7.0  # amax 7 -> scale 1, so 0.3 sits between codes 0 and 1
+    means = {}
+    for rounding in ("nearest", "stochastic"):
+        total = torch.zeros(G)
+        calls = 200
+        for seq in range(calls):
+            codec = ShardCodec(bits=bits, group_size=G, dtype_code=0, seq=seq, world=1,
+                               signature=0, impl=impl, rounding=rounding, seed=5)
+            res = codec.encode(x, 1, G, 1.0, None, 0.0, [0], None)
+            out = torch.empty(G)
+            codec.decode_into(res.messages, G, [0], out)
+            total += out
+        means[rounding] = float((total[1:] / calls).mean())
+    assert means["nearest"] == 0.0
+    assert means["stochastic"] == pytest.approx(0.3, abs=0.01)
+
+
+def test_stochastic_rounding_reproducible_from_seed():
+    x = torch.randn(1000)
+    out = []
+    for seed in (1, 1, 2):
+        codec = ShardCodec(bits=4, group_size=128, dtype_code=0, seq=9, world=1, signature=0,
+                           impl="cpu", rounding="stochastic", seed=seed)
+        out.append(codec.encode(x, 1, 1000, 1.0, None, 0.0, [0], None).messages)
+    assert torch.equal(out[0], out[1])
+    assert not torch.equal(out[0], out[2])

@@ -52,6 +52,29 @@ class ShardCodec:
     world: int
     signature: int
     impl: str = "reference"
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rounding not in reference.ROUNDINGS:
+            raise ValueError(f"rounding must be one of {reference.ROUNDINGS}, got {self.rounding!r}")
+
+    def keys(self, stream: int) -> tuple[int, int] | None:
+        """Random-stream keys of an encode by ``stream`` in this call (None: nearest rounding)."""
+        if self.rounding == "nearest":
+            return None
+        return reference.stream_keys(self.seed, self.seq, stream)
+
+    def impl_for(self, tensor: torch.Tensor) -> str:
+        """The implementation that runs for ``tensor``'s device: CUDA tensors use the CUDA
+        kernels when CuPy sees a GPU and the group fits a warp, else the reference; CPU tensors
+        use ``impl``."""
+        if tensor.device.type == "cuda":
+            from lowbitcc.kernels import cuda
+
+            usable = cuda.available() and self.group_size <= cuda.MAX_GROUP
+            return "cuda" if usable and self.impl != "reference" else "reference"
+        return self.impl
 
     def padded(self, m: int) -> int:
         return wire.ngroups(m, self.group_size) * self.group_size
@@ -70,39 +93,49 @@ class ShardCodec:
         beta: float,
         shard_ids: list[int],
         error_dtype: str | None,
+        stream: int = 0,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
         ``error`` is the state to apply (None: zero); ``error_dtype`` the storage of the new
         state (None: feedback off, no state kept). ``error`` is consumed: the kernels update it
-        in place. ``shard_ids[i]`` is the shard index written into row ``i``'s header.
+        in place. ``shard_ids[i]`` is the shard index written into row ``i``'s header. ``stream``
+        selects the random bits of stochastic rounding: encodes of one call that must draw
+        independent bits (other ranks, other stages) pass different streams.
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
-        if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)):
+        if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)
+                                  or error.device != source.device):
             error = None
-        messages = torch.zeros(rows, self.message_bytes(m), dtype=torch.uint8)
-        if self.impl == "cpu":
-            result = self._encode_cpu(source, rows, m, factor, error, beta, error_dtype, messages)
+        messages = torch.zeros(rows, self.message_bytes(m), dtype=torch.uint8, device=source.device)
+        keys = self.keys(stream)
+        impl = self.impl_for(source)
+        if impl == "cuda":
+            result = self._encode_cuda(source, rows, m, factor, error, beta, error_dtype, messages,
+                                       keys)
+        elif impl == "cpu":
+            result = self._encode_cpu(source, rows, m, factor, error, beta, error_dtype, messages,
+                                      keys)
         else:
             result = self._encode_reference(source, rows, m, factor, error, beta, error_dtype,
-                                            messages)
+                                            messages, keys)
         self._write_headers(result.messages, m, shard_ids, result.nonfinite)
         return result
 
-    def _encode_reference(self, source, rows, m, factor, error, beta, error_dtype, messages):
+    def _encode_reference(self, source, rows, m, factor, error, beta, error_dtype, messages, keys):
         mp = self.padded(m)
-        g = torch.zeros(rows * m, dtype=torch.float32)
+        g = torch.zeros(rows * m, dtype=torch.float32, device=source.device)
         n = min(source.numel(), rows * m)
         g[:n] = source[:n].to(torch.float32)
         if factor != 1.0:
             g = g * factor
-        y = torch.zeros(rows, mp, dtype=torch.float32)
+        y = torch.zeros(rows, mp, dtype=torch.float32, device=source.device)
         y[:, :m] = g.view(rows, m)
         groups = y.view(-1, self.group_size)
         e = None if error is None else error.decode().view(-1, self.group_size)
         codes, scales, new_e, residual = reference.compensate_quantize(
-            groups, e, self.bits, beta if error_dtype else 0.0
+            groups, e, self.bits, beta if error_dtype else 0.0, keys
         )
         ng = mp // self.group_size
         start = wire.HEADER_BYTES + 4 * ng
@@ -120,7 +153,7 @@ class ShardCodec:
             input_sq=float(compensated[group_finite].double().square().sum()),
         )
 
-    def _encode_cpu(self, source, rows, m, factor, error, beta, error_dtype, messages):
+    def _encode_cpu(self, source, rows, m, factor, error, beta, error_dtype, messages, keys):
         from lowbitcc.kernels import cpu
 
         kernels = cpu.load()
@@ -136,28 +169,51 @@ class ShardCodec:
             state.data if state is not None and error_dtype == "int8" else empty,
             state.scales if state is not None and error_dtype == "int8" else empty,
             state.data if state is not None and error_dtype != "int8" else empty,
-            float(beta), self.bits, self.group_size, torch.get_num_threads(),
+            float(beta), self.bits, self.group_size, 0 if keys is None else 1,
+            *(keys or (0, 0)), torch.get_num_threads(),
         )
         return EncodeResult(messages, state, [bool(v) for v in nonfinite.tolist()],
                             residual_sq, input_sq)
 
+    def _encode_cuda(self, source, rows, m, factor, error, beta, error_dtype, messages, keys):
+        from lowbitcc.kernels import cuda
+
+        state = error if error is not None else (
+            ErrorState.zeros(rows * self.padded(m), error_dtype, self.group_size, source.device)
+            if error_dtype else None
+        )
+        int8 = state is not None and error_dtype == "int8"
+        nonfinite, residual_sq, input_sq = cuda.encode(
+            source, rows, m, factor, messages, ERROR_MODES[error_dtype], error is not None,
+            state.data if int8 else None, state.scales if int8 else None,
+            state.data if state is not None and not int8 else None,
+            beta, self.bits, self.group_size, keys,
+        )
+        return EncodeResult(messages, state, nonfinite, residual_sq, input_sq)
+
     def _write_headers(self, messages, m, shard_ids, nonfinite) -> None:
-        for i, shard in enumerate(shard_ids):
-            header = wire.ShardHeader(
+        raw = b"".join(
+            wire.ShardHeader(
                 bits=self.bits, dtype_code=self.dtype_code,
                 flags=wire.FLAG_NONFINITE if nonfinite[i] else 0,
                 group_size=self.group_size, numel=m, seq=self.seq, shard=shard,
                 world=self.world, signature=self.signature,
-            )
-            messages[i, :wire.HEADER_BYTES] = torch.frombuffer(
-                bytearray(header.pack()), dtype=torch.uint8
-            )
+            ).pack()
+            for i, shard in enumerate(shard_ids)
+        )
+        headers = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(shard_ids), -1)
+        messages[:, :wire.HEADER_BYTES] = headers.to(messages.device)
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int) -> tuple[torch.Tensor, bool]:
         """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``."""
         nonfinite = self.check(messages, m, [shard] * messages.shape[0])
-        if self.impl == "cpu":
+        impl = self.impl_for(messages)
+        if impl == "cuda":
+            from lowbitcc.kernels import cuda
+
+            return cuda.decode_sum(messages, m, self.bits, self.group_size), nonfinite
+        if impl == "cpu":
             from lowbitcc.kernels import cpu
 
             total = cpu.load().decode_sum(messages, m, self.bits, self.group_size,
@@ -175,7 +231,14 @@ class ShardCodec:
         nonfinite = self.check(messages, m, shard_ids)
         if out.numel() > messages.shape[0] * m or not out.is_contiguous():
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
-        if self.impl == "cpu":
+        if out.device != messages.device:
+            raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
+        impl = self.impl_for(messages)
+        if impl == "cuda":
+            from lowbitcc.kernels import cuda
+
+            cuda.decode_into(messages, m, self.bits, self.group_size, out)
+        elif impl == "cpu":
             from lowbitcc.kernels import cpu
 
             cpu.load().decode_into(messages, m, self.bits, self.group_size, out,
@@ -208,7 +271,7 @@ class ShardCodec:
                 f"got {tuple(messages.shape)}"
             )
         nonfinite = False
-        raw = messages[:, :wire.HEADER_BYTES].numpy().tobytes()
+        raw = messages[:, :wire.HEADER_BYTES].cpu().numpy().tobytes()
         for i, shard in enumerate(shard_ids):
             h = wire.ShardHeader.unpack(raw[i * wire.HEADER_BYTES:(i + 1) * wire.HEADER_BYTES])
             problems = [

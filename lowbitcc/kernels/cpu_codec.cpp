@@ -34,9 +34,14 @@ struct EncodeArgs {
   at::BFloat16* ebf16;
   float beta, omb;
   int G;
+  bool stochastic;  // stochastic rounding with keys k0, k1 (loco::uniform24)
+  uint32_t k0, k1;
 };
 
 constexpr int kLanes = 8;  // G is a multiple of 8
+// The default group size, compiled with G known so that the per-group loops have no tails.
+constexpr int kFastGroup = 128;
+constexpr int kStatLanes = 16;  // lanes of the statistics sums (one AVX-512 register)
 
 // max |v| over v[0..G), or NaN if any v is NaN or +-Inf (the group is then non-finite).
 // On the bit patterns with the sign cleared, unsigned order is the order of |v| for finite
@@ -71,35 +76,91 @@ inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
   }
 }
 
+// The LoCo update of loco::update_error, as a compile-time case so the quantize loop has no
+// branch: nothing kept (feedback off), e' = r (beta 0), e' = r * (1 - beta) (no state applied),
+// e' = e * beta + r * (1 - beta).
+enum Update : int { kKeepNothing = 0, kKeepResidual = 1, kDampResidual = 2, kBlend = 3 };
+
+// Quantizes the G compensated values y of a finite group into codes, writes the residuals to r
+// and replaces e by the new error (per UPDATE). Adds the squared residual and the squared y, per
+// lane, to rs and is (statistics only: their summation order differs from the reference's).
+template <bool SR, int UPDATE>
+inline void quantize_group(const float* __restrict y, float* __restrict e, float* __restrict r,
+                           int8_t* __restrict codes, int G, const loco::GroupScale& s, float qf,
+                           const EncodeArgs& a, int64_t off, double* rs, double* is) {
+  const float inv = s.inv, scale = s.scale, beta = a.beta, omb = a.omb;
+  const uint32_t k0 = a.k0, k1 = a.k1, base = (uint32_t)off;
+#pragma omp simd
+  for (int j = 0; j < G; ++j) {
+    const float v = y[j];
+    const float t = SR ? loco::code_stochastic(v, inv, loco::uniform24(base + (uint32_t)j, k0, k1), qf)
+                       : loco::code_nearest(v, inv, qf);
+    codes[j] = (int8_t)t;
+    const float res = v - t * scale;  // t * scale == dequantize_one(code, scale)
+    r[j] = res;
+    if (UPDATE == kKeepResidual) e[j] = res;
+    if (UPDATE == kDampResidual) e[j] = res * omb;
+    if (UPDATE == kBlend) e[j] = e[j] * beta + res * omb;
+  }
+  float r2[kStatLanes] = {0.0f}, y2[kStatLanes] = {0.0f};
+  int j = 0;
+  for (; j + kStatLanes <= G; j += kStatLanes)
+    for (int k = 0; k < kStatLanes; ++k) {
+      r2[k] += r[j + k] * r[j + k];
+      y2[k] += y[j + k] * y[j + k];
+    }
+  for (int k = 0; j + k < G; ++k) {
+    r2[k] += r[j + k] * r[j + k];
+    y2[k] += y[j + k] * y[j + k];
+  }
+  for (int k = 0; k < kStatLanes; ++k) {
+    rs[k] += r2[k];
+    is[k] += y2[k];
+  }
+}
+
 // Encodes group gi of the source; returns false if the group is non-finite.
-// Scratch buffers y, e (G floats) and codes (G int8) belong to the calling thread.
-template <typename T, int BITS, int MODE>
-bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e,
-                  int8_t* codes, double& res_sq, double& in_sq) {
-  const int G = a.G;
+// Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
+// runs over whole groups in chunks of kLanes with no data-dependent branch, so it vectorizes.
+template <typename T, int BITS, int MODE, bool SR, int GS>
+bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e, float* r,
+                  int8_t* codes, double* res_sq, double* in_sq) {
+  const int G = GS ? GS : a.G;
   const int64_t row = gi / a.ng, gcol = gi % a.ng;
   const int64_t col0 = gcol * G;
   const int64_t limit = std::min<int64_t>(G, std::max<int64_t>(0, a.m - col0));
   const int64_t base = row * a.m + col0;
   const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
   const T* x = src + base;
-  if (a.scale_input) {
-    for (int64_t j = 0; j < valid; ++j) y[j] = static_cast<float>(x[j]) * a.factor;
-  } else {
-    for (int64_t j = 0; j < valid; ++j) y[j] = static_cast<float>(x[j]);
-  }
-  for (int64_t j = valid; j < G; ++j) y[j] = 0.0f;
   const int64_t off = gi * G;
-  if (MODE != kNoError && a.has_error) {
+  const bool with_error = MODE != kNoError && a.has_error;
+  if (valid == G) {
+    if (a.scale_input) {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) y[j] = static_cast<float>(x[j]) * a.factor;
+    } else {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) y[j] = static_cast<float>(x[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < valid; ++j)
+      y[j] = a.scale_input ? static_cast<float>(x[j]) * a.factor : static_cast<float>(x[j]);
+    for (int64_t j = valid; j < G; ++j) y[j] = 0.0f;
+  }
+  if (with_error) {
     if (MODE == kInt8) {
       const float s = a.escales[gi];
       const int8_t* c = a.ecodes + off;
+#pragma omp simd
       for (int j = 0; j < G; ++j) e[j] = loco::dequantize_one(c[j], s);
     } else if (MODE == kFp32) {
+#pragma omp simd
       for (int j = 0; j < G; ++j) e[j] = a.ef32[off + j];
     } else {
+#pragma omp simd
       for (int j = 0; j < G; ++j) e[j] = static_cast<float>(a.ebf16[off + j]);
     }
+#pragma omp simd
     for (int j = 0; j < G; ++j) y[j] = y[j] + e[j];
   }
   const loco::GroupScale s = loco::group_scale(group_amax(y, G), loco::qmax(BITS));
@@ -107,76 +168,90 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
   uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + col0 * BITS / 8;
   if (!s.finite) {
+#pragma omp simd
     for (int j = 0; j < G; ++j) codes[j] = 0;
     pack_codes<BITS>(codes, G, packed);
     return false;
   }
   const float qf = (float)loco::qmax(BITS);
-  for (int j = 0; j < G; ++j) codes[j] = (int8_t)loco::quantize_finite(y[j], s.inv, qf);
+  const int update = MODE == kNoError ? kKeepNothing
+                     : a.beta == 0.0f  ? kKeepResidual
+                     : with_error      ? kBlend
+                                       : kDampResidual;
+  switch (update) {
+    case kKeepNothing: quantize_group<SR, kKeepNothing>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    case kKeepResidual: quantize_group<SR, kKeepResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    case kDampResidual: quantize_group<SR, kDampResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    default: quantize_group<SR, kBlend>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq);
+  }
   pack_codes<BITS>(codes, G, packed);
-
-  // statistics only: lane sums (their order differs from the reference's, which is allowed)
-  float rs[kLanes] = {0.0f}, is[kLanes] = {0.0f};
-  for (int j = 0; j < G; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) {
-      const float r = y[j + k] - loco::dequantize_one(codes[j + k], s.scale);
-      rs[k] += r * r;
-      is[k] += y[j + k] * y[j + k];
-    }
-  for (int k = 0; k < kLanes; ++k) {
-    res_sq += rs[k];
-    in_sq += is[k];
-  }
-  if (MODE != kNoError) {
-    for (int j = 0; j < G; ++j) {
-      const float r = y[j] - loco::dequantize_one(codes[j], s.scale);
-      e[j] = loco::update_error(a.has_error ? e[j] : 0.0f, r, a.beta, a.omb, a.has_error);
-    }
-  }
-  const float eamax = MODE == kNoError ? 0.0f : group_amax(e, G);
   if (MODE == kInt8) {
-    const loco::GroupScale es = loco::group_scale(eamax, 127);
+    const loco::GroupScale es = loco::group_scale(group_amax(e, G), 127);
     int8_t* c = a.ecodes + off;
     if (es.finite) {
-      for (int j = 0; j < G; ++j) c[j] = (int8_t)loco::quantize_finite(e[j], es.inv, 127.0f);
+#pragma omp simd
+      for (int j = 0; j < G; ++j) c[j] = (int8_t)loco::code_nearest(e[j], es.inv, 127.0f);
     } else {
+#pragma omp simd
       for (int j = 0; j < G; ++j) c[j] = 0;
     }
     a.escales[gi] = es.scale;
   } else if (MODE == kFp32) {
+#pragma omp simd
     for (int j = 0; j < G; ++j) a.ef32[off + j] = e[j];
   } else if (MODE == kBf16) {
+#pragma omp simd
     for (int j = 0; j < G; ++j) a.ebf16[off + j] = at::BFloat16(e[j]);
   }
   return true;
 }
 
-template <typename T, int BITS, int MODE>
+template <typename T, int BITS, int MODE, bool SR>
 void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq, double& in_sq,
                 int threads) {
   const int64_t groups = a.rows * a.ng;
   double rs = 0.0, is = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : rs, is)
   {
-    std::vector<float> y(a.G), e(a.G);
+    std::vector<float> y(a.G), e(a.G), r(a.G);
     std::vector<int8_t> codes(a.G);
+    double lane_rs[kStatLanes] = {0.0}, lane_is[kStatLanes] = {0.0};
+    if (a.G == kFastGroup) {
 #pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < groups; ++gi)
-      bad[gi] = !encode_group<T, BITS, MODE>(src, a, gi, y.data(), e.data(), codes.data(), rs, is);
+      for (int64_t gi = 0; gi < groups; ++gi)
+        bad[gi] = !encode_group<T, BITS, MODE, SR, kFastGroup>(
+            src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        bad[gi] = !encode_group<T, BITS, MODE, SR, 0>(
+            src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
+    }
+    for (int k = 0; k < kStatLanes; ++k) {
+      rs += lane_rs[k];
+      is += lane_is[k];
+    }
   }
   res_sq = rs;
   in_sq = is;
 }
 
+template <typename T, int BITS, bool SR>
+void encode_mode(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
+                 double& is, int threads) {
+  switch (mode) {
+    case kNoError: return encode_all<T, BITS, kNoError, SR>(src, a, bad, rs, is, threads);
+    case kInt8: return encode_all<T, BITS, kInt8, SR>(src, a, bad, rs, is, threads);
+    case kFp32: return encode_all<T, BITS, kFp32, SR>(src, a, bad, rs, is, threads);
+    default: return encode_all<T, BITS, kBf16, SR>(src, a, bad, rs, is, threads);
+  }
+}
+
 template <typename T, int BITS>
 void encode_bits(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
                  double& is, int threads) {
-  switch (mode) {
-    case kNoError: return encode_all<T, BITS, kNoError>(src, a, bad, rs, is, threads);
-    case kInt8: return encode_all<T, BITS, kInt8>(src, a, bad, rs, is, threads);
-    case kFp32: return encode_all<T, BITS, kFp32>(src, a, bad, rs, is, threads);
-    default: return encode_all<T, BITS, kBf16>(src, a, bad, rs, is, threads);
-  }
+  if (a.stochastic) return encode_mode<T, BITS, true>(src, a, mode, bad, rs, is, threads);
+  return encode_mode<T, BITS, false>(src, a, mode, bad, rs, is, threads);
 }
 
 template <typename T>
@@ -184,7 +259,8 @@ std::vector<double> encode_typed(const torch::Tensor& source, int64_t rows, int6
                                  double factor, torch::Tensor& messages, torch::Tensor& nonfinite,
                                  int64_t mode, bool has_error, torch::Tensor& ecodes,
                                  torch::Tensor& escales, torch::Tensor& eflt, double beta,
-                                 int64_t bits, int64_t G, int threads) {
+                                 int64_t bits, int64_t G, int64_t rounding, int64_t k0,
+                                 int64_t k1, int threads) {
   EncodeArgs a;
   a.numel = source.numel();
   a.rows = rows;
@@ -202,6 +278,9 @@ std::vector<double> encode_typed(const torch::Tensor& source, int64_t rows, int6
   a.beta = (float)beta;
   a.omb = (float)(1.0 - beta);
   a.G = (int)G;
+  a.stochastic = rounding == 1;
+  a.k0 = (uint32_t)k0;
+  a.k1 = (uint32_t)k1;
   std::vector<uint8_t> bad(rows * a.ng, 0);
   double res_sq = 0.0, in_sq = 0.0;
   const T* src = source.data_ptr<T>();
@@ -219,25 +298,26 @@ std::vector<double> encode(const torch::Tensor& source, int64_t rows, int64_t m,
                            torch::Tensor messages, torch::Tensor nonfinite, int64_t mode,
                            bool has_error, torch::Tensor ecodes, torch::Tensor escales,
                            torch::Tensor eflt, double beta, int64_t bits, int64_t G,
-                           int64_t threads) {
+                           int64_t rounding, int64_t k0, int64_t k1, int64_t threads) {
   TORCH_CHECK(source.is_contiguous() && source.device().is_cpu(), "source must be contiguous CPU");
   TORCH_CHECK(messages.dim() == 2 && messages.size(0) == rows && messages.is_contiguous(),
               "messages must be a contiguous [rows, P] uint8 tensor");
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
   TORCH_CHECK(G > 0 && G % 8 == 0, "group size must be a positive multiple of 8");
+  TORCH_CHECK(rounding == 0 || rounding == 1, "rounding must be 0 (nearest) or 1 (stochastic)");
   const int64_t ng = (m + G - 1) / G;
   TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + 4 * ng + ng * G * bits / 8,
               "message rows too short");
   switch (source.scalar_type()) {
     case at::kFloat:
       return encode_typed<float>(source, rows, m, factor, messages, nonfinite, mode, has_error,
-                                 ecodes, escales, eflt, beta, bits, G, (int)threads);
+                                 ecodes, escales, eflt, beta, bits, G, rounding, k0, k1, (int)threads);
     case at::kBFloat16:
       return encode_typed<at::BFloat16>(source, rows, m, factor, messages, nonfinite, mode,
-                                        has_error, ecodes, escales, eflt, beta, bits, G, (int)threads);
+                                        has_error, ecodes, escales, eflt, beta, bits, G, rounding, k0, k1, (int)threads);
     case at::kHalf:
       return encode_typed<at::Half>(source, rows, m, factor, messages, nonfinite, mode, has_error,
-                                    ecodes, escales, eflt, beta, bits, G, (int)threads);
+                                    ecodes, escales, eflt, beta, bits, G, rounding, k0, k1, (int)threads);
     default:
       TORCH_CHECK(false, "source dtype must be float32, bfloat16 or float16");
   }

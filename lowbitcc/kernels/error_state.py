@@ -46,9 +46,15 @@ class ErrorState:
         return cls(dtype, e.reshape(-1).to(STORAGE[dtype]).clone(), None, group_size)
 
     @classmethod
-    def zeros(cls, numel: int, dtype: str, group_size: int) -> ErrorState:
-        scales = torch.zeros(numel // group_size) if dtype == "int8" else None
-        return cls(dtype, torch.zeros(numel, dtype=STORAGE[dtype]), scales, group_size)
+    def zeros(cls, numel: int, dtype: str, group_size: int,
+              device: torch.device | str = "cpu") -> ErrorState:
+        scales = torch.zeros(numel // group_size, device=device) if dtype == "int8" else None
+        return cls(dtype, torch.zeros(numel, dtype=STORAGE[dtype], device=device), scales,
+                   group_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
 
     def clone(self) -> ErrorState:
         return ErrorState(self.dtype, self.data.clone(),

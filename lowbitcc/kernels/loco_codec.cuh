@@ -6,7 +6,11 @@
 // operation below is one correctly rounded IEEE fp32 operation, as in the reference.
 #pragma once
 
+#if defined(__CUDACC_RTC__)
+typedef unsigned int uint32_t;  // NVRTC has no <stdint.h>
+#else
 #include <stdint.h>
+#endif
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define LOCO_HD __host__ __device__ __forceinline__
@@ -68,6 +72,40 @@ LOCO_HD int quantize_finite(float y, float inv, float qf) {
 
 LOCO_HD int quantize_one(float y, float inv, int q, bool group_finite) {
   return group_finite ? quantize_finite(y, inv, (float)q) : 0;
+}
+
+// Clamped code as a float, nearest (half to even) or stochastic rounding: t = y * inv rounded to
+// fp32 first, then floor(t + u) with u uniform in [0, 1) from `uniform24`.
+LOCO_HD float code_nearest(float y, float inv, float qf) {
+  float t = rintf(y * inv);
+  t = t > qf ? qf : t;
+  return t < -qf ? -qf : t;
+}
+
+LOCO_HD float code_stochastic(float y, float inv, float u, float qf) {
+  float t = y * inv;
+  t = floorf(t + u);
+  t = t > qf ? qf : t;
+  return t < -qf ? -qf : t;
+}
+
+// Counter-based random bits for stochastic rounding: a 32-bit integer hash (two xor-shift-multiply
+// rounds; multipliers below 2^31 so the pure-torch reference can evaluate it in int64 without
+// overflow). Element i of a call draws mix32(mix32(i ^ k0) ^ k1); (k0, k1) come from the seed,
+// the call's sequence number and the stream (see reference.stream_keys).
+LOCO_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x1b873593u;
+  x ^= x >> 16;
+  return x;
+}
+
+// Uniform in [0, 1) with 24 random bits: exact in fp32.
+LOCO_HD float uniform24(uint32_t index, uint32_t k0, uint32_t k1) {
+  const uint32_t h = mix32(mix32(index ^ k0) ^ k1);
+  return (float)(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
 }
 
 LOCO_HD float dequantize_one(int code, float scale) { return (float)code * scale; }

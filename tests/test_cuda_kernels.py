@@ -1,0 +1,118 @@
+"""CUDA codec kernels: they compile without local-memory spills for sm_80 and sm_90 (nvcc, and
+NVRTC through CuPy), and on a GPU they produce the reference's bytes, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbitcc.kernels import cuda
+from lowbitcc.kernels.codec import ShardCodec
+from lowbitcc.kernels.error_state import ErrorState
+
+ARCHS = ("80", "90")
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found = shutil.which("nvcc") or str(Path(home) / "bin" / "nvcc")
+    return found if Path(found).exists() else None
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    cmd = [_nvcc(), "-std=c++17", "--fmad=false", "-DLOCO_INSTANTIATE_ALL",
+           f"-I{cuda.HERE}", *gencode, "--fatbin", "-Xptxas", "-v", "--threads", "2",
+           "-o", str(tmp_path / "codec.fatbin"), str(cuda.SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert "warning" not in log.lower(), log[-4000:]
+    for arch in ARCHS:
+        entries = re.findall(rf"Compiling entry function '(\w+)' for 'sm_{arch}'", log)
+        # every instance the launcher can ask for is built
+        assert len(entries) == len(cuda.name_expressions()), (arch, len(entries))
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stacks = re.findall(r"(\d+) bytes stack frame", log)
+    assert len(spills) == len(cuda.name_expressions()) * len(ARCHS)
+    assert all(s == ("0", "0") for s in spills), "local-memory spills"
+    assert all(s == "0" for s in stacks), "stack frames (local memory)"
+
+
+def _cupy_or_skip():
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pytest.skip("CuPy is not installed (pip install lowbitcc[cuda])")
+    if not cuda.available():
+        pytest.skip("CuPy sees no GPU")
+
+
+def test_cuda_sources_compile_with_nvrtc():
+    _cupy_or_skip()
+    module = cuda.module()
+    for name in cuda.name_expressions():
+        assert module.get_function(name) is not None
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@given(
+    rows=st.integers(1, 4), m=st.integers(1, 2500), bits=st.sampled_from([2, 4, 8]),
+    group=st.sampled_from([8, 32, 128, 256]), dtype=st.sampled_from(DTYPES),
+    error_dtype=st.sampled_from([None, "int8", "fp32", "bf16"]),
+    with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
+    factor=st.sampled_from([1.0, 0.25, 1 / 3]), poison=st.sampled_from([None, "nan", "inf"]),
+    seed=st.integers(0, 2**31 - 1), rounding=st.sampled_from(["nearest", "stochastic"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_cuda_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_dtype,
+                                              with_state, beta, factor, poison, seed, rounding):
+    _cupy_or_skip()
+    gen = torch.Generator().manual_seed(seed)
+    numel = rows * m - (m // 3)
+    x = (torch.randn(max(numel, 1), generator=gen) * 3).to(dtype)
+    if poison is not None:
+        x[int(torch.randint(x.numel(), (1,), generator=gen))] = float(poison)
+    args = dict(bits=bits, group_size=group, dtype_code=0, seq=5, world=4, signature=3,
+                rounding=rounding, seed=seed)
+    ref, ker = ShardCodec(impl="reference", **args), ShardCodec(impl="auto", **args)
+    state = None
+    if error_dtype and with_state:
+        state = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
+                                  error_dtype, group)
+    shards = list(range(rows))
+    a = ref.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
+                   error_dtype, 77)
+    gpu_state = None if state is None else ErrorState(
+        state.dtype, state.data.cuda(), None if state.scales is None else state.scales.cuda(),
+        group)
+    b = ker.encode(x.cuda(), rows, m, factor, gpu_state, beta, shards, error_dtype, 77)
+    assert torch.equal(a.messages, b.messages.cpu())
+    assert a.nonfinite == b.nonfinite
+    if not any(a.nonfinite) and a.error is not None:
+        assert torch.equal(a.error.data.view(torch.uint8), b.error.data.cpu().view(torch.uint8))
+        if a.error.scales is not None:
+            assert torch.equal(a.error.scales.view(torch.int32),
+                               b.error.scales.cpu().view(torch.int32))
+    total_a, _ = ref.decode_sum(a.messages, m, 0) if rows == 1 else (None, None)
+    if total_a is not None:
+        total_b, _ = ker.decode_sum(b.messages, m, 0)
+        assert torch.equal(total_a.view(torch.int32), total_b.cpu().view(torch.int32))
+    out_a = torch.empty(x.numel(), dtype=dtype)
+    out_b = torch.empty(x.numel(), dtype=dtype, device="cuda")
+    ref.decode_into(a.messages, m, shards, out_a)
+    ker.decode_into(b.messages, m, shards, out_b)
+    nan = torch.isnan(out_a)
+    assert torch.equal(nan, torch.isnan(out_b.cpu()))
+    assert torch.equal(out_a[~nan].view(torch.uint8), out_b.cpu()[~nan].view(torch.uint8))
