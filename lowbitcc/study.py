@@ -1,0 +1,398 @@
+"""`lowbitcc study`: does LoCo at 4 bits train like full precision, and naive 4-bit not?
+
+Trains a small byte-level GPT on the Python standard library's own source files (present on
+every Python install, nothing downloaded), with DDP on ``world`` local CPU ranks, once per
+variant, with the same seed, initial weights and data order for every variant:
+
+- ``exact``: gloo, fp32 all-reduce (the reference);
+- ``loco4``, ``loco4-ef``, ``loco4-nofb``, ``loco8``, ``loco2``: the "loco" backend at 4 bits
+  with LoCo (beta 0.8), classic error feedback (beta 0), no feedback; 8 and 2 bits with LoCo;
+- ``fp16-hook``: gloo with torch's ``fp16_compress_hook`` (its ``bf16_compress_hook`` refuses
+  CPU tensors), the 16-bit compression users have today;
+- ``powersgd``: gloo with torch's PowerSGD hook (rank 2, exact for the first 10 steps);
+- ``fsdp2-loco4``: FSDP2 (``fully_shard`` per block) over "loco" at 4 bits.
+
+Per variant it records train loss (mean over ranks) every step, validation loss every
+``eval_every`` steps, wall time, and bytes each rank put on the wire for gradients: measured by
+lowbitcc for "loco", and for gloo the bytes a ring all-reduce sends (``2 (n-1)/n`` times the
+payload; PowerSGD's payload computed from its P and Q shapes). Results go to JSON, and to a PNG
+with matplotlib installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+log = logging.getLogger("lowbitcc.study")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One training run: backend, the ``LOCO_*`` settings of the "loco" group, DDP hook, FSDP."""
+
+    name: str
+    backend: str = "gloo"
+    env: tuple[tuple[str, str], ...] = ()
+    hook: str | None = None  # "fp16" or "powersgd"
+    fsdp: bool = False
+
+
+VARIANTS = {
+    v.name: v for v in [
+        Variant("exact"),
+        Variant("loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
+        Variant("loco4-ef", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
+        Variant("loco4-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
+        Variant("loco8", "loco", (("LOCO_BITS", "8"), ("LOCO_BETA", "0.8"))),
+        Variant("loco2", "loco", (("LOCO_BITS", "2"), ("LOCO_BETA", "0.8"))),
+        Variant("fp16-hook", hook="fp16"),
+        Variant("powersgd", hook="powersgd"),
+        Variant("fsdp2-loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")), fsdp=True),
+    ]
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    """Model, data and schedule of a study (defaults: the documented study)."""
+
+    steps: int = 300
+    batch: int = 16  # sequences per rank per step
+    context: int = 64
+    d_model: int = 192
+    layers: int = 4
+    heads: int = 4
+    lr: float = 2e-3
+    warmup: int = 20
+    eval_every: int = 25
+    eval_batches: int = 8
+    corpus_bytes: int = 4 << 20
+    world: int = 2
+
+
+DEFAULT_VARIANTS = list(VARIANTS)
+EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb"]
+# the smoke run of the test suite: a tiny model and little data
+QUICK = {"d_model": 64, "layers": 2, "heads": 2, "batch": 8, "context": 32, "eval_every": 10,
+         "eval_batches": 4, "corpus_bytes": 1 << 20}
+
+
+# ---------------------------------------------------------------------------------------------
+# data and model
+
+
+def corpus(max_bytes: int) -> bytes:
+    """The standard library's ``.py`` files (tests excluded), in sorted path order, concatenated
+    up to ``max_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = bytearray()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in rel:
+            continue
+        try:
+            out += path.read_bytes()
+        except OSError:
+            continue
+        if len(out) >= max_bytes:
+            break
+    if len(out) < 1 << 16:
+        raise RuntimeError(f"lowbitcc study: found only {len(out)} bytes of Python source in {root}")
+    return bytes(out[:max_bytes])
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Byte-level decoder: vocabulary 256, learned positions, pre-norm blocks."""
+
+    def __init__(self, cfg: StudyConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, 256)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def _batch(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, ...]:
+    rows = torch.stack([data[s:s + context + 1] for s in starts.tolist()]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# one variant on one rank
+
+
+def _wire_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float:
+    """Ring all-reduce bytes per rank per step for the gloo variants (analytic)."""
+    ring = 2 * (world - 1) / world
+    if variant.hook == "fp16":
+        return ring * 2 * sum(p.numel() for p in model.parameters())
+    if variant.hook == "powersgd":
+        total = 0
+        for p in model.parameters():
+            if p.dim() >= 2:
+                n, m = p.shape[0], p.numel() // p.shape[0]
+                total += 4 * min(2 * (n + m), n * m)  # P and Q of rank 2, unless larger
+            else:
+                total += 4 * p.numel()
+        return ring * total
+    return ring * 4 * sum(p.numel() for p in model.parameters())
+
+
+def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: int,
+               init_file: str, result_file: str) -> None:
+    for key, value in variant.env:
+        os.environ[key] = value
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    import lowbitcc
+
+    dist.init_process_group(variant.backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        metrics = dist.new_group(backend="gloo")
+        data = torch.frombuffer(bytearray(corpus(cfg.corpus_bytes)), dtype=torch.uint8)
+        split = int(len(data) * 0.9)
+        train, val = data[:split], data[split:]
+        torch.manual_seed(seed)
+        model = TinyGPT(cfg)
+        if variant.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model)
+            if variant.hook == "fp16":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif variant.hook == "powersgd":
+                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10,
+                    random_seed=seed)
+                model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
+            * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+        order = torch.Generator().manual_seed(seed * 1000 + rank)
+        val_gen = torch.Generator().manual_seed(12345)
+        val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)
+                      for _ in range(cfg.eval_batches)]
+        lowbitcc.reset_stats()
+        train_loss: list[float] = []
+        val_loss: list[tuple[int, float]] = []
+        start = time.perf_counter()
+        show = rank == 0 and sys.stderr.isatty()
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False)
+
+        def evaluate(step: int) -> None:
+            model.eval()
+            with torch.no_grad():
+                total = sum(float(_loss(model, *_batch(val, s, cfg.context))) for s in val_starts)
+            model.train()
+            val_loss.append((step, total / len(val_starts)))
+
+        for step in range(cfg.steps):
+            if step % cfg.eval_every == 0:
+                evaluate(step)
+            x, y = _batch(train, torch.randint(split - cfg.context - 1, (cfg.batch,),
+                                               generator=order), cfg.context)
+            loss = _loss(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=metrics)
+            train_loss.append(float(mean) / world)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{train_loss[-1]:.3f}")
+        evaluate(cfg.steps)
+        elapsed = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        inner = model.module if hasattr(model, "module") else model
+        if variant.backend == "loco":
+            s = lowbitcc.stats()
+            wire = (s["compressed"]["wire_bytes"] + s["exact"]["wire_bytes"]) / cfg.steps
+        else:
+            wire = _wire_bytes_per_step(inner, variant, world)
+        params = torch.cat([p.detach().full_tensor().reshape(-1) if hasattr(p, "full_tensor")
+                            else p.detach().reshape(-1) for p in inner.parameters()])
+        if rank == 0:
+            torch.save(params, result_file + ".params")
+            Path(result_file).write_text(json.dumps({
+                "variant": variant.name, "seed": seed, "train_loss": train_loss,
+                "val_loss": val_loss, "seconds": elapsed, "wire_bytes_per_step": wire,
+                "parameters": sum(p.numel() for p in inner.parameters()),
+            }))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_variant(variant: Variant, cfg: StudyConfig, seed: int, workdir: str) -> dict[str, Any]:
+    """Train ``variant`` on ``cfg.world`` fresh local ranks; returns its record (rank 0's)."""
+    init_file = os.path.join(workdir, f"store-{variant.name}-{seed}")
+    result_file = os.path.join(workdir, f"result-{variant.name}-{seed}.json")
+    mp.spawn(_rank_main, args=(cfg.world, variant, cfg, seed, init_file, result_file),
+             nprocs=cfg.world, join=True)
+    record = json.loads(Path(result_file).read_text())
+    record["final_params"] = torch.load(result_file + ".params")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# the study
+
+
+def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | None = None,
+        extra_seed_variants: list[str] | None = None) -> dict[str, Any]:
+    """Run every variant for ``seeds[0]`` and the ``extra_seed_variants`` for every seed.
+
+    Returns ``{"config": ..., "runs": [records], "summary": [...]}``; with ``out_dir``, writes
+    ``study.json`` and (matplotlib permitting) ``study.png`` there."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"lowbitcc study: unknown variants {unknown}; known: {list(VARIANTS)}")
+    plan = [(v, seeds[0]) for v in variants]
+    for seed in seeds[1:]:
+        plan += [(v, seed) for v in (extra_seed_variants or variants)]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="lowbitcc-study-") as tmp:
+        for i, (name, seed) in enumerate(plan):
+            log.info("[%d/%d] %s, seed %d", i + 1, len(plan), name, seed)
+            runs.append(run_variant(VARIANTS[name], cfg, seed, tmp))
+    summary = summarize(runs)
+    result = {"config": dataclasses.asdict(cfg), "runs": runs, "summary": summary}
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        serializable = {**result, "runs": [{k: v for k, v in r.items() if k != "final_params"}
+                                           for r in runs]}
+        (out / "study.json").write_text(json.dumps(serializable, indent=1))
+        plot(runs, out / "study.png")
+    return result
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run: final validation loss, its gap to the exact run of the same seed, the distance of
+    the final weights from exact's (relative L2), mean |train loss - exact's|, bytes, time."""
+    exact = {r["seed"]: r for r in runs if r["variant"] == "exact"}
+    rows = []
+    for r in runs:
+        ref = exact.get(r["seed"])
+        final = r["val_loss"][-1][1]
+        row = {"variant": r["variant"], "seed": r["seed"], "final_val_loss": final,
+               "seconds": r["seconds"], "wire_bytes_per_step": r["wire_bytes_per_step"]}
+        if ref is not None:
+            ref_final = ref["val_loss"][-1][1]
+            row["gap_to_exact"] = (final - ref_final) / ref_final
+            a, b = r["final_params"], ref["final_params"]
+            row["weight_distance"] = float((a - b).norm() / b.norm())
+            n = min(len(r["train_loss"]), len(ref["train_loss"]))
+            row["train_curve_distance"] = sum(
+                abs(x - y) for x, y in zip(r["train_loss"][:n], ref["train_loss"][:n])) / n
+            row["bytes_vs_exact"] = r["wire_bytes_per_step"] / ref["wire_bytes_per_step"]
+        rows.append(row)
+    return rows
+
+
+def format_table(summary: list[dict[str, Any]]) -> str:
+    lines = [f"{'variant':<13} {'seed':>4} {'val loss':>9} {'gap':>8} {'w dist':>7} "
+             f"{'MiB/step':>9} {'vs exact':>8} {'s':>7}"]
+    for r in summary:
+        lines.append(
+            f"{r['variant']:<13} {r['seed']:>4} {r['final_val_loss']:>9.4f} "
+            f"{100 * r.get('gap_to_exact', float('nan')):>7.2f}% "
+            f"{r.get('weight_distance', float('nan')):>7.4f} "
+            f"{r['wire_bytes_per_step'] / 2**20:>9.3f} {r.get('bytes_vs_exact', float('nan')):>8.3f} "
+            f"{r['seconds']:>7.1f}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install lowbitcc[plot]); no plot written")
+        return
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    seed0 = runs[0]["seed"]
+    for r in runs:
+        if r["seed"] != seed0:
+            continue
+        k = 10
+        smooth = [sum(r["train_loss"][max(0, i - k + 1):i + 1]) / len(r["train_loss"][max(0, i - k + 1):i + 1])
+                  for i in range(len(r["train_loss"]))]
+        ax_train.plot(smooth, label=r["variant"], linewidth=1)
+        steps, losses = zip(*r["val_loss"])
+        ax_val.plot(steps, losses, marker=".", label=r["variant"], linewidth=1)
+    ax_train.set(title=f"train loss (10-step mean), seed {seed0}", xlabel="step", ylabel="nats/byte")
+    ax_val.set(title="validation loss", xlabel="step", ylabel="nats/byte")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    lows = [min(l for _, l in r["val_loss"]) for r in runs]
+    ax_val.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
