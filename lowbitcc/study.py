@@ -307,7 +307,7 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
 
     Returns ``{"config": ..., "runs": [records], "summary": [...]}``; with ``out_dir``, writes
     ``study.json`` and (matplotlib permitting) ``study.png`` there."""
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in [*variants, *(extra_seed_variants or [])] if v not in VARIANTS]
     if unknown:
         raise ValueError(f"lowbitcc study: unknown variants {unknown}; known: {list(VARIANTS)}")
     plan = [(v, seeds[0]) for v in variants]

@@ -20,9 +20,7 @@ import dataclasses
 import torch
 
 from lowbitcc.kernels import reference, wire
-from lowbitcc.kernels.error_state import ErrorState
-
-ERROR_MODES = {None: 0, "int8": 1, "fp32": 2, "bf16": 3}
+from lowbitcc.kernels.error_state import ERROR_MODES, ErrorState
 
 
 @dataclasses.dataclass
@@ -153,14 +151,17 @@ class ShardCodec:
             input_sq=float(compensated[group_finite].double().square().sum()),
         )
 
+    def _kernel_state(self, error, error_dtype, rows, m, device) -> ErrorState | None:
+        """The state the kernels update in place: ``error``, or zeros when feedback starts."""
+        if error is not None or not error_dtype:
+            return error
+        return ErrorState.zeros(rows * self.padded(m), error_dtype, self.group_size, device)
+
     def _encode_cpu(self, source, rows, m, factor, error, beta, error_dtype, messages, keys):
         from lowbitcc.kernels import cpu
 
         kernels = cpu.load()
-        mp = self.padded(m)
-        state = error if error is not None else (
-            ErrorState.zeros(rows * mp, error_dtype, self.group_size) if error_dtype else None
-        )
+        state = self._kernel_state(error, error_dtype, rows, m, source.device)
         empty = torch.empty(0)
         nonfinite = torch.zeros(rows, dtype=torch.uint8)
         residual_sq, input_sq = kernels.encode(
@@ -178,10 +179,7 @@ class ShardCodec:
     def _encode_cuda(self, source, rows, m, factor, error, beta, error_dtype, messages, keys):
         from lowbitcc.kernels import cuda
 
-        state = error if error is not None else (
-            ErrorState.zeros(rows * self.padded(m), error_dtype, self.group_size, source.device)
-            if error_dtype else None
-        )
+        state = self._kernel_state(error, error_dtype, rows, m, source.device)
         int8 = state is not None and error_dtype == "int8"
         nonfinite, residual_sq, input_sq = cuda.encode(
             source, rows, m, factor, messages, ERROR_MODES[error_dtype], error is not None,

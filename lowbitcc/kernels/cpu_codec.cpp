@@ -121,7 +121,7 @@ inline void quantize_group(const float* __restrict y, float* __restrict e, float
 
 // Encodes group gi of the source; returns false if the group is non-finite.
 // Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
-// runs over whole groups in chunks of kLanes with no data-dependent branch, so it vectorizes.
+// runs over the whole group with no data-dependent branch, so it vectorizes.
 template <typename T, int BITS, int MODE, bool SR, int GS>
 bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e, float* r,
                   int8_t* codes, double* res_sq, double* in_sq) {

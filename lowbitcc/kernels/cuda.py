@@ -14,6 +14,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from lowbitcc.kernels.error_state import ERROR_MODES
+
 HERE = Path(__file__).parent
 SOURCE = HERE / "cuda_codec.cu"
 OPTIONS = ("--std=c++17", "--fmad=false", f"-I{HERE}")
@@ -21,7 +23,6 @@ MAX_GROUP = 256  # one warp per group, 8 elements per lane
 THREADS = 256
 BITS = (2, 4, 8)
 TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
-ERROR_MODES = {None: 0, "int8": 1, "fp32": 2, "bf16": 3}
 
 
 def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool) -> str:

@@ -17,6 +17,8 @@ import torch
 from lowbitcc.kernels import reference
 
 STORAGE = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
+# the error-storage argument of the C++ and CUDA kernels (None: feedback off, no state)
+ERROR_MODES = {None: 0, "int8": 1, "fp32": 2, "bf16": 3}
 
 
 @dataclasses.dataclass

@@ -61,21 +61,10 @@ LOCO_HD GroupScale group_scale(float amax, int q) {
   return s;
 }
 
-// code = clamp(round_half_even(y * inv), -q, q); rintf rounds half to even in the default mode.
-// Only for finite groups (a non-finite group's codes are all 0).
-LOCO_HD int quantize_finite(float y, float inv, float qf) {
-  float t = rintf(y * inv);
-  t = t > qf ? qf : t;
-  t = t < -qf ? -qf : t;
-  return (int)t;
-}
-
-LOCO_HD int quantize_one(float y, float inv, int q, bool group_finite) {
-  return group_finite ? quantize_finite(y, inv, (float)q) : 0;
-}
-
-// Clamped code as a float, nearest (half to even) or stochastic rounding: t = y * inv rounded to
-// fp32 first, then floor(t + u) with u uniform in [0, 1) from `uniform24`.
+// Clamped code as a float, for finite groups only (a non-finite group's codes are all 0):
+// nearest, clamp(round_half_even(y * inv), -q, q) (rintf rounds half to even in the default
+// mode), or stochastic, with t = y * inv rounded to fp32 first, then floor(t + u) with u
+// uniform in [0, 1) from `uniform24`.
 LOCO_HD float code_nearest(float y, float inv, float qf) {
   float t = rintf(y * inv);
   t = t > qf ? qf : t;
