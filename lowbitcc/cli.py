@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -35,6 +36,36 @@ def _study(args: argparse.Namespace) -> int:
         return 2
     print(study.format_table(result["summary"]))
     return 0
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from lowbitcc import perf
+
+    opts = perf.PerfOptions(
+        collective=args.collective, min_bytes=args.b, max_bytes=args.e, factor=args.f,
+        step_bytes=args.i, iters=args.n, warmup=args.w, check=args.c, dtype=args.d, op=args.o,
+        average=args.a, backends=tuple(args.backend), bits=tuple(args.bits),
+        schedule=args.schedule, json_path=args.json, plot_path=args.plot,
+    )
+    try:
+        return perf.main(opts, args.np, args.link, args.argv)
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+
+
+def _netem(args: argparse.Namespace) -> int:
+    from lowbitcc import netem
+
+    if args.cleanup:
+        removed = netem.cleanup()
+        print("removed: " + (" ".join(removed) if removed else "nothing"))
+        return 0
+    command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if not command:
+        logging.getLogger("lowbitcc").error("lowbitcc netem: give a command after --")
+        return 2
+    return netem.main_run(None if args.link == "none" else args.link, args.np, command)
 
 
 def _size(text: str) -> int:
@@ -79,11 +110,66 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
     st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
     st.set_defaults(func=_study)
+    _add_perf(sub)
+    ne = sub.add_parser(
+        "netem", help="run a command on N ranks, each in a network namespace behind a "
+        "rate-limited link (root)",
+        description="Runs COMMAND once per rank, each in its own network namespace joined to a "
+        "switch by a veth pair rate-limited with tc tbf (198.18.0.0/15 addresses), with "
+        "torchrun's variables set (RANK, WORLD_SIZE, MASTER_ADDR, ...). Needs root, ip and tc. "
+        "Example: lowbitcc netem --np 2 --link 1gbit -- python train.py")
+    ne.add_argument("--np", type=int, default=2, help="ranks (default 2)")
+    ne.add_argument("--link", default="1gbit", help="link rate in tc units, or none (default 1gbit)")
+    ne.add_argument("--cleanup", action="store_true",
+                    help="delete namespaces left by killed runs (names starting with lbcc)")
+    ne.add_argument("command_args", nargs=argparse.REMAINDER, help="-- command ...")
+    ne.set_defaults(func=_netem)
     return parser
 
 
+def _add_perf(sub: Any) -> None:
+    from lowbitcc.perf.backends import KNOWN
+    from lowbitcc.perf.collectives import COLLECTIVES
+
+    pe = sub.add_parser(
+        "perf", help="nccl-tests-style bandwidth sweep of a collective, backends side by side",
+        description="nccl-tests' all_reduce_perf / reduce_scatter_perf / all_gather_perf for "
+        "loco and exact backends. Start with --np N (local ranks), --np N --link RATE "
+        "(emulated network, root), or under torchrun / mpiexec -n N.")
+    pe.add_argument("collective", choices=sorted(COLLECTIVES), help="the collective to sweep")
+    pe.add_argument("-b", "--minbytes", dest="b", type=_size, default=64 << 10,
+                    help="smallest size in bytes (default 64K)")
+    pe.add_argument("-e", "--maxbytes", dest="e", type=_size, default=64 << 20,
+                    help="largest size in bytes (default 64M)")
+    pe.add_argument("-f", "--stepfactor", dest="f", type=int, default=2,
+                    help="size multiplier per step (default 2)")
+    pe.add_argument("-i", "--stepbytes", dest="i", type=_size, default=0,
+                    help="size increment per step, instead of -f")
+    pe.add_argument("-n", "--iters", dest="n", type=int, default=20, help="timed calls (default 20)")
+    pe.add_argument("-w", "--warmup_iters", dest="w", type=int, default=5,
+                    help="untimed calls first (default 5)")
+    pe.add_argument("-c", "--check", dest="c", type=int, default=1, choices=(0, 1),
+                    help="compare with the exact result (default 1)")
+    pe.add_argument("-d", "--datatype", dest="d", default="float",
+                    help="float, half or bfloat16 (default float)")
+    pe.add_argument("-o", "--op", dest="o", default="sum", help="sum, avg, max or min (default sum)")
+    pe.add_argument("-a", "--average", dest="a", type=int, default=1,
+                    help="time across ranks: 0 rank 0, 1 mean, 2 min, 3 max (default 1)")
+    pe.add_argument("--backend", nargs="+", default=["loco", "gloo"], metavar="NAME",
+                    help=f"backends side by side: {', '.join(KNOWN)} (default loco gloo)")
+    pe.add_argument("--bits", type=int, nargs="+", default=[4], help="bits of loco (default 4)")
+    pe.add_argument("--schedule", default="direct", help="loco schedule (default direct)")
+    pe.add_argument("--json", help="write results to this JSON file")
+    pe.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
+    pe.add_argument("--np", type=int, help="local ranks to start when not under a launcher (default 2)")
+    pe.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
+    pe.set_defaults(func=_perf)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -22,6 +22,7 @@ POLICIES = ("backward", "always", "never")
 ERROR_DTYPES = ("int8", "bf16", "fp32")
 BITS = (2, 4, 8)
 CODECS = ("auto", "reference", "cpu")
+SCHEDULES = ("direct",)  # lowbitcc.algorithms.SCHEDULES holds their code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,8 @@ class LocoConfig:
         rounding: "nearest" (half to even) or "stochastic" (unbiased; counter-based random bits,
             the same on every implementation and reproducible from ``seed``).
         seed: seed of stochastic rounding's random stream (an integer in [0, 2**32)).
+        schedule: the compressed reduce-scatter/all-reduce schedule (see docs/architecture.md):
+            "direct" (one all-to-all of codes, then one all-gather).
     """
 
     bits: int = 4
@@ -61,6 +64,7 @@ class LocoConfig:
     codec: str = "auto"
     rounding: str = "nearest"
     seed: int = 0
+    schedule: str = "direct"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -105,6 +109,8 @@ class LocoConfig:
             raise bad("rounding", "one of " + ", ".join(ROUNDINGS))
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             raise bad("seed", "an integer in [0, 2**32)")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", "one of " + ", ".join(SCHEDULES))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LocoConfig:

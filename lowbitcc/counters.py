@@ -4,8 +4,8 @@ Two categories, ``compressed`` and ``exact``. For each: ``calls``; ``tensor_byte
 input sizes); ``logical_bytes`` (bytes this rank would have sent with the same schedule had the
 elements travelled in their own dtype); ``wire_bytes`` (bytes this rank actually sent, headers and
 scales included); ``codec_s`` and ``wire_s`` (seconds spent encoding/decoding and exchanging).
-For exact calls, whose schedule is gloo's, ``logical_bytes`` and ``wire_bytes`` are the ring
-estimate ``factor * tensor_bytes`` with nccl-tests' bus factors. ``compressed`` also has
+Exact calls run gloo's own schedules, which this package does not see: they count only
+``calls`` and ``tensor_bytes`` (their byte and time fields stay 0). ``compressed`` also has
 ``residual_sq`` and ``input_sq``, the squared norms of the quantization residual and of the
 compensated input, and ``relative_error = sqrt(residual_sq / input_sq)``.
 """

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from lowbitcc import policy
-from lowbitcc.algorithms import direct
+from lowbitcc.algorithms import SCHEDULES
 from lowbitcc.backends.base import MeteredTransport
 from lowbitcc.backends.gloo import GlooTransport
 from lowbitcc.compressor import CallCompressor, Source
@@ -395,7 +395,7 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _all_reduce_compressed(self, tensor: torch.Tensor, op: ReduceOp, opts: Any) -> Callable:
         def run(source: Source, comp: CallCompressor) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
-            direct.all_reduce(source, out, comp, self._transport)
+            SCHEDULES[self.config.schedule].all_reduce(source, out, comp, self._transport)
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
@@ -410,7 +410,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         self, output: torch.Tensor, source: torch.Tensor, op: ReduceOp, opts: Any
     ) -> Callable:
         def run(src: Source, comp: CallCompressor) -> None:
-            output.copy_(direct.reduce_scatter(src, comp, self._transport).view(output.shape))
+            reduced = SCHEDULES[self.config.schedule].reduce_scatter(src, comp, self._transport)
+            output.copy_(reduced.view(output.shape))
 
         def exact() -> Any:
             return self._exact_reduction(

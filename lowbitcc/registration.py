@@ -34,6 +34,9 @@ def create_process_group(common_opts: Any, backend_options: Any) -> dist.Process
 
 def register_backend() -> None:
     """Make ``"loco"`` a ``torch.distributed`` backend name (idempotent)."""
+    from _lowbitcc_autoload import install_rendezvous_hook
+
+    install_rendezvous_hook()
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu"])

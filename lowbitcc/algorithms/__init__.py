@@ -2,6 +2,9 @@
 
 from lowbitcc.algorithms import direct
 
+from lowbitcc.config import SCHEDULES as _NAMES
+
 SCHEDULES = {"direct": direct}
+assert tuple(SCHEDULES) == _NAMES, "config.SCHEDULES must name every schedule"
 
 __all__ = ["SCHEDULES", "direct"]

@@ -1,0 +1,7 @@
+"""``python -m lowbitcc`` is the ``lowbitcc`` console command."""
+
+import sys
+
+from lowbitcc.cli import main
+
+sys.exit(main())
