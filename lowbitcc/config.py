@@ -49,6 +49,10 @@ class LocoConfig:
         seed: seed of stochastic rounding's random stream (an integer in [0, 2**32)).
         schedule: the compressed reduce-scatter/all-reduce schedule (see docs/architecture.md):
             "direct" (one all-to-all of codes, then one all-gather).
+        chunk_size: elements per row in one pipelined chunk of a compressed schedule (rounded up
+            to a multiple of ``group_size``): transfers of chunk k overlap the codec work of its
+            neighbours; 0 sends each phase as one message. With nearest rounding the results are the
+            same bytes either way (stochastic rounding draws other random bits per chunk).
     """
 
     bits: int = 4
@@ -65,6 +69,7 @@ class LocoConfig:
     rounding: str = "nearest"
     seed: int = 0
     schedule: str = "direct"
+    chunk_size: int = 262144
 
     def __post_init__(self) -> None:
         self.validate()
@@ -111,6 +116,8 @@ class LocoConfig:
             raise bad("seed", "an integer in [0, 2**32)")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", "one of " + ", ".join(SCHEDULES))
+        if not _is_int(self.chunk_size) or self.chunk_size < 0:
+            raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LocoConfig:

@@ -395,7 +395,8 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _all_reduce_compressed(self, tensor: torch.Tensor, op: ReduceOp, opts: Any) -> Callable:
         def run(source: Source, comp: CallCompressor) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
-            SCHEDULES[self.config.schedule].all_reduce(source, out, comp, self._transport)
+            SCHEDULES[self.config.schedule].all_reduce(
+                source, out, comp, self._transport, self.config.chunk_size)
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
@@ -410,7 +411,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         self, output: torch.Tensor, source: torch.Tensor, op: ReduceOp, opts: Any
     ) -> Callable:
         def run(src: Source, comp: CallCompressor) -> None:
-            reduced = SCHEDULES[self.config.schedule].reduce_scatter(src, comp, self._transport)
+            reduced = SCHEDULES[self.config.schedule].reduce_scatter(
+                src, comp, self._transport, self.config.chunk_size)
             output.copy_(reduced.view(output.shape))
 
         def exact() -> Any:

@@ -215,3 +215,34 @@ def test_stochastic_rounding_all_reduce_identical_and_bounded():
     for r in run_ranks(_stochastic_all_reduce, 3, env={"LOCO_ROUNDING": "stochastic", "LOCO_SEED": "17"}):
         assert r["identical"] and r["within_bound"] and r["differs_from_nearest"], r
         assert r["rel"] < 0.4, r
+
+
+def _chunked_equals_whole(rank, world, gloo):
+    whole = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(chunk_size=0))
+    chunked = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(chunk_size=1000))
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for step in range(3):  # later calls use the error state the earlier ones left
+            x = _input(rank, 100_003, dtype, salt=step)
+            outs = {}
+            for name, group in (("whole", whole), ("chunked", chunked)):
+                ar = x.clone()
+                rs = torch.empty(100_003 // world, dtype=dtype)
+                with lowbitcc.compressed(), lowbitcc.feedback_key(f"chunks-{dtype}"):
+                    dist.all_reduce(ar, group=group)
+                    dist.reduce_scatter_single(rs, x[: rs.numel() * world], group=group)
+                outs[name] = (ar, rs)
+            results.append({
+                "all_reduce_same": torch.equal(outs["whole"][0], outs["chunked"][0]),
+                "reduce_scatter_same": torch.equal(outs["whole"][1], outs["chunked"][1]),
+                "identical": _identical_everywhere(outs["chunked"][0], gloo),
+            })
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipelined_chunks_give_the_same_bytes(world):
+    """chunk_size 1000 (1024 after rounding to groups) cuts each row into ~33-49 chunks."""
+    for per_rank in run_ranks(_chunked_equals_whole, world):
+        for r in per_rank:
+            assert r["all_reduce_same"] and r["reduce_scatter_same"] and r["identical"], r

@@ -12,30 +12,128 @@ All-reduce adds:
 5. all-gather the ``n`` messages; every rank, the owner included, decodes all of them, so every
    rank ends with bitwise-identical values.
 
+Pipelining: with ``chunk`` > 0 and rows longer than one chunk, the columns are cut into chunks
+of ``chunk`` elements (a multiple of the group size) and steps 1-5 run per chunk, each chunk's
+transfers in the background while the next chunk is encoded and the previous one decoded.
+Chunk ``k`` has its own error-state stages (``"rs.k"``, ``"ag.k"``). Quantization groups never
+straddle a chunk edge, so with nearest rounding the codes, and the results, are the same bytes
+as without chunks (stochastic rounding draws its random bits per chunk).
+
 Traffic per rank: ``(n-1)`` messages of ``m`` elements out and in per phase (two phases for
-all-reduce). Quantizations on any element's path: 1 (reduce-scatter) or 2 (all-reduce).
+all-reduce), plus one 40-byte header per message and chunk. Quantizations on any element's
+path: 1 (reduce-scatter) or 2 (all-reduce).
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+
 import torch
 
-from lowbitcc.backends.base import Transport
+from lowbitcc.backends.base import Pending, Transport
 from lowbitcc.compressor import CallCompressor, Source
 
 
-def reduce_scatter(source: Source, comp: CallCompressor, transport: Transport) -> torch.Tensor:
+def chunks(m: int, chunk: int, group_size: int) -> list[tuple[int, int]]:
+    """Column ranges ``[a, b)`` covering ``[0, m)``: one range if ``chunk`` is 0 or ``m`` fits."""
+    if chunk <= 0 or m <= chunk:
+        return [(0, m)]
+    width = -(-chunk // group_size) * group_size
+    return [(a, min(a + width, m)) for a in range(0, m, width)]
+
+
+def _columns(source: Source, a: int, b: int) -> Source:
+    """Columns ``[a, b)`` of every row of ``source``, as a source of its own (a copy)."""
+    if (a, b) == (0, source.m):
+        return source
+    w, flat, m = b - a, source.tensor, source.m
+    out = torch.zeros(source.rows * w, dtype=flat.dtype, device=flat.device)
+    for r in range(source.rows):
+        hi = min(r * m + b, flat.numel())
+        if hi > r * m + a:
+            out[r * w:r * w + hi - (r * m + a)] = flat[r * m + a:hi]
+    return Source(out, source.rows, w, source.factor)
+
+
+def _stage(name: str, k: int, count: int) -> str:
+    return name if count == 1 else f"{name}.{k}"
+
+
+def _pipeline(
+    source: Source, comp: CallCompressor, transport: Transport, chunk: int,
+    on_reduced: Callable[[int, int, int, torch.Tensor], Pending | None],
+    on_gathered: Callable[[int, int, int, torch.Tensor], None] | None,
+) -> None:
+    """Run the reduce-scatter of every chunk, one transfer in flight while the next is encoded.
+
+    ``on_reduced(k, a, b, reduced)`` gets chunk ``k``'s reduced own row (fp32 ``[b - a]``) and may
+    start a second transfer, whose result goes to ``on_gathered(k, a, b, received)``.
+    """
+    ranges = chunks(source.m, chunk, comp.codec.group_size)
+    rank, rows = transport.rank, source.rows
+    scattering: collections.deque = collections.deque()
+    gathering: collections.deque = collections.deque()
+
+    def reduce_oldest() -> None:
+        k, a, b, pending = scattering.popleft()
+        reduced = comp.decode_sum(pending.wait(), b - a, rank)
+        second = on_reduced(k, a, b, reduced)
+        if second is not None:
+            gathering.append((k, a, b, second))
+
+    def gather_oldest() -> None:
+        k, a, b, pending = gathering.popleft()
+        assert on_gathered is not None
+        on_gathered(k, a, b, pending.wait())
+
+    for k, (a, b) in enumerate(ranges):
+        part = _columns(source, a, b)
+        messages = comp.encode(_stage("rs", k, len(ranges)), part, list(range(rows)))
+        scattering.append((k, a, b, transport.all_to_all_async(messages)))
+        if len(scattering) > 1:
+            reduce_oldest()
+        if len(gathering) > 1:
+            gather_oldest()
+    while scattering:
+        reduce_oldest()
+    while gathering:
+        gather_oldest()
+
+
+def reduce_scatter(source: Source, comp: CallCompressor, transport: Transport,
+                   chunk: int = 0) -> torch.Tensor:
     """Sum over ranks of row ``transport.rank`` of ``source``: fp32 ``[m]``."""
-    messages = comp.encode("rs", source, list(range(source.rows)))
-    received = transport.all_to_all(messages)
-    return comp.decode_sum(received, source.m, transport.rank)
+    out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
+
+    def keep(k: int, a: int, b: int, reduced: torch.Tensor) -> None:
+        out[a:b] = reduced
+
+    _pipeline(source, comp, transport, chunk, keep, None)
+    return out
 
 
 def all_reduce(
-    source: Source, out: torch.Tensor, comp: CallCompressor, transport: Transport
+    source: Source, out: torch.Tensor, comp: CallCompressor, transport: Transport, chunk: int = 0
 ) -> None:
     """Sum over ranks of ``source`` into flat ``out`` (any float dtype), identical on every rank."""
-    reduced = reduce_scatter(source, comp, transport)
-    message = comp.encode("ag", Source(reduced, 1, source.m), [transport.rank])
-    gathered = transport.all_gather(message[0])
-    comp.decode_into(gathered, source.m, list(range(source.rows)), out)
+    rank, rows, m = transport.rank, source.rows, source.m
+    count = len(chunks(m, chunk, comp.codec.group_size))
+
+    def requantize(k: int, a: int, b: int, reduced: torch.Tensor) -> Pending:
+        message = comp.encode(_stage("ag", k, count), Source(reduced, 1, b - a), [rank])
+        return transport.all_gather_async(message[0])
+
+    def place(k: int, a: int, b: int, gathered: torch.Tensor) -> None:
+        if count == 1:
+            comp.decode_into(gathered, m, list(range(rows)), out)
+            return
+        w = b - a
+        part = torch.empty(rows * w, dtype=out.dtype, device=out.device)
+        comp.decode_into(gathered, w, list(range(rows)), part)
+        for r in range(rows):
+            hi = min(r * m + b, out.numel())
+            if hi > r * m + a:
+                out[r * m + a:hi] = part[r * w:r * w + hi - (r * m + a)]
+
+    _pipeline(source, comp, transport, chunk, requantize, place)

@@ -30,9 +30,36 @@ class Transport(Protocol):
         """``send`` is ``uint8 [P]``; returns ``[size, P]`` whose row ``i`` came from rank ``i``."""
         ...
 
+    def all_to_all_async(self, send: torch.Tensor) -> Pending:
+        """`all_to_all` started in the background; ``send`` must stay untouched until waited."""
+        ...
+
+    def all_gather_async(self, send: torch.Tensor) -> Pending:
+        """`all_gather` started in the background; ``send`` must stay untouched until waited."""
+        ...
+
+
+class Pending(Protocol):
+    """A transfer in flight; ``wait()`` blocks until it is done and returns what arrived."""
+
+    def wait(self) -> torch.Tensor:
+        ...
+
+
+class _MeteredPending:
+    def __init__(self, inner: Pending, stats: "Stats", category: str) -> None:
+        self.inner, self.stats, self.category = inner, stats, category
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner.wait()
+        self.stats.add(self.category, wire_s=time.perf_counter() - start)
+        return out
+
 
 class MeteredTransport:
-    """Wraps a `Transport`, adding the bytes this rank sends and the time spent to `stats`."""
+    """Wraps a `Transport`, adding the bytes this rank sends and the time spent to `stats`
+    (for background transfers, the time spent waiting for them)."""
 
     def __init__(self, inner: Transport, stats: "Stats", category: str = "compressed") -> None:
         self.inner = inner
@@ -46,6 +73,14 @@ class MeteredTransport:
 
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
         return self._metered(self.inner.all_gather, send, send.numel())
+
+    def all_to_all_async(self, send: torch.Tensor) -> Pending:
+        self.stats.add(self.category, wire_bytes=(self.size - 1) * send.shape[1])
+        return _MeteredPending(self.inner.all_to_all_async(send), self.stats, self.category)
+
+    def all_gather_async(self, send: torch.Tensor) -> Pending:
+        self.stats.add(self.category, wire_bytes=(self.size - 1) * send.numel())
+        return _MeteredPending(self.inner.all_gather_async(send), self.stats, self.category)
 
     def _metered(self, fn, send: torch.Tensor, row_bytes: int) -> torch.Tensor:
         start = time.perf_counter()
