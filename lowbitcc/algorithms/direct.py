@@ -15,7 +15,8 @@ All-reduce adds:
 Pipelining: with ``chunk`` > 0 and rows longer than one chunk, the columns are cut into chunks
 of ``chunk`` elements (a multiple of the group size) and steps 1-5 run per chunk, each chunk's
 transfers in the background while the next chunk is encoded and the previous one decoded.
-Chunk ``k`` has its own error-state stages (``"rs.k"``, ``"ag.k"``). Quantization groups never
+Chunk ``k`` has its own error-state stages (``"rs.k.row"``, ``"ag.k"``); each row's slice of a
+chunk is encoded where it lies, without a copy. Quantization groups never
 straddle a chunk edge, so with nearest rounding the codes, and the results, are the same bytes
 as without chunks (stochastic rounding draws its random bits per chunk).
 
@@ -43,17 +44,17 @@ def chunks(m: int, chunk: int, group_size: int) -> list[tuple[int, int]]:
     return [(a, min(a + width, m)) for a in range(0, m, width)]
 
 
-def _columns(source: Source, a: int, b: int) -> Source:
-    """Columns ``[a, b)`` of every row of ``source``, as a source of its own (a copy)."""
-    if (a, b) == (0, source.m):
-        return source
-    w, flat, m = b - a, source.tensor, source.m
-    out = torch.zeros(source.rows * w, dtype=flat.dtype, device=flat.device)
-    for r in range(source.rows):
-        hi = min(r * m + b, flat.numel())
-        if hi > r * m + a:
-            out[r * w:r * w + hi - (r * m + a)] = flat[r * m + a:hi]
-    return Source(out, source.rows, w, source.factor)
+def _encode_columns(comp: CallCompressor, stage: str, source: Source, a: int, b: int) -> torch.Tensor:
+    """Messages ``[rows, P]`` for columns ``[a, b)`` of every row; a chunk encodes each row's
+    slice in place (a view, no copy of the input) with its own stage ``stage.row``."""
+    rows, m, flat = source.rows, source.m, source.tensor
+    if (a, b) == (0, m):
+        return comp.encode(stage, source, list(range(rows)))
+    parts = []
+    for r in range(rows):
+        lo, hi = min(r * m + a, flat.numel()), min(r * m + b, flat.numel())
+        parts.append(comp.encode(f"{stage}.{r}", Source(flat[lo:hi], 1, b - a, source.factor), [r]))
+    return torch.cat(parts)
 
 
 def _stage(name: str, k: int, count: int) -> str:
@@ -71,7 +72,7 @@ def _pipeline(
     start a second transfer, whose result goes to ``on_gathered(k, a, b, received)``.
     """
     ranges = chunks(source.m, chunk, comp.codec.group_size)
-    rank, rows = transport.rank, source.rows
+    rank = transport.rank
     scattering: collections.deque = collections.deque()
     gathering: collections.deque = collections.deque()
 
@@ -88,8 +89,7 @@ def _pipeline(
         on_gathered(k, a, b, pending.wait())
 
     for k, (a, b) in enumerate(ranges):
-        part = _columns(source, a, b)
-        messages = comp.encode(_stage("rs", k, len(ranges)), part, list(range(rows)))
+        messages = _encode_columns(comp, _stage("rs", k, len(ranges)), source, a, b)
         scattering.append((k, a, b, transport.all_to_all_async(messages)))
         if len(scattering) > 1:
             reduce_oldest()
@@ -128,12 +128,8 @@ def all_reduce(
         if count == 1:
             comp.decode_into(gathered, m, list(range(rows)), out)
             return
-        w = b - a
-        part = torch.empty(rows * w, dtype=out.dtype, device=out.device)
-        comp.decode_into(gathered, w, list(range(rows)), part)
         for r in range(rows):
-            hi = min(r * m + b, out.numel())
-            if hi > r * m + a:
-                out[r * m + a:hi] = part[r * w:r * w + hi - (r * m + a)]
+            lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
+            comp.decode_into(gathered[r:r + 1], b - a, [r], out[lo:hi])
 
     _pipeline(source, comp, transport, chunk, requantize, place)
