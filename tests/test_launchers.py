@@ -128,3 +128,21 @@ def test_perf_under_mpiexec_with_the_mpi_backend():
     rows = {r["backend"]: r for r in parse_table(done.stdout)}
     assert set(rows) == {"mpi", "gloo", "loco4"}
     assert rows["mpi"]["oop_error"] == 0 and rows["mpi"]["ip_error"] == 0
+
+
+def test_perf_under_torchrun():
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not on PATH")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    done = subprocess.run([torchrun, "--nproc_per_node=2", "--no-python", sys.executable, "-m",
+                           "lowbitcc", "perf", "reduce_scatter", "-b", "512K", "-e", "512K",
+                           "-n", "1", "-w", "0", "--backend", "loco", "gloo"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from lowbitcc.perf import parse_table
+
+    rows = {r["backend"]: r for r in parse_table(done.stdout)}
+    assert set(rows) == {"loco4", "gloo"} and rows["gloo"]["oop_error"] == 0
+    assert 0 < rows["loco4"]["oop_error"] < 0.3
