@@ -1,8 +1,8 @@
 """Start N local ranks of a function over a "loco" default group (for the CLI tools).
 
 `spawn_local(fn, nprocs, *args)` runs ``fn(rank, world, *args)`` in ``nprocs`` fresh processes
-after ``init_process_group("loco")`` (or ``backend``) with a FileStore rendezvous in a temporary folder (no
-network port is opened for the rendezvous; gloo itself listens on loopback).
+after ``init_process_group("loco")`` (or ``backend``) with a FileStore rendezvous in a temporary
+folder (no network port is opened for the rendezvous; gloo itself listens on loopback).
 """
 
 from __future__ import annotations

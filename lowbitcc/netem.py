@@ -32,7 +32,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -254,5 +253,5 @@ def main_run(rate: str | None, nranks: int, command: Sequence[str]) -> int:
         log.error("%s", exc)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; emulated network removed", file=sys.stderr)
+        log.warning("interrupted; emulated network removed")
         return 130

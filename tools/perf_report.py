@@ -76,6 +76,7 @@ def report(results: dict[tuple[int, str], dict], command: str) -> str:
             f"| {ranks} | {link} | {bw['gloo']:.3f} | {bw['gloo-bf16']:.3f} ({bw['gloo-bf16'] / bw['gloo']:.2f}x) "
             f"| {bw['loco8']:.3f} ({bw['loco8'] / bw['gloo']:.2f}x) | {bw['loco4']:.3f} "
             f"| **{bw['loco4'] / bw['gloo']:.2f}x** | {human(crossover(result))} |")
+    largest = max(r["size"] for result in results.values() for r in result["rows"])
     lines += ["", f"Largest size: {human(largest)}. Raw tables: `docs/perf/*.json`; plot: "
               "![busbw vs size](perf/perf.png)"]
     return "\n".join(lines)

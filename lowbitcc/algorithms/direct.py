@@ -62,16 +62,16 @@ def _stage(name: str, k: int, count: int) -> str:
 
 
 def _pipeline(
-    source: Source, comp: CallCompressor, transport: Transport, chunk: int,
+    source: Source, comp: CallCompressor, transport: Transport, ranges: list[tuple[int, int]],
     on_reduced: Callable[[int, int, int, torch.Tensor], Pending | None],
     on_gathered: Callable[[int, int, int, torch.Tensor], None] | None,
 ) -> None:
-    """Run the reduce-scatter of every chunk, one transfer in flight while the next is encoded.
+    """Run the reduce-scatter of every chunk (column ``ranges``, from `chunks`), one transfer in
+    flight while the next is encoded.
 
     ``on_reduced(k, a, b, reduced)`` gets chunk ``k``'s reduced own row (fp32 ``[b - a]``) and may
     start a second transfer, whose result goes to ``on_gathered(k, a, b, received)``.
     """
-    ranges = chunks(source.m, chunk, comp.codec.group_size)
     rank = transport.rank
     scattering: collections.deque = collections.deque()
     gathering: collections.deque = collections.deque()
@@ -109,7 +109,7 @@ def reduce_scatter(source: Source, comp: CallCompressor, transport: Transport,
     def keep(k: int, a: int, b: int, reduced: torch.Tensor) -> None:
         out[a:b] = reduced
 
-    _pipeline(source, comp, transport, chunk, keep, None)
+    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size), keep, None)
     return out
 
 
@@ -118,7 +118,8 @@ def all_reduce(
 ) -> None:
     """Sum over ranks of ``source`` into flat ``out`` (any float dtype), identical on every rank."""
     rank, rows, m = transport.rank, source.rows, source.m
-    count = len(chunks(m, chunk, comp.codec.group_size))
+    ranges = chunks(m, chunk, comp.codec.group_size)
+    count = len(ranges)
 
     def requantize(k: int, a: int, b: int, reduced: torch.Tensor) -> Pending:
         message = comp.encode(_stage("ag", k, count), Source(reduced, 1, b - a), [rank])
@@ -132,4 +133,4 @@ def all_reduce(
             lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
             comp.decode_into(gathered[r:r + 1], b - a, [r], out[lo:hi])
 
-    _pipeline(source, comp, transport, chunk, requantize, place)
+    _pipeline(source, comp, transport, ranges, requantize, place)

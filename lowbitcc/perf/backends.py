@@ -35,7 +35,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class Backend:
-    """A torch process group answering the calls; subclasses change how tensors travel."""
+    """A torch process group answering the calls; subclasses change how tensors travel.
+    ``exact``: results equal the exact reduction (a baseline for the footer's ratios)."""
 
     exact = True
     wire_itemsize: int | None = None  # None: the tensor's own
@@ -105,11 +106,12 @@ def _loco_context(key: str) -> Iterator[None]:
 class CastBackend(Backend):
     """Sends ``dtype`` copies of the tensors through ``group`` and casts the results back."""
 
+    exact = False
+
     def __init__(self, name: str, group: Any, dtype: torch.dtype) -> None:
         super().__init__(name, group)
         self.dtype = dtype
         self.wire_itemsize = torch.empty((), dtype=dtype).element_size()
-        self.exact = False
 
     def all_reduce(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         low = inp.to(self.dtype)

@@ -91,13 +91,14 @@ def sizes(opts: PerfOptions) -> list[int]:
 
 
 # -- measurement (every rank) --------------------------------------------------------------------
-def _timed(coll: Collective, backend: backends_mod.Backend, count: int, dtype: torch.dtype,
-           opts: PerfOptions, in_place: bool, coord: Any) -> dict[str, float]:
+def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: torch.Tensor,
+           expected: torch.Tensor | None, opts: PerfOptions, in_place: bool) -> dict[str, float]:
+    """Time one backend at one size; ``data`` is this rank's input, ``expected`` its exact
+    output (None with ``-c 0``). Collectives outside the backend run on the default group."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    in_count, _ = coll.shape(count, n)
     place = "in" if in_place else "out"
-    bufs = coll.buffers(count, n, rank, dtype, in_place)
-    bufs.inp.copy_(fill(rank, in_count, dtype))
+    bufs = coll.buffers(count, n, rank, data.dtype, in_place)
+    bufs.inp.copy_(data)
 
     def call() -> None:
         coll.launch(backend, bufs.out, bufs.inp, opts.op)
@@ -105,35 +106,34 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, dtype: t
     with backend.context(f"{coll.name}|{count}|{place}"):
         for _ in range(opts.warmup):
             call()
-        dist.barrier(group=coord)
+        dist.barrier()
         start = time.perf_counter()
         for _ in range(opts.iters):
             call()
         elapsed = (time.perf_counter() - start) / opts.iters
-    elapsed = _across_ranks(elapsed, opts.average, coord)
+    elapsed = _across_ranks(elapsed, opts.average)
 
-    bufs.inp.copy_(fill(rank, in_count, dtype))
+    bufs.inp.copy_(data)
     with backend.context(f"{coll.name}|{count}|{place}|check"):
         wire = backend.measured_wire_bytes(call)
     error = math.nan
-    if opts.check:
-        expected = coll.expected([fill(r, in_count, dtype) for r in range(n)], rank, opts.op)
+    if expected is not None:
         diff = (bufs.out.double() - expected.double()).norm()
         norm = expected.double().norm()
         error = float(diff / norm) if norm > 0 else float(diff)
-        error = _across_ranks(error, 3, coord)
+        error = _across_ranks(error, 3)
     return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire}
 
 
-def _across_ranks(value: float, how: int, coord: Any) -> float:
+def _across_ranks(value: float, how: int) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     if how == 0:
-        dist.broadcast(t, src=0, group=coord)
+        dist.broadcast(t, src=0)
     elif how == 1:
-        dist.all_reduce(t, group=coord)
+        dist.all_reduce(t)
         t /= dist.get_world_size()
     else:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if how == 2 else dist.ReduceOp.MAX, group=coord)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if how == 2 else dist.ReduceOp.MAX)
     return float(t.item())
 
 
@@ -145,7 +145,6 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
     dtype = DTYPES[dtype_name(opts.dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
     names = backends_mod.expand(list(opts.backends), list(opts.bits))
-    coord = dist.new_group(backend="gloo")
     made = [backends_mod.create(name, opts.schedule) for name in names]
     rows: list[dict[str, Any]] = []
     printer = TablePrinter(opts, n) if dist.get_rank() == 0 else None
@@ -158,8 +157,12 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
             bar.update(len(made))
             continue
         nbytes = count * itemsize
+        in_count, _ = coll.shape(count, n)
+        data = fill(dist.get_rank(), in_count, dtype)
+        expected = (coll.expected([fill(r, in_count, dtype) for r in range(n)], dist.get_rank(),
+                                  opts.op) if opts.check else None)
         for backend in made:
-            results = {place: _timed(coll, backend, count, dtype, opts, place == "in_place", coord)
+            results = {place: _timed(coll, backend, count, data, expected, opts, place == "in_place")
                        for place in ("out_of_place", "in_place")}
             row = _row(coll, backend, nbytes, count, n, itemsize, results, opts)
             rows.append(row)
@@ -169,7 +172,8 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
     bar.close()
     result = {"collective": opts.collective, "nranks": n, "dtype": dtype_name(opts.dtype),
               "op": opts.op, "iters": opts.iters, "warmup": opts.warmup,
-              "backends": names, "rows": rows, "avg_busbw": _avg_busbw(rows, names)}
+              "backends": names, "exact_backends": [b.name for b in made if b.exact],
+              "rows": rows, "avg_busbw": _avg_busbw(rows, names)}
     if printer:
         printer.footer(result)
     return result
@@ -275,7 +279,7 @@ class TablePrinter:
     def footer(self, result: dict[str, Any]) -> None:
         for name, bw in result["avg_busbw"].items():
             print(f"# Avg bus bandwidth    : {bw:.6g} {name}")
-        exact = [b for b in result["backends"] if b in ("gloo", "mpi", "nccl")]
+        exact = result["exact_backends"]
         rows = result["rows"]
         if exact and rows:
             largest = max(r["size"] for r in rows)
