@@ -130,7 +130,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._inner = dist.ProcessGroupGloo(
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout
         )
-        self._transport = MeteredTransport(GlooTransport(self._inner), STATS)
+        self._gloo = GlooTransport(self._inner)
+        self._transport = MeteredTransport(self._gloo, STATS)
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
@@ -222,6 +223,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             pending, future = item
             try:
                 pending.work.wait()
+                self._gloo.retire(pending.work)
                 future.set_result(pending.finish())
             except BaseException as exc:  # noqa: BLE001
                 future.set_exception(exc)
@@ -250,6 +252,21 @@ class LocoProcessGroup(dist.ProcessGroup):
             return _Pending(work, lambda: _flat(outputs))
 
         return self._submit(job)
+
+    def _sequence(
+        self, jobs: list[Callable[[], Any]], outputs: list[torch.Tensor]
+    ) -> Callable[[], Any]:
+        """One worker job running ``jobs`` in order; pending inner work is waited for at the end."""
+
+        def job() -> Any:
+            pending = [p for p in (j() for j in jobs) if isinstance(p, _Pending)]
+            for p in pending:
+                p.work.wait()
+                self._gloo.retire(p.work)
+                p.finish()
+            return outputs
+
+        return job
 
     def _exact_reduction(
         self,
@@ -328,7 +345,7 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _agree(self, desc: wire.CallDescriptor) -> None:
         """Exchange call descriptors; raise `CollectiveMismatchError` on every rank on mismatch."""
         raw = torch.frombuffer(bytearray(desc.pack()), dtype=torch.uint8)
-        everyone = GlooTransport(self._inner).all_gather(raw)
+        everyone = self._gloo.all_gather(raw)
         descs = [wire.CallDescriptor.unpack(bytes(row.numpy().tobytes())) for row in everyone]
         if any(d != descs[0] for d in descs):
             lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in enumerate(descs))
@@ -430,7 +447,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         _check_tensors("all_reduce", tensors)
         if self._compressible(tensors, opts.reduceOp):
             jobs = [self._all_reduce_compressed(t, opts.reduceOp, opts) for t in tensors]
-            return self._submit(_sequence(jobs, tensors))
+            return self._submit(self._sequence(jobs, tensors))
         return self._submit(self._exact_reduction(
             opts, tensors, tensors, lambda o, ins: self._inner.allreduce(ins, o), True
         ))
@@ -442,7 +459,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         single.reduceOp = opts.reduceOp
         if self._compressible(tensors, opts.reduceOp):
             jobs = [self._all_reduce_compressed(t, opts.reduceOp, single) for t in tensors]
-            return self._submit(_sequence(jobs, tensors))
+            return self._submit(self._sequence(jobs, tensors))
         return self._submit(self._exact_reduction(
             opts, tensors, tensors, lambda o, ins: self._inner.allreduce_coalesced(ins, o), True
         ))
@@ -464,7 +481,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             raise ValueError("lowbitcc: reduce_scatter inputs must all match the output's shape and dtype")
         if self._compressible([output], opts.reduceOp):
             source = torch.stack([t.reshape(-1) for t in inputs])
-            return self._submit(_sequence(
+            return self._submit(self._sequence(
                 [self._reduce_scatter_compressed(output, source, opts.reduceOp, opts)], [output]
             ))
         return self._submit(self._exact_reduction(
@@ -506,7 +523,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                     ),
                     False,
                 ))
-        return self._submit(_sequence(jobs, outputs))
+        return self._submit(self._sequence(jobs, outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -547,7 +564,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         def issue(out: torch.Tensor, inp: torch.Tensor) -> Callable:
             return lambda: _Pending(self._inner._allgather_base(out, inp, opts), lambda: [out])
 
-        return self._submit(_sequence([issue(o, i) for o, i in zip(outputs, inputs)], outputs))
+        return self._submit(self._sequence([issue(o, i) for o, i in zip(outputs, inputs)], outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -610,19 +627,6 @@ class LocoProcessGroup(dist.ProcessGroup):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _sequence(jobs: list[Callable[[], Any]], outputs: list[torch.Tensor]) -> Callable[[], Any]:
-    """One worker job running ``jobs`` in order; pending inner work is waited for at the end."""
-
-    def job() -> Any:
-        pending = [p for p in (j() for j in jobs) if isinstance(p, _Pending)]
-        for p in pending:
-            p.work.wait()
-            p.finish()
-        return outputs
-
-    return job
-
-
 def _codec_impl(choice: str) -> str:
     """Resolve ``config.codec`` ("auto", "reference" or "cpu") to an implementation name."""
     if choice == "reference":
