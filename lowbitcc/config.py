@@ -22,7 +22,8 @@ POLICIES = ("backward", "always", "never")
 ERROR_DTYPES = ("int8", "bf16", "fp32")
 BITS = (2, 4, 8)
 CODECS = ("auto", "reference", "cpu")
-SCHEDULES = ("direct",)  # lowbitcc.algorithms.SCHEDULES holds their code
+SCHEDULES = ("direct", "ring", "tree", "hierarchical", "auto")  # code: lowbitcc.algorithms
+TRANSPORTS = ("auto", "gloo", "mpi", "nccl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,21 @@ class LocoConfig:
         rounding: "nearest" (half to even) or "stochastic" (unbiased; counter-based random bits,
             the same on every implementation and reproducible from ``seed``).
         seed: seed of stochastic rounding's random stream (an integer in [0, 2**32)).
-        schedule: the compressed reduce-scatter/all-reduce schedule (see docs/architecture.md):
-            "direct" (one all-to-all of codes, then one all-gather).
+        schedule: the compressed reduce-scatter/all-reduce schedule (see docs/algorithms.md):
+            "direct" (one all-to-all of codes, then one all-gather), "ring" (neighbours only,
+            re-quantized at each hop), "tree" (binary tree, for small messages),
+            "hierarchical" (exact inside a node, compressed across nodes) or "auto" (by size,
+            ranks and node layout; see the ``auto_*`` thresholds).
+        transport: what compressed schedules send their codes over: "gloo" (TCP), "mpi"
+            (mpi4py; ranks started by mpiexec), "nccl" (CUDA tensors) or "auto" (nccl for CUDA
+            tensors, gloo for CPU ones). Exact calls always run on the inner gloo group.
+        node_size: ranks per node for the hierarchical schedule (consecutive global ranks);
+            0 takes the launcher's LOCAL_WORLD_SIZE, or one node for every rank without it.
+            Set it to emulate several nodes on one machine.
+        auto_tree_bytes: "auto" picks the tree for calls below this many input bytes per rank
+            (from ``auto_tree_ranks`` ranks on).
+        auto_tree_ranks: the fewest ranks for which "auto" picks the tree.
+        auto_ring_ranks: "auto" picks the ring from this many ranks on (0: never).
         chunk_size: elements per row in one pipelined chunk of a compressed schedule (rounded up
             to a multiple of ``group_size``): transfers of chunk k overlap the codec work of its
             neighbours; 0 sends each phase as one message. With nearest rounding the results are the
@@ -70,6 +84,11 @@ class LocoConfig:
     seed: int = 0
     schedule: str = "direct"
     chunk_size: int = 262144
+    transport: str = "auto"
+    node_size: int = 0
+    auto_tree_bytes: int = 2097152
+    auto_tree_ranks: int = 4
+    auto_ring_ranks: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +137,11 @@ class LocoConfig:
             raise bad("schedule", "one of " + ", ".join(SCHEDULES))
         if not _is_int(self.chunk_size) or self.chunk_size < 0:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
+        if self.transport not in TRANSPORTS:
+            raise bad("transport", "one of " + ", ".join(TRANSPORTS))
+        for field in ("node_size", "auto_tree_bytes", "auto_tree_ranks", "auto_ring_ranks"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 0:
+                raise bad(field, "an integer >= 0")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LocoConfig:

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from lowbitcc import policy
-from lowbitcc.algorithms import SCHEDULES
+from lowbitcc import algorithms, policy, topology
 from lowbitcc.backends.base import MeteredTransport
 from lowbitcc.backends.gloo import GlooTransport
+from lowbitcc.backends.links import Links
 from lowbitcc.compressor import CallCompressor, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.feedback import FeedbackStore
@@ -123,15 +123,20 @@ class LocoProcessGroup(dist.ProcessGroup):
         size: int,
         timeout: datetime.timedelta,
         config: LocoConfig,
+        global_ranks: list[int] | None = None,
     ) -> None:
+        """``global_ranks[i]`` is the default group's rank of this group's rank ``i`` (None:
+        this is the default group)."""
         super().__init__(rank, size)
         self.config = config
         self.timeout = timeout
+        self._store = store
+        self._global_ranks = global_ranks or list(range(size))
         self._inner = dist.ProcessGroupGloo(
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout
         )
         self._gloo = GlooTransport(self._inner)
-        self._transport = MeteredTransport(self._gloo, STATS)
+        self._links = self._make_links()
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
@@ -150,6 +155,33 @@ class LocoProcessGroup(dist.ProcessGroup):
         )
         self._worker.start()
         self._waiter.start()
+
+    def _make_links(self) -> Links:
+        """The compressed schedules' transports, of kind ``config.transport`` for CPU tensors."""
+        kind = "gloo" if self.config.transport in ("auto", "gloo") else self.config.transport
+        layout = topology.layout(self._global_ranks, self.rank(),
+                                 topology.node_size_from(self.config.node_size))
+        timeout_s = self.timeout.total_seconds()
+        if kind == "gloo":
+            def make(name: str, color: int, key: int, size: int) -> MeteredTransport:
+                store = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", self._store)
+                return MeteredTransport(GlooTransport(
+                    dist.ProcessGroupGloo(store, key, size, self.timeout)), STATS)
+
+            return Links(MeteredTransport(self._gloo, STATS), layout, make)
+        if kind == "mpi":
+            from lowbitcc.backends import mpi
+
+            comm = mpi.communicator(self._global_ranks, self.rank())
+
+            def split(name: str, color: int, key: int, size: int) -> MeteredTransport:
+                return MeteredTransport(mpi.MpiTransport(comm.Split(color, key), timeout_s), STATS)
+
+            return Links(MeteredTransport(mpi.MpiTransport(comm, timeout_s), STATS), layout, split)
+        raise ValueError(
+            "lowbitcc: LOCO_TRANSPORT=nccl moves CUDA tensors, and this build of the 'loco' "
+            "backend takes CPU tensors only: use gloo or mpi"
+        )
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -400,6 +432,10 @@ class LocoProcessGroup(dist.ProcessGroup):
 
         return job
 
+    def _schedule(self, source: Source) -> str:
+        nbytes = source.tensor.numel() * source.tensor.element_size()
+        return algorithms.choose(self.config, nbytes, self.size(), self._links.layout)
+
     def _input_factor(self, op: ReduceOp) -> float:
         """What compressed inputs are multiplied by: PREMUL_SUM's factor, 1/n for AVG, else 1."""
         red = self._reduction(op)
@@ -412,8 +448,8 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _all_reduce_compressed(self, tensor: torch.Tensor, op: ReduceOp, opts: Any) -> Callable:
         def run(source: Source, comp: CallCompressor) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
-            SCHEDULES[self.config.schedule].all_reduce(
-                source, out, comp, self._transport, self.config.chunk_size)
+            algorithms.all_reduce(self._schedule(source), source, out, comp, self._links,
+                                  self.config.chunk_size)
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
@@ -428,8 +464,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         self, output: torch.Tensor, source: torch.Tensor, op: ReduceOp, opts: Any
     ) -> Callable:
         def run(src: Source, comp: CallCompressor) -> None:
-            reduced = SCHEDULES[self.config.schedule].reduce_scatter(
-                src, comp, self._transport, self.config.chunk_size)
+            reduced = algorithms.reduce_scatter(self._schedule(src), src, comp, self._links,
+                                                self.config.chunk_size)
             output.copy_(reduced.view(output.shape))
 
         def exact() -> Any:

@@ -28,7 +28,7 @@ def create_process_group(common_opts: Any, backend_options: Any) -> dist.Process
         )
     return LocoProcessGroup(
         common_opts.store, common_opts.group_rank, common_opts.group_size, common_opts.timeout,
-        config,
+        config, list(common_opts.global_ranks_in_group) or None,
     )
 
 

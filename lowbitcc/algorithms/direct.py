@@ -32,39 +32,15 @@ from collections.abc import Callable
 
 import torch
 
+from lowbitcc.algorithms.columns import chunks, decode_columns, encode_columns, stage
 from lowbitcc.backends.base import Pending, Transport
 from lowbitcc.compressor import CallCompressor, Source
-
-
-def chunks(m: int, chunk: int, group_size: int) -> list[tuple[int, int]]:
-    """Column ranges ``[a, b)`` covering ``[0, m)``: one range if ``chunk`` is 0 or ``m`` fits."""
-    if chunk <= 0 or m <= chunk:
-        return [(0, m)]
-    width = -(-chunk // group_size) * group_size
-    return [(a, min(a + width, m)) for a in range(0, m, width)]
-
-
-def _encode_columns(comp: CallCompressor, stage: str, source: Source, a: int, b: int) -> torch.Tensor:
-    """Messages ``[rows, P]`` for columns ``[a, b)`` of every row; a chunk encodes each row's
-    slice in place (a view, no copy of the input) with its own stage ``stage.row``."""
-    rows, m, flat = source.rows, source.m, source.tensor
-    if (a, b) == (0, m):
-        return comp.encode(stage, source, list(range(rows)))
-    parts = []
-    for r in range(rows):
-        lo, hi = min(r * m + a, flat.numel()), min(r * m + b, flat.numel())
-        parts.append(comp.encode(f"{stage}.{r}", Source(flat[lo:hi], 1, b - a, source.factor), [r]))
-    return torch.cat(parts)
-
-
-def _stage(name: str, k: int, count: int) -> str:
-    return name if count == 1 else f"{name}.{k}"
 
 
 def _pipeline(
     source: Source, comp: CallCompressor, transport: Transport, ranges: list[tuple[int, int]],
     on_reduced: Callable[[int, int, int, torch.Tensor], Pending | None],
-    on_gathered: Callable[[int, int, int, torch.Tensor], None] | None,
+    on_gathered: Callable[[int, int, int, torch.Tensor], None] | None, prefix: str = "",
 ) -> None:
     """Run the reduce-scatter of every chunk (column ``ranges``, from `chunks`), one transfer in
     flight while the next is encoded.
@@ -89,7 +65,7 @@ def _pipeline(
         on_gathered(k, a, b, pending.wait())
 
     for k, (a, b) in enumerate(ranges):
-        messages = _encode_columns(comp, _stage("rs", k, len(ranges)), source, a, b)
+        messages = encode_columns(comp, stage(prefix + "rs", k, len(ranges)), source, a, b)
         scattering.append((k, a, b, transport.all_to_all_async(messages)))
         if len(scattering) > 1:
             reduce_oldest()
@@ -102,19 +78,22 @@ def _pipeline(
 
 
 def reduce_scatter(source: Source, comp: CallCompressor, transport: Transport,
-                   chunk: int = 0) -> torch.Tensor:
-    """Sum over ranks of row ``transport.rank`` of ``source``: fp32 ``[m]``."""
+                   chunk: int = 0, prefix: str = "") -> torch.Tensor:
+    """Sum over ranks of row ``transport.rank`` of ``source``: fp32 ``[m]``. ``prefix`` goes
+    before the stage names (a schedule that runs this one inside names its own stages)."""
     out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
 
     def keep(k: int, a: int, b: int, reduced: torch.Tensor) -> None:
         out[a:b] = reduced
 
-    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size), keep, None)
+    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size), keep, None,
+              prefix)
     return out
 
 
 def all_reduce(
-    source: Source, out: torch.Tensor, comp: CallCompressor, transport: Transport, chunk: int = 0
+    source: Source, out: torch.Tensor, comp: CallCompressor, transport: Transport, chunk: int = 0,
+    prefix: str = "",
 ) -> None:
     """Sum over ranks of ``source`` into flat ``out`` (any float dtype), identical on every rank."""
     rank, rows, m = transport.rank, source.rows, source.m
@@ -122,15 +101,10 @@ def all_reduce(
     count = len(ranges)
 
     def requantize(k: int, a: int, b: int, reduced: torch.Tensor) -> Pending:
-        message = comp.encode(_stage("ag", k, count), Source(reduced, 1, b - a), [rank])
+        message = comp.encode(stage(prefix + "ag", k, count), Source(reduced, 1, b - a), [rank])
         return transport.all_gather_async(message[0])
 
     def place(k: int, a: int, b: int, gathered: torch.Tensor) -> None:
-        if count == 1:
-            comp.decode_into(gathered, m, list(range(rows)), out)
-            return
-        for r in range(rows):
-            lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
-            comp.decode_into(gathered[r:r + 1], b - a, [r], out[lo:hi])
+        decode_columns(comp, gathered, rows, m, a, b, out)
 
-    _pipeline(source, comp, transport, ranges, requantize, place)
+    _pipeline(source, comp, transport, ranges, requantize, place, prefix)

@@ -12,10 +12,12 @@ if TYPE_CHECKING:
 
 
 class Transport(Protocol):
-    """Moves uint8 message rows between the ``size`` ranks of one group.
+    """Moves uint8 messages between the ``size`` ranks of one group.
 
-    All methods block until the data has arrived; a dead or stalled peer raises within the
-    group's timeout. Every rank must call the same methods in the same order.
+    The blocking methods return once the data has arrived; ``*_async`` ones return a `Pending`
+    at once. A dead or stalled peer makes ``wait()`` raise within the group's timeout. Every
+    rank must call the collective methods in the same order; a point-to-point message is
+    matched with the receive of the same ``tag`` from the same peer, in posting order.
     """
 
     rank: int
@@ -36,6 +38,15 @@ class Transport(Protocol):
 
     def all_gather_async(self, send: torch.Tensor) -> Pending:
         """`all_gather` started in the background; ``send`` must stay untouched until waited."""
+        ...
+
+
+    def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
+        """Send flat uint8 ``send`` to rank ``peer``; it must stay untouched until waited."""
+        ...
+
+    def recv_async(self, nbytes: int, peer: int, tag: int) -> Pending:
+        """Receive ``nbytes`` bytes from rank ``peer``; ``wait()`` returns ``uint8 [nbytes]``."""
         ...
 
 
@@ -81,6 +92,13 @@ class MeteredTransport:
     def all_gather_async(self, send: torch.Tensor) -> Pending:
         self.stats.add(self.category, wire_bytes=(self.size - 1) * send.numel())
         return _MeteredPending(self.inner.all_gather_async(send), self.stats, self.category)
+
+    def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
+        self.stats.add(self.category, wire_bytes=send.numel())
+        return _MeteredPending(self.inner.send_async(send, peer, tag), self.stats, self.category)
+
+    def recv_async(self, nbytes: int, peer: int, tag: int) -> Pending:
+        return _MeteredPending(self.inner.recv_async(nbytes, peer, tag), self.stats, self.category)
 
     def _metered(self, fn, send: torch.Tensor, row_bytes: int) -> torch.Tensor:
         start = time.perf_counter()

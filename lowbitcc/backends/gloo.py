@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 import torch
@@ -10,8 +11,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 
-RETAINED_WORKS = 64
-"""How many finished gloo Works a transport keeps referenced from Python (see `retire`)."""
+RETAIN_S = 0.5
+"""How long a transport keeps a finished gloo Work referenced from Python (see `retire`)."""
+RETAIN_LAST = 4
+"""... and the last this many, however old."""
 
 
 class GlooTransport:
@@ -21,7 +24,7 @@ class GlooTransport:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
-        self._retired: collections.deque[Any] = collections.deque(maxlen=RETAINED_WORKS)
+        self._retired: collections.deque[tuple[float, Any]] = collections.deque()
 
     def retire(self, work: dist.Work) -> None:
         """Keep a finished ``work`` referenced from Python for a while.
@@ -31,10 +34,15 @@ class GlooTransport:
         GIL; when that happens while the interpreter is finalizing, the thread is killed inside
         a destructor and the process aborts ("terminate called without an active exception";
         plain gloo does this too, about one exit in five under mpiexec here). Holding the
-        last few Works from Python makes the gloo thread's release never the last one: the
-        tensors are freed by Python, with the GIL, when the Work leaves this window.
+        Works finished in the last `RETAIN_S` seconds (and the last `RETAIN_LAST`) from Python
+        makes the gloo thread's release never the last one: the tensors are freed by Python,
+        with the GIL, when the Work leaves this window. The window is short so that large
+        buffers are not kept alive (at most what the last half second moved).
         """
-        self._retired.append(work)
+        now = time.monotonic()
+        self._retired.append((now, work))
+        while len(self._retired) > RETAIN_LAST and self._retired[0][0] < now - RETAIN_S:
+            self._retired.popleft()
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         return self.all_to_all_async(send).wait()

@@ -1,0 +1,73 @@
+"""Helpers shared by the schedules: column chunks, row slices of a source, stage names."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbitcc.compressor import CallCompressor, Source
+
+
+def chunks(m: int, chunk: int, group_size: int) -> list[tuple[int, int]]:
+    """Column ranges ``[a, b)`` covering ``[0, m)``: one range if ``chunk`` is 0 or ``m`` fits.
+
+    Ranges are multiples of ``group_size`` wide (but the last), so quantization groups never
+    straddle a chunk edge."""
+    if chunk <= 0 or m <= chunk:
+        return [(0, m)]
+    width = -(-chunk // group_size) * group_size
+    return [(a, min(a + width, m)) for a in range(0, m, width)]
+
+
+def stage(name: str, k: int, count: int) -> str:
+    """Chunk ``k``'s stage name (``name`` itself when there is one chunk)."""
+    return name if count == 1 else f"{name}.{k}"
+
+
+def row_slice(source: Source, row: int, a: int, b: int) -> Source:
+    """Columns ``[a, b)`` of row ``row`` of ``source`` as a one-row source (a view, no copy)."""
+    flat, m = source.tensor, source.m
+    lo, hi = min(row * m + a, flat.numel()), min(row * m + b, flat.numel())
+    return Source(flat[lo:hi], 1, b - a, source.factor)
+
+
+def row_values(source: Source, row: int, a: int, b: int) -> torch.Tensor:
+    """Columns ``[a, b)`` of row ``row`` times ``factor``: fp32 ``[b - a]`` (zero past the end)."""
+    part = row_slice(source, row, a, b)
+    out = torch.zeros(b - a, dtype=torch.float32, device=source.tensor.device)
+    out[: part.tensor.numel()] = part.tensor
+    if source.factor != 1.0:
+        out *= source.factor
+    return out
+
+
+def all_values(source: Source) -> torch.Tensor:
+    """Every row of ``source`` times ``factor``: fp32 ``[rows * m]`` (zero past the end)."""
+    flat = source.tensor
+    out = torch.zeros(source.rows * source.m, dtype=torch.float32, device=flat.device)
+    n = min(flat.numel(), out.numel())
+    out[:n] = flat[:n]
+    if source.factor != 1.0:
+        out *= source.factor
+    return out
+
+
+def encode_columns(comp: CallCompressor, name: str, source: Source, a: int, b: int) -> torch.Tensor:
+    """Messages ``[rows, P]`` for columns ``[a, b)`` of every row; a chunk encodes each row's
+    slice in place (a view, no copy of the input) with its own stage ``name.row``."""
+    rows, m = source.rows, source.m
+    if (a, b) == (0, m):
+        return comp.encode(name, source, list(range(rows)))
+    parts = [comp.encode(f"{name}.{r}", row_slice(source, r, a, b), [r]) for r in range(rows)]
+    return torch.cat(parts)
+
+
+def decode_columns(comp: CallCompressor, messages: torch.Tensor, source_rows: int, m: int,
+                   a: int, b: int, out: torch.Tensor) -> None:
+    """Decode ``messages`` ``[rows, P]`` (row ``r``: columns ``[a, b)`` of row ``r``) into the
+    matching places of flat ``out`` (``rows * m`` elements, clipped to its length)."""
+    if (a, b) == (0, m):
+        comp.decode_into(messages, m, list(range(source_rows)), out)
+        return
+    for r in range(source_rows):
+        lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
+        comp.decode_into(messages[r:r + 1], b - a, [r], out[lo:hi])
