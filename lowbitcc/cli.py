@@ -45,7 +45,7 @@ def _perf(args: argparse.Namespace) -> int:
         collective=args.collective, min_bytes=args.b, max_bytes=args.e, factor=args.f,
         step_bytes=args.i, iters=args.n, warmup=args.w, check=args.c, dtype=args.d, op=args.o,
         average=args.a, backends=tuple(args.backend), bits=tuple(args.bits),
-        schedule=args.schedule, json_path=args.json, plot_path=args.plot,
+        schedules=tuple(args.schedule), json_path=args.json, plot_path=args.plot,
     )
     try:
         return perf.main(opts, args.np, args.link, args.argv)
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_perf(sub: Any) -> None:
+    from lowbitcc.config import SCHEDULES
     from lowbitcc.perf.backends import KNOWN
     from lowbitcc.perf.collectives import COLLECTIVES
 
@@ -158,7 +159,9 @@ def _add_perf(sub: Any) -> None:
     pe.add_argument("--backend", nargs="+", default=["loco", "gloo"], metavar="NAME",
                     help=f"backends side by side: {', '.join(KNOWN)} (default loco gloo)")
     pe.add_argument("--bits", type=int, nargs="+", default=[4], help="bits of loco (default 4)")
-    pe.add_argument("--schedule", default="direct", help="loco schedule (default direct)")
+    pe.add_argument("--schedule", nargs="+", default=["direct"], metavar="NAME",
+                    help="loco schedules, side by side when several: "
+                         f"{', '.join(SCHEDULES)} (default direct)")
     pe.add_argument("--json", help="write results to this JSON file")
     pe.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
     pe.add_argument("--np", type=int, help="local ranks to start when not under a launcher (default 2)")

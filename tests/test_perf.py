@@ -86,3 +86,20 @@ def test_every_collective_has_a_bus_factor():
     assert set(COLLECTIVES) == set(BUS_FACTOR)
     for name, coll in COLLECTIVES.items():
         assert coll.bus_factor(4) == pytest.approx(BUS_FACTOR[name](4))
+
+
+def test_several_schedules_run_side_by_side():
+    from lowbitcc.perf.backends import expand
+
+    assert expand(["loco", "gloo"], [4], ["direct", "ring"]) == ["loco4-direct", "loco4-ring", "gloo"]
+    assert expand(["loco"], [4, 8], ["tree"]) == ["loco4", "loco8"]
+    with pytest.raises(ValueError, match="unknown schedule 'star'"):
+        expand(["loco"], [4], ["star"])
+    done = subprocess.run(
+        [sys.executable, "-m", "lowbitcc", "perf", "all_reduce", "-b", "256K", "-e", "256K",
+         "-n", "1", "-w", "0", "--np", "2", "--backend", "loco", "--schedule", "ring", "tree"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["backend"]: r for r in parse_table(done.stdout)}
+    assert set(rows) == {"loco4-ring", "loco4-tree"}
+    assert all(0 < r["oop_error"] < 0.3 for r in rows.values())

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from lowbitcc.config import LocoConfig
+from lowbitcc.config import SCHEDULES, LocoConfig
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -203,23 +203,34 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 KNOWN = ("loco", "loco2", "loco4", "loco8", "gloo", "gloo-bf16", "mpi", "nccl")
 
 
-def expand(names: list[str], bits: list[int]) -> list[str]:
-    """``loco`` -> ``loco{b}`` for each of ``bits``; validates names; keeps order, drops repeats."""
+def expand(names: list[str], bits: list[int], schedules: list[str] | None = None) -> list[str]:
+    """``loco`` -> ``loco{b}`` for each of ``bits`` (``loco{b}-{schedule}`` for each schedule
+    when there are several); validates names; keeps order, drops repeats."""
+    schedules = schedules or ["direct"]
+    for schedule in schedules:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"lowbitcc perf: unknown schedule {schedule!r}; known: "
+                             + ", ".join(SCHEDULES))
     out: list[str] = []
     for name in names:
         if name not in KNOWN:
             raise ValueError(f"lowbitcc perf: unknown backend {name!r}; known: {', '.join(KNOWN)}")
-        for full in ([f"loco{b}" for b in bits] if name == "loco" else [name]):
+        locos = [f"loco{b}" for b in bits] if name == "loco" else [name]
+        if name.startswith("loco") and len(schedules) > 1:
+            locos = [f"{loco}-{s}" for loco in locos for s in schedules]
+        for full in locos:
             if full not in out:
                 out.append(full)
     return out
 
 
 def create(name: str, schedule: str) -> Backend:
-    """Build backend ``name`` on the current default group's ranks (a collective call)."""
+    """Build backend ``name`` on the current default group's ranks (a collective call);
+    ``loco{b}-{s}`` names its schedule, a bare ``loco{b}`` runs ``schedule``."""
     if name.startswith("loco"):
-        config = LocoConfig.from_env().replace(bits=int(name[4:]), policy="always",
-                                               schedule=schedule)
+        bits, _, named = name[4:].partition("-")
+        config = LocoConfig.from_env().replace(bits=int(bits), policy="always",
+                                               schedule=named or schedule)
         return LocoBackend(name, dist.new_group(backend="loco", pg_options=config))
     if name == "gloo":
         return Backend(name, dist.new_group(backend="gloo"))

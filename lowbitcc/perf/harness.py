@@ -55,7 +55,7 @@ class PerfOptions:
     average: int = 1
     backends: tuple[str, ...] = ("loco", "gloo")
     bits: tuple[int, ...] = (4,)
-    schedule: str = "direct"
+    schedules: tuple[str, ...] = ("direct",)
     json_path: str | None = None
     plot_path: str | None = None
 
@@ -75,7 +75,7 @@ class PerfOptions:
             raise ValueError(f"lowbitcc perf: unknown -o {self.op!r}; known: sum, avg, max, min")
         if self.average not in AVERAGES:
             raise ValueError(f"lowbitcc perf: -a must be 0, 1, 2 or 3, got {self.average}")
-        backends_mod.expand(list(self.backends), list(self.bits))
+        backends_mod.expand(list(self.backends), list(self.bits), list(self.schedules))
 
 
 def dtype_name(text: str) -> str:
@@ -144,8 +144,8 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
     n = dist.get_world_size()
     dtype = DTYPES[dtype_name(opts.dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    names = backends_mod.expand(list(opts.backends), list(opts.bits))
-    made = [backends_mod.create(name, opts.schedule) for name in names]
+    names = backends_mod.expand(list(opts.backends), list(opts.bits), list(opts.schedules))
+    made = [backends_mod.create(name, opts.schedules[0]) for name in names]
     rows: list[dict[str, Any]] = []
     printer = TablePrinter(opts, n) if dist.get_rank() == 0 else None
     bar = _progress(len(sizes(opts)) * len(made), progress and printer is not None)
@@ -250,7 +250,7 @@ class TablePrinter:
         lines = [
             f"# lowbitcc perf {o.collective}: nranks {self.nranks} minBytes {o.min_bytes} "
             f"maxBytes {o.max_bytes} step: {step} warmup iters: {o.warmup} iters: {o.iters} "
-            f"validation: {o.check} backends: {' '.join(names)} schedule: {o.schedule}",
+            f"validation: {o.check} backends: {' '.join(names)} schedule: {' '.join(o.schedules)}",
             "#",
             "# Using devices",
             f"#  Rank {0:2d} Pid {os.getpid():6d} on {socket.gethostname():>10} device cpu "
