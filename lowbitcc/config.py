@@ -54,8 +54,9 @@ class LocoConfig:
             "hierarchical" (exact inside a node, compressed across nodes) or "auto" (by size,
             ranks and node layout; see the ``auto_*`` thresholds).
         transport: what compressed schedules send their codes over: "gloo" (TCP), "mpi"
-            (mpi4py; ranks started by mpiexec), "nccl" (CUDA tensors) or "auto" (nccl for CUDA
-            tensors, gloo for CPU ones). Exact calls always run on the inner gloo group.
+            (mpi4py; ranks started by mpiexec) or "auto" (gloo). "nccl" (CUDA tensors) is
+            refused when the group is created: this build moves CPU tensors only. Exact calls
+            always run on the inner gloo group.
         node_size: ranks per node for the hierarchical schedule (consecutive global ranks);
             0 takes the launcher's LOCAL_WORLD_SIZE, or one node for every rank without it.
             Set it to emulate several nodes on one machine.

@@ -254,9 +254,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                 return
             pending, future = item
             try:
-                pending.work.wait()
-                self._gloo.retire(pending.work)
-                future.set_result(pending.finish())
+                future.set_result(self._complete(pending))
             except BaseException as exc:  # noqa: BLE001
                 future.set_exception(exc)
 
@@ -285,6 +283,13 @@ class LocoProcessGroup(dist.ProcessGroup):
 
         return self._submit(job)
 
+    def _complete(self, pending: _Pending) -> list[torch.Tensor]:
+        """Wait for ``pending``'s inner gloo work, keep the Work referenced for a while (see
+        `GlooTransport.retire`), and finish the call."""
+        pending.work.wait()
+        self._gloo.retire(pending.work)
+        return pending.finish()
+
     def _sequence(
         self, jobs: list[Callable[[], Any]], outputs: list[torch.Tensor]
     ) -> Callable[[], Any]:
@@ -293,9 +298,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         def job() -> Any:
             pending = [p for p in (j() for j in jobs) if isinstance(p, _Pending)]
             for p in pending:
-                p.work.wait()
-                self._gloo.retire(p.work)
-                p.finish()
+                self._complete(p)
             return outputs
 
         return job

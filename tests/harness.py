@@ -41,6 +41,16 @@ def _entry(fn, rank, world, init_file, results, args, env, pg_timeout_s, pg_opti
         results.put((rank, False, traceback.format_exc()))
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                      "LOCAL_WORLD_SIZE")
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without torchrun's variables, for a child that must take
+    its ranks from its own launcher (mpiexec, torchrun) or from nothing."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,

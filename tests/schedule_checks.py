@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc.algorithms import tree
+from numerics import group_amax, identical_everywhere, rank_input
 
 SCHEDULES = ("direct", "ring", "tree", "hierarchical")
 NODE_SIZE = {2: 2, 3: 1, 4: 2, 5: 5}  # one node; one rank per node; 2 x 2; one node
 EPS = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}
 Q = 7  # 4-bit codes
-GROUP = 128
 
 
 def quantizations(schedule: str, collective: str, world: int) -> int:
@@ -42,31 +42,6 @@ def bound_factor(hops: int) -> float:
     return (1 + 1 / (2 * Q)) ** hops - 1
 
 
-def group_amax(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """Per element, the max |x| of its quantization group (rows of ``ceil(n/rows)``)."""
-    n = x.numel()
-    m = -(-n // rows)
-    mp = -(-m // GROUP) * GROUP
-    mat = torch.zeros(rows, mp, dtype=torch.float64)
-    padded = torch.zeros(rows * m, dtype=torch.float64)
-    padded[:n] = x.double().abs()
-    mat[:, :m] = padded.view(rows, m)
-    amax = mat.view(-1, GROUP).amax(dim=1, keepdim=True).expand(-1, GROUP).reshape(rows, mp)
-    return amax[:, :m].reshape(-1)[:n]
-
-
-def _identical(t: torch.Tensor, gloo) -> bool:
-    mine = t.contiguous().view(torch.uint8)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine, group=gloo)
-    return all(torch.equal(mine, other) for other in everyone)
-
-
-def _input(rank: int, n: int, salt: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7919 * rank + salt)
-    return torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank
-
-
 def _group(schedule: str, transport: str, world: int, **changes) -> dist.ProcessGroup:
     cfg = lowbitcc.LocoConfig(schedule=schedule, transport=transport, node_size=NODE_SIZE[world],
                               policy="always", min_size=1, chunk_size=4096, **changes)
@@ -79,7 +54,7 @@ def _all_reduce_cases(rank, world, gloo, schedule, group) -> list[dict]:
     for size in (100_003, 1001):
         for dtype in (torch.float32, torch.bfloat16):
             for op, factor in ((dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.AVG, 1.0 / world)):
-                x = _input(rank, size, size).to(dtype)
+                x = rank_input(rank, size, size, dtype)
                 out = x.clone()
                 with lowbitcc.feedback_key(f"ar-{size}-{dtype}-{op}"):
                     dist.all_reduce(out, op=op, group=group)
@@ -91,7 +66,7 @@ def _all_reduce_cases(rank, world, gloo, schedule, group) -> list[dict]:
                 err = (out.double() - ref).abs()
                 cases.append({
                     "case": ("all_reduce", schedule, size, str(dtype), str(op)),
-                    "identical": _identical(out, gloo),
+                    "identical": identical_everywhere(out, gloo),
                     "worst": float((err / bound).max()),
                     "rel": float((out.double() - ref).norm() / ref.norm()),
                 })
@@ -102,7 +77,7 @@ def _reduce_scatter_cases(rank, world, gloo, schedule, group) -> list[dict]:
     hops = quantizations(schedule, "reduce_scatter", world)
     cases = []
     for per_rank in (7001, 300):
-        x = _input(rank, per_rank * world, per_rank)
+        x = rank_input(rank, per_rank * world, per_rank)
         out = torch.empty(per_rank)
         with lowbitcc.feedback_key(f"rs-{per_rank}"):
             dist.reduce_scatter_single(out, x, group=group)
@@ -130,7 +105,7 @@ def _feedback_case(rank, world, gloo, schedule, transport) -> dict:
     for name, changes in (("loco", {}), ("none", {"feedback": False})):
         group = _group(schedule, transport, world, **changes)
         n = 30_000
-        base = _input(rank, n, 5)
+        base = rank_input(rank, n, 5)
         noise = torch.Generator().manual_seed(100 + rank)
         cum_out = torch.zeros(n, dtype=torch.float64)
         cum_ref = torch.zeros(n, dtype=torch.float64)

@@ -8,16 +8,11 @@ import torch.distributed as dist
 
 import lowbitcc
 from harness import run_ranks
+from numerics import group_amax, identical_everywhere, rank_input
 
 SIZES = [65536, 100_003, 65536 * 3 + 7]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OUTPUT_EPS = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-
-
-def _input(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7919 * rank + salt)
-    # heavy-ish tails and a per-rank offset, as gradients have
-    return (torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank).to(dtype)
 
 
 def _op(name: str, world: int):
@@ -28,51 +23,27 @@ def _op(name: str, world: int):
     return dist._make_nccl_premul_sum(0.5), 0.5
 
 
-def _group_amax(x: torch.Tensor, rows: int, group: int) -> torch.Tensor:
-    """Per-element amax of the quantization group it falls in, for a row-sharded layout."""
-    n = x.numel()
-    m = -(-n // rows)
-    padded = torch.zeros(rows * m, dtype=torch.float64)
-    padded[:n] = x.double().abs()
-    mp = -(-m // group) * group
-    mat = torch.zeros(rows, mp, dtype=torch.float64)
-    mat[:, :m] = padded.view(rows, m)
-    amax = mat.view(-1, group).amax(dim=1, keepdim=True).expand(-1, group).reshape(rows, mp)
-    return amax[:, :m].reshape(-1)[:n]
-
-
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def _identical_everywhere(t: torch.Tensor, gloo) -> bool:
-    mine = _bits_view(t.contiguous())
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine, group=gloo)
-    return all(torch.equal(mine, other) for other in everyone)
-
-
 def _all_reduce_properties(rank, world, gloo):
     q = 7  # 4-bit codes
     results = []
     for size in SIZES:
         for dtype in DTYPES:
             for opname in ("sum", "avg", "premul"):
-                x = _input(rank, size, dtype, salt=size)
+                x = rank_input(rank, size, size, dtype)
                 op, factor = _op(opname, world)
                 out = x.clone()
                 with lowbitcc.compressed(), lowbitcc.feedback_key(f"bound-{size}-{dtype}-{opname}"):
                     dist.all_reduce(out, op=op)
                 ref = x.double() * factor
                 dist.all_reduce(ref, group=gloo)
-                amax = _group_amax(x.double() * factor, world, 128)
+                amax = group_amax(x.double() * factor, world, 128)
                 dist.all_reduce(amax, group=gloo)
                 # stage 1: <= amax_i / 2q per rank; stage 2: <= (sum amax_i) / 2q, plus slack
                 bound = amax / q * 1.01 + ref.abs() * OUTPUT_EPS[dtype] + 1e-6
                 err = (out.double() - ref).abs()
                 results.append({
                     "case": (size, str(dtype), opname),
-                    "identical": _identical_everywhere(out, gloo),
+                    "identical": identical_everywhere(out, gloo),
                     "within_bound": bool((err <= bound).all()),
                     "worst": float((err / bound).max()),
                     "rel": float((out.double() - ref).norm() / ref.norm()),
@@ -97,7 +68,7 @@ def _reduce_scatter_properties(rank, world, gloo):
     for per_rank_size in (16384, 25_001):
         for dtype in DTYPES:
             for opname in ("sum", "avg", "premul"):
-                x = _input(rank, per_rank_size * world, dtype, salt=per_rank_size)
+                x = rank_input(rank, per_rank_size * world, per_rank_size, dtype)
                 op, factor = _op(opname, world)
                 out = torch.empty(per_rank_size, dtype=dtype)
                 with lowbitcc.compressed(), lowbitcc.feedback_key(f"rs-{per_rank_size}-{dtype}-{opname}"):
@@ -105,7 +76,7 @@ def _reduce_scatter_properties(rank, world, gloo):
                 full = x.double() * factor
                 dist.all_reduce(full, group=gloo)
                 ref = full.view(world, -1)[rank]
-                amax = _group_amax(x.double() * factor, world, 128)
+                amax = group_amax(x.double() * factor, world, 128)
                 dist.all_reduce(amax, group=gloo)
                 bound = amax.view(world, -1)[rank] / (2 * q) * 1.01 + ref.abs() * OUTPUT_EPS[dtype] + 1e-6
                 err = (out.double() - ref).abs()
@@ -116,7 +87,7 @@ def _reduce_scatter_properties(rank, world, gloo):
                 })
     # list form and the coalesced form FSDP uses travel the same path
     outs = [torch.empty(20000), torch.empty(20000)]
-    ins = [_input(rank, 20000 * world, torch.float32, salt=s) for s in (1, 2)]
+    ins = [rank_input(rank, 20000 * world, s, torch.float32) for s in (1, 2)]
     with lowbitcc.compressed(), dist._coalescing_manager():
         for o, i in zip(outs, ins):
             dist.reduce_scatter_single(o, i)
@@ -128,7 +99,7 @@ def _reduce_scatter_properties(rank, world, gloo):
     before = lowbitcc.stats()["compressed"]["calls"]
     lst_out = torch.empty(70000)
     with lowbitcc.compressed():
-        dist.reduce_scatter(lst_out, [_input(rank, 70000, torch.float32, salt=s) for s in range(world)])
+        dist.reduce_scatter(lst_out, [rank_input(rank, 70000, s, torch.float32) for s in range(world)])
     results.append({"case": "list-form", "within_bound": lowbitcc.stats()["compressed"]["calls"] == before + 1,
                     "rel": 0.0})
     return results
@@ -192,13 +163,13 @@ def test_error_feedback_tracks_cumulative_sum(world, collective):
 
 def _stochastic_all_reduce(rank, world, gloo):
     q = 7
-    x = _input(rank, 100003, torch.float32, salt=5)
+    x = rank_input(rank, 100003, 5, torch.float32)
     out = x.clone()
     with lowbitcc.compressed(), lowbitcc.feedback_key("stochastic"):
         dist.all_reduce(out)
     ref = x.double()
     dist.all_reduce(ref, group=gloo)
-    amax = _group_amax(x.double(), world, 128)
+    amax = group_amax(x.double(), world, 128)
     dist.all_reduce(amax, group=gloo)
     # stochastic rounding errs by less than one step (not half) in each of the two stages
     bound = 2 * amax / q * 1.01 + 1e-6
@@ -207,7 +178,7 @@ def _stochastic_all_reduce(rank, world, gloo):
     nearest = x.clone()
     with lowbitcc.compressed():
         dist.all_reduce(nearest, group=nearest_group)
-    return {"identical": _identical_everywhere(out, gloo), "within_bound": bool((err <= bound).all()),
+    return {"identical": identical_everywhere(out, gloo), "within_bound": bool((err <= bound).all()),
             "rel": float(err.norm() / ref.norm()), "differs_from_nearest": not torch.equal(out, nearest)}
 
 
@@ -223,7 +194,7 @@ def _chunked_equals_whole(rank, world, gloo):
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for step in range(3):  # later calls use the error state the earlier ones left
-            x = _input(rank, 100_003, dtype, salt=step)
+            x = rank_input(rank, 100_003, step, dtype)
             outs = {}
             for name, group in (("whole", whole), ("chunked", chunked)):
                 ar = x.clone()
@@ -235,7 +206,7 @@ def _chunked_equals_whole(rank, world, gloo):
             results.append({
                 "all_reduce_same": torch.equal(outs["whole"][0], outs["chunked"][0]),
                 "reduce_scatter_same": torch.equal(outs["whole"][1], outs["chunked"][1]),
-                "identical": _identical_everywhere(outs["chunked"][0], gloo),
+                "identical": identical_everywhere(outs["chunked"][0], gloo),
             })
     return results
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from harness import clean_env
 from lowbitcc import launcher
 
 
@@ -63,8 +64,7 @@ def test_missing_launcher_and_address_are_explained(monkeypatch):
 
 
 def test_init_without_launcher_names_what_is_missing():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = clean_env()
     done = subprocess.run([sys.executable, "-c",
                            "import torch.distributed as dist; dist.init_process_group('loco')"],
                           capture_output=True, text=True, timeout=120, env=env)
@@ -105,8 +105,7 @@ dist.destroy_process_group()
 @needs_mpiexec
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_over_loco_under_mpiexec(world):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env = clean_env()
     done = subprocess.run([MPIEXEC, "-n", str(world), sys.executable, "-c", DDP_SCRIPT],
                           capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -116,8 +115,7 @@ def test_ddp_over_loco_under_mpiexec(world):
 @needs_mpiexec
 def test_perf_under_mpiexec_with_the_mpi_backend():
     pytest.importorskip("mpi4py")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env = clean_env()
     done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "lowbitcc", "perf",
                            "all_reduce", "-b", "256K", "-e", "256K", "-n", "2", "-w", "1",
                            "--backend", "mpi", "gloo", "loco"],
@@ -134,8 +132,7 @@ def test_perf_under_torchrun():
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun not on PATH")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env = clean_env()
     done = subprocess.run([torchrun, "--nproc_per_node=2", "--no-python", sys.executable, "-m",
                            "lowbitcc", "perf", "reduce_scatter", "-b", "512K", "-e", "512K",
                            "-n", "1", "-w", "0", "--backend", "loco", "gloo"],

@@ -3,6 +3,7 @@ a stalled or dead peer raises within the timeout; auto's choices."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from harness import run_ranks
+from harness import clean_env, run_ranks
 from lowbitcc import algorithms, topology
 from schedule_checks import check_schedules, failures
 
@@ -43,25 +44,19 @@ def test_schedules_over_gloo(world):
         assert failures(cases) == [], (rank, failures(cases))
 
 
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-                         "LOCAL_WORLD_SIZE")}
-
-
 @needs_mpi
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_schedules_over_mpi(world):
     done = subprocess.run(
         [MPIEXEC, "-n", str(world), sys.executable, str(HERE / "schedule_checks.py"), "mpi"],
-        capture_output=True, text=True, timeout=400, env=_clean_env())
+        capture_output=True, text=True, timeout=400, env=clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["cases"] == 4 * 12 and report["failures"] == [], report
 
 
 def _stall(rank, world, gloo, schedule, dead):
-    group = dist.new_group(backend="loco", timeout=__import__("datetime").timedelta(seconds=4),
+    group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=4),
                            pg_options=lowbitcc.LocoConfig(schedule=schedule, check=False,
                                                           policy="always", min_size=1))
     if rank == world - 1:
@@ -104,7 +99,7 @@ os._exit(0)
 
 @pytest.mark.parametrize("schedule", ["direct", "ring"])
 def test_dead_peer_raises_on_the_others(schedule):
-    env = {**_clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+    env = {**clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(20000 + os.getpid() % 20000)}
     procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER, schedule], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -138,7 +133,7 @@ import os; os._exit(0)
 @needs_mpi
 def test_stalled_peer_over_mpi_raises_within_the_timeout():
     done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", STALL_MPI],
-                          capture_output=True, text=True, timeout=120, env=_clean_env())
+                          capture_output=True, text=True, timeout=120, env=clean_env())
     line = [x for x in done.stdout.splitlines() if x.startswith(("raised", "no error"))]
     assert line and line[0].startswith("raised"), done.stdout + done.stderr[-2000:]
     assert "did not complete within 4 s" in line[0]

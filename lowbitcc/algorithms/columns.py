@@ -30,16 +30,6 @@ def row_slice(source: Source, row: int, a: int, b: int) -> Source:
     return Source(flat[lo:hi], 1, b - a, source.factor)
 
 
-def row_values(source: Source, row: int, a: int, b: int) -> torch.Tensor:
-    """Columns ``[a, b)`` of row ``row`` times ``factor``: fp32 ``[b - a]`` (zero past the end)."""
-    part = row_slice(source, row, a, b)
-    out = torch.zeros(b - a, dtype=torch.float32, device=source.tensor.device)
-    out[: part.tensor.numel()] = part.tensor
-    if source.factor != 1.0:
-        out *= source.factor
-    return out
-
-
 def all_values(source: Source) -> torch.Tensor:
     """Every row of ``source`` times ``factor``: fp32 ``[rows * m]`` (zero past the end)."""
     flat = source.tensor
@@ -49,6 +39,11 @@ def all_values(source: Source) -> torch.Tensor:
     if source.factor != 1.0:
         out *= source.factor
     return out
+
+
+def row_values(source: Source, row: int, a: int, b: int) -> torch.Tensor:
+    """Columns ``[a, b)`` of row ``row`` times ``factor``: fp32 ``[b - a]`` (zero past the end)."""
+    return all_values(row_slice(source, row, a, b))
 
 
 def encode_columns(comp: CallCompressor, name: str, source: Source, a: int, b: int) -> torch.Tensor:

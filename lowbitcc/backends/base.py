@@ -40,7 +40,6 @@ class Transport(Protocol):
         """`all_gather` started in the background; ``send`` must stay untouched until waited."""
         ...
 
-
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
         """Send flat uint8 ``send`` to rank ``peer``; it must stay untouched until waited."""
         ...

@@ -61,7 +61,6 @@ class GlooTransport:
         work = self.group._allgather_base(recv, flat, AllgatherOptions())
         return _GlooPending(self, work, recv.view(self.size, -1), flat)
 
-
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> "_GlooPending":
         flat = send.reshape(-1).contiguous()
         return _GlooPending(self, self.group.send([flat], peer, tag), flat, flat)
