@@ -4,9 +4,10 @@ For each size (bytes of fp32 input) and thread count it times, median of repeats
 
 - ``copy``: ``dst.copy_(src)`` into a preallocated tensor (the memory-bandwidth baseline);
 - ``encode``: the fused LoCo encode of the tensor as one shard row (fp32 input, int8 error state
-  read and written back, 4-bit codes), per implementation;
+  read and written back, 4-bit codes) into a preallocated message buffer, per implementation;
 - ``decode``: decode-and-sum of 4 messages of a quarter of the elements each (the reduce-scatter
-  receive side), per implementation.
+  receive side) into a preallocated fp32 output, as the copy writes into one, per
+  implementation.
 
 Throughput is input fp32 bytes per second (GB/s = 1e9 B/s) for all three, so ratios to ``copy``
 compare like with like. Results go to a table on stdout and, with ``--json``, to a file.
@@ -53,16 +54,18 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
     codec = _codec(impl, bits, group)
     state = ErrorState.encode(torch.randn(codec.padded(n)) * 0.01, "int8", group)
     holder = {"state": state}
+    sent = torch.empty(1, codec.message_bytes(n), dtype=torch.uint8)
 
     def encode() -> None:
-        res = codec.encode(src, 1, n, 1.0, holder["state"], 0.8, [0], "int8")
+        res = codec.encode(src, 1, n, 1.0, holder["state"], 0.8, [0], "int8", out=sent)
         holder["state"] = res.error
 
     quarter = -(-n // 4)
     messages = codec.encode(src, 4, quarter, 1.0, None, 0.8, [0, 0, 0, 0], None).messages
     t_copy = _time(lambda: dst.copy_(src), min_time)
     t_enc = _time(encode, min_time)
-    t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0), min_time)
+    total = torch.empty(quarter)
+    t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0, total), min_time)
     return {
         "size_bytes": size_bytes, "impl": impl, "threads": threads,
         "copy_GBps": size_bytes / t_copy / 1e9,

@@ -35,15 +35,20 @@ def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
            "-o", str(tmp_path / "codec.fatbin"), str(cuda.SOURCE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    log = proc.stdout + proc.stderr
+    _assert_clean_ptxas_log(proc.stdout + proc.stderr, ARCHS)
+
+
+def _assert_clean_ptxas_log(log: str, archs: tuple[str, ...]) -> None:
+    """ptxas -v output: every kernel instance built for every arch, no warning, no spill, no
+    stack frame (local memory)."""
     assert "warning" not in log.lower(), log[-4000:]
-    for arch in ARCHS:
+    for arch in archs:
         entries = re.findall(rf"Compiling entry function '(\w+)' for 'sm_{arch}'", log)
         # every instance the launcher can ask for is built
         assert len(entries) == len(cuda.name_expressions()), (arch, len(entries))
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stacks = re.findall(r"(\d+) bytes stack frame", log)
-    assert len(spills) == len(cuda.name_expressions()) * len(ARCHS)
+    assert len(spills) == len(cuda.name_expressions()) * len(archs)
     assert all(s == ("0", "0") for s in spills), "local-memory spills"
     assert all(s == "0" for s in stacks), "stack frames (local memory)"
 
@@ -57,7 +62,30 @@ def _cupy_or_skip():
         pytest.skip("CuPy sees no GPU")
 
 
-def test_cuda_sources_compile_with_nvrtc():
+def _nvrtc_or_skip() -> None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001 (no CuPy, or no libnvrtc)
+        pytest.skip(f"NVRTC is not available through CuPy ({type(exc).__name__}: {exc}); "
+                    "pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12")
+    if not cuda.include_dirs():
+        pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_sources_compile_with_nvrtc_without_spills(arch):
+    """The same source through NVRTC, as CuPy's RawModule compiles it at run time (no GPU is
+    needed to compile for a named architecture)."""
+    _nvrtc_or_skip()
+    build = cuda.compile_with_nvrtc(arch)
+    _assert_clean_ptxas_log(build.log, (arch,))
+    assert build.cubin[:4] == b"\x7fELF"
+    assert set(build.lowered) == set(cuda.name_expressions())
+    assert all(name.startswith("_Z") for name in build.lowered.values())
+
+
+def test_cuda_module_loads_every_kernel_on_the_gpu():
     _cupy_or_skip()
     module = cuda.module()
     for name in cuda.name_expressions():
@@ -116,3 +144,21 @@ def test_cuda_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error
     nan = torch.isnan(out_a)
     assert torch.equal(nan, torch.isnan(out_b.cpu()))
     assert torch.equal(out_a[~nan].view(torch.uint8), out_b.cpu()[~nan].view(torch.uint8))
+
+
+@given(data=st.binary(min_size=0, max_size=600), rows=st.integers(1, 3), m=st.integers(1, 300))
+@settings(max_examples=200, deadline=None)
+def test_cuda_decoder_fuzz_random_bytes_raise_cleanly(data, rows, m):
+    """Random bytes on the GPU are refused before any kernel reads them, as on the CPU."""
+    from lowbitcc.kernels import wire
+
+    _cupy_or_skip()
+    codec = ShardCodec(4, 64, 0, 7, 3, 99, "auto")
+    size = codec.message_bytes(m)
+    raw = (data * (rows * size // max(len(data), 1) + 1))[: rows * size] if data else b""
+    messages = torch.frombuffer(bytearray(raw.ljust(rows * size, b"\0")), dtype=torch.uint8)
+    messages = messages.view(rows, size).cuda()
+    with pytest.raises(wire.WireFormatError):
+        codec.decode_into(messages, m, list(range(rows)), torch.empty(rows * m, device="cuda"))
+    with pytest.raises(wire.WireFormatError):
+        codec.decode_sum(messages[:, : max(size - 4 * (len(data) % 3), 1)].contiguous(), m, 0)

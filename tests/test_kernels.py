@@ -31,6 +31,14 @@ def _same_state(a: ErrorState | None, b: ErrorState | None) -> bool:
         and same_scales
 
 
+def _assert_same_encoding(a, b) -> None:
+    assert torch.equal(a.messages, b.messages)
+    assert a.nonfinite == b.nonfinite
+    if not any(a.nonfinite):
+        assert _same_state(a.error, b.error)
+        assert b.residual_sq == pytest.approx(a.residual_sq, rel=1e-6, abs=1e-9)
+
+
 @given(
     rows=st.integers(1, 4), m=st.integers(1, 2500), bits=st.sampled_from([2, 4, 8]),
     group=st.sampled_from([8, 32, 128]), dtype=st.sampled_from(DTYPES),
@@ -59,15 +67,16 @@ def test_cpu_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_
                    error_dtype, stream)
     b = ker.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
                    error_dtype, stream)
-    assert torch.equal(a.messages, b.messages)
-    assert a.nonfinite == b.nonfinite
-    if not any(a.nonfinite):
-        assert _same_state(a.error, b.error)
-        assert b.residual_sq == pytest.approx(a.residual_sq, rel=1e-6, abs=1e-9)
+    _assert_same_encoding(a, b)
 
     total_a, nf_a = ref.decode_sum(a.messages[:1].repeat(3, 1), m, 0)
     total_b, nf_b = ker.decode_sum(a.messages[:1].repeat(3, 1), m, 0)
     assert torch.equal(total_a.view(torch.int32), total_b.view(torch.int32)) and nf_a == nf_b
+    for codec in (ref, ker):  # into a caller's buffer: the same values, in that buffer
+        out = torch.full((m,), 7.0)
+        into, _ = codec.decode_sum(a.messages[:1].repeat(3, 1), m, 0, out)
+        assert into.data_ptr() == out.data_ptr()
+        assert torch.equal(out.view(torch.int32), total_a.view(torch.int32))
     for out_dtype in DTYPES:
         out_a = torch.empty(numel, dtype=out_dtype)
         out_b = torch.empty(numel, dtype=out_dtype)
@@ -137,3 +146,89 @@ def test_stochastic_rounding_reproducible_from_seed():
         out.append(codec.encode(x, 1, 1000, 1.0, None, 0.0, [0], None).messages)
     assert torch.equal(out[0], out[1])
     assert not torch.equal(out[0], out[2])
+
+
+# Magnitudes that reach every branch of the vector path: ordinary, all-zero groups, groups
+# whose maximum is so small that its reciprocal scale overflows (the vector path hands those
+# back to the generic one), and values near the top of fp32.
+SCALES = [3.0, 0.0, 1e-39, 1e-30, 1e37]
+
+
+@given(
+    rows=st.integers(1, 3), groups=st.integers(1, 24), tail=st.sampled_from([0, 0, 0, 5, 77]),
+    bits=st.sampled_from([2, 4, 8]), error_dtype=st.sampled_from([None, "int8", "fp32"]),
+    with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
+    factor=st.sampled_from([1.0, 1 / 3]), scale=st.sampled_from(SCALES),
+    error_scale=st.sampled_from([0.1, 1e-39, 0.0]),
+    poison=st.sampled_from([None, None, "nan", "inf"]), seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=300, deadline=None)
+def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, bits, error_dtype,
+                                                   with_state, beta, factor, scale, error_scale,
+                                                   poison, seed):
+    """The explicit-SIMD encode (fp32, nearest rounding, group 128, no/int8/fp32 state; see
+    cpu_codec.cpp) gives the reference's bytes over three chained calls, so the LoCo blend
+    runs on a state the kernel itself wrote."""
+    gen = torch.Generator().manual_seed(seed)
+    m = groups * 128 + tail
+    x = torch.randn(rows * m, generator=gen) * scale
+    if poison is not None:
+        x[int(torch.randint(x.numel(), (1,), generator=gen))] = float(poison)
+    ref, ker = _codecs(bits, 128)
+    state_a = state_b = None
+    if error_dtype and with_state:
+        state_a = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * error_scale,
+                                    error_dtype, 128)
+        state_b = state_a.clone()
+    shards = list(range(rows))
+    for call in range(3):
+        a = ref.encode(x, rows, m, factor, state_a, beta, shards, error_dtype, call)
+        b = ker.encode(x, rows, m, factor, state_b, beta, shards, error_dtype, call)
+        _assert_same_encoding(a, b)
+        if any(a.nonfinite):
+            break
+        state_a, state_b = a.error, b.error
+        x = x * 0.5
+
+
+def test_cpu_codec_reports_its_vector_path():
+    """On an AVX-512 machine the build takes the explicit-SIMD encode; elsewhere the portable
+    loops run (both are checked against the reference above)."""
+    import re
+    from pathlib import Path
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has_avx512 = bool(re.search(r"\bavx512f\b", flags)) and bool(re.search(r"\bavx512vl\b", flags))
+    assert cpu.load().vector_path == ("avx512" if has_avx512 else "none")
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("bad", ["size", "dtype", "strided"])
+def test_decode_sum_rejects_an_unfit_output(impl, bad):
+    codec = ShardCodec(bits=4, group_size=128, dtype_code=0, seq=3, world=4, signature=11,
+                       impl=impl)
+    messages = codec.encode(torch.randn(1000), 1, 1000, 1.0, None, 0.0, [0], None).messages
+    out = {"size": torch.empty(999), "dtype": torch.empty(1000, dtype=torch.float64),
+           "strided": torch.empty(2000)[::2]}[bad]
+    with pytest.raises(ValueError, match="decode_sum: out must be"):
+        codec.decode_sum(messages, 1000, 0, out)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [8, 128])
+@pytest.mark.parametrize("m", [1, 127, 128, 1000])
+def test_encode_writes_every_byte_of_its_output(bits, group, m):
+    """Messages are allocated uninitialised (or given by the caller): a buffer full of a junk
+    pattern comes back with the same bytes as a fresh encode, for every implementation."""
+    x = torch.randn(3 * m - 1)
+    ref, ker = _codecs(bits, group)
+    fresh = ref.encode(x, 3, m, 1.0, None, 0.8, [0, 1, 2], "int8").messages
+    for codec in (ref, ker):
+        for junk in (0xAB, 0x55):
+            out = torch.full((3, ref.message_bytes(m)), junk, dtype=torch.uint8)
+            got = codec.encode(x, 3, m, 1.0, None, 0.8, [0, 1, 2], "int8", out=out).messages
+            assert got.data_ptr() == out.data_ptr()
+            assert torch.equal(got, fresh)
+    with pytest.raises(ValueError, match="out must be a contiguous uint8"):
+        ker.encode(x, 3, m, 1.0, None, 0.8, [0, 1, 2], "int8",
+                   out=torch.empty(3, ref.message_bytes(m) + 1, dtype=torch.uint8))

@@ -92,6 +92,7 @@ class ShardCodec:
         shard_ids: list[int],
         error_dtype: str | None,
         stream: int = 0,
+        out: torch.Tensor | None = None,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
@@ -99,16 +100,32 @@ class ShardCodec:
         state (None: feedback off, no state kept). ``error`` is consumed: the kernels update it
         in place. ``shard_ids[i]`` is the shard index written into row ``i``'s header. ``stream``
         selects the random bits of stochastic rounding: encodes of one call that must draw
-        independent bits (other ranks, other stages) pass different streams.
+        independent bits (other ranks, other stages) pass different streams. ``out`` (uint8
+        ``[rows, message_bytes(m)]``, contiguous, on the source's device), when given, receives
+        the messages: every byte of it is written.
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
         if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)
                                   or error.device != source.device):
             error = None
-        messages = torch.zeros(rows, self.message_bytes(m), dtype=torch.uint8, device=source.device)
-        keys = self.keys(stream)
         impl = self.impl_for(source)
+        shape = (rows, self.message_bytes(m))
+        if out is None:
+            # the CPU paths write every byte; the CUDA kernels leave the bytes of idle lanes
+            alloc = torch.zeros if impl == "cuda" else torch.empty
+            messages = alloc(shape, dtype=torch.uint8, device=source.device)
+        elif (tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous()
+              or out.device != source.device):
+            raise ValueError(f"ShardCodec.encode: out must be a contiguous uint8 tensor of shape "
+                             f"{shape} on {source.device}, got {out.dtype} {tuple(out.shape)} on "
+                             f"{out.device}")
+        else:
+            messages = out if impl != "cuda" else out.zero_()
+        ng = self.padded(m) // self.group_size
+        used = wire.HEADER_BYTES + ng * (4 + self.group_size * self.bits // 8)
+        messages[:, used:] = 0  # the row's padding to a multiple of 4 bytes
+        keys = self.keys(stream)
         if impl == "cuda":
             result = self._encode_cuda(source, rows, m, factor, error, beta, error_dtype, messages,
                                        keys)
@@ -203,22 +220,32 @@ class ShardCodec:
         messages[:, :wire.HEADER_BYTES] = headers.to(messages.device)
 
     # -- decode ---------------------------------------------------------------------------------
-    def decode_sum(self, messages: torch.Tensor, m: int, shard: int) -> tuple[torch.Tensor, bool]:
-        """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``."""
+    def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``.
+
+        ``out`` (fp32 ``[m]``, contiguous, on the messages' device), when given, receives the
+        sum and is returned; otherwise a new tensor is allocated."""
         nonfinite = self.check(messages, m, [shard] * messages.shape[0])
+        if out is not None and (out.numel() != m or out.dtype != torch.float32
+                                or not out.is_contiguous() or out.device != messages.device):
+            raise ValueError(f"decode_sum: out must be a contiguous float32 tensor of {m} elements "
+                             f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
+                             f"{out.device}")
         impl = self.impl_for(messages)
         if impl == "cuda":
             from lowbitcc.kernels import cuda
 
-            return cuda.decode_sum(messages, m, self.bits, self.group_size), nonfinite
+            return cuda.decode_sum(messages, m, self.bits, self.group_size, out), nonfinite
         if impl == "cpu":
             from lowbitcc.kernels import cpu
 
             total = cpu.load().decode_sum(messages, m, self.bits, self.group_size,
-                                          torch.get_num_threads())
+                                          torch.get_num_threads(),
+                                          torch.empty(0) if out is None else out.view(-1))
             return total, nonfinite
         values = self._decode_reference(messages, m)
-        total = values[0].clone()
+        total = values[0].clone() if out is None else out.view(-1).copy_(values[0])
         for row in values[1:]:
             total += row
         return total, nonfinite

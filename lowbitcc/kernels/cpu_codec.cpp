@@ -13,8 +13,15 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define LOCO_AVX512 1
+#endif
 
 #include "loco_codec.cuh"
 
@@ -82,8 +89,9 @@ inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
 enum Update : int { kKeepNothing = 0, kKeepResidual = 1, kDampResidual = 2, kBlend = 3 };
 
 // Quantizes the G compensated values y of a finite group into codes, writes the residuals to r
-// and replaces e by the new error (per UPDATE). Adds the squared residual and the squared y, per
-// lane, to rs and is (statistics only: their summation order differs from the reference's).
+// and replaces e by the new error (per UPDATE). Adds the squared residual and the squared y, in
+// fp64 per lane, to rs and is (statistics only: their summation order differs from the
+// reference's).
 template <bool SR, int UPDATE>
 inline void quantize_group(const float* __restrict y, float* __restrict e, float* __restrict r,
                            int8_t* __restrict codes, int G, const loco::GroupScale& s, float qf,
@@ -96,28 +104,211 @@ inline void quantize_group(const float* __restrict y, float* __restrict e, float
     const float t = SR ? loco::code_stochastic(v, inv, loco::uniform24(base + (uint32_t)j, k0, k1), qf)
                        : loco::code_nearest(v, inv, qf);
     codes[j] = (int8_t)t;
-    const float res = v - t * scale;  // t * scale == dequantize_one(code, scale)
+    const float res = loco::residual(v, t, scale);
     r[j] = res;
     if (UPDATE == kKeepResidual) e[j] = res;
     if (UPDATE == kDampResidual) e[j] = res * omb;
     if (UPDATE == kBlend) e[j] = e[j] * beta + res * omb;
   }
-  float r2[kStatLanes] = {0.0f}, y2[kStatLanes] = {0.0f};
   int j = 0;
   for (; j + kStatLanes <= G; j += kStatLanes)
     for (int k = 0; k < kStatLanes; ++k) {
-      r2[k] += r[j + k] * r[j + k];
-      y2[k] += y[j + k] * y[j + k];
+      rs[k] += (double)r[j + k] * (double)r[j + k];
+      is[k] += (double)y[j + k] * (double)y[j + k];
     }
   for (int k = 0; j + k < G; ++k) {
-    r2[k] += r[j + k] * r[j + k];
-    y2[k] += y[j + k] * y[j + k];
-  }
-  for (int k = 0; k < kStatLanes; ++k) {
-    rs[k] += r2[k];
-    is[k] += y2[k];
+    rs[k] += (double)r[j + k] * (double)r[j + k];
+    is[k] += (double)y[j + k] * (double)y[j + k];
   }
 }
+
+#ifdef LOCO_AVX512
+// AVX-512 form of encode_group for its common case: fp32 source, nearest rounding, G = 128 (the
+// whole group in 8 registers), no/int8/fp32 error state, a finite group. Each vector operation
+// is the 16-lane form of the same loco:: function, with the same IEEE operations in the same
+// order (the build has no FMA contraction), so the bytes are the generic path's; the property
+// tests check it against the reference. Anything else (and a non-finite group) returns false
+// before writing, and the generic path runs.
+namespace avx512 {
+
+#define LOCO_VEC_INLINE inline __attribute__((always_inline))
+
+constexpr int kV = 16;                  // fp32 lanes per register
+constexpr int kVecs = kFastGroup / kV;  // registers per group
+constexpr int kPrefetch = 8 * kFastGroup;  // source elements read ahead (may pass the end: a hint)
+
+LOCO_VEC_INLINE __m512i abs_bits(__m512 v) {
+  return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+}
+
+// group_amax over 8 registers: the unsigned max of the sign-cleared bit patterns, NaN if any
+// lane is NaN or +-Inf.
+LOCO_VEC_INLINE float amax(const __m512 (&v)[kVecs]) {
+  __m512i m = abs_bits(v[0]);
+  for (int i = 1; i < kVecs; ++i) m = _mm512_max_epu32(m, abs_bits(v[i]));
+  const uint32_t top = _mm512_reduce_max_epu32(m);
+  if (top >= 0x7f800000u) return loco::quiet_nan();
+  float out;
+  std::memcpy(&out, &top, sizeof(out));
+  return out;
+}
+
+// loco::code_nearest(y, inv, q) for the members y of the group whose scale gave inv:
+// roundscale(.., nearest) is rintf in the default rounding mode, and the clamp to [-q, q] there
+// never acts, so it is left out. Proof: |y| <= amax and inv = fl(q / amax) <= (q / amax)(1 + u),
+// u = 2^-24, so |fl(y * inv)| <= q (1 + u)^2 < q + 0.5 and rintf gives at most q; inv = 0 gives
+// 0. (Stochastic rounding, floor(t + u) with u up to 1, does need the clamp.)
+LOCO_VEC_INLINE __m512 code_nearest(__m512 y, __m512 inv) {
+  return _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+
+// acc[0..1] += v * v in fp64 (statistics: the fused multiply-add is fine here).
+LOCO_VEC_INLINE void square_add(__m512d (&acc)[2], __m512 v) {
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+  acc[0] = _mm512_fmadd_pd(lo, lo, acc[0]);
+  acc[1] = _mm512_fmadd_pd(hi, hi, acc[1]);
+}
+
+// acc[0..1] += v, widened to fp64.
+LOCO_VEC_INLINE void add_halves(__m512d (&acc)[2], __m512 v) {
+  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
+
+// Writes the 16 codes t (integral floats in [-q, q]) as loco::code_to_field fields.
+template <int BITS>
+LOCO_VEC_INLINE void pack16(__m512 t, uint8_t* out) {
+  const __m512i field = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(1 << (BITS - 1)));
+  if (BITS == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(field));
+  } else if (BITS == 4) {
+    // 64-bit lane = f_even | f_odd << 32; OR-ing in itself >> 28 puts f_even | f_odd << 4 in its
+    // low byte.
+    const __m512i pair = _mm512_or_si512(field, _mm512_srli_epi64(field, 28));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
+  } else {
+    // as above twice: 64-bit lanes give f0 | f1 << 2, then 128-bit pairs of them give 4 fields
+    const __m512i pair = _mm512_and_si512(_mm512_or_si512(field, _mm512_srli_epi64(field, 30)),
+                                          _mm512_set1_epi64(0xf));
+    const __m512i quad = _mm512_or_si512(pair, _mm512_bsrli_epi128(_mm512_slli_epi64(pair, 4), 8));
+    const __m512i lo = _mm512_maskz_compress_epi64(0x55, quad);  // lanes 0, 2, 4, 6
+    const __m128i bytes = _mm512_cvtepi64_epi8(lo);
+    std::memcpy(out, &bytes, 4);
+  }
+}
+
+template <int BITS, int MODE, int UPDATE>
+bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
+                  double* res_sq, double* in_sq) {
+  const int64_t off = gi * kFastGroup;
+  const bool with_error = MODE != kNoError && a.has_error;
+  __m512 y[kVecs], e[kVecs];
+  const __m512 factor = _mm512_set1_ps(a.factor);
+  for (int i = 0; i < kVecs; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + i * kV), _MM_HINT_T0);
+    y[i] = _mm512_loadu_ps(x + i * kV);
+    if (a.scale_input) y[i] = _mm512_mul_ps(y[i], factor);
+  }
+  if (with_error) {
+    if (MODE == kInt8) {
+      const __m512 s = _mm512_set1_ps(a.escales[gi]);
+      const int8_t* c = a.ecodes + off;
+      for (int i = 0; i < kVecs; ++i) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i * kV));
+        e[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
+      }
+    } else {
+      for (int i = 0; i < kVecs; ++i) e[i] = _mm512_loadu_ps(a.ef32 + off + i * kV);
+    }
+    for (int i = 0; i < kVecs; ++i) y[i] = _mm512_add_ps(y[i], e[i]);
+  }
+  const loco::GroupScale s = loco::group_scale(amax(y), loco::qmax(BITS));
+  if (!s.finite) return false;
+
+  uint8_t* row_msg = a.msgs + row * a.P;
+  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + gcol * kFastGroup * BITS / 8;
+  const __m512 inv = _mm512_set1_ps(s.inv), scale = _mm512_set1_ps(s.scale);
+  const __m512 beta = _mm512_set1_ps(a.beta), omb = _mm512_set1_ps(a.omb);
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 r2 = zero, y2 = zero;  // fp32 sums of squares over the group, lane-wise
+  for (int i = 0; i < kVecs; ++i) {
+    const __m512 t = code_nearest(y[i], inv);
+    pack16<BITS>(t, packed + i * kV * BITS / 8);
+    const __m512 res = _mm512_sub_ps(y[i], _mm512_mul_ps(_mm512_add_ps(t, zero), scale));
+    r2 = _mm512_add_ps(r2, _mm512_mul_ps(res, res));
+    y2 = _mm512_add_ps(y2, _mm512_mul_ps(y[i], y[i]));
+    if (UPDATE == kKeepResidual) e[i] = res;
+    if (UPDATE == kDampResidual) e[i] = _mm512_mul_ps(res, omb);
+    if (UPDATE == kBlend) e[i] = _mm512_add_ps(_mm512_mul_ps(e[i], beta), _mm512_mul_ps(res, omb));
+  }
+  __m512d rd[2] = {_mm512_loadu_pd(res_sq), _mm512_loadu_pd(res_sq + 8)};
+  __m512d yd[2] = {_mm512_loadu_pd(in_sq), _mm512_loadu_pd(in_sq + 8)};
+  if (_mm512_cmp_ps_mask(_mm512_add_ps(r2, y2), _mm512_set1_ps(3.4028234663852886e38f),
+                         _CMP_GT_OQ)) {
+    // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
+    for (int i = 0; i < kVecs; ++i) {
+      const __m512 t = code_nearest(y[i], inv);
+      square_add(rd, _mm512_sub_ps(y[i], _mm512_mul_ps(_mm512_add_ps(t, zero), scale)));
+      square_add(yd, y[i]);
+    }
+  } else {
+    add_halves(rd, r2);
+    add_halves(yd, y2);
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm512_storeu_pd(res_sq + 8 * h, rd[h]);
+    _mm512_storeu_pd(in_sq + 8 * h, yd[h]);
+  }
+
+  if (MODE == kFp32) {
+    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(a.ef32 + off + i * kV, e[i]);
+  } else if (MODE == kInt8) {
+    const loco::GroupScale es = loco::group_scale(amax(e), 127);
+    int8_t* c = a.ecodes + off;
+    if (es.finite) {
+      const __m512 einv = _mm512_set1_ps(es.inv);
+      for (int i = 0; i < kVecs; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i * kV),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code_nearest(e[i], einv))));
+    } else {
+      _mm512_storeu_si512(c, _mm512_setzero_si512());
+      _mm512_storeu_si512(c + 64, _mm512_setzero_si512());
+    }
+    a.escales[gi] = es.scale;
+  }
+  return true;
+}
+
+// encode_group's dispatch onto the vector path; false: not its case, run the generic path.
+template <typename T, int BITS, int MODE, bool SR, int GS>
+LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t gi, int64_t row,
+                             int64_t gcol, int64_t valid, double* rs, double* is) {
+  if constexpr (std::is_same_v<T, float> && !SR && GS == kFastGroup && MODE != kBf16) {
+    if (valid != kFastGroup) return false;
+    const bool with_error = MODE != kNoError && a.has_error;
+    const int update = MODE == kNoError ? kKeepNothing
+                       : a.beta == 0.0f  ? kKeepResidual
+                       : with_error      ? kBlend
+                                         : kDampResidual;
+    switch (update) {
+      case kKeepNothing: return encode_group<BITS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
+      case kKeepResidual: return encode_group<BITS, MODE, kKeepResidual>(x, a, gi, row, gcol, rs, is);
+      case kDampResidual: return encode_group<BITS, MODE, kDampResidual>(x, a, gi, row, gcol, rs, is);
+      default: return encode_group<BITS, MODE, kBlend>(x, a, gi, row, gcol, rs, is);
+    }
+  } else {
+    return false;
+  }
+}
+
+}  // namespace avx512
+constexpr bool kVectorPath = true;
+#else
+constexpr bool kVectorPath = false;
+#endif
 
 // Encodes group gi of the source; returns false if the group is non-finite.
 // Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
@@ -132,6 +323,10 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   const int64_t base = row * a.m + col0;
   const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
   const T* x = src + base;
+#ifdef LOCO_AVX512
+  if (avx512::try_encode_group<T, BITS, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
+    return true;
+#endif
   const int64_t off = gi * G;
   const bool with_error = MODE != kNoError && a.has_error;
   if (valid == G) {
@@ -351,11 +546,15 @@ void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int6
               "message rows too short for ", m, " elements");
 }
 
+// `out`: fp32 [m] to write, or an empty tensor to allocate one.
 torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
-                         int64_t threads) {
+                         int64_t threads, torch::Tensor out) {
   check_messages(messages, m, bits, G);
   const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
-  torch::Tensor out = torch::empty({m}, torch::kFloat);
+  if (out.numel() == 0) out = torch::empty({m}, torch::kFloat);
+  TORCH_CHECK(out.numel() == m && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.device().is_cpu(), "decode_sum: out must be a contiguous fp32 CPU tensor of ", m,
+              " elements");
   float* o = out.data_ptr<float>();
   const uint8_t* msgs = messages.data_ptr<uint8_t>();
 #pragma omp parallel num_threads((int)threads)
@@ -415,4 +614,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("encode", &encode, "fused compensate + quantize + pack + error update");
   module.def("decode_sum", &decode_sum, "decode k messages of one shard, sum in row order");
   module.def("decode_into", &decode_into, "decode k messages into a flat output, cast");
+  module.attr("vector_path") = kVectorPath ? "avx512" : "none";
 }

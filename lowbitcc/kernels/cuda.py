@@ -8,6 +8,9 @@ torch's current CUDA stream. Layouts and arguments are those of the C++ CPU code
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +41,59 @@ def name_expressions() -> list[str]:
     return names
 
 
+def include_dirs() -> list[str]:
+    """Directories holding the CUDA headers the source includes (``cuda_bf16.h``,
+    ``cuda_fp16.h``): the ``nvidia-cuda-runtime-cu12`` wheel's, then ``$CUDA_PATH``,
+    ``$CUDA_HOME`` and ``/usr/local/cuda``; only those that exist."""
+    found = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found.append(Path(root) / "cuda_runtime" / "include")
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            found.append(Path(os.environ[var]) / "include")
+    found.append(Path("/usr/local/cuda/include"))
+    return [str(d) for d in found if (d / "cuda_bf16.h").exists()]
+
+
+def options() -> tuple[str, ...]:
+    return (*OPTIONS, *(f"-I{d}" for d in include_dirs()))
+
+
+@dataclass
+class NvrtcBuild:
+    """One NVRTC compilation of the CUDA codec for a real architecture (no GPU needed)."""
+
+    arch: str
+    cubin: bytes
+    log: str
+    lowered: dict[str, str]  # name expression -> mangled kernel name
+
+
+def compile_with_nvrtc(arch: str, ptxas_verbose: bool = True) -> NvrtcBuild:
+    """Compile `SOURCE` with NVRTC (CuPy's binding) to a cubin for ``sm_<arch>``, with every
+    instance of `name_expressions`. Raises RuntimeError with NVRTC's log on a compile error,
+    ImportError without CuPy."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(SOURCE.read_text(), SOURCE.name, [], [])
+    try:
+        for name in name_expressions():
+            nvrtc.addNameExpression(prog, name)
+        flags = [*options(), f"-arch=sm_{arch}"]
+        if ptxas_verbose:
+            flags.append("--ptxas-options=-v")
+        try:
+            nvrtc.compileProgram(prog, flags)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed for sm_{arch}: {exc}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        return NvrtcBuild(arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog),
+                          {n: nvrtc.getLoweredName(prog, n) for n in name_expressions()})
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 @functools.cache
 def cupy() -> ModuleType | None:
     """CuPy, or None when it is not installed or sees no GPU."""
@@ -58,7 +114,7 @@ def module():  # noqa: ANN201 (cupy.RawModule)
     cp = cupy()
     if cp is None:
         raise RuntimeError("lowbitcc: the CUDA codec needs CuPy and a GPU")
-    return cp.RawModule(code=SOURCE.read_text(), options=OPTIONS,
+    return cp.RawModule(code=SOURCE.read_text(), options=options(),
                         name_expressions=name_expressions())
 
 
@@ -101,8 +157,10 @@ def encode(source: torch.Tensor, rows: int, m: int, factor: float, messages: tor
     return flags, rs, ys
 
 
-def decode_sum(messages: torch.Tensor, m: int, bits: int, group: int) -> torch.Tensor:
-    out = torch.empty(m, dtype=torch.float32, device=messages.device)
+def decode_sum(messages: torch.Tensor, m: int, bits: int, group: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(m, dtype=torch.float32, device=messages.device)
     kernel = module().get_function(f"loco_cuda::decode_sum<{bits}>")
     with _stream():
         kernel((-(-m // THREADS),), (THREADS,),

@@ -133,10 +133,10 @@ __global__ void encode(const T* __restrict__ src, long long numel, long long row
       code = SR ? loco::code_stochastic(
                       y[t], s.inv, loco::uniform24((unsigned)(off + first + t), a.k0, a.k1), qf)
                 : loco::code_nearest(y[t], s.inv, qf);
-      const float r = __fsub_rn(y[t], __fmul_rn(code, s.scale));
+      const float r = loco::residual(y[t], code, s.scale);
       if (active) {
-        rs += (double)__fmul_rn(r, r);
-        is += (double)__fmul_rn(y[t], y[t]);
+        rs += (double)r * (double)r;
+        is += (double)y[t] * (double)y[t];
       }
       if (MODE != kNoError) e[t] = loco::update_error(e[t], r, a.beta, a.omb, with_error);
       etop = max(etop, __float_as_uint(e[t]) & 0x7fffffffu);

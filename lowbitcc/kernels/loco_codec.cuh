@@ -44,7 +44,8 @@ LOCO_HD float amax_step(float amax, float v) {
   return (a > amax || a != a) ? a : amax;
 }
 
-// Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0);
+// Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0, and 0
+// when q / amax overflows: a group that small encodes as all-zero codes, never as 0 * inf);
 // a non-finite group gets scale NaN and inv 0 (all its codes are 0).
 struct GroupScale {
   float scale;
@@ -57,7 +58,8 @@ LOCO_HD GroupScale group_scale(float amax, int q) {
   s.finite = finite(amax);
   float qf = (float)q;
   s.scale = s.finite ? amax / qf : quiet_nan();
-  s.inv = (s.finite && amax > 0.0f) ? qf / amax : 0.0f;
+  const float inv = (s.finite && amax > 0.0f) ? qf / amax : 0.0f;
+  s.inv = finite(inv) ? inv : 0.0f;
   return s;
 }
 
@@ -98,6 +100,14 @@ LOCO_HD float uniform24(uint32_t index, uint32_t k0, uint32_t k1) {
 }
 
 LOCO_HD float dequantize_one(int code, float scale) { return (float)code * scale; }
+
+// dequantize_one for a code still held as an integral float t (from code_nearest or
+// code_stochastic): t + 0.0f turns a -0 code into +0, as the integer code would be, so that
+// the residual of a zero code keeps the sign the reference gives it.
+LOCO_HD float dequantize_code(float t, float scale) { return (t + 0.0f) * scale; }
+
+// r = y - deQ(q), for the code t of y.
+LOCO_HD float residual(float y, float t, float scale) { return y - dequantize_code(t, scale); }
 
 // Stored form of a code: u = code + 2^(b-1), b bits, element k of a byte at bits b*k.
 LOCO_HD uint32_t code_to_field(int code, int bits) {

@@ -6,7 +6,9 @@ Quantizer (symmetric, one fp32 scale per group of ``G`` consecutive elements, ``
 
 1. ``amax = max(|y|)`` over the group (fp32).
 2. ``qmax = 2**(b-1) - 1`` (1, 7 or 127); ``scale = amax / qmax``; ``inv = qmax / amax``
-   (``inv = 0`` when ``amax == 0``). Both are single fp32 divisions, correctly rounded.
+   (``inv = 0`` when ``amax == 0`` or when the division overflows, i.e. ``amax`` below about
+   ``qmax / 3.4e38``: such a group's codes are all 0). Both are single fp32 divisions,
+   correctly rounded.
 3. ``code = clamp(round_half_even(y * inv), -qmax, qmax)`` (one fp32 multiply, no FMA); with
    stochastic rounding ``code = clamp(floor(y * inv + u), -qmax, qmax)``, the product and the sum
    each rounded to fp32, ``u = uniform24(i, k0, k1)`` for element ``i`` of the ``[groups, G]``
@@ -82,7 +84,8 @@ def quantize(
     # reciprocal-then-multiply, which rounds twice)
     qt = torch.full_like(amax, q)
     scale = torch.where(finite, amax / qt, torch.full_like(amax, float("nan")))
-    inv = torch.where(finite & nonzero, qt / torch.where(nonzero, amax, 1.0), 0.0)
+    inv = qt / torch.where(nonzero, amax, 1.0)
+    inv = torch.where(finite & nonzero & torch.isfinite(inv), inv, 0.0)
     t = y * inv[:, None]
     if keys is None:
         codes = torch.round(t)
@@ -90,7 +93,8 @@ def quantize(
         codes = torch.floor(t + uniform24(y.numel(), *keys, device=y.device).view_as(y))
     codes = codes.clamp_(-q, q)
     codes = torch.where(finite[:, None], codes, 0.0)
-    # NaN in a finite group is impossible (amax would be NaN), so the cast is well defined.
+    # NaN in a finite group is impossible (amax would be NaN, and inv is finite, so y * inv is
+    # never 0 * inf), so the cast is well defined.
     return codes.to(CODE_DTYPE), scale
 
 
