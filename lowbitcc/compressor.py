@@ -3,7 +3,7 @@
 A schedule sees only these operations, on shard sources (see `kernels.codec`):
 ``encode(stage, source, shard_ids)`` compensates the source with the error state of
 ``(key, stage)``, quantizes and frames it; ``decode_sum`` and ``decode_into`` validate and decode
-received messages. New error states are kept until `finish`, which stores them, or drops every
+received messages; ``scratch`` lends a reusable fp32 buffer. New error states are kept until `finish`, which stores them, or drops every
 stage's state if anything in the call was non-finite. Error state, statistics and the codec stay
 out of the schedule.
 """
@@ -23,6 +23,25 @@ from lowbitcc.kernels.codec import ShardCodec
 from lowbitcc.kernels.error_state import ErrorState
 
 
+class Scratch:
+    """One reusable fp32 buffer per device, grown to the largest request and kept.
+
+    Owned by one process group and used only by its worker thread, which runs calls one at a
+    time: a view from `fp32` is valid until the next `fp32` call. It exists because a fresh
+    tensor above glibc's mmap threshold (32 MiB) page-faults on every call.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def fp32(self, n: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=torch.float32, device=device)
+            self._buffers[device] = buf
+        return buf[:n]
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """``rows`` rows of ``m`` elements of flat ``tensor`` (zero past its end), times ``factor``."""
@@ -38,9 +57,10 @@ class CallCompressor:
 
     def __init__(
         self, codec: ShardCodec, config: LocoConfig, store: FeedbackStore, key: str, stats: Stats,
-        rank: int = 0,
+        rank: int = 0, scratch: Scratch | None = None,
     ) -> None:
         self.rank = rank
+        self._scratch = scratch
         self.codec = codec
         self.config = config
         self.store = store
@@ -74,9 +94,17 @@ class CallCompressor:
         )
         return result.messages
 
-    def decode_sum(self, messages: torch.Tensor, m: int, shard: int) -> torch.Tensor:
+    def scratch(self, n: int, device: torch.device) -> torch.Tensor:
+        """fp32 ``[n]`` to decode into, valid until the next `scratch` call of this group."""
+        if self._scratch is None:
+            return torch.empty(n, dtype=torch.float32, device=device)
+        return self._scratch.fp32(n, device)
+
+    def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given."""
         start = time.perf_counter()
-        total, nonfinite = self.codec.decode_sum(messages, m, shard)
+        total, nonfinite = self.codec.decode_sum(messages, m, shard, out)
         self.nonfinite |= nonfinite
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return total

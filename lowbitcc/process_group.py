@@ -32,7 +32,7 @@ from lowbitcc import algorithms, policy, topology
 from lowbitcc.backends.base import MeteredTransport
 from lowbitcc.backends.gloo import GlooTransport
 from lowbitcc.backends.links import Links
-from lowbitcc.compressor import CallCompressor, Source
+from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.feedback import FeedbackStore
 from lowbitcc.kernels import wire
@@ -146,6 +146,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._closed = False
         self._codec_impl = _codec_impl(config.codec)
+        self._scratch = Scratch()  # the worker thread's decode buffer
         self._worker = threading.Thread(
             target=self._run, name=f"lowbitcc-worker-r{rank}", daemon=True
         )
@@ -427,7 +428,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                 seq=seq, world=n, signature=wire.call_signature(collective, numel, source.dtype),
                 impl=self._codec_impl, rounding=cfg.rounding, seed=cfg.seed,
             )
-            comp = CallCompressor(codec, cfg, FEEDBACK, key, STATS, rank=self.rank())
+            comp = CallCompressor(codec, cfg, FEEDBACK, key, STATS, rank=self.rank(),
+                                  scratch=self._scratch)
             flat = source.detach().reshape(-1).contiguous()
             run(Source(flat, n, m, factor), comp)
             comp.finish()

@@ -41,20 +41,25 @@ def _pipeline(
     source: Source, comp: CallCompressor, transport: Transport, ranges: list[tuple[int, int]],
     on_reduced: Callable[[int, int, int, torch.Tensor], Pending | None],
     on_gathered: Callable[[int, int, int, torch.Tensor], None] | None, prefix: str = "",
+    dest: Callable[[int, int], torch.Tensor] | None = None,
 ) -> None:
     """Run the reduce-scatter of every chunk (column ``ranges``, from `chunks`), one transfer in
     flight while the next is encoded.
 
-    ``on_reduced(k, a, b, reduced)`` gets chunk ``k``'s reduced own row (fp32 ``[b - a]``) and may
-    start a second transfer, whose result goes to ``on_gathered(k, a, b, received)``.
+    Chunk ``k``'s reduced own row (fp32 ``[b - a]``) is decoded into ``dest(a, b)`` (default: the
+    compressor's scratch, so ``on_reduced`` must consume it before returning); then
+    ``on_reduced(k, a, b, reduced)`` gets it and may start a second transfer, whose result goes
+    to ``on_gathered(k, a, b, received)``.
     """
+    device = source.tensor.device
+    dest = dest or (lambda a, b: comp.scratch(b - a, device))
     rank = transport.rank
     scattering: collections.deque = collections.deque()
     gathering: collections.deque = collections.deque()
 
     def reduce_oldest() -> None:
         k, a, b, pending = scattering.popleft()
-        reduced = comp.decode_sum(pending.wait(), b - a, rank)
+        reduced = comp.decode_sum(pending.wait(), b - a, rank, dest(a, b))
         second = on_reduced(k, a, b, reduced)
         if second is not None:
             gathering.append((k, a, b, second))
@@ -82,12 +87,8 @@ def reduce_scatter(source: Source, comp: CallCompressor, transport: Transport,
     """Sum over ranks of row ``transport.rank`` of ``source``: fp32 ``[m]``. ``prefix`` goes
     before the stage names (a schedule that runs this one inside names its own stages)."""
     out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
-
-    def keep(k: int, a: int, b: int, reduced: torch.Tensor) -> None:
-        out[a:b] = reduced
-
-    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size), keep, None,
-              prefix)
+    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
+              lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
     return out
 
 
