@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -135,7 +136,7 @@ namespace avx512 {
 
 constexpr int kV = 16;                  // fp32 lanes per register
 constexpr int kVecs = kFastGroup / kV;  // registers per group
-constexpr int kPrefetch = 8 * kFastGroup;  // source elements read ahead (may pass the end: a hint)
+constexpr int kPrefetch = 8 * kFastGroup;  // source elements read ahead
 
 LOCO_VEC_INLINE __m512i abs_bits(__m512 v) {
   return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
@@ -161,7 +162,6 @@ LOCO_VEC_INLINE float amax(const __m512 (&v)[kVecs]) {
 LOCO_VEC_INLINE __m512 code_nearest(__m512 y, __m512 inv) {
   return _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-
 
 // acc[0..1] += v * v in fp64 (statistics: the fused multiply-add is fine here).
 LOCO_VEC_INLINE void square_add(__m512d (&acc)[2], __m512 v) {
@@ -207,7 +207,10 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
   __m512 y[kVecs], e[kVecs];
   const __m512 factor = _mm512_set1_ps(a.factor);
   for (int i = 0; i < kVecs; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + i * kV), _MM_HINT_T0);
+    // an address, not a pointer into the source: it may lie past its end (a prefetch is a hint)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(x) +
+                                               sizeof(float) * (kPrefetch + i * kV)),
+                 _MM_HINT_T0);
     y[i] = _mm512_loadu_ps(x + i * kV);
     if (a.scale_input) y[i] = _mm512_mul_ps(y[i], factor);
   }
@@ -304,6 +307,7 @@ LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t g
   }
 }
 
+#undef LOCO_VEC_INLINE
 }  // namespace avx512
 constexpr bool kVectorPath = true;
 #else
