@@ -12,6 +12,22 @@ def rank_input(rank: int, n: int, salt: int = 0, dtype: torch.dtype = torch.floa
     return (torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank).to(dtype)
 
 
+def codec_case(gen: torch.Generator, numel: int, dtype: torch.dtype, poison: str | None,
+               error_dtype: str | None, with_state: bool, state_numel: int, group: int):
+    """A codec property test's input: ``numel`` Gaussian values (sd 3) in ``dtype``, one of them
+    set to ``poison`` ("nan"/"inf") if given, and an error state of ``state_numel`` elements
+    (sd 0.1) when ``error_dtype`` and ``with_state``, else None. Returns ``(x, state)``."""
+    from lowbitcc.kernels.error_state import ErrorState
+
+    x = (torch.randn(numel, generator=gen) * 3).to(dtype)
+    if poison is not None:
+        x[int(torch.randint(numel, (1,), generator=gen))] = float(poison)
+    state = None
+    if error_dtype and with_state:
+        state = ErrorState.encode(torch.randn(state_numel, generator=gen) * 0.1, error_dtype, group)
+    return x, state
+
+
 def group_amax(x: torch.Tensor, rows: int, group: int = 128) -> torch.Tensor:
     """Per element, the max |x| of the quantization group it falls in, for a layout of ``rows``
     rows of ``ceil(n / rows)`` elements each quantized in groups of ``group``."""

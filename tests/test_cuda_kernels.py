@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from lowbitcc.kernels import cuda
 from lowbitcc.kernels.codec import ShardCodec
 from lowbitcc.kernels.error_state import ErrorState
+from numerics import codec_case
 
 ARCHS = ("80", "90")
 
@@ -108,17 +109,11 @@ def test_cuda_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error
                                               with_state, beta, factor, poison, seed, rounding):
     _cupy_or_skip()
     gen = torch.Generator().manual_seed(seed)
-    numel = rows * m - (m // 3)
-    x = (torch.randn(max(numel, 1), generator=gen) * 3).to(dtype)
-    if poison is not None:
-        x[int(torch.randint(x.numel(), (1,), generator=gen))] = float(poison)
     args = dict(bits=bits, group_size=group, dtype_code=0, seq=5, world=4, signature=3,
                 rounding=rounding, seed=seed)
     ref, ker = ShardCodec(impl="reference", **args), ShardCodec(impl="auto", **args)
-    state = None
-    if error_dtype and with_state:
-        state = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
-                                  error_dtype, group)
+    x, state = codec_case(gen, max(rows * m - (m // 3), 1), dtype, poison, error_dtype,
+                          with_state, rows * ref.padded(m), group)
     shards = list(range(rows))
     a = ref.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
                    error_dtype, 77)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from lowbitcc.kernels import cpu
 from lowbitcc.kernels.codec import ShardCodec
 from lowbitcc.kernels.error_state import ErrorState
+from numerics import codec_case
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU codec could not be built")
 
@@ -54,14 +55,9 @@ def test_cpu_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_
                                              rounding, stream):
     gen = torch.Generator().manual_seed(seed)
     numel = max(1, rows * m - short * (m // 2))  # the last row may be partly past the end
-    x = (torch.randn(numel, generator=gen) * 3).to(dtype)
-    if poison is not None:
-        x[int(torch.randint(numel, (1,), generator=gen))] = float(poison)
     ref, ker = _codecs(bits, group, rounding, seed)
-    state = None
-    if error_dtype and with_state:
-        state = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
-                                  error_dtype, group)
+    x, state = codec_case(gen, numel, dtype, poison, error_dtype, with_state,
+                          rows * ref.padded(m), group)
     shards = list(range(rows))
     a = ref.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
                    error_dtype, stream)

@@ -122,9 +122,7 @@ class ShardCodec:
                              f"{out.device}")
         else:
             messages = out if impl != "cuda" else out.zero_()
-        ng = self.padded(m) // self.group_size
-        used = wire.HEADER_BYTES + ng * (4 + self.group_size * self.bits // 8)
-        messages[:, used:] = 0  # the row's padding to a multiple of 4 bytes
+        messages[:, wire.used_bytes(m, self.bits, self.group_size):] = 0  # the row's padding
         keys = self.keys(stream)
         if impl == "cuda":
             result = self._encode_cuda(source, rows, m, factor, error, beta, error_dtype, messages,

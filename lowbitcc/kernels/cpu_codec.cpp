@@ -89,6 +89,16 @@ inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
 // e' = e * beta + r * (1 - beta).
 enum Update : int { kKeepNothing = 0, kKeepResidual = 1, kDampResidual = 2, kBlend = 3 };
 
+// The update case of a call with error storage MODE (loco::update_error's branches).
+template <int MODE>
+inline int update_case(const EncodeArgs& a) {
+  const bool with_error = MODE != kNoError && a.has_error;
+  return MODE == kNoError ? kKeepNothing
+         : a.beta == 0.0f ? kKeepResidual
+         : with_error     ? kBlend
+                          : kDampResidual;
+}
+
 // Quantizes the G compensated values y of a finite group into codes, writes the residuals to r
 // and replaces e by the new error (per UPDATE). Adds the squared residual and the squared y, in
 // fp64 per lane, to rs and is (statistics only: their summation order differs from the
@@ -163,6 +173,11 @@ LOCO_VEC_INLINE __m512 code_nearest(__m512 y, __m512 inv) {
   return _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+// loco::residual: y - (t + 0) * scale.
+LOCO_VEC_INLINE __m512 residual(__m512 y, __m512 t, __m512 scale) {
+  return _mm512_sub_ps(y, _mm512_mul_ps(_mm512_add_ps(t, _mm512_setzero_ps()), scale));
+}
+
 // acc[0..1] += v * v in fp64 (statistics: the fused multiply-add is fine here).
 LOCO_VEC_INLINE void square_add(__m512d (&acc)[2], __m512 v) {
   const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
@@ -235,12 +250,11 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
   uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + gcol * kFastGroup * BITS / 8;
   const __m512 inv = _mm512_set1_ps(s.inv), scale = _mm512_set1_ps(s.scale);
   const __m512 beta = _mm512_set1_ps(a.beta), omb = _mm512_set1_ps(a.omb);
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 r2 = zero, y2 = zero;  // fp32 sums of squares over the group, lane-wise
+  __m512 r2 = _mm512_setzero_ps(), y2 = _mm512_setzero_ps();  // fp32 sums of squares over the group, lane-wise
   for (int i = 0; i < kVecs; ++i) {
     const __m512 t = code_nearest(y[i], inv);
     pack16<BITS>(t, packed + i * kV * BITS / 8);
-    const __m512 res = _mm512_sub_ps(y[i], _mm512_mul_ps(_mm512_add_ps(t, zero), scale));
+    const __m512 res = residual(y[i], t, scale);
     r2 = _mm512_add_ps(r2, _mm512_mul_ps(res, res));
     y2 = _mm512_add_ps(y2, _mm512_mul_ps(y[i], y[i]));
     if (UPDATE == kKeepResidual) e[i] = res;
@@ -253,8 +267,7 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
                          _CMP_GT_OQ)) {
     // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
     for (int i = 0; i < kVecs; ++i) {
-      const __m512 t = code_nearest(y[i], inv);
-      square_add(rd, _mm512_sub_ps(y[i], _mm512_mul_ps(_mm512_add_ps(t, zero), scale)));
+      square_add(rd, residual(y[i], code_nearest(y[i], inv), scale));
       square_add(yd, y[i]);
     }
   } else {
@@ -291,12 +304,7 @@ LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t g
                              int64_t gcol, int64_t valid, double* rs, double* is) {
   if constexpr (std::is_same_v<T, float> && !SR && GS == kFastGroup && MODE != kBf16) {
     if (valid != kFastGroup) return false;
-    const bool with_error = MODE != kNoError && a.has_error;
-    const int update = MODE == kNoError ? kKeepNothing
-                       : a.beta == 0.0f  ? kKeepResidual
-                       : with_error      ? kBlend
-                                         : kDampResidual;
-    switch (update) {
+    switch (update_case<MODE>(a)) {
       case kKeepNothing: return encode_group<BITS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
       case kKeepResidual: return encode_group<BITS, MODE, kKeepResidual>(x, a, gi, row, gcol, rs, is);
       case kDampResidual: return encode_group<BITS, MODE, kDampResidual>(x, a, gi, row, gcol, rs, is);
@@ -373,11 +381,7 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
     return false;
   }
   const float qf = (float)loco::qmax(BITS);
-  const int update = MODE == kNoError ? kKeepNothing
-                     : a.beta == 0.0f  ? kKeepResidual
-                     : with_error      ? kBlend
-                                       : kDampResidual;
-  switch (update) {
+  switch (update_case<MODE>(a)) {
     case kKeepNothing: quantize_group<SR, kKeepNothing>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
     case kKeepResidual: quantize_group<SR, kKeepResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
     case kDampResidual: quantize_group<SR, kDampResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;

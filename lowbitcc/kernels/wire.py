@@ -43,11 +43,15 @@ def ngroups(numel: int, group_size: int) -> int:
     return -(-numel // group_size)
 
 
-def payload_bytes(numel: int, bits: int, group_size: int) -> int:
-    """Size in bytes of one shard message of ``numel`` elements."""
+def used_bytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes of one shard message that carry header, scales and codes (before its padding)."""
     ng = ngroups(numel, group_size)
-    raw = HEADER_BYTES + 4 * ng + ng * group_size * bits // 8
-    return -(-raw // 4) * 4
+    return HEADER_BYTES + 4 * ng + ng * group_size * bits // 8
+
+
+def payload_bytes(numel: int, bits: int, group_size: int) -> int:
+    """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 4."""
+    return -(-used_bytes(numel, bits, group_size) // 4) * 4
 
 
 _SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes
