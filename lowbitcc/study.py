@@ -209,7 +209,12 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            model = DDP(model)
+            # PowerSGD's hook issues a bucket's second and third all-reduce from the future
+            # callbacks of its first. DDP's default small first bucket makes two buckets, and
+            # when the ranks drift apart in time they issue those calls in different orders:
+            # gloo aborts ("Received data size doesn't match expected size"). One bucket (an
+            # explicit cap turns the small first bucket off) leaves one order.
+            model = DDP(model, bucket_cap_mb=64 if variant.hook == "powersgd" else None)
             if variant.hook == "fp16":
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
