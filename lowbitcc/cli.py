@@ -28,13 +28,22 @@ def _study(args: argparse.Namespace) -> int:
 
     cfg = study.StudyConfig(steps=args.steps, world=args.np, **(study.QUICK if args.quick else {}))
     try:
-        result = study.run(args.variants or study.DEFAULT_VARIANTS, args.seeds, cfg,
-                           out_dir=args.out,
-                           extra_seed_variants=args.extra_seed_variants or study.EXTRA_SEED_VARIANTS)
+        result = study.run(args.variants or study.DEFAULT_VARIANTS,
+                           args.seeds or study.DEFAULT_SEEDS, cfg, out_dir=args.out,
+                           extra_seed_variants=args.extra_seed_variants or study.EXTRA_SEED_VARIANTS,
+                           tracked=study.DEFAULT_TRACKED if args.track is None else args.track)
     except ValueError as exc:
         logging.getLogger("lowbitcc").error("%s", exc)
         return 2
     print(study.format_table(result["summary"]))
+    if result["across_seeds"]:
+        print()
+        print(study.format_across_seeds(result["across_seeds"]))
+    if "tracking" in result:
+        from lowbitcc import tracking
+
+        print()
+        print(tracking.format_table(result["tracking"]["summary"]))
     return 0
 
 
@@ -103,10 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     st.add_argument("--variants", nargs="+",
                     help="variants to run (default: all; an unknown name lists the known ones)")
-    st.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
-                    help="seeds; all variants run the first (default 0 1)")
+    st.add_argument("--seeds", type=int, nargs="+",
+                    help="seeds; all variants run the first (default 0 1 2)")
     st.add_argument("--extra-seed-variants", nargs="+",
-                    help="variants run for the other seeds too (default: exact loco4 loco4-nofb)")
+                    help="variants run for the other seeds too (default: exact loco4 loco4-nofb "
+                    "loco4-g64)")
+    st.add_argument("--track", nargs="*",
+                    help="variants measured on exact's gradient stream of the first seed (default: "
+                    "loco4 loco4-ef loco4-nofb loco4-g64 loco8 loco2; none given: skip)")
     st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
     st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
     st.set_defaults(func=_study)

@@ -7,16 +7,19 @@ variant, with the same seed, initial weights and data order for every variant:
 - ``exact``: gloo, fp32 all-reduce (the reference);
 - ``loco4``, ``loco4-ef``, ``loco4-nofb``, ``loco8``, ``loco2``: the "loco" backend at 4 bits
   with LoCo (beta 0.8), classic error feedback (beta 0), no feedback; 8 and 2 bits with LoCo;
+- ``loco4-g64``: 4-bit LoCo with one scale per 64 elements instead of the default 128 (0.25
+  bits more per element);
 - ``fp16-hook``: gloo with torch's ``fp16_compress_hook`` (its ``bf16_compress_hook`` refuses
   CPU tensors), the 16-bit compression users have today;
 - ``powersgd``: gloo with torch's PowerSGD hook (rank 2, exact for the first 10 steps);
 - ``fsdp2-loco4``: FSDP2 (``fully_shard`` per block) over "loco" at 4 bits.
 
 Per variant it records train loss (mean over ranks) every step, validation loss every
-``eval_every`` steps, wall time, and bytes each rank put on the wire for gradients: measured by
-lowbitcc for "loco", and for gloo the bytes a ring all-reduce sends (``2 (n-1)/n`` times the
-payload; PowerSGD's payload computed from its P and Q shapes). Results go to JSON, and to a PNG
-with matplotlib installed.
+``eval_every`` steps on ``eval_batches`` fixed batches and after the last step on
+``final_eval_batches`` (the number the gaps to exact are computed from), wall time, and bytes
+each rank put on the wire for gradients: measured by lowbitcc for "loco", and for gloo the bytes
+a ring all-reduce sends (``2 (n-1)/n`` times the payload; PowerSGD's payload computed from its P
+and Q shapes). Results go to JSON, and to a PNG with matplotlib installed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +63,8 @@ VARIANTS = {
         Variant("loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
         Variant("loco4-ef", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
         Variant("loco4-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
+        Variant("loco4-g64", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
+                                      ("LOCO_GROUP_SIZE", "64"))),
         Variant("loco8", "loco", (("LOCO_BITS", "8"), ("LOCO_BETA", "0.8"))),
         Variant("loco2", "loco", (("LOCO_BITS", "2"), ("LOCO_BETA", "0.8"))),
         Variant("fp16-hook", hook="fp16"),
@@ -81,16 +87,21 @@ class StudyConfig:
     lr: float = 2e-3
     warmup: int = 20
     eval_every: int = 25
-    eval_batches: int = 8
+    # validation batches of each evaluation during training and of the final one (rounded up to
+    # a multiple of ``world``: each rank evaluates its share)
+    eval_batches: int = 16
+    final_eval_batches: int = 128
     corpus_bytes: int = 4 << 20
     world: int = 2
 
 
 DEFAULT_VARIANTS = list(VARIANTS)
-EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb"]
+DEFAULT_SEEDS = [0, 1, 2]
+EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb", "loco4-g64"]
+DEFAULT_TRACKED = ["loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2"]  # tracking.py
 # the smoke run of the test suite: a tiny model and little data
 QUICK = {"d_model": 64, "layers": 2, "heads": 2, "batch": 8, "context": 32, "eval_every": 10,
-         "eval_batches": 4, "corpus_bytes": 1 << 20}
+         "eval_batches": 4, "final_eval_batches": 32, "corpus_bytes": 1 << 20}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,13 +165,40 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def _batch(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, ...]:
+def split_corpus(cfg: StudyConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, val)``: the first 90% and the last 10% of the corpus, uint8."""
+    data = torch.frombuffer(bytearray(corpus(cfg.corpus_bytes)), dtype=torch.uint8)
+    split = int(len(data) * 0.9)
+    return data[:split], data[split:]
+
+
+def sample_batch(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, ...]:
+    """Inputs and next-byte targets, ``(len(starts), context)`` int64 each."""
     rows = torch.stack([data[s:s + context + 1] for s in starts.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
 
 
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def train_batches(train: torch.Tensor, cfg: StudyConfig, seed: int, rank: int) -> Iterator[
+        tuple[torch.Tensor, torch.Tensor]]:
+    """The training batches of ``rank``, one per step: the same for every variant of a seed."""
+    order = torch.Generator().manual_seed(seed * 1000 + rank)
+    for _ in range(cfg.steps):
+        starts = torch.randint(len(train) - cfg.context - 1, (cfg.batch,), generator=order)
+        yield sample_batch(train, starts, cfg.context)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+
+def optimizer(params: Iterable[nn.Parameter], cfg: StudyConfig) -> tuple[
+        torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW at ``cfg.lr`` (no weight decay), linear warm-up then cosine decay to 0."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
+        * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    return opt, sched
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,9 +233,7 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         metrics = dist.new_group(backend="gloo")
-        data = torch.frombuffer(bytearray(corpus(cfg.corpus_bytes)), dtype=torch.uint8)
-        split = int(len(data) * 0.9)
-        train, val = data[:split], data[split:]
+        train, val = split_corpus(cfg)
         torch.manual_seed(seed)
         model = TinyGPT(cfg)
         if variant.fsdp:
@@ -226,14 +262,11 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
                     process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10,
                     random_seed=seed)
                 model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
-            * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
-        order = torch.Generator().manual_seed(seed * 1000 + rank)
+        opt, sched = optimizer(model.parameters(), cfg)
         val_gen = torch.Generator().manual_seed(12345)
         val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)
-                      for _ in range(cfg.eval_batches)]
+                      for _ in range(-(-max(cfg.eval_batches, cfg.final_eval_batches) // world)
+                                     * world)]
         lowbitcc.reset_stats()
         train_loss: list[float] = []
         val_loss: list[tuple[int, float]] = []
@@ -245,19 +278,22 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
 
             bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False)
 
-        def evaluate(step: int) -> None:
+        def evaluate(step: int, batches: int) -> None:
+            # rank r takes batches r, r + world, ...: the same count on every rank (FSDP2's
+            # forward all-gathers), the mean over all of them on every rank
             model.eval()
+            mine = val_starts[rank:-(-batches // world) * world:world]
             with torch.no_grad():
-                total = sum(float(_loss(model, *_batch(val, s, cfg.context))) for s in val_starts)
+                total = torch.tensor(sum(float(lm_loss(model, *sample_batch(val, s, cfg.context)))
+                                         for s in mine), dtype=torch.float64)
+            dist.all_reduce(total, group=metrics)
             model.train()
-            val_loss.append((step, total / len(val_starts)))
+            val_loss.append((step, float(total) / (len(mine) * world)))
 
-        for step in range(cfg.steps):
+        for step, (x, y) in enumerate(train_batches(train, cfg, seed, rank)):
             if step % cfg.eval_every == 0:
-                evaluate(step)
-            x, y = _batch(train, torch.randint(split - cfg.context - 1, (cfg.batch,),
-                                               generator=order), cfg.context)
-            loss = _loss(model, x, y)
+                evaluate(step, cfg.eval_batches)
+            loss = lm_loss(model, x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -268,7 +304,7 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{train_loss[-1]:.3f}")
-        evaluate(cfg.steps)
+        evaluate(cfg.steps, cfg.final_eval_batches)
         elapsed = time.perf_counter() - start
         if bar is not None:
             bar.close()
@@ -307,14 +343,19 @@ def run_variant(variant: Variant, cfg: StudyConfig, seed: int, workdir: str) -> 
 
 
 def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | None = None,
-        extra_seed_variants: list[str] | None = None) -> dict[str, Any]:
-    """Run every variant for ``seeds[0]`` and the ``extra_seed_variants`` for every seed.
+        extra_seed_variants: list[str] | None = None,
+        tracked: list[str] | None = None) -> dict[str, Any]:
+    """Run every variant for ``seeds[0]`` and the ``extra_seed_variants`` for every seed; then,
+    with ``tracked``, measure those variants on the exact run's gradient stream of ``seeds[0]``
+    (`lowbitcc.tracking`).
 
-    Returns ``{"config": ..., "runs": [records], "summary": [...]}``; with ``out_dir``, writes
-    ``study.json`` and (matplotlib permitting) ``study.png`` there."""
+    Returns ``{"config", "runs": [records], "summary", "across_seeds"}`` (and ``"tracking"``);
+    with ``out_dir``, writes ``study.json`` and (matplotlib permitting) ``study.png`` and
+    ``tracking.png`` there."""
     unknown = [v for v in [*variants, *(extra_seed_variants or [])] if v not in VARIANTS]
     if unknown:
         raise ValueError(f"lowbitcc study: unknown variants {unknown}; known: {list(VARIANTS)}")
+    check_trackable(tracked or [])
     plan = [(v, seeds[0]) for v in variants]
     for seed in seeds[1:]:
         plan += [(v, seed) for v in (extra_seed_variants or variants)]
@@ -324,7 +365,13 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
             log.info("[%d/%d] %s, seed %d", i + 1, len(plan), name, seed)
             runs.append(run_variant(VARIANTS[name], cfg, seed, tmp))
     summary = summarize(runs)
-    result = {"config": dataclasses.asdict(cfg), "runs": runs, "summary": summary}
+    result = {"config": dataclasses.asdict(cfg), "runs": runs, "summary": summary,
+              "across_seeds": across_seeds(summary)}
+    if tracked:
+        from lowbitcc import tracking
+
+        log.info("tracking %s on the gradients of exact, seed %d", ", ".join(tracked), seeds[0])
+        result["tracking"] = tracking.run(tracked, cfg, seeds[0])
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -332,7 +379,22 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
                                            for r in runs]}
         (out / "study.json").write_text(json.dumps(serializable, indent=1))
         plot(runs, out / "study.png")
+        if "tracking" in result:
+            try:
+                from lowbitcc import tracking
+
+                tracking.plot(result["tracking"], out / "tracking.png")
+            except ImportError:
+                pass  # plot() said matplotlib is missing
     return result
+
+
+def check_trackable(names: list[str]) -> None:
+    """Raise `ValueError` unless every name is a DDP-over-"loco" variant (what tracking runs)."""
+    trackable = [n for n, v in VARIANTS.items() if v.backend == "loco" and not v.fsdp]
+    bad = [n for n in names if n not in trackable]
+    if bad:
+        raise ValueError(f"lowbitcc study: cannot track {bad}; trackable: {trackable}")
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -358,6 +420,28 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def across_seeds(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per compared variant (in first-seen order): the seeds it ran, the mean, lowest and highest
+    gap to exact, and the mean of ``gap - loco4's gap`` over the seeds both ran (positive: worse
+    than 4-bit LoCo)."""
+    gaps: dict[str, dict[int, float]] = {}
+    for row in summary:
+        if "gap_to_exact" in row and row["variant"] != "exact":
+            gaps.setdefault(row["variant"], {})[row["seed"]] = row["gap_to_exact"]
+    loco = gaps.get("loco4", {})
+    rows = []
+    for variant, by_seed in gaps.items():
+        values = list(by_seed.values())
+        row = {"variant": variant, "seeds": sorted(by_seed), "mean_gap": sum(values) / len(values),
+               "min_gap": min(values), "max_gap": max(values)}
+        paired = [by_seed[s] - loco[s] for s in by_seed if s in loco]
+        if paired and variant != "loco4":
+            row["vs_loco4"] = sum(paired) / len(paired)
+            row["vs_loco4_each"] = paired
+        rows.append(row)
+    return rows
+
+
 def format_table(summary: list[dict[str, Any]]) -> str:
     lines = [f"{'variant':<13} {'seed':>4} {'val loss':>9} {'gap':>8} {'w dist':>7} "
              f"{'MiB/step':>9} {'vs exact':>8} {'s':>7}"]
@@ -371,7 +455,21 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_across_seeds(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'variant':<13} {'seeds':>6} {'mean gap':>9} {'min':>7} {'max':>7} "
+             f"{'vs loco4':>9}  per seed"]
+    for r in rows:
+        each = " ".join(f"{100 * d:+.2f}%" for d in r.get("vs_loco4_each", []))
+        vs = f"{100 * r['vs_loco4']:+8.2f}%" if "vs_loco4" in r else f"{'':>9}"
+        lines.append(f"{r['variant']:<13} {len(r['seeds']):>6} {100 * r['mean_gap']:>8.2f}% "
+                     f"{100 * r['min_gap']:>6.2f}% {100 * r['max_gap']:>6.2f}% {vs}  {each}")
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Three panels: train loss and validation loss of the first seed's runs (the curve is the
+    ``eval_batches`` evaluations, the cross the final one on ``final_eval_batches``), and every
+    run's final gap to exact of its seed."""
     try:
         import matplotlib
 
@@ -380,24 +478,48 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         log.warning("matplotlib is not installed (pip install lowbitcc[plot]); no plot written")
         return
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_train, ax_val, ax_gap) = plt.subplots(
+        1, 3, figsize=(18, 4.8), gridspec_kw={"width_ratios": [1, 1, 0.8]})
     seed0 = runs[0]["seed"]
     for r in runs:
         if r["seed"] != seed0:
             continue
         k = 10
-        smooth = [sum(r["train_loss"][max(0, i - k + 1):i + 1]) / len(r["train_loss"][max(0, i - k + 1):i + 1])
+        smooth = [sum(r["train_loss"][max(0, i - k + 1):i + 1])
+                  / len(r["train_loss"][max(0, i - k + 1):i + 1])
                   for i in range(len(r["train_loss"]))]
         ax_train.plot(smooth, label=r["variant"], linewidth=1)
-        steps, losses = zip(*r["val_loss"])
-        ax_val.plot(steps, losses, marker=".", label=r["variant"], linewidth=1)
-    ax_train.set(title=f"train loss (10-step mean), seed {seed0}", xlabel="step", ylabel="nats/byte")
-    ax_val.set(title="validation loss", xlabel="step", ylabel="nats/byte")
+        steps, losses = zip(*r["val_loss"][:-1])
+        line, = ax_val.plot(steps, losses, marker=".", label=r["variant"], linewidth=1)
+        ax_val.plot(*r["val_loss"][-1], marker="x", color=line.get_color())
+    ax_train.set(title=f"train loss (10-step mean), seed {seed0}", xlabel="step",
+                 ylabel="nats/byte")
+    ax_val.set(title=f"validation loss, seed {seed0} (x: final, larger sample)", xlabel="step",
+               ylabel="nats/byte")
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     lows = [min(l for _, l in r["val_loss"]) for r in runs]
     ax_val.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+
+    exact = {r["seed"]: r["val_loss"][-1][1] for r in runs if r["variant"] == "exact"}
+    gaps: dict[str, list[float]] = {}
+    for r in runs:
+        if r["variant"] != "exact" and r["seed"] in exact:
+            ref = exact[r["seed"]]
+            gaps.setdefault(r["variant"], []).append(100 * (r["val_loss"][-1][1] - ref) / ref)
+    shown = {v: g for v, g in gaps.items() if max(abs(x) for x in g) < 5}
+    for i, (variant, values) in enumerate(shown.items()):
+        ax_gap.plot([i] * len(values), values, "o", color="C0", alpha=0.6)
+        mean = sum(values) / len(values)
+        ax_gap.plot([i - 0.25, i + 0.25], [mean, mean], color="C3", linewidth=2)
+    ax_gap.axhline(0, color="black", linewidth=0.8)
+    ax_gap.axhline(1, color="gray", linewidth=0.8, linestyle="--")
+    ax_gap.set_xticks(range(len(shown)), list(shown), rotation=30, ha="right", fontsize=8)
+    off = ", ".join(f"{v} {sum(g) / len(g):+.1f}%" for v, g in gaps.items() if v not in shown)
+    ax_gap.set(title="final validation loss vs exact, each seed (bar: mean)", ylabel="gap %",
+               xlabel=f"off scale: {off}" if off else "")
+    ax_gap.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -25,3 +25,49 @@ def test_loco_4bit_tracks_exact_closer_than_no_feedback(monkeypatch):
     assert loco["gap_to_exact"] < 0.03, loco
     # 4-bit codes plus one fp32 scale per 4096 elements: about 1/8 of fp32's bytes
     assert loco["bytes_vs_exact"] == pytest.approx(0.13, abs=0.02)
+
+
+def test_tracking_feedback_removes_the_bias_plain_quantization_keeps():
+    # the default 128-element groups: on one gradient stream, the sum of LoCo's all-reduces
+    # stays close to the sum of exact's while plain 4-bit quantization's drifts, and Adam's
+    # update direction from LoCo's stream is the closer one
+    from lowbitcc import tracking
+
+    cfg = study.StudyConfig(steps=40, world=2, **study.QUICK)
+    result = tracking.run(["loco4", "loco4-nofb", "loco8"], cfg)
+    rows = {r["variant"]: r for r in result["summary"]}
+    loco, nofb, loco8 = rows["loco4"], rows["loco4-nofb"], rows["loco8"]
+    assert len(result["series"]["loco4"]["sum_error"]) == 40
+    assert loco["sum_error"] < 0.5 * nofb["sum_error"], (loco, nofb)
+    assert loco["adam_error"] < nofb["adam_error"], (loco, nofb)
+    # 8 bits: 1/18 of 4 bits' step (levels 127 and 7), every error far smaller
+    assert loco8["step_error"] < 0.2 * loco["step_error"], (loco8, loco)
+    assert 0 < loco["step_error"] < 0.5, loco
+
+
+def test_across_seeds_pairs_each_variant_with_loco4_of_the_same_seed():
+    summary = [
+        {"variant": "exact", "seed": 0, "gap_to_exact": 0.0},
+        {"variant": "loco4", "seed": 0, "gap_to_exact": 0.010},
+        {"variant": "loco4-nofb", "seed": 0, "gap_to_exact": 0.015},
+        {"variant": "exact", "seed": 1, "gap_to_exact": 0.0},
+        {"variant": "loco4", "seed": 1, "gap_to_exact": 0.020},
+        {"variant": "loco4-nofb", "seed": 1, "gap_to_exact": 0.016},
+        {"variant": "loco8", "seed": 1, "gap_to_exact": 0.001},
+    ]
+    rows = {r["variant"]: r for r in study.across_seeds(summary)}
+    assert set(rows) == {"loco4", "loco4-nofb", "loco8"}
+    assert rows["loco4"]["mean_gap"] == pytest.approx(0.015)
+    assert "vs_loco4" not in rows["loco4"]
+    nofb = rows["loco4-nofb"]
+    assert nofb["seeds"] == [0, 1]
+    assert (nofb["min_gap"], nofb["max_gap"]) == (0.015, 0.016)
+    assert nofb["vs_loco4_each"] == pytest.approx([0.005, -0.004])
+    assert nofb["vs_loco4"] == pytest.approx(0.0005)
+    assert rows["loco8"]["vs_loco4_each"] == pytest.approx([-0.019])
+    assert "seed" in study.format_across_seeds(list(rows.values()))
+
+
+def test_study_refuses_an_untrackable_variant_before_training():
+    with pytest.raises(ValueError, match="cannot track.*fp16-hook"):
+        study.run(["exact"], [0], study.StudyConfig(**study.QUICK), tracked=["fp16-hook"])
