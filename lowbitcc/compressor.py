@@ -3,9 +3,9 @@
 A schedule sees only these operations, on shard sources (see `kernels.codec`):
 ``encode(stage, source, shard_ids)`` compensates the source with the error state of
 ``(key, stage)``, quantizes and frames it; ``decode_sum`` and ``decode_into`` validate and decode
-received messages; ``scratch`` lends a reusable fp32 buffer. New error states are kept until `finish`, which stores them, or drops every
-stage's state if anything in the call was non-finite. Error state, statistics and the codec stay
-out of the schedule.
+received messages; ``scratch`` lends a reusable fp32 buffer. New error states are kept until
+`finish`, which stores them, or drops every stage's state if anything in the call was
+non-finite. Error state, statistics and the codec stay out of the schedule.
 """
 
 from __future__ import annotations

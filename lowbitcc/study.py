@@ -265,8 +265,8 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
         opt, sched = optimizer(model.parameters(), cfg)
         val_gen = torch.Generator().manual_seed(12345)
         val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)
-                      for _ in range(-(-max(cfg.eval_batches, cfg.final_eval_batches) // world)
-                                     * world)]
+                      for _ in range(_whole_shares(max(cfg.eval_batches, cfg.final_eval_batches),
+                                                   world))]
         lowbitcc.reset_stats()
         train_loss: list[float] = []
         val_loss: list[tuple[int, float]] = []
@@ -282,7 +282,7 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
             # rank r takes batches r, r + world, ...: the same count on every rank (FSDP2's
             # forward all-gathers), the mean over all of them on every rank
             model.eval()
-            mine = val_starts[rank:-(-batches // world) * world:world]
+            mine = val_starts[rank:_whole_shares(batches, world):world]
             with torch.no_grad():
                 total = torch.tensor(sum(float(lm_loss(model, *sample_batch(val, s, cfg.context)))
                                          for s in mine), dtype=torch.float64)
@@ -325,6 +325,11 @@ def _rank_main(rank: int, world: int, variant: Variant, cfg: StudyConfig, seed: 
             }))
     finally:
         dist.destroy_process_group()
+
+
+def _whole_shares(batches: int, world: int) -> int:
+    """``batches`` rounded up to a multiple of ``world``."""
+    return -(-batches // world) * world
 
 
 def run_variant(variant: Variant, cfg: StudyConfig, seed: int, workdir: str) -> dict[str, Any]:
@@ -378,14 +383,11 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
         serializable = {**result, "runs": [{k: v for k, v in r.items() if k != "final_params"}
                                            for r in runs]}
         (out / "study.json").write_text(json.dumps(serializable, indent=1))
-        plot(runs, out / "study.png")
+        plot(runs, summary, out / "study.png")
         if "tracking" in result:
-            try:
-                from lowbitcc import tracking
+            from lowbitcc import tracking
 
-                tracking.plot(result["tracking"], out / "tracking.png")
-            except ImportError:
-                pass  # plot() said matplotlib is missing
+            tracking.plot(result["tracking"], out / "tracking.png")
     return result
 
 
@@ -466,10 +468,8 @@ def format_across_seeds(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    """Three panels: train loss and validation loss of the first seed's runs (the curve is the
-    ``eval_batches`` evaluations, the cross the final one on ``final_eval_batches``), and every
-    run's final gap to exact of its seed."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None (with a warning) when not installed."""
     try:
         import matplotlib
 
@@ -477,6 +477,16 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib is not installed (pip install lowbitcc[plot]); no plot written")
+        return None
+    return plt
+
+
+def plot(runs: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> None:
+    """Three panels: train loss and validation loss of the first seed's runs (the curve is the
+    ``eval_batches`` evaluations, the cross the final one on ``final_eval_batches``), and every
+    run's final gap to exact of its seed (``summary``, from `summarize`)."""
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax_train, ax_val, ax_gap) = plt.subplots(
         1, 3, figsize=(18, 4.8), gridspec_kw={"width_ratios": [1, 1, 0.8]})
@@ -502,12 +512,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     lows = [min(l for _, l in r["val_loss"]) for r in runs]
     ax_val.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
 
-    exact = {r["seed"]: r["val_loss"][-1][1] for r in runs if r["variant"] == "exact"}
     gaps: dict[str, list[float]] = {}
-    for r in runs:
-        if r["variant"] != "exact" and r["seed"] in exact:
-            ref = exact[r["seed"]]
-            gaps.setdefault(r["variant"], []).append(100 * (r["val_loss"][-1][1] - ref) / ref)
+    for row in summary:
+        if row["variant"] != "exact" and "gap_to_exact" in row:
+            gaps.setdefault(row["variant"], []).append(100 * row["gap_to_exact"])
     shown = {v: g for v, g in gaps.items() if max(abs(x) for x in g) < 5}
     for i, (variant, values) in enumerate(shown.items()):
         ax_gap.plot([i] * len(values), values, "o", color="C0", alpha=0.6)

@@ -38,6 +38,7 @@ from lowbitcc.study import (
     check_trackable,
     lm_loss,
     optimizer,
+    pyplot,
     split_corpus,
     train_batches,
 )
@@ -156,10 +157,9 @@ def format_table(summary: list[dict[str, Any]]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Sum error and Adam error per step of every tracked variant (matplotlib PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, (ax_sum, ax_adam) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, record in result["series"].items():
