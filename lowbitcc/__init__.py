@@ -12,40 +12,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowbitcc import state
+from lowbitcc.backend import BACKEND_NAME
+from lowbitcc.backend.registration import register
 from lowbitcc.config import LocoConfig
 from lowbitcc.policy import compressed, exact, feedback_key
-from lowbitcc.registration import BACKEND_NAME, register_backend
 
 __version__ = "0.1.0"
 
-register_backend()
+register()
 
 
 def stats() -> dict[str, Any]:
     """Counters of compressed and exact calls issued by this process (see `lowbitcc.counters`)."""
-    from lowbitcc.counters import STATS
-
-    return STATS.snapshot()
+    return state.STATS.snapshot()
 
 
 def reset_stats() -> None:
-    from lowbitcc.counters import STATS
-
-    STATS.reset()
+    state.STATS.reset()
 
 
 def state_dict() -> dict[str, Any]:
     """The error-feedback state of this process (every "loco" group), tensors cloned."""
-    from lowbitcc.process_group import FEEDBACK
-
-    return FEEDBACK.state_dict()
+    return state.FEEDBACK.state_dict()
 
 
-def load_state_dict(state: dict[str, Any]) -> None:
-    """Replace this process's error-feedback state with ``state`` (from `state_dict`)."""
-    from lowbitcc.process_group import FEEDBACK
-
-    FEEDBACK.load_state_dict(state)
+def load_state_dict(saved: dict[str, Any]) -> None:
+    """Replace this process's error-feedback state with ``saved`` (from `state_dict`)."""
+    state.FEEDBACK.load_state_dict(saved)
 
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from lowbitcc.cli import main
+from lowbitcc.tools.cli import main
 
 sys.exit(main())

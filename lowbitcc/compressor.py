@@ -1,6 +1,6 @@
 """`CallCompressor`: what a schedule needs to compress one call, bound to that call.
 
-A schedule sees only these operations, on shard sources (see `kernels.codec`):
+A schedule sees only these operations, on shard sources (see `lowbitcc.codec.shard_codec`):
 ``encode(stage, source, shard_ids)`` compensates the source with the error state of
 ``(key, stage)``, quantizes and frames it; ``decode_sum`` and ``decode_into`` validate and decode
 received messages; ``scratch`` lends a reusable fp32 buffer. New error states are kept until
@@ -16,11 +16,10 @@ import zlib
 
 import torch
 
-from lowbitcc.config import LocoConfig
+from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
-from lowbitcc.kernels.codec import ShardCodec
-from lowbitcc.kernels.error_state import ErrorState
 
 
 class Scratch:
@@ -53,16 +52,24 @@ class Source:
 
 
 class CallCompressor:
-    """Codec + error feedback + statistics for the call keyed ``key``, on rank ``rank``."""
+    """Codec + error feedback + statistics for the call keyed ``key``, on rank ``rank``.
+
+    ``error_dtype`` is the error-state storage ("int8", "bf16", "fp32"; None: no feedback),
+    ``beta`` LoCo's moving-average factor, ``reset_interval`` the uses after which a key's state
+    starts anew (0: never); see `lowbitcc.feedback`.
+    """
 
     def __init__(
-        self, codec: ShardCodec, config: LocoConfig, store: FeedbackStore, key: str, stats: Stats,
-        rank: int = 0, scratch: Scratch | None = None,
+        self, codec: ShardCodec, store: FeedbackStore, key: str, stats: Stats, *,
+        error_dtype: str | None, beta: float, reset_interval: int, rank: int = 0,
+        scratch: Scratch | None = None,
     ) -> None:
         self.rank = rank
         self._scratch = scratch
         self.codec = codec
-        self.config = config
+        self.error_dtype = error_dtype
+        self.beta = beta
+        self.reset_interval = reset_interval
         self.store = store
         self.key = key
         self.stats = stats
@@ -72,17 +79,16 @@ class CallCompressor:
     def encode(self, stage: str, source: Source, shard_ids: list[int]) -> torch.Tensor:
         """Messages ``uint8 [rows, P]`` for the rows of ``source``."""
         start = time.perf_counter()
-        cfg = self.config
         key = f"{self.key}|{stage}"
-        error_dtype = cfg.error_dtype if cfg.feedback else None
+        error_dtype = self.error_dtype
         state, uses = (None, 0)
         if error_dtype:
             numel = source.rows * self.codec.padded(source.m)
-            state, uses = self.store.take(key, numel, error_dtype, cfg.reset_interval)
+            state, uses = self.store.take(key, numel, error_dtype, self.reset_interval)
         # stochastic rounding: each rank and stage of a call draws its own random bits
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         result = self.codec.encode(
-            source.tensor, source.rows, source.m, source.factor, state, cfg.beta, shard_ids,
+            source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream,
         )
         self.nonfinite |= any(result.nonfinite)

@@ -4,8 +4,11 @@
 case with the prefix ``LOCO_`` (``bits`` -> ``LOCO_BITS``). Precedence, lowest first: the defaults
 below, then ``LOCO_*`` variables, then a `LocoConfig` passed as ``pg_options`` to
 ``init_process_group`` / ``new_group`` (which replaces the environment-derived config whole).
-Values are validated when the process group is created; an invalid value raises `ValueError`
-naming the field, the value and what is allowed.
+Values are validated when a `LocoConfig` is constructed (`from_env` for the environment, which
+the process group reads when it is created); an invalid value raises `ValueError` naming the
+field, the value and what is allowed. The allowed schedules, transports, codec kernels, error
+storages and roundings are those of their registries (`lowbitcc.schedules.NAMES`,
+`lowbitcc.transports.NAMES`, ...), not lists of this module.
 """
 
 from __future__ import annotations
@@ -15,15 +18,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from lowbitcc.kernels.reference import ROUNDINGS
+from lowbitcc import schedules, transports
+from lowbitcc.codec.abi import ERROR_STORAGES
+from lowbitcc.codec.kernels import CHOICES as CODECS
+from lowbitcc.codec.reference import ROUNDINGS
 
 ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
-ERROR_DTYPES = ("int8", "bf16", "fp32")
 BITS = (2, 4, 8)
-CODECS = ("auto", "reference", "cpu")
-SCHEDULES = ("direct", "ring", "tree", "hierarchical", "auto")  # code: lowbitcc.algorithms
-TRANSPORTS = ("auto", "gloo", "mpi", "nccl")
+SCHEDULES = (*schedules.NAMES, "auto")
+TRANSPORTS = ("auto", *transports.NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +58,9 @@ class LocoConfig:
             "hierarchical" (exact inside a node, compressed across nodes) or "auto" (by size,
             ranks and node layout; see the ``auto_*`` thresholds).
         transport: what compressed schedules send their codes over: "gloo" (TCP), "mpi"
-            (mpi4py; ranks started by mpiexec) or "auto" (gloo). "nccl" (CUDA tensors) is
-            refused when the group is created: this build moves CPU tensors only. Exact calls
-            always run on the inner gloo group.
+            (mpi4py; ranks started by mpiexec) or "auto" (gloo). "nccl" (CUDA tensors) passes
+            validation and is refused when the group is created: this build moves CPU tensors
+            only. Exact calls always run on the inner gloo group.
         node_size: ranks per node for the hierarchical schedule (consecutive global ranks);
             0 takes the launcher's LOCAL_WORLD_SIZE, or one node for every rank without it.
             Set it to emulate several nodes on one machine.
@@ -118,8 +122,8 @@ class LocoConfig:
             raise bad("feedback", "a bool")
         if not _is_int(self.reset_interval) or self.reset_interval < 0:
             raise bad("reset_interval", "an integer >= 0 (0 disables resets)")
-        if self.error_dtype not in ERROR_DTYPES:
-            raise bad("error_dtype", "one of " + ", ".join(ERROR_DTYPES))
+        if self.error_dtype not in ERROR_STORAGES:
+            raise bad("error_dtype", "one of " + ", ".join(ERROR_STORAGES))
         if not _is_int(self.min_size) or self.min_size < 1:
             raise bad("min_size", "an integer >= 1")
         if self.policy not in POLICIES:

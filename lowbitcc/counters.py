@@ -1,4 +1,5 @@
-"""Process-wide counters of what the "loco" groups sent, for `lowbitcc.stats()`.
+"""`Stats`: counters of what the "loco" groups sent, behind `lowbitcc.stats()` (the process-wide
+instance is `lowbitcc.state.STATS`).
 
 Two categories, ``compressed`` and ``exact``. For each: ``calls``; ``tensor_bytes`` (sum of the
 input sizes); ``logical_bytes`` (bytes this rank would have sent with the same schedule had the
@@ -58,4 +59,3 @@ class Stats:
             self._counters = {"compressed": Counters(), "exact": Counters()}
 
 
-STATS = Stats()

@@ -21,7 +21,7 @@ import collections
 import threading
 from typing import Any
 
-from lowbitcc.kernels.error_state import ErrorState
+from lowbitcc.codec.error_state import ErrorState
 
 STATE_DICT_VERSION = 1
 

@@ -13,7 +13,8 @@ The decision is taken in the thread that issues the collective, at the moment it
 
 Keys follow logical tensors: ``(group, collective, dtype, numel, ordinal)`` where the ordinal
 counts calls of that signature since the current backward pass began (or, outside backward, since
-the last optimizer step). `feedback_key` names calls explicitly instead.
+the last optimizer step, counted by `lowbitcc.state`). `feedback_key` names calls explicitly
+instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from lowbitcc import state
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMPRESSIBLE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)
@@ -32,7 +34,6 @@ COMPRESSIBLE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_S
 _lock = threading.Lock()
 _mode_stack: list[str] = []
 _key_stack: list[list] = []  # [name, calls issued inside]
-_optimizer_steps = 0
 
 
 @contextlib.contextmanager
@@ -112,12 +113,4 @@ def epoch() -> tuple[str, int]:
     task = torch._C._current_graph_task_id()
     if task >= 0:
         return ("backward", task)
-    return ("step", _optimizer_steps)
-
-
-def _count_optimizer_step(*_args: object) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
+    return ("step", state.optimizer_steps())

@@ -73,7 +73,8 @@ def report(results: dict[tuple[int, str], dict], command: str) -> str:
         largest = max(r["size"] for r in result["rows"])
         bw = {r["backend"]: r["out_of_place"]["busbw"] for r in result["rows"] if r["size"] == largest}
         lines.append(
-            f"| {ranks} | {link} | {bw['gloo']:.3f} | {bw['gloo-bf16']:.3f} ({bw['gloo-bf16'] / bw['gloo']:.2f}x) "
+            f"| {ranks} | {link} | {bw['gloo']:.3f} | {bw['gloo-bf16']:.3f} "
+            f"({bw['gloo-bf16'] / bw['gloo']:.2f}x) "
             f"| {bw['loco8']:.3f} ({bw['loco8'] / bw['gloo']:.2f}x) | {bw['loco4']:.3f} "
             f"| **{bw['loco4'] / bw['gloo']:.2f}x** | {human(crossover(result))} |")
     largest = max(r["size"] for result in results.values() for r in result["rows"])

@@ -1,0 +1,208 @@
+"""Compressed calls of one "loco" group: what happens between c10d's call and the schedule.
+
+For each compressible all-reduce or reduce-scatter (the policy said so; see `lowbitcc.policy`),
+`CompressedCalls` builds one worker job that
+
+1. names the call's error-feedback key in the issuing thread (`key`: explicit, or group,
+   collective, dtype, numel and the ordinal of that signature within the current backward pass or
+   optimizer step) and its sequence number;
+2. on the worker, exchanges 32-byte call descriptors so that ranks that issued different calls
+   all raise `CollectiveMismatchError` (``config.check``), and falls back to the exact call when
+   the agreed size is under ``min_size``;
+3. builds the call's `ShardCodec` (header fields, the route's kernels) and `CallCompressor`
+   (codec, feedback store, statistics), accounts the logical bytes, and runs the schedule
+   (``config.schedule``, or `choose_schedule` for "auto") over the route's links.
+
+A `Route` is the device-specific part: which codec kernels and which links (transports) serve
+tensors of one device type. Schedules, keys, feedback, descriptor agreement and byte accounting
+are shared by every device; a CUDA route adds CUDA kernels and NCCL links here and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowbitcc import policy, schedules, state
+from lowbitcc.backend.exact import Reduction, op_type
+from lowbitcc.backend.issue_queue import Job
+from lowbitcc.codec import wire
+from lowbitcc.codec.interface import Kernels
+from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.compressor import CallCompressor, Scratch, Source
+from lowbitcc.config import LocoConfig
+from lowbitcc.transports.gloo import GlooTransport
+from lowbitcc.transports.links import Links
+from lowbitcc.transports.topology import NodeLayout
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks issued different collectives (shape, dtype, op or order) on the same group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The codec kernels and the links that compressed calls on one device type use."""
+
+    kernels: Kernels
+    links: Links
+
+
+def choose_schedule(config: LocoConfig, nbytes: int, world: int, layout: NodeLayout) -> str:
+    """The schedule for a call of ``nbytes`` input bytes per rank on ``world`` ranks.
+
+    ``config.schedule`` unless it is "auto"; auto takes hierarchical when the group spans
+    several nodes of several ranks each, else tree below ``config.auto_tree_bytes`` from
+    ``config.auto_tree_ranks`` ranks on, else ring from ``config.auto_ring_ranks`` ranks on,
+    else direct. Every input is the same on every rank, so every rank chooses the same.
+    """
+    if config.schedule != "auto":
+        return config.schedule
+    if layout.regular and layout.nodes > 1 and layout.node_size > 1:
+        return "hierarchical"
+    if nbytes < config.auto_tree_bytes and world >= config.auto_tree_ranks:
+        return "tree"
+    if config.auto_ring_ranks and world >= config.auto_ring_ranks:
+        return "ring"
+    return "direct"
+
+
+class CompressedCalls:
+    """Builds the worker jobs of one group's compressed calls (see the module docstring).
+
+    ``agreement`` is the group's inner gloo transport (descriptor exchange, unmetered);
+    ``routes`` maps a device type to its `Route`. `group_name` is set by c10d after creation.
+    """
+
+    def __init__(self, rank: int, size: int, config: LocoConfig, agreement: GlooTransport,
+                 routes: dict[str, Route]) -> None:
+        self.rank = rank
+        self.size = size
+        self.config = config
+        self.group_name = ""
+        self._agreement = agreement
+        self._routes = routes
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._epoch: tuple[str, int] | None = None
+        self._ordinals: dict[tuple, int] = {}
+        self._scratch = Scratch()  # the worker thread's decode buffer
+
+    def serves(self, device: torch.device) -> bool:
+        return device.type in self._routes
+
+    def route(self, device: torch.device) -> Route:
+        try:
+            return self._routes[device.type]
+        except KeyError:
+            raise ValueError(
+                f"lowbitcc: compressed calls on {device.type} tensors are not served by this "
+                f"group (served: {', '.join(self._routes)})"
+            ) from None
+
+    # -- in the issuing thread ---------------------------------------------------------------
+    def key(self, collective: str, tensor: torch.Tensor, numel: int) -> str:
+        """The error-feedback key of this call (counts it within the current epoch)."""
+        explicit = policy.explicit_key()
+        if explicit is not None:
+            return f"{self.group_name}|{explicit}"
+        epoch = policy.epoch()
+        signature = (collective, tensor.dtype, numel)
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                self._ordinals.clear()
+            ordinal = self._ordinals.get(signature, 0)
+            self._ordinals[signature] = ordinal + 1
+        dtype = str(tensor.dtype).replace("torch.", "")
+        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}"
+
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job) -> Job:
+        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback)."""
+
+        def run(source: Source, comp: CallCompressor, links: Links) -> None:
+            out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
+            schedules.all_reduce(self._schedule(source, links), source, out, comp, links,
+                                 self.config.chunk_size)
+            if out.data_ptr() != tensor.data_ptr():
+                tensor.copy_(out.view(tensor.shape))
+
+        return self._job("all_reduce", tensor, op, run, exact)
+
+    def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: Any,
+                       exact: Job) -> Job:
+        """The job of a compressed reduce-scatter of flat ``source`` (``size`` rows of
+        ``output.numel()``) into ``output``."""
+
+        def run(src: Source, comp: CallCompressor, links: Links) -> None:
+            reduced = schedules.reduce_scatter(self._schedule(src, links), src, comp, links,
+                                               self.config.chunk_size)
+            output.copy_(reduced.view(output.shape))
+
+        return self._job("reduce_scatter", source, op, run, exact)
+
+    def _job(self, collective: str, source: torch.Tensor, op: Any,
+             run: Callable[[Source, CallCompressor, Links], None], exact: Job) -> Job:
+        cfg = self.config
+        numel = source.numel()
+        seq = self._next_seq()
+        key = self.key(collective, source, numel)
+        desc = wire.CallDescriptor(
+            collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
+            bits=cfg.bits, group_size=cfg.group_size, compressed=numel >= cfg.min_size,
+        )
+        factor = Reduction.of(op, self.size).input_factor()
+        route = self.route(source.device)
+
+        def job() -> Any:
+            if cfg.check:
+                self._agree(desc)
+            if not desc.compressed:
+                return exact()
+            n = self.size
+            itemsize = source.element_size()
+            m = -(-numel // n)
+            phases = 2 if collective == "all_reduce" else 1
+            state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
+                            logical_bytes=phases * (n - 1) * m * itemsize)
+            codec = ShardCodec(
+                bits=cfg.bits, group_size=cfg.group_size, dtype_code=wire.DTYPE_CODES[source.dtype],
+                seq=seq, world=n, signature=wire.call_signature(collective, numel, source.dtype),
+                kernels=route.kernels, rounding=cfg.rounding, seed=cfg.seed,
+            )
+            comp = CallCompressor(
+                codec, state.FEEDBACK, key, state.STATS,
+                error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
+                reset_interval=cfg.reset_interval, rank=self.rank, scratch=self._scratch,
+            )
+            flat = source.detach().reshape(-1).contiguous()
+            run(Source(flat, n, m, factor), comp, route.links)
+            comp.finish()
+            return None
+
+        return job
+
+    # -- on the worker -------------------------------------------------------------------------
+    def _agree(self, desc: wire.CallDescriptor) -> None:
+        """Exchange call descriptors; raise `CollectiveMismatchError` on every rank on mismatch."""
+        raw = torch.frombuffer(bytearray(desc.pack()), dtype=torch.uint8)
+        everyone = self._agreement.all_gather(raw)
+        descs = [wire.CallDescriptor.unpack(bytes(row.numpy().tobytes())) for row in everyone]
+        if any(d != descs[0] for d in descs):
+            lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in enumerate(descs))
+            raise CollectiveMismatchError(
+                f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: {lines}"
+            )
+
+    def _schedule(self, source: Source, links: Links) -> str:
+        nbytes = source.tensor.numel() * source.tensor.element_size()
+        return choose_schedule(self.config, nbytes, self.size, links.layout)

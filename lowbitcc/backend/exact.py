@@ -1,0 +1,131 @@
+"""Exact reductions on the inner gloo group, with the ops gloo lacks emulated.
+
+Gloo has no AVG and no PREMUL_SUM. `Reduction.of(op, world)` says how a reduction runs as a
+gloo op: AVG is a SUM whose outputs are divided by the group size afterwards; PREMUL_SUM is a
+SUM of the inputs multiplied by the factor first (on copies, copied back for in-place calls).
+`ExactReduction` is one such call, run as a job on the group's worker; its ``issue(buffers,
+opts)`` starts the gloo op on the (possibly scaled) input buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc import state
+from lowbitcc.backend.issue_queue import InnerWork
+
+ReduceOp = dist.ReduceOp
+Issue = Callable[[list[torch.Tensor], Any], dist.Work]
+"""``issue(buffers, opts)`` starts a gloo reduction of ``buffers`` with ``opts``."""
+
+_COPIED_OPTIONS = ("rootRank", "rootTensor", "timeout", "asyncOp")
+
+
+def op_type(op: ReduceOp | Any) -> Any:
+    """The ``ReduceOp.RedOpType`` of ``op`` (c10d hands over either form)."""
+    return op.op if isinstance(op, ReduceOp) else op
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """How a reduction runs on gloo: inputs scaled by ``factor``, outputs divided by ``divisor``."""
+
+    op: Any
+    factor: float | torch.Tensor | None = None
+    divisor: int | None = None
+
+    @classmethod
+    def of(cls, op: ReduceOp | Any, world: int) -> Reduction:
+        kind = op_type(op)
+        if kind == ReduceOp.AVG:
+            return cls(ReduceOp.SUM, divisor=world)
+        if kind == ReduceOp.PREMUL_SUM:
+            factor = getattr(op, "factor", None)
+            if factor is None:
+                raise ValueError(
+                    "lowbitcc: PREMUL_SUM without a factor (use dist._make_nccl_premul_sum)")
+            return cls(ReduceOp.SUM, factor=factor)
+        return cls(kind)
+
+    def input_factor(self) -> float:
+        """What a compressed call multiplies its inputs by: the factor, ``1/divisor``, else 1."""
+        if self.divisor is not None:
+            return 1.0 / self.divisor
+        if self.factor is not None:
+            return float(self.factor)
+        return 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactReduction:
+    """One exact reduction of ``inputs`` into ``outputs`` on the inner gloo group.
+
+    ``opts`` are the caller's options; ``in_place`` says the outputs are the inputs (so scaled
+    copies are copied back); ``world`` is the group size (AVG's divisor).
+    """
+
+    opts: Any
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    issue: Issue
+    in_place: bool
+    world: int
+
+    def __call__(self) -> InnerWork:
+        """Start the gloo op (on the worker thread); the returned work finishes the call."""
+        state.STATS.add("exact", calls=1,
+                        tensor_bytes=sum(t.numel() * t.element_size() for t in self.inputs))
+        red = Reduction.of(self.opts.reduceOp, self.world)
+        sum_opts = type(self.opts)()
+        for field in _COPIED_OPTIONS:
+            if hasattr(self.opts, field):
+                setattr(sum_opts, field, getattr(self.opts, field))
+        sum_opts.reduceOp = red.op
+        buffers = self.inputs if red.factor is None else [_scaled(t, red.factor)
+                                                          for t in self.inputs]
+        work = self.issue(buffers, sum_opts)
+
+        def finish() -> list[torch.Tensor]:
+            if self.in_place and buffers is not self.inputs:
+                for dst, src in zip(self.outputs, buffers):
+                    dst.copy_(src)
+            if red.divisor is not None:
+                for t in self.outputs:
+                    _divide_(t, red.divisor)
+            return self.outputs
+
+        return InnerWork(work, finish)
+
+
+def reduce_scatter_into(group: dist.ProcessGroup, output: torch.Tensor) -> Issue:
+    """`Issue` of gloo's list reduce-scatter of one rank's input list into ``output``."""
+
+    def issue(buffers: list[torch.Tensor], opts: Any) -> dist.Work:
+        return group.reduce_scatter([output], [buffers], opts)
+
+    return issue
+
+
+def reduce_scatter_flat_into(group: dist.ProcessGroup, output: torch.Tensor) -> Issue:
+    """`Issue` of gloo's flat reduce-scatter of one input tensor into ``output``."""
+
+    def issue(buffers: list[torch.Tensor], opts: Any) -> dist.Work:
+        return group._reduce_scatter_base(output, buffers[0].contiguous(), opts)
+
+    return issue
+
+
+def _scaled(t: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    return t * factor if not isinstance(factor, torch.Tensor) else t * factor.to(t.dtype)
+
+
+def _divide_(t: torch.Tensor, divisor: int) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.div_(divisor)
+    else:
+        t.copy_(torch.div(t, divisor, rounding_mode="trunc"))

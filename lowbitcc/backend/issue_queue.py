@@ -1,0 +1,164 @@
+"""Issue order: one worker thread per group runs every call in the order it was issued.
+
+Every call of a "loco" group, sync or async, becomes a job queued to the group's worker thread,
+which runs the jobs one at a time in issue order: it issues the inner gloo operations and runs
+compressed schedules, so every rank issues the same inner operations in the same order. A job
+returns the call's outputs, or an `InnerWork` (inner gloo work in flight plus how to finish the
+call), which the waiter thread completes in issue order. Gloo progresses its operations on its
+own threads, so waiting in order only orders completion notices, never the operations: a send
+and a recv posted in either order cannot deadlock.
+
+Each call returns a `LocoWork`: its future's value is the list of output tensors (DDP's reducer
+reads it); ``wait()`` re-raises any error of the call, and ``wait(timeout)`` raises
+`torch.distributed.DistBackendError` when the call has not completed in time, as gloo does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Job = Callable[[], Any]
+"""A call's work on the worker: returns the output tensors or an `InnerWork`."""
+
+
+@dataclasses.dataclass
+class InnerWork:
+    """An inner gloo operation in flight, and how to finish the call once it has completed."""
+
+    work: Any
+    finish: Callable[[], list[torch.Tensor]]
+
+
+class LocoWork(dist.Work):
+    """A queued call; its future's value is the list of output tensors."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until the call completed and re-raise its error. A positive ``timeout`` bounds
+        the wait (c10d's default, zero, means no bound)."""
+        seconds = 0.0 if timeout is None else timeout.total_seconds()
+        if seconds > 0 and not self._done.wait(seconds):
+            raise dist.DistBackendError(
+                f"lowbitcc: Work.wait timed out after {seconds:g} s (the call is still queued or "
+                "in flight; a peer may be stalled)"
+            )
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
+            return exc
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._future.wait()
+
+
+class IssueQueue:
+    """The worker and waiter threads of one group (see the module docstring).
+
+    ``retire(work)`` is called on every finished inner gloo Work (see `GlooTransport.retire`).
+    """
+
+    def __init__(self, name: str, retire: Callable[[Any], None]) -> None:
+        self._retire = retire
+        self._lock = threading.Lock()
+        self._closed = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._run_jobs, name=f"{name}-worker", daemon=True)
+        self._waiter = threading.Thread(target=self._complete_in_order, name=f"{name}-waiter",
+                                        daemon=True)
+        self._worker.start()
+        self._waiter.start()
+
+    def submit(self, job: Job) -> LocoWork:
+        """Queue ``job`` (run on the worker, in issue order) and return its Work."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("lowbitcc: this process group has been shut down")
+            self._jobs.put((job, future))
+        return LocoWork(future)
+
+    def complete(self, inner: InnerWork) -> list[torch.Tensor]:
+        """Wait for ``inner``'s gloo work, retire it, and finish the call."""
+        inner.work.wait()
+        self._retire(inner.work)
+        return inner.finish()
+
+    def sequence(self, jobs: list[Job], outputs: list[torch.Tensor]) -> Job:
+        """One job running ``jobs`` in order; inner work in flight is completed at the end."""
+
+        def run_all() -> list[torch.Tensor]:
+            started = [r for r in (job() for job in jobs) if isinstance(r, InnerWork)]
+            for inner in started:
+                self.complete(inner)
+            return outputs
+
+        return run_all
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Stop accepting calls, let the queued ones finish; False if it was already shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            self._jobs.put(None)
+        self._worker.join(timeout=timeout_s)
+        self._waiter.join(timeout=timeout_s)
+        return True
+
+    def _run_jobs(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                self._in_flight.put(None)
+                return
+            job, future = item
+            try:
+                result = job()
+            except BaseException as exc:  # noqa: BLE001 (delivered to the caller's wait())
+                future.set_exception(exc)
+                continue
+            if isinstance(result, InnerWork):
+                self._in_flight.put((result, future))
+            else:
+                future.set_result(result)
+
+    def _complete_in_order(self) -> None:
+        while True:
+            item = self._in_flight.get()
+            if item is None:
+                return
+            inner, future = item
+            try:
+                future.set_result(self.complete(inner))
+            except BaseException as exc:  # noqa: BLE001
+                future.set_exception(exc)

@@ -1,0 +1,57 @@
+"""The "loco" backend name and its one registration with ``torch.distributed``.
+
+`register` is called by ``import lowbitcc`` and, through the ``torch.backends`` entry point
+(``_lowbitcc_autoload.register``), by ``import torch``; it is idempotent. It registers the name
+and wraps torch's ``env://`` rendezvous so that mpiexec and srun start ranks like torchrun does
+(`lowbitcc.backend.rendezvous`). Nothing else in torch changes until the first "loco" group is
+created: `create_process_group` then installs the optimizer-step hook that feedback keys count
+steps with (`lowbitcc.state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from lowbitcc.backend import BACKEND_NAME
+
+DEVICES = ["cpu"]
+"""Device types the backend is registered for."""
+
+
+def create_process_group(common_opts: Any, backend_options: Any) -> dist.ProcessGroup:
+    """c10d's creator hook (extended API): one `LocoProcessGroup` per group, subgroups too.
+
+    ``backend_options`` is the ``pg_options`` of ``init_process_group``/``new_group``: a
+    `LocoConfig`, or None for the one read from ``LOCO_*`` variables.
+    """
+    from lowbitcc import state
+    from lowbitcc.backend.process_group import LocoProcessGroup
+    from lowbitcc.config import LocoConfig
+
+    if backend_options is None:
+        config = LocoConfig.from_env()
+    elif isinstance(backend_options, LocoConfig):
+        config = backend_options
+    else:
+        raise TypeError(
+            "lowbitcc: pg_options of a 'loco' group must be a lowbitcc.LocoConfig, got "
+            f"{type(backend_options).__name__}"
+        )
+    state.install_step_hook()
+    state.bound_feedback(config.max_keys)
+    return LocoProcessGroup(
+        common_opts.store, common_opts.group_rank, common_opts.group_size, common_opts.timeout,
+        config, list(common_opts.global_ranks_in_group) or None,
+    )
+
+
+def register() -> None:
+    """Make ``"loco"`` a ``torch.distributed`` backend name (idempotent)."""
+    from lowbitcc.backend.rendezvous import install_env_hook
+
+    install_env_hook()
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
+                                      devices=DEVICES)

@@ -1,0 +1,67 @@
+"""The kernels' shared definitions, read from ``csrc/loco_codec.cuh`` (their only definition).
+
+- `ERROR_MODES`: error-state storage name (None: feedback off) -> ``loco::ErrorMode`` value.
+- `encode_args_dtype()`: a NumPy structured dtype with the byte layout of ``loco::EncodeArgs``
+  (host ABI, x86-64 and aarch64 alike, which CUDA's device ABI matches for such structs), so the
+  CUDA launcher passes one struct by value, as CuPy does for structured scalars
+  (``cupy/examples/custom_struct``). The C++ module exports the offsets g++ gave each field, and
+  ``tests/codec/test_abi.py`` compares them with this dtype.
+
+The header keeps these in a fixed shape (one field per line, fixed-width types, ``kError<Name>``
+members) so that this reader stays a few lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+
+CSRC = Path(__file__).parent / "csrc"
+HEADER = CSRC / "loco_codec.cuh"
+
+_C_TYPES = {
+    "int8_t": np.int8, "uint8_t": np.uint8, "uint16_t": np.uint16, "int32_t": np.int32,
+    "uint32_t": np.uint32, "int64_t": np.int64, "float": np.float32, "double": np.float64,
+}
+
+
+def _block(kind: str, name: str) -> str:
+    match = re.search(rf"{kind} {name}\b[^{{]*\{{(.*?)\}};", HEADER.read_text(), re.S)
+    if match is None:
+        raise RuntimeError(f"lowbitcc: {HEADER} defines no {kind} {name}")
+    return re.sub(r"//[^\n]*", "", match.group(1))
+
+
+@functools.cache
+def error_modes() -> dict[str | None, int]:
+    modes: dict[str | None, int] = {}
+    for member, value in re.findall(r"kError(\w+)\s*=\s*(\d+)", _block("enum", "ErrorMode")):
+        modes[None if member == "None" else member.lower()] = int(value)
+    return modes
+
+
+ERROR_MODES = error_modes()
+ERROR_STORAGES = tuple(k for k in ERROR_MODES if k is not None)
+
+
+@functools.cache
+def encode_args_fields() -> tuple[tuple[str, str], ...]:
+    """``(name, C type)`` of each field of ``loco::EncodeArgs``, in order ("ptr" for pointers)."""
+    fields = []
+    for decl in filter(None, (d.strip() for d in _block("struct", "EncodeArgs").split(";"))):
+        match = re.fullmatch(r"(?:const\s+)?(\w+)\s*(\*?)\s*(\w+)", decl)
+        if match is None or (not match.group(2) and match.group(1) not in _C_TYPES):
+            raise RuntimeError(f"lowbitcc: cannot read EncodeArgs field {decl!r} in {HEADER}")
+        ctype, pointer, name = match.groups()
+        fields.append((name, "ptr" if pointer else ctype))
+    return tuple(fields)
+
+
+@functools.cache
+def encode_args_dtype() -> np.dtype:
+    """``loco::EncodeArgs`` as an aligned NumPy structured dtype (pointers as uint64)."""
+    return np.dtype([(name, np.uint64 if ctype == "ptr" else _C_TYPES[ctype])
+                     for name, ctype in encode_args_fields()], align=True)

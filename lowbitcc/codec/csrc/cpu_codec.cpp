@@ -1,0 +1,661 @@
+// Fused CPU codec kernels (C++/OpenMP) built from loco_codec.cuh; bit-exact with reference.py.
+//
+// encode: one pass per group of G elements: read the source (fp32/bf16/fp16, times `factor`),
+//   add the stored error, group max, quantize, pack codes and the fp32 scale straight into the
+//   message rows, LoCo-update the error and store it back (int8 + scale, fp32 or bf16) in place.
+// decode_sum: decode k messages of one shard and sum them in fp32 in row order.
+// decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.
+//
+// Shapes: the source is a flat tensor of `numel` elements seen as `rows` rows of `m` elements
+// (element r*m + j; indices >= numel read as 0). ng = ceil(m / G) groups per row, mp = ng * G.
+// Messages are uint8 [rows, P]; the header (bytes 0..31) is written by Python. The error state
+// is [rows * mp] elements (int8 codes with [rows * ng] fp32 scales, or fp32, or bf16). The
+// arguments are loco::EncodeArgs (loco_codec.cuh), filled from Python's EncodeArgs by `encode`.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define LOCO_AVX512 1
+#endif
+
+#include "loco_codec.cuh"
+
+namespace {
+
+using loco::EncodeArgs;
+constexpr int kNoError = loco::kErrorNone;
+constexpr int kInt8 = loco::kErrorInt8;
+constexpr int kFp32 = loco::kErrorFp32;
+constexpr int kBf16 = loco::kErrorBf16;
+
+inline const at::BFloat16* error_bf16(const EncodeArgs& a) {
+  return reinterpret_cast<const at::BFloat16*>(a.ebf16);
+}
+inline at::BFloat16* error_bf16_out(const EncodeArgs& a) {
+  return reinterpret_cast<at::BFloat16*>(a.ebf16);
+}
+
+constexpr int kLanes = 8;  // G is a multiple of 8
+// The default group size, compiled with G known so that the per-group loops have no tails.
+constexpr int kFastGroup = 128;
+constexpr int kStatLanes = 16;  // lanes of the statistics sums (one AVX-512 register)
+
+// max |v| over v[0..G), or NaN if any v is NaN or +-Inf (the group is then non-finite).
+// On the bit patterns with the sign cleared, unsigned order is the order of |v| for finite
+// values, and NaN/Inf patterns (>= 0x7f800000) exceed every finite one: an integer max that
+// vectorizes, exact in any order.
+inline float group_amax(const float* v, int G) {
+  uint32_t lane[kLanes] = {0};
+  for (int j = 0; j < G; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, v + j + k, sizeof(bits));
+      bits &= 0x7fffffffu;
+      lane[k] = bits > lane[k] ? bits : lane[k];
+    }
+  uint32_t top = 0;
+  for (int k = 0; k < kLanes; ++k) top = lane[k] > top ? lane[k] : top;
+  if (top >= 0x7f800000u) return loco::quiet_nan();
+  float amax;
+  std::memcpy(&amax, &top, sizeof(amax));
+  return amax;
+}
+
+// Packs G codes (G a multiple of 8) into G * BITS / 8 bytes.
+template <int BITS>
+inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
+  constexpr int kPer = 8 / BITS;
+  for (int b = 0; b < G / kPer; ++b) {
+    uint32_t byte = 0;
+    for (int k = 0; k < kPer; ++k)
+      byte |= loco::code_to_field(codes[b * kPer + k], BITS) << (BITS * k);
+    out[b] = (uint8_t)byte;
+  }
+}
+
+// The LoCo update of loco::update_error, as a compile-time case so the quantize loop has no
+// branch: nothing kept (feedback off), e' = r (beta 0), e' = r * (1 - beta) (no state applied),
+// e' = e * beta + r * (1 - beta).
+enum Update : int { kKeepNothing = 0, kKeepResidual = 1, kDampResidual = 2, kBlend = 3 };
+
+// The update case of a call with error storage MODE (loco::update_error's branches).
+template <int MODE>
+inline int update_case(const EncodeArgs& a) {
+  const bool with_error = MODE != kNoError && a.has_error;
+  return MODE == kNoError ? kKeepNothing
+         : a.beta == 0.0f ? kKeepResidual
+         : with_error     ? kBlend
+                          : kDampResidual;
+}
+
+// Quantizes the G compensated values y of a finite group into codes, writes the residuals to r
+// and replaces e by the new error (per UPDATE). Adds the squared residual and the squared y, in
+// fp64 per lane, to rs and is (statistics only: their summation order differs from the
+// reference's).
+template <bool SR, int UPDATE>
+inline void quantize_group(const float* __restrict y, float* __restrict e, float* __restrict r,
+                           int8_t* __restrict codes, int G, const loco::GroupScale& s, float qf,
+                           const EncodeArgs& a, int64_t off, double* rs, double* is) {
+  const float inv = s.inv, scale = s.scale, beta = a.beta, omb = a.omb;
+  const uint32_t k0 = a.k0, k1 = a.k1, base = (uint32_t)off;
+#pragma omp simd
+  for (int j = 0; j < G; ++j) {
+    const float v = y[j];
+    const float t = SR ? loco::code_stochastic(v, inv, loco::uniform24(base + (uint32_t)j, k0, k1), qf)
+                       : loco::code_nearest(v, inv, qf);
+    codes[j] = (int8_t)t;
+    const float res = loco::residual(v, t, scale);
+    r[j] = res;
+    if (UPDATE == kKeepResidual) e[j] = res;
+    if (UPDATE == kDampResidual) e[j] = res * omb;
+    if (UPDATE == kBlend) e[j] = e[j] * beta + res * omb;
+  }
+  int j = 0;
+  for (; j + kStatLanes <= G; j += kStatLanes)
+    for (int k = 0; k < kStatLanes; ++k) {
+      rs[k] += (double)r[j + k] * (double)r[j + k];
+      is[k] += (double)y[j + k] * (double)y[j + k];
+    }
+  for (int k = 0; j + k < G; ++k) {
+    rs[k] += (double)r[j + k] * (double)r[j + k];
+    is[k] += (double)y[j + k] * (double)y[j + k];
+  }
+}
+
+#ifdef LOCO_AVX512
+// AVX-512 form of encode_group for its common case: fp32 source, nearest rounding, G = 128 (the
+// whole group in 8 registers), no/int8/fp32 error state, a finite group. Each vector operation
+// is the 16-lane form of the same loco:: function, with the same IEEE operations in the same
+// order (the build has no FMA contraction), so the bytes are the generic path's; the property
+// tests check it against the reference. Anything else (and a non-finite group) returns false
+// before writing, and the generic path runs.
+namespace avx512 {
+
+#define LOCO_VEC_INLINE inline __attribute__((always_inline))
+
+constexpr int kV = 16;                  // fp32 lanes per register
+constexpr int kVecs = kFastGroup / kV;  // registers per group
+constexpr int kPrefetch = 8 * kFastGroup;  // source elements read ahead
+
+LOCO_VEC_INLINE __m512i abs_bits(__m512 v) {
+  return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+}
+
+// group_amax over 8 registers: the unsigned max of the sign-cleared bit patterns, NaN if any
+// lane is NaN or +-Inf.
+LOCO_VEC_INLINE float amax(const __m512 (&v)[kVecs]) {
+  __m512i m = abs_bits(v[0]);
+  for (int i = 1; i < kVecs; ++i) m = _mm512_max_epu32(m, abs_bits(v[i]));
+  const uint32_t top = _mm512_reduce_max_epu32(m);
+  if (top >= 0x7f800000u) return loco::quiet_nan();
+  float out;
+  std::memcpy(&out, &top, sizeof(out));
+  return out;
+}
+
+// loco::code_nearest(y, inv, q) for the members y of the group whose scale gave inv:
+// roundscale(.., nearest) is rintf in the default rounding mode, and the clamp to [-q, q] there
+// never acts, so it is left out. Proof: |y| <= amax and inv = fl(q / amax) <= (q / amax)(1 + u),
+// u = 2^-24, so |fl(y * inv)| <= q (1 + u)^2 < q + 0.5 and rintf gives at most q; inv = 0 gives
+// 0. (Stochastic rounding, floor(t + u) with u up to 1, does need the clamp.)
+LOCO_VEC_INLINE __m512 code_nearest(__m512 y, __m512 inv) {
+  return _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// loco::residual: y - (t + 0) * scale.
+LOCO_VEC_INLINE __m512 residual(__m512 y, __m512 t, __m512 scale) {
+  return _mm512_sub_ps(y, _mm512_mul_ps(_mm512_add_ps(t, _mm512_setzero_ps()), scale));
+}
+
+// acc[0..1] += v * v in fp64 (statistics: the fused multiply-add is fine here).
+LOCO_VEC_INLINE void square_add(__m512d (&acc)[2], __m512 v) {
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+  acc[0] = _mm512_fmadd_pd(lo, lo, acc[0]);
+  acc[1] = _mm512_fmadd_pd(hi, hi, acc[1]);
+}
+
+// acc[0..1] += v, widened to fp64.
+LOCO_VEC_INLINE void add_halves(__m512d (&acc)[2], __m512 v) {
+  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
+
+// Writes the 16 codes t (integral floats in [-q, q]) as loco::code_to_field fields.
+template <int BITS>
+LOCO_VEC_INLINE void pack16(__m512 t, uint8_t* out) {
+  const __m512i field = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(1 << (BITS - 1)));
+  if (BITS == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(field));
+  } else if (BITS == 4) {
+    // 64-bit lane = f_even | f_odd << 32; OR-ing in itself >> 28 puts f_even | f_odd << 4 in its
+    // low byte.
+    const __m512i pair = _mm512_or_si512(field, _mm512_srli_epi64(field, 28));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
+  } else {
+    // as above twice: 64-bit lanes give f0 | f1 << 2, then 128-bit pairs of them give 4 fields
+    const __m512i pair = _mm512_and_si512(_mm512_or_si512(field, _mm512_srli_epi64(field, 30)),
+                                          _mm512_set1_epi64(0xf));
+    const __m512i quad = _mm512_or_si512(pair, _mm512_bsrli_epi128(_mm512_slli_epi64(pair, 4), 8));
+    const __m512i lo = _mm512_maskz_compress_epi64(0x55, quad);  // lanes 0, 2, 4, 6
+    const __m128i bytes = _mm512_cvtepi64_epi8(lo);
+    std::memcpy(out, &bytes, 4);
+  }
+}
+
+template <int BITS, int MODE, int UPDATE>
+bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
+                  double* res_sq, double* in_sq) {
+  const int64_t off = gi * kFastGroup;
+  const bool with_error = MODE != kNoError && a.has_error;
+  __m512 y[kVecs], e[kVecs];
+  const __m512 factor = _mm512_set1_ps(a.factor);
+  for (int i = 0; i < kVecs; ++i) {
+    // an address, not a pointer into the source: it may lie past its end (a prefetch is a hint)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(x) +
+                                               sizeof(float) * (kPrefetch + i * kV)),
+                 _MM_HINT_T0);
+    y[i] = _mm512_loadu_ps(x + i * kV);
+    if (a.scale_input) y[i] = _mm512_mul_ps(y[i], factor);
+  }
+  if (with_error) {
+    if (MODE == kInt8) {
+      const __m512 s = _mm512_set1_ps(a.escales[gi]);
+      const int8_t* c = a.ecodes + off;
+      for (int i = 0; i < kVecs; ++i) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i * kV));
+        e[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
+      }
+    } else {
+      for (int i = 0; i < kVecs; ++i) e[i] = _mm512_loadu_ps(a.ef32 + off + i * kV);
+    }
+    for (int i = 0; i < kVecs; ++i) y[i] = _mm512_add_ps(y[i], e[i]);
+  }
+  const loco::GroupScale s = loco::group_scale(amax(y), loco::qmax(BITS));
+  if (!s.finite) return false;
+
+  uint8_t* row_msg = a.msgs + row * a.P;
+  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + gcol * kFastGroup * BITS / 8;
+  const __m512 inv = _mm512_set1_ps(s.inv), scale = _mm512_set1_ps(s.scale);
+  const __m512 beta = _mm512_set1_ps(a.beta), omb = _mm512_set1_ps(a.omb);
+  __m512 r2 = _mm512_setzero_ps(), y2 = _mm512_setzero_ps();  // fp32 sums of squares over the group, lane-wise
+  for (int i = 0; i < kVecs; ++i) {
+    const __m512 t = code_nearest(y[i], inv);
+    pack16<BITS>(t, packed + i * kV * BITS / 8);
+    const __m512 res = residual(y[i], t, scale);
+    r2 = _mm512_add_ps(r2, _mm512_mul_ps(res, res));
+    y2 = _mm512_add_ps(y2, _mm512_mul_ps(y[i], y[i]));
+    if (UPDATE == kKeepResidual) e[i] = res;
+    if (UPDATE == kDampResidual) e[i] = _mm512_mul_ps(res, omb);
+    if (UPDATE == kBlend) e[i] = _mm512_add_ps(_mm512_mul_ps(e[i], beta), _mm512_mul_ps(res, omb));
+  }
+  __m512d rd[2] = {_mm512_loadu_pd(res_sq), _mm512_loadu_pd(res_sq + 8)};
+  __m512d yd[2] = {_mm512_loadu_pd(in_sq), _mm512_loadu_pd(in_sq + 8)};
+  if (_mm512_cmp_ps_mask(_mm512_add_ps(r2, y2), _mm512_set1_ps(3.4028234663852886e38f),
+                         _CMP_GT_OQ)) {
+    // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
+    for (int i = 0; i < kVecs; ++i) {
+      square_add(rd, residual(y[i], code_nearest(y[i], inv), scale));
+      square_add(yd, y[i]);
+    }
+  } else {
+    add_halves(rd, r2);
+    add_halves(yd, y2);
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm512_storeu_pd(res_sq + 8 * h, rd[h]);
+    _mm512_storeu_pd(in_sq + 8 * h, yd[h]);
+  }
+
+  if (MODE == kFp32) {
+    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(a.ef32 + off + i * kV, e[i]);
+  } else if (MODE == kInt8) {
+    const loco::GroupScale es = loco::group_scale(amax(e), 127);
+    int8_t* c = a.ecodes + off;
+    if (es.finite) {
+      const __m512 einv = _mm512_set1_ps(es.inv);
+      for (int i = 0; i < kVecs; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i * kV),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code_nearest(e[i], einv))));
+    } else {
+      _mm512_storeu_si512(c, _mm512_setzero_si512());
+      _mm512_storeu_si512(c + 64, _mm512_setzero_si512());
+    }
+    a.escales[gi] = es.scale;
+  }
+  return true;
+}
+
+// encode_group's dispatch onto the vector path; false: not its case, run the generic path.
+template <typename T, int BITS, int MODE, bool SR, int GS>
+LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t gi, int64_t row,
+                             int64_t gcol, int64_t valid, double* rs, double* is) {
+  if constexpr (std::is_same_v<T, float> && !SR && GS == kFastGroup && MODE != kBf16) {
+    if (valid != kFastGroup) return false;
+    switch (update_case<MODE>(a)) {
+      case kKeepNothing: return encode_group<BITS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
+      case kKeepResidual: return encode_group<BITS, MODE, kKeepResidual>(x, a, gi, row, gcol, rs, is);
+      case kDampResidual: return encode_group<BITS, MODE, kDampResidual>(x, a, gi, row, gcol, rs, is);
+      default: return encode_group<BITS, MODE, kBlend>(x, a, gi, row, gcol, rs, is);
+    }
+  } else {
+    return false;
+  }
+}
+
+#undef LOCO_VEC_INLINE
+}  // namespace avx512
+constexpr bool kVectorPath = true;
+#else
+constexpr bool kVectorPath = false;
+#endif
+
+// Encodes group gi of the source; returns false if the group is non-finite.
+// Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
+// runs over the whole group with no data-dependent branch, so it vectorizes.
+template <typename T, int BITS, int MODE, bool SR, int GS>
+bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e, float* r,
+                  int8_t* codes, double* res_sq, double* in_sq) {
+  const int G = GS ? GS : a.G;
+  const int64_t row = gi / a.ng, gcol = gi % a.ng;
+  const int64_t col0 = gcol * G;
+  const int64_t limit = std::min<int64_t>(G, std::max<int64_t>(0, a.m - col0));
+  const int64_t base = row * a.m + col0;
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
+  const T* x = src + base;
+#ifdef LOCO_AVX512
+  if (avx512::try_encode_group<T, BITS, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
+    return true;
+#endif
+  const int64_t off = gi * G;
+  const bool with_error = MODE != kNoError && a.has_error;
+  if (valid == G) {
+    if (a.scale_input) {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) y[j] = static_cast<float>(x[j]) * a.factor;
+    } else {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) y[j] = static_cast<float>(x[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < valid; ++j)
+      y[j] = a.scale_input ? static_cast<float>(x[j]) * a.factor : static_cast<float>(x[j]);
+    for (int64_t j = valid; j < G; ++j) y[j] = 0.0f;
+  }
+  if (with_error) {
+    if (MODE == kInt8) {
+      const float s = a.escales[gi];
+      const int8_t* c = a.ecodes + off;
+#pragma omp simd
+      for (int j = 0; j < G; ++j) e[j] = loco::dequantize_one(c[j], s);
+    } else if (MODE == kFp32) {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) e[j] = a.ef32[off + j];
+    } else {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) e[j] = static_cast<float>(error_bf16(a)[off + j]);
+    }
+#pragma omp simd
+    for (int j = 0; j < G; ++j) y[j] = y[j] + e[j];
+  }
+  const loco::GroupScale s = loco::group_scale(group_amax(y, G), loco::qmax(BITS));
+  uint8_t* row_msg = a.msgs + row * a.P;
+  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + col0 * BITS / 8;
+  if (!s.finite) {
+#pragma omp simd
+    for (int j = 0; j < G; ++j) codes[j] = 0;
+    pack_codes<BITS>(codes, G, packed);
+    return false;
+  }
+  const float qf = (float)loco::qmax(BITS);
+  switch (update_case<MODE>(a)) {
+    case kKeepNothing: quantize_group<SR, kKeepNothing>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    case kKeepResidual: quantize_group<SR, kKeepResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    case kDampResidual: quantize_group<SR, kDampResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    default: quantize_group<SR, kBlend>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq);
+  }
+  pack_codes<BITS>(codes, G, packed);
+  if (MODE == kInt8) {
+    const loco::GroupScale es = loco::group_scale(group_amax(e, G), 127);
+    int8_t* c = a.ecodes + off;
+    if (es.finite) {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) c[j] = (int8_t)loco::code_nearest(e[j], es.inv, 127.0f);
+    } else {
+#pragma omp simd
+      for (int j = 0; j < G; ++j) c[j] = 0;
+    }
+    a.escales[gi] = es.scale;
+  } else if (MODE == kFp32) {
+#pragma omp simd
+    for (int j = 0; j < G; ++j) a.ef32[off + j] = e[j];
+  } else if (MODE == kBf16) {
+#pragma omp simd
+    for (int j = 0; j < G; ++j) error_bf16_out(a)[off + j] = at::BFloat16(e[j]);
+  }
+  return true;
+}
+
+template <typename T, int BITS, int MODE, bool SR>
+void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq, double& in_sq,
+                int threads) {
+  const int64_t groups = a.rows * a.ng;
+  double rs = 0.0, is = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : rs, is)
+  {
+    std::vector<float> y(a.G), e(a.G), r(a.G);
+    std::vector<int8_t> codes(a.G);
+    double lane_rs[kStatLanes] = {0.0}, lane_is[kStatLanes] = {0.0};
+    if (a.G == kFastGroup) {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        bad[gi] = !encode_group<T, BITS, MODE, SR, kFastGroup>(
+            src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        bad[gi] = !encode_group<T, BITS, MODE, SR, 0>(
+            src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
+    }
+    for (int k = 0; k < kStatLanes; ++k) {
+      rs += lane_rs[k];
+      is += lane_is[k];
+    }
+  }
+  res_sq = rs;
+  in_sq = is;
+}
+
+template <typename T, int BITS, bool SR>
+void encode_mode(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
+                 double& is, int threads) {
+  switch (mode) {
+    case kNoError: return encode_all<T, BITS, kNoError, SR>(src, a, bad, rs, is, threads);
+    case kInt8: return encode_all<T, BITS, kInt8, SR>(src, a, bad, rs, is, threads);
+    case kFp32: return encode_all<T, BITS, kFp32, SR>(src, a, bad, rs, is, threads);
+    default: return encode_all<T, BITS, kBf16, SR>(src, a, bad, rs, is, threads);
+  }
+}
+
+template <typename T, int BITS>
+void encode_bits(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
+                 double& is, int threads) {
+  if (a.stochastic) return encode_mode<T, BITS, true>(src, a, mode, bad, rs, is, threads);
+  return encode_mode<T, BITS, false>(src, a, mode, bad, rs, is, threads);
+}
+
+template <typename T>
+void encode_typed(const EncodeArgs& a, int64_t bits, int threads) {
+  const T* src = static_cast<const T*>(a.src);
+  double rs = 0.0, is = 0.0;
+  if (bits == 2) encode_bits<T, 2>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  else if (bits == 4) encode_bits<T, 4>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  else encode_bits<T, 8>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  a.sums[0] = rs;
+  a.sums[1] = is;
+}
+
+// A tensor attribute of the Python EncodeArgs (None -> undefined tensor).
+torch::Tensor tensor_attr(const py::object& args, const char* name) {
+  py::object value = args.attr(name);
+  return value.is_none() ? torch::Tensor() : value.cast<torch::Tensor>();
+}
+
+void check_buffer(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, const char* what) {
+  TORCH_CHECK(t.defined(), what, " is missing");
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype,
+              what, " must be a contiguous CPU ", c10::toString(dtype), " tensor");
+  TORCH_CHECK(t.numel() == numel, what, " holds ", t.numel(), " elements, expected ", numel);
+}
+
+// One encode; `args` is a lowbitcc.codec.kernels.EncodeArgs. Every buffer is checked against
+// the shapes the arguments imply before anything is written.
+void encode(const py::object& args) {
+  const torch::Tensor source = tensor_attr(args, "source");
+  const torch::Tensor messages = tensor_attr(args, "messages");
+  const torch::Tensor nonfinite = tensor_attr(args, "nonfinite");
+  const torch::Tensor sums = tensor_attr(args, "sums");
+  EncodeArgs a{};
+  a.rows = args.attr("rows").cast<int64_t>();
+  a.m = args.attr("m").cast<int64_t>();
+  a.G = args.attr("group_size").cast<int32_t>();
+  const int64_t bits = args.attr("bits").cast<int64_t>();
+  a.mode = args.attr("mode").cast<int32_t>();
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  TORCH_CHECK(a.G > 0 && a.G % 8 == 0, "group size must be a positive multiple of 8");
+  TORCH_CHECK(a.rows >= 0 && a.m >= 0, "rows and m must be >= 0");
+  TORCH_CHECK(a.mode >= kNoError && a.mode <= kBf16, "unknown error mode ", a.mode);
+  TORCH_CHECK(source.defined() && source.dim() == 1 && source.is_contiguous() &&
+                  source.device().is_cpu(), "source must be a flat contiguous CPU tensor");
+  a.ng = (a.m + a.G - 1) / a.G;
+  const int64_t groups = a.rows * a.ng, elements = groups * a.G;
+  TORCH_CHECK(messages.defined() && messages.dim() == 2 && messages.size(0) == a.rows &&
+                  messages.is_contiguous() && messages.scalar_type() == at::kByte &&
+                  messages.device().is_cpu(), "messages must be a contiguous [rows, P] uint8 CPU tensor");
+  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + 4 * a.ng + a.ng * a.G * bits / 8,
+              "message rows too short");
+  check_buffer(nonfinite, at::kByte, groups, "nonfinite");
+  check_buffer(sums, at::kDouble, 2, "sums");
+  a.has_error = args.attr("has_error").cast<bool>();
+  if (a.mode == kInt8) {
+    const torch::Tensor codes = tensor_attr(args, "error_codes");
+    const torch::Tensor scales = tensor_attr(args, "error_scales");
+    check_buffer(codes, at::kChar, elements, "error codes");
+    check_buffer(scales, at::kFloat, groups, "error scales");
+    a.ecodes = codes.data_ptr<int8_t>();
+    a.escales = scales.data_ptr<float>();
+  } else if (a.mode == kFp32 || a.mode == kBf16) {
+    const torch::Tensor values = tensor_attr(args, "error_values");
+    check_buffer(values, a.mode == kFp32 ? at::kFloat : at::kBFloat16, elements, "error values");
+    if (a.mode == kFp32) a.ef32 = values.data_ptr<float>();
+    else a.ebf16 = reinterpret_cast<uint16_t*>(values.data_ptr<at::BFloat16>());
+  }
+  a.src = source.data_ptr();
+  a.msgs = messages.data_ptr<uint8_t>();
+  a.nonfinite = nonfinite.data_ptr<uint8_t>();
+  a.sums = sums.data_ptr<double>();
+  a.numel = source.numel();
+  a.P = messages.size(1);
+  const double factor = args.attr("factor").cast<double>();
+  const double beta = args.attr("beta").cast<double>();
+  a.factor = (float)factor;
+  a.scale_input = factor != 1.0;
+  a.beta = (float)beta;
+  a.omb = (float)(1.0 - beta);
+  a.stochastic = args.attr("stochastic").cast<bool>();
+  a.k0 = args.attr("k0").cast<uint32_t>();
+  a.k1 = args.attr("k1").cast<uint32_t>();
+  const int threads = args.attr("threads").cast<int>();
+  switch (source.scalar_type()) {
+    case at::kFloat: return encode_typed<float>(a, bits, threads);
+    case at::kBFloat16: return encode_typed<at::BFloat16>(a, bits, threads);
+    case at::kHalf: return encode_typed<at::Half>(a, bits, threads);
+    default: TORCH_CHECK(false, "source dtype must be float32, bfloat16 or float16");
+  }
+}
+
+// Decodes group gcol of one message into v[0..G).
+template <int BITS>
+inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
+  constexpr int kPer = 8 / BITS;
+  float scale;
+  std::memcpy(&scale, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
+  const uint8_t* packed = msg + loco::kHeaderBytes + 4 * ng + gcol * G * BITS / 8;
+  for (int b = 0; b < G / kPer; ++b) {
+    const uint32_t byte = packed[b];
+    for (int k = 0; k < kPer; ++k)
+      v[b * kPer + k] = loco::dequantize_one(loco::field_to_code(byte, k, BITS), scale);
+  }
+}
+
+inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int G, float* v) {
+  if (bits == 4) decode_group_bits<4>(msg, ng, gcol, G, v);
+  else if (bits == 8) decode_group_bits<8>(msg, ng, gcol, G, v);
+  else decode_group_bits<2>(msg, ng, gcol, G, v);
+}
+
+void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G) {
+  TORCH_CHECK(messages.dim() == 2 && messages.scalar_type() == at::kByte &&
+                  messages.is_contiguous(), "messages must be a contiguous 2-D uint8 tensor");
+  const int64_t ng = (m + G - 1) / G;
+  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + 4 * ng + ng * G * bits / 8,
+              "message rows too short for ", m, " elements");
+}
+
+// `out`: fp32 [m] to write, or an empty tensor to allocate one.
+torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
+                         int64_t threads, torch::Tensor out) {
+  check_messages(messages, m, bits, G);
+  const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
+  if (out.numel() == 0) out = torch::empty({m}, torch::kFloat);
+  TORCH_CHECK(out.numel() == m && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.device().is_cpu(), "decode_sum: out must be a contiguous fp32 CPU tensor of ", m,
+              " elements");
+  float* o = out.data_ptr<float>();
+  const uint8_t* msgs = messages.data_ptr<uint8_t>();
+#pragma omp parallel num_threads((int)threads)
+  {
+    std::vector<float> acc(G), v(G);
+#pragma omp for schedule(static)
+    for (int64_t gcol = 0; gcol < ng; ++gcol) {
+      decode_group(msgs, ng, gcol, (int)bits, (int)G, acc.data());
+      for (int64_t r = 1; r < k; ++r) {
+        decode_group(msgs + r * P, ng, gcol, (int)bits, (int)G, v.data());
+        for (int j = 0; j < G; ++j) acc[j] = acc[j] + v[j];
+      }
+      const int64_t n = std::min<int64_t>(G, m - gcol * G);
+      std::memcpy(o + gcol * G, acc.data(), n * sizeof(float));
+    }
+  }
+  return out;
+}
+
+template <typename T>
+void decode_into_typed(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
+                       torch::Tensor& out, int threads) {
+  const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
+  const int64_t numel = out.numel();
+  T* o = out.data_ptr<T>();
+  const uint8_t* msgs = messages.data_ptr<uint8_t>();
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> v(G);
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < k * ng; ++gi) {
+      const int64_t r = gi / ng, gcol = gi % ng;
+      decode_group(msgs + r * P, ng, gcol, (int)bits, (int)G, v.data());
+      const int64_t base = r * m + gcol * G;
+      const int64_t n = std::min<int64_t>(std::min<int64_t>(G, m - gcol * G), numel - base);
+      for (int64_t j = 0; j < n; ++j) o[base + j] = static_cast<T>(v[j]);
+    }
+  }
+}
+
+void decode_into(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
+                 torch::Tensor out, int64_t threads) {
+  check_messages(messages, m, bits, G);
+  TORCH_CHECK(out.is_contiguous() && out.numel() <= messages.size(0) * m,
+              "out must be contiguous and hold at most rows * m elements");
+  switch (out.scalar_type()) {
+    case at::kFloat: return decode_into_typed<float>(messages, m, bits, G, out, (int)threads);
+    case at::kBFloat16: return decode_into_typed<at::BFloat16>(messages, m, bits, G, out, (int)threads);
+    case at::kHalf: return decode_into_typed<at::Half>(messages, m, bits, G, out, (int)threads);
+    default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+// Offset of every field of loco::EncodeArgs, and its size, as this compiler laid it out
+// (tests/codec/test_abi.py compares them with lowbitcc.codec.abi.encode_args_dtype()).
+py::dict encode_args_layout() {
+  py::dict d;
+#define LOCO_FIELD(f) d[#f] = offsetof(EncodeArgs, f);
+  LOCO_FIELD(src) LOCO_FIELD(msgs) LOCO_FIELD(ecodes) LOCO_FIELD(escales) LOCO_FIELD(ef32)
+  LOCO_FIELD(ebf16) LOCO_FIELD(nonfinite) LOCO_FIELD(sums) LOCO_FIELD(numel) LOCO_FIELD(rows)
+  LOCO_FIELD(m) LOCO_FIELD(ng) LOCO_FIELD(P) LOCO_FIELD(factor) LOCO_FIELD(beta) LOCO_FIELD(omb)
+  LOCO_FIELD(G) LOCO_FIELD(scale_input) LOCO_FIELD(has_error) LOCO_FIELD(mode)
+  LOCO_FIELD(stochastic) LOCO_FIELD(k0) LOCO_FIELD(k1)
+#undef LOCO_FIELD
+  d["sizeof"] = sizeof(EncodeArgs);
+  return d;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("encode", &encode, "fused compensate + quantize + pack + error update",
+             py::arg("args"));
+  module.def("encode_args_layout", &encode_args_layout);
+  module.def("decode_sum", &decode_sum, "decode k messages of one shard, sum in row order");
+  module.def("decode_into", &decode_into, "decode k messages into a flat output, cast");
+  module.attr("vector_path") = kVectorPath ? "avx512" : "none";
+}

@@ -1,0 +1,222 @@
+// Fused CUDA codec kernels built from loco_codec.cuh; the same bytes as cpu_codec.cpp and
+// reference.py. Compiled at run time by CuPy (NVRTC) for the GPU at hand, with name expressions
+// for the template instances; `nvcc -DLOCO_INSTANTIATE_ALL` builds every instance (the compile
+// test). Compile with --fmad=false: every operation is one correctly rounded fp32 operation.
+//
+// Layouts are those of cpu_codec.cpp: the source is `numel` elements seen as `rows` rows of `m`
+// (indices >= numel read as 0), ng = ceil(m / G) groups per row, messages are uint8 [rows, P]
+// (header bytes 0..31 written by the host), the error state holds rows * ng * G elements.
+//
+// encode: one warp per group; lane l owns elements 8l .. 8l+7 of the group (G <= 256, a
+//   multiple of 8), held in registers from load to store: one read of the source and the error
+//   state, one write of the codes and the error state. Group maxima are warp reductions.
+// decode_sum: one thread per element of the shard, rows summed in row order.
+// decode_into: one thread per element of the output, cast to its dtype.
+#include "loco_codec.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace loco_cuda {
+
+constexpr int kChunk = 8;  // consecutive elements per lane
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kNoError = loco::kErrorNone;
+constexpr int kInt8 = loco::kErrorInt8;
+constexpr int kFp32 = loco::kErrorFp32;
+constexpr int kBf16 = loco::kErrorBf16;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// max of |v| over the warp's group as an unsigned max of sign-cleared bit patterns (exact in any
+// order); patterns >= 0x7f800000 mean a NaN or Inf is present.
+__device__ __forceinline__ unsigned warp_max_bits(unsigned bits) {
+  for (int o = 16; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(kFull, bits, o));
+  return bits;
+}
+
+__device__ __forceinline__ float bits_to_amax(unsigned top) {
+  return top >= 0x7f800000u ? loco::quiet_nan() : __uint_as_float(top);
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+// `a` is loco::EncodeArgs (loco_codec.cuh), passed by value: the launcher lays out its bytes with
+// lowbitcc.codec.abi.encode_args_dtype(). a.src holds T; a.ebf16 holds __nv_bfloat16 bits.
+template <typename T, int BITS, int MODE, bool SR>
+__global__ void encode(const loco::EncodeArgs a) {
+  const T* __restrict__ src = static_cast<const T*>(a.src);
+  __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
+  const long long groups = a.rows * a.ng;
+  const int lane = threadIdx.x & 31;
+  const long long gi = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (gi >= groups) return;  // whole warps leave together
+  const int G = a.G;
+  const long long row = gi / a.ng, gcol = gi % a.ng;
+  const long long col0 = gcol * G;
+  const int first = lane * kChunk;
+  const bool active = first < G;
+  const long long off = gi * G;
+  const bool with_error = MODE != kNoError && a.has_error;
+
+  float y[kChunk], e[kChunk];
+  unsigned top = 0;
+  const float escale = (MODE == kInt8 && with_error) ? a.escales[gi] : 0.0f;
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {
+    const long long col = col0 + first + t;
+    const long long idx = row * a.m + col;
+    float v = 0.0f;
+    if (active && col < a.m && idx < a.numel) {
+      v = to_float(src[idx]);
+      if (a.scale_input) v = __fmul_rn(v, a.factor);
+    }
+    e[t] = 0.0f;
+    if (active && with_error) {
+      if (MODE == kInt8) e[t] = loco::dequantize_one(a.ecodes[off + first + t], escale);
+      if (MODE == kFp32) e[t] = a.ef32[off + first + t];
+      if (MODE == kBf16) e[t] = __bfloat162float(ebf16[off + first + t]);
+      v = __fadd_rn(v, e[t]);
+    }
+    y[t] = v;
+    top = max(top, __float_as_uint(v) & 0x7fffffffu);
+  }
+  top = warp_max_bits(top);
+  const loco::GroupScale s = loco::group_scale(bits_to_amax(top), loco::qmax(BITS));
+  unsigned char* row_msg = a.msgs + row * a.P;
+  if (lane == 0) {
+    const unsigned sb = __float_as_uint(s.scale);
+    for (int b = 0; b < 4; ++b) row_msg[loco::kHeaderBytes + 4 * gcol + b] = (sb >> (8 * b)) & 0xff;
+  }
+  unsigned char* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + col0 * BITS / 8;
+  const float qf = (float)loco::qmax(BITS);
+
+  // codes of this lane's chunk, packed little-end first: BITS bytes
+  unsigned long long word = 0;
+  double rs = 0.0, is = 0.0;
+  unsigned etop = 0;
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {
+    float code = 0.0f;
+    if (s.finite) {
+      code = SR ? loco::code_stochastic(
+                      y[t], s.inv, loco::uniform24((unsigned)(off + first + t), a.k0, a.k1), qf)
+                : loco::code_nearest(y[t], s.inv, qf);
+      const float r = loco::residual(y[t], code, s.scale);
+      if (active) {
+        rs += (double)r * (double)r;
+        is += (double)y[t] * (double)y[t];
+      }
+      if (MODE != kNoError) e[t] = loco::update_error(e[t], r, a.beta, a.omb, with_error);
+      etop = max(etop, __float_as_uint(e[t]) & 0x7fffffffu);
+    }
+    word |= (unsigned long long)loco::code_to_field((int)code, BITS) << (BITS * t);
+  }
+  if (active) {
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) packed[first * BITS / 8 + b] = (word >> (8 * b)) & 0xff;
+  }
+  if (!s.finite) {
+    if (lane == 0) a.nonfinite[gi] = 1;
+    return;  // the call's error states are dropped, as on the CPU
+  }
+  rs = warp_sum(rs);
+  is = warp_sum(is);
+  if (lane == 0) {
+    atomicAdd(a.sums, rs);
+    atomicAdd(a.sums + 1, is);
+  }
+  if (MODE == kInt8) {
+    etop = warp_max_bits(etop);
+    const loco::GroupScale es = loco::group_scale(bits_to_amax(etop), 127);
+    if (active) {
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t)
+        a.ecodes[off + first + t] =
+            es.finite ? (signed char)loco::code_nearest(e[t], es.inv, 127.0f) : 0;
+    }
+    if (lane == 0) a.escales[gi] = es.scale;
+  } else if (MODE == kFp32 && active) {
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) a.ef32[off + first + t] = e[t];
+  } else if (MODE == kBf16 && active) {
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) ebf16[off + first + t] = __float2bfloat16_rn(e[t]);
+  }
+}
+
+template <int BITS>
+__device__ __forceinline__ float decode_one(const unsigned char* msg, long long ng, int G,
+                                            long long j) {
+  constexpr int kPer = 8 / BITS;
+  const long long gcol = j / G;
+  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
+  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
+                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
+  const unsigned byte = msg[loco::kHeaderBytes + 4 * ng + j / kPer];
+  return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
+}
+
+// out[j] = sum over rows r (in order) of message r's element j, for j < m.
+template <int BITS>
+__global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
+                           long long m, int G, float* __restrict__ out) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= m) return;
+  const long long ng = (m + G - 1) / G;
+  float acc = decode_one<BITS>(msgs, ng, G, j);
+  for (long long r = 1; r < k; ++r) acc = __fadd_rn(acc, decode_one<BITS>(msgs + r * P, ng, G, j));
+  out[j] = acc;
+}
+
+// out[r * m + j] = message r's element j, cast, for r * m + j < numel.
+template <typename T, int BITS>
+__global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
+                            int G, long long numel, T* __restrict__ out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= numel) return;
+  const long long r = i / m, j = i % m;
+  const long long ng = (m + G - 1) / G;
+  out[i] = from_float<T>(decode_one<BITS>(msgs + r * P, ng, G, j));
+}
+
+}  // namespace loco_cuda
+
+#if defined(LOCO_INSTANTIATE_ALL)
+#define LOCO_ENC_ARGS(T) const loco::EncodeArgs
+#define LOCO_ENC(T, B)                                                     \
+  template __global__ void encode<T, B, 0, false>(LOCO_ENC_ARGS(T));       \
+  template __global__ void encode<T, B, 1, false>(LOCO_ENC_ARGS(T));       \
+  template __global__ void encode<T, B, 2, false>(LOCO_ENC_ARGS(T));       \
+  template __global__ void encode<T, B, 3, false>(LOCO_ENC_ARGS(T));       \
+  template __global__ void encode<T, B, 0, true>(LOCO_ENC_ARGS(T));        \
+  template __global__ void encode<T, B, 1, true>(LOCO_ENC_ARGS(T));        \
+  template __global__ void encode<T, B, 2, true>(LOCO_ENC_ARGS(T));        \
+  template __global__ void encode<T, B, 3, true>(LOCO_ENC_ARGS(T));
+namespace loco_cuda {
+LOCO_ENC(float, 2) LOCO_ENC(float, 4) LOCO_ENC(float, 8)
+LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
+LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8)
+template __global__ void decode_sum<2>(const unsigned char*, long long, long long, long long, int, float*);
+template __global__ void decode_sum<4>(const unsigned char*, long long, long long, long long, int, float*);
+template __global__ void decode_sum<8>(const unsigned char*, long long, long long, long long, int, float*);
+#define LOCO_DEC(T)                                                                                 \
+  template __global__ void decode_into<T, 2>(const unsigned char*, long long, long long, int, long long, T*); \
+  template __global__ void decode_into<T, 4>(const unsigned char*, long long, long long, int, long long, T*); \
+  template __global__ void decode_into<T, 8>(const unsigned char*, long long, long long, int, long long, T*);
+LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
+}  // namespace loco_cuda
+#endif

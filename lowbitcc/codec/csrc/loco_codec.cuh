@@ -1,0 +1,182 @@
+// lowbitcc codec arithmetic shared by the C++ CPU kernels and the CUDA kernels.
+//
+// Every function here is the element-level form of lowbitcc/codec/reference.py, the executable
+// specification; implementations built from this header must produce the same bytes. Compile
+// without FMA contraction (-ffp-contract=off, nvcc --fmad=false) and without fast-math: each
+// operation below is one correctly rounded IEEE fp32 operation, as in the reference.
+#pragma once
+
+#if defined(__CUDACC_RTC__)
+typedef signed char int8_t;  // NVRTC has no <stdint.h>
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+#else
+#include <stdint.h>
+#endif
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define LOCO_HD __host__ __device__ __forceinline__
+#else
+#include <math.h>
+#define LOCO_HD static inline
+#endif
+
+namespace loco {
+
+constexpr int kHeaderBytes = 32;
+
+// Storage of the error state. lowbitcc/codec/abi.py reads the names and values from this
+// enum (kError<Name> -> "<name>", kErrorNone -> feedback off): it is the only definition.
+enum ErrorMode : int32_t {
+  kErrorNone = 0,
+  kErrorInt8 = 1,
+  kErrorFp32 = 2,
+  kErrorBf16 = 3,
+};
+
+// The arguments of one encode, shared by the C++ and the CUDA kernels (passed by value to the
+// CUDA kernel). lowbitcc/codec/abi.py reads this struct to lay out the same bytes with NumPy,
+// so keep one field per line, fixed-width types and pointers only; the CPU module exports
+// every field's offset and the tests compare the two layouts.
+//
+// The source holds `numel` elements seen as `rows` rows of `m` (indices >= numel read as 0);
+// ng = ceil(m / G) groups per row; messages are uint8 [rows, P] (the host writes the header
+// bytes 0..31); the error state holds rows * ng * G elements, used per `mode`.
+struct EncodeArgs {
+  const void* src;     // [numel] float, bfloat16 or half (the kernel's T)
+  uint8_t* msgs;       // [rows, P]
+  int8_t* ecodes;      // kErrorInt8: [rows * ng * G] codes, updated in place
+  float* escales;      // kErrorInt8: [rows * ng] scales, updated in place
+  float* ef32;         // kErrorFp32: [rows * ng * G], updated in place
+  uint16_t* ebf16;     // kErrorBf16: [rows * ng * G] bfloat16 bits, updated in place
+  uint8_t* nonfinite;  // [rows * ng] out: 1 where a group held NaN or Inf (zeroed by the host)
+  double* sums;        // [2] out: residual^2 and compensated input^2 over finite groups
+  int64_t numel;
+  int64_t rows;
+  int64_t m;
+  int64_t ng;
+  int64_t P;
+  float factor;        // the source is multiplied by it first (PREMUL_SUM, 1/n for AVG)
+  float beta;          // LoCo moving-average factor
+  float omb;           // 1 - beta, rounded once by the host
+  int32_t G;
+  int32_t scale_input;  // factor != 1
+  int32_t has_error;    // an error state is applied (y = g + e)
+  int32_t mode;         // ErrorMode of the state written back
+  int32_t stochastic;   // stochastic rounding with keys k0, k1 (uniform24)
+  uint32_t k0;
+  uint32_t k1;
+};
+
+// Largest code magnitude of the symmetric b-bit quantizer: 1, 7 or 127.
+LOCO_HD int qmax(int bits) { return (1 << (bits - 1)) - 1; }
+
+LOCO_HD bool finite(float x) { return x - x == 0.0f; }  // false for NaN and +-Inf
+
+// The quiet NaN torch writes (0x7fc00000), so NaN scales are the same bytes everywhere.
+// __int_as_float exists in device code only: nvcc compiles this function for the host too.
+LOCO_HD float quiet_nan() {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(0x7fc00000);
+#else
+  return __builtin_nanf("");
+#endif
+}
+
+// Running max of |v| that propagates NaN, as torch.amax does (branch-free, so it vectorizes;
+// the NaN's payload may differ, only its presence matters).
+LOCO_HD float amax_step(float amax, float v) {
+  float a = fabsf(v);
+  return (a > amax || a != a) ? a : amax;
+}
+
+// Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0, and 0
+// when q / amax overflows: a group that small encodes as all-zero codes, never as 0 * inf);
+// a non-finite group gets scale NaN and inv 0 (all its codes are 0).
+struct GroupScale {
+  float scale;
+  float inv;
+  bool finite;
+};
+
+LOCO_HD GroupScale group_scale(float amax, int q) {
+  GroupScale s;
+  s.finite = finite(amax);
+  float qf = (float)q;
+  s.scale = s.finite ? amax / qf : quiet_nan();
+  const float inv = (s.finite && amax > 0.0f) ? qf / amax : 0.0f;
+  s.inv = finite(inv) ? inv : 0.0f;
+  return s;
+}
+
+// Clamped code as a float, for finite groups only (a non-finite group's codes are all 0):
+// nearest, clamp(round_half_even(y * inv), -q, q) (rintf rounds half to even in the default
+// mode), or stochastic, with t = y * inv rounded to fp32 first, then floor(t + u) with u
+// uniform in [0, 1) from `uniform24`.
+LOCO_HD float code_nearest(float y, float inv, float qf) {
+  float t = rintf(y * inv);
+  t = t > qf ? qf : t;
+  return t < -qf ? -qf : t;
+}
+
+LOCO_HD float code_stochastic(float y, float inv, float u, float qf) {
+  float t = y * inv;
+  t = floorf(t + u);
+  t = t > qf ? qf : t;
+  return t < -qf ? -qf : t;
+}
+
+// Counter-based random bits for stochastic rounding: a 32-bit integer hash (two xor-shift-multiply
+// rounds; multipliers below 2^31 so the pure-torch reference can evaluate it in int64 without
+// overflow). Element i of a call draws mix32(mix32(i ^ k0) ^ k1); (k0, k1) come from the seed,
+// the call's sequence number and the stream (see reference.stream_keys).
+LOCO_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x1b873593u;
+  x ^= x >> 16;
+  return x;
+}
+
+// Uniform in [0, 1) with 24 random bits: exact in fp32.
+LOCO_HD float uniform24(uint32_t index, uint32_t k0, uint32_t k1) {
+  const uint32_t h = mix32(mix32(index ^ k0) ^ k1);
+  return (float)(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
+}
+
+LOCO_HD float dequantize_one(int code, float scale) { return (float)code * scale; }
+
+// dequantize_one for a code still held as an integral float t (from code_nearest or
+// code_stochastic): t + 0.0f turns a -0 code into +0, as the integer code would be, so that
+// the residual of a zero code keeps the sign the reference gives it.
+LOCO_HD float dequantize_code(float t, float scale) { return (t + 0.0f) * scale; }
+
+// r = y - deQ(q), for the code t of y.
+LOCO_HD float residual(float y, float t, float scale) { return y - dequantize_code(t, scale); }
+
+// Stored form of a code: u = code + 2^(b-1), b bits, element k of a byte at bits b*k.
+LOCO_HD uint32_t code_to_field(int code, int bits) {
+  return (uint32_t)(code + (1 << (bits - 1)));
+}
+
+LOCO_HD int field_to_code(uint32_t byte, int k, int bits) {
+  uint32_t mask = (1u << bits) - 1u;
+  return (int)((byte >> (bits * k)) & mask) - (1 << (bits - 1));
+}
+
+// LoCo error update. has_error: an error state was applied (y = g + e).
+// Matches reference.compensate_quantize: beta == 0 -> r; no state -> r * (1 - beta);
+// else e * beta + r * (1 - beta), each product and the sum rounded separately.
+LOCO_HD float update_error(float e, float r, float beta, float one_minus_beta, bool has_error) {
+  if (beta == 0.0f) return r;
+  if (!has_error) return r * one_minus_beta;
+  float a = e * beta;
+  float b = r * one_minus_beta;
+  return a + b;
+}
+
+}  // namespace loco

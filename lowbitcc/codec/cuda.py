@@ -1,0 +1,186 @@
+"""The CUDA kernels (``csrc/cuda_codec.cu``), compiled by CuPy's NVRTC and cached.
+
+Used for CUDA tensors when CuPy is installed (``pip install lowbitcc[cuda]``); kernels run on
+torch's current CUDA stream. Layouts and arguments are those of the C++ CPU codec (one
+``loco::EncodeArgs``, passed by value), and the bytes are the same; `kernels.select` takes the
+reference for group sizes above `MAX_GROUP`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowbitcc.codec.abi import CSRC, ERROR_MODES, encode_args_dtype
+from lowbitcc.codec.interface import EncodeArgs
+
+SOURCE = CSRC / "cuda_codec.cu"
+OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
+MAX_GROUP = 256  # one warp per group, 8 elements per lane
+THREADS = 256
+BITS = (2, 4, 8)
+TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
+
+
+def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool) -> str:
+    return f"loco_cuda::encode<{TYPES[dtype]}, {bits}, {mode}, {'true' if stochastic else 'false'}>"
+
+
+def name_expressions() -> list[str]:
+    """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
+    names = [encode_name(t, b, mode, sr) for t in TYPES for b in BITS
+             for mode in ERROR_MODES.values() for sr in (False, True)]
+    names += [f"loco_cuda::decode_sum<{b}>" for b in BITS]
+    names += [f"loco_cuda::decode_into<{TYPES[t]}, {b}>" for t in TYPES for b in BITS]
+    return names
+
+
+def include_dirs() -> list[str]:
+    """Directories holding the CUDA headers the source includes (``cuda_bf16.h``,
+    ``cuda_fp16.h``): the ``nvidia-cuda-runtime-cu12`` wheel's, then ``$CUDA_PATH``,
+    ``$CUDA_HOME`` and ``/usr/local/cuda``; only those that exist."""
+    found = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found.append(Path(root) / "cuda_runtime" / "include")
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            found.append(Path(os.environ[var]) / "include")
+    found.append(Path("/usr/local/cuda/include"))
+    return [str(d) for d in found if (d / "cuda_bf16.h").exists()]
+
+
+def options() -> tuple[str, ...]:
+    return (*OPTIONS, *(f"-I{d}" for d in include_dirs()))
+
+
+@dataclass
+class NvrtcBuild:
+    """One NVRTC compilation of the CUDA codec for a real architecture (no GPU needed)."""
+
+    arch: str
+    cubin: bytes
+    log: str
+    lowered: dict[str, str]  # name expression -> mangled kernel name
+
+
+def compile_with_nvrtc(arch: str, ptxas_verbose: bool = True) -> NvrtcBuild:
+    """Compile `SOURCE` with NVRTC (CuPy's binding) to a cubin for ``sm_<arch>``, with every
+    instance of `name_expressions`. Raises RuntimeError with NVRTC's log on a compile error,
+    ImportError without CuPy."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(SOURCE.read_text(), SOURCE.name, [], [])
+    try:
+        for name in name_expressions():
+            nvrtc.addNameExpression(prog, name)
+        flags = [*options(), f"-arch=sm_{arch}"]
+        if ptxas_verbose:
+            flags.append("--ptxas-options=-v")
+        try:
+            nvrtc.compileProgram(prog, flags)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed for sm_{arch}: {exc}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        return NvrtcBuild(arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog),
+                          {n: nvrtc.getLoweredName(prog, n) for n in name_expressions()})
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@functools.cache
+def cupy() -> ModuleType | None:
+    """CuPy, or None when it is not installed or sees no GPU."""
+    try:
+        import cupy as cp
+
+        return cp if cp.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # noqa: BLE001 (no CuPy or no driver: CUDA tensors use the reference)
+        return None
+
+
+def available() -> bool:
+    return cupy() is not None
+
+
+@functools.cache
+def module() -> Any:
+    """The CUDA codec as a ``cupy.RawModule`` (every instance of `name_expressions`)."""
+    cp = cupy()
+    if cp is None:
+        raise RuntimeError("lowbitcc: the CUDA codec needs CuPy and a GPU")
+    return cp.RawModule(code=SOURCE.read_text(), options=options(),
+                        name_expressions=name_expressions())
+
+
+def _stream():
+    cp = cupy()
+    return cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+
+def _p(t: torch.Tensor | None) -> np.uint64:
+    """A device pointer as a kernel argument (0 for an absent or empty tensor)."""
+    return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
+
+
+def pack_encode_args(args: EncodeArgs) -> np.void:
+    """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses)."""
+    packed = np.zeros((), dtype=encode_args_dtype())
+    values = {
+        "src": _p(args.source), "msgs": _p(args.messages), "ecodes": _p(args.error_codes),
+        "escales": _p(args.error_scales),
+        "ef32": _p(args.error_values if args.mode == ERROR_MODES["fp32"] else None),
+        "ebf16": _p(args.error_values if args.mode == ERROR_MODES["bf16"] else None),
+        "nonfinite": _p(args.nonfinite), "sums": _p(args.sums), "numel": args.source.numel(),
+        "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
+        "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
+        "G": args.group_size, "scale_input": int(args.factor != 1.0),
+        "has_error": int(args.has_error), "mode": args.mode, "stochastic": int(args.stochastic),
+        "k0": args.k0, "k1": args.k1,
+    }
+    for name, value in values.items():
+        packed[name] = value
+    return packed[()]
+
+
+class CudaKernels:
+    """`kernels.Kernels` on CuPy's NVRTC build of ``cuda_codec.cu``; CUDA tensors only, launched
+    on torch's current stream, with no host synchronisation."""
+
+    name = "cuda"
+    writes_every_byte = False  # idle lanes of a group narrower than a warp write nothing
+
+    def encode(self, args: EncodeArgs) -> None:
+        groups = args.rows * args.ng
+        kernel = module().get_function(
+            encode_name(args.source.dtype, args.bits, args.mode, args.stochastic))
+        with _stream():
+            kernel((-(-groups * 32 // THREADS),), (THREADS,), (pack_encode_args(args),))
+
+    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+                   out: torch.Tensor) -> None:
+        kernel = module().get_function(f"loco_cuda::decode_sum<{bits}>")
+        with _stream():
+            kernel((-(-m // THREADS),), (THREADS,),
+                   (_p(messages), np.int64(messages.shape[0]), np.int64(messages.shape[1]),
+                    np.int64(m), np.int32(group_size), _p(out)))
+
+    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+                    out: torch.Tensor) -> None:
+        n = out.numel()
+        kernel = module().get_function(f"loco_cuda::decode_into<{TYPES[out.dtype]}, {bits}>")
+        with _stream():
+            kernel((-(-n // THREADS),), (THREADS,),
+                   (_p(messages), np.int64(messages.shape[1]), np.int64(m), np.int32(group_size),
+                    np.int64(n), _p(out)))
+
+
+KERNELS = CudaKernels()

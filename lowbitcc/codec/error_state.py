@@ -1,0 +1,63 @@
+"""`ErrorState`: the stored LoCo error of one key, in the layout the codec kernels read.
+
+``numel`` elements (a multiple of the group size ``G``), stored as
+
+- ``int8``: ``data`` int8 codes and ``scales`` fp32, one per group (the codec's 8-bit quantizer);
+- ``bf16`` / ``fp32``: ``data`` in that dtype, ``scales`` None.
+
+Every implementation of the codec (`kernels`) updates ``data`` and ``scales`` in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lowbitcc.codec import reference
+from lowbitcc.codec.abi import ERROR_STORAGES
+
+STORAGE = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
+assert set(STORAGE) == set(ERROR_STORAGES), "one torch dtype per loco::ErrorMode storage"
+
+
+@dataclasses.dataclass
+class ErrorState:
+    dtype: str
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    group_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def decode(self) -> torch.Tensor:
+        """The error as a flat fp32 tensor."""
+        if self.dtype == "int8":
+            groups = self.data.view(-1, self.group_size)
+            return reference.dequantize(groups, self.scales).reshape(-1)
+        return self.data.to(torch.float32)
+
+    @classmethod
+    def encode(cls, e: torch.Tensor, dtype: str, group_size: int) -> ErrorState:
+        """Store flat fp32 ``e`` as ``dtype``."""
+        if dtype == "int8":
+            codes, scales = reference.quantize(e.reshape(-1, group_size), 8)
+            return cls(dtype, codes.reshape(-1), scales, group_size)
+        return cls(dtype, e.reshape(-1).to(STORAGE[dtype]).clone(), None, group_size)
+
+    @classmethod
+    def zeros(cls, numel: int, dtype: str, group_size: int,
+              device: torch.device | str = "cpu") -> ErrorState:
+        scales = torch.zeros(numel // group_size, device=device) if dtype == "int8" else None
+        return cls(dtype, torch.zeros(numel, dtype=STORAGE[dtype], device=device), scales,
+                   group_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def clone(self) -> ErrorState:
+        return ErrorState(self.dtype, self.data.clone(),
+                          None if self.scales is None else self.scales.clone(), self.group_size)

@@ -1,0 +1,104 @@
+"""The interface of the codec's kernels: `EncodeArgs` (one encode) and `Kernels` (what an
+implementation offers). The implementations are `kernels.ReferenceKernels`, `cpu.CpuKernels` and
+`cuda.CudaKernels`; `kernels.select` picks one."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from lowbitcc.codec import wire
+from lowbitcc.codec.abi import ERROR_MODES
+from lowbitcc.codec.error_state import ErrorState
+
+
+@dataclasses.dataclass
+class EncodeArgs:
+    """One encode of ``rows`` rows of ``m`` elements of flat ``source`` (see ``loco::EncodeArgs``).
+
+    Buffers and who writes them: ``messages`` ``uint8 [rows, P]``, whose bytes from
+    ``wire.HEADER_BYTES`` to ``wire.used_bytes`` the kernels write (the header and the padding
+    are the caller's); ``state`` (None: feedback off) is read and then updated in place, and
+    ``has_error`` says whether it holds an error to apply (False: it starts at zero);
+    ``nonfinite`` ``uint8 [rows * ng]`` and ``sums`` ``float64 [2]`` (residual^2, input^2) come
+    zeroed and are written. All tensors are contiguous and on the source's device.
+    """
+
+    source: torch.Tensor
+    rows: int
+    m: int
+    factor: float
+    messages: torch.Tensor
+    state: ErrorState | None
+    has_error: bool
+    beta: float
+    bits: int
+    group_size: int
+    keys: tuple[int, int] | None
+    nonfinite: torch.Tensor
+    sums: torch.Tensor
+    threads: int = 1
+
+    @property
+    def ng(self) -> int:
+        return wire.ngroups(self.m, self.group_size)
+
+    @property
+    def mode(self) -> int:
+        return ERROR_MODES[None if self.state is None else self.state.dtype]
+
+    @property
+    def stochastic(self) -> bool:
+        return self.keys is not None
+
+    @property
+    def k0(self) -> int:
+        return 0 if self.keys is None else self.keys[0]
+
+    @property
+    def k1(self) -> int:
+        return 0 if self.keys is None else self.keys[1]
+
+    def _state_part(self, dtype: str | tuple[str, ...], part: str) -> torch.Tensor | None:
+        dtypes = (dtype,) if isinstance(dtype, str) else dtype
+        if self.state is None or self.state.dtype not in dtypes:
+            return None
+        return getattr(self.state, part)
+
+    @property
+    def error_codes(self) -> torch.Tensor | None:
+        """int8 storage: the codes (else None)."""
+        return self._state_part("int8", "data")
+
+    @property
+    def error_scales(self) -> torch.Tensor | None:
+        """int8 storage: the fp32 scale of each group (else None)."""
+        return self._state_part("int8", "scales")
+
+    @property
+    def error_values(self) -> torch.Tensor | None:
+        """fp32 or bf16 storage: the values (else None)."""
+        return self._state_part(("fp32", "bf16"), "data")
+
+
+class Kernels(Protocol):
+    """One implementation of the codec's arithmetic (see the module docstring).
+
+    ``writes_every_byte``: encode writes every payload byte (else the caller zeroes messages).
+    ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
+    ``uint8 [k, P]``; ``decode_into`` writes row ``r`` of the messages, cast to ``out``'s dtype,
+    to ``out[r*m ...]`` (``out`` flat, at most ``k * m`` elements). Sizes are already validated.
+    """
+
+    name: str
+    writes_every_byte: bool
+
+    def encode(self, args: EncodeArgs) -> None: ...
+
+    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+                   out: torch.Tensor) -> None: ...
+
+    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+                    out: torch.Tensor) -> None: ...

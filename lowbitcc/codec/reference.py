@@ -1,0 +1,150 @@
+"""Pure-torch reference codec: the executable specification of lowbitcc's arithmetic.
+
+Every other implementation of the codec must produce the same bytes as these functions.
+
+Quantizer (symmetric, one fp32 scale per group of ``G`` consecutive elements, ``b`` bits):
+
+1. ``amax = max(|y|)`` over the group (fp32).
+2. ``qmax = 2**(b-1) - 1`` (1, 7 or 127); ``scale = amax / qmax``; ``inv = qmax / amax``
+   (``inv = 0`` when ``amax == 0`` or when the division overflows, i.e. ``amax`` below about
+   ``qmax / 3.4e38``: such a group's codes are all 0). Both are single fp32 divisions,
+   correctly rounded.
+3. ``code = clamp(round_half_even(y * inv), -qmax, qmax)`` (one fp32 multiply, no FMA); with
+   stochastic rounding ``code = clamp(floor(y * inv + u), -qmax, qmax)``, the product and the sum
+   each rounded to fp32, ``u = uniform24(i, k0, k1)`` for element ``i`` of the ``[groups, G]``
+   tensor in row-major order (see `uniform24` and `stream_keys`).
+4. A group whose ``amax`` is not finite (it holds a NaN or an Inf) gets ``scale = NaN`` and all
+   codes 0, so that it decodes to NaN on every rank: non-finite inputs stay visible to AMP.
+5. Decode: ``x = code * scale`` (fp32).
+
+Packing: ``u = code + 2**(b-1)`` is stored in ``b`` bits, little-end first: for 4 bits element
+``2i`` is the low nibble of byte ``i``; for 2 bits element ``4i + k`` sits at bits ``2k..2k+1``.
+
+LoCo error feedback (`compensate_quantize`), per element of one tensor:
+``y = g + e``; ``q = Q(y)``; ``r = y - deQ(q)``; ``e' = beta * e + (1 - beta) * r``.
+
+All tensors here are 2-D ``[groups, G]`` fp32 on any device unless stated otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CODE_DTYPE = torch.int8
+
+
+def qmax(bits: int) -> int:
+    """Largest code magnitude of the symmetric ``bits``-bit quantizer."""
+    return (1 << (bits - 1)) - 1
+
+
+MASK32 = 0xFFFFFFFF
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def mix32(x):
+    """The 32-bit integer hash of loco_codec.cuh ``mix32``, on a Python int or an int64 tensor of
+    values in ``[0, 2**32)``. Multipliers are below 2**31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x1B873593) & MASK32
+    return x ^ (x >> 16)
+
+
+def stream_keys(seed: int, seq: int, stream: int) -> tuple[int, int]:
+    """Keys ``(k0, k1)`` of the random stream of one encode: from the config's seed, the call's
+    sequence number and a stream id (which rank encodes which stage)."""
+    k0 = mix32((seed & MASK32) ^ mix32(seq & MASK32))
+    k1 = mix32(k0 ^ mix32((stream & MASK32) ^ 0x9E3779B9))
+    return k0, k1
+
+
+def uniform24(numel: int, k0: int, k1: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 ``[numel]``: ``u_i = (mix32(mix32(i ^ k0) ^ k1) >> 8) * 2**-24``, uniform in [0, 1)."""
+    i = torch.arange(numel, dtype=torch.int64, device=device) & MASK32
+    h = mix32(mix32(i ^ k0) ^ k1)
+    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+
+
+def quantize(
+    y: torch.Tensor, bits: int, keys: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``y`` ``[groups, G]`` fp32 to int8 codes ``[groups, G]`` and scales ``[groups]``.
+
+    ``keys`` None rounds to nearest (half to even); ``(k0, k1)`` rounds stochastically with the
+    random stream those keys select."""
+    if y.dtype != torch.float32 or y.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D fp32 tensor, got {y.dtype} {tuple(y.shape)}")
+    q = float(qmax(bits))
+    amax = y.abs().amax(dim=1)
+    finite = torch.isfinite(amax)
+    nonzero = amax > 0
+    # tensor / tensor: one correctly rounded division each (torch turns `scalar / tensor` into
+    # reciprocal-then-multiply, which rounds twice)
+    qt = torch.full_like(amax, q)
+    scale = torch.where(finite, amax / qt, torch.full_like(amax, float("nan")))
+    inv = qt / torch.where(nonzero, amax, 1.0)
+    inv = torch.where(finite & nonzero & torch.isfinite(inv), inv, 0.0)
+    t = y * inv[:, None]
+    if keys is None:
+        codes = torch.round(t)
+    else:
+        codes = torch.floor(t + uniform24(y.numel(), *keys, device=y.device).view_as(y))
+    codes = codes.clamp_(-q, q)
+    codes = torch.where(finite[:, None], codes, 0.0)
+    # NaN in a finite group is impossible (amax would be NaN, and inv is finite, so y * inv is
+    # never 0 * inf), so the cast is well defined.
+    return codes.to(CODE_DTYPE), scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]``."""
+    return codes.to(torch.float32) * scales[:, None]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack int8 codes (any shape, numel a multiple of ``8 // bits``) into a flat uint8 tensor."""
+    u = (codes.reshape(-1).to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    if bits == 8:
+        return u
+    per_byte = 8 // bits
+    u = u.view(-1, per_byte)
+    out = u[:, 0].clone()
+    for k in range(1, per_byte):
+        out |= u[:, k] << (bits * k)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of `pack`: ``numel`` int8 codes from a flat uint8 tensor."""
+    per_byte = 8 // bits
+    if packed.numel() * per_byte < numel:
+        raise ValueError(f"unpack: {packed.numel()} bytes cannot hold {numel} {bits}-bit codes")
+    if bits == 8:
+        u = packed[:numel]
+    else:
+        mask = (1 << bits) - 1
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        u = ((packed[:, None] >> shifts) & mask).reshape(-1)[:numel]
+    return (u.to(torch.int16) - (1 << (bits - 1))).to(CODE_DTYPE)
+
+
+def compensate_quantize(
+    g: torch.Tensor, e: torch.Tensor | None, bits: int, beta: float,
+    keys: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One LoCo step on ``[groups, G]`` fp32 input ``g`` with error state ``e`` (or None: zeros);
+    ``keys`` as in `quantize` (None: nearest rounding).
+
+    Returns ``(codes, scales, new_error, residual)``; ``new_error`` is
+    ``beta * e + (1 - beta) * r`` with ``r = y - deQ(Q(y))`` and ``y = g + e``.
+    """
+    y = g if e is None else g + e
+    codes, scales = quantize(y, bits, keys)
+    residual = y - dequantize(codes, scales)
+    if e is None or beta == 0.0:
+        new_e = residual * (1.0 - beta) if beta else residual
+    else:
+        new_e = e * beta + residual * (1.0 - beta)
+    return codes, scales, new_e, residual

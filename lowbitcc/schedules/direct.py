@@ -1,0 +1,114 @@
+"""The direct schedule: one all-to-all of codes, then (all-reduce) one all-gather of codes.
+
+Reduce-scatter of a source of ``n`` rows of ``m`` elements (row ``j`` is owned by rank ``j``):
+
+1. quantize every row once with the error state of stage ``"rs"`` (n messages);
+2. all-to-all: row ``j`` goes to rank ``j``;
+3. decode the ``n`` messages of the own row and sum them in fp32, in rank order.
+
+All-reduce adds:
+
+4. re-quantize the reduced row with its own error state (stage ``"ag"``);
+5. all-gather the ``n`` messages; every rank, the owner included, decodes all of them, so every
+   rank ends with bitwise-identical values.
+
+Pipelining: with ``chunk`` > 0 and rows longer than one chunk, the columns are cut into chunks
+of ``chunk`` elements (a multiple of the group size) and steps 1-5 run per chunk, each chunk's
+transfers in the background while the next chunk is encoded and the previous one decoded.
+Chunk ``k`` has its own error-state stages (``"rs.k.row"``, ``"ag.k"``); each row's slice of a
+chunk is encoded where it lies, without a copy. Quantization groups never
+straddle a chunk edge, so with nearest rounding the codes, and the results, are the same bytes
+as without chunks (stochastic rounding draws its random bits per chunk).
+
+Traffic per rank: ``(n-1)`` messages of ``m`` elements out and in per phase (two phases for
+all-reduce), plus one 32-byte header per message and chunk. Quantizations on any element's
+path: 1 (reduce-scatter) or 2 (all-reduce).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import torch
+
+from lowbitcc.compressor import CallCompressor, Source
+from lowbitcc.schedules.chunking import chunks, decode_columns, encode_columns, stage
+from lowbitcc.transports.base import Pending, Transport
+from lowbitcc.transports.links import Links
+
+
+def _pipeline(
+    source: Source, comp: CallCompressor, transport: Transport, ranges: list[tuple[int, int]],
+    on_reduced: Callable[[int, int, int, torch.Tensor], Pending | None],
+    on_gathered: Callable[[int, int, int, torch.Tensor], None] | None, prefix: str = "",
+    dest: Callable[[int, int], torch.Tensor] | None = None,
+) -> None:
+    """Run the reduce-scatter of every chunk (column ``ranges``, from `chunks`), one transfer in
+    flight while the next is encoded.
+
+    Chunk ``k``'s reduced own row (fp32 ``[b - a]``) is decoded into ``dest(a, b)`` (default: the
+    compressor's scratch, so ``on_reduced`` must consume it before returning); then
+    ``on_reduced(k, a, b, reduced)`` gets it and may start a second transfer, whose result goes
+    to ``on_gathered(k, a, b, received)``.
+    """
+    device = source.tensor.device
+    dest = dest or (lambda a, b: comp.scratch(b - a, device))
+    rank = transport.rank
+    scattering: collections.deque = collections.deque()
+    gathering: collections.deque = collections.deque()
+
+    def reduce_oldest() -> None:
+        k, a, b, pending = scattering.popleft()
+        reduced = comp.decode_sum(pending.wait(), b - a, rank, dest(a, b))
+        second = on_reduced(k, a, b, reduced)
+        if second is not None:
+            gathering.append((k, a, b, second))
+
+    def gather_oldest() -> None:
+        k, a, b, pending = gathering.popleft()
+        assert on_gathered is not None
+        on_gathered(k, a, b, pending.wait())
+
+    for k, (a, b) in enumerate(ranges):
+        messages = encode_columns(comp, stage(prefix + "rs", k, len(ranges)), source, a, b)
+        scattering.append((k, a, b, transport.all_to_all_async(messages)))
+        if len(scattering) > 1:
+            reduce_oldest()
+        if len(gathering) > 1:
+            gather_oldest()
+    while scattering:
+        reduce_oldest()
+    while gathering:
+        gather_oldest()
+
+
+def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
+                   chunk: int = 0, prefix: str = "") -> torch.Tensor:
+    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``. ``prefix`` goes before the
+    stage names (a schedule that runs this one inside names its own stages)."""
+    transport = links.world
+    out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
+    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
+              lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
+    return out
+
+
+def all_reduce(
+    source: Source, out: torch.Tensor, comp: CallCompressor, links: Links, chunk: int = 0,
+    prefix: str = "",
+) -> None:
+    """Sum over ranks of ``source`` into flat ``out`` (any float dtype), identical on every rank."""
+    transport = links.world
+    rank, rows, m = transport.rank, source.rows, source.m
+    ranges = chunks(m, chunk, comp.codec.group_size)
+    count = len(ranges)
+
+    def requantize(k: int, a: int, b: int, reduced: torch.Tensor) -> Pending:
+        message = comp.encode(stage(prefix + "ag", k, count), Source(reduced, 1, b - a), [rank])
+        return transport.all_gather_async(message[0])
+
+    def place(k: int, a: int, b: int, gathered: torch.Tensor) -> None:
+        decode_columns(comp, gathered, rows, m, a, b, out)
+
+    _pipeline(source, comp, transport, ranges, requantize, place, prefix)

@@ -1,0 +1,89 @@
+"""The hierarchical schedule: exact inside a node, low-bit across nodes.
+
+With ``N`` nodes of ``L`` ranks (`topology.NodeLayout`; rank ``r`` is local rank ``l = r % L``
+on node ``r // L``), row ``j`` of the source belongs to local rank ``j % L`` of node ``j // L``:
+
+1. node reduce-scatter, exact: local rank ``l`` receives, in fp32 over the node's links, the
+   rows ``{v L + l : v < N}`` of every rank of its node and sums them in local-rank order;
+2. rail reduce-scatter, compressed: the ``N`` ranks of local index ``l`` (one per node, the
+   *rail*) run the direct schedule on those ``N`` rows (stages ``hier.rs``); rank ``v L + l``
+   ends with its own row. This is the result of a reduce-scatter.
+
+All-reduce continues:
+
+3. rail all-gather, compressed (direct, stage ``hier.ag``): every rail member decodes the
+   same codes, so the ``N`` rows of rail ``l`` are identical on every node;
+4. node all-gather, exact: each rank gathers its node's ``L`` rails in fp32.
+
+Only the slow dimension (across nodes) carries codes, as the hybrid-compression paper
+(arXiv 2409.02423) prescribes. Traffic per rank: ``(L-1)`` fp32 messages of ``N m`` elements in
+the node per phase, and the direct schedule's ``(N-1)`` coded messages of ``m`` across. With one
+node the schedule is exact; with one rank per node it is direct. Quantizations: as direct (1 for
+reduce-scatter, 2 for all-reduce), so its error bound is direct's (``A / 2q`` and ``A / q``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbitcc.compressor import CallCompressor, Source
+from lowbitcc.schedules import direct
+from lowbitcc.schedules.chunking import all_values
+from lowbitcc.transports.links import Links
+
+PREFIX = "hier."
+
+
+def _check(links: Links, rows: int) -> None:
+    lay = links.layout
+    if not lay.regular or lay.nodes * lay.node_size != rows:
+        raise ValueError(
+            f"lowbitcc: the hierarchical schedule needs the group's {rows} ranks on equal nodes "
+            f"of consecutive ranks (LOCO_NODE_SIZE or the launcher's LOCAL_WORLD_SIZE); "
+            "choose another LOCO_SCHEDULE"
+        )
+
+
+def _node_reduce(source: Source, links: Links) -> torch.Tensor:
+    """Step 1: fp32 ``[N * m]``, the node's sum of rows ``v L + l`` (``v`` = 0..N-1)."""
+    lay, m = links.layout, source.m
+    by_local = all_values(source).view(lay.nodes, lay.node_size, m).transpose(0, 1)
+    if lay.node_size == 1:
+        return by_local[0].reshape(-1)
+    send = by_local.contiguous().view(lay.node_size, -1).view(torch.uint8)
+    received = links.node().all_to_all(send).view(torch.float32)
+    total = received[0].clone()
+    for row in received[1:]:
+        total += row
+    return total
+
+
+def reduce_scatter(source: Source, comp: CallCompressor, links: Links, chunk: int = 0) -> torch.Tensor:
+    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``."""
+    _check(links, source.rows)
+    lay = links.layout
+    partial = _node_reduce(source, links)
+    if lay.nodes == 1:
+        return partial
+    return direct.reduce_scatter(Source(partial, lay.nodes, source.m), comp, Links.of(links.rail()), chunk,
+                                 prefix=PREFIX)
+
+
+def all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor, links: Links,
+               chunk: int = 0) -> None:
+    """Sum over ranks of ``source`` into flat ``out``, identical on every rank."""
+    _check(links, source.rows)
+    lay, m = links.layout, source.m
+    partial = _node_reduce(source, links)
+    if lay.nodes == 1:
+        rail = partial
+    else:
+        rail = torch.empty(lay.nodes * m, dtype=torch.float32, device=partial.device)
+        direct.all_reduce(Source(partial, lay.nodes, m), rail, comp, Links.of(links.rail()), chunk,
+                          prefix=PREFIX)
+    if lay.node_size == 1:
+        everything = rail
+    else:
+        rails = links.node().all_gather(rail.view(torch.uint8)).view(torch.float32)
+        everything = rails.view(lay.node_size, lay.nodes, m).transpose(0, 1).reshape(-1)
+    out.copy_(everything[: out.numel()])

@@ -1,0 +1,195 @@
+"""The ``lowbitcc`` console command: ``lowbitcc <subcommand> [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import demo
+
+    demo.run(nprocs=args.np, steps=args.steps, width=args.width, depth=args.depth)
+    return 0
+
+
+def _codec_bench(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import codec_bench
+
+    codec_bench.run(min_size=args.b, max_size=args.e, factor=args.f, threads=args.threads,
+                    reference_max=args.reference_max, json_path=args.json, min_time=args.min_time)
+    return 0
+
+
+def _study(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import study
+
+    cfg = study.StudyConfig(steps=args.steps, world=args.np, **(study.QUICK if args.quick else {}))
+    try:
+        result = study.run(args.variants or study.DEFAULT_VARIANTS,
+                           args.seeds or study.DEFAULT_SEEDS, cfg, out_dir=args.out,
+                           extra_seed_variants=args.extra_seed_variants or study.EXTRA_SEED_VARIANTS,
+                           tracked=study.DEFAULT_TRACKED if args.track is None else args.track)
+    except ValueError as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+    print(study.format_table(result["summary"]))
+    if result["across_seeds"]:
+        print()
+        print(study.format_across_seeds(result["across_seeds"]))
+    if "tracking" in result:
+        from lowbitcc.tools.study import tracking
+
+        print()
+        print(tracking.format_table(result["tracking"]["summary"]))
+    return 0
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import perf
+
+    opts = perf.PerfOptions(
+        collective=args.collective, min_bytes=args.b, max_bytes=args.e, factor=args.f,
+        step_bytes=args.i, iters=args.n, warmup=args.w, check=args.c, dtype=args.d, op=args.o,
+        average=args.a, backends=tuple(args.backend), bits=tuple(args.bits),
+        schedules=tuple(args.schedule), json_path=args.json, plot_path=args.plot,
+    )
+    try:
+        return perf.main(opts, args.np, args.link, args.argv)
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+
+
+def _netem(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import netem
+
+    if args.cleanup:
+        removed = netem.cleanup()
+        print("removed: " + (" ".join(removed) if removed else "nothing"))
+        return 0
+    command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if not command:
+        logging.getLogger("lowbitcc").error("lowbitcc netem: give a command after --")
+        return 2
+    return netem.main_run(None if args.link == "none" else args.link, args.np, command)
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lowbitcc", description="LoCo-compressed collectives for PyTorch: tools.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small model with DDP over loco and gloo, side by side")
+    demo.add_argument("--np", type=int, default=2, help="local ranks to start (default 2)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    demo.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
+    demo.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
+    demo.set_defaults(func=_demo)
+    bench = sub.add_parser("codec-bench", help="codec encode/decode throughput vs copy bandwidth")
+    bench.add_argument("-b", type=_size, default=64 << 10, help="smallest size (default 64K)")
+    bench.add_argument("-e", type=_size, default=256 << 20, help="largest size (default 256M)")
+    bench.add_argument("-f", type=int, default=4, help="size multiplier per step (default 4)")
+    bench.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts")
+    bench.add_argument("--reference-max", type=_size, default=64 << 20,
+                       help="largest size for the slow reference codec (default 64M)")
+    bench.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    bench.add_argument("--json", help="write results to this JSON file")
+    bench.set_defaults(func=_codec_bench)
+    st = sub.add_parser("study", help="convergence study: a small GPT trained per variant")
+    st.add_argument("--np", type=int, default=2, help="local ranks (default 2)")
+    st.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    st.add_argument("--variants", nargs="+",
+                    help="variants to run (default: all; an unknown name lists the known ones)")
+    st.add_argument("--seeds", type=int, nargs="+",
+                    help="seeds; all variants run the first (default 0 1 2)")
+    st.add_argument("--extra-seed-variants", nargs="+",
+                    help="variants run for the other seeds too (default: exact loco4 loco4-nofb "
+                    "loco4-g64)")
+    st.add_argument("--track", nargs="*",
+                    help="variants measured on exact's gradient stream of the first seed (default: "
+                    "loco4 loco4-ef loco4-nofb loco4-g64 loco8 loco2; none given: skip)")
+    st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
+    st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
+    st.set_defaults(func=_study)
+    _add_perf(sub)
+    ne = sub.add_parser(
+        "netem", help="run a command on N ranks, each in a network namespace behind a "
+        "rate-limited link (root)",
+        description="Runs COMMAND once per rank, each in its own network namespace joined to a "
+        "switch by a veth pair rate-limited with tc tbf (198.18.0.0/15 addresses), with "
+        "torchrun's variables set (RANK, WORLD_SIZE, MASTER_ADDR, ...). Needs root, ip and tc. "
+        "Example: lowbitcc netem --np 2 --link 1gbit -- python train.py")
+    ne.add_argument("--np", type=int, default=2, help="ranks (default 2)")
+    ne.add_argument("--link", default="1gbit", help="link rate in tc units, or none (default 1gbit)")
+    ne.add_argument("--cleanup", action="store_true",
+                    help="delete namespaces left by killed runs (names starting with lbcc)")
+    ne.add_argument("command_args", nargs=argparse.REMAINDER, help="-- command ...")
+    ne.set_defaults(func=_netem)
+    return parser
+
+
+def _add_perf(sub: Any) -> None:
+    from lowbitcc.config import SCHEDULES
+    from lowbitcc.tools.perf.collectives import COLLECTIVES
+    from lowbitcc.tools.perf.targets import KNOWN
+
+    pe = sub.add_parser(
+        "perf", help="nccl-tests-style bandwidth sweep of a collective, backends side by side",
+        description="nccl-tests' all_reduce_perf / reduce_scatter_perf / all_gather_perf for "
+        "loco and exact backends. Start with --np N (local ranks), --np N --link RATE "
+        "(emulated network, root), or under torchrun / mpiexec -n N.")
+    pe.add_argument("collective", choices=sorted(COLLECTIVES), help="the collective to sweep")
+    pe.add_argument("-b", "--minbytes", dest="b", type=_size, default=64 << 10,
+                    help="smallest size in bytes (default 64K)")
+    pe.add_argument("-e", "--maxbytes", dest="e", type=_size, default=64 << 20,
+                    help="largest size in bytes (default 64M)")
+    pe.add_argument("-f", "--stepfactor", dest="f", type=int, default=2,
+                    help="size multiplier per step (default 2)")
+    pe.add_argument("-i", "--stepbytes", dest="i", type=_size, default=0,
+                    help="size increment per step, instead of -f")
+    pe.add_argument("-n", "--iters", dest="n", type=int, default=20, help="timed calls (default 20)")
+    pe.add_argument("-w", "--warmup_iters", dest="w", type=int, default=5,
+                    help="untimed calls first (default 5)")
+    pe.add_argument("-c", "--check", dest="c", type=int, default=1, choices=(0, 1),
+                    help="compare with the exact result (default 1)")
+    pe.add_argument("-d", "--datatype", dest="d", default="float",
+                    help="float, half or bfloat16 (default float)")
+    pe.add_argument("-o", "--op", dest="o", default="sum", help="sum, avg, max or min (default sum)")
+    pe.add_argument("-a", "--average", dest="a", type=int, default=1,
+                    help="time across ranks: 0 rank 0, 1 mean, 2 min, 3 max (default 1)")
+    pe.add_argument("--backend", nargs="+", default=["loco", "gloo"], metavar="NAME",
+                    help=f"backends side by side: {', '.join(KNOWN)} (default loco gloo)")
+    pe.add_argument("--bits", type=int, nargs="+", default=[4], help="bits of loco (default 4)")
+    pe.add_argument("--schedule", nargs="+", default=["direct"], metavar="NAME",
+                    help="loco schedules, side by side when several: "
+                         f"{', '.join(SCHEDULES)} (default direct)")
+    pe.add_argument("--json", help="write results to this JSON file")
+    pe.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
+    pe.add_argument("--np", type=int, help="local ranks to start when not under a launcher (default 2)")
+    pe.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
+    pe.set_defaults(func=_perf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

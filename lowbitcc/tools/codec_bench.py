@@ -1,0 +1,109 @@
+"""`lowbitcc codec-bench`: codec throughput next to the copy bandwidth of the same tensor.
+
+For each size (bytes of fp32 input) and thread count it times, median of repeats:
+
+- ``copy``: ``dst.copy_(src)`` into a preallocated tensor (the memory-bandwidth baseline);
+- ``encode``: the fused LoCo encode of the tensor as one shard row (fp32 input, int8 error state
+  read and written back, 4-bit codes) into a preallocated message buffer, per implementation;
+- ``decode``: decode-and-sum of 4 messages of a quarter of the elements each (the reduce-scatter
+  receive side) into a preallocated fp32 output, as the copy writes into one, per
+  implementation.
+
+Throughput is input fp32 bytes per second (GB/s = 1e9 B/s) for all three, so ratios to ``copy``
+compare like with like. Results go to a table on stdout and, with ``--json``, to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lowbitcc.codec import cpu, kernels
+from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.codec.shard_codec import ShardCodec
+
+
+def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50) -> float:
+    fn()  # warm-up
+    samples: list[float] = []
+    total = 0.0
+    while (total < min_time or len(samples) < 3) and len(samples) < max_repeats:
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        samples.append(elapsed)
+        total += elapsed
+    return statistics.median(samples)
+
+
+def _codec(impl: str, bits: int, group: int) -> ShardCodec:
+    return ShardCodec(bits=bits, group_size=group, dtype_code=0, seq=1, world=4, signature=0,
+                      kernels=kernels.select(impl, "cpu", group))
+
+
+def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int = 128,
+            min_time: float = 0.3) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    n = size_bytes // 4
+    src = torch.randn(n)
+    dst = torch.empty_like(src)
+    codec = _codec(impl, bits, group)
+    state = ErrorState.encode(torch.randn(codec.padded(n)) * 0.01, "int8", group)
+    holder = {"state": state}
+    sent = torch.empty(1, codec.message_bytes(n), dtype=torch.uint8)
+
+    def encode() -> None:
+        res = codec.encode(src, 1, n, 1.0, holder["state"], 0.8, [0], "int8", out=sent)
+        holder["state"] = res.error
+
+    quarter = -(-n // 4)
+    messages = codec.encode(src, 4, quarter, 1.0, None, 0.8, [0, 0, 0, 0], None).messages
+    t_copy = _time(lambda: dst.copy_(src), min_time)
+    t_enc = _time(encode, min_time)
+    total = torch.empty(quarter)
+    t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0, total), min_time)
+    return {
+        "size_bytes": size_bytes, "impl": impl, "threads": threads,
+        "copy_GBps": size_bytes / t_copy / 1e9,
+        "encode_GBps": size_bytes / t_enc / 1e9,
+        "decode_GBps": size_bytes / t_dec / 1e9,
+    }
+
+
+def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
+        threads: list[int] | None = None, reference_max: int = 64 << 20,
+        json_path: str | None = None, min_time: float = 0.3) -> list[dict[str, float]]:
+    threads = threads or [1, 2]
+    impls = ["reference"] + (["cpu"] if cpu.load() is not None else [])
+    rows: list[dict[str, float]] = []
+    print(f"{'size':>10} {'impl':>9} {'thr':>3} {'copy GB/s':>9} {'enc GB/s':>9} "
+          f"{'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8}")
+    size = min_size
+    while size <= max_size:
+        for t in threads:
+            for impl in impls:
+                if impl == "reference" and size > reference_max:
+                    continue
+                r = measure(size, impl, t, min_time=min_time)
+                rows.append(r)
+                print(f"{_human(size):>10} {impl:>9} {t:>3} {r['copy_GBps']:>9.2f} "
+                      f"{r['encode_GBps']:>9.3f} {r['encode_GBps'] / r['copy_GBps']:>8.3f} "
+                      f"{r['decode_GBps']:>9.3f} {r['decode_GBps'] / r['copy_GBps']:>8.3f}",
+                      flush=True)
+        size *= factor
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": rows, "torch": torch.__version__}, f, indent=1)
+    return rows
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n}{unit}"
+        n //= 1024
+    return f"{n}TiB"

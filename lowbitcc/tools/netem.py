@@ -1,0 +1,257 @@
+"""Network emulation on one machine: each local rank in its own network namespace, rate-limited.
+
+`EmulatedNetwork(nranks, rate)` builds, as root, this topology (names from ``prefix``)::
+
+    {prefix}-r0: veth0 198.18.0.1/24 ─┐
+    {prefix}-r1: veth0 198.18.0.2/24 ─┼── {prefix}-sw: bridge sw0 (ports p0, p1, ...)
+    ...                              ─┘
+
+Every veth end, the rank's side and the switch's side, gets a ``tc tbf`` rate limit, so each
+rank has a full-duplex link of ``rate`` to a switch, as a NIC on a top-of-rack switch does.
+The kernel here has tbf but no netem: delay and loss cannot be emulated, only bandwidth.
+Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
+namespaces this module creates; nothing is added to the caller's namespace. Leaving the
+context (normally, on an exception, on Ctrl-C or SIGTERM) deletes the namespaces, which deletes
+their links and qdiscs with them; `cleanup(prefix)` removes what a killed run left behind.
+
+`run_ranks(command, nranks, rate)` starts ``command`` once per rank inside the network, with
+the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) plus GLOO_SOCKET_IFNAME, and returns the first non-zero exit code.
+
+Command construction (`EmulatedNetwork.setup_commands` / `teardown_commands`) is pure, so it is
+unit-tested without root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+
+log = logging.getLogger("lowbitcc.tools.netem")
+
+SUBNET = "198.18.0"
+RANK_IFNAME = "veth0"
+DEFAULT_PORT = 29517
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"``, ``"10Gbit"``, ``"500mbit"``, ``"1g"`` -> bits per second (tc's units:
+    ``bit`` is bits per second, ``bps`` bytes per second)."""
+    match = _RATE.match(text)
+    if not match:
+        raise ValueError(f"lowbitcc netem: cannot parse link rate {text!r}; use e.g. 1gbit, 10gbit")
+    value, scale, unit = match.groups()
+    bits = float(value) * _SCALE[scale.lower()] * (8 if (unit or "").lower() == "bps" else 1)
+    if bits < 1e5:
+        raise ValueError(f"lowbitcc netem: link rate {text!r} is below 100 kbit/s")
+    return int(bits)
+
+
+def tbf_burst_bytes(rate_bits: int) -> int:
+    """Bucket size for ``rate_bits``: 2 ms of traffic, at least 256 KiB (a GSO super-packet of
+    64 KiB must fit, and a small bucket makes tbf undershoot its rate at 10 Gbit/s)."""
+    return max(256 << 10, rate_bits // 8 // 500)
+
+
+def missing_requirements() -> list[str]:
+    """What this machine lacks to emulate a network (empty when everything is there)."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (network namespaces need CAP_NET_ADMIN; run as root)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            missing.append(f"the `{tool}` command (Debian package iproute2)")
+    return missing
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulatedNetwork:
+    """A switch and ``nranks`` namespaces with links of ``rate`` (tc syntax, or None: unshaped).
+
+    Use as a context manager: entering runs `setup_commands`, leaving runs `teardown_commands`.
+    """
+
+    nranks: int
+    rate: str | None = "1gbit"
+    prefix: str = dataclasses.field(default_factory=lambda: f"lbcc{os.getpid()}")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nranks <= 250:
+            raise ValueError(f"lowbitcc netem: need 1..250 ranks, got {self.nranks}")
+        if self.rate is not None:
+            parse_rate(self.rate)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", self.prefix):
+            raise ValueError(f"lowbitcc netem: invalid namespace prefix {self.prefix!r}")
+
+    # -- names --------------------------------------------------------------------------------
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def namespace(self, rank: int) -> str:
+        return f"{self.prefix}-r{rank}"
+
+    def address(self, rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}"
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """Argv prefix that runs a command inside rank ``rank``'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(rank)]
+
+    # -- commands -----------------------------------------------------------------------------
+    def setup_commands(self) -> list[list[str]]:
+        cmds = [["ip", "netns", "add", self.switch],
+                ["ip", "-n", self.switch, "link", "add", "sw0", "type", "bridge"],
+                ["ip", "-n", self.switch, "link", "set", "sw0", "up"]]
+        for r in range(self.nranks):
+            ns, port = self.namespace(r), f"p{r}"
+            cmds += [
+                ["ip", "netns", "add", ns],
+                ["ip", "link", "add", RANK_IFNAME, "netns", ns, "type", "veth",
+                 "peer", "name", port, "netns", self.switch],
+                ["ip", "-n", self.switch, "link", "set", port, "master", "sw0"],
+                ["ip", "-n", self.switch, "link", "set", port, "up"],
+                ["ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", RANK_IFNAME],
+                ["ip", "-n", ns, "link", "set", RANK_IFNAME, "up"],
+                ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ]
+            if self.rate is not None:
+                cmds += [self._tbf(ns, RANK_IFNAME), self._tbf(self.switch, port)]
+        return cmds
+
+    def teardown_commands(self) -> list[list[str]]:
+        return [["ip", "netns", "del", self.namespace(r)] for r in range(self.nranks)] + [
+            ["ip", "netns", "del", self.switch]]
+
+    def _tbf(self, ns: str, dev: str) -> list[str]:
+        burst = tbf_burst_bytes(parse_rate(self.rate or ""))
+        return ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                "rate", self.rate or "", "burst", str(burst), "latency", "50ms"]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> EmulatedNetwork:
+        missing = missing_requirements()
+        if missing:
+            raise RuntimeError("lowbitcc netem needs " + "; ".join(missing))
+        try:
+            for cmd in self.setup_commands():
+                _check_call(cmd)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        log.info("emulated network %s: %d ranks, links %s", self.prefix, self.nranks,
+                 self.rate or "unshaped")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cmd in self.teardown_commands():
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def _check_call(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"lowbitcc netem: `{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+def leftover_namespaces(prefix: str = "lbcc") -> list[str]:
+    """Namespaces whose name starts with ``prefix`` (what killed runs left behind)."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix)]
+
+
+def cleanup(prefix: str = "lbcc") -> list[str]:
+    """Delete every namespace starting with ``prefix``; returns their names."""
+    names = leftover_namespaces(prefix)
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+    return names
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit while inside, so that cleanup runs."""
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def rank_environment(net: EmulatedNetwork, rank: int, port: int = DEFAULT_PORT) -> dict[str, str]:
+    """The variables a rank started by `run_ranks` sees (torchrun's names)."""
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(net.nranks), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(net.nranks), "MASTER_ADDR": net.address(0),
+        "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": RANK_IFNAME,
+    }
+
+
+def run_ranks(command: Sequence[str], nranks: int, rate: str | None,
+              env: dict[str, str] | None = None, timeout_s: float | None = None) -> int:
+    """Run ``command`` on ``nranks`` ranks, each in its own namespace of an `EmulatedNetwork`.
+
+    Rank 0's output passes through; the others' too (prefix your own logging by RANK). When a
+    rank fails, the others are terminated. Returns 0 or the first failing rank's exit code.
+    """
+    if not command:
+        raise ValueError("lowbitcc netem: no command to run")
+    with _terminate_as_exit(), EmulatedNetwork(nranks, rate) as net:
+        procs: list[subprocess.Popen] = []
+        try:
+            for r in range(nranks):
+                child_env = {**os.environ, **(env or {}), **rank_environment(net, r)}
+                procs.append(subprocess.Popen(net.exec_prefix(r) + list(command), env=child_env))
+            return _wait_all(procs, timeout_s)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=10)
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float | None) -> int:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            log.error("a rank exited with code %d; stopping the others", failed[0])
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            log.error("ranks still running after %.0f s; stopping them", timeout_s)
+            return 124
+        time.sleep(0.05)
+
+
+def main_run(rate: str | None, nranks: int, command: Sequence[str]) -> int:
+    """`lowbitcc netem --np N --link RATE -- command ...`."""
+    try:
+        return run_ranks(command, nranks, rate)
+    except (RuntimeError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        log.warning("interrupted; emulated network removed")
+        return 130

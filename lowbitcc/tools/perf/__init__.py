@@ -1,0 +1,68 @@
+"""`lowbitcc perf`: nccl-tests-compatible bandwidth tools for compressed and exact collectives.
+
+``lowbitcc perf all_reduce -b 64K -e 64M -f 4 --backend loco gloo --bits 4 8`` prints the table
+of nccl-tests' ``all_reduce_perf`` (size, count, type, redop, root, time, algbw, busbw for
+out-of-place and in-place) for every backend side by side, with the relative error against the
+exact result in place of ``#wrong`` and the bytes each rank put on the wire.
+
+Starts: under ``torchrun`` or ``mpiexec -n N`` (each rank runs the sweep), standalone with
+``--np N`` (spawns N local ranks), or inside an emulated network with ``--link RATE --np N``
+(each rank in its own network namespace behind a rate-limited link; root only; see
+`lowbitcc.tools.netem`). Modules: `harness` (sweep, timing, table), `collectives` (one adapter per
+collective), `backends` (what is compared).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc.backend import rendezvous
+from lowbitcc.tools import netem
+from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table, plot, write_json
+from lowbitcc.tools.spawn import run_ranks, threads_per_rank
+
+log = logging.getLogger("lowbitcc.tools.perf")
+
+__all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]
+
+
+def rank_main(rank: int, world: int, opts: PerfOptions) -> dict[str, Any]:
+    """One rank's sweep on the initialised default group; rank 0 writes JSON and plot."""
+    result = measure(opts, progress=True)
+    if rank == 0:
+        if opts.json_path:
+            write_json(result, opts.json_path)
+        if opts.plot_path:
+            plot([result], opts.plot_path)
+    return result
+
+
+def main(opts: PerfOptions, nprocs: int | None, link: str | None, argv: Sequence[str],
+         timeout_s: float = 1800.0) -> int:
+    """Run the sweep under whatever started us; ``argv`` is the command line, for ``--link``."""
+    opts.validate()
+    launched = rendezvous.detect()
+    if launched is not None:
+        if link or (nprocs and nprocs != launched.world_size):
+            log.warning("started by %s with %d ranks: --np/--link are ignored",
+                        launched.launcher, launched.world_size)
+        torch.set_num_threads(threads_per_rank(launched.local_world_size))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            rank_main(dist.get_rank(), dist.get_world_size(), opts)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    if link:
+        command = [sys.executable, "-m", "lowbitcc", *argv]
+        rate = None if link == "none" else link
+        return netem.run_ranks(command, nprocs or 2, rate, timeout_s=timeout_s)
+    run_ranks(rank_main, nprocs or 2, opts, timeout_s=timeout_s, backend="gloo")
+    return 0

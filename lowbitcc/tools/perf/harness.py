@@ -1,0 +1,350 @@
+"""The harness of `lowbitcc perf`: size sweep, warm-up, timing, check, table, JSON and plot.
+
+For each size (``-b`` to ``-e``, times ``-f`` or plus ``-i``) and each backend, out-of-place then
+in-place: ``-w`` untimed calls, a barrier, ``-n`` timed calls (their mean is the time, averaged
+over ranks as ``-a`` says), then one more call on fresh data whose result is compared with the
+exact one (relative L2 error, worst rank) and whose bytes on the wire are counted. Loco's calls
+use one error-feedback key per (size, placement) and a fresh key for the checked call, so the
+error column is that of one call, not of a chain of calls.
+
+algbw = size / time and busbw = algbw * factor (nccl-tests' definitions, on logical bytes);
+``ratio`` is wire bytes over the bytes the same call would send with fp32 (or the given
+dtype) on a ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc.tools.perf import targets as backends_mod
+from lowbitcc.tools.perf.collectives import COLLECTIVES, Collective, fill
+from lowbitcc.tools.plotting import pyplot
+
+log = logging.getLogger("lowbitcc.tools.perf")
+
+DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"float32": "float", "fp32": "float", "float16": "half", "fp16": "half",
+                 "bf16": "bfloat16"}
+AVERAGES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfOptions:
+    """One sweep. Sizes are in bytes of ``dtype``, as nccl-tests' ``-b -e -f -i``."""
+
+    collective: str = "all_reduce"
+    min_bytes: int = 64 << 10
+    max_bytes: int = 64 << 20
+    factor: int = 2
+    step_bytes: int = 0
+    iters: int = 20
+    warmup: int = 5
+    check: int = 1
+    dtype: str = "float"
+    op: str = "sum"
+    average: int = 1
+    backends: tuple[str, ...] = ("loco", "gloo")
+    bits: tuple[int, ...] = (4,)
+    schedules: tuple[str, ...] = ("direct",)
+    json_path: str | None = None
+    plot_path: str | None = None
+
+    def validate(self) -> None:
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"lowbitcc perf: unknown collective {self.collective!r}; known: "
+                             + ", ".join(COLLECTIVES))
+        if not 0 < self.min_bytes <= self.max_bytes:
+            raise ValueError(f"lowbitcc perf: need 0 < -b ({self.min_bytes}) <= -e ({self.max_bytes})")
+        if self.step_bytes < 0 or (self.step_bytes == 0 and self.factor < 2):
+            raise ValueError("lowbitcc perf: -f must be >= 2 (or give -i > 0)")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError("lowbitcc perf: -n must be >= 1 and -w >= 0")
+        if dtype_name(self.dtype) not in DTYPES:
+            raise ValueError(f"lowbitcc perf: unknown -d {self.dtype!r}; known: " + ", ".join(DTYPES))
+        if self.op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"lowbitcc perf: unknown -o {self.op!r}; known: sum, avg, max, min")
+        if self.average not in AVERAGES:
+            raise ValueError(f"lowbitcc perf: -a must be 0, 1, 2 or 3, got {self.average}")
+        backends_mod.expand(list(self.backends), list(self.bits), list(self.schedules))
+
+
+def dtype_name(text: str) -> str:
+    return DTYPE_ALIASES.get(text.lower(), text.lower())
+
+
+def sizes(opts: PerfOptions) -> list[int]:
+    out, size = [], opts.min_bytes
+    while size <= opts.max_bytes:
+        out.append(size)
+        size = size + opts.step_bytes if opts.step_bytes else size * opts.factor
+    return out
+
+
+# -- measurement (every rank) --------------------------------------------------------------------
+def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: torch.Tensor,
+           expected: torch.Tensor | None, opts: PerfOptions, in_place: bool) -> dict[str, float]:
+    """Time one backend at one size; ``data`` is this rank's input, ``expected`` its exact
+    output (None with ``-c 0``). Collectives outside the backend run on the default group."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    place = "in" if in_place else "out"
+    bufs = coll.buffers(count, n, rank, data.dtype, in_place)
+    bufs.inp.copy_(data)
+
+    def call() -> None:
+        coll.launch(backend, bufs.out, bufs.inp, opts.op)
+
+    with backend.context(f"{coll.name}|{count}|{place}"):
+        for _ in range(opts.warmup):
+            call()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(opts.iters):
+            call()
+        elapsed = (time.perf_counter() - start) / opts.iters
+    elapsed = _across_ranks(elapsed, opts.average)
+
+    bufs.inp.copy_(data)
+    with backend.context(f"{coll.name}|{count}|{place}|check"):
+        wire = backend.measured_wire_bytes(call)
+    error = math.nan
+    if expected is not None:
+        diff = (bufs.out.double() - expected.double()).norm()
+        norm = expected.double().norm()
+        error = float(diff / norm) if norm > 0 else float(diff)
+        error = _across_ranks(error, 3)
+    return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire}
+
+
+def _across_ranks(value: float, how: int) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if how == 0:
+        dist.broadcast(t, src=0)
+    elif how == 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if how == 2 else dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
+    """Run the sweep on the current default group (a gloo group); every rank returns the result."""
+    opts.validate()
+    coll = COLLECTIVES[opts.collective]
+    n = dist.get_world_size()
+    dtype = DTYPES[dtype_name(opts.dtype)]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    names = backends_mod.expand(list(opts.backends), list(opts.bits), list(opts.schedules))
+    made = [backends_mod.create(name, opts.schedules[0]) for name in names]
+    rows: list[dict[str, Any]] = []
+    printer = TablePrinter(opts, n) if dist.get_rank() == 0 else None
+    bar = _progress(len(sizes(opts)) * len(made), progress and printer is not None)
+    if printer:
+        printer.header(names)
+    for size in sizes(opts):
+        count = coll.usable_count(size // itemsize, n)
+        if count == 0:
+            bar.update(len(made))
+            continue
+        nbytes = count * itemsize
+        in_count, _ = coll.shape(count, n)
+        data = fill(dist.get_rank(), in_count, dtype)
+        expected = (coll.expected([fill(r, in_count, dtype) for r in range(n)], dist.get_rank(),
+                                  opts.op) if opts.check else None)
+        for backend in made:
+            results = {place: _timed(coll, backend, count, data, expected, opts, place == "in_place")
+                       for place in ("out_of_place", "in_place")}
+            row = _row(coll, backend, nbytes, count, n, itemsize, results, opts)
+            rows.append(row)
+            if printer:
+                printer.row(row, bar)
+            bar.update(1)
+    bar.close()
+    result = {"collective": opts.collective, "nranks": n, "dtype": dtype_name(opts.dtype),
+              "op": opts.op, "iters": opts.iters, "warmup": opts.warmup,
+              "backends": names, "exact_backends": [b.name for b in made if b.exact],
+              "rows": rows, "avg_busbw": _avg_busbw(rows, names)}
+    if printer:
+        printer.footer(result)
+    return result
+
+
+def _row(coll: Collective, backend: backends_mod.Backend, nbytes: int, count: int, n: int,
+         itemsize: int, results: dict[str, dict[str, float]], opts: PerfOptions) -> dict[str, Any]:
+    factor = coll.bus_factor(n)
+    logical = factor * nbytes
+    wire = results["in_place"]["wire_bytes"]
+    if wire is None:
+        wire = logical * (backend.wire_itemsize or itemsize) / itemsize
+    row: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype_name(opts.dtype),
+                           "redop": opts.op if coll.reduces else "none", "root": -1,
+                           "backend": backend.name, "wire_bytes": int(wire),
+                           "ratio": wire / logical if logical else 1.0}
+    for place, r in results.items():
+        algbw = nbytes / (r["time_us"] * 1e-6) / 1e9
+        row[place] = {"time_us": r["time_us"], "algbw": algbw, "busbw": algbw * factor,
+                      "error": r["error"]}
+    return row
+
+
+def _avg_busbw(rows: list[dict[str, Any]], names: list[str]) -> dict[str, float]:
+    out = {}
+    for name in names:
+        values = [r[p]["busbw"] for r in rows if r["backend"] == name
+                  for p in ("out_of_place", "in_place")]
+        out[name] = sum(values) / len(values) if values else 0.0
+    return out
+
+
+class _NoBar:
+    def update(self, k: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="run", leave=False, file=sys.stderr)
+
+
+# -- the table (rank 0) ---------------------------------------------------------------------------
+_COLS = [("size", 12, "(B)"), ("count", 12, "(elements)"), ("type", 9, ""), ("redop", 6, ""),
+         ("root", 5, ""), ("backend", 10, "")]
+_PLACE_COLS = [("time", 10, "(us)"), ("algbw", 7, "(GB/s)"), ("busbw", 7, "(GB/s)"),
+               ("error", 9, "")]
+_TAIL_COLS = [("wire", 12, "(B)"), ("ratio", 6, "")]
+
+
+class TablePrinter:
+    """Prints nccl-tests' table: '#'-prefixed header and footer, one line per size and backend.
+
+    ``error`` replaces nccl-tests' ``#wrong``: the relative L2 error against the exact result
+    (``0`` when bitwise exact, ``N/A`` with ``-c 0``); ``wire``/``ratio`` are appended.
+    """
+
+    def __init__(self, opts: PerfOptions, nranks: int) -> None:
+        self.opts = opts
+        self.nranks = nranks
+
+    def header(self, names: list[str]) -> None:
+        o = self.opts
+        step = f"{o.step_bytes}(bytes)" if o.step_bytes else f"{o.factor}(factor)"
+        lines = [
+            f"# lowbitcc perf {o.collective}: nranks {self.nranks} minBytes {o.min_bytes} "
+            f"maxBytes {o.max_bytes} step: {step} warmup iters: {o.warmup} iters: {o.iters} "
+            f"validation: {o.check} backends: {' '.join(names)} schedule: {' '.join(o.schedules)}",
+            "#",
+            "# Using devices",
+            f"#  Rank {0:2d} Pid {os.getpid():6d} on {socket.gethostname():>10} device cpu "
+            f"threads {torch.get_num_threads()}",
+            "#",
+        ]
+        lead = sum(w + 1 for _, w, _ in _COLS)
+        span = sum(w + 1 for _, w, _ in _PLACE_COLS)
+        lines.append("#" + " " * (lead - 1) + "out-of-place".center(span) + "in-place".center(span))
+        for i in (0, 2):
+            cells = [f"{c[i]:>{c[1]}}" for c in _COLS + _PLACE_COLS + _PLACE_COLS + _TAIL_COLS]
+            lines.append("#" + " ".join(cells)[1:])
+        for line in lines:
+            print(line, flush=True)
+
+    def row(self, row: dict[str, Any], bar: Any) -> None:
+        cells = [f"{row['size']:>12d}", f"{row['count']:>12d}", f"{row['type']:>9}",
+                 f"{row['redop']:>6}", f"{row['root']:>5d}", f"{row['backend']:>10}"]
+        for place in ("out_of_place", "in_place"):
+            r = row[place]
+            cells += [f"{r['time_us']:>10.1f}", f"{r['algbw']:>7.3f}", f"{r['busbw']:>7.3f}",
+                      f"{_error_text(r['error']):>9}"]
+        cells += [f"{row['wire_bytes']:>12d}", f"{row['ratio']:>6.3f}"]
+        bar.write(" ".join(cells))
+
+    def footer(self, result: dict[str, Any]) -> None:
+        for name, bw in result["avg_busbw"].items():
+            print(f"# Avg bus bandwidth    : {bw:.6g} {name}")
+        exact = result["exact_backends"]
+        rows = result["rows"]
+        if exact and rows:
+            largest = max(r["size"] for r in rows)
+            at = {r["backend"]: r["out_of_place"]["busbw"] for r in rows if r["size"] == largest}
+            base = at.get(exact[0])
+            if base:
+                ratios = ", ".join(f"{b} {v / base:.2f}x" for b, v in at.items() if b != exact[0])
+                print(f"# busbw vs {exact[0]} at {largest} B: {ratios}")
+        print("#", flush=True)
+
+
+def _error_text(error: float) -> str:
+    if math.isnan(error):
+        return "N/A"
+    return "0" if error == 0 else f"{error:.2e}"
+
+
+def parse_table(text: str) -> list[dict[str, Any]]:
+    """Rows of a printed table, as dicts keyed by column (out-of-place then in-place columns
+    are prefixed ``oop_`` and ``ip_``); for tests and for tools that read the plain output."""
+    names = [c[0] for c in _COLS] + [f"oop_{c[0]}" for c in _PLACE_COLS] + [
+        f"ip_{c[0]}" for c in _PLACE_COLS] + [c[0] for c in _TAIL_COLS]
+    rows = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != len(names):
+            continue
+        row: dict[str, Any] = {}
+        for name, value in zip(names, fields, strict=True):
+            try:
+                row[name] = float(value) if name not in ("type", "redop", "backend") else value
+            except ValueError:
+                row[name] = math.nan if value == "N/A" else value
+        rows.append(row)
+    return rows
+
+
+# -- outputs (rank 0) -----------------------------------------------------------------------------
+def write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, allow_nan=True)
+    log.info("wrote %s", path)
+
+
+def plot(results: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """busbw against size, one line per backend (and per result, e.g. per link), log-log."""
+    plt = pyplot("lowbitcc perf --plot", required=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for result in results:
+        label = result.get("label", "")
+        for name in result["backends"]:
+            rows = [r for r in result["rows"] if r["backend"] == name]
+            ax.plot([r["size"] for r in rows], [r["out_of_place"]["busbw"] for r in rows],
+                    marker="o", ms=3, label=f"{name} {label}".strip())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("busbw (GB/s, logical bytes)")
+    ax.set_title(title or f"{results[0]['collective']}, {results[0]['nranks']} ranks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log.info("wrote %s", path)

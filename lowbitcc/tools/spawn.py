@@ -1,0 +1,104 @@
+"""The one way the tools (and the tests) start local ranks.
+
+`run_ranks(fn, nprocs, *args)` runs ``fn(rank, world, *args)`` in ``nprocs`` fresh processes
+(multiprocessing "spawn"), each after ``init_process_group(backend)`` with a FileStore
+rendezvous in a temporary folder (no port is opened for the rendezvous; gloo itself listens on
+loopback), and returns the ranks' return values in rank order. A rank's exception is re-raised
+in the parent with its traceback; a run that outlives ``timeout_s`` is killed and raises, so a
+hang never stalls the caller. `threads_per_rank` is the rule every tool uses for torch's
+intra-op threads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """torch threads for each of ``local_ranks`` ranks sharing this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file: str,
+           backend: str, pg_timeout_s: float, env: Mapping[str, str], threads: int,
+           pg_options: Any, results: Any) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import lowbitcc  # noqa: F401 (registers "loco" where autoload is off)
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout_s), pg_options=pg_options,
+        )
+        try:
+            value = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 (sent to the parent, which raises)
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "loco",
+              timeout_s: float = 300.0, pg_timeout_s: float | None = None,
+              env: Mapping[str, str] | None = None, threads: int | None = None,
+              pg_options: Any = None) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; the values in rank order.
+
+    ``env`` is added to each rank's environment before the group is created (``LOCO_*``
+    settings); ``threads`` defaults to `threads_per_rank`; ``pg_timeout_s`` (the process
+    group's timeout) to ``timeout_s``. ``fn``, ``args`` and the values must pickle.
+    """
+    if nprocs < 1:
+        raise ValueError(f"lowbitcc: need at least one rank, got {nprocs}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="lowbitcc-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        entry_args = (fn, args, init_file, backend, pg_timeout_s or timeout_s, dict(env or {}),
+                      threads or threads_per_rank(nprocs), pg_options, results)
+        procs = [ctx.Process(target=_entry, args=(r, nprocs, *entry_args), daemon=True)
+                 for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        values: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(values) + len(errors) < nprocs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"lowbitcc: ranks did not finish within {timeout_s} s")
+                try:
+                    rank, ok, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead and results.empty():
+                        raise RuntimeError(f"lowbitcc: a rank process exited with code "
+                                           f"{dead[0].exitcode} without a result") from None
+                    continue
+                if ok:
+                    values[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise RuntimeError("lowbitcc: rank failed\n" + "\n".join(errors))
+    return [values[r] for r in range(nprocs)]

@@ -1,0 +1,73 @@
+"""The study's variants (what each training run varies) and its configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One training run: backend, the ``LOCO_*`` settings of the "loco" group, DDP hook, FSDP."""
+
+    name: str
+    backend: str = "gloo"
+    env: tuple[tuple[str, str], ...] = ()
+    hook: str | None = None  # "fp16" or "powersgd"
+    fsdp: bool = False
+
+
+VARIANTS = {
+    v.name: v for v in [
+        Variant("exact"),
+        Variant("loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
+        Variant("loco4-ef", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
+        Variant("loco4-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
+        Variant("loco4-g64", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
+                                      ("LOCO_GROUP_SIZE", "64"))),
+        Variant("loco8", "loco", (("LOCO_BITS", "8"), ("LOCO_BETA", "0.8"))),
+        Variant("loco2", "loco", (("LOCO_BITS", "2"), ("LOCO_BETA", "0.8"))),
+        Variant("fp16-hook", hook="fp16"),
+        Variant("powersgd", hook="powersgd"),
+        Variant("fsdp2-loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")), fsdp=True),
+    ]
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    """Model, data and schedule of a study (defaults: the documented study)."""
+
+    steps: int = 300
+    batch: int = 16  # sequences per rank per step
+    context: int = 64
+    d_model: int = 192
+    layers: int = 4
+    heads: int = 4
+    lr: float = 2e-3
+    warmup: int = 20
+    eval_every: int = 25
+    # validation batches of each evaluation during training and of the final one (rounded up to
+    # a multiple of ``world``: each rank evaluates its share)
+    eval_batches: int = 16
+    final_eval_batches: int = 128
+    corpus_bytes: int = 4 << 20
+    world: int = 2
+
+
+DEFAULT_VARIANTS = list(VARIANTS)
+DEFAULT_SEEDS = [0, 1, 2]
+EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb", "loco4-g64"]
+DEFAULT_TRACKED = ["loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2"]
+# the smoke run of the test suite: a tiny model and little data
+QUICK = {"d_model": 64, "layers": 2, "heads": 2, "batch": 8, "context": 32, "eval_every": 10,
+         "eval_batches": 4, "final_eval_batches": 32, "corpus_bytes": 1 << 20}
+
+
+
+def check_trackable(names: list[str]) -> None:
+    """Raise `ValueError` unless every name is a DDP-over-"loco" variant (what tracking runs)."""
+    trackable = [n for n, v in VARIANTS.items() if v.backend == "loco" and not v.fsdp]
+    bad = [n for n in names if n not in trackable]
+    if bad:
+        raise ValueError(f"lowbitcc study: cannot track {bad}; trackable: {trackable}")
+

@@ -1,0 +1,62 @@
+"""Transports: how the compressed schedules' bytes move between the ranks of a "loco" group.
+
+`base.Transport` is the interface (six methods on uint8 tensors); ``gloo`` and ``mpi`` move CPU
+tensors. `open_links` builds a group's `Links` (world, and node/rail on first use) for the
+``LOCO_TRANSPORT`` kind; `NAMES` lists the kinds, and `lowbitcc.config` validates against it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from lowbitcc.counters import Stats
+from lowbitcc.transports import topology
+from lowbitcc.transports.base import Pending, Transport
+from lowbitcc.transports.gloo import GlooTransport
+from lowbitcc.transports.links import Links
+from lowbitcc.transports.metered import MeteredTransport
+
+NAMES = ("gloo", "mpi", "nccl")
+"""Transport kinds (``LOCO_TRANSPORT``, with "auto"). "nccl" is for CUDA tensors."""
+
+CPU_NAMES = ("gloo", "mpi")
+
+
+def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ranks: Sequence[int],
+               rank: int, timeout: datetime.timedelta, node_size: int, stats: Stats) -> Links:
+    """The `Links` for CPU tensors of a group whose rank ``i`` is global rank ``global_ranks[i]``.
+
+    ``kind`` is "gloo" or "mpi" ("auto" means gloo). ``world`` is the group's inner gloo
+    transport (gloo's world link); node and rail gloo groups live on ``store``. Every link is
+    metered into ``stats``. Collective over the group when ``kind`` is "mpi".
+    """
+    kind = "gloo" if kind == "auto" else kind
+    layout = topology.layout(global_ranks, rank, topology.node_size_from(node_size))
+    if kind == "gloo":
+        def gloo_group(name: str, color: int, key: int, size: int) -> Transport:
+            prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", store)
+            return MeteredTransport(
+                GlooTransport(dist.ProcessGroupGloo(prefixed, key, size, timeout)), stats)
+
+        return Links(MeteredTransport(world, stats), layout, gloo_group)
+    if kind == "mpi":
+        from lowbitcc.transports import mpi
+
+        comm = mpi.communicator(global_ranks, rank)
+        timeout_s = timeout.total_seconds()
+
+        def mpi_split(name: str, color: int, key: int, size: int) -> Transport:
+            return MeteredTransport(mpi.MpiTransport(comm.Split(color, key), timeout_s), stats)
+
+        return Links(MeteredTransport(mpi.MpiTransport(comm, timeout_s), stats), layout, mpi_split)
+    raise ValueError(
+        f"lowbitcc: LOCO_TRANSPORT={kind} cannot move CPU tensors: use one of "
+        f"{', '.join(CPU_NAMES)} (nccl is for CUDA tensors)"
+    )
+
+
+__all__ = ["NAMES", "GlooTransport", "Links", "MeteredTransport", "Pending", "Transport",
+           "open_links"]

@@ -1,0 +1,52 @@
+"""`Links`: the transports one group's compressed schedules run over."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lowbitcc.transports.base import Transport
+from lowbitcc.transports.topology import NodeLayout
+
+SubTransport = Callable[[str, int, int, int], Transport]
+"""``make(name, color, key, size)``: a transport over the ranks that passed the same ``name``
+and ``color``, ordered by ``key``; called by every rank of the group at the same point."""
+
+
+class Links:
+    """``world`` (the whole group) and, built on first use, ``node()`` (the ranks of this
+    rank's node) and ``rail()`` (the ranks with this rank's local index, one per node).
+
+    Every rank must call ``node()`` and ``rail()`` at the same point of the same call: building
+    them is collective over the group.
+    """
+
+    def __init__(self, world: Transport, layout: NodeLayout, make: SubTransport | None) -> None:
+        self.world = world
+        self.layout = layout
+        self._make = make
+        self._node: Transport | None = None
+        self._rail: Transport | None = None
+
+    @classmethod
+    def of(cls, transport: Transport) -> Links:
+        """Links whose world is ``transport``, one rank per node (no node or rail links): what a
+        schedule gets when another schedule runs it over one of its own links."""
+        layout = NodeLayout(transport.size, 1, transport.rank, 0)
+        return cls(transport, layout, None)
+
+    def _sub(self, name: str, color: int, key: int, size: int) -> Transport:
+        if self._make is None:
+            raise RuntimeError(f"lowbitcc: these links have no {name} transport")
+        return self._make(name, color, key, size)
+
+    def node(self) -> Transport:
+        if self._node is None:
+            lay = self.layout
+            self._node = self._sub("node", lay.node, lay.local, lay.node_size)
+        return self._node
+
+    def rail(self) -> Transport:
+        if self._rail is None:
+            lay = self.layout
+            self._rail = self._sub("rail", lay.local, lay.node, lay.nodes)
+        return self._rail

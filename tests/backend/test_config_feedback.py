@@ -1,0 +1,88 @@
+"""LocoConfig validation and environment parsing; the error-feedback store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbitcc import LocoConfig
+from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.feedback import FeedbackStore
+
+
+def test_defaults_follow_the_design():
+    c = LocoConfig()
+    assert (c.bits, c.group_size, c.beta, c.error_dtype, c.reset_interval, c.min_size,
+            c.policy) == (4, 128, 0.8, "int8", 1024, 65536, "backward")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("bits", 3, "bits=3"), ("group_size", 100, "multiple of 8"), ("beta", 1.0, "beta"),
+    ("beta", -0.1, "beta"), ("reset_interval", -1, "reset_interval"),
+    ("error_dtype", "fp8", "error_dtype"), ("min_size", 0, "min_size"),
+    ("policy", "sometimes", "policy"), ("max_keys", 0, "max_keys"), ("feedback", 1, "feedback"),
+    ("codec", "gpu", "codec"),
+])
+def test_invalid_values_raise_naming_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        LocoConfig(**{field: value})
+
+
+def test_environment_parsing():
+    env = {"LOCO_BITS": "8", "LOCO_BETA": "0", "LOCO_FEEDBACK": "off", "LOCO_POLICY": "Always",
+           "PATH": "/bin"}
+    c = LocoConfig.from_env(env)
+    assert (c.bits, c.beta, c.feedback, c.policy) == (8, 0.0, False, "always")
+    with pytest.raises(ValueError, match="LOCO_BITS='four'"):
+        LocoConfig.from_env({"LOCO_BITS": "four"})
+    with pytest.raises(ValueError, match="unknown environment variable LOCO_BIT"):
+        LocoConfig.from_env({"LOCO_BIT": "4"})
+
+
+def _state(numel=256, dtype="fp32"):
+    return ErrorState.encode(torch.randn(numel), dtype, 128)
+
+
+def test_store_reset_interval_shape_change_and_non_finite():
+    store = FeedbackStore()
+    assert store.take("k", 256, "fp32", reset_interval=3) == (None, 0)
+    s = _state()
+    store.put("k", s, 1, False)
+    got, uses = store.take("k", 256, "fp32", 3)
+    assert got is s and uses == 1
+    store.put("k", s, 3, False)
+    assert store.take("k", 256, "fp32", 3) == (None, 0)  # third use reached: reset
+    store.put("k", s, 1, False)
+    assert store.take("k", 512, "fp32", 0) == (None, 0)  # shape changed: reset
+    store.put("k", s, 1, False)
+    assert store.take("k", 256, "int8", 0) == (None, 0)  # storage changed: reset
+    store.put("k", s, 1, True)  # non-finite call: nothing stored
+    assert "k" not in store.keys()  # noqa: SIM118 (keys() is the API under test)
+
+
+def test_int8_storage_is_accurate_and_lru_bounded():
+    e = torch.randn(768)
+    back = ErrorState.encode(e, "int8", 128).decode()
+    step = e.view(-1, 128).abs().amax(dim=1, keepdim=True) / 127
+    assert bool(((back.view(-1, 128) - e.view(-1, 128)).abs() <= step / 2 + 1e-7).all())
+    assert torch.equal(ErrorState.encode(e, "bf16", 128).decode(), e.to(torch.bfloat16).float())
+    store = FeedbackStore(max_keys=2)
+    for key in "abc":
+        store.put(key, _state(), 1, False)
+    assert store.keys() == ["b", "c"]
+
+
+def test_state_dict_round_trip():
+    store = FeedbackStore()
+    store.put("a", _state(dtype="int8"), 2, False)
+    store.put("b", _state(dtype="fp32"), 5, False)
+    sd = store.state_dict()
+    other = FeedbackStore()
+    other.load_state_dict(sd)
+    for key in ("a", "b"):
+        assert other.uses(key) == store.uses(key)
+        mine = store.take(key, 256, sd["states"][key]["dtype"], 0)[0]
+        theirs = other.take(key, 256, sd["states"][key]["dtype"], 0)[0]
+        assert torch.equal(mine.decode(), theirs.decode())
+    with pytest.raises(ValueError, match="version"):
+        other.load_state_dict({"version": 99, "states": {}})

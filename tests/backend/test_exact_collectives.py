@@ -1,0 +1,233 @@
+"""Every exact collective of the "loco" group equals gloo bit for bit, sync and async."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support.ranks import run_ranks
+
+
+def _data(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
+
+
+def _finish(work, async_op):
+    if async_op:
+        assert work is not None
+        work.wait()
+
+
+# Each case runs one collective on ``group`` and returns the tensors it produced.
+def all_reduce_ops(group, rank, world, async_op):
+    outs = []
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        t = _data(rank, 1001)
+        _finish(dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
+        outs.append(t)
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR, dist.ReduceOp.SUM):
+        t = _data(rank, 77, torch.int64)
+        _finish(dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
+        outs.append(t)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        t = _data(rank, 513, dtype)
+        _finish(dist.all_reduce(t, group=group, async_op=async_op), async_op)
+        outs.append(t)
+    return outs
+
+
+def all_reduce_large_outside_backward(group, rank, world, async_op):
+    # Above min_size but not in backward: the default policy keeps it exact.
+    t = _data(rank, 300_001)
+    _finish(dist.all_reduce(t, group=group, async_op=async_op), async_op)
+    return [t]
+
+
+def all_reduce_future(group, rank, world, async_op):
+    t = _data(rank, 64)
+    work = dist.all_reduce(t, group=group, async_op=True)
+    value = work.get_future().wait()
+    return [t, *value]
+
+
+def reduce_scatter(group, rank, world, async_op):
+    out = torch.empty(129)
+    ins = [_data(rank, 129, salt=s) for s in range(world)]
+    _finish(dist.reduce_scatter(out, ins, group=group, async_op=async_op), async_op)
+    out2 = torch.empty(257)
+    _finish(dist.reduce_scatter_single(out2, _data(rank, 257 * world), group=group,
+                                       async_op=async_op), async_op)
+    out3 = torch.empty(33)
+    _finish(dist.reduce_scatter_single(out3, _data(rank, 33 * world), op=dist.ReduceOp.MAX,
+                                       group=group, async_op=async_op), async_op)
+    return [out, out2, out3]
+
+
+def all_gather(group, rank, world, async_op):
+    outs = [torch.empty(65) for _ in range(world)]
+    _finish(dist.all_gather(outs, _data(rank, 65), group=group, async_op=async_op), async_op)
+    single = torch.empty(world * 31, dtype=torch.bfloat16)
+    _finish(dist.all_gather_single(single, _data(rank, 31, torch.bfloat16), group=group,
+                                   async_op=async_op), async_op)
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "x": [rank] * 3}, group=group)
+    return [*outs, single, torch.tensor([o["rank"] for o in objs])]
+
+
+def broadcast_reduce(group, rank, world, async_op):
+    root = world - 1
+    t = _data(rank, 99)
+    _finish(dist.broadcast(t, group_src=root, group=group, async_op=async_op), async_op)
+    r = _data(rank, 99, salt=7)
+    _finish(dist.reduce(r, group_dst=1, group=group, async_op=async_op), async_op)
+    objs = [rank, "x" * rank] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objs, group_src=0, group=group)
+    return [t, r if rank == 1 else torch.zeros(1), torch.tensor([objs[0], len(objs[1])])]
+
+
+def gather_scatter(group, rank, world, async_op):
+    gathered = [torch.empty(17) for _ in range(world)] if rank == 0 else None
+    _finish(dist.gather(_data(rank, 17), gathered, group_dst=0, group=group,
+                        async_op=async_op), async_op)
+    out = torch.empty(23)
+    scatter_list = [_data(rank, 23, salt=s) for s in range(world)] if rank == 1 else None
+    _finish(dist.scatter(out, scatter_list, group_src=1, group=group, async_op=async_op), async_op)
+    return [*(gathered or []), out]
+
+
+def all_to_all(group, rank, world, async_op):
+    outs = [torch.empty(11) for _ in range(world)]
+    ins = [_data(rank, 11, salt=s) for s in range(world)]
+    _finish(dist.all_to_all(outs, ins, group=group, async_op=async_op), async_op)
+    even = torch.empty(5 * world)
+    _finish(dist.all_to_all_single(even, _data(rank, 5 * world), group=group,
+                                   async_op=async_op), async_op)
+    # uneven: rank r sends (j + 1) elements to rank j and receives (r + 1) from each
+    in_splits = [j + 1 for j in range(world)]
+    out_splits = [rank + 1] * world
+    uneven = torch.empty(sum(out_splits))
+    _finish(dist.all_to_all_single(uneven, _data(rank, sum(in_splits)), out_splits, in_splits,
+                                   group=group, async_op=async_op), async_op)
+    return [*outs, even, uneven]
+
+
+def point_to_point(group, rank, world, async_op):
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    send, recv = _data(rank, 40), torch.empty(40)
+    to_global = lambda r: r  # noqa: E731  (both groups span every rank)
+    if async_op:
+        reqs = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, to_global(nxt), group),
+            dist.P2POp(dist.irecv, recv, to_global(prv), group),
+        ])
+        for req in reqs:
+            req.wait()
+    elif rank % 2 == 0:
+        dist.send(send, to_global(nxt), group=group)
+        dist.recv(recv, to_global(prv), group=group)
+    else:
+        dist.recv(recv, to_global(prv), group=group)
+        dist.send(send, to_global(nxt), group=group)
+    dist.barrier(group=group)
+    return [recv]
+
+
+def coalesced(group, rank, world, async_op):
+    a, b = _data(rank, 70), _data(rank, 71, salt=1)
+    with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+        dist.all_reduce(a, group=group)
+        dist.all_reduce(b, group=group)
+    if async_op:
+        cm.wait()
+    ga, gb = torch.empty(world * 9), torch.empty(world * 10)
+    with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+        dist.all_gather_single(ga, _data(rank, 9), group=group)
+        dist.all_gather_single(gb, _data(rank, 10, salt=2), group=group)
+    if async_op:
+        cm.wait()
+    ra, rb = torch.empty(6), torch.empty(7)
+    with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+        dist.reduce_scatter_single(ra, _data(rank, 6 * world), group=group)
+        dist.reduce_scatter_single(rb, _data(rank, 7 * world, salt=3), group=group)
+    if async_op:
+        cm.wait()
+    return [a, b, ga, gb, ra, rb]
+
+
+CASES = [all_reduce_ops, all_reduce_large_outside_backward, all_reduce_future, reduce_scatter,
+         all_gather, broadcast_reduce, gather_scatter, all_to_all, point_to_point, coalesced]
+
+
+def _compare_all(rank, world, gloo):
+    report = []
+    for case in CASES:
+        for async_op in (False, True):
+            ours = case(None, rank, world, async_op)
+            theirs = case(gloo, rank, world, async_op)
+            same = len(ours) == len(theirs) and all(
+                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                for a, b in zip(ours, theirs)
+            )
+            report.append((case.__name__, async_op, same))
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exact_collectives_equal_gloo_bitwise(world):
+    for rank_report in run_ranks(_compare_all, world):
+        bad = [(name, a) for name, a, same in rank_report if not same]
+        assert not bad, f"differs from gloo: {bad}"
+        assert len(rank_report) == 2 * len(CASES)
+
+
+def _reductions_gloo_lacks(rank, world, gloo):
+    x = _data(rank, 1000)
+    avg = x.clone()
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+    ref = x.clone()
+    dist.all_reduce(ref, group=gloo)
+    pre = x.clone()
+    dist.all_reduce(pre, op=dist._make_nccl_premul_sum(0.25))
+    ref_pre = x * 0.25
+    dist.all_reduce(ref_pre, group=gloo)
+    return torch.equal(avg, ref / world), torch.equal(pre, ref_pre)
+
+
+def test_avg_and_premul_sum_are_exact_sum_with_scaling():
+    for avg_ok, pre_ok in run_ranks(_reductions_gloo_lacks, 3):
+        assert avg_ok and pre_ok
+
+
+def _subgroups(rank, world, gloo):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    evens = dist.new_group([0, 2], backend="loco")
+    evens_gloo = dist.new_group([0, 2], backend="gloo")
+    out = []
+    if rank in (0, 2):
+        a, b = _data(rank, 50), _data(rank, 50)
+        dist.all_reduce(a, group=evens)
+        dist.all_reduce(b, group=evens_gloo)
+        out.append(torch.equal(a, b))
+        assert dist.get_backend(evens) == "loco"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    t = _data(rank, 33)
+    ref = t.clone()
+    dist.all_reduce(t, group=mesh.get_group("dp"))
+    dp_ranks = dist.get_process_group_ranks(mesh.get_group("dp"))
+    # every rank creates every group, in the same order
+    ref_groups = {tuple(r): dist.new_group(r, backend="gloo") for r in ([0, 2], [1, 3])}
+    ref_group = ref_groups[tuple(dp_ranks)]
+    dist.all_reduce(ref, group=ref_group)
+    out.append(torch.equal(t, ref))
+    out.append(dist.get_backend(mesh.get_group("dp")) == "loco")
+    return out
+
+
+def test_new_group_and_device_mesh_subgroups():
+    for flags in run_ranks(_subgroups, 4):
+        assert all(flags)

@@ -1,0 +1,84 @@
+"""The kernels' shared definitions come from the header, once: the error modes, and the
+``loco::EncodeArgs`` layout that the CUDA launcher packs with NumPy and g++ lays out itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lowbitcc.codec import abi, cpu, cuda, kernels
+from lowbitcc.codec.error_state import STORAGE, ErrorState
+from lowbitcc.codec.interface import EncodeArgs
+
+needs_cpu = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU codec could not be built")
+
+
+def test_error_modes_are_read_from_the_header():
+    assert abi.ERROR_MODES == {None: 0, "int8": 1, "fp32": 2, "bf16": 3}
+    assert set(STORAGE) == set(abi.ERROR_STORAGES)
+
+
+@needs_cpu
+def test_numpy_layout_of_encode_args_matches_gxx():
+    layout = cpu.load().encode_args_layout()
+    dtype = abi.encode_args_dtype()
+    assert dtype.itemsize == layout.pop("sizeof")
+    assert {name: dtype.fields[name][1] for name in dtype.names} == layout
+
+
+def _args(rows=2, m=300, G=128, state="int8", has_error=True, keys=None) -> EncodeArgs:
+    ng = -(-m // G)
+    return EncodeArgs(
+        source=torch.randn(rows * m), rows=rows, m=m, factor=0.5,
+        messages=torch.zeros(rows, 32 + 4 * ng + ng * G // 2 + 4, dtype=torch.uint8),
+        state=None if state is None else ErrorState.zeros(rows * ng * G, state, G),
+        has_error=has_error, beta=0.8, bits=4, group_size=G, keys=keys,
+        nonfinite=torch.zeros(rows * ng, dtype=torch.uint8),
+        sums=torch.zeros(2, dtype=torch.float64), threads=1)
+
+
+def test_cuda_struct_packs_every_field_at_its_offset():
+    args = _args(keys=(7, 9))
+    packed = cuda.pack_encode_args(args)
+    raw = np.frombuffer(packed.tobytes(), dtype=np.uint8)
+    assert raw.size == abi.encode_args_dtype().itemsize
+    fields = abi.encode_args_dtype().fields
+    assert int(packed["msgs"]) == args.messages.data_ptr()
+    assert int(packed["ecodes"]) == args.state.data.data_ptr()
+    assert int(packed["ef32"]) == 0 and int(packed["ebf16"]) == 0
+    assert packed["mode"] == abi.ERROR_MODES["int8"] and packed["stochastic"] == 1
+    assert (packed["k0"], packed["k1"]) == (7, 9)
+    assert np.frombuffer(raw[fields["m"][1]:fields["m"][1] + 8].tobytes(), np.int64)[0] == 300
+
+
+@needs_cpu
+@pytest.mark.parametrize("state", [None, "int8", "fp32", "bf16"])
+def test_cpu_and_reference_agree_through_one_argument_object(state):
+    ref, ker = _args(state=state, has_error=False), _args(state=state, has_error=False)
+    ker.source.copy_(ref.source)
+    kernels.REFERENCE.encode(ref)
+    cpu.KERNELS.encode(ker)
+    assert torch.equal(ref.messages, ker.messages)
+    assert torch.equal(ref.nonfinite, ker.nonfinite)
+    if state is not None:
+        assert torch.equal(ref.state.data, ker.state.data)
+
+
+@needs_cpu
+@pytest.mark.parametrize("field, bad", [("nonfinite", torch.zeros(1, dtype=torch.uint8)),
+                                        ("sums", torch.zeros(2)),
+                                        ("messages", torch.zeros(2, 8, dtype=torch.uint8))])
+def test_cpu_kernel_checks_every_buffer_before_writing(field, bad):
+    args = _args()
+    setattr(args, field, bad)
+    with pytest.raises(RuntimeError, match=field if field != "messages" else "too short"):
+        cpu.KERNELS.encode(args)
+
+
+@needs_cpu
+def test_cpu_kernel_checks_the_error_state_size():
+    args = _args()
+    args.state = ErrorState.zeros(128, "int8", 128)  # one group; the call has 2 rows of 3
+    with pytest.raises(RuntimeError, match="error codes holds 128 elements, expected 768"):
+        cpu.KERNELS.encode(args)

@@ -1,0 +1,173 @@
+"""CUDA codec kernels: they compile without local-memory spills for sm_80 and sm_90 (nvcc, and
+NVRTC through CuPy), and on a GPU they produce the reference's bytes, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbitcc.codec import cuda
+from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.codec.kernels import select
+from lowbitcc.codec.shard_codec import ShardCodec
+from tests.support.numerics import codec_case
+
+ARCHS = ("80", "90")
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found = shutil.which("nvcc") or str(Path(home) / "bin" / "nvcc")
+    return found if Path(found).exists() else None
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    cmd = [_nvcc(), "-std=c++17", "--fmad=false", "-DLOCO_INSTANTIATE_ALL",
+           f"-I{cuda.CSRC}", *gencode, "--fatbin", "-Xptxas", "-v", "--threads", "2",
+           "-o", str(tmp_path / "codec.fatbin"), str(cuda.SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_clean_ptxas_log(proc.stdout + proc.stderr, ARCHS)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+def test_cuda_source_compiles_for_host_and_device_with_nvcc(tmp_path):
+    """``nvcc -c`` compiles the shared header's __host__ __device__ functions for the host too
+    (it used to fail: quiet_nan called the device-only __int_as_float)."""
+    cmd = [_nvcc(), "-std=c++17", "--fmad=false", "-DLOCO_INSTANTIATE_ALL", f"-I{cuda.CSRC}",
+           "-gencode=arch=compute_80,code=sm_80", "-c", "-o", str(tmp_path / "codec.o"),
+           str(cuda.SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "codec.o").stat().st_size > 0
+
+
+def _assert_clean_ptxas_log(log: str, archs: tuple[str, ...]) -> None:
+    """ptxas -v output: every kernel instance built for every arch, no warning, no spill, no
+    stack frame (local memory)."""
+    assert "warning" not in log.lower(), log[-4000:]
+    for arch in archs:
+        entries = re.findall(rf"Compiling entry function '(\w+)' for 'sm_{arch}'", log)
+        # every instance the launcher can ask for is built
+        assert len(entries) == len(cuda.name_expressions()), (arch, len(entries))
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stacks = re.findall(r"(\d+) bytes stack frame", log)
+    assert len(spills) == len(cuda.name_expressions()) * len(archs)
+    assert all(s == ("0", "0") for s in spills), "local-memory spills"
+    assert all(s == "0" for s in stacks), "stack frames (local memory)"
+
+
+def _cupy_or_skip():
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pytest.skip("CuPy is not installed (pip install lowbitcc[cuda])")
+    if not cuda.available():
+        pytest.skip("CuPy sees no GPU")
+
+
+def _nvrtc_or_skip() -> None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001 (no CuPy, or no libnvrtc)
+        pytest.skip(f"NVRTC is not available through CuPy ({type(exc).__name__}: {exc}); "
+                    "pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12")
+    if not cuda.include_dirs():
+        pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_sources_compile_with_nvrtc_without_spills(arch):
+    """The same source through NVRTC, as CuPy's RawModule compiles it at run time (no GPU is
+    needed to compile for a named architecture)."""
+    _nvrtc_or_skip()
+    build = cuda.compile_with_nvrtc(arch)
+    _assert_clean_ptxas_log(build.log, (arch,))
+    assert build.cubin[:4] == b"\x7fELF"
+    assert set(build.lowered) == set(cuda.name_expressions())
+    assert all(name.startswith("_Z") for name in build.lowered.values())
+
+
+def test_cuda_module_loads_every_kernel_on_the_gpu():
+    _cupy_or_skip()
+    module = cuda.module()
+    for name in cuda.name_expressions():
+        assert module.get_function(name) is not None
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@given(
+    rows=st.integers(1, 4), m=st.integers(1, 2500), bits=st.sampled_from([2, 4, 8]),
+    group=st.sampled_from([8, 32, 128, 256]), dtype=st.sampled_from(DTYPES),
+    error_dtype=st.sampled_from([None, "int8", "fp32", "bf16"]),
+    with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
+    factor=st.sampled_from([1.0, 0.25, 1 / 3]), poison=st.sampled_from([None, "nan", "inf"]),
+    seed=st.integers(0, 2**31 - 1), rounding=st.sampled_from(["nearest", "stochastic"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_cuda_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_dtype,
+                                              with_state, beta, factor, poison, seed, rounding):
+    _cupy_or_skip()
+    gen = torch.Generator().manual_seed(seed)
+    args = dict(bits=bits, group_size=group, dtype_code=0, seq=5, world=4, signature=3,
+                rounding=rounding, seed=seed)
+    ref = ShardCodec(kernels=select("reference"), **args)
+    ker = ShardCodec(kernels=select("auto", "cuda"), **args)
+    x, state = codec_case(gen, max(rows * m - (m // 3), 1), dtype, poison, error_dtype,
+                          with_state, rows * ref.padded(m), group)
+    shards = list(range(rows))
+    a = ref.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
+                   error_dtype, 77)
+    gpu_state = None if state is None else ErrorState(
+        state.dtype, state.data.cuda(), None if state.scales is None else state.scales.cuda(),
+        group)
+    b = ker.encode(x.cuda(), rows, m, factor, gpu_state, beta, shards, error_dtype, 77)
+    assert torch.equal(a.messages, b.messages.cpu())
+    assert a.nonfinite == b.nonfinite
+    if not any(a.nonfinite) and a.error is not None:
+        assert torch.equal(a.error.data.view(torch.uint8), b.error.data.cpu().view(torch.uint8))
+        if a.error.scales is not None:
+            assert torch.equal(a.error.scales.view(torch.int32),
+                               b.error.scales.cpu().view(torch.int32))
+    total_a, _ = ref.decode_sum(a.messages, m, 0) if rows == 1 else (None, None)
+    if total_a is not None:
+        total_b, _ = ker.decode_sum(b.messages, m, 0)
+        assert torch.equal(total_a.view(torch.int32), total_b.cpu().view(torch.int32))
+    out_a = torch.empty(x.numel(), dtype=dtype)
+    out_b = torch.empty(x.numel(), dtype=dtype, device="cuda")
+    ref.decode_into(a.messages, m, shards, out_a)
+    ker.decode_into(b.messages, m, shards, out_b)
+    nan = torch.isnan(out_a)
+    assert torch.equal(nan, torch.isnan(out_b.cpu()))
+    assert torch.equal(out_a[~nan].view(torch.uint8), out_b.cpu()[~nan].view(torch.uint8))
+
+
+@given(data=st.binary(min_size=0, max_size=600), rows=st.integers(1, 3), m=st.integers(1, 300))
+@settings(max_examples=200, deadline=None)
+def test_cuda_decoder_fuzz_random_bytes_raise_cleanly(data, rows, m):
+    """Random bytes on the GPU are refused before any kernel reads them, as on the CPU."""
+    from lowbitcc.codec import wire
+
+    _cupy_or_skip()
+    codec = ShardCodec(4, 64, 0, 7, 3, 99, "auto")
+    size = codec.message_bytes(m)
+    raw = (data * (rows * size // max(len(data), 1) + 1))[: rows * size] if data else b""
+    messages = torch.frombuffer(bytearray(raw.ljust(rows * size, b"\0")), dtype=torch.uint8)
+    messages = messages.view(rows, size).cuda()
+    with pytest.raises(wire.WireFormatError):
+        codec.decode_into(messages, m, list(range(rows)), torch.empty(rows * m, device="cuda"))
+    with pytest.raises(wire.WireFormatError):
+        codec.decode_sum(messages[:, : max(size - 4 * (len(data) % 3), 1)].contiguous(), m, 0)

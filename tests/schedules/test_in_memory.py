@@ -1,0 +1,101 @@
+"""Every schedule, in one process: ranks are threads over an in-memory `Transport`.
+
+The fast companions of tests/schedules/test_schedules.py (real processes over gloo and MPI):
+the same properties (bitwise-identical all-reduce results on every rank, the reduce-scatter's
+rows, error within the quantizer's bound for the schedule's number of quantizations) in well
+under a second per case, so schedule changes can be checked at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lowbitcc import schedules
+from lowbitcc.codec import kernels, wire
+from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.compressor import CallCompressor, Source
+from lowbitcc.counters import Stats
+from lowbitcc.feedback import FeedbackStore
+from lowbitcc.transports import topology
+from tests.support.memory_transport import MemoryGroup, memory_links
+from tests.support.numerics import group_amax
+from tests.support.schedule_checks import bound_factor
+
+NODE_SIZE = {2: 1, 3: 1, 4: 2, 6: 3}
+Q = 7  # 4-bit codes
+
+
+def _quantizations(name: str, collective: str, world: int) -> int:
+    nodes = world // NODE_SIZE[world]
+    two = collective == "all_reduce"
+    return {"direct": 2 if two else 1, "ring": world if two else world - 1,
+            "tree": schedules.tree.depth(world) + 1,
+            "hierarchical": 0 if nodes == 1 else (2 if two else 1)}[name]
+
+
+def _run(name: str, collective: str, world: int, numel: int, chunk: int) -> list[torch.Tensor]:
+    group = MemoryGroup(world)
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    results: list = [None] * world
+    errors: list = []
+    m = -(-numel // world)
+
+    def rank_main(rank: int) -> None:
+        try:
+            layout = topology.layout(range(world), rank, NODE_SIZE[world])
+            links = memory_links(group, rank, layout)
+            codec = ShardCodec(bits=4, group_size=64, dtype_code=0, seq=1, world=world,
+                               signature=wire.call_signature(collective, numel, torch.float32),
+                               kernels=kernels.REFERENCE)
+            comp = CallCompressor(codec, FeedbackStore(), "k", Stats(), error_dtype="int8",
+                                  beta=0.8, reset_interval=0, rank=rank)
+            source = Source(inputs[rank], world, m)
+            if collective == "all_reduce":
+                out = torch.empty(numel)
+                schedules.all_reduce(name, source, out, comp, links, chunk)
+            else:
+                out = schedules.reduce_scatter(name, source, comp, links, chunk)
+            comp.finish()
+            results[rank] = out
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the test)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a schedule hung"
+    if errors:
+        raise errors[0]
+    exact = torch.stack(inputs).double().sum(dim=0)
+    # docs/algorithms.md: each quantization errs by at most half a step of its group's max;
+    # A is the sum over ranks of each element's group max
+    amax = sum(group_amax(x, world, 64) for x in inputs)
+    bound = amax * bound_factor(_quantizations(name, collective, world)) * 1.001 + 1e-6
+    if collective == "all_reduce":
+        assert all(torch.equal(results[0], r) for r in results), "ranks differ"
+        assert float(((results[0].double() - exact).abs() / bound).max()) <= 1.0
+    else:
+        for rank, out in enumerate(results):
+            lo, hi = rank * m, min((rank + 1) * m, numel)
+            err = (out[:hi - lo].double() - exact[lo:hi]).abs() / bound[lo:hi]
+            assert float(err.max()) <= 1.0
+    return results
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+@pytest.mark.parametrize("name", schedules.NAMES)
+def test_schedule_in_memory(name, world, collective):
+    _run(name, collective, world, numel=1000 * world + 7, chunk=0)
+
+
+@pytest.mark.parametrize("name", ["direct", "ring"])
+def test_chunked_schedule_gives_the_same_bytes_with_nearest_rounding(name):
+    whole = _run(name, "all_reduce", 3, numel=3 * 900, chunk=0)
+    chunked = _run(name, "all_reduce", 3, numel=3 * 900, chunk=256)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))

@@ -1,0 +1,105 @@
+"""`lowbitcc perf`: run the console tool on local ranks and check what it prints and writes."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from lowbitcc.tools.perf.collectives import COLLECTIVES
+from lowbitcc.tools.perf.harness import parse_table
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n}
+# one 4-bit call of an all-reduce: each of two quantizations errs by <= amax/(2*7) per element;
+# data uniform in [-8, 8] (rms 4.62 per rank), amax <= 8 per rank and group
+Q4_BOUND = {"all_reduce": lambda n: (8 * n / 7) / (4.62 * math.sqrt(n)),
+            "reduce_scatter": lambda n: (8 * n / 14) / (4.62 * math.sqrt(n))}
+
+
+def _perf(*args: str, timeout: int = 240) -> str:
+    done = subprocess.run([sys.executable, "-m", "lowbitcc", "perf", *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("collective,world", [("all_reduce", 2), ("reduce_scatter", 3),
+                                              ("all_gather", 3)])
+def test_table_columns_factors_and_errors(collective, world, tmp_path):
+    out = _perf(collective, "--np", str(world), "-b", "384K", "-e", "1536K", "-f", "4",
+                "-n", "2", "-w", "1", "--backend", "loco", "gloo", "gloo-bf16", "--bits", "4", "8",
+                "--json", str(tmp_path / "r.json"))
+    assert "#       size" in out and "busbw" in out and "# Avg bus bandwidth    :" in out
+    rows = parse_table(out)
+    assert {r["backend"] for r in rows} == {"loco4", "loco8", "gloo", "gloo-bf16"}
+    assert len(rows) == 2 * 4  # 384K and 1536K, four backends
+    factor = BUS_FACTOR[collective](world)
+    for r in rows:
+        for p in ("oop", "ip"):
+            algbw, busbw, time_us = r[f"{p}_algbw"], r[f"{p}_busbw"], r[f"{p}_time"]
+            assert busbw == pytest.approx(algbw * factor, abs=2e-3), r
+            assert algbw == pytest.approx(r["size"] / (time_us * 1e-6) / 1e9, rel=0.01, abs=2e-3)
+        assert r["count"] * 4 == r["size"] and r["type"] == "float"
+    by = {(r["backend"], r["size"]): r for r in rows}
+    for size in {r["size"] for r in rows}:
+        assert by["gloo", size]["oop_error"] == 0 and by["gloo", size]["ip_error"] == 0
+        if collective == "all_gather":  # exact on loco: nothing is compressed
+            assert by["loco4", size]["oop_error"] == 0 and by["loco4", size]["ratio"] == 1.0
+            continue
+        loco4, loco8 = by["loco4", size], by["loco8", size]
+        assert 0 < loco8["oop_error"] < loco4["oop_error"] < Q4_BOUND[collective](world)
+        assert loco4["ip_error"] == pytest.approx(loco4["oop_error"], rel=0.05)
+        # 4.25 bits per element: codes plus one fp32 scale per 128, plus headers
+        assert 4.25 / 32 <= loco4["ratio"] < 4.6 / 32
+        assert 0 < by["gloo-bf16", size]["oop_error"] < 2 ** -8
+        assert by["gloo-bf16", size]["ratio"] == 0.5
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["nranks"] == world and result["collective"] == collective
+    assert len(result["rows"]) == len(rows)
+    assert set(result["avg_busbw"]) == {"loco4", "loco8", "gloo", "gloo-bf16"}
+
+
+def test_avg_op_and_bfloat16():
+    out = _perf("all_reduce", "--np", "3", "-b", "256K", "-e", "256K", "-n", "1", "-w", "0",
+                "-d", "bfloat16", "-o", "avg", "--backend", "gloo", "loco")
+    rows = {r["backend"]: r for r in parse_table(out)}
+    assert rows["gloo"]["type"] == "bfloat16" and rows["gloo"]["redop"] == "avg"
+    assert rows["gloo"]["oop_error"] == 0
+    assert 0 < rows["loco4"]["oop_error"] < 0.5
+
+
+def test_bad_arguments_are_reported():
+    for args, message in ((["all_reduce", "--backend", "nope"], "unknown backend 'nope'"),
+                          (["all_reduce", "-b", "1M", "-e", "1K"], "-b"),
+                          (["all_reduce", "-d", "int7"], "unknown -d"),
+                          (["all_reduce", "--backend", "mpi", "--np", "2", "-b", "1K", "-e", "1K"],
+                           "mpiexec")):
+        done = subprocess.run([sys.executable, "-m", "lowbitcc", "perf", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0
+        assert message in done.stderr, done.stderr[-2000:]
+
+
+def test_every_collective_has_a_bus_factor():
+    assert set(COLLECTIVES) == set(BUS_FACTOR)
+    for name, coll in COLLECTIVES.items():
+        assert coll.bus_factor(4) == pytest.approx(BUS_FACTOR[name](4))
+
+
+def test_several_schedules_run_side_by_side():
+    from lowbitcc.tools.perf.targets import expand
+
+    assert expand(["loco", "gloo"], [4], ["direct", "ring"]) == ["loco4-direct", "loco4-ring", "gloo"]
+    assert expand(["loco"], [4, 8], ["tree"]) == ["loco4", "loco8"]
+    with pytest.raises(ValueError, match="unknown schedule 'star'"):
+        expand(["loco"], [4], ["star"])
+    done = subprocess.run(
+        [sys.executable, "-m", "lowbitcc", "perf", "all_reduce", "-b", "256K", "-e", "256K",
+         "-n", "1", "-w", "0", "--np", "2", "--backend", "loco", "--schedule", "ring", "tree"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["backend"]: r for r in parse_table(done.stdout)}
+    assert set(rows) == {"loco4-ring", "loco4-tree"}
+    assert all(0 < r["oop_error"] < 0.3 for r in rows.values())

@@ -1,0 +1,73 @@
+"""Smoke version of the convergence study (`lowbitcc study --quick`): a tiny GPT, 2 ranks.
+
+At 4 bits with the default 128-element groups, plain quantization is nearly unbiased and this
+tiny run cannot tell LoCo from no feedback (see docs/convergence.md). With 4096-element groups,
+most small gradient entries round to zero in every step, the bias error feedback exists to
+remove; there LoCo must stay closer to exact than 4-bit without feedback.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lowbitcc.tools import study
+
+
+def test_loco_4bit_tracks_exact_closer_than_no_feedback(monkeypatch):
+    monkeypatch.setenv("LOCO_GROUP_SIZE", "4096")
+    cfg = study.StudyConfig(steps=80, world=2, **study.QUICK)
+    result = study.run(["exact", "loco4", "loco4-nofb"], [0], cfg)
+    rows = {r["variant"]: r for r in result["summary"]}
+    exact, loco, nofb = rows["exact"], rows["loco4"], rows["loco4-nofb"]
+    assert exact["final_val_loss"] < 3.0  # it learned something (uniform bytes: ln 256 = 5.5)
+    assert loco["gap_to_exact"] < nofb["gap_to_exact"], (loco, nofb)
+    assert loco["weight_distance"] < nofb["weight_distance"], (loco, nofb)
+    assert loco["gap_to_exact"] < 0.03, loco
+    # 4-bit codes plus one fp32 scale per 4096 elements: about 1/8 of fp32's bytes
+    assert loco["bytes_vs_exact"] == pytest.approx(0.13, abs=0.02)
+
+
+def test_tracking_feedback_removes_the_bias_plain_quantization_keeps():
+    # the default 128-element groups: on one gradient stream, the sum of LoCo's all-reduces
+    # stays close to the sum of exact's while plain 4-bit quantization's drifts, and Adam's
+    # update direction from LoCo's stream is the closer one
+    from lowbitcc.tools.study import tracking
+
+    cfg = study.StudyConfig(steps=40, world=2, **study.QUICK)
+    result = tracking.run(["loco4", "loco4-nofb", "loco8"], cfg)
+    rows = {r["variant"]: r for r in result["summary"]}
+    loco, nofb, loco8 = rows["loco4"], rows["loco4-nofb"], rows["loco8"]
+    assert len(result["series"]["loco4"]["sum_error"]) == 40
+    assert loco["sum_error"] < 0.5 * nofb["sum_error"], (loco, nofb)
+    assert loco["adam_error"] < nofb["adam_error"], (loco, nofb)
+    # 8 bits: 1/18 of 4 bits' step (levels 127 and 7), every error far smaller
+    assert loco8["step_error"] < 0.2 * loco["step_error"], (loco8, loco)
+    assert 0 < loco["step_error"] < 0.5, loco
+
+
+def test_across_seeds_pairs_each_variant_with_loco4_of_the_same_seed():
+    summary = [
+        {"variant": "exact", "seed": 0, "gap_to_exact": 0.0},
+        {"variant": "loco4", "seed": 0, "gap_to_exact": 0.010},
+        {"variant": "loco4-nofb", "seed": 0, "gap_to_exact": 0.015},
+        {"variant": "exact", "seed": 1, "gap_to_exact": 0.0},
+        {"variant": "loco4", "seed": 1, "gap_to_exact": 0.020},
+        {"variant": "loco4-nofb", "seed": 1, "gap_to_exact": 0.016},
+        {"variant": "loco8", "seed": 1, "gap_to_exact": 0.001},
+    ]
+    rows = {r["variant"]: r for r in study.across_seeds(summary)}
+    assert set(rows) == {"loco4", "loco4-nofb", "loco8"}
+    assert rows["loco4"]["mean_gap"] == pytest.approx(0.015)
+    assert "vs_loco4" not in rows["loco4"]
+    nofb = rows["loco4-nofb"]
+    assert nofb["seeds"] == [0, 1]
+    assert (nofb["min_gap"], nofb["max_gap"]) == (0.015, 0.016)
+    assert nofb["vs_loco4_each"] == pytest.approx([0.005, -0.004])
+    assert nofb["vs_loco4"] == pytest.approx(0.0005)
+    assert rows["loco8"]["vs_loco4_each"] == pytest.approx([-0.019])
+    assert "seed" in study.format_across_seeds(list(rows.values()))
+
+
+def test_study_refuses_an_untrackable_variant_before_training():
+    with pytest.raises(ValueError, match="cannot track.*fp16-hook"):
+        study.run(["exact"], [0], study.StudyConfig(**study.QUICK), tracked=["fp16-hook"])
