@@ -46,7 +46,9 @@ class LocoConfig:
             a backward pass), "always" or "never".
         check: exchange a 32-byte call descriptor before each compressible call so that a shape,
             dtype or op mismatch across ranks raises on every rank instead of hanging.
-        max_keys: the most error states kept per process; the least recently used are dropped.
+        max_keys: the most error states kept per process (one per key and stage); the least
+            recently used are dropped. The store is shared by every group of the process: its
+            bound is the largest ``max_keys`` of the groups created (`lowbitcc.state`).
         codec: codec implementation: "auto" (fused C++ kernels when they build, else the
             reference), "reference" (pure torch) or "cpu" (the kernels, or fail).
         rounding: "nearest" (half to even) or "stochastic" (unbiased; counter-based random bits,

@@ -5,14 +5,15 @@
 rendezvous in a temporary folder (no port is opened for the rendezvous; gloo itself listens on
 loopback), and returns the ranks' return values in rank order. A rank's exception is re-raised
 in the parent with its traceback; a run that outlives ``timeout_s`` is killed and raises, so a
-hang never stalls the caller. `threads_per_rank` is the rule every tool uses for torch's
-intra-op threads.
+hang never stalls the caller. Values travel pickled by value (tensors included).
+`threads_per_rank` is the rule every tool uses for torch's intra-op threads.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -47,7 +48,9 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
             value = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # by value: torch's queue would send tensors as shared-memory handles, which die with
+        # this process before the parent has read them
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 (sent to the parent, which raises)
         results.put((rank, False, traceback.format_exc()))
 
@@ -91,7 +94,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
                                            f"{dead[0].exitcode} without a result") from None
                     continue
                 if ok:
-                    values[rank] = value
+                    values[rank] = pickle.loads(value)
                 else:
                     errors.append(f"rank {rank}:\n{value}")
         finally:
