@@ -50,10 +50,6 @@ def install_step_hook() -> None:
         _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-def step_hook_installed() -> bool:
-    return _step_hook is not None
-
-
 def bound_feedback(max_keys: int) -> None:
     """A new group asks the store to keep up to ``max_keys`` states: the bound becomes the
     largest any group of this process asked for."""

@@ -2,7 +2,7 @@
 
 Built with torch's ``cpp_extension`` (ninja) into torch's extension cache; every process of a
 machine shares the build (torch serialises concurrent builds with a lock file). If no compiler is
-available, `CpuKernels.module` returns None after one warning and `kernels.select` falls back to
+available, `load` returns None after one warning and `kernels.select` falls back to
 the reference. Calls run in the calling thread with ``args.threads`` OpenMP threads.
 """
 
@@ -62,10 +62,6 @@ class CpuKernels:
 
     name = "cpu"
     writes_every_byte = True
-
-    @staticmethod
-    def module() -> ModuleType | None:
-        return load()
 
     def encode(self, args: EncodeArgs) -> None:
         load().encode(args)

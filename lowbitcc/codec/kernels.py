@@ -108,7 +108,7 @@ def select(choice: str = "auto", device: torch.device | str = "cpu",
         return cuda.KERNELS if cuda.available() and group_size <= cuda.MAX_GROUP else REFERENCE
     from lowbitcc.codec import cpu
 
-    if cpu.KERNELS.module() is not None:
+    if cpu.load() is not None:
         return cpu.KERNELS
     if choice == "cpu":
         raise RuntimeError("lowbitcc: LOCO_CODEC=cpu but the C++ CPU codec could not be built")

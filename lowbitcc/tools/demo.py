@@ -18,9 +18,7 @@ import lowbitcc
 from lowbitcc.tools.spawn import run_ranks
 
 
-def mlp(width: int, depth: int) -> nn.Module:
-    """The demo's model (also trained by the tests): 128 inputs, ``depth`` hidden layers of
-    ``width``, 16 outputs, fixed initial weights."""
+def _model(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(128, width), nn.GELU()]
     for _ in range(depth):
@@ -31,8 +29,8 @@ def mlp(width: int, depth: int) -> nn.Module:
 
 def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> None:
     gloo = dist.new_group(backend="gloo")
-    models = {"gloo": DDP(mlp(width, depth), process_group=gloo),
-              "loco": DDP(mlp(width, depth))}
+    models = {"gloo": DDP(_model(width, depth), process_group=gloo),
+              "loco": DDP(_model(width, depth))}
     opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in models.items()}
     teacher = torch.randn(128, 16, generator=torch.Generator().manual_seed(7))
     data = torch.Generator().manual_seed(100 + rank)

@@ -478,7 +478,7 @@ void check_buffer(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, c
   TORCH_CHECK(t.numel() == numel, what, " holds ", t.numel(), " elements, expected ", numel);
 }
 
-// One encode; `args` is a lowbitcc.codec.kernels.EncodeArgs. Every buffer is checked against
+// One encode; `args` is a lowbitcc.codec.interface.EncodeArgs. Every buffer is checked against
 // the shapes the arguments imply before anything is written.
 void encode(const py::object& args) {
   const torch::Tensor source = tensor_attr(args, "source");
