@@ -6,6 +6,11 @@ A schedule sees only these operations, on shard sources (see `lowbitcc.codec.sha
 received messages; ``scratch`` lends a reusable fp32 buffer. New error states are kept until
 `finish`, which stores them, or drops every stage's state if anything in the call was
 non-finite. Error state, statistics and the codec stay out of the schedule.
+
+On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag and its
+residual sums stay 0-dim/[2] device tensors, and `finish` zeroes the new error states on the
+device where the call was non-finite (a zero state compensates exactly like a dropped one)
+instead of dropping them, so a call is enqueued without waiting for the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import zlib
 import torch
 
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.codec.shard_codec import Flag, ShardCodec
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 
@@ -73,7 +78,8 @@ class CallCompressor:
         self.store = store
         self.key = key
         self.stats = stats
-        self.nonfinite = False
+        self.nonfinite: Flag = False
+        self._sums: torch.Tensor | None = None
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
 
     def encode(self, stage: str, source: Source, shard_ids: list[int]) -> torch.Tensor:
@@ -84,21 +90,26 @@ class CallCompressor:
         state, uses = (None, 0)
         if error_dtype:
             numel = source.rows * self.codec.padded(source.m)
-            state, uses = self.store.take(key, numel, error_dtype, self.reset_interval)
+            state, uses = self.store.take(key, numel, error_dtype, self.reset_interval,
+                                          source.tensor.device)
         # stochastic rounding: each rank and stage of a call draws its own random bits
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream,
         )
-        self.nonfinite |= any(result.nonfinite)
+        self._flag(result.nonfinite_rows.any())
+        self._sums = result.sums if self._sums is None else self._sums + result.sums
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
-        self.stats.add(
-            "compressed", codec_s=time.perf_counter() - start,
-            residual_sq=result.residual_sq, input_sq=result.input_sq,
-        )
+        self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return result.messages
+
+    def _flag(self, nonfinite: Flag) -> None:
+        """OR ``nonfinite`` into the call's flag (a device tensor stays on its device)."""
+        if isinstance(nonfinite, torch.Tensor) and nonfinite.device.type == "cpu":
+            nonfinite = bool(nonfinite)
+        self.nonfinite = self.nonfinite | nonfinite
 
     def scratch(self, n: int, device: torch.device) -> torch.Tensor:
         """fp32 ``[n]`` to decode into, valid until the next `scratch` call of this group."""
@@ -111,7 +122,7 @@ class CallCompressor:
         """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given."""
         start = time.perf_counter()
         total, nonfinite = self.codec.decode_sum(messages, m, shard, out)
-        self.nonfinite |= nonfinite
+        self._flag(nonfinite)
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return total
 
@@ -119,11 +130,22 @@ class CallCompressor:
         self, messages: torch.Tensor, m: int, shard_ids: list[int], out: torch.Tensor
     ) -> None:
         start = time.perf_counter()
-        self.nonfinite |= self.codec.decode_into(messages, m, shard_ids, out)
+        self._flag(self.codec.decode_into(messages, m, shard_ids, out))
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
 
     def finish(self) -> None:
-        """Store the new error states, or drop them all if the call saw a non-finite value."""
+        """Store the new error states, or drop them all if the call saw a non-finite value (on
+        CUDA: zero them on the device), and add the residual sums to the statistics."""
+        bad = self.nonfinite
         for key, (state, uses) in self._new_states.items():
-            self.store.put(key, state, uses, self.nonfinite)
+            if isinstance(bad, torch.Tensor) and state is not None:
+                state.data.masked_fill_(bad, 0)
+                if state.scales is not None:
+                    state.scales.masked_fill_(bad, 0)
+                self.store.put(key, state, uses, False)
+            else:
+                self.store.put(key, state, uses, bool(bad))
         self._new_states.clear()
+        if self._sums is not None:
+            self.stats.add_sums("compressed", self._sums)
+            self._sums = None

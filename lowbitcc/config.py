@@ -59,10 +59,10 @@ class LocoConfig:
             re-quantized at each hop), "tree" (binary tree, for small messages),
             "hierarchical" (exact inside a node, compressed across nodes) or "auto" (by size,
             ranks and node layout; see the ``auto_*`` thresholds).
-        transport: what compressed schedules send their codes over: "gloo" (TCP), "mpi"
-            (mpi4py; ranks started by mpiexec) or "auto" (gloo). "nccl" (CUDA tensors) passes
-            validation and is refused when the group is created: this build moves CPU tensors
-            only. Exact calls always run on the inner gloo group.
+        transport: what compressed schedules send the codes of CPU tensors over: "gloo"
+            (TCP), "mpi" (mpi4py; ranks started by mpiexec) or "auto" (gloo). CUDA tensors
+            always go over the group's inner NCCL group ("nccl" names that, and means gloo for
+            CPU tensors). Exact calls run on the inner gloo group (CPU) or NCCL group (CUDA).
         node_size: ranks per node for the hierarchical schedule (consecutive global ranks);
             0 takes the launcher's LOCAL_WORLD_SIZE, or one node for every rank without it.
             Set it to emulate several nodes on one machine.

@@ -18,6 +18,8 @@ import math
 import threading
 from typing import Any
 
+import torch
+
 
 @dataclasses.dataclass
 class Counters:
@@ -37,6 +39,7 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters = {"compressed": Counters(), "exact": Counters()}
+        self._device_sums: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -44,7 +47,25 @@ class Stats:
             for name, delta in deltas.items():
                 setattr(c, name, getattr(c, name) + delta)
 
+    def add_sums(self, category: str, sums: torch.Tensor) -> None:
+        """Add float64 ``[residual_sq, input_sq]``. CPU sums are added now; device sums are
+        accumulated on their device (no synchronisation) and read by `snapshot`."""
+        if sums.device.type == "cpu":
+            residual_sq, input_sq = sums.tolist()
+            self.add(category, residual_sq=residual_sq, input_sq=input_sq)
+            return
+        with self._lock:
+            key = (category, sums.device)
+            pending = self._device_sums.get(key)
+            self._device_sums[key] = sums.clone() if pending is None else pending + sums
+
     def snapshot(self) -> dict[str, Any]:
+        """The counters (waits for the device sums still being computed)."""
+        with self._lock:
+            device_sums, self._device_sums = self._device_sums, {}
+        for (category, _), sums in device_sums.items():
+            residual_sq, input_sq = sums.tolist()
+            self.add(category, residual_sq=residual_sq, input_sq=input_sq)
         with self._lock:
             out = {k: dataclasses.asdict(v) for k, v in self._counters.items()}
         comp = out["compressed"]
@@ -57,5 +78,6 @@ class Stats:
     def reset(self) -> None:
         with self._lock:
             self._counters = {"compressed": Counters(), "exact": Counters()}
+            self._device_sums = {}
 
 

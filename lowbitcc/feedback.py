@@ -21,6 +21,8 @@ import collections
 import threading
 from typing import Any
 
+import torch
+
 from lowbitcc.codec.error_state import ErrorState
 
 STATE_DICT_VERSION = 1
@@ -43,8 +45,10 @@ class FeedbackStore:
         with self._lock:
             return list(self._states)
 
-    def take(self, key: str, numel: int, dtype: str, reset_interval: int) -> tuple[ErrorState | None, int]:
-        """Remove and return ``(state, uses)`` of ``key``; ``(None, 0)`` when it must start anew."""
+    def take(self, key: str, numel: int, dtype: str, reset_interval: int,
+             device: torch.device | str = "cpu") -> tuple[ErrorState | None, int]:
+        """Remove and return ``(state, uses)`` of ``key`` on ``device`` (a state loaded or kept
+        elsewhere is moved there); ``(None, 0)`` when it must start anew."""
         with self._lock:
             entry = self._states.pop(key, None)
         if entry is None:
@@ -54,7 +58,7 @@ class FeedbackStore:
             return None, 0
         if reset_interval and uses >= reset_interval:
             return None, 0
-        return state, uses
+        return state.to(device), uses
 
     def put(self, key: str, state: ErrorState | None, uses: int, nonfinite: bool) -> None:
         """Store ``state`` after its ``uses``-th use; a non-finite call stores nothing."""
@@ -76,12 +80,13 @@ class FeedbackStore:
             self._states.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """A picklable copy of every entry (tensors cloned), for checkpoints."""
+        """A picklable copy of every entry (CPU tensors), for checkpoints. Device states are
+        copied after the device's queued work (a synchronisation)."""
         with self._lock:
             entries = list(self._states.items())
         states = {}
         for key, (state, uses) in entries:
-            copy = state.clone()
+            copy = state.to("cpu", copy=True)
             states[key] = {"uses": uses, "dtype": copy.dtype, "group_size": copy.group_size,
                            "data": copy.data, "scales": copy.scales}
         return {"version": STATE_DICT_VERSION, "states": states}

@@ -14,8 +14,9 @@ For each compressible all-reduce or reduce-scatter (the policy said so; see `low
    (``config.schedule``, or `choose_schedule` for "auto") over the route's links.
 
 A `Route` is the device-specific part: which codec kernels and which links (transports) serve
-tensors of one device type. Schedules, keys, feedback, descriptor agreement and byte accounting
-are shared by every device; a CUDA route adds CUDA kernels and NCCL links here and nothing else.
+tensors of one device type, whether its jobs run in the calling thread (``inline``: CUDA, see
+`cuda_issue`) and which schedules its links can run. Schedules, keys, feedback, descriptor
+agreement and byte accounting are shared by every device.
 """
 
 from __future__ import annotations
@@ -46,10 +47,18 @@ class CollectiveMismatchError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The codec kernels and the links that compressed calls on one device type use."""
+    """The codec kernels and the links that compressed calls on one device type use.
+
+    ``inline``: the jobs run in the calling thread, not on the worker (the descriptor exchange,
+    which uses the inner gloo group, is then handed to the worker), and are not cut into
+    chunks (``chunk_size``): chunks let a CPU rank code one while the network moves another,
+    but work enqueued on one CUDA stream gains nothing from them and pays each step's launch
+    overhead once per chunk; ``schedules``: the ones the links can run (None: all)."""
 
     kernels: Kernels
     links: Links
+    inline: bool = False
+    schedules: tuple[str, ...] | None = None
 
 
 def choose_schedule(config: LocoConfig, nbytes: int, world: int, layout: NodeLayout) -> str:
@@ -75,17 +84,20 @@ class CompressedCalls:
     """Builds the worker jobs of one group's compressed calls (see the module docstring).
 
     ``agreement`` is the group's inner gloo transport (descriptor exchange, unmetered);
-    ``routes`` maps a device type to its `Route`. `group_name` is set by c10d after creation.
+    ``routes`` maps a device type to its `Route`; ``on_worker(fn)`` runs ``fn`` on the group's
+    worker thread and waits (for inline routes). `group_name` is set by c10d after creation.
     """
 
     def __init__(self, rank: int, size: int, config: LocoConfig, agreement: GlooTransport,
-                 routes: dict[str, Route]) -> None:
+                 routes: dict[str, Route],
+                 on_worker: Callable[[Callable[[], None]], None] | None = None) -> None:
         self.rank = rank
         self.size = size
         self.config = config
         self.group_name = ""
         self._agreement = agreement
         self._routes = routes
+        self._on_worker = on_worker
         self._lock = threading.Lock()
         self._seq = 0
         self._epoch: tuple[str, int] | None = None
@@ -129,10 +141,10 @@ class CompressedCalls:
     def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job) -> Job:
         """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback)."""
 
-        def run(source: Source, comp: CallCompressor, links: Links) -> None:
+        def run(source: Source, comp: CallCompressor, route: Route) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
-            schedules.all_reduce(self._schedule(source, links), source, out, comp, links,
-                                 self.config.chunk_size)
+            schedules.all_reduce(self._schedule(source, route), source, out, comp, route.links,
+                                 self._chunk(route))
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
@@ -143,15 +155,15 @@ class CompressedCalls:
         """The job of a compressed reduce-scatter of flat ``source`` (``size`` rows of
         ``output.numel()``) into ``output``."""
 
-        def run(src: Source, comp: CallCompressor, links: Links) -> None:
-            reduced = schedules.reduce_scatter(self._schedule(src, links), src, comp, links,
-                                               self.config.chunk_size)
+        def run(src: Source, comp: CallCompressor, route: Route) -> None:
+            reduced = schedules.reduce_scatter(self._schedule(src, route), src, comp, route.links,
+                                               self._chunk(route))
             output.copy_(reduced.view(output.shape))
 
         return self._job("reduce_scatter", source, op, run, exact)
 
     def _job(self, collective: str, source: torch.Tensor, op: Any,
-             run: Callable[[Source, CallCompressor, Links], None], exact: Job) -> Job:
+             run: Callable[[Source, CallCompressor, Route], None], exact: Job) -> Job:
         cfg = self.config
         numel = source.numel()
         seq = self._next_seq()
@@ -164,7 +176,9 @@ class CompressedCalls:
         route = self.route(source.device)
 
         def job() -> Any:
-            if cfg.check:
+            if cfg.check and route.inline and self._on_worker is not None:
+                self._on_worker(lambda: self._agree(desc))
+            elif cfg.check:
                 self._agree(desc)
             if not desc.compressed:
                 return exact()
@@ -182,10 +196,11 @@ class CompressedCalls:
             comp = CallCompressor(
                 codec, state.FEEDBACK, key, state.STATS,
                 error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
-                reset_interval=cfg.reset_interval, rank=self.rank, scratch=self._scratch,
+                reset_interval=cfg.reset_interval, rank=self.rank,
+                scratch=None if route.inline else self._scratch,
             )
             flat = source.detach().reshape(-1).contiguous()
-            run(Source(flat, n, m, factor), comp, route.links)
+            run(Source(flat, n, m, factor), comp, route)
             comp.finish()
             return None
 
@@ -203,6 +218,16 @@ class CompressedCalls:
                 f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: {lines}"
             )
 
-    def _schedule(self, source: Source, links: Links) -> str:
+    def _chunk(self, route: Route) -> int:
+        return 0 if route.inline else self.config.chunk_size
+
+    def _schedule(self, source: Source, route: Route) -> str:
         nbytes = source.tensor.numel() * source.tensor.element_size()
-        return choose_schedule(self.config, nbytes, self.size, links.layout)
+        name = choose_schedule(self.config, nbytes, self.size, route.links.layout)
+        if route.schedules is None or name in route.schedules:
+            return name
+        if self.config.schedule == "auto":
+            return route.schedules[0]
+        raise ValueError(
+            f"lowbitcc: LOCO_SCHEDULE={name} cannot run on {source.tensor.device.type} tensors; "
+            f"their transport runs {', '.join(route.schedules)} (or auto)")

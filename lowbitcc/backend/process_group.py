@@ -9,11 +9,14 @@ runs it:
 - compressible calls (`lowbitcc.policy`) go to `compressed_call.CompressedCalls`, which runs a
   compressed schedule over the group's links: the inner gloo group, or MPI, or further node and
   rail groups (``LOCO_TRANSPORT``, ``LOCO_SCHEDULE``);
-- every call, either path, is queued in issue order on the group's `issue_queue.IssueQueue` and
-  returns its `LocoWork`.
+- every CPU call, either path, is queued in issue order on the group's `issue_queue.IssueQueue`
+  and returns its `LocoWork`.
 
-Device seam: compressed calls are routed by the tensor's device type (`compressed_call.Route`:
-codec kernels plus links); this group serves CPU tensors.
+CUDA tensors (when torch has CUDA and NCCL and a GPU is visible): the group also holds an inner
+``ProcessGroupNCCL``; exact calls go there with the caller's options, compressed calls run the
+same `CompressedCalls` jobs with the CUDA route (CUDA kernels, NCCL links), and both are issued
+in the calling thread by `cuda_issue.CudaIssuer` (streams and Works; docs/gpu.md). Both inner
+groups are attached to this group, so ``_get_backend(device)`` answers as for NCCL and gloo.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from lowbitcc import policy, state
 from lowbitcc.backend import BACKEND_NAME
 from lowbitcc.backend.compressed_call import CollectiveMismatchError, CompressedCalls, Route
+from lowbitcc.backend.cuda_issue import CudaIssuer
 from lowbitcc.backend.exact import (
     ExactReduction,
     op_type,
@@ -38,8 +42,9 @@ from lowbitcc.backend.exact import (
 from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, LocoWork
 from lowbitcc.codec import kernels
 from lowbitcc.config import LocoConfig
-from lowbitcc.transports import open_links
+from lowbitcc.transports import open_links, open_nccl_links
 from lowbitcc.transports.gloo import GlooTransport
+from lowbitcc.transports.nccl import SCHEDULES as NCCL_SCHEDULES
 
 log = logging.getLogger("lowbitcc")
 
@@ -57,13 +62,29 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _sync(options: Any, kind: Any) -> Any:
+    """A ``kind`` options object with ``options``' reduction and timeout, synchronous (NCCL then
+    runs it on the current stream)."""
+    out = kind()
+    out.reduceOp = options.reduceOp
+    out.timeout = options.timeout
+    out.asyncOp = False
+    return out
+
+
+def cuda_usable() -> bool:
+    """Whether this process can serve CUDA tensors: torch with CUDA and NCCL, and a GPU."""
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
 class LocoProcessGroup(dist.ProcessGroup):
-    """The "loco" process group for CPU tensors. Create it with ``init_process_group("loco")``."""
+    """The "loco" process group. Create it with ``init_process_group("loco")``."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-                 config: LocoConfig, global_ranks: list[int] | None = None) -> None:
+                 config: LocoConfig, global_ranks: list[int] | None = None,
+                 group_id: str = "") -> None:
         """``global_ranks[i]`` is the default group's rank of this group's rank ``i`` (None:
-        this is the default group)."""
+        this is the default group); ``group_id`` c10d's name of the group."""
         super().__init__(rank, size)
         self.config = config
         self.timeout = timeout
@@ -78,8 +99,23 @@ class LocoProcessGroup(dist.ProcessGroup):
                              global_ranks=global_ranks or list(range(size)), rank=rank,
                              timeout=timeout, node_size=config.node_size, stats=state.STATS),
         )
-        self._compressed = CompressedCalls(rank, size, config, self._gloo, {"cpu": cpu})
+        routes = {"cpu": cpu}
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                               self._inner)
+        self._nccl: Any = None
+        self._cuda: CudaIssuer | None = None
+        if cuda_usable():
+            self._nccl = _inner_nccl(store, rank, size, timeout, global_ranks, group_id)
+            self._cuda = CudaIssuer(self._nccl)
+            routes["cuda"] = Route(
+                kernels=kernels.select(config.codec, "cuda", config.group_size),
+                links=open_nccl_links(self._nccl, state.STATS), inline=True,
+                schedules=NCCL_SCHEDULES)
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
+                                   self._nccl)
         self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
+        self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
+                                           on_worker=self._on_worker)
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -112,6 +148,8 @@ class LocoProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         if self._queue.shutdown(self.timeout.total_seconds()):
             self._inner.shutdown()
+            if self._nccl is not None:
+                self._nccl.shutdown()
 
     abort = shutdown
 
@@ -124,9 +162,33 @@ class LocoProcessGroup(dist.ProcessGroup):
             and policy.wants_compression(self.config.policy)
         )
 
-    def _exact(self, method: str, outputs: list[Any], *args: Any) -> LocoWork:
-        """Queue ``inner.<method>(*args)``; the Work's value is ``outputs`` flattened."""
+    def _on_worker(self, fn: Any) -> None:
+        """Run ``fn`` on the worker thread, after the CPU calls queued before, and wait."""
+        def job() -> list[torch.Tensor]:
+            fn()
+            return []
+
+        self._queue.submit(job).wait()
+
+    def _on_cuda(self, what: str, tensors: list[Any]) -> bool:
+        """Whether the call's tensors are CUDA tensors (checked: one device type, served)."""
+        device_type = _check_tensors(what, _flat(tensors))
+        if device_type == "cuda" and self._cuda is None:
+            raise ValueError(
+                f"lowbitcc: {what} got CUDA tensors, but this process cannot serve them "
+                f"(torch {torch.__version__}: CUDA {torch.cuda.is_available()}, NCCL "
+                f"{dist.is_nccl_available()}); the 'loco' backend needs a CUDA build of torch "
+                "with NCCL and a visible GPU for CUDA tensors")
+        return device_type == "cuda"
+
+    def _exact(self, method: str, outputs: list[Any], *args: Any) -> Any:
+        """Queue ``inner.<method>(*args)`` (CUDA tensors: issue ``nccl.<method>(*args)`` now);
+        the Work's value is ``outputs`` flattened."""
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(list(args[:1]))))
+        tensors = [t for t in _flat([a for a in args if isinstance(a, list | tuple | torch.Tensor)])
+                   if isinstance(t, torch.Tensor)]
+        if self._on_cuda(method, tensors) and self._cuda is not None:
+            return self._cuda.exact(method, _flat(outputs), *args)
 
         def job() -> InnerWork:
             return InnerWork(getattr(self._inner, method)(*args), lambda: _flat(outputs))
@@ -138,18 +200,31 @@ class LocoProcessGroup(dist.ProcessGroup):
         return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self.size())
 
     # -- c10d methods: reductions -------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceOptions()
-        _check_tensors("all_reduce", tensors)
-        return self._all_reduce(tensors, opts, self._inner.allreduce)
+        return self._all_reduce("allreduce", tensors, opts)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        _check_tensors("all_reduce_coalesced", tensors)
-        return self._all_reduce(tensors, opts, self._inner.allreduce_coalesced)
+        return self._all_reduce("allreduce_coalesced", tensors, opts)
 
-    def _all_reduce(self, tensors: list[torch.Tensor], opts: Any, issue: Any) -> LocoWork:
-        if not self._compressible(tensors, opts.reduceOp):
+    def _all_reduce(self, method: str, tensors: list[torch.Tensor], opts: Any) -> Any:
+        cuda = self._on_cuda(method, tensors)
+        compress = self._compressible(tensors, opts.reduceOp)
+        if cuda and self._cuda is not None:
+            if not compress:
+                return self._cuda.exact(method, tensors, tensors, opts)
+            single = _sync(opts, dist.AllreduceOptions)
+            jobs = [self._compressed.all_reduce(
+                        t, opts.reduceOp, exact=lambda t=t: self._nccl.allreduce([t], single))
+                    for t in tensors]
+            return self._cuda.compressed(
+                lambda: [job() for job in jobs],
+                lambda: self._nccl.allreduce(tensors, single) if len(tensors) == 1 else
+                [self._nccl.allreduce([t], single) for t in tensors],
+                tensors, tensors, opts.asyncOp)
+        issue = getattr(self._inner, method)
+        if not compress:
             return self._queue.submit(self._reduction(opts, tensors, tensors, issue, in_place=True))
         single = opts
         if not isinstance(opts, dist.AllreduceOptions):
@@ -170,10 +245,23 @@ class LocoProcessGroup(dist.ProcessGroup):
         if len(inputs) != self.size():
             raise ValueError(
                 f"lowbitcc: reduce_scatter needs {self.size()} input tensors, got {len(inputs)}")
-        _check_tensors("reduce_scatter", [output, *inputs])
+        cuda = self._on_cuda("reduce_scatter", [output, *inputs])
         if any(t.shape != output.shape or t.dtype != output.dtype for t in inputs):
             raise ValueError(
                 "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype")
+        if cuda and self._cuda is not None:
+            if not self._compressible([output], opts.reduceOp):
+                return self._cuda.exact("reduce_scatter", [output], output_tensors, input_tensors,
+                                        opts)
+            source = torch.stack([t.reshape(-1) for t in inputs])
+            single = _sync(opts, dist.ReduceScatterOptions)
+
+            def exact_rs() -> None:
+                self._nccl.reduce_scatter([output], [inputs], single)
+
+            job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact_rs)
+            return self._cuda.compressed(job, exact_rs, [output, source, *inputs], [output],
+                                         opts.asyncOp)
         exact = self._reduction(opts, inputs, [output], reduce_scatter_into(self._inner, output),
                                 in_place=False)
         if not self._compressible([output], opts.reduceOp):
@@ -194,13 +282,28 @@ class LocoProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if len(outputs) != len(inputs):
             raise ValueError("lowbitcc: reduce_scatter needs as many outputs as inputs")
-        _check_tensors("reduce_scatter", [*outputs, *inputs])
+        cuda = self._on_cuda("reduce_scatter", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs):
             if inp.numel() != out.numel() * self.size() or inp.dtype != out.dtype:
                 raise ValueError(
                     f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements does not "
                     f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements")
         compress = self._compressible(outputs, opts.reduceOp)
+        if cuda and self._cuda is not None:
+            if not compress:
+                if len(outputs) == 1:
+                    return self._cuda.exact("_reduce_scatter_base", outputs, outputs[0],
+                                            inputs[0], opts)
+                return self._cuda.exact("reduce_scatter_tensor_coalesced", outputs, outputs,
+                                        inputs, opts)
+            single = _sync(opts, dist.ReduceScatterOptions)
+            exacts = [lambda o=o, i=i: self._nccl._reduce_scatter_base(o, i, single)
+                      for o, i in zip(outputs, inputs)]
+            jobs = [self._compressed.reduce_scatter(o, i, opts.reduceOp, exact=e)
+                    for o, i, e in zip(outputs, inputs, exacts)]
+            return self._cuda.compressed(lambda: [job() for job in jobs],
+                                         lambda: [e() for e in exacts],
+                                         [*outputs, *inputs], outputs, opts.asyncOp)
         jobs: list[Job] = []
         for out, inp in zip(outputs, inputs):
             exact = self._reduction(opts, [inp], [out], reduce_scatter_flat_into(self._inner, out),
@@ -213,7 +316,8 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
         opts = opts if opts is not None else dist.ReduceOptions()
-        _check_tensors("reduce", tensors)
+        if self._on_cuda("reduce", tensors) and self._cuda is not None:
+            return self._cuda.exact("reduce", tensors, tensors, opts)
         outputs = tensors if self.rank() == opts.rootRank else []
         return self._queue.submit(
             self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True))
@@ -236,6 +340,8 @@ class LocoProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> LocoWork:
         opts = opts or AllgatherOptions()
+        if self._on_cuda("all_gather", [*outputs, *inputs]) and self._cuda is not None:
+            return self._exact("allgather_into_tensor_coalesced", outputs, outputs, inputs, opts)
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(inputs))
 
         def gather(out: torch.Tensor, inp: torch.Tensor) -> Job:
@@ -289,11 +395,32 @@ class LocoProcessGroup(dist.ProcessGroup):
         return self._exact("recv_anysource", tensors, tensors, tag)
 
 
-def _check_tensors(what: str, tensors: list[torch.Tensor]) -> None:
+def _check_tensors(what: str, tensors: list[Any]) -> str:
+    """The one device type of ``tensors`` ("cpu" for none); raises on anything else."""
+    types = set()
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"lowbitcc: {what} expects tensors, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise ValueError(
-                f"lowbitcc: {what} got a {t.device.type} tensor; this build of the 'loco' backend "
-                "serves CPU tensors")
+        types.add(t.device.type)
+    if len(types) > 1:
+        raise ValueError(f"lowbitcc: {what} got tensors on several device types "
+                         f"({', '.join(sorted(types))}); one call takes one")
+    device_type = types.pop() if types else "cpu"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"lowbitcc: {what} got a {device_type} tensor; the 'loco' backend serves "
+                         "CPU and CUDA tensors")
+    return device_type
+
+
+def _inner_nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                global_ranks: list[int] | None, group_id: str) -> Any:
+    """The group's inner ``ProcessGroupNCCL`` on its own store prefix, named and numbered as
+    c10d names and numbers the NCCL groups it creates itself."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    options.global_ranks_in_group = global_ranks or list(range(size))
+    options.group_name = f"{group_id}/lowbitcc" if group_id else "lowbitcc"
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("lowbitcc/nccl", store), rank, size, options)
+    nccl._set_sequence_number_for_group()
+    return nccl

@@ -26,6 +26,9 @@ SOURCE = CSRC / "cuda_codec.cu"
 OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
 MAX_GROUP = 256  # one warp per group, 8 elements per lane
 THREADS = 256
+ENCODE_BLOCKS = 1024
+"""Most blocks an encode launches (its warps loop over the groups): about one full wave on an
+H100 (132 SMs x 2048 threads), and the count of atomic adds of the residual sums."""
 BITS = (2, 4, 8)
 TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
@@ -121,9 +124,38 @@ def module() -> Any:
                         name_expressions=name_expressions())
 
 
-def _stream():
-    cp = cupy()
-    return cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+def _launch(name: str, device: torch.device, grid: int, args: tuple) -> None:
+    """Launch kernel ``name`` of `module` on ``device``'s current torch stream (CuPy's own
+    current stream and device are never used: a launch names both; CuPy loads the module once
+    per device)."""
+    if grid == 0:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    _function(index, name)((grid,), (THREADS,), args, stream=_external(stream, index))
+
+
+@functools.cache
+def _function(index: int, name: str) -> Any:
+    """Kernel ``name`` of `module`, loaded on GPU ``index`` (looked up once per launch site)."""
+    with cupy().cuda.Device(index):
+        return module().get_function(name)
+
+
+_EXTERNAL: dict[int, Any] = {}
+
+
+def _external(stream: torch.cuda.Stream, index: int) -> Any:
+    """CuPy's view of torch ``stream`` (made once per stream)."""
+    external = _EXTERNAL.get(stream.cuda_stream)
+    if external is None:
+        cp = cupy()
+        if hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14 (ExternalStream is deprecated)
+            external = cp.cuda.Stream.from_external(stream)
+        else:
+            external = cp.cuda.ExternalStream(stream.cuda_stream, index)
+        _EXTERNAL[stream.cuda_stream] = external
+    return external
 
 
 def _p(t: torch.Tensor | None) -> np.uint64:
@@ -133,7 +165,7 @@ def _p(t: torch.Tensor | None) -> np.uint64:
 
 def pack_encode_args(args: EncodeArgs) -> np.void:
     """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses)."""
-    packed = np.zeros((), dtype=encode_args_dtype())
+    dtype = encode_args_dtype()
     values = {
         "src": _p(args.source), "msgs": _p(args.messages), "ecodes": _p(args.error_codes),
         "escales": _p(args.error_scales),
@@ -146,9 +178,7 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
         "has_error": int(args.has_error), "mode": args.mode, "stochastic": int(args.stochastic),
         "k0": args.k0, "k1": args.k1,
     }
-    for name, value in values.items():
-        packed[name] = value
-    return packed[()]
+    return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)[()]
 
 
 class CudaKernels:
@@ -160,27 +190,23 @@ class CudaKernels:
 
     def encode(self, args: EncodeArgs) -> None:
         groups = args.rows * args.ng
-        kernel = module().get_function(
-            encode_name(args.source.dtype, args.bits, args.mode, args.stochastic))
-        with _stream():
-            kernel((-(-groups * 32 // THREADS),), (THREADS,), (pack_encode_args(args),))
+        name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic)
+        blocks = min(-(-groups * 32 // THREADS), ENCODE_BLOCKS)
+        _launch(name, args.source.device, blocks, (pack_encode_args(args),))
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
                    out: torch.Tensor) -> None:
-        kernel = module().get_function(f"loco_cuda::decode_sum<{bits}>")
-        with _stream():
-            kernel((-(-m // THREADS),), (THREADS,),
-                   (_p(messages), np.int64(messages.shape[0]), np.int64(messages.shape[1]),
-                    np.int64(m), np.int32(group_size), _p(out)))
+        _launch(f"loco_cuda::decode_sum<{bits}>", messages.device, -(-m // THREADS),
+                (_p(messages), np.int64(messages.shape[0]), np.int64(messages.shape[1]),
+                 np.int64(m), np.int32(group_size), _p(out)))
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
                     out: torch.Tensor) -> None:
         n = out.numel()
-        kernel = module().get_function(f"loco_cuda::decode_into<{TYPES[out.dtype]}, {bits}>")
-        with _stream():
-            kernel((-(-n // THREADS),), (THREADS,),
-                   (_p(messages), np.int64(messages.shape[1]), np.int64(m), np.int32(group_size),
-                    np.int64(n), _p(out)))
+        name = f"loco_cuda::decode_into<{TYPES[out.dtype]}, {bits}>"
+        _launch(name, messages.device, -(-n // THREADS),
+                (_p(messages), np.int64(messages.shape[1]), np.int64(m), np.int32(group_size),
+                 np.int64(n), _p(out)))
 
 
 KERNELS = CudaKernels()

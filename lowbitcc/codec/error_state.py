@@ -58,6 +58,14 @@ class ErrorState:
     def device(self) -> torch.device:
         return self.data.device
 
+    def to(self, device: torch.device | str, copy: bool = False) -> ErrorState:
+        """This state on ``device`` (itself when it is there already, unless ``copy``)."""
+        device = torch.device(device)
+        if self.device == device and not copy:
+            return self
+        scales = None if self.scales is None else self.scales.to(device, copy=True)
+        return ErrorState(self.dtype, self.data.to(device, copy=True), scales, self.group_size)
+
     def clone(self) -> ErrorState:
         return ErrorState(self.dtype, self.data.clone(),
                           None if self.scales is None else self.scales.clone(), self.group_size)

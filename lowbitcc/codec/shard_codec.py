@@ -11,6 +11,13 @@ Messages are ``uint8 [rows, P]`` with ``P = wire.payload_bytes(m, bits, G)``; th
 every returned tensor. `ShardCodec` frames and validates messages (headers, sizes, padding) and
 leaves the arithmetic to its `kernels.Kernels` (reference, C++ or CUDA, chosen once by the
 caller with `kernels.select`); every implementation produces the same bytes.
+
+Host synchronisation: on CPU tensors everything is read on the host. On CUDA tensors nothing
+is: the non-finite flags and the residual sums stay on the device (`EncodeResult` holds them as
+tensors; its host properties synchronise), headers go up through pinned memory, and `check`
+compares received headers with the expected ones on the device: a message that does not
+belong to the call turns the decoded values into NaN and flags the call non-finite instead of
+raising (`check_on_host` gives the exception, at the cost of a synchronisation).
 """
 
 from __future__ import annotations
@@ -24,21 +31,37 @@ from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.interface import EncodeArgs, Kernels
 from lowbitcc.codec.kernels import REFERENCE
 
+Flag = bool | torch.Tensor
+"""A yes/no answer: a bool on the host, or a 0-dim bool tensor where reading it would
+synchronise with a GPU."""
+
 
 @dataclasses.dataclass
 class EncodeResult:
     """What one `ShardCodec.encode` produced.
 
     ``messages`` is ``uint8 [rows, P]``; ``error`` the new error state (None when feedback is
-    off); ``nonfinite`` a bool per row; ``residual_sq`` / ``input_sq`` the squared L2 norms of the
-    quantization residual and of the compensated input over finite groups (for statistics).
+    off); ``nonfinite_rows`` bool ``[rows]`` and ``sums`` float64 ``[2]`` (the squared L2 norms
+    of the quantization residual and of the compensated input over finite groups, for
+    statistics) stay on the source's device. The properties read them on the host.
     """
 
     messages: torch.Tensor
     error: ErrorState | None
-    nonfinite: list[bool]
-    residual_sq: float
-    input_sq: float
+    nonfinite_rows: torch.Tensor
+    sums: torch.Tensor
+
+    @property
+    def nonfinite(self) -> list[bool]:
+        return self.nonfinite_rows.tolist()
+
+    @property
+    def residual_sq(self) -> float:
+        return float(self.sums[0])
+
+    @property
+    def input_sq(self) -> float:
+        return float(self.sums[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,32 +150,36 @@ class ShardCodec:
             threads=torch.get_num_threads(),
         )
         self.kernels.encode(args)
-        nonfinite = args.nonfinite.view(rows, ng).any(dim=1).tolist()
-        residual_sq, input_sq = args.sums.tolist()
-        self._write_headers(messages, m, shard_ids, nonfinite)
-        return EncodeResult(messages, state, nonfinite, residual_sq, input_sq)
+        nonfinite = (args.nonfinite.view(rows, ng) != 0).any(dim=1)
+        messages[:, :wire.HEADER_BYTES] = self.headers(m, shard_ids, device)
+        messages[:, wire.FLAGS_OFFSET] = nonfinite.to(torch.uint8) * wire.FLAG_NONFINITE
+        return EncodeResult(messages, state, nonfinite, args.sums)
 
-    def _write_headers(self, messages, m, shard_ids, nonfinite) -> None:
+    def headers(self, m: int, shard_ids: list[int], device: torch.device) -> torch.Tensor:
+        """``uint8 [len(shard_ids), HEADER_BYTES]`` on ``device``: the headers of this call's
+        messages of ``m`` elements with flags 0 (copied without synchronising on CUDA)."""
         raw = b"".join(
             wire.ShardHeader(
-                bits=self.bits, dtype_code=self.dtype_code,
-                flags=wire.FLAG_NONFINITE if nonfinite[i] else 0,
-                group_size=self.group_size, numel=m, seq=self.seq, shard=shard,
-                world=self.world, signature=self.signature,
+                bits=self.bits, dtype_code=self.dtype_code, flags=0, group_size=self.group_size,
+                numel=m, seq=self.seq, shard=shard, world=self.world, signature=self.signature,
             ).pack()
-            for i, shard in enumerate(shard_ids)
+            for shard in shard_ids
         )
-        headers = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(shard_ids), -1)
-        messages[:, :wire.HEADER_BYTES] = headers.to(messages.device)
+        host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(shard_ids), -1)
+        if device.type == "cpu":
+            return host
+        return host.pin_memory().to(device, non_blocking=True)
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, Flag]:
         """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``.
 
         ``out`` (fp32 ``[m]``, contiguous, on the messages' device), when given, receives the
-        sum and is returned; otherwise a new tensor is allocated."""
-        nonfinite = self.check(messages, m, [shard] * messages.shape[0])
+        sum and is returned; otherwise a new tensor is allocated. ``nonfinite`` is a bool for
+        CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`)."""
+        shards = [shard] * messages.shape[0]
+        nonfinite = self._check_before(messages, m, shards)
         if out is None:
             out = torch.empty(m, dtype=torch.float32, device=messages.device)
         elif (out.numel() != m or out.dtype != torch.float32 or not out.is_contiguous()
@@ -161,22 +188,49 @@ class ShardCodec:
                              f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}")
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, out.view(-1))
-        return out, nonfinite
+        return out, self._check_after(messages, m, shards, out, nonfinite)
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                    out: torch.Tensor) -> bool:
-        """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite."""
-        nonfinite = self.check(messages, m, shard_ids)
+                    out: torch.Tensor) -> Flag:
+        """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite
+        (as `decode_sum`)."""
+        nonfinite = self._check_before(messages, m, shard_ids)
         if out.numel() > messages.shape[0] * m or not out.is_contiguous():
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
         if out.device != messages.device:
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
         self.kernels.decode_into(messages, m, self.bits, self.group_size, out)
-        return nonfinite
+        return self._check_after(messages, m, shard_ids, out, nonfinite)
 
-    def check(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
-        """Validate size and header of each row against this call; True if any row is flagged
-        non-finite. Raises `wire.WireFormatError` naming the first difference."""
+    def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
+        """CPU: the whole check, before any kernel reads the messages; CUDA: sizes only."""
+        if messages.device.type == "cpu":
+            return self.check_on_host(messages, m, shard_ids)
+        self.check_size(messages, m, shard_ids)
+        return False
+
+    def _check_after(self, messages: torch.Tensor, m: int, shard_ids: list[int],
+                     out: torch.Tensor, nonfinite: bool) -> Flag:
+        """CUDA: the header check on the device; a foreign message's values become NaN."""
+        if messages.device.type == "cpu":
+            return nonfinite
+        flagged, foreign = self.check_on_device(messages, m, shard_ids)
+        out.masked_fill_(foreign, float("nan"))
+        return flagged | foreign
+
+    def check_on_device(self, messages: torch.Tensor, m: int,
+                        shard_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(nonfinite, foreign)``, 0-dim bool tensors on the messages' device, without a host
+        synchronisation: whether a row is flagged non-finite, and whether a header differs
+        from this call's (sizes are checked by `check_size` first)."""
+        got = messages[:, :wire.HEADER_BYTES]
+        flags = got[:, wire.FLAGS_OFFSET]
+        diff = got != self.headers(m, shard_ids, messages.device)
+        diff[:, wire.FLAGS_OFFSET] = (flags & (0xFF ^ wire.FLAG_NONFINITE)) != 0
+        return ((flags & wire.FLAG_NONFINITE) != 0).any(), diff.any()
+
+    def check_size(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> None:
+        """Raise `wire.WireFormatError` unless ``messages`` is ``uint8 [len(shard_ids), P]``."""
         expected_bytes = self.message_bytes(m)
         if messages.dtype != torch.uint8 or messages.dim() != 2 or not messages.is_contiguous():
             raise wire.WireFormatError("messages must be a contiguous 2-D uint8 tensor")
@@ -185,6 +239,12 @@ class ShardCodec:
                 f"expected {len(shard_ids)} messages of {expected_bytes} bytes, "
                 f"got {tuple(messages.shape)}"
             )
+
+    def check_on_host(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
+        """Validate size and header of each row against this call; True if any row is flagged
+        non-finite. Raises `wire.WireFormatError` naming the first difference (reads the
+        headers on the host: a synchronisation for CUDA messages)."""
+        self.check_size(messages, m, shard_ids)
         nonfinite = False
         raw = messages[:, :wire.HEADER_BYTES].cpu().numpy().tobytes()
         for i, shard in enumerate(shard_ids):

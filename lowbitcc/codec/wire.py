@@ -55,6 +55,8 @@ def payload_bytes(numel: int, bits: int, group_size: int) -> int:
 
 
 _SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes
+FLAGS_OFFSET = struct.calcsize("<4sBBB")
+"""Byte offset of ``flags`` in a shard header (the one byte an encode writes after the fact)."""
 
 
 @dataclasses.dataclass(frozen=True)

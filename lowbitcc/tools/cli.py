@@ -19,8 +19,15 @@ def _codec_bench(args: argparse.Namespace) -> int:
     from lowbitcc.tools import codec_bench
 
     codec_bench.run(min_size=args.b, max_size=args.e, factor=args.f, threads=args.threads,
-                    reference_max=args.reference_max, json_path=args.json, min_time=args.min_time)
+                    reference_max=args.reference_max, json_path=args.json, min_time=args.min_time,
+                    device=args.device)
     return 0
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import selftest
+
+    return selftest.run(count=args.cases, gpu=not args.no_gpu)
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -55,6 +62,7 @@ def _perf(args: argparse.Namespace) -> int:
         step_bytes=args.i, iters=args.n, warmup=args.w, check=args.c, dtype=args.d, op=args.o,
         average=args.a, backends=tuple(args.backend), bits=tuple(args.bits),
         schedules=tuple(args.schedule), json_path=args.json, plot_path=args.plot,
+        device=args.device,
     )
     try:
         return perf.main(opts, args.np, args.link, args.argv)
@@ -106,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest size for the slow reference codec (default 64M)")
     bench.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     bench.add_argument("--json", help="write results to this JSON file")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="where the tensors live (cuda: the CUDA kernels on the current GPU)")
     bench.set_defaults(func=_codec_bench)
     st = sub.add_parser("study", help="convergence study: a small GPT trained per variant")
     st.add_argument("--np", type=int, default=2, help="local ranks (default 2)")
@@ -175,11 +185,18 @@ def _add_perf(sub: Any) -> None:
     pe.add_argument("--schedule", nargs="+", default=["direct"], metavar="NAME",
                     help="loco schedules, side by side when several: "
                          f"{', '.join(SCHEDULES)} (default direct)")
+    pe.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the buffers live (cuda: one GPU per rank, compare loco and nccl)")
     pe.add_argument("--json", help="write results to this JSON file")
     pe.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
     pe.add_argument("--np", type=int, help="local ranks to start when not under a launcher (default 2)")
     pe.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
     pe.set_defaults(func=_perf)
+    se = sub.add_parser("selftest", help="environment, and the codecs (CPU, and CUDA on a GPU) "
+                                         "against the reference; run it first")
+    se.add_argument("--cases", type=int, default=400, help="codec cases per implementation")
+    se.add_argument("--no-gpu", action="store_true", help="skip the GPU checks")
+    se.set_defaults(func=_selftest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,9 @@ For each size (bytes of fp32 input) and thread count it times, median of repeats
 
 Throughput is input fp32 bytes per second (GB/s = 1e9 B/s) for all three, so ratios to ``copy``
 compare like with like. Results go to a table on stdout and, with ``--json``, to a file.
+
+``device="cuda"`` measures on the current GPU (the CUDA kernels and the reference; each sample
+ends with a device synchronisation, and the thread count does not apply).
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.shard_codec import ShardCodec
 
 
-def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50) -> float:
+def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50,
+          device: str = "cpu") -> float:
+    if device != "cpu":
+        call = fn
+
+        def fn() -> None:
+            call()
+            torch.cuda.synchronize()
+
     fn()  # warm-up
     samples: list[float] = []
     total = 0.0
@@ -40,21 +51,22 @@ def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50) -> f
     return statistics.median(samples)
 
 
-def _codec(impl: str, bits: int, group: int) -> ShardCodec:
+def _codec(impl: str, bits: int, group: int, device: str) -> ShardCodec:
+    choice = "auto" if impl == "cuda" else impl
     return ShardCodec(bits=bits, group_size=group, dtype_code=0, seq=1, world=4, signature=0,
-                      kernels=kernels.select(impl, "cpu", group))
+                      kernels=kernels.select(choice, device, group))
 
 
 def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int = 128,
-            min_time: float = 0.3) -> dict[str, float]:
+            min_time: float = 0.3, device: str = "cpu") -> dict[str, float]:
     torch.set_num_threads(threads)
     n = size_bytes // 4
-    src = torch.randn(n)
+    src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    codec = _codec(impl, bits, group)
-    state = ErrorState.encode(torch.randn(codec.padded(n)) * 0.01, "int8", group)
+    codec = _codec(impl, bits, group, device)
+    state = ErrorState.encode(torch.randn(codec.padded(n), device=device) * 0.01, "int8", group)
     holder = {"state": state}
-    sent = torch.empty(1, codec.message_bytes(n), dtype=torch.uint8)
+    sent = torch.empty(1, codec.message_bytes(n), dtype=torch.uint8, device=device)
 
     def encode() -> None:
         res = codec.encode(src, 1, n, 1.0, holder["state"], 0.8, [0], "int8", out=sent)
@@ -62,12 +74,12 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
 
     quarter = -(-n // 4)
     messages = codec.encode(src, 4, quarter, 1.0, None, 0.8, [0, 0, 0, 0], None).messages
-    t_copy = _time(lambda: dst.copy_(src), min_time)
-    t_enc = _time(encode, min_time)
-    total = torch.empty(quarter)
-    t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0, total), min_time)
+    t_copy = _time(lambda: dst.copy_(src), min_time, device=device)
+    t_enc = _time(encode, min_time, device=device)
+    total = torch.empty(quarter, device=device)
+    t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0, total), min_time, device=device)
     return {
-        "size_bytes": size_bytes, "impl": impl, "threads": threads,
+        "size_bytes": size_bytes, "impl": impl, "threads": threads, "device": device,
         "copy_GBps": size_bytes / t_copy / 1e9,
         "encode_GBps": size_bytes / t_enc / 1e9,
         "decode_GBps": size_bytes / t_dec / 1e9,
@@ -76,9 +88,17 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
 
 def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
         threads: list[int] | None = None, reference_max: int = 64 << 20,
-        json_path: str | None = None, min_time: float = 0.3) -> list[dict[str, float]]:
-    threads = threads or [1, 2]
-    impls = ["reference"] + (["cpu"] if cpu.load() is not None else [])
+        json_path: str | None = None, min_time: float = 0.3,
+        device: str = "cpu") -> list[dict[str, float]]:
+    if device == "cuda":
+        from lowbitcc.codec import cuda
+
+        if not cuda.available():
+            raise RuntimeError("lowbitcc codec-bench --device cuda: CuPy sees no GPU")
+        threads, impls = [1], ["reference", "cuda"]
+    else:
+        threads = threads or [1, 2]
+        impls = ["reference"] + (["cpu"] if cpu.load() is not None else [])
     rows: list[dict[str, float]] = []
     print(f"{'size':>10} {'impl':>9} {'thr':>3} {'copy GB/s':>9} {'enc GB/s':>9} "
           f"{'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8}")
@@ -88,7 +108,7 @@ def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
             for impl in impls:
                 if impl == "reference" and size > reference_max:
                     continue
-                r = measure(size, impl, t, min_time=min_time)
+                r = measure(size, impl, t, min_time=min_time, device=device)
                 rows.append(r)
                 print(f"{_human(size):>10} {impl:>9} {t:>3} {r['copy_GBps']:>9.2f} "
                       f"{r['encode_GBps']:>9.3f} {r['encode_GBps'] / r['copy_GBps']:>8.3f} "

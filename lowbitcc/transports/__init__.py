@@ -1,8 +1,9 @@
 """Transports: how the compressed schedules' bytes move between the ranks of a "loco" group.
 
 `base.Transport` is the interface (six methods on uint8 tensors); ``gloo`` and ``mpi`` move CPU
-tensors. `open_links` builds a group's `Links` (world, and node/rail on first use) for the
-``LOCO_TRANSPORT`` kind; `NAMES` lists the kinds, and `lowbitcc.config` validates against it.
+tensors, ``nccl`` CUDA tensors. `open_links` builds a group's `Links` for CPU tensors (world, and
+node/rail on first use) for the ``LOCO_TRANSPORT`` kind, `open_nccl_links` those for CUDA
+tensors; `NAMES` lists the kinds, and `lowbitcc.config` validates against it.
 """
 
 from __future__ import annotations
@@ -23,17 +24,33 @@ NAMES = ("gloo", "mpi", "nccl")
 """Transport kinds (``LOCO_TRANSPORT``, with "auto"). "nccl" is for CUDA tensors."""
 
 CPU_NAMES = ("gloo", "mpi")
+CUDA_NAMES = ("nccl",)
+
+
+def cpu_kind(kind: str) -> str:
+    """The transport of CPU tensors under ``LOCO_TRANSPORT=kind``: "auto" and "nccl" (a choice
+    for CUDA tensors) mean gloo."""
+    return "gloo" if kind in ("auto", *CUDA_NAMES) else kind
+
+
+def open_nccl_links(group: object, stats: Stats) -> Links:
+    """The `Links` for CUDA tensors: the world link over ``group`` (a ``ProcessGroupNCCL``),
+    metered into ``stats``; no node or rail links (see `nccl.SCHEDULES`)."""
+    from lowbitcc.transports.nccl import NcclTransport
+
+    return Links.of(MeteredTransport(NcclTransport(group), stats))
 
 
 def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ranks: Sequence[int],
                rank: int, timeout: datetime.timedelta, node_size: int, stats: Stats) -> Links:
     """The `Links` for CPU tensors of a group whose rank ``i`` is global rank ``global_ranks[i]``.
 
-    ``kind`` is "gloo" or "mpi" ("auto" means gloo). ``world`` is the group's inner gloo
-    transport (gloo's world link); node and rail gloo groups live on ``store``. Every link is
-    metered into ``stats``. Collective over the group when ``kind`` is "mpi".
+    ``kind`` is "gloo" or "mpi" (see `cpu_kind` for "auto" and "nccl"). ``world`` is the
+    group's inner gloo transport (gloo's world link); node and rail gloo groups live on
+    ``store``. Every link is metered into ``stats``. Collective over the group when ``kind`` is
+    "mpi".
     """
-    kind = "gloo" if kind == "auto" else kind
+    kind = cpu_kind(kind)
     layout = topology.layout(global_ranks, rank, topology.node_size_from(node_size))
     if kind == "gloo":
         def gloo_group(name: str, color: int, key: int, size: int) -> Transport:
@@ -52,11 +69,8 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
             return MeteredTransport(mpi.MpiTransport(comm.Split(color, key), timeout_s), stats)
 
         return Links(MeteredTransport(mpi.MpiTransport(comm, timeout_s), stats), layout, mpi_split)
-    raise ValueError(
-        f"lowbitcc: LOCO_TRANSPORT={kind} cannot move CPU tensors: use one of "
-        f"{', '.join(CPU_NAMES)} (nccl is for CUDA tensors)"
-    )
+    raise ValueError(f"lowbitcc: LOCO_TRANSPORT={kind} is not one of {', '.join(NAMES)}")
 
 
 __all__ = ["NAMES", "GlooTransport", "Links", "MeteredTransport", "Pending", "Transport",
-           "open_links"]
+           "cpu_kind", "open_links", "open_nccl_links"]

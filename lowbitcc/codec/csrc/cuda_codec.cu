@@ -7,9 +7,12 @@
 // (indices >= numel read as 0), ng = ceil(m / G) groups per row, messages are uint8 [rows, P]
 // (header bytes 0..31 written by the host), the error state holds rows * ng * G elements.
 //
-// encode: one warp per group; lane l owns elements 8l .. 8l+7 of the group (G <= 256, a
-//   multiple of 8), held in registers from load to store: one read of the source and the error
-//   state, one write of the codes and the error state. Group maxima are warp reductions.
+// encode: one warp per group, each warp taking groups in a grid-stride loop (the launcher caps
+//   the grid); lane l owns elements 8l .. 8l+7 of the group (G <= 256, a multiple of 8), held
+//   in registers from load to store: one read of the source and the error state, one write of
+//   the codes and the error state. Group maxima are warp reductions; the residual sums stay in
+//   each lane's registers across its warp's groups and reach `sums` with one atomic add per
+//   warp (one per group serialised the kernel on those two addresses).
 // decode_sum: one thread per element of the shard, rows summed in row order.
 // decode_into: one thread per element of the output, cast to its dtype.
 #include "loco_codec.cuh"
@@ -54,16 +57,13 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// `a` is loco::EncodeArgs (loco_codec.cuh), passed by value: the launcher lays out its bytes with
-// lowbitcc.codec.abi.encode_args_dtype(). a.src holds T; a.ebf16 holds __nv_bfloat16 bits.
+// One group `gi` by one whole warp; adds this lane's share of the group's residual and input
+// squares to rs_acc / is_acc (finite groups only).
 template <typename T, int BITS, int MODE, bool SR>
-__global__ void encode(const loco::EncodeArgs a) {
+__device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
+                                             double& rs_acc, double& is_acc) {
   const T* __restrict__ src = static_cast<const T*>(a.src);
   __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
-  const long long groups = a.rows * a.ng;
-  const int lane = threadIdx.x & 31;
-  const long long gi = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (gi >= groups) return;  // whole warps leave together
   const int G = a.G;
   const long long row = gi / a.ng, gcol = gi % a.ng;
   const long long col0 = gcol * G;
@@ -133,12 +133,8 @@ __global__ void encode(const loco::EncodeArgs a) {
     if (lane == 0) a.nonfinite[gi] = 1;
     return;  // the call's error states are dropped, as on the CPU
   }
-  rs = warp_sum(rs);
-  is = warp_sum(is);
-  if (lane == 0) {
-    atomicAdd(a.sums, rs);
-    atomicAdd(a.sums + 1, is);
-  }
+  rs_acc += rs;
+  is_acc += is;
   if (MODE == kInt8) {
     etop = warp_max_bits(etop);
     const loco::GroupScale es = loco::group_scale(bits_to_amax(etop), 127);
@@ -155,6 +151,26 @@ __global__ void encode(const loco::EncodeArgs a) {
   } else if (MODE == kBf16 && active) {
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) ebf16[off + first + t] = __float2bfloat16_rn(e[t]);
+  }
+}
+
+// `a` is loco::EncodeArgs (loco_codec.cuh), passed by value: the launcher lays out its bytes with
+// lowbitcc.codec.abi.encode_args_dtype(). a.src holds T; a.ebf16 holds __nv_bfloat16 bits.
+template <typename T, int BITS, int MODE, bool SR>
+__global__ void encode(const loco::EncodeArgs a) {
+  const long long groups = a.rows * a.ng;
+  const int lane = threadIdx.x & 31;
+  const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  double rs = 0.0, is = 0.0;
+  // gi is the same on every lane, so whole warps run (and leave) the loop together
+  for (long long gi = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; gi < groups;
+       gi += warps)
+    encode_group<T, BITS, MODE, SR>(a, gi, lane, rs, is);
+  rs = warp_sum(rs);
+  is = warp_sum(is);
+  if (lane == 0 && (rs != 0.0 || is != 0.0)) {
+    atomicAdd(a.sums, rs);
+    atomicAdd(a.sums + 1, is);
   }
 }
 

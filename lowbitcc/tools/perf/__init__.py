@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +35,11 @@ __all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]
 
 
 def rank_main(rank: int, world: int, opts: PerfOptions) -> dict[str, Any]:
-    """One rank's sweep on the initialised default group; rank 0 writes JSON and plot."""
+    """One rank's sweep on the initialised default group; rank 0 writes JSON and plot. With
+    ``--device cuda`` each rank takes GPU ``LOCAL_RANK`` (else its rank modulo the count)."""
+    if opts.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
     result = measure(opts, progress=True)
     if rank == 0:
         if opts.json_path:

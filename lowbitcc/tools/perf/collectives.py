@@ -72,8 +72,8 @@ class Collective:
     bus_factor: Callable[[int], float]
     #: (count, n) -> (input elements, output elements) per rank
     shape: Callable[[int, int], tuple[int, int]]
-    #: (count, n, rank, dtype, in_place) -> buffers
-    buffers: Callable[[int, int, int, torch.dtype, bool], Buffers]
+    #: (count, n, rank, dtype, in_place, device) -> buffers
+    buffers: Callable[[int, int, int, torch.dtype, bool, torch.device], Buffers]
     #: (inputs of every rank, rank, op) -> this rank's expected output
     expected: Callable[[list[torch.Tensor], int, str], torch.Tensor]
     #: (backend, out, inp, op) -> None
@@ -84,21 +84,26 @@ class Collective:
         return count if self.name == "all_reduce" else count // n * n
 
 
-def _ar_buffers(count: int, n: int, rank: int, dtype: torch.dtype, in_place: bool) -> Buffers:
-    out = torch.empty(count, dtype=dtype)
-    return Buffers(out if in_place else torch.empty(count, dtype=dtype), out)
+def _ar_buffers(count: int, n: int, rank: int, dtype: torch.dtype, in_place: bool,
+                device: torch.device) -> Buffers:
+    out = torch.empty(count, dtype=dtype, device=device)
+    return Buffers(out if in_place else torch.empty(count, dtype=dtype, device=device), out)
 
 
-def _rs_buffers(count: int, n: int, rank: int, dtype: torch.dtype, in_place: bool) -> Buffers:
-    inp = torch.empty(count, dtype=dtype)
+def _rs_buffers(count: int, n: int, rank: int, dtype: torch.dtype, in_place: bool,
+                device: torch.device) -> Buffers:
+    inp = torch.empty(count, dtype=dtype, device=device)
     m = count // n
-    return Buffers(inp, inp[rank * m:(rank + 1) * m] if in_place else torch.empty(m, dtype=dtype))
+    own = inp[rank * m:(rank + 1) * m]
+    return Buffers(inp, own if in_place else torch.empty(m, dtype=dtype, device=device))
 
 
-def _ag_buffers(count: int, n: int, rank: int, dtype: torch.dtype, in_place: bool) -> Buffers:
-    out = torch.empty(count, dtype=dtype)
+def _ag_buffers(count: int, n: int, rank: int, dtype: torch.dtype, in_place: bool,
+                device: torch.device) -> Buffers:
+    out = torch.empty(count, dtype=dtype, device=device)
     m = count // n
-    return Buffers(out[rank * m:(rank + 1) * m] if in_place else torch.empty(m, dtype=dtype), out)
+    own = out[rank * m:(rank + 1) * m]
+    return Buffers(own if in_place else torch.empty(m, dtype=dtype, device=device), out)
 
 
 def _rs_expected(inputs: list[torch.Tensor], rank: int, op: str) -> torch.Tensor:

@@ -59,6 +59,7 @@ class PerfOptions:
     schedules: tuple[str, ...] = ("direct",)
     json_path: str | None = None
     plot_path: str | None = None
+    device: str = "cpu"
 
     def validate(self) -> None:
         if self.collective not in COLLECTIVES:
@@ -76,7 +77,13 @@ class PerfOptions:
             raise ValueError(f"lowbitcc perf: unknown -o {self.op!r}; known: sum, avg, max, min")
         if self.average not in AVERAGES:
             raise ValueError(f"lowbitcc perf: -a must be 0, 1, 2 or 3, got {self.average}")
-        backends_mod.expand(list(self.backends), list(self.bits), list(self.schedules))
+        names = backends_mod.expand(list(self.backends), list(self.bits), list(self.schedules))
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"lowbitcc perf: --device must be cpu or cuda, got {self.device!r}")
+        wrong = [n for n in names if not backends_mod.runs_on(n, self.device)]
+        if wrong:
+            raise ValueError(f"lowbitcc perf: backend(s) {', '.join(wrong)} do not take "
+                             f"{self.device} tensors; with --device cuda compare loco and nccl")
 
 
 def dtype_name(text: str) -> str:
@@ -98,7 +105,8 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: to
     output (None with ``-c 0``). Collectives outside the backend run on the default group."""
     rank, n = dist.get_rank(), dist.get_world_size()
     place = "in" if in_place else "out"
-    bufs = coll.buffers(count, n, rank, data.dtype, in_place)
+    device = device_of(opts)
+    bufs = coll.buffers(count, n, rank, data.dtype, in_place, device)
     bufs.inp.copy_(data)
 
     def call() -> None:
@@ -107,10 +115,12 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: to
     with backend.context(f"{coll.name}|{count}|{place}"):
         for _ in range(opts.warmup):
             call()
+        _synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(opts.iters):
             call()
+        _synchronize(device)
         elapsed = (time.perf_counter() - start) / opts.iters
     elapsed = _across_ranks(elapsed, opts.average)
 
@@ -119,11 +129,31 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: to
         wire = backend.measured_wire_bytes(call)
     error = math.nan
     if expected is not None:
-        diff = (bufs.out.double() - expected.double()).norm()
+        diff = (bufs.out.cpu().double() - expected.double()).norm()
         norm = expected.double().norm()
         error = float(diff / norm) if norm > 0 else float(diff)
         error = _across_ranks(error, 3)
     return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire}
+
+
+def device_of(opts: PerfOptions) -> torch.device:
+    """Where this rank's buffers live: the CPU, or its current GPU."""
+    if opts.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings end when the GPU is done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_text(opts: PerfOptions) -> str:
+    device = device_of(opts)
+    if device.type == "cuda":
+        return f"{device.index} [{torch.cuda.get_device_name(device)}]"
+    return "cpu"
 
 
 def _across_ranks(value: float, how: int) -> float:
@@ -146,7 +176,7 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
     dtype = DTYPES[dtype_name(opts.dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
     names = backends_mod.expand(list(opts.backends), list(opts.bits), list(opts.schedules))
-    made = [backends_mod.create(name, opts.schedules[0]) for name in names]
+    made = [backends_mod.create(name, opts.schedules[0], opts.device) for name in names]
     rows: list[dict[str, Any]] = []
     printer = TablePrinter(opts, n) if dist.get_rank() == 0 else None
     bar = _progress(len(sizes(opts)) * len(made), progress and printer is not None)
@@ -254,8 +284,8 @@ class TablePrinter:
             f"validation: {o.check} backends: {' '.join(names)} schedule: {' '.join(o.schedules)}",
             "#",
             "# Using devices",
-            f"#  Rank {0:2d} Pid {os.getpid():6d} on {socket.gethostname():>10} device cpu "
-            f"threads {torch.get_num_threads()}",
+            f"#  Rank {0:2d} Pid {os.getpid():6d} on {socket.gethostname():>10} device "
+            f"{_device_text(self.opts)} threads {torch.get_num_threads()}",
             "#",
         ]
         lead = sum(w + 1 for _, w, _ in _COLS)

@@ -224,9 +224,16 @@ def expand(names: list[str], bits: list[int], schedules: list[str] | None = None
     return out
 
 
-def create(name: str, schedule: str) -> Backend:
+def runs_on(name: str, device: str) -> bool:
+    """Whether backend ``name`` (as `expand` gives it) takes tensors on ``device``."""
+    return device == "cpu" or name.startswith("loco") or name == "nccl"
+
+
+def create(name: str, schedule: str, device: str = "cpu") -> Backend:
     """Build backend ``name`` on the current default group's ranks (a collective call);
-    ``loco{b}-{s}`` names its schedule, a bare ``loco{b}`` runs ``schedule``."""
+    ``loco{b}-{s}`` names its schedule, a bare ``loco{b}`` runs ``schedule``. ``device`` is
+    where the buffers live: on "cuda", nccl runs on them directly (on "cpu" it copies them to
+    the GPU inside the timing)."""
     if name.startswith("loco"):
         bits, _, named = name[4:].partition("-")
         config = LocoConfig.from_env().replace(bits=int(bits), policy="always",
@@ -239,8 +246,10 @@ def create(name: str, schedule: str) -> Backend:
     if name == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("lowbitcc perf: backend nccl needs a CUDA GPU; none is visible")
-        device = torch.device("cuda", torch.cuda.current_device())
-        return NcclBackend(name, dist.new_group(backend="nccl"), device)
+        if device == "cuda":
+            return Backend(name, dist.new_group(backend="nccl"))
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        return NcclBackend(name, dist.new_group(backend="nccl"), gpu)
     if name == "mpi":
         try:
             from mpi4py import MPI

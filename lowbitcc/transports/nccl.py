@@ -1,0 +1,81 @@
+"""NCCL transport: byte messages over an inner ``ProcessGroupNCCL``, CUDA tensors.
+
+Every transfer is issued in synchronous mode (``asyncOp = False``): ProcessGroupNCCL then
+enqueues it on the calling thread's *current* CUDA stream and returns no Work
+(``ProcessGroupNCCL::collective``: "in asyncOp=false mode, we use currentStream as
+ncclStream"; see docs/gpu.md). So a transfer is ordered after the encode kernel that filled its
+buffer and before the decode kernel that reads what arrived, on one stream, with no host
+synchronisation; "waiting" for it returns at once.
+
+Only the collective methods exist: point-to-point transfers issued one by one from one thread
+can deadlock on the GPU (a rank's send kernel waits for its peer's receive, enqueued behind
+the peer's own send), so the schedules that need them (ring, tree, hierarchical) are refused
+for CUDA tensors; `SCHEDULES` names the ones that run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+SCHEDULES = ("direct",)
+"""The compressed schedules that run over this transport."""
+
+
+def _sync(options: Any) -> Any:
+    options.asyncOp = False
+    return options
+
+
+class NcclTransport:
+    """`Transport` over ``group``, a ``ProcessGroupNCCL`` owned by the caller; every transfer
+    runs on the current CUDA stream of the calling thread."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        return self.all_to_all_async(send).wait()
+
+    def all_gather(self, send: torch.Tensor) -> torch.Tensor:
+        return self.all_gather_async(send).wait()
+
+    def all_to_all_async(self, send: torch.Tensor) -> Enqueued:
+        flat = send.reshape(-1).contiguous()
+        recv = torch.empty_like(flat)
+        work = self.group.alltoall_base(recv, flat, [], [], _sync(dist.AllToAllOptions()))
+        return Enqueued(work, recv.view(send.shape))
+
+    def all_gather_async(self, send: torch.Tensor) -> Enqueued:
+        flat = send.reshape(-1).contiguous()
+        recv = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        work = self.group._allgather_base(recv, flat, _sync(AllgatherOptions()))
+        return Enqueued(work, recv.view(self.size, -1))
+
+    def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Enqueued:
+        raise NotImplementedError(_NO_P2P)
+
+    def recv_async(self, nbytes: int, peer: int, tag: int) -> Enqueued:
+        raise NotImplementedError(_NO_P2P)
+
+
+_NO_P2P = ("lowbitcc: the nccl transport has no point-to-point transfers; compressed calls on "
+           f"CUDA tensors run the {', '.join(SCHEDULES)} schedule")
+
+
+class Enqueued:
+    """A transfer enqueued on the current stream: `wait` returns its receive buffer at once
+    (the buffer is valid for work enqueued after it on that stream)."""
+
+    def __init__(self, work: Any, recv: torch.Tensor) -> None:
+        self.work, self.recv = work, recv
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:  # a build that ignores asyncOp: order the current stream
+            self.work.wait()
+        return self.recv

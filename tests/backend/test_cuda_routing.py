@@ -1,0 +1,244 @@
+"""The CUDA path's plumbing, checked without a GPU: `CudaIssuer` (streams, events, Works) with
+torch.cuda replaced by recording fakes, the NCCL transport over a fake group, the device-side
+header check on CPU tensors, and the group-level rules (mixed backend strings, transports,
+schedules). What needs a GPU is in tests/gpu (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lowbitcc.backend import cuda_issue
+from lowbitcc.codec import wire
+from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.transports import cpu_kind
+from lowbitcc.transports.nccl import SCHEDULES, NcclTransport
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append(("wait_event", self.name, event.stream))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.name == self.name
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.stream = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.stream = stream.name
+
+
+class FakeTensor:
+    def __init__(self, log: list, name: str) -> None:
+        self.device = torch.device("cpu")
+        self.log, self.name = log, name
+
+    def record_stream(self, stream: FakeStream) -> None:
+        self.log.append(("record_stream", self.name, stream.name))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as the issuer uses it, recording into a log; `state["current"]` is the
+    stream a launch would go to."""
+    log: list = []
+    state = {"current": FakeStream("current", log), "capturing": False, "sides": 0}
+
+    @contextlib.contextmanager
+    def stream_ctx(stream):
+        before, state["current"] = state["current"], stream
+        try:
+            yield
+        finally:
+            state["current"] = before
+
+    def new_stream(device):
+        state["sides"] += 1
+        return FakeStream(f"side{state['sides']}", log)
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["current"])
+    monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+
+    def ready(outputs, device):
+        log.append(("ready", state["current"].name, [t.name for t in outputs]))
+        return ("work", tuple(outputs))
+
+    monkeypatch.setattr(cuda_issue, "ready_work", ready)
+    return log, state
+
+
+def _job(log, state, name="job"):
+    return lambda: log.append((name, state["current"].name))
+
+
+def test_synchronous_call_runs_on_the_callers_stream(fake_cuda):
+    log, state = fake_cuda
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    out = FakeTensor(log, "out")
+    work = issuer.compressed(_job(log, state), _job(log, state, "exact"), [out], [out], False)
+    assert work == ("work", (out,))
+    assert log == [("job", "current"), ("ready", "current", ["out"])]
+
+
+def test_async_call_runs_on_a_side_stream_that_waits_for_the_caller(fake_cuda):
+    log, state = fake_cuda
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    inp, out = FakeTensor(log, "in"), FakeTensor(log, "out")
+    issuer.compressed(_job(log, state), _job(log, state, "exact"), [inp, out], [out], True)
+    assert log == [("wait_stream", "side1", "current"), ("job", "side1"),
+                   ("ready", "side1", ["out"]),
+                   ("record_stream", "in", "side1"), ("record_stream", "out", "side1")]
+    assert state["current"].name == "current"  # the caller's stream is current again
+    log.clear()
+    issuer.compressed(_job(log, state), _job(log, state, "exact"), [out], [out], True)
+    assert state["sides"] == 1  # one side stream per device, reused
+    # the second call waits for the first's end, recorded on the side stream
+    assert ("wait_event", "side1", "side1") in log
+
+
+def test_calls_on_different_streams_are_chained_in_issue_order(fake_cuda):
+    log, state = fake_cuda
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    out = FakeTensor(log, "out")
+    issuer.compressed(_job(log, state), _job(log, state), [out], [out], True)  # on side1
+    log.clear()
+    issuer.compressed(_job(log, state), _job(log, state), [out], [out], False)  # on current
+    assert log[0] == ("wait_event", "current", "side1")
+    assert log[1] == ("job", "current")
+
+
+def test_graph_capture_takes_the_exact_path(fake_cuda):
+    log, state = fake_cuda
+    state["capturing"] = True
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    out = FakeTensor(log, "out")
+    issuer.compressed(_job(log, state), _job(log, state, "exact"), [out], [out], True)
+    assert log == [("exact", "current"), ("ready", "current", ["out"])]
+
+
+def test_exact_calls_return_ncclss_work_or_a_ready_one(fake_cuda):
+    log, state = fake_cuda
+
+    class FakeNccl:
+        def __init__(self, result):
+            self.result, self.calls = result, []
+
+        def allreduce(self, tensors, opts):
+            self.calls.append(("allreduce", opts))
+            return self.result
+
+    t = torch.ones(3)
+    async_nccl = FakeNccl("nccl-work")
+    assert cuda_issue.CudaIssuer(async_nccl).exact("allreduce", [t], [t], "opts") == "nccl-work"
+    assert async_nccl.calls == [("allreduce", "opts")]
+    sync = cuda_issue.CudaIssuer(FakeNccl(None)).exact("allreduce", [FakeTensor(log, "t")],
+                                                       [t], "opts")
+    assert sync == ("work", (sync[1][0],))  # never None to a C++ caller
+
+
+class FakeNcclGroup:
+    """Records the options of each call; all-to-all and all-gather copy like one rank would."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.options: list = []
+        self._size = size
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+    def alltoall_base(self, recv, send, out_splits, in_splits, opts):
+        self.options.append(opts)
+        recv.copy_(send)
+
+    def _allgather_base(self, recv, send, opts):
+        self.options.append(opts)
+        recv.copy_(send.repeat(self._size))
+
+
+def test_nccl_transport_issues_synchronous_calls_and_returns_their_buffers():
+    group = FakeNcclGroup()
+    transport = NcclTransport(group)
+    send = torch.arange(10, dtype=torch.uint8).view(1, 10)
+    assert torch.equal(transport.all_to_all_async(send).wait(), send)
+    assert torch.equal(transport.all_gather(send[0]), send)
+    assert [o.asyncOp for o in group.options] == [False, False]
+    with pytest.raises(NotImplementedError, match="direct"):
+        transport.send_async(send, 0, 0)
+    assert SCHEDULES == ("direct",)
+
+
+def test_device_header_check_finds_foreign_and_flagged_messages_on_any_device():
+    codec = ShardCodec(4, 32, 0, 7, 2, 99)
+    x = torch.randn(2 * 100)
+    messages = codec.encode(x, 2, 100, 1.0, None, 0.0, [0, 1], None).messages
+    nonfinite, foreign = codec.check_on_device(messages, 100, [0, 1])
+    assert not bool(nonfinite) and not bool(foreign)
+    flagged = messages.clone()
+    flagged[1, wire.FLAGS_OFFSET] = wire.FLAG_NONFINITE
+    nonfinite, foreign = codec.check_on_device(flagged, 100, [0, 1])
+    assert bool(nonfinite) and not bool(foreign)
+    for offset in range(wire.HEADER_BYTES):  # every header byte is checked (unknown flags too)
+        bad = messages.clone()
+        bad[0, offset] ^= 0x40
+        _, foreign = codec.check_on_device(bad, 100, [0, 1])
+        assert bool(foreign), offset
+    _, foreign = codec.check_on_device(messages, 100, [1, 0])  # shards swapped
+    assert bool(foreign)
+
+
+def test_transport_choice_applies_to_cpu_tensors():
+    assert cpu_kind("auto") == "gloo"
+    assert cpu_kind("nccl") == "gloo"
+    assert cpu_kind("mpi") == "mpi"
+
+
+@pytest.mark.parametrize("spec", ["cpu:gloo,cuda:loco", "cpu:loco,cuda:nccl"])
+def test_mixed_backend_strings_are_refused(spec, tmp_path):
+    code = textwrap.dedent(f"""
+        import torch.distributed as dist, lowbitcc
+        try:
+            dist.init_process_group({spec!r}, init_method="file://{tmp_path}/s", rank=0,
+                                    world_size=1)
+        except ValueError as exc:
+            print("refused:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ})
+    if "cuda:nccl" in spec and "refused" not in out.stdout:
+        # c10d builds nccl first on a CPU build and fails there (no NCCL): nothing is dropped
+        assert "NCCL" in out.stderr, out.stderr
+        return
+    assert "refused: lowbitcc: backend" in out.stdout, out.stderr
+    assert "pass backend='loco'" in out.stdout
+
+
+def test_registered_for_cpu_and_cuda():
+    import torch.distributed as dist
+
+    import lowbitcc  # noqa: F401
+
+    assert dist.Backend.backend_capability["loco"] == ["cpu", "cuda"]

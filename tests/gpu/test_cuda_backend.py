@@ -1,0 +1,238 @@
+"""The "loco" group on CUDA tensors (``pytest -m gpu``; skipped without a GPU).
+
+World size 1 runs on one GPU: routing, exact calls on the inner NCCL group, the compressed
+path (CUDA kernels, NCCL transfers, decode) against the same call on CPU tensors, stream
+ordering with ``async_op=True``, no host synchronisation, CUDA graph capture, checkpoints.
+DDP and FSDP2 against ``nccl`` need two GPUs or more (one rank per GPU; NCCL refuses two ranks
+on one device).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc.codec import cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch"),
+    pytest.mark.skipif(not dist.is_nccl_available(), reason="torch was built without NCCL"),
+]
+
+needs_cupy = pytest.mark.skipif(not cuda.available(), reason="CuPy is not installed or sees no GPU")
+
+
+@pytest.fixture(scope="module")
+def group():
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+                                pg_options=lowbitcc.LocoConfig(min_size=1, schedule="auto"),
+                                device_id=torch.device("cuda", 0))
+        yield dist.group.WORLD
+        dist.destroy_process_group()
+
+
+def test_group_attaches_nccl_and_gloo(group):
+    assert dist.get_backend(group) == "loco"
+    assert isinstance(group._get_backend(torch.device("cuda")), dist.ProcessGroupNCCL)
+    assert isinstance(group._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+
+
+def test_exact_cuda_calls_run_on_nccl(group):
+    lowbitcc.reset_stats()
+    with lowbitcc.exact():
+        t = torch.arange(8, dtype=torch.float32, device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        assert t.tolist() == list(range(8))
+        dist.broadcast(t, 0)
+        out = torch.empty(8, device="cuda")
+        dist.all_gather_into_tensor(out, t)
+        assert torch.equal(out, t)
+        outs = [torch.empty(8, device="cuda")]
+        dist.all_gather(outs, t)
+        assert torch.equal(outs[0], t)
+        rs = torch.empty(8, device="cuda")
+        dist.reduce_scatter_tensor(rs, t)
+        assert torch.equal(rs, t)
+        a2a = torch.empty(8, device="cuda")
+        dist.all_to_all_single(a2a, t)
+        assert torch.equal(a2a, t)
+        work = dist.all_reduce(t, async_op=True)
+        assert isinstance(work, dist.Work)
+        work.wait()
+    assert lowbitcc.stats()["compressed"]["calls"] == 0
+
+
+@needs_cupy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressed_all_reduce_equals_the_cpu_call_bit_for_bit(group, dtype):
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(3)).to(dtype)
+    on_cpu, on_gpu = x.clone(), x.cuda()
+    lowbitcc.reset_stats()
+    with lowbitcc.compressed():
+        for _ in range(3):  # error feedback carries over calls
+            with lowbitcc.feedback_key(f"cpu-{dtype}"):
+                dist.all_reduce(on_cpu)
+            with lowbitcc.feedback_key(f"gpu-{dtype}"):
+                dist.all_reduce(on_gpu)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(on_cpu.view(bits), on_gpu.cpu().view(bits))
+    assert not torch.equal(on_cpu, x)  # it was quantized
+    stats = lowbitcc.stats()["compressed"]
+    assert stats["calls"] == 6
+    assert stats["relative_error"] > 0
+
+
+@needs_cupy
+def test_compressed_reduce_scatter_on_cuda(group):
+    x = torch.randn(4096 * 3, device="cuda")
+    out = torch.empty_like(x)
+    ref_in, ref_out = x.cpu(), torch.empty(x.numel())
+    with lowbitcc.compressed():
+        with lowbitcc.feedback_key("rs-gpu"):
+            dist.reduce_scatter_tensor(out, x)
+        with lowbitcc.feedback_key("rs-cpu"):
+            dist.reduce_scatter_tensor(ref_out, ref_in)
+    assert torch.equal(out.cpu(), ref_out)
+
+
+@needs_cupy
+def test_compressed_call_enqueues_without_host_sync(group):
+    x = torch.randn(1 << 20, device="cuda")
+    with lowbitcc.compressed(), lowbitcc.feedback_key("nosync"):
+        dist.all_reduce(x)  # builds and loads the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            dist.all_reduce(x)
+            dist.all_reduce(x, async_op=True).wait()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@needs_cupy
+def test_async_op_orders_with_the_callers_stream(group):
+    x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(5))
+    expected = x.cuda()
+    with lowbitcc.compressed():
+        with lowbitcc.feedback_key("order-ref"):
+            dist.all_reduce(expected)
+        big = torch.randn(4096, 4096, device="cuda")
+        y = torch.zeros(x.numel(), device="cuda")
+        for _ in range(30):
+            big = big @ big / 64  # the current stream stays busy
+        y.copy_(x, non_blocking=True)
+        with lowbitcc.feedback_key("order-async"):
+            work = dist.all_reduce(y, async_op=True)
+        work.wait()
+        z = y * 1
+    assert torch.equal(z.cpu(), expected.cpu())
+
+
+@needs_cupy
+def test_side_stream_future_callbacks_see_the_result(group):
+    x = torch.ones(1 << 16, device="cuda")
+    with lowbitcc.compressed(), lowbitcc.feedback_key("then"):
+        fut = dist.all_reduce(x, async_op=True).get_future()
+        doubled = fut.then(lambda f: f.value()[0] * 2).wait()
+    assert torch.allclose(doubled.cpu(), torch.full((1 << 16,), 2.0), rtol=0.02)
+
+
+@needs_cupy
+def test_graph_capture_takes_the_exact_path(group):
+    x = torch.ones(1 << 16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with lowbitcc.compressed(), torch.cuda.stream(stream):
+        dist.all_reduce(x)  # warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        lowbitcc.reset_stats()
+        with torch.cuda.graph(graph):
+            dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert lowbitcc.stats()["compressed"]["calls"] == 0
+
+
+@needs_cupy
+def test_checkpoint_is_on_the_cpu_and_resumes_on_the_gpu(group):
+    x = torch.randn(50_000, device="cuda")
+    with lowbitcc.compressed(), lowbitcc.feedback_key("ckpt"):
+        dist.all_reduce(x.clone())
+    saved = lowbitcc.state_dict()
+    assert all(v["data"].device.type == "cpu" for v in saved["states"].values())
+    with lowbitcc.compressed(), lowbitcc.feedback_key("ckpt"):
+        a = x.clone()
+        dist.all_reduce(a)
+    lowbitcc.load_state_dict(saved)
+    with lowbitcc.compressed(), lowbitcc.feedback_key("ckpt"):
+        b = x.clone()
+        dist.all_reduce(b)
+    assert torch.equal(a, b)
+
+
+def _ddp_rank(rank: int, world: int, gloo, steps: int) -> list[float]:
+    """DDP on "loco" (compressed) vs the same model on a plain nccl group, one GPU per rank."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.cuda.set_device(rank)
+    ranks = list(range(world))
+    nccl = dist.new_group(ranks, backend="nccl")
+    losses = []
+    for group in (dist.group.WORLD, nccl):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 10)).cuda()
+        ddp = DDP(model, device_ids=[rank], process_group=group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            x = torch.randn(64, 256, generator=gen).cuda()
+            y = torch.randint(10, (64,), generator=gen).cuda()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append(float(loss))
+    stats = lowbitcc.stats()["compressed"]
+    return [*losses, stats["wire_bytes"] / max(stats["logical_bytes"], 1)]
+
+
+@needs_cupy
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more (one per rank)")
+def test_ddp_on_loco_matches_nccl():
+    from tests.support.ranks import run_ranks
+
+    world = torch.cuda.device_count()
+    results = run_ranks(_ddp_rank, world, 30)
+    for loco_loss, nccl_loss, ratio in results:
+        assert abs(loco_loss - nccl_loss) < 0.05 * abs(nccl_loss) + 0.02
+        assert 0 < ratio <= 1 / 6
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lowbitcc.tools.cli", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items()
+                               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+
+
+@needs_cupy
+def test_codec_bench_and_perf_run_on_cuda():
+    bench = _cli("codec-bench", "--device", "cuda", "-b", "1M", "-e", "4M", "--min-time", "0.05")
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    assert "cuda" in bench.stdout and "4MiB" in bench.stdout
+    perf = _cli("perf", "all_reduce", "--device", "cuda", "--np", "1", "--backend", "loco",
+                "nccl", "-b", "1M", "-e", "4M", "-n", "3", "-w", "1")
+    assert perf.returncode == 0, perf.stderr[-3000:]
+    assert "loco4" in perf.stdout and "nccl" in perf.stdout
