@@ -46,6 +46,11 @@ class LocoConfig:
             a backward pass), "always" or "never".
         check: exchange a 32-byte call descriptor before each compressible call so that a shape,
             dtype or op mismatch across ranks raises on every rank instead of hanging.
+        cost_model: compress a call the policy allows only where compressing calls of its size
+            has been faster than the exact call on this group (timed on real calls, rank 0's
+            choice followed by every rank; `lowbitcc.cost_model`). Needs ``check``. False:
+            every call the policy allows is compressed. A ``compressed()`` block forces
+            compression either way.
         max_keys: the most error states kept per process (one per key and stage); the least
             recently used are dropped. The store is shared by every group of the process: its
             bound is the largest ``max_keys`` of the groups created (`lowbitcc.state`).
@@ -85,6 +90,7 @@ class LocoConfig:
     min_size: int = 65536
     policy: str = "backward"
     check: bool = True
+    cost_model: bool = True
     max_keys: int = 4096
     codec: str = "auto"
     rounding: str = "nearest"
@@ -132,6 +138,8 @@ class LocoConfig:
             raise bad("policy", "one of " + ", ".join(POLICIES))
         if not isinstance(self.check, bool):
             raise bad("check", "a bool")
+        if not isinstance(self.cost_model, bool):
+            raise bad("cost_model", "a bool")
         if not _is_int(self.max_keys) or self.max_keys < 1:
             raise bad("max_keys", "an integer >= 1")
         if self.codec not in CODECS:

@@ -8,7 +8,8 @@ scales included); ``codec_s`` and ``wire_s`` (seconds spent encoding/decoding an
 Exact calls run gloo's own schedules, which this package does not see: they count only
 ``calls`` and ``tensor_bytes`` (their byte and time fields stay 0). ``compressed`` also has
 ``residual_sq`` and ``input_sq``, the squared norms of the quantization residual and of the
-compensated input, and ``relative_error = sqrt(residual_sq / input_sq)``.
+compensated input, and ``relative_error = sqrt(residual_sq / input_sq)``. ``exact`` also has
+``model_exact``: compressible calls that the cost model sent exact (`lowbitcc.cost_model`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Counters:
     wire_s: float = 0.0
     residual_sq: float = 0.0
     input_sq: float = 0.0
+    model_exact: int = 0
 
 
 class Stats:

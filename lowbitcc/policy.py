@@ -92,6 +92,13 @@ def wants_compression(policy: str) -> bool:
     return active == "always" or in_backward()
 
 
+def forced() -> bool:
+    """Whether a `compressed()` block is the innermost active one: compression is then forced
+    and the cost model not consulted."""
+    with _lock:
+        return bool(_mode_stack) and _mode_stack[-1] == "always"
+
+
 def eligible(tensor: torch.Tensor, op: dist.ReduceOp) -> bool:
     """Op and dtype allow compression (size is checked separately, after ranks agree)."""
     return tensor.dtype in COMPRESSIBLE_DTYPES and op in COMPRESSIBLE_OPS and not tensor.is_sparse

@@ -8,7 +8,11 @@ For each compressible all-reduce or reduce-scatter (the policy said so; see `low
    optimizer step) and its sequence number;
 2. on the worker, exchanges 32-byte call descriptors so that ranks that issued different calls
    all raise `CollectiveMismatchError` (``config.check``), and falls back to the exact call when
-   the agreed size is under ``min_size``;
+   the agreed size is under ``min_size``, or when rank 0's cost model (`lowbitcc.cost_model`,
+   its suggestion carried in the descriptor) says the exact call has been faster for calls of
+   this size. Once the ranks agree on exact for a size class, its calls up to the model's next
+   exploration run exact without the exchange (a *lease*: every rank counts the same calls, so
+   every rank knows where it ends); a mismatch among those exact calls then behaves as on gloo;
 3. builds the call's `ShardCodec` (header fields, the route's kernels) and `CallCompressor`
    (codec, feedback store, statistics), accounts the logical bytes, and runs the schedule
    (``config.schedule``, or `choose_schedule` for "auto") over the route's links.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +35,13 @@ import torch
 
 from lowbitcc import policy, schedules, state
 from lowbitcc.backend.exact import Reduction, op_type
-from lowbitcc.backend.issue_queue import Job
+from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.codec import wire
 from lowbitcc.codec.interface import Kernels
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
+from lowbitcc.cost_model import CostModel
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.links import Links
 from lowbitcc.transports.topology import NodeLayout
@@ -98,6 +104,8 @@ class CompressedCalls:
         self._agreement = agreement
         self._routes = routes
         self._on_worker = on_worker
+        self.cost_model = CostModel()
+        self._leases: dict[tuple[str, int], int] = {}  # the worker's: exact calls left per class
         self._lock = threading.Lock()
         self._seq = 0
         self._epoch: tuple[str, int] | None = None
@@ -168,22 +176,43 @@ class CompressedCalls:
         numel = source.numel()
         seq = self._next_seq()
         key = self.key(collective, source, numel)
+        route = self.route(source.device)
+        itemsize = source.element_size()
+        modelled = (cfg.cost_model and cfg.check and not route.inline and numel >= cfg.min_size
+                    and not policy.forced())
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
             bits=cfg.bits, group_size=cfg.group_size, compressed=numel >= cfg.min_size,
         )
         factor = Reduction.of(op, self.size).input_factor()
-        route = self.route(source.device)
+        nbytes = numel * itemsize
 
         def job() -> Any:
+            suggestion = None
+            if modelled:
+                size_class = CostModel.size_class(collective, nbytes)
+                if self._leases.get(size_class, 0) > 0:
+                    self._leases[size_class] -= 1
+                    self.cost_model.count(size_class)
+                    state.STATS.add("exact", model_exact=1)
+                    return self._timed_exact(exact, size_class, nbytes)
+                suggestion = self.cost_model.suggest(collective, nbytes)
+            call = desc if suggestion is None else dataclasses.replace(
+                desc, prefer_exact=suggestion.exact)
+            leader = call
             if cfg.check and route.inline and self._on_worker is not None:
-                self._on_worker(lambda: self._agree(desc))
+                self._on_worker(lambda: self._agree(call))
             elif cfg.check:
-                self._agree(desc)
+                leader = self._agree(call)
             if not desc.compressed:
                 return exact()
+            if suggestion is not None and leader.prefer_exact:
+                state.STATS.add("exact", model_exact=1)
+                self._leases[suggestion.size_class] = self.cost_model.until_explore(
+                    suggestion.size_class)
+                return self._timed_exact(exact, suggestion.size_class, nbytes)
+            start = time.perf_counter()
             n = self.size
-            itemsize = source.element_size()
             m = -(-numel // n)
             phases = 2 if collective == "all_reduce" else 1
             state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
@@ -202,21 +231,41 @@ class CompressedCalls:
             flat = source.detach().reshape(-1).contiguous()
             run(Source(flat, n, m, factor), comp, route)
             comp.finish()
+            if suggestion is not None:
+                self.cost_model.record(suggestion.size_class, False, time.perf_counter() - start,
+                                       nbytes)
             return None
 
         return job
 
+    def _timed_exact(self, exact: Job, size_class: tuple[str, int], nbytes: int) -> Any:
+        """Start ``exact``; its time, until the inner work completes, goes to the cost model."""
+        start = time.perf_counter()
+        result = exact()
+        if not isinstance(result, InnerWork):
+            self.cost_model.record(size_class, True, time.perf_counter() - start, nbytes)
+            return result
+        finish = result.finish
+
+        def timed_finish() -> list[torch.Tensor]:
+            self.cost_model.record(size_class, True, time.perf_counter() - start, nbytes)
+            return finish()
+
+        return InnerWork(result.work, timed_finish)
+
     # -- on the worker -------------------------------------------------------------------------
-    def _agree(self, desc: wire.CallDescriptor) -> None:
-        """Exchange call descriptors; raise `CollectiveMismatchError` on every rank on mismatch."""
+    def _agree(self, desc: wire.CallDescriptor) -> wire.CallDescriptor:
+        """Exchange call descriptors; raise `CollectiveMismatchError` on every rank on mismatch.
+        Returns rank 0's (whose advisory fields every rank follows)."""
         raw = torch.frombuffer(bytearray(desc.pack()), dtype=torch.uint8)
         everyone = self._agreement.all_gather(raw)
         descs = [wire.CallDescriptor.unpack(bytes(row.numpy().tobytes())) for row in everyone]
-        if any(d != descs[0] for d in descs):
+        if any(d.call() != descs[0].call() for d in descs):
             lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in enumerate(descs))
             raise CollectiveMismatchError(
                 f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: {lines}"
             )
+        return descs[0]
 
     def _chunk(self, route: Route) -> int:
         return 0 if route.inline else self.config.chunk_size

@@ -138,6 +138,11 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._group_desc = desc
 
     @property
+    def cost_model(self) -> Any:
+        """The group's `lowbitcc.cost_model.CostModel` (its ``table()`` shows what it learned)."""
+        return self._compressed.cost_model
+
+    @property
     def group_name(self) -> str:  # type: ignore[override]
         return self._group_name
 

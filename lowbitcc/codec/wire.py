@@ -101,6 +101,10 @@ def call_signature(collective: str, numel: int, dtype: torch.dtype) -> int:
 _CALL = struct.Struct("<4sBBBBQIIII")  # 32 bytes
 
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2}
+DESC_COMPRESSED = 1
+"""Descriptor flag: the call is compressed if the cost model agrees (``numel >= min_size``)."""
+DESC_PREFER_EXACT = 2
+"""Descriptor flag: this rank's cost model suggests the exact path."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
 
 
@@ -116,23 +120,33 @@ class CallDescriptor:
     bits: int
     group_size: int
     compressed: bool
+    prefer_exact: bool = False
+    """Advisory, not part of the call: this rank's cost model suggests the exact path (every
+    rank follows rank 0's suggestion; see `lowbitcc.cost_model`)."""
 
     def pack(self) -> bytes:
         dtype_code = DTYPE_CODES.get(self.dtype, 255)
+        flags = (DESC_COMPRESSED if self.compressed else 0) | (
+            DESC_PREFER_EXACT if self.prefer_exact else 0)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
-            self.numel, self.seq & 0xFFFFFFFF, self.bits, self.group_size, int(self.compressed),
+            self.numel, self.seq & 0xFFFFFFFF, self.bits, self.group_size, flags,
         )
+
+    def call(self) -> CallDescriptor:
+        """The call itself, without the advisory fields (what must match across ranks)."""
+        return dataclasses.replace(self, prefer_exact=False)
 
     @classmethod
     def unpack(cls, raw: bytes) -> CallDescriptor:
-        magic, version, coll, dtype_code, op, numel, seq, bits, group_size, compressed = (
+        magic, version, coll, dtype_code, op, numel, seq, bits, group_size, flags = (
             _CALL.unpack_from(raw)
         )
         if magic != CALL_MAGIC or version != VERSION or coll not in COLLECTIVE_NAMES:
             raise WireFormatError("corrupt call descriptor received")
         dtype = next((d for d, c in DTYPE_CODES.items() if c == dtype_code), None)
-        return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size, bool(compressed))
+        return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
+                   bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT))
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"

@@ -60,8 +60,12 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> Non
         if rank == 0:
             print(f"{step:>5} {row['gloo'][0]:>11.5f} {row['loco'][0]:>11.5f} "
                   f"{row['gloo'][1]:>9.1f} {row['loco'][1]:>9.1f}")
-    s = lowbitcc.stats()["compressed"]
+    stats = lowbitcc.stats()
+    s = stats["compressed"]
     if rank == 0:
+        print(f"cost model: {s['calls']} gradient all-reduces compressed, "
+              f"{stats['exact']['model_exact']} sent exact because exact was faster here "
+              "(LOCO_COST_MODEL=0 compresses them all)")
         gloo_bytes = 2 * (world - 1) / world * params * 4 * steps
         print(f"wire bytes per rank: gloo {gloo_bytes / 2**20:.1f} MiB (ring estimate), "
               f"loco {s['wire_bytes'] / 2**20:.1f} MiB for {s['logical_bytes'] / 2**20:.1f} MiB "

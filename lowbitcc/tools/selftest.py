@@ -244,7 +244,7 @@ def world_one_all_reduce() -> list[Outcome]:
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.cuda.set_device(0)
-        config = lowbitcc.LocoConfig(policy="always", schedule="direct", min_size=1)
+        config = lowbitcc.LocoConfig(policy="always", cost_model=False, schedule="direct", min_size=1)
         dist.init_process_group("loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
                                 pg_options=config)
         try:

@@ -59,7 +59,7 @@ def test_schedules_over_mpi(world):
 def _stall(rank, world, gloo, schedule, dead):
     group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=4),
                            pg_options=lowbitcc.LocoConfig(schedule=schedule, check=False,
-                                                          policy="always", min_size=1))
+                                                          policy="always", cost_model=False, min_size=1))
     if rank == world - 1:
         if dead:
             os._exit(0)
@@ -84,7 +84,7 @@ def test_stalled_peer_raises_within_the_timeout(schedule):
 DEAD_PEER = r"""
 import os, sys, time, datetime, torch, torch.distributed as dist, lowbitcc
 dist.init_process_group("loco", timeout=datetime.timedelta(seconds=4), pg_options=lowbitcc.LocoConfig(
-    schedule=sys.argv[1], check=False, policy="always", min_size=1))
+    schedule=sys.argv[1], check=False, policy="always", cost_model=False, min_size=1))
 dist.barrier()
 if dist.get_rank() == 2:
     os._exit(3)
@@ -167,7 +167,7 @@ def test_node_layout():
 
 def _irregular(rank, world, gloo):
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        schedule="hierarchical", node_size=2, policy="always", min_size=1))
+        schedule="hierarchical", node_size=2, policy="always", cost_model=False, min_size=1))
     try:
         dist.all_reduce(torch.ones(1000), group=group)
     except ValueError as exc:

@@ -75,7 +75,14 @@ class Backend:
 
 
 class LocoBackend(Backend):
+    """A "loco" group; ``forced``: every call compressed (`lowbitcc.compressed()`), else its
+    cost model chooses per call (the ``loco{b}-model`` backends)."""
+
     exact = False
+
+    def __init__(self, name: str, group: Any, forced: bool = True) -> None:
+        super().__init__(name, group)
+        self.forced = forced
 
     def _op(self, op: str) -> dist.ReduceOp:
         return dist.ReduceOp.AVG if op == "avg" else _OPS[op]
@@ -84,6 +91,8 @@ class LocoBackend(Backend):
         pass
 
     def context(self, key: str) -> contextlib.AbstractContextManager:
+        if not self.forced:
+            return lowbitcc.feedback_key(f"perf|{self.name}|{key}")
         return _loco_context(f"perf|{self.name}|{key}")
 
     def measured_wire_bytes(self, run: Callable[[], None]) -> int | None:
@@ -200,7 +209,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-KNOWN = ("loco", "loco2", "loco4", "loco8", "gloo", "gloo-bf16", "mpi", "nccl")
+KNOWN = ("loco", "loco2", "loco4", "loco8", "loco-model", "gloo", "gloo-bf16", "mpi", "nccl")
+"""Backend names; "loco" expands to one ``loco{b}`` per ``--bits``, "loco-model" to
+``loco{b}-model`` (the cost model decides per call which calls are compressed)."""
 
 
 def expand(names: list[str], bits: list[int], schedules: list[str] | None = None) -> list[str]:
@@ -216,7 +227,9 @@ def expand(names: list[str], bits: list[int], schedules: list[str] | None = None
         if name not in KNOWN:
             raise ValueError(f"lowbitcc perf: unknown backend {name!r}; known: {', '.join(KNOWN)}")
         locos = [f"loco{b}" for b in bits] if name == "loco" else [name]
-        if name.startswith("loco") and len(schedules) > 1:
+        if name == "loco-model":
+            locos = [f"loco{b}-model" for b in bits]
+        elif name.startswith("loco") and len(schedules) > 1:
             locos = [f"{loco}-{s}" for loco in locos for s in schedules]
         for full in locos:
             if full not in out:
@@ -236,9 +249,12 @@ def create(name: str, schedule: str, device: str = "cpu") -> Backend:
     the GPU inside the timing)."""
     if name.startswith("loco"):
         bits, _, named = name[4:].partition("-")
-        config = LocoConfig.from_env().replace(bits=int(bits), policy="always",
-                                               schedule=named or schedule)
-        return LocoBackend(name, dist.new_group(backend="loco", pg_options=config))
+        model = named == "model"
+        config = LocoConfig.from_env().replace(
+            bits=int(bits), policy="always", cost_model=model,
+            schedule=schedule if model else (named or schedule))
+        return LocoBackend(name, dist.new_group(backend="loco", pg_options=config),
+                           forced=not model)
     if name == "gloo":
         return Backend(name, dist.new_group(backend="gloo"))
     if name == "gloo-bf16":

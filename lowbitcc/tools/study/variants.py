@@ -7,13 +7,20 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One training run: backend, the ``LOCO_*`` settings of the "loco" group, DDP hook, FSDP."""
+    """One training run: backend, the ``LOCO_*`` settings of the "loco" group, DDP hook, FSDP.
+
+    Every loco variant compresses every gradient call (``LOCO_COST_MODEL=0``): the study
+    measures what compression does to training, not which calls a cost model would pick."""
 
     name: str
     backend: str = "gloo"
     env: tuple[tuple[str, str], ...] = ()
     hook: str | None = None  # "fp16" or "powersgd"
     fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend == "loco" and not any(k == "LOCO_COST_MODEL" for k, _ in self.env):
+            object.__setattr__(self, "env", (*self.env, ("LOCO_COST_MODEL", "0")))
 
 
 VARIANTS = {
