@@ -40,11 +40,13 @@ class _Class:
 
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
-    """What the model suggests for one call: ``exact`` (else compressed), and ``size_class``
-    to report the call's timing under."""
+    """What the model suggests for one call: ``exact`` (else compressed), ``size_class`` to
+    report the call's timing under, and whether the class is ``settled`` (past its warm-up and
+    not exploring: the same on every rank, since it depends on counts only)."""
 
     exact: bool
     size_class: tuple[str, int]
+    settled: bool = False
 
 
 class CostModel:
@@ -80,7 +82,7 @@ class CostModel:
             else:
                 best_exact = exact < compressed
             explore = (n - 2 * self.warmup) % self.explore_every == self.explore_every - 1
-            return Suggestion(best_exact != explore, key)
+            return Suggestion(best_exact != explore, key, settled=not explore)
 
     def count(self, size_class: tuple[str, int]) -> None:
         """Count a call of ``size_class`` that did not ask for a suggestion (a lease's)."""

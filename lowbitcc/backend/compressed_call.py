@@ -208,8 +208,9 @@ class CompressedCalls:
                 return exact()
             if suggestion is not None and leader.prefer_exact:
                 state.STATS.add("exact", model_exact=1)
-                self._leases[suggestion.size_class] = self.cost_model.until_explore(
-                    suggestion.size_class)
+                if suggestion.settled:  # not a warm-up or exploration call
+                    self._leases[suggestion.size_class] = self.cost_model.until_explore(
+                        suggestion.size_class)
                 return self._timed_exact(exact, suggestion.size_class, nbytes)
             start = time.perf_counter()
             n = self.size

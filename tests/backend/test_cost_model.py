@@ -18,16 +18,18 @@ NBYTES = 4 * N
 
 def test_warmup_then_the_faster_path_then_exploration():
     model = CostModel(warmup=2, explore_every=4)
-    first = [model.suggest("all_reduce", NBYTES).exact for _ in range(4)]
-    assert first == [False, False, True, True]
+    first = [model.suggest("all_reduce", NBYTES) for _ in range(4)]
+    assert [s.exact for s in first] == [False, False, True, True]
+    assert not any(s.settled for s in first)  # warm-up: no choice to keep yet
     cls = CostModel.size_class("all_reduce", NBYTES)
     model.record(cls, True, 5.0, NBYTES)  # the first timing of a path is not kept
     assert model.table()[0]["exact_s_per_GB"] is None
     model.record(cls, True, 0.001, NBYTES)
     model.record(cls, False, 1.0, NBYTES)
     model.record(cls, False, 1.0, NBYTES)
-    steady = [model.suggest("all_reduce", NBYTES).exact for _ in range(8)]
-    assert steady == [True, True, True, False, True, True, True, False]  # 1 in 4 explores
+    steady = [model.suggest("all_reduce", NBYTES) for _ in range(8)]
+    assert [s.exact for s in steady] == [True, True, True, False] * 2  # 1 in 4 explores
+    assert [s.settled for s in steady] == [True, True, True, False] * 2
     # an agreed exact choice holds until the next exploration call
     assert model.until_explore(cls) == 3
     model.count(cls)
@@ -41,6 +43,44 @@ def test_descriptors_that_differ_only_in_the_suggestion_describe_the_same_call()
     b = wire.CallDescriptor.unpack(
         wire.CallDescriptor("all_reduce", torch.float32, 0, N, 3, 4, 128, True, True).pack())
     assert b.prefer_exact and a != b and a.call() == b.call()
+
+
+def _seeded_run(rank: int, gloo, exact_fast: bool) -> tuple[int, int, bool]:
+    """8 all-reduces from a backward hook on a group whose model has seen, on rank 0, exact
+    calls fast if ``exact_fast`` else compressed ones fast (rank 1 the opposite)."""
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=True))
+    cls = CostModel.size_class("all_reduce", NBYTES)
+    fast_exact = exact_fast == (rank == 0)
+    for _ in range(3):
+        group.cost_model.record(cls, True, 1e-9 if fast_exact else 10.0, NBYTES)
+        group.cost_model.record(cls, False, 10.0 if fast_exact else 1e-9, NBYTES)
+    lowbitcc.reset_stats()
+    values = torch.randn(N, generator=torch.Generator().manual_seed(rank))
+    w = torch.zeros(N, requires_grad=True)
+    results = []
+
+    def hook(grad):
+        for _ in range(8):
+            t = values.clone()
+            dist.all_reduce(t, group=group)
+            results.append(t)
+
+    w.register_hook(hook)
+    w.sum().backward()
+    expected = values.clone()
+    dist.all_reduce(expected, group=gloo)
+    stats = lowbitcc.stats()
+    exact_after_warmup = all(torch.equal(t, expected) for t in results[2:])
+    return stats["compressed"]["calls"], stats["exact"]["model_exact"], exact_after_warmup
+
+
+def _rank_zero_prefers_compressed(rank, world, gloo):
+    return _seeded_run(rank, gloo, exact_fast=False)
+
+
+def test_warm_up_exact_calls_do_not_hold_the_exact_choice():
+    # 2 compressed, 2 exact (warm-up), then rank 0's choice, compressed, for the other 4
+    assert [r[:2] for r in run_ranks(_rank_zero_prefers_compressed, 2)] == [(6, 2), (6, 2)]
 
 
 def _ranks_follow_rank_zero(rank, world, gloo):
