@@ -7,8 +7,9 @@ compressed only where that has been faster than the exact call of the same *size
 1. the first ``warmup`` calls of a class run compressed and the next ``warmup`` exact (the
    first of each is not timed: one-time costs such as buffer growth would count);
 2. from then on the path with the lower mean seconds per byte (an exponential moving average
-   with weight ``ALPHA``) is taken, and the other is retried once every ``explore_every``
-   calls of the class, so a change of conditions (link, load) is noticed.
+   with weight ``ALPHA``; compressed must beat exact by ``MARGIN``) is taken, and the other is
+   retried once every ``explore_every`` calls of the class, so a change of conditions (link,
+   load) is noticed.
 
 The counts that drive steps 1-2 follow the calls in issue order, the same on every rank; the
 timings do not (each rank measures its own). So the model only *suggests*: each rank writes its
@@ -28,6 +29,10 @@ import threading
 
 ALPHA = 0.3
 """Weight of the newest timing in a class's moving average."""
+MARGIN = 0.1
+"""Compression is chosen only when its mean time is this fraction below the exact call's:
+exact is the safe side (timings on a loaded machine are noisy, and a compressed call also
+costs error-state memory and quantization error)."""
 
 
 @dataclasses.dataclass
@@ -80,7 +85,7 @@ class CostModel:
             if compressed is None or exact is None:
                 best_exact = exact is not None
             else:
-                best_exact = exact < compressed
+                best_exact = compressed * (1 + MARGIN) >= exact
             explore = (n - 2 * self.warmup) % self.explore_every == self.explore_every - 1
             return Suggestion(best_exact != explore, key, settled=not explore)
 

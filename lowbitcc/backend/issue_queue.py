@@ -37,6 +37,18 @@ class InnerWork:
     finish: Callable[[], list[torch.Tensor]]
 
 
+class _AllOf:
+    """The inner works of a sequence, waited in order (each retired)."""
+
+    def __init__(self, inners: list[InnerWork], retire: Callable[[Any], None]) -> None:
+        self.inners, self.retire = inners, retire
+
+    def wait(self) -> None:
+        for inner in self.inners:
+            inner.work.wait()
+            self.retire(inner.work)
+
+
 class LocoWork(dist.Work):
     """A queued call; its future's value is the list of output tensors."""
 
@@ -114,13 +126,21 @@ class IssueQueue:
         return inner.finish()
 
     def sequence(self, jobs: list[Job], outputs: list[torch.Tensor]) -> Job:
-        """One job running ``jobs`` in order; inner work in flight is completed at the end."""
+        """One job running ``jobs`` in order. Inner work they leave in flight (exact fallbacks)
+        is completed by the waiter, as a plain exact call's is, so the worker goes on to the
+        next call meanwhile (completing it here serialised DDP's buckets behind each other)."""
 
-        def run_all() -> list[torch.Tensor]:
+        def run_all() -> list[torch.Tensor] | InnerWork:
             started = [r for r in (job() for job in jobs) if isinstance(r, InnerWork)]
-            for inner in started:
-                self.complete(inner)
-            return outputs
+            if not started:
+                return outputs
+
+            def finish() -> list[torch.Tensor]:
+                for inner in started:
+                    inner.finish()
+                return outputs
+
+            return InnerWork(_AllOf(started, self._retire), finish)
 
         return run_all
 

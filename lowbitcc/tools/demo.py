@@ -41,6 +41,7 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> Non
               f"{lowbitcc.LocoConfig.from_env().bits} bits")
         print(f"{'step':>5} {'loss gloo':>11} {'loss loco':>11} {'ms gloo':>9} {'ms loco':>9}")
     times = {"gloo": 0.0, "loco": 0.0}
+    late = {"gloo": 0.0, "loco": 0.0}  # the second half of the steps
     lowbitcc.reset_stats()
     for step in range(steps):
         x = torch.randn(64, 128, generator=data)
@@ -54,6 +55,8 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> Non
             opts[name].step()
             elapsed = time.perf_counter() - start
             times[name] += elapsed
+            if step >= steps // 2:
+                late[name] += elapsed
             mean = loss.detach().clone()
             dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=gloo)
             row[name] = (float(mean), elapsed * 1e3)
@@ -73,6 +76,10 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> Non
         print(f"mean step: gloo {times['gloo'] / steps * 1e3:.1f} ms, "
               f"loco {times['loco'] / steps * 1e3:.1f} ms (codec {s['codec_s'] / steps * 1e3:.1f} ms, "
               f"wire {s['wire_s'] / steps * 1e3:.1f} ms per step)")
+        half = steps - steps // 2
+        print(f"mean step over the last {half} steps (the cost model has settled): gloo "
+              f"{late['gloo'] / half * 1e3:.1f} ms, loco {late['loco'] / half * 1e3:.1f} ms "
+              f"({late['gloo'] / late['loco'] if late['loco'] else 0:.2f}x gloo's speed)")
         print(f"quantization relative error (RMS over calls): {s['relative_error']:.4f}")
 
 
