@@ -4,6 +4,8 @@ compression skips it, and that turning it off compresses every call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -45,6 +47,19 @@ def test_descriptors_that_differ_only_in_the_suggestion_describe_the_same_call()
     assert b.prefer_exact and a != b and a.call() == b.call()
 
 
+def _in_backward(issue: Callable[[], None], times: int) -> None:
+    """Call ``issue`` ``times`` times from a hook during a backward pass (where the "backward"
+    policy makes all-reduces compressible)."""
+    w = torch.zeros(1, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> None:
+        for _ in range(times):
+            issue()
+
+    w.register_hook(hook)
+    w.sum().backward()
+
+
 def _seeded_run(rank: int, gloo, exact_fast: bool) -> tuple[int, int, bool]:
     """8 all-reduces from a backward hook on a group whose model has seen, on rank 0, exact
     calls fast if ``exact_fast`` else compressed ones fast (rank 1 the opposite)."""
@@ -56,17 +71,14 @@ def _seeded_run(rank: int, gloo, exact_fast: bool) -> tuple[int, int, bool]:
         group.cost_model.record(cls, False, 10.0 if fast_exact else 1e-9, NBYTES)
     lowbitcc.reset_stats()
     values = torch.randn(N, generator=torch.Generator().manual_seed(rank))
-    w = torch.zeros(N, requires_grad=True)
     results = []
 
-    def hook(grad):
-        for _ in range(8):
-            t = values.clone()
-            dist.all_reduce(t, group=group)
-            results.append(t)
+    def issue() -> None:
+        t = values.clone()
+        dist.all_reduce(t, group=group)
+        results.append(t)
 
-    w.register_hook(hook)
-    w.sum().backward()
+    _in_backward(issue, 8)
     expected = values.clone()
     dist.all_reduce(expected, group=gloo)
     stats = lowbitcc.stats()
@@ -84,31 +96,7 @@ def test_warm_up_exact_calls_do_not_hold_the_exact_choice():
 
 
 def _ranks_follow_rank_zero(rank, world, gloo):
-    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=True))
-    pg = group
-    cls = CostModel.size_class("all_reduce", NBYTES)
-    # rank 0 has seen exact calls of this size run fast, rank 1 compressed ones
-    for _ in range(3):
-        pg.cost_model.record(cls, True, 1e-9 if rank == 0 else 10.0, NBYTES)
-        pg.cost_model.record(cls, False, 10.0 if rank == 0 else 1e-9, NBYTES)
-    lowbitcc.reset_stats()
-    values = torch.randn(N, generator=torch.Generator().manual_seed(rank))
-    w = torch.zeros(N, requires_grad=True)
-    results = []
-
-    def hook(grad):
-        for _ in range(8):
-            t = values.clone()
-            dist.all_reduce(t, group=group)
-            results.append(t)
-
-    w.register_hook(hook)
-    w.sum().backward()
-    expected = values.clone()
-    dist.all_reduce(expected, group=gloo)
-    stats = lowbitcc.stats()
-    exact_after_warmup = all(torch.equal(t, expected) for t in results[2:])
-    return stats["compressed"]["calls"], stats["exact"]["model_exact"], exact_after_warmup
+    return _seeded_run(rank, gloo, exact_fast=True)
 
 
 def test_every_rank_follows_rank_zeros_suggestion():
@@ -127,14 +115,7 @@ def _forced_and_off(rank, world, gloo):
             dist.all_reduce(x.clone(), group=on)
     forced = lowbitcc.stats()
     lowbitcc.reset_stats()
-    w = torch.zeros(N, requires_grad=True)
-
-    def hook(grad):
-        for _ in range(6):
-            dist.all_reduce(x.clone(), group=off)
-
-    w.register_hook(hook)
-    w.sum().backward()
+    _in_backward(lambda: dist.all_reduce(x.clone(), group=off), 6)
     disabled = lowbitcc.stats()
     return (forced["compressed"]["calls"], forced["exact"]["model_exact"], len(on.cost_model.table()),
             disabled["compressed"]["calls"], disabled["exact"]["model_exact"])
