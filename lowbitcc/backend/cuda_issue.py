@@ -53,7 +53,8 @@ class CudaIssuer:
         work = getattr(self.nccl, method)(*args)
         if work is not None:
             return work
-        return ready_work(outputs, _device(outputs, args))
+        device = _device([*outputs, *args]) or torch.device("cuda", torch.cuda.current_device())
+        return ready_work(outputs, device)
 
     def compressed(self, job: Callable[[], Any], exact: Callable[[], Any],
                    tensors: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -90,11 +91,11 @@ class CudaIssuer:
         return stream
 
 
-def _device(outputs: list[Any], args: tuple[Any, ...]) -> torch.device:
-    for item in (*outputs, *args):
-        for t in item if isinstance(item, list | tuple) else [item]:
-            if isinstance(t, torch.Tensor):
-                return t.device
-            if isinstance(t, list | tuple):
-                return _device(list(t), ())
-    return torch.device("cuda", torch.cuda.current_device())
+def _device(items: list[Any] | tuple[Any, ...]) -> torch.device | None:
+    """The device of the first tensor in ``items`` (nested lists searched), else None."""
+    for item in items:
+        found = item.device if isinstance(item, torch.Tensor) else (
+            _device(item) if isinstance(item, list | tuple) else None)
+        if found is not None:
+            return found
+    return None

@@ -220,14 +220,12 @@ class LocoProcessGroup(dist.ProcessGroup):
             if not compress:
                 return self._cuda.exact(method, tensors, tensors, opts)
             single = _sync(opts, dist.AllreduceOptions)
-            jobs = [self._compressed.all_reduce(
-                        t, opts.reduceOp, exact=lambda t=t: self._nccl.allreduce([t], single))
-                    for t in tensors]
-            return self._cuda.compressed(
-                lambda: [job() for job in jobs],
-                lambda: self._nccl.allreduce(tensors, single) if len(tensors) == 1 else
-                [self._nccl.allreduce([t], single) for t in tensors],
-                tensors, tensors, opts.asyncOp)
+            exacts = [lambda t=t: self._nccl.allreduce([t], single) for t in tensors]
+            jobs = [self._compressed.all_reduce(t, opts.reduceOp, exact=e)
+                    for t, e in zip(tensors, exacts)]
+            return self._cuda.compressed(lambda: [job() for job in jobs],
+                                         lambda: [e() for e in exacts],
+                                         tensors, tensors, opts.asyncOp)
         issue = getattr(self._inner, method)
         if not compress:
             return self._queue.submit(self._reduction(opts, tensors, tensors, issue, in_place=True))
