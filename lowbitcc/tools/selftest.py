@@ -166,10 +166,13 @@ def compare_kernels(kernels, device: str, case: Case) -> str | None:
         return "encoded messages differ"
     if a.nonfinite != b.nonfinite:
         return "non-finite flags differ"
-    if (not any(a.nonfinite) and a.error is not None
-            and not torch.equal(a.error.data.view(torch.uint8).view(-1),
-                                b.error.data.cpu().view(torch.uint8).view(-1))):
-        return "new error state differs"
+    if not any(a.nonfinite) and a.error is not None:
+        if not torch.equal(a.error.data.view(torch.uint8).view(-1),
+                           b.error.data.cpu().view(torch.uint8).view(-1)):
+            return "new error state differs"
+        if a.error.scales is not None and not torch.equal(
+                a.error.scales.view(torch.int32), b.error.scales.cpu().view(torch.int32)):
+            return "new error state's scales differ"
     total_a, _ = ref.decode_sum(a.messages[:1].repeat(3, 1), case.m, 0)
     total_b, _ = ker.decode_sum(b.messages[:1].repeat(3, 1).contiguous(), case.m, 0)
     if not _same(total_a, total_b.cpu()):
@@ -273,34 +276,35 @@ def world_one_all_reduce() -> list[Outcome]:
                 torch.cuda.set_sync_debug_mode(0)
             outcomes.append(Outcome("compressed all-reduce enqueues without a host sync",
                                     status, detail))
-            outcomes.append(_async_ordering(x))
+            outcomes.append(async_ordering(x))
         finally:
             dist.destroy_process_group()
     return outcomes
 
 
-def _async_ordering(x: torch.Tensor) -> Outcome:
-    """``async_op=True`` on a tensor still being written by a long kernel of the current
-    stream: the side stream must wait for it, and ``wait()`` must order the caller after."""
+def async_ordering(x: torch.Tensor, busy_products: int = 20) -> Outcome:
+    """On the default "loco" group: a compressed ``async_op=True`` all-reduce of a tensor still
+    being written behind ``busy_products`` matrix products on the current stream must equal the
+    synchronous call's result (the side stream waits for the writer, and ``wait()`` orders the
+    caller after the call)."""
     import torch.distributed as dist
 
     import lowbitcc
 
     big = torch.randn(4096, 4096, device="cuda")
     expected = x.cuda()
-    with lowbitcc.feedback_key("selftest-order-sync"):
+    with lowbitcc.compressed(), lowbitcc.feedback_key("selftest-order-sync"):
         dist.all_reduce(expected)
     torch.cuda.synchronize()
     y = torch.zeros_like(expected)
-    for _ in range(20):
+    for _ in range(busy_products):
         big = big @ big / 64  # keep the current stream busy
     y.copy_(x, non_blocking=True)
-    with lowbitcc.feedback_key("selftest-order-async"):
+    with lowbitcc.compressed(), lowbitcc.feedback_key("selftest-order-async"):
         work = dist.all_reduce(y, async_op=True)
     work.wait()
     z = y.clone()
     same = torch.equal(z.cpu(), expected.cpu())
-    lowbitcc.reset_stats()
     return Outcome("async_op=True orders with the caller's stream", "ok" if same else "FAIL",
                    "" if same else "the result differs from the synchronous call's")
 
@@ -339,4 +343,5 @@ def run(count: int = 400, gpu: bool = True) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["Outcome", "cases", "check_kernels", "compare_kernels", "environment", "run"]
+__all__ = ["Outcome", "async_ordering", "cases", "check_kernels", "compare_kernels",
+           "environment", "run"]

@@ -15,10 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbitcc.codec import cuda
-from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.kernels import select
 from lowbitcc.codec.shard_codec import ShardCodec
-from tests.support.numerics import codec_case
+from lowbitcc.tools import selftest
 
 ARCHS = ("80", "90")
 
@@ -122,44 +121,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @settings(max_examples=200, deadline=None)
 def test_cuda_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_dtype,
                                               with_state, beta, factor, poison, seed, rounding):
+    """The selftest's comparison (messages, flags, new error state and scales, decode_sum,
+    decode_into; decoded NaNs by position, as a NaN's payload is not specified: the GPU's
+    arithmetic writes 0x7fffffff, x86's keeps the operand's 0x7fc00000) on hypothesis' cases."""
     _cupy_or_skip()
-    gen = torch.Generator().manual_seed(seed)
-    args = dict(bits=bits, group_size=group, dtype_code=0, seq=5, world=4, signature=3,
-                rounding=rounding, seed=seed)
-    ref = ShardCodec(kernels=select("reference"), **args)
-    ker = ShardCodec(kernels=select("auto", "cuda"), **args)
-    x, state = codec_case(gen, max(rows * m - (m // 3), 1), dtype, poison, error_dtype,
-                          with_state, rows * ref.padded(m), group)
-    shards = list(range(rows))
-    a = ref.encode(x, rows, m, factor, None if state is None else state.clone(), beta, shards,
-                   error_dtype, 77)
-    gpu_state = None if state is None else ErrorState(
-        state.dtype, state.data.cuda(), None if state.scales is None else state.scales.cuda(),
-        group)
-    b = ker.encode(x.cuda(), rows, m, factor, gpu_state, beta, shards, error_dtype, 77)
-    assert torch.equal(a.messages, b.messages.cpu())
-    assert a.nonfinite == b.nonfinite
-    if not any(a.nonfinite) and a.error is not None:
-        assert torch.equal(a.error.data.view(torch.uint8), b.error.data.cpu().view(torch.uint8))
-        if a.error.scales is not None:
-            assert torch.equal(a.error.scales.view(torch.int32),
-                               b.error.scales.cpu().view(torch.int32))
-    # a NaN's payload is not specified (the GPU's arithmetic writes 0x7fffffff, x86's keeps
-    # the operand's 0x7fc00000): decoded NaNs compare by position
-    total_a, _ = ref.decode_sum(a.messages[:1].repeat(3, 1), m, 0)
-    total_b, _ = ker.decode_sum(b.messages[:1].repeat(3, 1).contiguous(), m, 0)
-    assert _same(total_a, total_b.cpu())
-    out_a = torch.empty(x.numel(), dtype=dtype)
-    out_b = torch.empty(x.numel(), dtype=dtype, device="cuda")
-    ref.decode_into(a.messages, m, shards, out_a)
-    ker.decode_into(b.messages, m, shards, out_b)
-    assert _same(out_a, out_b.cpu())
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    nan = torch.isnan(a)
-    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.uint8),
-                                                            b[~nan].view(torch.uint8))
+    case = selftest.Case(rows, m, bits, group, dtype, error_dtype, with_state, beta, factor,
+                         poison, rounding, seed)
+    assert selftest.compare_kernels(select("auto", "cuda"), "cuda", case) is None, case
 
 
 @pytest.mark.gpu

@@ -121,23 +121,13 @@ def test_compressed_call_enqueues_without_host_sync(group):
 
 @needs_cupy
 def test_async_op_orders_with_the_callers_stream(group):
+    from lowbitcc.tools import selftest
+
+    lowbitcc.reset_stats()
     x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(5))
-    expected = x.cuda()
-    with lowbitcc.compressed():
-        with lowbitcc.feedback_key("order-ref"):
-            dist.all_reduce(expected)
-        big = torch.randn(4096, 4096, device="cuda")
-        y = torch.zeros(x.numel(), device="cuda")
-        for _ in range(30):
-            big = big @ big / 64  # the current stream stays busy
-        y.copy_(x, non_blocking=True)
-        with lowbitcc.feedback_key("order-async"):
-            work = dist.all_reduce(y, async_op=True)
-        work.wait()
-        z = y * 1
-    assert torch.equal(z.cpu(), expected.cpu())
-
-
+    outcome = selftest.async_ordering(x, busy_products=30)
+    assert outcome.status == "ok", outcome
+    assert lowbitcc.stats()["compressed"]["calls"] == 2  # both calls were compressed
 @needs_cupy
 def test_side_stream_future_callbacks_see_the_result(group):
     x = torch.ones(1 << 16, device="cuda")
