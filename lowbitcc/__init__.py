@@ -5,12 +5,17 @@ Public API (everything else is internal):
 - ``LocoConfig``: the configuration (also read from ``LOCO_*`` environment variables);
 - ``exact()``, ``compressed()``, ``feedback_key(name)``: per-call control (context managers);
 - ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups;
-- ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints.
+- ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints;
+- ``monitored_barrier()``: gloo's debugging barrier on a "loco" group (torch's
+  ``dist.monitored_barrier`` accepts only groups named "gloo").
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
+
+import torch.distributed as dist
 
 from lowbitcc import state
 from lowbitcc.backend import BACKEND_NAME
@@ -42,6 +47,24 @@ def load_state_dict(saved: dict[str, Any]) -> None:
     state.FEEDBACK.load_state_dict(saved)
 
 
+def monitored_barrier(group: Any = None, timeout: datetime.timedelta | float | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for "loco" groups (torch refuses any backend not
+    named "gloo"): a barrier over ``group`` (default: the default group) in which rank 0 raises
+    a ``RuntimeError`` naming the rank (``wait_all_ranks``: all ranks) that did not arrive
+    within ``timeout``. A rank outside ``group`` returns at once, as in torch."""
+    from lowbitcc.backend.process_group import LocoProcessGroup
+
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if not isinstance(group, LocoProcessGroup):
+        raise ValueError(f"lowbitcc.monitored_barrier needs a 'loco' group, got "
+                         f"{dist.get_backend(group)!r} (use torch.distributed.monitored_barrier)")
+    group.monitored_barrier(timeout, wait_all_ranks)
+
+
 __all__ = [
     "BACKEND_NAME",
     "LocoConfig",
@@ -49,6 +72,7 @@ __all__ = [
     "exact",
     "feedback_key",
     "load_state_dict",
+    "monitored_barrier",
     "reset_stats",
     "state_dict",
     "stats",

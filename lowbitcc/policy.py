@@ -9,7 +9,7 @@ The decision is taken in the thread that issues the collective, at the moment it
   (``torch._C._current_graph_task_id() >= 0``): DDP's bucket all-reduces and FSDP's gradient
   reduce-scatters are; a loss or metric all-reduce in the training loop is not.
 - Only ``all_reduce`` / ``reduce_scatter`` with SUM, AVG or PREMUL_SUM on fp32, bf16 or fp16
-  tensors of at least ``min_size`` elements are eligible.
+  tensors of at least ``min_size`` elements are eligible (complex tensors travel exact).
 
 Keys follow logical tensors: ``(group, collective, dtype, numel, ordinal)`` where the ordinal
 counts calls of that signature since the current backward pass began (or, outside backward, since
@@ -100,8 +100,16 @@ def forced() -> bool:
 
 
 def eligible(tensor: torch.Tensor, op: dist.ReduceOp) -> bool:
-    """Op and dtype allow compression (size is checked separately, after ranks agree)."""
-    return tensor.dtype in COMPRESSIBLE_DTYPES and op in COMPRESSIBLE_OPS and not tensor.is_sparse
+    """Op and dtype allow compression (size is checked separately, after ranks agree). A real
+    view of a complex tensor (c10d hands complex tensors over as ``view_as_real``) is not
+    eligible: the codes' groups would mix real and imaginary parts."""
+    return (tensor.dtype in COMPRESSIBLE_DTYPES and op in COMPRESSIBLE_OPS
+            and not tensor.is_sparse and not _views_complex(tensor))
+
+
+def _views_complex(tensor: torch.Tensor) -> bool:
+    base = tensor._base
+    return base is not None and base.is_complex()
 
 
 def explicit_key() -> str | None:

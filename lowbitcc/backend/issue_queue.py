@@ -11,6 +11,14 @@ and a recv posted in either order cannot deadlock.
 Each call returns a `LocoWork`: its future's value is the list of output tensors (DDP's reducer
 reads it); ``wait()`` re-raises any error of the call, and ``wait(timeout)`` raises
 `torch.distributed.DistBackendError` when the call has not completed in time, as gloo does.
+
+Jobs and finishes run without autograd (``torch.no_grad()``; the worker and waiter are this
+module's threads, whose grad mode is their own): a collective writes its outputs in place, as
+gloo's C++ does, also into a parameter that requires grad. Futures are completed on a third
+kind of thread, a pool of completers, never by the worker or the waiter: a future's callbacks
+(``.then()``) run where it is completed, and a callback may issue a collective and wait for it
+(torch's PowerSGD hook does), which needs the worker and the waiter free. The pool starts one
+completer and adds one only while all are busy (blocked in callbacks), up to `COMPLETERS`.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import datetime
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,6 +36,9 @@ import torch.distributed as dist
 
 Job = Callable[[], Any]
 """A call's work on the worker: returns the output tensors or an `InnerWork`."""
+
+COMPLETERS = 64
+"""Most completer threads of one group: as many callbacks may block in a wait at once."""
 
 
 @dataclasses.dataclass
@@ -52,9 +64,12 @@ class _AllOf:
 class LocoWork(dist.Work):
     """A queued call; its future's value is the list of output tensors."""
 
-    def __init__(self, future: torch.futures.Future) -> None:
+    def __init__(self, future: torch.futures.Future,
+                 source_rank: Callable[[], int] | None = None) -> None:
+        """``source_rank`` (receives only) names the sender once the call has completed."""
         super().__init__()
         self._future = future
+        self._source = source_rank
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
 
@@ -91,6 +106,14 @@ class LocoWork(dist.Work):
     def result(self) -> list[torch.Tensor]:
         return self._future.wait()
 
+    def _source_rank(self) -> int:
+        """The sender's rank of a completed receive (``dist.recv`` without ``src`` reads it)."""
+        if self._source is None:
+            raise ValueError("lowbitcc: sourceRank() may only be called on work objects that "
+                             "correspond to a recv or recv-from-any call")
+        self._future.wait()
+        return self._source()
+
 
 class IssueQueue:
     """The worker and waiter threads of one group (see the module docstring).
@@ -104,26 +127,29 @@ class IssueQueue:
         self._closed = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
+        self._completers = ThreadPoolExecutor(COMPLETERS, thread_name_prefix=f"{name}-completer")
         self._worker = threading.Thread(target=self._run_jobs, name=f"{name}-worker", daemon=True)
         self._waiter = threading.Thread(target=self._complete_in_order, name=f"{name}-waiter",
                                         daemon=True)
         self._worker.start()
         self._waiter.start()
 
-    def submit(self, job: Job) -> LocoWork:
-        """Queue ``job`` (run on the worker, in issue order) and return its Work."""
+    def submit(self, job: Job, source_rank: Callable[[], int] | None = None) -> LocoWork:
+        """Queue ``job`` (run on the worker, in issue order) and return its Work
+        (``source_rank``: see `LocoWork`)."""
         future: torch.futures.Future = torch.futures.Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("lowbitcc: this process group has been shut down")
             self._jobs.put((job, future))
-        return LocoWork(future)
+        return LocoWork(future, source_rank)
 
     def complete(self, inner: InnerWork) -> list[torch.Tensor]:
-        """Wait for ``inner``'s gloo work, retire it, and finish the call."""
+        """Wait for ``inner``'s gloo work, retire it, and finish the call (without autograd)."""
         inner.work.wait()
         self._retire(inner.work)
-        return inner.finish()
+        with torch.no_grad():
+            return inner.finish()
 
     def sequence(self, jobs: list[Job], outputs: list[torch.Tensor]) -> Job:
         """One job running ``jobs`` in order. Inner work they leave in flight (exact fallbacks)
@@ -153,7 +179,16 @@ class IssueQueue:
             self._jobs.put(None)
         self._worker.join(timeout=timeout_s)
         self._waiter.join(timeout=timeout_s)
+        self._completers.shutdown(wait=False)
         return True
+
+    def _settle(self, future: torch.futures.Future, result: Any = None,
+                error: BaseException | None = None) -> None:
+        """Complete ``future`` on a completer thread (its callbacks run there)."""
+        if error is not None:
+            self._completers.submit(future.set_exception, error)
+        else:
+            self._completers.submit(future.set_result, result)
 
     def _run_jobs(self) -> None:
         while True:
@@ -163,14 +198,15 @@ class IssueQueue:
                 return
             job, future = item
             try:
-                result = job()
+                with torch.no_grad():
+                    result = job()
             except BaseException as exc:  # noqa: BLE001 (delivered to the caller's wait())
-                future.set_exception(exc)
+                self._settle(future, error=exc)
                 continue
             if isinstance(result, InnerWork):
                 self._in_flight.put((result, future))
             else:
-                future.set_result(result)
+                self._settle(future, result)
 
     def _complete_in_order(self) -> None:
         while True:
@@ -179,6 +215,6 @@ class IssueQueue:
                 return
             inner, future = item
             try:
-                future.set_result(self.complete(inner))
+                self._settle(future, self.complete(inner))
             except BaseException as exc:  # noqa: BLE001
-                future.set_exception(exc)
+                self._settle(future, error=exc)

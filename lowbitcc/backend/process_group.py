@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -186,9 +187,10 @@ class LocoProcessGroup(dist.ProcessGroup):
                 "with NCCL and a visible GPU for CUDA tensors")
         return device_type == "cuda"
 
-    def _exact(self, method: str, outputs: list[Any], *args: Any) -> Any:
+    def _exact(self, method: str, outputs: list[Any], *args: Any,
+               source_rank: Callable[[], int] | None = None) -> Any:
         """Queue ``inner.<method>(*args)`` (CUDA tensors: issue ``nccl.<method>(*args)`` now);
-        the Work's value is ``outputs`` flattened."""
+        the Work's value is ``outputs`` flattened (``source_rank``: see `LocoWork`)."""
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(list(args[:1]))))
         tensors = [t for t in _flat([a for a in args if isinstance(a, list | tuple | torch.Tensor)])
                    if isinstance(t, torch.Tensor)]
@@ -198,7 +200,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         def job() -> InnerWork:
             return InnerWork(getattr(self._inner, method)(*args), lambda: _flat(outputs))
 
-        return self._queue.submit(job)
+        return self._queue.submit(job, source_rank)
 
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
@@ -387,15 +389,43 @@ class LocoProcessGroup(dist.ProcessGroup):
         opts = opts or dist.BarrierOptions()
         return self._queue.submit(lambda: InnerWork(self._inner.barrier(opts), lambda: []))
 
+    def monitored_barrier(self, timeout: datetime.timedelta | float | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """gloo's debugging barrier, run on the inner gloo group after every call issued before
+        it: rank 0 raises naming the first rank (``wait_all_ranks``: every rank) that did not
+        arrive within ``timeout`` (seconds or a timedelta; default the group's), the others
+        raise that rank 0 failed. Blocks the calling thread; the group's later calls wait."""
+        if timeout is None:
+            timeout = self.timeout
+        elif not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
+
+        def job() -> list[torch.Tensor]:
+            self._inner.monitored_barrier(timeout, wait_all_ranks)
+            return []
+
+        self._queue.submit(job).wait()
+
     # -- point to point: issued in order, never waited on by the worker ----------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LocoWork:
         return self._exact("send", tensors, tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LocoWork:
-        return self._exact("recv", tensors, tensors, src, tag)
+        return self._exact("recv", tensors, tensors, src, tag, source_rank=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> LocoWork:
-        return self._exact("recv_anysource", tensors, tensors, tag)
+        """Receive from whichever rank sends first; the Work's ``_source_rank()`` names it."""
+        if self._on_cuda("recv_anysource", tensors):
+            raise ValueError("lowbitcc: recv without a source rank needs CPU tensors "
+                             "(NCCL has no receive from any source)")
+        state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(tensors)))
+        posted: list[Any] = []
+
+        def job() -> InnerWork:
+            posted.append(self._inner.recv_anysource(tensors, tag))
+            return InnerWork(posted[0], lambda: tensors)
+
+        return self._queue.submit(job, source_rank=lambda: posted[0]._source_rank())
 
 
 def _check_tensors(what: str, tensors: list[Any]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -231,3 +233,51 @@ def _subgroups(rank, world, gloo):
 def test_new_group_and_device_mesh_subgroups():
     for flags in run_ranks(_subgroups, 4):
         assert all(flags)
+
+
+def _receive_from_any_source(rank, world, gloo):
+    """Rank 0 receives one message from each other rank without naming the sender."""
+    senders = []
+    for group in (None, gloo):
+        if rank == 0:
+            for _ in range(world - 1):
+                got = torch.empty(5)
+                sender = dist.recv(got, group=group)
+                assert torch.equal(got, torch.full((5,), float(sender))), (sender, got)
+                senders.append(sender)
+            work = dist.irecv(got, group=group)
+            work.wait()
+            senders.append(work._source_rank())
+        else:
+            dist.send(torch.full((5,), float(rank)), 0, group=group)
+            if rank == 1:
+                dist.send(torch.full((5,), 1.0), 0, group=group)
+        dist.barrier(group=group)
+    return senders
+
+
+def test_receive_from_any_source_names_the_sender_as_gloo_does():
+    senders = run_ranks(_receive_from_any_source, 3)[0]
+    loco, gloo = senders[:3], senders[3:]
+    assert sorted(loco[:2]) == [1, 2] and loco[2] == 1
+    assert sorted(loco[:2]) == sorted(gloo[:2]) and loco[2] == gloo[2]
+
+
+def _monitored_barrier(rank, world, gloo):
+    import lowbitcc
+
+    dist.all_reduce(torch.ones(10))
+    lowbitcc.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+    dist.new_group().monitored_barrier(datetime.timedelta(seconds=20), wait_all_ranks=True)
+    with pytest.raises(ValueError, match="needs a 'loco' group, got 'gloo'"):
+        lowbitcc.monitored_barrier(gloo)
+    dist.barrier()
+    if rank == 1:
+        return "absent"
+    with pytest.raises(RuntimeError, match="Rank 1 failed to pass monitoredBarrier"):
+        lowbitcc.monitored_barrier(timeout=1.0)
+    return "named rank 1"
+
+
+def test_monitored_barrier_names_the_rank_that_did_not_arrive():
+    assert run_ranks(_monitored_barrier, 2) == ["named rank 1", "absent"]

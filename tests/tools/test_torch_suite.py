@@ -1,0 +1,53 @@
+"""torch's own distributed suite over "loco": CI runs the curated subset beside gloo; the
+comparison's rules are checked on made-up outcomes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lowbitcc.tools.torch_suite import runner
+
+
+def test_curated_subset_of_torchs_suite_passes_over_loco_as_over_gloo(tmp_path):
+    """The CI slice of `lowbitcc torch-suite`: gloo passes every curated test; "loco" must pass
+    them all at the default settings, and with compression forced fail only lossy ones."""
+    runs = {config: runner.run_config(config, list(runner.CURATED), jobs=2, log_dir=tmp_path)
+            for config in runner.CONFIGS}
+    assert runs["gloo"].passed() == set(runner.CURATED), runs["gloo"].outcomes
+    comparison = runner.compare(runs)
+    logs = {c: r.log.read_text()[-3000:] for c, r in runs.items() if c != "gloo"}
+    assert comparison.ok, f"{comparison.problems}; ranks' logs: {logs}"
+    assert runs["loco"].passed() == set(runner.CURATED)
+    assert set(comparison.lossy) <= set(runner.LOSSY_BY_DESIGN)
+
+
+def _run(config: str, **outcomes: str) -> runner.SuiteRun:
+    return runner.SuiteRun(config, {name: {"outcome": o, "detail": f"{o} because", "seconds": 1.0}
+                                    for name, o in outcomes.items()}, 1.0, Path("log"))
+
+
+def test_comparison_holds_loco_to_every_test_gloo_passes():
+    refused = next(iter(runner.REFUSED_BY_TORCH))
+    runs = {
+        "gloo": _run("gloo", test_a="passed", test_b="passed", test_c="skipped",
+                     **{refused: "passed"}),
+        "loco": _run("loco", test_a="passed", test_b="skipped", test_c="failed",
+                     **{refused: "failed"}),
+    }
+    comparison = runner.compare(runs)
+    assert not comparison.ok
+    assert comparison.problems == ["loco: test_b skipped (skipped because)"]
+    assert comparison.refused == [f"loco: {refused}"]
+    report = runner.format_report(runs, comparison, 2)
+    assert "| loco | 1 | 2 | 1 |" in report and "loco: test_b skipped" in report
+
+
+def test_comparison_forgives_lossy_tests_only_when_compression_is_forced(monkeypatch):
+    monkeypatch.setattr(runner, "LOSSY_BY_DESIGN", {"test_a": "4-bit codes"})
+    runs = {"gloo": _run("gloo", test_a="passed"), "loco": _run("loco", test_a="failed"),
+            "loco-forced": _run("loco-forced", test_a="failed")}
+    comparison = runner.compare(runs)
+    assert comparison.problems == ["loco: test_a failed (failed because)"]
+    assert comparison.lossy == ["test_a"]
+    del runs["loco"]
+    assert runner.compare(runs).ok
