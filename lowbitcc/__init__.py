@@ -38,13 +38,21 @@ def reset_stats() -> None:
 
 
 def state_dict() -> dict[str, Any]:
-    """The error-feedback state of this process (every "loco" group), tensors cloned."""
-    return state.FEEDBACK.state_dict()
+    """The error-feedback state of this process (every "loco" group), tensors cloned, with
+    this process's rank in the default group (None before ``init_process_group``)."""
+    return state.FEEDBACK.state_dict(_rank())
 
 
 def load_state_dict(saved: dict[str, Any]) -> None:
-    """Replace this process's error-feedback state with ``saved`` (from `state_dict`)."""
-    state.FEEDBACK.load_state_dict(saved)
+    """Replace this process's error-feedback state with ``saved`` (from `state_dict` on the
+    same rank). Raises ``ValueError`` naming the problem, and keeps the current state, if
+    ``saved`` is not such a dict, was saved by another rank, or holds an unusable entry
+    (shapes, dtypes, group sizes or scales that do not fit, non-finite values)."""
+    state.FEEDBACK.load_state_dict(saved, _rank())
+
+
+def _rank() -> int | None:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def monitored_barrier(group: Any = None, timeout: datetime.timedelta | float | None = None,

@@ -91,7 +91,7 @@ class CallCompressor:
         if error_dtype:
             numel = source.rows * self.codec.padded(source.m)
             state, uses = self.store.take(key, numel, error_dtype, self.reset_interval,
-                                          source.tensor.device)
+                                          source.tensor.device, self.codec.group_size)
         # stochastic rounding: each rank and stage of a call draws its own random bits
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         result = self.codec.encode(

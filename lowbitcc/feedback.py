@@ -8,7 +8,7 @@ Each entry holds an `ErrorState` (the error of one shard source, int8 with per-g
 bf16 or fp32) and the number of times it was used. Rules:
 
 - every ``reset_interval`` uses the state is dropped (the call runs as if it were new);
-- a shape or storage change under the same key drops the state;
+- a shape, storage or group-size change under the same key drops the state;
 - a call that saw NaN/Inf drops the state instead of storing a poisoned one;
 - at most ``max_keys`` entries are kept; the least recently used are dropped first.
 
@@ -46,15 +46,18 @@ class FeedbackStore:
             return list(self._states)
 
     def take(self, key: str, numel: int, dtype: str, reset_interval: int,
-             device: torch.device | str = "cpu") -> tuple[ErrorState | None, int]:
+             device: torch.device | str = "cpu", group_size: int | None = None,
+             ) -> tuple[ErrorState | None, int]:
         """Remove and return ``(state, uses)`` of ``key`` on ``device`` (a state loaded or kept
-        elsewhere is moved there); ``(None, 0)`` when it must start anew."""
+        elsewhere is moved there); ``(None, 0)`` when it must start anew, also when it was made
+        for another ``numel``, storage or ``group_size`` (None: any)."""
         with self._lock:
             entry = self._states.pop(key, None)
         if entry is None:
             return None, 0
         state, uses = entry
-        if state.numel != numel or state.dtype != dtype:
+        if (state.numel != numel or state.dtype != dtype
+                or (group_size is not None and state.group_size != group_size)):
             return None, 0
         if reset_interval and uses >= reset_interval:
             return None, 0
@@ -79,9 +82,10 @@ class FeedbackStore:
         with self._lock:
             self._states.clear()
 
-    def state_dict(self) -> dict[str, Any]:
-        """A picklable copy of every entry (CPU tensors), for checkpoints. Device states are
-        copied after the device's queued work (a synchronisation)."""
+    def state_dict(self, rank: int | None = None) -> dict[str, Any]:
+        """A picklable copy of every entry (CPU tensors), for checkpoints, recording ``rank``
+        (this process's rank, checked on load). Device states are copied after the device's
+        queued work (a synchronisation)."""
         with self._lock:
             entries = list(self._states.items())
         states = {}
@@ -89,19 +93,43 @@ class FeedbackStore:
             copy = state.to("cpu", copy=True)
             states[key] = {"uses": uses, "dtype": copy.dtype, "group_size": copy.group_size,
                            "data": copy.data, "scales": copy.scales}
-        return {"version": STATE_DICT_VERSION, "states": states}
+        return {"version": STATE_DICT_VERSION, "rank": rank, "states": states}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Replace every entry with those of ``state_dict`` (from `state_dict`)."""
-        if state_dict.get("version") != STATE_DICT_VERSION:
+    def load_state_dict(self, state_dict: dict[str, Any], rank: int | None = None) -> None:
+        """Replace every entry with those of ``state_dict`` (from `state_dict`), after checking
+        all of it: nothing is replaced if any entry is unusable (ValueError naming it), or if
+        the dict was saved by another rank than ``rank`` (each rank's error is its own)."""
+        if not isinstance(state_dict, dict) or state_dict.get("version") != STATE_DICT_VERSION:
+            version = state_dict.get("version") if isinstance(state_dict, dict) else state_dict
             raise ValueError(
-                f"lowbitcc: error-state dict version {state_dict.get('version')!r} is not "
-                f"{STATE_DICT_VERSION}"
-            )
-        states = collections.OrderedDict(
-            (key, (ErrorState(v["dtype"], v["data"], v["scales"], int(v["group_size"])).clone(),
-                   int(v["uses"])))
-            for key, v in state_dict["states"].items()
-        )
+                f"lowbitcc: error-state dict version {version!r} is not {STATE_DICT_VERSION} "
+                "(pass what lowbitcc.state_dict() returned)")
+        saved_rank = state_dict.get("rank")
+        if rank is not None and saved_rank is not None and saved_rank != rank:
+            raise ValueError(f"lowbitcc: error-state dict saved by rank {saved_rank}, loaded on "
+                             f"rank {rank}; each rank must load its own")
+        states: collections.OrderedDict[str, tuple[ErrorState, int]] = collections.OrderedDict()
+        for key, v in dict(state_dict.get("states", {})).items():
+            states[key] = _checked_entry(key, v)
         with self._lock:
             self._states = states
+
+
+def _checked_entry(key: Any, v: Any) -> tuple[ErrorState, int]:
+    """One saved entry as ``(state, uses)``; ValueError naming ``key`` if it is unusable."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"lowbitcc: error state {key!r} in the state dict: {why}")
+
+    if not isinstance(key, str):
+        raise bad("keys are strings")
+    fields = ("dtype", "data", "scales", "group_size", "uses")
+    if not isinstance(v, dict) or any(f not in v for f in fields):
+        raise bad(f"an entry is a dict with {', '.join(fields)}")
+    uses, group_size = v["uses"], v["group_size"]
+    if not isinstance(uses, int) or uses < 0:
+        raise bad(f"uses {uses!r} is not a non-negative int")
+    state = ErrorState(v["dtype"], v["data"], v["scales"], group_size)
+    problem = state.problem()
+    if problem is not None:
+        raise bad(problem)
+    return state.clone(), uses

@@ -53,22 +53,31 @@ def create_process_group(common_opts: Any, backend_options: Any) -> dist.Process
     """c10d's creator hook (extended API): one `LocoProcessGroup` per group, subgroups too.
 
     ``backend_options`` is the ``pg_options`` of ``init_process_group``/``new_group``: a
-    `LocoConfig`, or None for the one read from ``LOCO_*`` variables.
+    `LocoConfig`, or None for the one read from ``LOCO_*`` variables. Every rank checks that
+    all share the settings (`agreement`) before the group is built.
     """
     from lowbitcc import state
+    from lowbitcc.backend import agreement
     from lowbitcc.backend.process_group import LocoProcessGroup
     from lowbitcc.config import LocoConfig
 
     _check_not_mixed()
-    if backend_options is None:
-        config = LocoConfig.from_env()
-    elif isinstance(backend_options, LocoConfig):
-        config = backend_options
-    else:
-        raise TypeError(
-            "lowbitcc: pg_options of a 'loco' group must be a lowbitcc.LocoConfig, got "
-            f"{type(backend_options).__name__}"
-        )
+    config: LocoConfig | None = None
+    error: Exception | None = None
+    try:
+        if backend_options is None:
+            config = LocoConfig.from_env()
+        elif isinstance(backend_options, LocoConfig):
+            config = backend_options
+        else:
+            raise TypeError(
+                "lowbitcc: pg_options of a 'loco' group must be a lowbitcc.LocoConfig, got "
+                f"{type(backend_options).__name__}"
+            )
+    except (ValueError, TypeError) as exc:
+        error = exc
+    config = agreement.agree(common_opts.store, common_opts.group_rank, common_opts.group_size,
+                             common_opts.timeout, config, error)
     state.install_step_hook()
     state.bound_feedback(config.max_keys)
     return LocoProcessGroup(

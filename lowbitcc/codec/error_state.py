@@ -32,6 +32,36 @@ class ErrorState:
     def numel(self) -> int:
         return self.data.numel()
 
+    def problem(self) -> str | None:
+        """What makes this state unusable by the codec kernels (which read ``data`` and
+        ``scales`` without bounds checks), or None: a storage the kernels know, ``data`` a
+        contiguous 1-D tensor of that storage's dtype whose length is a multiple of a positive
+        ``group_size``, fp32 ``scales`` of one finite non-negative value per group for int8
+        (none otherwise), finite values."""
+        if self.dtype not in STORAGE:
+            return f"storage {self.dtype!r} is not one of {', '.join(STORAGE)}"
+        if not isinstance(self.group_size, int) or self.group_size <= 0:
+            return f"group size {self.group_size!r} is not a positive int"
+        data = self.data
+        if not isinstance(data, torch.Tensor) or data.dtype != STORAGE[self.dtype]:
+            return f"data is not a {STORAGE[self.dtype]} tensor"
+        if data.dim() != 1 or not data.is_contiguous() or data.numel() % self.group_size:
+            return (f"data of shape {tuple(data.shape)} is not a contiguous 1-D tensor of whole "
+                    f"groups of {self.group_size}")
+        if self.dtype != "int8":
+            if self.scales is not None:
+                return f"{self.dtype} storage has scales"
+            return None if bool(torch.isfinite(data).all()) else "data is not finite"
+        scales = self.scales
+        groups = data.numel() // self.group_size
+        if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32
+                or scales.shape != (groups,) or not scales.is_contiguous()
+                or scales.device != data.device):
+            return f"int8 storage needs {groups} contiguous fp32 scales beside its data"
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            return "scales are not finite and non-negative"
+        return None
+
     def decode(self) -> torch.Tensor:
         """The error as a flat fp32 tensor."""
         if self.dtype == "int8":

@@ -18,7 +18,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -58,12 +58,14 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "loco",
               timeout_s: float = 300.0, pg_timeout_s: float | None = None,
               env: Mapping[str, str] | None = None, threads: int | None = None,
-              pg_options: Any = None) -> list[Any]:
+              pg_options: Any = None,
+              rank_env: Sequence[Mapping[str, str]] | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; the values in rank order.
 
     ``env`` is added to each rank's environment before the group is created (``LOCO_*``
-    settings); ``threads`` defaults to `threads_per_rank`; ``pg_timeout_s`` (the process
-    group's timeout) to ``timeout_s``. ``fn``, ``args`` and the values must pickle.
+    settings), then ``rank_env[rank]`` (settings that differ per rank); ``threads`` defaults
+    to `threads_per_rank`; ``pg_timeout_s`` (the process group's timeout) to ``timeout_s``.
+    ``fn``, ``args`` and the values must pickle.
     """
     if nprocs < 1:
         raise ValueError(f"lowbitcc: need at least one rank, got {nprocs}")
@@ -71,10 +73,12 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="lowbitcc-") as tmp:
         init_file = os.path.join(tmp, "store")
-        entry_args = (fn, args, init_file, backend, pg_timeout_s or timeout_s, dict(env or {}),
-                      threads or threads_per_rank(nprocs), pg_options, results)
-        procs = [ctx.Process(target=_entry, args=(r, nprocs, *entry_args), daemon=True)
-                 for r in range(nprocs)]
+        if rank_env is not None and len(rank_env) != nprocs:
+            raise ValueError(f"lowbitcc: rank_env has {len(rank_env)} entries for {nprocs} ranks")
+        envs = [{**(env or {}), **(rank_env[r] if rank_env else {})} for r in range(nprocs)]
+        procs = [ctx.Process(target=_entry, daemon=True, args=(
+            r, nprocs, fn, args, init_file, backend, pg_timeout_s or timeout_s, envs[r],
+            threads or threads_per_rank(nprocs), pg_options, results)) for r in range(nprocs)]
         for p in procs:
             p.start()
         values: dict[int, Any] = {}

@@ -144,3 +144,105 @@ def _wait_with_timeout(rank, world, gloo):
 
 def test_work_wait_honours_its_timeout():
     assert run_ranks(_wait_with_timeout, 2)[0] == ("timed out", True)
+
+
+def _state_of_another_group_size(rank, world, gloo):
+    from lowbitcc import state
+
+    coarse = dist.new_group(pg_options=lowbitcc.LocoConfig(group_size=128))
+    fine = dist.new_group(pg_options=lowbitcc.LocoConfig(group_size=64))
+    x = torch.linspace(-1, 1, 128 * 1024) * (rank + 1)
+    with lowbitcc.compressed(), lowbitcc.feedback_key("k"):
+        dist.all_reduce(x.clone(), group=coarse)
+    # as if ``fine`` were ``coarse`` re-created under the same name with a smaller group size
+    coarse_prefix, fine_prefix = f"{coarse.group_name}|k|", f"{fine.group_name}|k|"
+    saved = {key.replace(coarse_prefix, fine_prefix): entry
+             for key, entry in state.FEEDBACK.state_dict()["states"].items()
+             if key.startswith(coarse_prefix)}
+    assert saved and all(entry["group_size"] == 128 for entry in saved.values())
+    state.FEEDBACK.load_state_dict({"version": 1, "states": saved})
+    out = x.clone()
+    with lowbitcc.compressed(), lowbitcc.feedback_key("k"):
+        dist.all_reduce(out, group=fine)
+    kept = [entry for key, entry in state.FEEDBACK.state_dict()["states"].items()
+            if key in saved]
+    return (len(kept) == len(saved), {(e["group_size"], e["scales"].numel() * 64 == e["data"].numel())
+                                      for e in kept}, bool(torch.isfinite(out).all()))
+
+
+def test_error_state_made_for_another_group_size_is_dropped_not_used():
+    """It aborted both ranks in free() (the kernels read scales per 64 from a per-128 state)."""
+    assert run_ranks(_state_of_another_group_size, 2) == [(True, {(64, True)}, True)] * 2
+
+
+def _saved_entry(**changes):
+    from lowbitcc.codec.error_state import ErrorState
+
+    e = ErrorState.encode(torch.linspace(-1, 1, 256), "int8", 128)
+    entry = {"uses": 3, "dtype": "int8", "group_size": 128, "data": e.data, "scales": e.scales}
+    entry.update(changes)
+    return {"version": 1, "rank": 0, "states": {"g|k": entry}}
+
+
+@pytest.mark.parametrize("saved, match", [
+    (_saved_entry(scales=torch.ones(1)), "needs 2 contiguous fp32 scales"),
+    (_saved_entry(group_size=64), "needs 4 contiguous fp32 scales"),
+    (_saved_entry(group_size=0), "group size 0 is not a positive int"),
+    (_saved_entry(scales=torch.tensor([1.0, float("nan")])), "scales are not finite"),
+    (_saved_entry(data=torch.zeros(256)), "data is not a torch.int8 tensor"),
+    (_saved_entry(data=torch.zeros(2, 128, dtype=torch.int8)), "not a contiguous 1-D tensor"),
+    (_saved_entry(dtype="fp32", data=torch.full((256,), float("inf")), scales=None),
+     "data is not finite"),
+    (_saved_entry(dtype="fp8"), "storage 'fp8' is not one of"),
+    (_saved_entry(uses=-1), "uses -1 is not a non-negative int"),
+    ({"version": 1, "rank": 0, "states": {"g|k": {"data": 1}}}, "an entry is a dict with"),
+    ({"version": 1, "rank": 1, "states": {}}, "saved by rank 1, loaded on rank 0"),
+    ([1, 2], "version"),
+])
+def test_load_state_dict_refuses_what_the_codec_cannot_use(saved, match):
+    """Each of these loaded silently (then segfaulted, or gave all-NaN results)."""
+    from lowbitcc.feedback import FeedbackStore
+
+    store = FeedbackStore()
+    store.load_state_dict(_saved_entry(), rank=0)
+    with pytest.raises(ValueError, match=match):
+        store.load_state_dict(saved, rank=0)
+    assert store.keys() == ["g|k"] and store.uses("g|k") == 3
+
+
+def _two_groups(rank, world):
+    return "created"
+
+
+@pytest.mark.parametrize("setting, values, match", [
+    ("LOCO_SCHEDULE", ("direct", "ring"), r"schedule \(rank 0: 'direct', rank 1: 'ring'\)"),
+    ("LOCO_CHUNK_SIZE", ("262144", "4096"), r"chunk_size \(rank 0: 262144, rank 1: 4096\)"),
+    ("LOCO_POLICY", ("backward", "always"), r"policy \(rank 0: 'backward', rank 1: 'always'\)"),
+    ("LOCO_BITS", ("4", "8"), r"bits \(rank 0: 4, rank 1: 8\)"),
+    # rank 1 raises its own error, rank 0 says that rank 1's settings are invalid, and why
+    ("LOCO_BITS", ("4", "5"), r"invalid bits=5 \(LOCO_BITS\)"),
+])
+def test_settings_that_differ_between_ranks_raise_on_every_rank_at_init(setting, values, match):
+    """Different schedules hung, different chunk sizes aborted gloo, and an invalid setting on
+    one rank left the others blocked until the init timeout."""
+    import re
+
+    from lowbitcc.tools import spawn
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        spawn.run_ranks(_two_groups, 2, backend="loco", timeout_s=60, pg_timeout_s=60,
+                        rank_env=[{setting: v} for v in values])
+    assert time.monotonic() - started < 40
+    errors = str(raised.value)
+    assert len(re.findall(match, errors)) == 2, errors
+    if values[1] == "5":
+        assert "rank 1's 'loco' settings are invalid" in errors
+
+
+def test_codec_implementation_is_each_ranks_own():
+    from lowbitcc.tools import spawn
+
+    assert spawn.run_ranks(_two_groups, 2, backend="loco", timeout_s=60,
+                           rank_env=[{"LOCO_CODEC": "reference"}, {"LOCO_CODEC": "auto"}],
+                           ) == ["created"] * 2

@@ -1,0 +1,69 @@
+"""Every rank of a "loco" group checks, when the group is created, that all share its settings.
+
+Settings decide the wire (bits, group size, schedule, chunking, transport) and which calls are
+compressed (policy, min_size, check, cost_model); ranks that differ would issue different
+operations for the same call: a hang or an abort inside gloo. So each rank publishes its
+`LocoConfig` (or the error it raised reading one) in the group's store under
+``lowbitcc/config/<rank>`` and reads every other rank's, then either all go on or all raise a
+``ValueError`` that names the setting and each rank's value (or the rank whose configuration was
+invalid), within the group's timeout.
+
+Two settings are each rank's own: ``codec`` (every implementation gives the same bytes) and
+``max_keys`` (a local memory bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+
+import torch.distributed as dist
+
+from lowbitcc.config import LocoConfig
+
+LOCAL_SETTINGS = ("codec", "max_keys")
+"""`LocoConfig` fields that may differ between the ranks of a group."""
+
+_KEY = "lowbitcc/config/{}"
+
+
+def agree(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+          config: LocoConfig | None, error: Exception | None = None) -> LocoConfig:
+    """Publish this rank's ``config`` (or ``error``, the exception reading it raised) and
+    return ``config`` once every rank of the group has published the same shared settings;
+    raise ``error`` itself, or a ``ValueError`` naming what differs, on every rank otherwise."""
+    mine = {"error": f"{type(error).__name__}: {error}"} if error is not None else {
+        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(LocoConfig)}}
+    store.set(_KEY.format(rank), json.dumps(mine))
+    keys = [_KEY.format(r) for r in range(size)]
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as exc:  # DistStoreError: a rank never came
+        missing = [r for r in range(size) if not store.check([_KEY.format(r)])]
+        raise dist.DistBackendError(
+            f"lowbitcc: ranks {missing} of this 'loco' group did not publish their settings "
+            f"within {timeout} ({exc})") from exc
+    published = [json.loads(store.get(key)) for key in keys]
+    if error is not None:
+        raise error
+    invalid = [(r, p["error"]) for r, p in enumerate(published) if "error" in p]
+    if invalid:
+        r, message = invalid[0]
+        raise ValueError(f"lowbitcc: rank {r}'s 'loco' settings are invalid ({message}); every "
+                         "rank of the group raises")
+    assert config is not None
+    differing = []
+    for field in dataclasses.fields(LocoConfig):
+        if field.name in LOCAL_SETTINGS:
+            continue
+        values = [p["config"][field.name] for p in published]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            differing.append(f"{field.name} ({per_rank})")
+    if differing:
+        raise ValueError(
+            "lowbitcc: the ranks of a 'loco' group must share their settings (LOCO_* variables "
+            "or pg_options); these differ: " + "; ".join(differing))
+    return config
+
