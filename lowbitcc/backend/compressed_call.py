@@ -8,7 +8,10 @@ For each compressible all-reduce or reduce-scatter (the policy said so; see `low
    optimizer step) and its sequence number;
 2. on the worker, exchanges 32-byte call descriptors so that ranks that issued different calls
    all raise `CollectiveMismatchError` (``config.check``), and falls back to the exact call when
-   the agreed size is under ``min_size``, or when rank 0's cost model (`lowbitcc.cost_model`,
+   the agreed size is under ``min_size``, when any rank would not compress it (its policy said
+   exact: e.g. a joined DDP rank's shadow all-reduce, issued outside backward, or an `exact()`
+   block on one rank; such calls of at least ``min_size`` elements come here too, see
+   `agrees_on`), or when rank 0's cost model (`lowbitcc.cost_model`,
    its suggestion carried in the descriptor) says the exact call has been faster for calls of
    this size. Once the ranks agree on exact for a size class, its calls up to the model's next
    exploration run exact without the exchange (a *lease*: every rank counts the same calls, so
@@ -115,6 +118,17 @@ class CompressedCalls:
     def serves(self, device: torch.device) -> bool:
         return device.type in self._routes
 
+    def agrees_on(self, device: torch.device, numels: list[int]) -> bool:
+        """Whether a reduction that this rank will not compress must still exchange
+        descriptors (with ``wants=False``): its calls on CPU tensors have ``numels`` elements
+        (the whole input of each), all at least ``min_size``, so another rank may be about to
+        compress the same call (or issue another one: a dtype or op mismatch then raises
+        instead of hanging). Smaller calls are exact on every rank whatever the policy, and
+        skip the exchange."""
+        cfg = self.config
+        return (cfg.check and cfg.policy != "never" and device.type == "cpu" and bool(numels)
+                and all(n >= cfg.min_size for n in numels))
+
     def route(self, device: torch.device) -> Route:
         try:
             return self._routes[device.type]
@@ -146,8 +160,9 @@ class CompressedCalls:
             self._seq += 1
             return self._seq
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job) -> Job:
-        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback)."""
+    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job, wants: bool = True) -> Job:
+        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback;
+        ``wants``: whether this rank would compress it, see `agrees_on`)."""
 
         def run(source: Source, comp: CallCompressor, route: Route) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
@@ -156,33 +171,34 @@ class CompressedCalls:
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
-        return self._job("all_reduce", tensor, op, run, exact)
+        return self._job("all_reduce", tensor, op, run, exact, wants)
 
     def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: Any,
-                       exact: Job) -> Job:
+                       exact: Job, wants: bool = True) -> Job:
         """The job of a compressed reduce-scatter of flat ``source`` (``size`` rows of
-        ``output.numel()``) into ``output``."""
+        ``output.numel()``) into ``output`` (``exact``, ``wants``: see `all_reduce`)."""
 
         def run(src: Source, comp: CallCompressor, route: Route) -> None:
             reduced = schedules.reduce_scatter(self._schedule(src, route), src, comp, route.links,
                                                self._chunk(route))
             output.copy_(reduced.view(output.shape))
 
-        return self._job("reduce_scatter", source, op, run, exact)
+        return self._job("reduce_scatter", source, op, run, exact, wants)
 
     def _job(self, collective: str, source: torch.Tensor, op: Any,
-             run: Callable[[Source, CallCompressor, Route], None], exact: Job) -> Job:
+             run: Callable[[Source, CallCompressor, Route], None], exact: Job,
+             wants: bool) -> Job:
         cfg = self.config
         numel = source.numel()
         seq = self._next_seq()
-        key = self.key(collective, source, numel)
+        key = self.key(collective, source, numel) if wants else ""
         route = self.route(source.device)
         itemsize = source.element_size()
         modelled = (cfg.cost_model and cfg.check and not route.inline and numel >= cfg.min_size
                     and not policy.forced())
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
-            bits=cfg.bits, group_size=cfg.group_size, compressed=numel >= cfg.min_size,
+            bits=cfg.bits, group_size=cfg.group_size, compressed=wants and numel >= cfg.min_size,
         )
         factor = Reduction.of(op, self.size).input_factor()
         nbytes = numel * itemsize
@@ -201,10 +217,12 @@ class CompressedCalls:
                 desc, prefer_exact=suggestion.exact)
             leader = call
             if cfg.check and route.inline and self._on_worker is not None:
-                self._on_worker(lambda: self._agree(call))
+                agreed: list[wire.CallDescriptor] = []
+                self._on_worker(lambda: agreed.append(self._agree(call)))
+                leader = agreed[0]
             elif cfg.check:
                 leader = self._agree(call)
-            if not desc.compressed:
+            if not leader.compressed:  # some rank would not compress it (or it is too small)
                 return exact()
             if suggestion is not None and leader.prefer_exact:
                 state.STATS.add("exact", model_exact=1)
@@ -257,7 +275,8 @@ class CompressedCalls:
     # -- on the worker -------------------------------------------------------------------------
     def _agree(self, desc: wire.CallDescriptor) -> wire.CallDescriptor:
         """Exchange call descriptors; raise `CollectiveMismatchError` on every rank on mismatch.
-        Returns rank 0's (whose advisory fields every rank follows)."""
+        Returns rank 0's (whose advisory fields every rank follows), marked compressed only if
+        every rank's is."""
         raw = torch.frombuffer(bytearray(desc.pack()), dtype=torch.uint8)
         everyone = self._agreement.all_gather(raw)
         descs = [wire.CallDescriptor.unpack(bytes(row.numpy().tobytes())) for row in everyone]
@@ -266,7 +285,7 @@ class CompressedCalls:
             raise CollectiveMismatchError(
                 f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: {lines}"
             )
-        return descs[0]
+        return dataclasses.replace(descs[0], compressed=all(d.compressed for d in descs))
 
     def _chunk(self, route: Route) -> int:
         return 0 if route.inline else self.config.chunk_size

@@ -229,7 +229,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                                          lambda: [e() for e in exacts],
                                          tensors, tensors, opts.asyncOp)
         issue = getattr(self._inner, method)
-        if not compress:
+        numels = [t.numel() for t in tensors]
+        if not compress and not self._compressed.agrees_on(torch.device("cpu"), numels):
             return self._queue.submit(self._reduction(opts, tensors, tensors, issue, in_place=True))
         single = opts
         if not isinstance(opts, dist.AllreduceOptions):
@@ -237,7 +238,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             single.reduceOp = opts.reduceOp
         jobs = [self._compressed.all_reduce(
                     t, opts.reduceOp,
-                    exact=self._reduction(single, [t], [t], self._inner.allreduce, in_place=True))
+                    exact=self._reduction(single, [t], [t], self._inner.allreduce, in_place=True),
+                    wants=compress)
                 for t in tensors]
         return self._queue.submit(self._queue.sequence(jobs, tensors))
 
@@ -269,10 +271,13 @@ class LocoProcessGroup(dist.ProcessGroup):
                                          opts.asyncOp)
         exact = self._reduction(opts, inputs, [output], reduce_scatter_into(self._inner, output),
                                 in_place=False)
-        if not self._compressible([output], opts.reduceOp):
+        compress = self._compressible([output], opts.reduceOp)
+        if not compress and not self._compressed.agrees_on(output.device,
+                                                           [output.numel() * self.size()]):
             return self._queue.submit(exact)
         source = torch.stack([t.reshape(-1) for t in inputs])
-        job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact)
+        job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact,
+                                              wants=compress)
         return self._queue.submit(self._queue.sequence([job], [output]))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
@@ -313,8 +318,9 @@ class LocoProcessGroup(dist.ProcessGroup):
         for out, inp in zip(outputs, inputs):
             exact = self._reduction(opts, [inp], [out], reduce_scatter_flat_into(self._inner, out),
                                     in_place=False)
-            jobs.append(self._compressed.reduce_scatter(out, inp, opts.reduceOp, exact=exact)
-                        if compress else exact)
+            agree = compress or self._compressed.agrees_on(inp.device, [inp.numel()])
+            jobs.append(self._compressed.reduce_scatter(out, inp, opts.reduceOp, exact=exact,
+                                                        wants=compress) if agree else exact)
         return self._queue.submit(self._queue.sequence(jobs, outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced

@@ -1,8 +1,12 @@
 """The fused C++/OpenMP CPU kernels (``csrc/cpu_codec.cpp``), built on first use and cached.
 
-Built with torch's ``cpp_extension`` (ninja) into torch's extension cache; every process of a
-machine shares the build (torch serialises concurrent builds with a lock file). If no compiler is
-available, `load` returns None after one warning and `kernels.select` falls back to
+Built with torch's ``cpp_extension`` (ninja) into torch's extension cache when the first "loco"
+group is created (not inside a collective), with a warning while a build runs; every process of
+an install shares the build (torch serialises concurrent builds with a lock file). The cache
+entry's name hashes everything that changes the binary: the sources and flags, where they are
+(torch's own rebuild check hashes the absolute include path, so two checkouts sharing one entry
+rebuilt each other's), torch's version and location, Python's version and the compiler. If no
+compiler is available, `load` returns None after one warning and `kernels.select` falls back to
 the reference. Calls run in the calling thread with ``args.threads`` OpenMP threads.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 import warnings
 from types import ModuleType
 
@@ -31,8 +36,13 @@ def load() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
+        name = f"lowbitcc_cpu_codec_{_build_digest()}"
+        built = os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+        if not os.path.exists(built):
+            warnings.warn(f"lowbitcc: building the C++ CPU codec into {os.path.dirname(built)} "
+                          "(once per install; about a minute)", RuntimeWarning, stacklevel=2)
         return cpp_extension.load(
-            name=f"lowbitcc_cpu_codec_{_source_digest()}",
+            name=name,
             sources=[str(s) for s in SOURCES],
             extra_include_paths=[str(CSRC)],
             extra_cflags=CFLAGS,
@@ -49,11 +59,14 @@ def load() -> ModuleType | None:
         return None
 
 
-def _source_digest() -> str:
+def _build_digest() -> str:
+    """Hash of everything that changes the built module (see the module docstring)."""
     h = hashlib.sha256()
     for path in [*SOURCES, HEADER]:
         h.update(path.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    for part in (" ".join(CFLAGS), str(CSRC.resolve()), torch.__version__,
+                 os.path.dirname(torch.__file__), sys.version, os.environ.get("CXX", "c++")):
+        h.update(part.encode() + b"\0")
     return h.hexdigest()[:12]
 
 

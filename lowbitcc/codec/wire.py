@@ -102,7 +102,8 @@ _CALL = struct.Struct("<4sBBBBQIIII")  # 32 bytes
 
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2}
 DESC_COMPRESSED = 1
-"""Descriptor flag: the call is compressed if the cost model agrees (``numel >= min_size``)."""
+"""Descriptor flag: this rank would compress the call (its policy and the size allow it); the
+ranks compress it only if every rank would (and the cost model agrees)."""
 DESC_PREFER_EXACT = 2
 """Descriptor flag: this rank's cost model suggests the exact path."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
@@ -134,8 +135,9 @@ class CallDescriptor:
         )
 
     def call(self) -> CallDescriptor:
-        """The call itself, without the advisory fields (what must match across ranks)."""
-        return dataclasses.replace(self, prefer_exact=False)
+        """The call itself, without the advisory fields (what must match across ranks):
+        whether this rank would compress it is not compared, the ranks settle it together."""
+        return dataclasses.replace(self, compressed=False, prefer_exact=False)
 
     @classmethod
     def unpack(cls, raw: bytes) -> CallDescriptor:

@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbitcc
+import lowbitcc.backend.process_group
 from tests.support.ranks import run_ranks
 
 
@@ -246,3 +247,88 @@ def test_codec_implementation_is_each_ranks_own():
     assert spawn.run_ranks(_two_groups, 2, backend="loco", timeout_s=60,
                            rank_env=[{"LOCO_CODEC": "reference"}, {"LOCO_CODEC": "auto"}],
                            ) == ["created"] * 2
+
+
+BIG = 1 << 17  # elements: above min_size (65536), so every rank exchanges a call descriptor
+
+
+def _one_rank_compresses(rank, world, gloo):
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    ours, theirs = x.clone(), x.clone()
+    if rank == 0:
+        with lowbitcc.compressed():
+            dist.all_reduce(ours)
+    else:
+        dist.all_reduce(ours)
+    dist.all_reduce(theirs, group=gloo)
+    return torch.equal(ours, theirs), lowbitcc.stats()["compressed"]["calls"]
+
+
+def test_compressed_on_one_rank_only_runs_exact_on_every_rank():
+    """It hung until the timeout: one rank ran the compressed schedule, the other gloo's
+    all-reduce. Now the ranks settle it in the descriptor exchange: exact unless all would."""
+    assert run_ranks(_one_rank_compresses, 2, timeout=60) == [(True, 0)] * 2
+
+
+def _mismatched_reductions(rank, world, gloo, kind):
+    x = torch.ones(BIG)
+    op = dist.ReduceOp.SUM
+    if rank == 1 and kind == "dtype":
+        x = torch.ones(BIG, dtype=torch.int32)
+    if rank == 1 and kind == "op":
+        op = dist.ReduceOp.MAX
+    started = time.monotonic()
+    with pytest.raises(lowbitcc.backend.process_group.CollectiveMismatchError,
+                       match="issued different collectives"):
+        with lowbitcc.compressed():
+            dist.all_reduce(x, op=op)
+    dist.all_reduce(torch.ones(10))  # the group is still usable
+    return time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("kind", ["dtype", "op"])
+def test_exact_against_compressed_mismatch_raises_on_every_rank(kind):
+    """fp32 against int32, SUM against MAX: the ineligible rank's call exchanges a descriptor
+    too (it is above min_size), so both raise CollectiveMismatchError at once."""
+    assert run_ranks(_mismatched_reductions, 2, kind, timeout=60) == [True, True]
+
+
+def _join_uneven_inputs(rank, world, gloo):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                    torch.nn.Linear(512, 256)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    with model.join():
+        for _ in range(3 + 2 * rank):
+            opt.zero_grad()
+            model(torch.randn(8, 256, generator=gen)).square().mean().backward()
+            opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return (all(torch.equal(g, gathered[0]) for g in gathered),
+            bool(torch.isfinite(flat).all()), lowbitcc.stats()["compressed"]["calls"] > 0)
+
+
+def test_ddp_join_with_uneven_inputs_completes():
+    """The joined rank's shadow all-reduces (outside backward, so exact) met the active rank's
+    compressed ones: stuck until the timeout, then a segfault."""
+    assert run_ranks(_join_uneven_inputs, 2, timeout=120) == [(True, True, True)] * 2
+
+
+def test_codec_build_cache_is_keyed_by_what_changes_the_binary(monkeypatch, tmp_path):
+    """Two checkouts shared one cache entry and rebuilt each other's (torch's rebuild check
+    hashes the absolute include path): 45-80 s inside init_process_group each time."""
+    from lowbitcc.codec import cpu
+
+    here = cpu._build_digest()
+    assert cpu._build_digest() == here
+    monkeypatch.setattr(cpu, "CSRC", tmp_path)
+    assert cpu._build_digest() != here
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert cpu._build_digest() != here
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++")
+    assert cpu._build_digest() != here
