@@ -278,10 +278,9 @@ def _mismatched_reductions(rank, world, gloo, kind):
     if rank == 1 and kind == "op":
         op = dist.ReduceOp.MAX
     started = time.monotonic()
-    with pytest.raises(lowbitcc.backend.process_group.CollectiveMismatchError,
-                       match="issued different collectives"):
-        with lowbitcc.compressed():
-            dist.all_reduce(x, op=op)
+    with (pytest.raises(lowbitcc.backend.process_group.CollectiveMismatchError,
+                        match="issued different collectives"), lowbitcc.compressed()):
+        dist.all_reduce(x, op=op)
     dist.all_reduce(torch.ones(10))  # the group is still usable
     return time.monotonic() - started < 10
 
