@@ -245,13 +245,15 @@ def _receive_from_any_source(rank, world, gloo):
                 sender = dist.recv(got, group=group)
                 assert torch.equal(got, torch.full((5,), float(sender))), (sender, got)
                 senders.append(sender)
+        else:
+            dist.send(torch.full((5,), float(rank)), 0, group=group)
+        dist.barrier(group=group)
+        if rank == 0:
             work = dist.irecv(got, group=group)
             work.wait()
             senders.append(work._source_rank())
-        else:
-            dist.send(torch.full((5,), float(rank)), 0, group=group)
-            if rank == 1:
-                dist.send(torch.full((5,), 1.0), 0, group=group)
+        elif rank == 1:
+            dist.send(torch.full((5,), 1.0), 0, group=group)
         dist.barrier(group=group)
     return senders
 
