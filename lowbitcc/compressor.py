@@ -7,6 +7,13 @@ received messages; ``scratch`` lends a reusable fp32 buffer. New error states ar
 `finish`, which stores them, or drops every stage's state if anything in the call was
 non-finite. Error state, statistics and the codec stay out of the schedule.
 
+A received message that fails validation (`wire.WireFormatError`: corrupt, truncated, or of
+another call) does not stop the schedule: the decode that met it yields NaN, the error is kept,
+every message this rank encodes afterwards in the call carries `wire.FLAG_PEER_ERROR` (so the
+ranks that receive them fail their decode in turn), and `raise_deferred` raises it once the
+schedule has finished. So every rank completes the same transfers, the group stays in step for
+its next call, and each rank that received a bad message, or a message built from one, raises.
+
 On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag and its
 residual sums stay 0-dim/[2] device tensors, and `finish` zeroes the new error states on the
 device where the call was non-finite (a zero state compensates exactly like a dropped one)
@@ -21,6 +28,7 @@ import zlib
 
 import torch
 
+from lowbitcc.codec import wire
 from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.shard_codec import Flag, ShardCodec
 from lowbitcc.counters import Stats
@@ -81,6 +89,7 @@ class CallCompressor:
         self.nonfinite: Flag = False
         self._sums: torch.Tensor | None = None
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
+        self.wire_error: wire.WireFormatError | None = None
 
     def encode(self, stage: str, source: Source, shard_ids: list[int]) -> torch.Tensor:
         """Messages ``uint8 [rows, P]`` for the rows of ``source``."""
@@ -102,6 +111,8 @@ class CallCompressor:
         self._sums = result.sums if self._sums is None else self._sums + result.sums
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
+        if self.wire_error is not None:
+            result.messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_PEER_ERROR
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return result.messages
 
@@ -121,7 +132,11 @@ class CallCompressor:
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given."""
         start = time.perf_counter()
-        total, nonfinite = self.codec.decode_sum(messages, m, shard, out)
+        try:
+            total, nonfinite = self.codec.decode_sum(messages, m, shard, out)
+        except wire.WireFormatError as exc:
+            total = out if out is not None else torch.empty(m, device=messages.device)
+            nonfinite = self._deferred(exc, total)
         self._flag(nonfinite)
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return total
@@ -130,8 +145,35 @@ class CallCompressor:
         self, messages: torch.Tensor, m: int, shard_ids: list[int], out: torch.Tensor
     ) -> None:
         start = time.perf_counter()
-        self._flag(self.codec.decode_into(messages, m, shard_ids, out))
+        try:
+            self._flag(self.codec.decode_into(messages, m, shard_ids, out))
+        except wire.WireFormatError as exc:
+            self._flag(self._deferred(exc, out))
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
+
+    def _deferred(self, exc: wire.WireFormatError, out: torch.Tensor) -> bool:
+        """Keep the first ``exc`` for `raise_deferred`, fill ``out`` with NaN (the call's error
+        states are then dropped); returns the non-finite flag."""
+        if self.wire_error is None or (isinstance(self.wire_error, wire.PeerWireFormatError)
+                                       and not isinstance(exc, wire.PeerWireFormatError)):
+            self.wire_error = exc
+        out.fill_(float("nan"))
+        return True
+
+    def raise_deferred(self) -> None:
+        """Raise the `wire.WireFormatError` a decode of this call met, naming this rank."""
+        exc = self.wire_error
+        if exc is None:
+            return
+        if isinstance(exc, wire.PeerWireFormatError):
+            raise wire.PeerWireFormatError(
+                f"lowbitcc: rank {self.rank}: another rank received a corrupt or foreign message "
+                f"in this call, so this rank's result is incomplete ({exc}); the group stays "
+                "usable") from exc
+        raise wire.WireFormatError(
+            f"lowbitcc: rank {self.rank} received a corrupt or foreign message in this call "
+            f"({exc}); every rank that depends on it raises too, and the group stays usable"
+        ) from exc
 
     def finish(self) -> None:
         """Store the new error states, or drop them all if the call saw a non-finite value (on

@@ -250,6 +250,7 @@ class CompressedCalls:
             flat = source.detach().reshape(-1).contiguous()
             run(Source(flat, n, m, factor), comp, route)
             comp.finish()
+            comp.raise_deferred()
             if suggestion is not None:
                 self.cost_model.record(suggestion.size_class, False, time.perf_counter() - start,
                                        nbytes)

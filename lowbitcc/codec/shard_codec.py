@@ -267,5 +267,9 @@ class ShardCodec:
                 raise wire.WireFormatError(
                     f"message {i} does not belong to this call: " + ", ".join(problems)
                 )
+            if h.flags & wire.FLAG_PEER_ERROR:
+                raise wire.PeerWireFormatError(
+                    f"message {i} (shard {shard}) comes from a rank that received a corrupt or "
+                    "foreign message earlier in this call")
             nonfinite |= bool(h.flags & wire.FLAG_NONFINITE)
         return nonfinite

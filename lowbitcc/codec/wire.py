@@ -30,6 +30,9 @@ CALL_MAGIC = b"LBCD"
 VERSION = 1
 
 FLAG_NONFINITE = 1
+FLAG_PEER_ERROR = 2
+"""The sender received a corrupt or foreign message earlier in this call: its result, and so
+this message's values, are incomplete (see `lowbitcc.compressor.CallCompressor`)."""
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16"}
@@ -37,6 +40,10 @@ DTYPE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16"}
 
 class WireFormatError(RuntimeError):
     """A received message is truncated, corrupt or belongs to another call."""
+
+
+class PeerWireFormatError(WireFormatError):
+    """A received message says its sender hit a `WireFormatError` earlier in the call."""
 
 
 def ngroups(numel: int, group_size: int) -> int:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbitcc
 import lowbitcc.backend.process_group
+import lowbitcc.codec.wire
 from tests.support.ranks import run_ranks
 
 
@@ -331,3 +332,56 @@ def test_codec_build_cache_is_keyed_by_what_changes_the_binary(monkeypatch, tmp_
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "clang++")
     assert cpu._build_digest() != here
+
+
+class _Corrupted:
+    """A transfer whose received row ``row`` gets one header byte flipped (as a bad NIC or a
+    stray write would)."""
+
+    def __init__(self, pending, row):
+        self.pending, self.row = pending, row
+
+    def wait(self):
+        got = self.pending.wait()
+        if got.shape[-1] > 32:  # a shard message, not the call descriptors' all-gather
+            got[self.row, 28] ^= 0xFF  # the call signature: the message no longer fits the call
+        return got
+
+
+def _corrupt_message_on_one_rank(rank, world, gloo, phase):
+    from lowbitcc.transports import gloo as gloo_transport
+
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    method = "all_to_all_async" if phase == "scatter" else "all_gather_async"
+    original = getattr(gloo_transport.GlooTransport, method)
+    if rank == 1:
+        setattr(gloo_transport.GlooTransport, method,
+                lambda self, send: _Corrupted(original(self, send), 0))
+    try:
+        with lowbitcc.compressed():
+            dist.all_reduce(x.clone())
+        raised = "nothing"
+    except lowbitcc.codec.wire.PeerWireFormatError as exc:
+        raised = "peer" if "another rank received a corrupt" in str(exc) else str(exc)
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        raised = "own" if f"rank {rank} received a corrupt" in str(exc) else str(exc)
+    setattr(gloo_transport.GlooTransport, method, original)
+    ours, theirs = x.clone(), x.clone()
+    with lowbitcc.compressed():
+        dist.all_reduce(ours)  # the group is still in step
+    dist.all_reduce(theirs, group=gloo)
+    return raised, bool(torch.isfinite(ours).all()), bool((ours - theirs).abs().max() < 0.5)
+
+
+@pytest.mark.parametrize("phase, expected", [
+    # rank 1's reduced shard is built from the bad message: rank 0 learns it from the flag
+    ("scatter", [("peer", True, True), ("own", True, True)]),
+    # the bad all-gathered message hurts rank 1's result only
+    ("gather", [("nothing", True, True), ("own", True, True)]),
+])
+def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_survives(
+        phase, expected):
+    """The receiver raised WireFormatError mid-schedule, the sender carried on, and the next
+    call aborted. Now every rank finishes the call's transfers, the receiver raises, ranks whose
+    result depends on the bad message raise too, and the next call works."""
+    assert run_ranks(_corrupt_message_on_one_rank, 2, phase, timeout=60) == expected
