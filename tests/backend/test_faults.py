@@ -385,3 +385,66 @@ def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_sur
     call aborted. Now every rank finishes the call's transfers, the receiver raises, ranks whose
     result depends on the bad message raise too, and the next call works."""
     assert run_ranks(_corrupt_message_on_one_rank, 2, phase, timeout=60) == expected
+
+
+def _late_peer(rank, world, gloo):
+    if rank == 1:
+        time.sleep(3)
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    ours, theirs = x.clone(), x.clone()
+    with lowbitcc.compressed():
+        dist.all_reduce(ours)
+    dist.all_reduce(theirs, group=gloo)
+    return bool((ours - theirs).abs().max() < 0.5)
+
+
+def test_a_late_peer_only_delays_the_call():
+    assert run_ranks(_late_peer, 2, timeout=60) == [True, True]
+
+
+def _absent_peer(rank, world, gloo):
+    if rank == 1:
+        return "absent"
+    started = time.monotonic()
+    try:
+        with lowbitcc.compressed():
+            dist.all_reduce(torch.ones(BIG))
+    except RuntimeError as exc:
+        return ("raised", time.monotonic() - started < 15, type(exc).__name__)
+    return "completed"
+
+
+def test_a_peer_that_never_calls_makes_the_call_raise_within_the_group_timeout():
+    """pg timeout 5 s: the waiting rank raises a Python exception within it, no hang."""
+    raised, in_time, kind = run_ranks(_absent_peer, 2, timeout=60, pg_timeout_s=5)[0]
+    assert (raised, in_time) == ("raised", True), kind
+
+
+def _two_threads_two_groups(rank, world, gloo):
+    import threading
+
+    groups = [dist.new_group(), dist.new_group()]
+    results = [None, None]
+
+    def train(i):
+        ours = torch.linspace(-1, 1, BIG) * (rank + 1 + i)
+        for _ in range(3):
+            with lowbitcc.compressed():
+                dist.all_reduce(ours, group=groups[i])
+        results[i] = ours
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    gathered = [[torch.empty(BIG) for _ in range(world)] for _ in range(2)]
+    for i in range(2):
+        dist.all_gather(gathered[i], results[i], group=gloo)
+    return all(torch.equal(g[0], g[1]) and bool(torch.isfinite(g[0]).all()) for g in gathered)
+
+
+def test_two_threads_on_two_groups_at_once():
+    """Each group has its own worker; concurrent compressed calls on two groups finish with
+    bitwise-identical values on every rank."""
+    assert run_ranks(_two_threads_two_groups, 2, timeout=120) == [True, True]
