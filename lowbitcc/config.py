@@ -106,6 +106,12 @@ class LocoConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def _timeout(self) -> None:
+        """c10d's backend options carry a ``_timeout``, and ``init_device_mesh`` reads it from
+        the ``pg_options`` of a ``backend_override`` entry; None: the group's default."""
+        return None
+
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
 
