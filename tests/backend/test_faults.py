@@ -336,15 +336,18 @@ def test_codec_build_cache_is_keyed_by_what_changes_the_binary(monkeypatch, tmp_
 
 class _Corrupted:
     """A transfer whose received row ``row`` gets one header byte flipped (as a bad NIC or a
-    stray write would)."""
+    stray write would), or whose rows arrive 4 bytes short (``truncate``)."""
 
-    def __init__(self, pending, row):
-        self.pending, self.row = pending, row
+    def __init__(self, pending, row, truncate=False):
+        self.pending, self.row, self.truncate = pending, row, truncate
 
     def wait(self):
         got = self.pending.wait()
-        if got.shape[-1] > 32:  # a shard message, not the call descriptors' all-gather
-            got[self.row, 28] ^= 0xFF  # the call signature: the message no longer fits the call
+        if got.shape[-1] <= 32:  # the call descriptors' all-gather, not shard messages
+            return got
+        if self.truncate:
+            return got[:, :-4].contiguous()
+        got[self.row, 28] ^= 0xFF  # the call signature: the message no longer fits the call
         return got
 
 
@@ -352,11 +355,11 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
     from lowbitcc.transports import gloo as gloo_transport
 
     x = torch.linspace(-1, 1, BIG) * (rank + 1)
-    method = "all_to_all_async" if phase == "scatter" else "all_gather_async"
+    method = "all_to_all_async" if phase != "gather" else "all_gather_async"
     original = getattr(gloo_transport.GlooTransport, method)
     if rank == 1:
-        setattr(gloo_transport.GlooTransport, method,
-                lambda self, send: _Corrupted(original(self, send), 0))
+        setattr(gloo_transport.GlooTransport, method, lambda self, send: _Corrupted(
+            original(self, send), 0, truncate=phase == "truncated"))
     try:
         with lowbitcc.compressed():
             dist.all_reduce(x.clone())
@@ -378,6 +381,8 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
     ("scatter", [("peer", True, True), ("own", True, True)]),
     # the bad all-gathered message hurts rank 1's result only
     ("gather", [("nothing", True, True), ("own", True, True)]),
+    # messages 4 bytes short: the size check, deferred like the header check
+    ("truncated", [("peer", True, True), ("own", True, True)]),
 ])
 def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_survives(
         phase, expected):
