@@ -18,7 +18,8 @@ gloo's C++ does, also into a parameter that requires grad. Futures are completed
 kind of thread, a pool of completers, never by the worker or the waiter: a future's callbacks
 (``.then()``) run where it is completed, and a callback may issue a collective and wait for it
 (torch's PowerSGD hook does), which needs the worker and the waiter free. The pool starts one
-completer and adds one only while all are busy (blocked in callbacks), up to `COMPLETERS`.
+completer and adds one whenever all are busy (completing a future, or blocked in a
+callback), up to `COMPLETERS`; so callbacks of different calls may run at once, as on gloo.
 """
 
 from __future__ import annotations
