@@ -118,15 +118,15 @@ class CompressedCalls:
     def serves(self, device: torch.device) -> bool:
         return device.type in self._routes
 
-    def agrees_on(self, device: torch.device, numels: list[int]) -> bool:
-        """Whether a reduction that this rank will not compress must still exchange
-        descriptors (with ``wants=False``): its calls on CPU tensors have ``numels`` elements
-        (the whole input of each), all at least ``min_size``, so another rank may be about to
+    def agrees_on(self, numels: list[int]) -> bool:
+        """Whether a reduction of CPU tensors that this rank will not compress must still
+        exchange descriptors (with ``wants=False``): its calls have ``numels`` elements (the
+        whole input of each), all at least ``min_size``, so another rank may be about to
         compress the same call (or issue another one: a dtype or op mismatch then raises
         instead of hanging). Smaller calls are exact on every rank whatever the policy, and
-        skip the exchange."""
+        skip the exchange. (CUDA calls never ask: see docs/reliability.md.)"""
         cfg = self.config
-        return (cfg.check and cfg.policy != "never" and device.type == "cpu" and bool(numels)
+        return (cfg.check and cfg.policy != "never" and bool(numels)
                 and all(n >= cfg.min_size for n in numels))
 
     def route(self, device: torch.device) -> Route:

@@ -188,19 +188,24 @@ class LocoProcessGroup(dist.ProcessGroup):
         return device_type == "cuda"
 
     def _exact(self, method: str, outputs: list[Any], *args: Any,
-               source_rank: Callable[[], int] | None = None) -> Any:
+               source_rank: Callable[[Any], int] | None = None) -> Any:
         """Queue ``inner.<method>(*args)`` (CUDA tensors: issue ``nccl.<method>(*args)`` now);
-        the Work's value is ``outputs`` flattened (``source_rank``: see `LocoWork`)."""
+        the Work's value is ``outputs`` flattened. ``source_rank(inner_work)`` (receives only)
+        names the sender once the inner work has completed (see `LocoWork`)."""
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(list(args[:1]))))
         tensors = [t for t in _flat([a for a in args if isinstance(a, list | tuple | torch.Tensor)])
                    if isinstance(t, torch.Tensor)]
         if self._on_cuda(method, tensors) and self._cuda is not None:
             return self._cuda.exact(method, _flat(outputs), *args)
 
-        def job() -> InnerWork:
-            return InnerWork(getattr(self._inner, method)(*args), lambda: _flat(outputs))
+        posted: list[Any] = []
 
-        return self._queue.submit(job, source_rank)
+        def job() -> InnerWork:
+            posted.append(getattr(self._inner, method)(*args))
+            return InnerWork(posted[0], lambda: _flat(outputs))
+
+        sender = None if source_rank is None else lambda: source_rank(posted[0])
+        return self._queue.submit(job, sender)
 
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
@@ -229,8 +234,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                                          lambda: [e() for e in exacts],
                                          tensors, tensors, opts.asyncOp)
         issue = getattr(self._inner, method)
-        numels = [t.numel() for t in tensors]
-        if not compress and not self._compressed.agrees_on(torch.device("cpu"), numels):
+        if not compress and not self._compressed.agrees_on([t.numel() for t in tensors]):
             return self._queue.submit(self._reduction(opts, tensors, tensors, issue, in_place=True))
         single = opts
         if not isinstance(opts, dist.AllreduceOptions):
@@ -272,8 +276,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         exact = self._reduction(opts, inputs, [output], reduce_scatter_into(self._inner, output),
                                 in_place=False)
         compress = self._compressible([output], opts.reduceOp)
-        if not compress and not self._compressed.agrees_on(output.device,
-                                                           [output.numel() * self.size()]):
+        if not compress and not self._compressed.agrees_on([output.numel() * self.size()]):
             return self._queue.submit(exact)
         source = torch.stack([t.reshape(-1) for t in inputs])
         job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact,
@@ -318,7 +321,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         for out, inp in zip(outputs, inputs):
             exact = self._reduction(opts, [inp], [out], reduce_scatter_flat_into(self._inner, out),
                                     in_place=False)
-            agree = compress or self._compressed.agrees_on(inp.device, [inp.numel()])
+            agree = compress or self._compressed.agrees_on([inp.numel()])
             jobs.append(self._compressed.reduce_scatter(out, inp, opts.reduceOp, exact=exact,
                                                         wants=compress) if agree else exact)
         return self._queue.submit(self._queue.sequence(jobs, outputs))
@@ -417,21 +420,15 @@ class LocoProcessGroup(dist.ProcessGroup):
         return self._exact("send", tensors, tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LocoWork:
-        return self._exact("recv", tensors, tensors, src, tag, source_rank=lambda: src)
+        return self._exact("recv", tensors, tensors, src, tag, source_rank=lambda _: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> LocoWork:
         """Receive from whichever rank sends first; the Work's ``_source_rank()`` names it."""
         if self._on_cuda("recv_anysource", tensors):
             raise ValueError("lowbitcc: recv without a source rank needs CPU tensors "
                              "(NCCL has no receive from any source)")
-        state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(tensors)))
-        posted: list[Any] = []
-
-        def job() -> InnerWork:
-            posted.append(self._inner.recv_anysource(tensors, tag))
-            return InnerWork(posted[0], lambda: tensors)
-
-        return self._queue.submit(job, source_rank=lambda: posted[0]._source_rank())
+        return self._exact("recv_anysource", tensors, tensors, tag,
+                           source_rank=lambda inner: inner._source_rank())
 
 
 def _check_tensors(what: str, tensors: list[Any]) -> str:

@@ -1,7 +1,8 @@
 """The test class of torch's distributed suite, bound to the backend under test.
 
 Import contract: the environment names the backend under test in ``LOWBITCC_SUITE_BACKEND``
-("gloo" or "loco", default "loco") and ``WORLD_SIZE`` and ``TEMP_DIR`` as torch's driver does.
+("gloo" or "loco", default "loco") and ``WORLD_SIZE`` as torch's driver does (torch's harness
+sets ``TEMP_DIR`` for each test).
 On import, the suite module is loaded with ``BACKEND=gloo``, so every gating decorator (which
 reads ``BACKEND`` once, when the suite's classes are defined) selects the tests gloo runs; then
 the suite's ``BACKEND`` becomes the backend under test's name as a `StandIn` (equal to "gloo"

@@ -2,7 +2,7 @@
 
 ``python -m lowbitcc.tools.torch_suite.child OUT.json NAME...`` (or ``OUT.json --list``: write
 the names of all the suite's tests) imports `cases` with the
-environment it was given (``LOWBITCC_SUITE_BACKEND``, ``WORLD_SIZE``, ``TEMP_DIR``, ``LOCO_*``),
+environment it was given (``LOWBITCC_SUITE_BACKEND``, ``WORLD_SIZE``, ``LOCO_*``),
 runs the named tests of ``TestDistBackendWithSpawn`` one after the other, prints one line per
 test (``name outcome seconds``, for the runner's progress bar) and writes
 ``{name: {"outcome", "detail", "seconds"}}`` to OUT.json. Outcomes: passed, failed, skipped.

@@ -1,7 +1,8 @@
 """Run torch's distributed suite per configuration and compare the outcomes test by test.
 
 Each configuration (`CONFIGS`) runs in ``jobs`` child processes (`child`), each on its share of
-the tests with its own ``TEMP_DIR``; the ranks' logs go to one file per configuration. The
+the tests (torch's harness gives every test its own ``TEMP_DIR``); the ranks' logs go to one
+file per configuration. The
 comparison (`compare`) holds "loco" to gloo: every test gloo passes must pass over "loco" at the
 default settings (except `REFUSED_BY_TORCH`), and with compression forced at every size it may
 fail only the tests in `LOSSY_BY_DESIGN`.
@@ -88,11 +89,11 @@ class SuiteRun:
         return {n for n, o in self.outcomes.items() if o["outcome"] == "passed"}
 
 
-def _env(config: str, world_size: int, temp_dir: str, start: str = "forkserver") -> dict[str, str]:
+def _env(config: str, world_size: int, start: str = "forkserver") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCO_")}
     env.update(CONFIGS[config])
-    env["LOWBITCC_SUITE_START"] = start
-    env.update(WORLD_SIZE=str(world_size), TEMP_DIR=temp_dir, PYTORCH_PRINT_REPRO_ON_FAILURE="0")
+    env.update(LOWBITCC_SUITE_START=start, WORLD_SIZE=str(world_size),
+               PYTORCH_PRINT_REPRO_ON_FAILURE="0")
     return env
 
 
@@ -101,7 +102,7 @@ def list_tests(world_size: int = 2) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="lowbitcc-suite-") as tmp:
         out = Path(tmp) / "names.json"
         subprocess.run([sys.executable, "-m", "lowbitcc.tools.torch_suite.child", str(out),
-                        "--list"], env=_env("gloo", world_size, tmp), check=True,
+                        "--list"], env=_env("gloo", world_size), check=True,
                        stdout=subprocess.DEVNULL)
         return sorted(json.loads(out.read_text()))
 
@@ -120,12 +121,10 @@ def run_config(config: str, names: list[str], *, world_size: int = 2, jobs: int 
     with tempfile.TemporaryDirectory(prefix="lowbitcc-suite-") as tmp, open(log, "w") as log_file:
         children = []
         for i, shard in enumerate(shards):
-            temp_dir = Path(tmp) / f"shard{i}"
-            temp_dir.mkdir()
             out = Path(tmp) / f"shard{i}.json"
             child = subprocess.Popen(
                 [sys.executable, "-m", "lowbitcc.tools.torch_suite.child", str(out), *shard],
-                env=_env(config, world_size, str(temp_dir), start), stdout=subprocess.PIPE,
+                env=_env(config, world_size, start), stdout=subprocess.PIPE,
                 stderr=log_file, text=True)
             reader = threading.Thread(target=_follow, args=(child, progress), daemon=True)
             reader.start()
