@@ -240,6 +240,7 @@ class CompressedCalls:
                 bits=cfg.bits, group_size=cfg.group_size, dtype_code=wire.DTYPE_CODES[source.dtype],
                 seq=seq, world=n, signature=wire.call_signature(collective, numel, source.dtype),
                 kernels=route.kernels, rounding=cfg.rounding, seed=cfg.seed,
+                checksum=cfg.checksum,
             )
             comp = CallCompressor(
                 codec, state.FEEDBACK, key, state.STATS,

@@ -21,6 +21,7 @@ from types import ModuleType
 
 import torch
 
+from lowbitcc.codec import wire
 from lowbitcc.codec.abi import CSRC, HEADER
 from lowbitcc.codec.interface import EncodeArgs
 
@@ -31,8 +32,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled module (``encode``, ``decode_sum``, ``decode_into``, ``vector_path``,
-    ``encode_args_layout``), or None when it cannot be built."""
+    """The compiled module (``encode``, ``decode_sum``, ``decode_into``, ``checksum``,
+    ``vector_path``, ``encode_args_layout``), or None when it cannot be built."""
     try:
         from torch.utils import cpp_extension
 
@@ -86,6 +87,16 @@ class CpuKernels:
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
                     out: torch.Tensor) -> None:
         load().decode_into(messages, m, bits, group_size, out, torch.get_num_threads())
+
+    def checksum(self, messages: torch.Tensor) -> torch.Tensor:
+        return load().checksum(messages, *_CHECKSUM_CONSTANTS, torch.get_num_threads())
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+_CHECKSUM_CONSTANTS = tuple(_signed(c) for c in (wire.CHECKSUM_STEP, *wire.FMIX64))
 
 
 KERNELS = CpuKernels()

@@ -90,6 +90,8 @@ class Kernels(Protocol):
     ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
     ``uint8 [k, P]``; ``decode_into`` writes row ``r`` of the messages, cast to ``out``'s dtype,
     to ``out[r*m ...]`` (``out`` flat, at most ``k * m`` elements). Sizes are already validated.
+    ``checksum`` returns int64 ``[k]`` on the messages' device: each row's checksum as
+    `reference.checksum` defines it (without a host synchronisation on CUDA).
     """
 
     name: str
@@ -102,3 +104,5 @@ class Kernels(Protocol):
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
                     out: torch.Tensor) -> None: ...
+
+    def checksum(self, messages: torch.Tensor) -> torch.Tensor: ...

@@ -73,6 +73,9 @@ class ReferenceKernels:
                     out: torch.Tensor) -> None:
         out.copy_(_decode_rows(messages, m, bits, group_size).reshape(-1)[:out.numel()])
 
+    def checksum(self, messages: torch.Tensor) -> torch.Tensor:
+        return reference.checksum(messages)
+
 
 def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int) -> torch.Tensor:
     """fp32 ``[k, m]``: every message decoded."""

@@ -148,3 +148,34 @@ def compensate_quantize(
     else:
         new_e = e * beta + residual * (1.0 - beta)
     return codes, scales, new_e, residual
+
+
+def _signed(u: int) -> int:
+    """The int64 with the bits of uint64 ``u`` (torch's integer products wrap modulo 2**64)."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _shift_right(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` seen as uint64."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def checksum(messages: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows]``: the checksum (`wire` module docstring) of each row of ``uint8 [rows, P]``
+    messages, over bytes ``HEADER_BYTES .. P - TRAILER_BYTES``, as the bits of a uint64. Any
+    device; allocates a few temporaries of the body's size."""
+    from lowbitcc.codec import wire
+
+    rows, width = messages.shape
+    body = messages[:, wire.HEADER_BYTES:width - wire.TRAILER_BYTES]
+    if body.shape[1] % 8:
+        raise ValueError(f"checksum: message bodies of {body.shape[1]} bytes, not whole words")
+    words = body.contiguous().view(torch.int64)
+    position = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=messages.device)
+    x = words + position * _signed(wire.CHECKSUM_STEP)
+    x = x ^ _shift_right(x, 33)
+    x = x * _signed(wire.FMIX64[0])
+    x = x ^ _shift_right(x, 33)
+    x = x * _signed(wire.FMIX64[1])
+    x = x ^ _shift_right(x, 33)
+    return x.sum(dim=1, dtype=torch.int64).view(rows)

@@ -78,6 +78,9 @@ class ShardCodec:
     kernels: Kernels = REFERENCE
     rounding: str = "nearest"
     seed: int = 0
+    checksum: bool = True
+    """Write each message's checksum trailer and verify it on receipt (`wire`); False writes
+    zeros there and checks nothing (every rank of a call must agree)."""
 
     def __post_init__(self) -> None:
         if self.rounding not in reference.ROUNDINGS:
@@ -153,6 +156,9 @@ class ShardCodec:
         nonfinite = (args.nonfinite.view(rows, ng) != 0).any(dim=1)
         messages[:, :wire.HEADER_BYTES] = self.headers(m, shard_ids, device)
         messages[:, wire.FLAGS_OFFSET] = nonfinite.to(torch.uint8) * wire.FLAG_NONFINITE
+        if self.checksum:
+            messages[:, -wire.TRAILER_BYTES:] = self.kernels.checksum(messages).view(
+                torch.uint8).view(rows, wire.TRAILER_BYTES)
         return EncodeResult(messages, state, nonfinite, args.sums)
 
     def headers(self, m: int, shard_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -222,12 +228,21 @@ class ShardCodec:
                         shard_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(nonfinite, foreign)``, 0-dim bool tensors on the messages' device, without a host
         synchronisation: whether a row is flagged non-finite, and whether a header differs
-        from this call's (sizes are checked by `check_size` first)."""
+        from this call's or a checksum from the payload's (sizes are checked by `check_size`
+        first)."""
         got = messages[:, :wire.HEADER_BYTES]
         flags = got[:, wire.FLAGS_OFFSET]
         diff = got != self.headers(m, shard_ids, messages.device)
         diff[:, wire.FLAGS_OFFSET] = (flags & (0xFF ^ wire.FLAG_NONFINITE)) != 0
-        return ((flags & wire.FLAG_NONFINITE) != 0).any(), diff.any()
+        foreign = diff.any()
+        if self.checksum:
+            foreign = foreign | (self._trailers(messages) != self.kernels.checksum(messages)).any()
+        return ((flags & wire.FLAG_NONFINITE) != 0).any(), foreign
+
+    @staticmethod
+    def _trailers(messages: torch.Tensor) -> torch.Tensor:
+        """int64 ``[rows]``: the checksums the messages carry."""
+        return messages[:, -wire.TRAILER_BYTES:].contiguous().view(torch.int64).view(-1)
 
     def check_size(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> None:
         """Raise `wire.WireFormatError` unless ``messages`` is ``uint8 [len(shard_ids), P]``."""
@@ -241,8 +256,8 @@ class ShardCodec:
             )
 
     def check_on_host(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
-        """Validate size and header of each row against this call; True if any row is flagged
-        non-finite. Raises `wire.WireFormatError` naming the first difference (reads the
+        """Validate size, header and checksum of each row against this call; True if any row is
+        flagged non-finite. Raises `wire.WireFormatError` naming the first difference (reads the
         headers on the host: a synchronisation for CUDA messages)."""
         self.check_size(messages, m, shard_ids)
         nonfinite = False
@@ -272,4 +287,15 @@ class ShardCodec:
                     f"message {i} (shard {shard}) comes from a rank that received a corrupt or "
                     "foreign message earlier in this call")
             nonfinite |= bool(h.flags & wire.FLAG_NONFINITE)
+        if self.checksum:
+            computed = self.kernels.checksum(messages)
+            if not torch.equal(messages[:, -wire.TRAILER_BYTES:],
+                               computed.view(torch.uint8).view(-1, wire.TRAILER_BYTES)):
+                carried = self._trailers(messages)
+                i = int((carried != computed).nonzero()[0])
+                raise wire.WireFormatError(
+                    f"message {i} (shard {shard_ids[i]}) fails its checksum "
+                    f"({int(carried[i]) & (2**64 - 1):#018x} carried, "
+                    f"{int(computed[i]) & (2**64 - 1):#018x} computed): its scales or codes "
+                    "were corrupted in transit")
         return nonfinite

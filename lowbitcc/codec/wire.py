@@ -7,7 +7,15 @@ A compressed *shard message* carries ``numel`` elements of one shard, quantized 
     0       32             header (`ShardHeader`)
     32      4 * ngroups    fp32 scales
     32+4ng  ng * G * b / 8 packed codes (see `reference.pack`)
-    ...     0..3           zero padding to a multiple of 4 bytes
+    ...     0..7           zero padding to a multiple of 8 bytes
+    P - 8   8              checksum of bytes 32 .. P-8 (`checksum`; 0 when checksums are off)
+
+The *checksum* of a message is ``sum(fmix64(w_i + (i + 1) * K)) mod 2**64`` over the body's
+little-endian 64-bit words ``w_i`` (bytes 32 to P-8), with ``K = CHECKSUM_STEP`` and ``fmix64``
+MurmurHash3's finalizer (a bijection): a change of any one word always changes it, and words
+that trade places almost always do. A sum of independent terms, it is computed in parallel on
+every device (`reference.checksum`, ``cpu_codec.cpp``) and gives the same 8 bytes everywhere.
+The header is not covered: its fields are compared one by one with the receiver's own.
 
 A *call descriptor* (`CallDescriptor`, 32 bytes) describes a whole collective call; all ranks
 exchange theirs before a compressible call so that mismatched calls fail on every rank.
@@ -27,7 +35,8 @@ import torch
 HEADER_BYTES = 32
 SHARD_MAGIC = b"LBCS"
 CALL_MAGIC = b"LBCD"
-VERSION = 1
+VERSION = 2
+"""1: no checksum trailer (padding to 4 bytes)."""
 
 FLAG_NONFINITE = 1
 FLAG_PEER_ERROR = 2
@@ -50,6 +59,14 @@ def ngroups(numel: int, group_size: int) -> int:
     return -(-numel // group_size)
 
 
+TRAILER_BYTES = 8
+"""The checksum at the end of each shard message."""
+CHECKSUM_STEP = 0x9E3779B97F4A7C15
+"""``K`` of the checksum: word ``i`` is hashed as ``w_i + (i + 1) * K`` (mod 2**64)."""
+FMIX64 = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
+"""The multipliers of MurmurHash3's 64-bit finalizer (shifts by 33 around each)."""
+
+
 def used_bytes(numel: int, bits: int, group_size: int) -> int:
     """Bytes of one shard message that carry header, scales and codes (before its padding)."""
     ng = ngroups(numel, group_size)
@@ -57,8 +74,9 @@ def used_bytes(numel: int, bits: int, group_size: int) -> int:
 
 
 def payload_bytes(numel: int, bits: int, group_size: int) -> int:
-    """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 4."""
-    return -(-used_bytes(numel, bits, group_size) // 4) * 4
+    """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 8,
+    then the checksum trailer."""
+    return -(-used_bytes(numel, bits, group_size) // 8) * 8 + TRAILER_BYTES
 
 
 _SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes

@@ -7,7 +7,9 @@ For each size (bytes of fp32 input) and thread count it times, median of repeats
   read and written back, 4-bit codes) into a preallocated message buffer, per implementation;
 - ``decode``: decode-and-sum of 4 messages of a quarter of the elements each (the reduce-scatter
   receive side) into a preallocated fp32 output, as the copy writes into one, per
-  implementation.
+  implementation;
+- ``checksum``: the checksum of the encoded message alone (`wire`), which encode computes and
+  decode verifies; reported as its share of the encode and of the decode time.
 
 Throughput is input fp32 bytes per second (GB/s = 1e9 B/s) for all three, so ratios to ``copy``
 compare like with like. Results go to a table on stdout and, with ``--json``, to a file.
@@ -78,11 +80,14 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
     t_enc = _time(encode, min_time, device=device)
     total = torch.empty(quarter, device=device)
     t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0, total), min_time, device=device)
+    t_sum = _time(lambda: codec.kernels.checksum(sent), min_time, device=device)
     return {
         "size_bytes": size_bytes, "impl": impl, "threads": threads, "device": device,
         "copy_GBps": size_bytes / t_copy / 1e9,
         "encode_GBps": size_bytes / t_enc / 1e9,
         "decode_GBps": size_bytes / t_dec / 1e9,
+        "checksum_share_encode": t_sum / t_enc,
+        "checksum_share_decode": t_sum / t_dec,
     }
 
 
@@ -101,7 +106,7 @@ def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
         impls = ["reference"] + (["cpu"] if cpu.load() is not None else [])
     rows: list[dict[str, float]] = []
     print(f"{'size':>10} {'impl':>9} {'thr':>3} {'copy GB/s':>9} {'enc GB/s':>9} "
-          f"{'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8}")
+          f"{'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8} {'csum/enc':>8} {'csum/dec':>8}")
     size = min_size
     while size <= max_size:
         for t in threads:
@@ -112,7 +117,8 @@ def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
                 rows.append(r)
                 print(f"{_human(size):>10} {impl:>9} {t:>3} {r['copy_GBps']:>9.2f} "
                       f"{r['encode_GBps']:>9.3f} {r['encode_GBps'] / r['copy_GBps']:>8.3f} "
-                      f"{r['decode_GBps']:>9.3f} {r['decode_GBps'] / r['copy_GBps']:>8.3f}",
+                      f"{r['decode_GBps']:>9.3f} {r['decode_GBps'] / r['copy_GBps']:>8.3f} "
+                      f"{r['checksum_share_encode']:>8.3f} {r['checksum_share_decode']:>8.3f}",
                       flush=True)
         size *= factor
     if json_path:

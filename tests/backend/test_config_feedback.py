@@ -21,7 +21,7 @@ def test_defaults_follow_the_design():
     ("beta", -0.1, "beta"), ("reset_interval", -1, "reset_interval"),
     ("error_dtype", "fp8", "error_dtype"), ("min_size", 0, "min_size"),
     ("policy", "sometimes", "policy"), ("max_keys", 0, "max_keys"), ("feedback", 1, "feedback"),
-    ("codec", "gpu", "codec"),
+    ("codec", "gpu", "codec"), ("checksum", 1, "checksum"),
 ])
 def test_invalid_values_raise_naming_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):

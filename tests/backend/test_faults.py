@@ -225,6 +225,7 @@ def _two_groups(rank, world):
     ("LOCO_CHUNK_SIZE", ("262144", "4096"), r"chunk_size \(rank 0: 262144, rank 1: 4096\)"),
     ("LOCO_POLICY", ("backward", "always"), r"policy \(rank 0: 'backward', rank 1: 'always'\)"),
     ("LOCO_BITS", ("4", "8"), r"bits \(rank 0: 4, rank 1: 8\)"),
+    ("LOCO_CHECKSUM", ("1", "0"), r"checksum \(rank 0: True, rank 1: False\)"),
     # rank 1 raises its own error, rank 0 says that rank 1's settings are invalid, and why
     ("LOCO_BITS", ("4", "5"), r"invalid bits=5 \(LOCO_BITS\)"),
 ])
@@ -339,19 +340,23 @@ def test_codec_build_cache_is_keyed_by_what_changes_the_binary(monkeypatch, tmp_
 
 
 class _Corrupted:
-    """A transfer whose received row ``row`` gets one header byte flipped (as a bad NIC or a
-    stray write would), or whose rows arrive 4 bytes short (``truncate``)."""
+    """A transfer whose received row ``row`` gets one byte flipped (as a bad NIC or a stray
+    write would): a header byte (``how="header"``) or one bit of a code (``"payload"``); or
+    whose rows arrive 4 bytes short (``"truncate"``)."""
 
-    def __init__(self, pending, row, truncate=False):
-        self.pending, self.row, self.truncate = pending, row, truncate
+    def __init__(self, pending, row, how="header"):
+        self.pending, self.row, self.how = pending, row, how
 
     def wait(self):
         got = self.pending.wait()
         if got.shape[-1] <= 32:  # the call descriptors' all-gather, not shard messages
             return got
-        if self.truncate:
+        if self.how == "truncate":
             return got[:, :-4].contiguous()
-        got[self.row, 28] ^= 0xFF  # the call signature: the message no longer fits the call
+        if self.how == "payload":
+            got[self.row, got.shape[-1] // 2] ^= 0x04  # one code moves by 4 steps
+        else:
+            got[self.row, 28] ^= 0xFF  # the call signature: the message no longer fits the call
         return got
 
 
@@ -359,11 +364,13 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
     from lowbitcc.transports import gloo as gloo_transport
 
     x = torch.linspace(-1, 1, BIG) * (rank + 1)
-    method = "all_to_all_async" if phase != "gather" else "all_gather_async"
+    method = "all_gather_async" if phase.endswith("gather") else "all_to_all_async"
+    how = {"truncated": "truncate", "payload-scatter": "payload",
+           "payload-gather": "payload"}.get(phase, "header")
     original = getattr(gloo_transport.GlooTransport, method)
     if rank == 1:
         setattr(gloo_transport.GlooTransport, method, lambda self, send: _Corrupted(
-            original(self, send), 0, truncate=phase == "truncated"))
+            original(self, send), 0, how))
     try:
         with lowbitcc.compressed():
             dist.all_reduce(x.clone())
@@ -387,13 +394,17 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
     ("gather", [("nothing", True, True), ("own", True, True)]),
     # messages 4 bytes short: the size check, deferred like the header check
     ("truncated", [("peer", True, True), ("own", True, True)]),
+    # one code bit flipped: the checksum refuses what the header check lets through
+    ("payload-scatter", [("peer", True, True), ("own", True, True)]),
+    ("payload-gather", [("nothing", True, True), ("own", True, True)]),
 ])
 def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_survives(
         phase, expected):
     """The receiver raised WireFormatError mid-schedule, the sender carried on, and the next
     call aborted. Now every rank finishes the call's transfers, the receiver raises, ranks whose
     result depends on the bad message raise too, and the next call works."""
-    assert run_ranks(_corrupt_message_on_one_rank, 2, phase, timeout=60) == expected
+    env = {"LOCO_CHECKSUM": "1"} if phase.startswith("payload") else None
+    assert run_ranks(_corrupt_message_on_one_rank, 2, phase, timeout=60, env=env) == expected
 
 
 def _late_peer(rank, world, gloo):

@@ -152,3 +152,23 @@ def test_cuda_decoder_fuzz_random_bytes_give_nan_not_garbage(data, rows, m):
     assert bool(flagged) and bool(torch.isnan(total).all())
     with pytest.raises(wire.WireFormatError):
         codec.decode_sum(messages[:, : size - 1 - len(data) % 3].contiguous(), m, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [40, 300, -1])
+def test_cuda_decoder_turns_a_payload_that_fails_its_checksum_into_nan(offset):
+    """The checksum computed on the GPU equals the CPU's, and a message whose scales, codes or
+    trailer changed in transit decodes to NaN and flags the call, without a host sync."""
+    from lowbitcc.codec import reference
+
+    _cupy_or_skip()
+    codec = ShardCodec(4, 64, 0, 7, 2, 99, kernels=select("auto", "cuda"))
+    m = 1000
+    messages = codec.encode(torch.randn(2 * m, device="cuda"), 2, m, 1.0, None, 0.0, [0, 0],
+                            None).messages
+    assert torch.equal(codec.kernels.checksum(messages).cpu(), reference.checksum(messages.cpu()))
+    total, flagged = codec.decode_sum(messages, m, 0)
+    assert not bool(flagged) and bool(torch.isfinite(total).all())
+    messages[1, offset] ^= 0x10
+    total, flagged = codec.decode_sum(messages, m, 0)
+    assert bool(flagged) and bool(torch.isnan(total).all())

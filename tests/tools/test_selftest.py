@@ -37,6 +37,9 @@ class _OffByOneScale:
     def decode_into(self, *a):
         cpu.KERNELS.decode_into(*a)
 
+    def checksum(self, messages):
+        return cpu.KERNELS.checksum(messages)
+
 
 def test_a_kernel_that_differs_fails_the_check():
     outcome = selftest.check_kernels(_OffByOneScale(), "cpu", 5)

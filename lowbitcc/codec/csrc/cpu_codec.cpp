@@ -634,6 +634,56 @@ void decode_into(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t
   }
 }
 
+// The checksum of each row of `messages` (uint8 [rows, P]) over bytes kHeaderBytes .. P - 8, as
+// lowbitcc.codec.wire defines it; its constants come from there (`step`, `m1`, `m2`, as the
+// bits of uint64). Returns int64 [rows] holding the uint64 sums' bits.
+torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t m1, int64_t m2,
+                       int64_t threads) {
+  TORCH_CHECK(messages.dim() == 2 && messages.scalar_type() == at::kByte &&
+                  messages.is_contiguous() && messages.device().is_cpu(),
+              "checksum: messages must be a contiguous 2-D uint8 CPU tensor");
+  const int64_t rows = messages.size(0), P = messages.size(1);
+  const int64_t body = P - loco::kHeaderBytes - 8;
+  TORCH_CHECK(body >= 0 && body % 8 == 0, "checksum: message bodies of ", body,
+              " bytes, not whole words");
+  const uint64_t k = (uint64_t)step, c1 = (uint64_t)m1, c2 = (uint64_t)m2;
+  const int64_t words = body / 8;
+  // Partial sums of chunks of kChunk words, in one parallel loop over every row's chunks (a
+  // sum modulo 2^64 is the same in any order); small messages stay on the calling thread,
+  // where waking OpenMP's team would cost more than the hashing.
+  constexpr int64_t kChunk = 1 << 15;
+  const int64_t chunks = (words + kChunk - 1) / kChunk;
+  std::vector<uint64_t> partial(rows * chunks, 0);
+  const uint8_t* msgs = messages.data_ptr<uint8_t>();
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (rows * words > 4 * kChunk)
+  for (int64_t job = 0; job < rows * chunks; ++job) {
+    const int64_t r = job / chunks, first = (job % chunks) * kChunk;
+    const int64_t last = std::min(words, first + kChunk);
+    const uint8_t* w = msgs + r * P + loco::kHeaderBytes;
+    uint64_t sum = 0;
+    for (int64_t i = first; i < last; ++i) {
+      uint64_t x;
+      std::memcpy(&x, w + 8 * i, 8);
+      x += (uint64_t)(i + 1) * k;
+      x ^= x >> 33;
+      x *= c1;
+      x ^= x >> 33;
+      x *= c2;
+      x ^= x >> 33;
+      sum += x;
+    }
+    partial[job] = sum;
+  }
+  torch::Tensor out = torch::empty({rows}, torch::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    uint64_t sum = 0;
+    for (int64_t c = 0; c < chunks; ++c) sum += partial[r * chunks + c];
+    o[r] = (int64_t)sum;
+  }
+  return out;
+}
+
 }  // namespace
 
 // Offset of every field of loco::EncodeArgs, and its size, as this compiler laid it out
@@ -657,5 +707,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("encode_args_layout", &encode_args_layout);
   module.def("decode_sum", &decode_sum, "decode k messages of one shard, sum in row order");
   module.def("decode_into", &decode_into, "decode k messages into a flat output, cast");
+  module.def("checksum", &checksum, "checksum of each message's body (lowbitcc.codec.wire)");
   module.attr("vector_path") = kVectorPath ? "avx512" : "none";
 }

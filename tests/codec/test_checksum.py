@@ -1,0 +1,100 @@
+"""The checksum trailer of shard messages: its definition, its implementations, and that a
+message corrupted anywhere in its scales, codes or padding is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbitcc.codec import cpu, reference, wire
+from lowbitcc.codec.kernels import select
+from lowbitcc.codec.shard_codec import ShardCodec
+
+
+def _spec(messages: torch.Tensor) -> list[int]:
+    """The wire module's definition, written again with numpy's wrapping uint64 arithmetic."""
+    body = messages.numpy()[:, wire.HEADER_BYTES:-wire.TRAILER_BYTES].copy().view("<u8")
+    sums = []
+    with np.errstate(over="ignore"):
+        for row in body:
+            x = row + np.arange(1, row.size + 1, dtype=np.uint64) * np.uint64(wire.CHECKSUM_STEP)
+            for mul in wire.FMIX64:
+                x ^= x >> np.uint64(33)
+                x *= np.uint64(mul)
+            x ^= x >> np.uint64(33)
+            sums.append(int(x.sum(dtype=np.uint64)))
+    return sums
+
+
+def _unsigned(t: torch.Tensor) -> list[int]:
+    return [int(v) & (2**64 - 1) for v in t.tolist()]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), words=st.integers(0, 3000), seed=st.integers(0, 2**31))
+def test_every_implementation_computes_the_defined_checksum(rows, words, seed):
+    gen = torch.Generator().manual_seed(seed)
+    width = wire.HEADER_BYTES + 8 * words + wire.TRAILER_BYTES
+    messages = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+    want = _spec(messages)
+    assert _unsigned(reference.checksum(messages)) == want
+    if cpu.load() is not None:
+        assert _unsigned(cpu.KERNELS.checksum(messages)) == want
+
+
+@pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU codec could not be built")
+def test_the_cpu_checksum_of_large_messages_sums_its_chunks_in_parallel_alike():
+    """Past 4 chunks of 2**15 words the C++ checksum splits rows into chunks across threads."""
+    gen = torch.Generator().manual_seed(3)
+    width = wire.HEADER_BYTES + 8 * (5 * 2**15 + 17) + wire.TRAILER_BYTES
+    messages = torch.randint(0, 256, (2, width), dtype=torch.uint8, generator=gen)
+    assert _unsigned(cpu.KERNELS.checksum(messages)) == _spec(messages)
+
+
+def _codec(impl: str, checksum: bool = True) -> ShardCodec:
+    return ShardCodec(bits=4, group_size=64, dtype_code=0, seq=5, world=2, signature=77,
+                      kernels=select(impl), checksum=checksum)
+
+
+IMPLS = ["reference"] + (["cpu"] if cpu.load() is not None else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_message_carries_its_checksum_and_decodes(impl):
+    m = 1000
+    codec = _codec(impl)
+    messages = codec.encode(torch.randn(2 * m), 2, m, 1.0, None, 0.0, [0, 0], None).messages
+    assert messages.shape[1] == wire.payload_bytes(m, 4, 64)
+    assert (messages.shape[1] - wire.HEADER_BYTES - wire.TRAILER_BYTES) % 8 == 0
+    carried = messages[:, -wire.TRAILER_BYTES:].contiguous().view(torch.int64).view(-1)
+    assert _unsigned(carried) == _spec(messages)
+    codec.decode_sum(messages, m, 0)  # intact: no exception
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("where", ["first scale", "a code", "last code", "padding", "trailer"])
+def test_one_flipped_bit_anywhere_after_the_header_is_refused(impl, where):
+    m = 960  # 15 groups of 64: scales at 32..92, codes at 92..572, padding to 576, trailer
+    codec = _codec(impl)
+    messages = codec.encode(torch.randn(2 * m), 2, m, 1.0, None, 0.0, [0, 1], None).messages
+    used = wire.used_bytes(m, 4, 64)
+    assert (used, messages.shape[1]) == (572, 584)
+    offset = {"first scale": wire.HEADER_BYTES, "a code": 300, "last code": used - 1,
+              "padding": messages.shape[1] - wire.TRAILER_BYTES - 1,
+              "trailer": messages.shape[1] - 1}[where]
+    assert where != "padding" or offset >= used
+    messages[1, offset] ^= 0x10
+    with pytest.raises(wire.WireFormatError, match=r"message 1 \(shard 1\) fails its checksum"):
+        codec.decode_into(messages, m, [0, 1], torch.empty(2 * m))
+
+
+def test_checksums_off_write_zeros_and_check_nothing():
+    m = 1000
+    codec = _codec("reference", checksum=False)
+    messages = codec.encode(torch.randn(m), 1, m, 1.0, None, 0.0, [0], None).messages
+    assert not messages[:, -wire.TRAILER_BYTES:].any()
+    messages[0, 300] ^= 0x10
+    codec.decode_sum(messages, m, 0)  # not verified: decodes what it got
