@@ -27,6 +27,7 @@ import time
 import zlib
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc.codec import wire
 from lowbitcc.codec.error_state import ErrorState
@@ -69,15 +70,17 @@ class CallCompressor:
 
     ``error_dtype`` is the error-state storage ("int8", "bf16", "fp32"; None: no feedback),
     ``beta`` LoCo's moving-average factor, ``reset_interval`` the uses after which a key's state
-    starts anew (0: never); see `lowbitcc.feedback`.
+    starts anew (0: never), ``buffer`` the storage the call reduces (None: not tracked; how
+    the store detects a changed layout); see `lowbitcc.feedback`.
     """
 
     def __init__(
         self, codec: ShardCodec, store: FeedbackStore, key: str, stats: Stats, *,
         error_dtype: str | None, beta: float, reset_interval: int, rank: int = 0,
-        scratch: Scratch | None = None,
+        scratch: Scratch | None = None, buffer: StorageWeakRef | None = None,
     ) -> None:
         self.rank = rank
+        self.buffer = buffer
         self._scratch = scratch
         self.codec = codec
         self.error_dtype = error_dtype
@@ -100,7 +103,8 @@ class CallCompressor:
         if error_dtype:
             numel = source.rows * self.codec.padded(source.m)
             state, uses = self.store.take(key, numel, error_dtype, self.reset_interval,
-                                          source.tensor.device, self.codec.group_size)
+                                          source.tensor.device, self.codec.group_size,
+                                          self.buffer)
         # stochastic rounding: each rank and stage of a call draws its own random bits
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         result = self.codec.encode(

@@ -10,22 +10,53 @@ bf16 or fp32) and the number of times it was used. Rules:
 - every ``reset_interval`` uses the state is dropped (the call runs as if it were new);
 - a shape, storage or group-size change under the same key drops the state;
 - a call that saw NaN/Inf drops the state instead of storing a poisoned one;
+- a changed *layout* drops the state (see below);
 - at most ``max_keys`` entries are kept; the least recently used are dropped first.
 
 `take` hands the state to the codec (which may update it in place) and `put` returns it.
+
+Layout changes. A key names a call's position, not the data: when DDP rebuilds its buckets
+after its first step, a bucket of the same size may hold other parameters, in another order,
+and its saved error would be added to the wrong elements. The store cannot see parameters, but
+it sees the buffer a call reduces (`buffer`, a weak reference to the tensor's storage, passed
+by the group for keys it derived; explicit `lowbitcc.feedback_key` keys are trusted). Per key
+it keeps ``streak``: how many uses in a row came with the same storage (> 0), or with a new one
+(< 0). A new storage drops the state when the key's buffer was stable (``streak > 0``: a
+persistent buffer, such as a DDP bucket, was replaced) or not yet known (``streak == 0``: the
+second use, where DDP's rebuild lands); keys whose storage changes at every use (FSDP's
+reduce-scatter inputs, gradients freed by ``zero_grad``) are then known as transient and keep
+their states. A state loaded by `load_state_dict` keeps its streak and is applied at its first
+use (the store has not seen that run's buffers yet), so a resumed run is bit-identical to the
+uninterrupted one wherever its layout is the same: FSDP, explicit keys, a DDP that does not
+rebuild its buckets. A resumed DDP that rebuilds them (the default) drops the states when it
+does, and its first step may add them to its initial layout (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc.codec.error_state import ErrorState
 
-STATE_DICT_VERSION = 1
+log = logging.getLogger(__name__)
+
+STATE_DICT_VERSION = 2
+"""1: entries without ``streak`` (loaded with streak 0)."""
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What the store knows of the buffers a key's calls reduced (see the module docstring)."""
+
+    buffer: StorageWeakRef | None
+    streak: int = 0
 
 
 class FeedbackStore:
@@ -36,7 +67,10 @@ class FeedbackStore:
         self._states: collections.OrderedDict[str, tuple[ErrorState, int]] = (
             collections.OrderedDict()
         )
+        self._layouts: collections.OrderedDict[str, _Layout] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.layout_resets = 0
+        """States dropped because their key's buffer was replaced (see the module docstring)."""
 
     def __len__(self) -> int:
         return len(self._states)
@@ -47,13 +81,19 @@ class FeedbackStore:
 
     def take(self, key: str, numel: int, dtype: str, reset_interval: int,
              device: torch.device | str = "cpu", group_size: int | None = None,
-             ) -> tuple[ErrorState | None, int]:
+             buffer: StorageWeakRef | None = None) -> tuple[ErrorState | None, int]:
         """Remove and return ``(state, uses)`` of ``key`` on ``device`` (a state loaded or kept
         elsewhere is moved there); ``(None, 0)`` when it must start anew, also when it was made
-        for another ``numel``, storage or ``group_size`` (None: any)."""
+        for another ``numel``, storage or ``group_size`` (None: any), or when ``buffer`` (the
+        storage this call reduces; None: not tracked) says the layout changed."""
         with self._lock:
             entry = self._states.pop(key, None)
+            replaced = buffer is not None and self._replaced(key, buffer)
         if entry is None:
+            return None, 0
+        if replaced:
+            self.layout_resets += 1
+            log.debug("lowbitcc: error state %s dropped: its buffer was replaced", key)
             return None, 0
         state, uses = entry
         if (state.numel != numel or state.dtype != dtype
@@ -63,6 +103,33 @@ class FeedbackStore:
             return None, 0
         return state.to(device), uses
 
+    def _replaced(self, key: str, buffer: StorageWeakRef) -> bool:
+        """Record that ``key``'s call reduces ``buffer``; whether its state must go (the lock
+        is held)."""
+        layout = self._layouts.pop(key, None)
+        if layout is None:
+            layout = _Layout(buffer)
+        elif layout.buffer is None:  # loaded: the first buffer of this run
+            layout.buffer = buffer
+        elif layout.buffer == buffer:
+            layout.streak = max(layout.streak, 0) + 1
+        else:
+            layout.buffer = buffer
+            if layout.streak < 0:  # transient buffers: a new one every use
+                layout.streak -= 1
+            else:
+                layout.streak = -1
+                self._layouts[key] = layout
+                self._bound(self._layouts)
+                return True
+        self._layouts[key] = layout
+        self._bound(self._layouts)
+        return False
+
+    def _bound(self, entries: collections.OrderedDict) -> None:
+        while len(entries) > self.max_keys:
+            entries.popitem(last=False)
+
     def put(self, key: str, state: ErrorState | None, uses: int, nonfinite: bool) -> None:
         """Store ``state`` after its ``uses``-th use; a non-finite call stores nothing."""
         with self._lock:
@@ -70,8 +137,7 @@ class FeedbackStore:
             if nonfinite or state is None:
                 return
             self._states[key] = (state, uses)
-            while len(self._states) > self.max_keys:
-                self._states.popitem(last=False)
+            self._bound(self._states)
 
     def uses(self, key: str) -> int:
         with self._lock:
@@ -81,6 +147,7 @@ class FeedbackStore:
     def clear(self) -> None:
         with self._lock:
             self._states.clear()
+            self._layouts.clear()
 
     def state_dict(self, rank: int | None = None) -> dict[str, Any]:
         """A picklable copy of every entry (CPU tensors), for checkpoints, recording ``rank``
@@ -88,31 +155,41 @@ class FeedbackStore:
         queued work (a synchronisation)."""
         with self._lock:
             entries = list(self._states.items())
+            streaks = {key: layout.streak for key, layout in self._layouts.items()}
         states = {}
         for key, (state, uses) in entries:
             copy = state.to("cpu", copy=True)
             states[key] = {"uses": uses, "dtype": copy.dtype, "group_size": copy.group_size,
-                           "data": copy.data, "scales": copy.scales}
+                           "data": copy.data, "scales": copy.scales,
+                           "streak": streaks.get(key, 0)}
         return {"version": STATE_DICT_VERSION, "rank": rank, "states": states}
 
     def load_state_dict(self, state_dict: dict[str, Any], rank: int | None = None) -> None:
         """Replace every entry with those of ``state_dict`` (from `state_dict`), after checking
         all of it: nothing is replaced if any entry is unusable (ValueError naming it), or if
         the dict was saved by another rank than ``rank`` (each rank's error is its own)."""
-        if not isinstance(state_dict, dict) or state_dict.get("version") != STATE_DICT_VERSION:
-            version = state_dict.get("version") if isinstance(state_dict, dict) else state_dict
+        version = state_dict.get("version") if isinstance(state_dict, dict) else state_dict
+        if not isinstance(state_dict, dict) or type(version) is not int or version not in (
+                1, STATE_DICT_VERSION):
             raise ValueError(
-                f"lowbitcc: error-state dict version {version!r} is not {STATE_DICT_VERSION} "
-                "(pass what lowbitcc.state_dict() returned)")
+                f"lowbitcc: error-state dict version {version!r} is not 1 or "
+                f"{STATE_DICT_VERSION} (pass what lowbitcc.state_dict() returned)")
         saved_rank = state_dict.get("rank")
         if rank is not None and saved_rank is not None and saved_rank != rank:
             raise ValueError(f"lowbitcc: error-state dict saved by rank {saved_rank}, loaded on "
                              f"rank {rank}; each rank must load its own")
         states: collections.OrderedDict[str, tuple[ErrorState, int]] = collections.OrderedDict()
+        layouts: collections.OrderedDict[str, _Layout] = collections.OrderedDict()
         for key, v in dict(state_dict.get("states", {})).items():
             states[key] = _checked_entry(key, v)
+            streak = v.get("streak", 0)
+            if not isinstance(streak, int) or isinstance(streak, bool):
+                raise ValueError(f"lowbitcc: error state {key!r} in the state dict: streak "
+                                 f"{streak!r} is not an int")
+            layouts[key] = _Layout(None, streak)
         with self._lock:
             self._states = states
+            self._layouts = layouts
 
 
 def _checked_entry(key: Any, v: Any) -> tuple[ErrorState, int]:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import policy, schedules, state
 from lowbitcc.backend.exact import Reduction, op_type
@@ -139,11 +140,12 @@ class CompressedCalls:
             ) from None
 
     # -- in the issuing thread ---------------------------------------------------------------
-    def key(self, collective: str, tensor: torch.Tensor, numel: int) -> str:
-        """The error-feedback key of this call (counts it within the current epoch)."""
+    def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]:
+        """The error-feedback key of this call (counts it within the current epoch), and
+        whether it was derived from the call's position (False: named by `feedback_key`)."""
         explicit = policy.explicit_key()
         if explicit is not None:
-            return f"{self.group_name}|{explicit}"
+            return f"{self.group_name}|{explicit}", False
         epoch = policy.epoch()
         signature = (collective, tensor.dtype, numel)
         with self._lock:
@@ -153,7 +155,7 @@ class CompressedCalls:
             ordinal = self._ordinals.get(signature, 0)
             self._ordinals[signature] = ordinal + 1
         dtype = str(tensor.dtype).replace("torch.", "")
-        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}"
+        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
 
     def _next_seq(self) -> int:
         with self._lock:
@@ -191,7 +193,9 @@ class CompressedCalls:
         cfg = self.config
         numel = source.numel()
         seq = self._next_seq()
-        key = self.key(collective, source, numel) if wants else ""
+        key, derived = self.key(collective, source, numel) if wants else ("", False)
+        # a derived key's layout is checked by the buffer it reduces; an explicit one is trusted
+        buffer = StorageWeakRef(source.untyped_storage()) if derived else None
         route = self.route(source.device)
         itemsize = source.element_size()
         modelled = (cfg.cost_model and cfg.check and not route.inline and numel >= cfg.min_size
@@ -246,7 +250,7 @@ class CompressedCalls:
                 codec, state.FEEDBACK, key, state.STATS,
                 error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
                 reset_interval=cfg.reset_interval, rank=self.rank,
-                scratch=None if route.inline else self._scratch,
+                scratch=None if route.inline else self._scratch, buffer=buffer,
             )
             flat = source.detach().reshape(-1).contiguous()
             run(Source(flat, n, m, factor), comp, route)

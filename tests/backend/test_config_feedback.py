@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import LocoConfig
 from lowbitcc.codec.error_state import ErrorState
@@ -86,3 +87,71 @@ def test_state_dict_round_trip():
         assert torch.equal(mine.decode(), theirs.decode())
     with pytest.raises(ValueError, match="version"):
         other.load_state_dict({"version": 99, "states": {}})
+
+
+def _uses(store, key, buffer, state=None):
+    """One call of ``key`` reducing ``buffer``: whether the saved state survived, and its uses."""
+    got, uses = store.take(key, 256, "fp32", 0, buffer=StorageWeakRef(buffer.untyped_storage()))
+    store.put(key, state or _state(), uses + 1, False)
+    return got is not None, uses
+
+
+def test_a_replaced_persistent_buffer_drops_the_state_a_kept_one_does_not():
+    """DDP's buckets: step 1 on the first buffer, step 2 on the rebuilt one (drop: its layout
+    may differ), then the same buffer every step (kept); a later rebuild drops again."""
+    store = FeedbackStore()
+    first, rebuilt, again = torch.zeros(256), torch.zeros(256), torch.zeros(256)
+    assert _uses(store, "k", first) == (False, 0)
+    assert _uses(store, "k", rebuilt) == (False, 0)
+    assert [_uses(store, "k", rebuilt) for _ in range(3)] == [(True, 1), (True, 2), (True, 3)]
+    assert _uses(store, "k", again) == (False, 0)
+    assert store.layout_resets == 2
+
+
+def test_buffers_new_at_every_use_keep_their_state_after_the_second_use():
+    """FSDP's reduce-scatter inputs and gradients freed by zero_grad: a new storage each time
+    (even where the allocator hands back the same address)."""
+    store = FeedbackStore()
+    survived = [_uses(store, "k", torch.zeros(256))[0] for _ in range(5)]
+    assert survived == [False, False, True, True, True]
+    assert store.layout_resets == 1
+
+
+def test_untracked_calls_and_loaded_states():
+    store = FeedbackStore()
+    store.put("named", _state(), 1, False)
+    for _ in range(3):  # explicit keys pass no buffer: never a layout reset
+        got, uses = store.take("named", 256, "fp32", 0)
+        store.put("named", got, uses + 1, False)
+    assert store.uses("named") == 4
+    ddp = FeedbackStore()
+    bucket = torch.zeros(256)
+    for _ in range(3):
+        _uses(ddp, "k", bucket)
+    resumed = FeedbackStore()
+    resumed.load_state_dict(ddp.state_dict())
+    assert resumed.state_dict()["states"]["k"]["streak"] == 2
+    # the resumed run's bucket is applied, and tracked from there: a replacement drops it
+    bucket, rebuilt = torch.zeros(256), torch.zeros(256)
+    assert _uses(resumed, "k", bucket) == (True, 3)
+    assert _uses(resumed, "k", bucket) == (True, 4)
+    assert _uses(resumed, "k", rebuilt) == (False, 0)
+    transient = FeedbackStore()
+    for _ in range(3):
+        _uses(transient, "k", torch.zeros(256))
+    resumed.load_state_dict(transient.state_dict())  # known transient: stays so
+    assert [_uses(resumed, "k", torch.zeros(256))[0] for _ in range(3)] == [True] * 3
+
+
+def test_version_1_state_dicts_still_load():
+    store = FeedbackStore()
+    store.put("a", _state(), 2, False)
+    sd = store.state_dict()
+    sd["version"] = 1
+    del sd["states"]["a"]["streak"]
+    other = FeedbackStore()
+    other.load_state_dict(sd)
+    assert other.uses("a") == 2
+    with pytest.raises(ValueError, match="streak"):
+        sd["states"]["a"]["streak"] = "x"
+        other.load_state_dict(sd)
