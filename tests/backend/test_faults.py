@@ -468,3 +468,109 @@ def test_two_threads_on_two_groups_at_once():
     """Each group has its own worker; concurrent compressed calls on two groups finish with
     bitwise-identical values on every rank."""
     assert run_ranks(_two_threads_two_groups, 2, timeout=120) == [True, True]
+
+
+DEAD_PEER_CALL = r"""
+import os, sys, time, datetime, torch, torch.distributed as dist, lowbitcc
+dist.init_process_group("loco", timeout=datetime.timedelta(seconds=4), pg_options=lowbitcc.LocoConfig(
+    cost_model=False, min_size=1024))
+dist.barrier()
+if dist.get_rank() == 2:
+    os._exit(3)
+kind, n = sys.argv[1], 100_000
+calls = {
+    "compressed all_reduce": lambda: dist.all_reduce(torch.ones(n)),
+    "compressed reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(3 * n)),
+    "exact all_reduce": lambda: dist.all_reduce(torch.ones(n, dtype=torch.int32)),
+    "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(3 * n), torch.ones(n)),
+    "broadcast": lambda: dist.broadcast(torch.ones(n), src=2),
+    "barrier": lambda: dist.barrier(),
+    "recv": lambda: dist.recv(torch.empty(n), src=2),
+}
+start = time.monotonic()
+try:
+    with lowbitcc.compressed():
+        calls[kind]()
+    print("no error", flush=True)
+except Exception as exc:
+    print(f"raised after {time.monotonic() - start:.1f} s: {type(exc).__name__}", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["compressed all_reduce", "compressed reduce_scatter",
+                                  "exact all_reduce", "all_gather", "broadcast", "barrier",
+                                  "recv"])
+def test_a_dead_peer_makes_every_kind_of_call_raise_on_the_others(kind):
+    """Rank 2 exits after the first barrier; ranks 0 and 1 then issue one call of ``kind``
+    (group timeout 4 s) and must raise a Python exception within it, whatever the call."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.ranks import clean_env
+
+    env = {**clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(20000 + (os.getpid() + 7 * len(kind)) % 20000)}
+    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER_CALL, kind], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r)}) for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[2].returncode == 3
+    for p, (out, err) in zip(procs[:2], outs[:2], strict=True):
+        assert p.returncode == 0 and out.startswith("raised after"), out + err[-2000:]
+        assert float(out.split()[2]) < 4 + 6, out
+
+
+class _FirstCorrupted:
+    """A transfer of which only the first shard message received gets a header byte flipped
+    (the call signature), whatever its shape: for point-to-point receives (ring, tree)."""
+
+    hit = False
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def wait(self):
+        got = self.pending.wait()
+        if not _FirstCorrupted.hit and got.numel() > 64:
+            _FirstCorrupted.hit = True
+            got.view(-1)[28] ^= 0xFF
+        return got
+
+
+def _corrupt_on_another_schedule(rank, world, gloo, schedule):
+    from lowbitcc.transports import gloo as gloo_transport
+
+    method = "all_to_all_async" if schedule == "hierarchical" else "recv_async"
+    original = getattr(gloo_transport.GlooTransport, method)
+    if rank == 1:
+        setattr(gloo_transport.GlooTransport, method,
+                lambda self, *a: _FirstCorrupted(original(self, *a)))
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    try:
+        with lowbitcc.compressed():
+            dist.all_reduce(x.clone())
+        raised = "nothing"
+    except lowbitcc.codec.wire.PeerWireFormatError:
+        raised = "peer"
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        raised = "own" if f"rank {rank} received a corrupt" in str(exc) else str(exc)
+    setattr(gloo_transport.GlooTransport, method, original)
+    ours, theirs = x.clone(), x.clone()
+    with lowbitcc.compressed():
+        dist.all_reduce(ours)
+    dist.all_reduce(theirs, group=gloo)
+    return raised, bool(torch.isfinite(ours).all()), bool((ours - theirs).abs().max() < 0.5)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "tree", "hierarchical"])
+def test_a_corrupt_message_on_the_other_schedules_raises_and_the_group_survives(schedule):
+    """The compressor defers the error on every schedule: rank 1, which received the corrupt
+    message, raises; rank 0 raises only if its result was built from rank 1's (peer flag);
+    the next call is correct on both."""
+    env = {"LOCO_SCHEDULE": schedule, "LOCO_NODE_SIZE": "1"}
+    (r0, *rest0), (r1, *rest1) = run_ranks(_corrupt_on_another_schedule, 2, schedule,
+                                           timeout=60, env=env)
+    assert r1 == "own" and r0 in ("nothing", "peer"), (r0, r1)
+    assert rest0 == rest1 == [True, True]
