@@ -574,3 +574,21 @@ def test_a_corrupt_message_on_the_other_schedules_raises_and_the_group_survives(
                                            timeout=60, env=env)
     assert r1 == "own" and r0 in ("nothing", "peer"), (r0, r1)
     assert rest0 == rest1 == [True, True]
+
+
+def _all_reduce_against_reduce_scatter(rank, world, gloo):
+    started = time.monotonic()
+    with (pytest.raises(lowbitcc.backend.process_group.CollectiveMismatchError,
+                        match="issued different collectives"), lowbitcc.compressed()):
+        if rank == 0:
+            dist.all_reduce(torch.ones(2 * BIG))
+        else:
+            dist.reduce_scatter_tensor(torch.empty(BIG), torch.ones(2 * BIG))
+    dist.all_reduce(torch.ones(10))  # the group is still usable
+    return time.monotonic() - started < 10
+
+
+def test_an_all_reduce_against_a_reduce_scatter_raises_on_every_rank():
+    """Two compressible calls of different kinds (the same input size): the descriptors name
+    the collective, so both ranks raise at once."""
+    assert run_ranks(_all_reduce_against_reduce_scatter, 2, timeout=60) == [True, True]
