@@ -6,6 +6,8 @@ Public API (everything else is internal):
 - ``exact()``, ``compressed()``, ``feedback_key(name)``: per-call control (context managers);
 - ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups;
 - ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints;
+- ``hybrid_mesh()``: a DeviceMesh whose data-parallel dimension goes over "loco" and whose
+  other dimensions stay exact (per-dimension `LocoConfig`s; `lowbitcc.mesh`);
 - ``monitored_barrier()``: gloo's debugging barrier on a "loco" group (torch's
   ``dist.monitored_barrier`` accepts only groups named "gloo").
 """
@@ -21,6 +23,7 @@ from lowbitcc import state
 from lowbitcc.backend import BACKEND_NAME
 from lowbitcc.backend.registration import register
 from lowbitcc.config import LocoConfig
+from lowbitcc.mesh import hybrid_mesh
 from lowbitcc.policy import compressed, exact, feedback_key
 
 __version__ = "0.1.0"
@@ -79,6 +82,7 @@ __all__ = [
     "compressed",
     "exact",
     "feedback_key",
+    "hybrid_mesh",
     "load_state_dict",
     "monitored_barrier",
     "reset_stats",

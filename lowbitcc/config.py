@@ -62,6 +62,11 @@ class LocoConfig:
         rounding: "nearest" (half to even) or "stochastic" (unbiased; counter-based random bits,
             the same on every implementation and reproducible from ``seed``).
         seed: seed of stochastic rounding's random stream (an integer in [0, 2**32)).
+        param_bits: all-gathers of CPU float tensors of at least ``min_size`` elements per rank
+            (the parameter all-gathers of FSDP and ZeRO-3) travel as this many bits per element
+            in groups of ``group_size``, without error feedback; every rank's output holds the
+            same dequantized values (its own slot too), its input is untouched. 0 (the
+            default): exact. Off within `lowbitcc.exact()` and under policy "never".
         checksum: compressed messages carry a 64-bit checksum of their scales and codes,
             verified on receipt: a message corrupted in transit (or in memory) raises
             ``WireFormatError`` instead of decoding into wrong values (docs/wire-format.md).
@@ -104,6 +109,7 @@ class LocoConfig:
     codec: str = "auto"
     rounding: str = "nearest"
     seed: int = 0
+    param_bits: int = 0
     checksum: bool = False
     schedule: str = "direct"
     chunk_size: int = 262144
@@ -164,6 +170,8 @@ class LocoConfig:
             raise bad("rounding", "one of " + ", ".join(ROUNDINGS))
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             raise bad("seed", "an integer in [0, 2**32)")
+        if not _is_int(self.param_bits) or self.param_bits not in (0, *BITS):
+            raise bad("param_bits", "0 (exact) or one of 2, 4, 8")
         if not isinstance(self.checksum, bool):
             raise bad("checksum", "a bool")
         if self.schedule not in SCHEDULES:

@@ -187,6 +187,53 @@ class CompressedCalls:
 
         return self._job("reduce_scatter", source, op, run, exact, wants)
 
+    def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
+                   wants: bool = True) -> Job:
+        """The job of an all-gather of flat ``source`` (``m`` elements per rank) into
+        ``output`` (``size * m`` elements, same dtype) as ``config.param_bits``-bit codes (the
+        parameter all-gathers of FSDP and ZeRO-3: `LocoConfig.param_bits`).
+
+        No error feedback (parameters are not accumulated) and nearest rounding: every rank
+        decodes the same messages with the same arithmetic, so ``output`` is bitwise the same
+        on every rank, its own slot included; ``source`` is not modified. Ranks exchange
+        descriptors first (``config.check``) and gather exact unless every rank would compress
+        (``wants``: this rank's policy allows it; ``exact``: the fallback)."""
+        cfg = self.config
+        numel = source.numel()
+        seq = self._next_seq()
+        route = self.route(source.device)
+        desc = wire.CallDescriptor(
+            collective="all_gather", dtype=source.dtype, op=0, numel=numel, seq=seq,
+            bits=cfg.param_bits, group_size=cfg.group_size, compressed=wants)
+
+        def job() -> Any:
+            if cfg.check and not self._agree(desc).compressed:
+                return exact()
+            n = self.size
+            itemsize = source.element_size()
+            state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
+                            logical_bytes=(n - 1) * numel * itemsize)
+            start = time.perf_counter()
+            codec = ShardCodec(
+                bits=cfg.param_bits, group_size=cfg.group_size,
+                dtype_code=wire.DTYPE_CODES[source.dtype], seq=seq, world=n,
+                signature=wire.call_signature("all_gather", numel, source.dtype),
+                kernels=route.kernels, checksum=cfg.checksum)
+            flat = source.detach().reshape(-1).contiguous()
+            mine = codec.encode(flat, 1, numel, 1.0, None, 0.0, [self.rank], None).messages
+            encoded = time.perf_counter()
+            gathered = route.links.world.all_gather(mine.view(-1))
+            decoding = time.perf_counter()
+            out = output.view(-1) if output.is_contiguous() else torch.empty_like(output).view(-1)
+            codec.decode_into(gathered, numel, list(range(n)), out)
+            if out.data_ptr() != output.data_ptr():
+                output.copy_(out.view(output.shape))
+            state.STATS.add("compressed", codec_s=encoded - start
+                            + time.perf_counter() - decoding)
+            return None
+
+        return job
+
     def _job(self, collective: str, source: torch.Tensor, op: Any,
              run: Callable[[Source, CallCompressor, Route], None], exact: Job,
              wants: bool) -> Job:

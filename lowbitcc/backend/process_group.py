@@ -347,7 +347,27 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> LocoWork:
-        return self._exact("_allgather_base", [output], output, input, opts or AllgatherOptions())
+        opts = opts or AllgatherOptions()
+        if self.config.param_bits and self._gathers_compressibly(output, input):
+            wants = self.config.policy != "never" and policy.mode("always") != "never"
+            if wants or self.config.check:
+                def exact() -> InnerWork:
+                    state.STATS.add("exact", calls=1, tensor_bytes=_bytes([input]))
+                    return InnerWork(self._inner._allgather_base(output, input, opts),
+                                     lambda: [output])
+
+                job = self._compressed.all_gather(output, input, exact, wants=wants)
+                return self._queue.submit(self._queue.sequence([job], [output]))
+        return self._exact("_allgather_base", [output], output, input, opts)
+
+    def _gathers_compressibly(self, output: torch.Tensor, source: torch.Tensor) -> bool:
+        """An all-gather that ``param_bits`` applies to: CPU float tensors, at least
+        ``min_size`` elements per rank, an output of ``size`` inputs of the same dtype."""
+        _check_tensors("all_gather", [output, source])
+        return (source.device.type == "cpu" and policy.eligible(source, dist.ReduceOp.SUM)
+                and output.dtype == source.dtype
+                and source.numel() >= self.config.min_size
+                and output.numel() == source.numel() * self.size())
 
     _allgather_base = all_gather_single
 

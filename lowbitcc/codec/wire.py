@@ -125,7 +125,7 @@ def call_signature(collective: str, numel: int, dtype: torch.dtype) -> int:
 
 _CALL = struct.Struct("<4sBBBBQIIII")  # 32 bytes
 
-COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2}
+COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
 DESC_COMPRESSED = 1
 """Descriptor flag: this rank would compress the call (its policy and the size allow it); the
 ranks compress it only if every rank would (and the cost model agrees)."""

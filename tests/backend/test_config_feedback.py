@@ -23,6 +23,7 @@ def test_defaults_follow_the_design():
     ("error_dtype", "fp8", "error_dtype"), ("min_size", 0, "min_size"),
     ("policy", "sometimes", "policy"), ("max_keys", 0, "max_keys"), ("feedback", 1, "feedback"),
     ("codec", "gpu", "codec"), ("checksum", 1, "checksum"),
+    ("param_bits", 3, "param_bits"),
 ])
 def test_invalid_values_raise_naming_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
