@@ -46,7 +46,7 @@ def test_schedules_over_gloo(world):
 
 
 @needs_mpi
-@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("world", [2, 5])  # 3 and 4 ranks: over gloo above
 def test_schedules_over_mpi(world):
     done = subprocess.run(
         [MPIEXEC, "-n", str(world), sys.executable, "-m", "tests.support.schedule_checks", "mpi"],
@@ -63,7 +63,7 @@ def _stall(rank, world, gloo, schedule, dead):
     if rank == world - 1:
         if dead:
             os._exit(0)
-        time.sleep(12)
+        time.sleep(8)  # past the others' 4 s timeout
         return None
     start = time.monotonic()
     try:
