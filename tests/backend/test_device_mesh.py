@@ -52,42 +52,10 @@ def test_a_mesh_dimension_may_stay_on_gloo():
 
 
 def _train_2d(rank, world, gloo, scheme):
-    """FSDP2 on "dp" over tensor-parallel (column- then row-wise) layers on "tp", 2 x 2."""
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from lowbitcc.tools.hybrid import train_2d
 
-    if scheme == "gloo":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
-                                backend_override={"dp": "gloo", "tp": "gloo"})
-    else:
-        mesh = lowbitcc.hybrid_mesh("cpu", (2, 2), configs={
-            "dp": lowbitcc.LocoConfig(cost_model=False)},
-            param_bits=8 if scheme == "hybrid+gathers" else None)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
-                          nn.Linear(512, 8))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    teacher = torch.randn(64, 8, generator=torch.Generator().manual_seed(1234))
-    data = torch.Generator().manual_seed(99 + mesh["dp"].get_local_rank())
-    losses = []
-    lowbitcc.reset_stats()
-    for _ in range(30):
-        x = torch.randn(32, 64, generator=data)
-        y = torch.tanh(x @ teacher) + 0.05 * torch.randn(32, 8, generator=data)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    backends = {dim: dist.get_backend(mesh.get_group(dim)) for dim in ("dp", "tp")}
-    return losses, lowbitcc.stats()["compressed"]["calls"], backends
+    losses, stats, backends = train_2d(rank, world, scheme)
+    return losses, stats["compressed"]["calls"], backends
 
 
 def test_a_2x2_mesh_trains_with_dp_over_loco_and_tp_exact():
