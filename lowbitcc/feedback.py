@@ -89,10 +89,11 @@ class FeedbackStore:
         with self._lock:
             entry = self._states.pop(key, None)
             replaced = buffer is not None and self._replaced(key, buffer)
+            if entry is not None and replaced:
+                self.layout_resets += 1
         if entry is None:
             return None, 0
         if replaced:
-            self.layout_resets += 1
             log.debug("lowbitcc: error state %s dropped: its buffer was replaced", key)
             return None, 0
         state, uses = entry
@@ -106,25 +107,19 @@ class FeedbackStore:
     def _replaced(self, key: str, buffer: StorageWeakRef) -> bool:
         """Record that ``key``'s call reduces ``buffer``; whether its state must go (the lock
         is held)."""
-        layout = self._layouts.pop(key, None)
-        if layout is None:
-            layout = _Layout(buffer)
-        elif layout.buffer is None:  # loaded: the first buffer of this run
+        layout = self._layouts.pop(key, None) or _Layout(None)
+        replaced = False
+        if layout.buffer is None:  # a new key, or loaded: the first buffer of this run
             layout.buffer = buffer
         elif layout.buffer == buffer:
             layout.streak = max(layout.streak, 0) + 1
         else:
             layout.buffer = buffer
-            if layout.streak < 0:  # transient buffers: a new one every use
-                layout.streak -= 1
-            else:
-                layout.streak = -1
-                self._layouts[key] = layout
-                self._bound(self._layouts)
-                return True
+            replaced = layout.streak >= 0  # else transient buffers: a new one every use
+            layout.streak = -1 if replaced else layout.streak - 1
         self._layouts[key] = layout
         self._bound(self._layouts)
-        return False
+        return replaced
 
     def _bound(self, entries: collections.OrderedDict) -> None:
         while len(entries) > self.max_keys:

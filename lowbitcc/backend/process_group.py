@@ -197,15 +197,21 @@ class LocoProcessGroup(dist.ProcessGroup):
                    if isinstance(t, torch.Tensor)]
         if self._on_cuda(method, tensors) and self._cuda is not None:
             return self._cuda.exact(method, _flat(outputs), *args)
-
         posted: list[Any] = []
-
-        def job() -> InnerWork:
-            posted.append(getattr(self._inner, method)(*args))
-            return InnerWork(posted[0], lambda: _flat(outputs))
-
         sender = None if source_rank is None else lambda: source_rank(posted[0])
-        return self._queue.submit(job, sender)
+        return self._queue.submit(self._inner_job(method, outputs, *args, posted=posted), sender)
+
+    def _inner_job(self, method: str, outputs: list[Any], *args: Any,
+                   posted: list[Any] | None = None) -> Job:
+        """The worker job that posts ``inner.<method>(*args)`` (appending its Work to
+        ``posted``); the call's value is ``outputs`` flattened."""
+        def job() -> InnerWork:
+            work = getattr(self._inner, method)(*args)
+            if posted is not None:
+                posted.append(work)
+            return InnerWork(work, lambda: _flat(outputs))
+
+        return job
 
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
@@ -351,10 +357,11 @@ class LocoProcessGroup(dist.ProcessGroup):
         if self.config.param_bits and self._gathers_compressibly(output, input):
             wants = self.config.policy != "never" and policy.mode("always") != "never"
             if wants or self.config.check:
+                gather = self._inner_job("_allgather_base", [output], output, input, opts)
+
                 def exact() -> InnerWork:
                     state.STATS.add("exact", calls=1, tensor_bytes=_bytes([input]))
-                    return InnerWork(self._inner._allgather_base(output, input, opts),
-                                     lambda: [output])
+                    return gather()
 
                 job = self._compressed.all_gather(output, input, exact, wants=wants)
                 return self._queue.submit(self._queue.sequence([job], [output]))
@@ -378,10 +385,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             return self._exact("allgather_into_tensor_coalesced", outputs, outputs, inputs, opts)
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(inputs))
 
-        def gather(out: torch.Tensor, inp: torch.Tensor) -> Job:
-            return lambda: InnerWork(self._inner._allgather_base(out, inp, opts), lambda: [out])
-
-        jobs = [gather(o, i) for o, i in zip(outputs, inputs)]
+        jobs = [self._inner_job("_allgather_base", [o], o, i, opts)
+                for o, i in zip(outputs, inputs)]
         return self._queue.submit(self._queue.sequence(jobs, outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from lowbitcc.codec import wire
+from lowbitcc.codec import reference, wire
 from lowbitcc.codec.abi import CSRC, HEADER
 from lowbitcc.codec.interface import EncodeArgs
 
@@ -92,11 +92,7 @@ class CpuKernels:
         return load().checksum(messages, *_CHECKSUM_CONSTANTS, torch.get_num_threads())
 
 
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-_CHECKSUM_CONSTANTS = tuple(_signed(c) for c in (wire.CHECKSUM_STEP, *wire.FMIX64))
+_CHECKSUM_CONSTANTS = tuple(reference.as_int64(c) for c in (wire.CHECKSUM_STEP, *wire.FMIX64))
 
 
 KERNELS = CpuKernels()

@@ -150,7 +150,7 @@ def compensate_quantize(
     return codes, scales, new_e, residual
 
 
-def _signed(u: int) -> int:
+def as_int64(u: int) -> int:
     """The int64 with the bits of uint64 ``u`` (torch's integer products wrap modulo 2**64)."""
     return u - (1 << 64) if u >= 1 << 63 else u
 
@@ -172,10 +172,10 @@ def checksum(messages: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"checksum: message bodies of {body.shape[1]} bytes, not whole words")
     words = body.contiguous().view(torch.int64)
     position = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=messages.device)
-    x = words + position * _signed(wire.CHECKSUM_STEP)
+    x = words + position * as_int64(wire.CHECKSUM_STEP)
     x = x ^ _shift_right(x, 33)
-    x = x * _signed(wire.FMIX64[0])
+    x = x * as_int64(wire.FMIX64[0])
     x = x ^ _shift_right(x, 33)
-    x = x * _signed(wire.FMIX64[1])
+    x = x * as_int64(wire.FMIX64[1])
     x = x ^ _shift_right(x, 33)
     return x.sum(dim=1, dtype=torch.int64).view(rows)
