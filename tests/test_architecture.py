@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grimp
+import pytest
+
+grimp = pytest.importorskip("grimp", reason="the test extra (pip install -e '.[test]') installs grimp")
 
 ROOT = Path(__file__).parents[1]
 
