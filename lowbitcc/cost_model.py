@@ -1,25 +1,30 @@
 """`CostModel`: per call, whether compressing pays, learned from the timings of real calls.
 
 A compressible call (the policy allows it, and no `lowbitcc.compressed()` block forces it) is
-compressed only where that has been faster than the exact call of the same *size class* (collective and
-``floor(log2(bytes))``) on this group:
+compressed only where that has been faster than the exact call of the same *size class*
+(collective, device type and ``floor(log2(bytes))``) on this group:
 
 1. the first ``warmup`` calls of a class run compressed and the next ``warmup`` exact (the
    first of each is not timed: one-time costs such as buffer growth would count);
 2. from then on the path with the lower mean seconds per byte (an exponential moving average
    with weight ``ALPHA``; compressed must beat exact by ``MARGIN``) is taken, and the other is
-   retried once every ``explore_every`` calls of the class, so a change of conditions (link,
-   load) is noticed.
+   retried now and then (an *exploration* call), so a change of conditions (link, load) is
+   noticed. The gap between explorations is at least ``explore_every`` calls, and long enough
+   that exploring costs at most ``EXPLORE_COST`` of the class's time: where a compressed call
+   takes 30 times an exact one (a fast GPU link), it is retried once in ~600 calls, not 64.
 
 The counts that drive steps 1-2 follow the calls in issue order, the same on every rank; the
-timings do not (each rank measures its own). So the model only *suggests*: each rank writes its
-suggestion into the call descriptor it exchanges anyway (``LocoConfig.check``), and every rank
-follows rank 0's (`lowbitcc.backend.compressed_call`). An agreed exact choice holds until the
-class's next exploration call (`until_explore`), and those calls skip the exchange. Without
-the descriptor exchange the model is not consulted and every compressible call is compressed.
+timings, and so the choices and gaps, do not (each rank measures its own). So the model only
+*suggests*: each rank writes its suggestion into the call descriptor it exchanges anyway
+(``LocoConfig.check``), and every rank follows rank 0's (`lowbitcc.backend.compressed_call`).
+An exact suggestion also carries a *lease*: the calls of the class before rank 0's next
+exploration, which every rank then runs exact without the exchange. Without the descriptor
+exchange the model is not consulted and every compressible call is compressed.
 
-Timings are wall seconds from the start of the call on the group's worker to its end (the
-compressed schedule, or the exact gloo call completing). Thread-safe.
+Timings of CPU calls are wall seconds from the start of the call on the group's worker to its
+end (the compressed schedule, or the exact gloo call completing); those of CUDA calls are the
+GPU time between two events recorded around the call on its stream, read once the GPU has passed
+them (`lowbitcc.backend.cuda_issue.StreamTimings`: no host wait). Thread-safe.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ MARGIN = 0.1
 """Compression is chosen only when its mean time is this fraction below the exact call's:
 exact is the safe side (timings on a loaded machine are noisy, and a compressed call also
 costs error-state memory and quantization error)."""
+EXPLORE_COST = 0.05
+"""At most this fraction of a class's time goes to exploration calls (see `CostModel`)."""
+MAX_GAP = 4096
+"""Calls between explorations at most (a lease fits the descriptor's 24 bits)."""
+
+
+SizeClass = tuple[str, str, int]
+"""(collective, device type, floor(log2(input bytes)))."""
 
 
 @dataclasses.dataclass
@@ -41,38 +54,40 @@ class _Class:
     timed: dict[bool, int] = dataclasses.field(default_factory=lambda: {False: 0, True: 0})
     per_byte: dict[bool, float | None] = dataclasses.field(
         default_factory=lambda: {False: None, True: None})
+    explore_at: int = -1  # the call that explores next (-1: set at the end of the warm-up)
 
 
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     """What the model suggests for one call: ``exact`` (else compressed), ``size_class`` to
-    report the call's timing under, and whether the class is ``settled`` (past its warm-up and
-    not exploring: the same on every rank, since it depends on counts only)."""
+    report the call's timing under, and for an exact suggestion that is not an exploration the
+    ``lease``: how many calls of the class after this one stay exact before the next
+    exploration (0 during warm-up and explorations)."""
 
     exact: bool
-    size_class: tuple[str, int]
-    settled: bool = False
+    size_class: SizeClass
+    lease: int = 0
 
 
 class CostModel:
     """The choice between exact and compressed per size class (see the module docstring)."""
 
     def __init__(self, warmup: int = 2, explore_every: int = 64) -> None:
-        if warmup < 1 or explore_every < 2:
-            raise ValueError("CostModel needs warmup >= 1 and explore_every >= 2")
+        if warmup < 1 or not 2 <= explore_every <= MAX_GAP:
+            raise ValueError(f"CostModel needs warmup >= 1 and 2 <= explore_every <= {MAX_GAP}")
         self.warmup = warmup
         self.explore_every = explore_every
         self._lock = threading.Lock()
-        self._classes: dict[tuple[str, int], _Class] = {}
+        self._classes: dict[SizeClass, _Class] = {}
 
     @staticmethod
-    def size_class(collective: str, nbytes: int) -> tuple[str, int]:
-        return (collective, max(nbytes, 1).bit_length() - 1)
+    def size_class(collective: str, nbytes: int, device: str = "cpu") -> SizeClass:
+        return (collective, device, max(nbytes, 1).bit_length() - 1)
 
-    def suggest(self, collective: str, nbytes: int) -> Suggestion:
-        """This rank's suggestion for the next call of ``nbytes`` input bytes (counts it; call
-        it once per call, in issue order)."""
-        key = self.size_class(collective, nbytes)
+    def suggest(self, collective: str, nbytes: int, device: str = "cpu") -> Suggestion:
+        """This rank's suggestion for the next call of ``nbytes`` input bytes on ``device``
+        tensors (counts it; call it once per call, in issue order)."""
+        key = self.size_class(collective, nbytes, device)
         with self._lock:
             c = self._classes.setdefault(key, _Class())
             n = c.calls
@@ -86,25 +101,28 @@ class CostModel:
                 best_exact = exact is not None
             else:
                 best_exact = compressed * (1 + MARGIN) >= exact
-            explore = (n - 2 * self.warmup) % self.explore_every == self.explore_every - 1
-            return Suggestion(best_exact != explore, key, settled=not explore)
+            if c.explore_at < 0:
+                c.explore_at = n + self._gap(c, best_exact) - 1
+            if n >= c.explore_at:
+                c.explore_at = n + self._gap(c, best_exact)
+                return Suggestion(not best_exact, key)
+            return Suggestion(best_exact, key, lease=c.explore_at - n - 1 if best_exact else 0)
 
-    def count(self, size_class: tuple[str, int]) -> None:
+    def _gap(self, c: _Class, best_exact: bool) -> int:
+        """Calls from one exploration to the next: ``explore_every``, or more where the other
+        path is so much slower that exploring would cost over ``EXPLORE_COST``."""
+        best, other = c.per_byte[best_exact], c.per_byte[not best_exact]
+        if best is None or other is None or best <= 0:
+            return self.explore_every
+        extra = max(other / best - 1, 0.0)
+        return int(min(MAX_GAP, max(self.explore_every, extra / EXPLORE_COST)))
+
+    def count(self, size_class: SizeClass) -> None:
         """Count a call of ``size_class`` that did not ask for a suggestion (a lease's)."""
         with self._lock:
             self._classes.setdefault(size_class, _Class()).calls += 1
 
-    def until_explore(self, size_class: tuple[str, int]) -> int:
-        """Calls of ``size_class`` before its next exploration call (0 during warm-up): how
-        long an agreed exact choice may be kept without asking again."""
-        with self._lock:
-            n = self._classes.setdefault(size_class, _Class()).calls
-        if n < 2 * self.warmup:
-            return 0
-        k = (n - 2 * self.warmup) % self.explore_every
-        return (self.explore_every - 1 - k) % self.explore_every
-
-    def record(self, size_class: tuple[str, int], exact: bool, seconds: float,
+    def record(self, size_class: SizeClass, exact: bool, seconds: float,
                nbytes: int) -> None:
         """A call of ``size_class`` took ``seconds`` for ``nbytes`` input bytes on a path."""
         with self._lock:
@@ -120,8 +138,8 @@ class CostModel:
         """Every size class: calls, and the mean seconds per GB of each path (None: untimed)."""
         with self._lock:
             items = sorted(self._classes.items())
-        return [{"collective": coll, "bytes_log2": log2, "calls": c.calls,
+        return [{"collective": coll, "device": device, "bytes_log2": log2, "calls": c.calls,
                  "exact_s_per_GB": None if c.per_byte[True] is None else c.per_byte[True] * 1e9,
                  "compressed_s_per_GB": (None if c.per_byte[False] is None
                                          else c.per_byte[False] * 1e9)}
-                for (coll, log2), c in items]
+                for (coll, device, log2), c in items]

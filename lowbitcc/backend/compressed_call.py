@@ -13,9 +13,10 @@ For each compressible all-reduce or reduce-scatter (the policy said so; see `low
    block on one rank; such calls of at least ``min_size`` elements come here too, see
    `agrees_on`), or when rank 0's cost model (`lowbitcc.cost_model`,
    its suggestion carried in the descriptor) says the exact call has been faster for calls of
-   this size. Once the ranks agree on exact for a size class, its calls up to the model's next
-   exploration run exact without the exchange (a *lease*: every rank counts the same calls, so
-   every rank knows where it ends); a mismatch among those exact calls then behaves as on gloo;
+   this size. Rank 0's exact suggestion carries a *lease*: that many further calls of the
+   size class (up to its next exploration) run exact without the exchange on every rank (a
+   mismatch among them then behaves as on gloo; on CUDA they go straight to NCCL with the
+   caller's options, `goes_exact`);
 3. builds the call's `ShardCodec` (header fields, the route's kernels) and `CallCompressor`
    (codec, feedback store, statistics), accounts the logical bytes, and runs the schedule
    (``config.schedule``, or `choose_schedule` for "auto") over the route's links.
@@ -38,6 +39,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import policy, schedules, state
+from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import Reduction, op_type
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.codec import wire
@@ -45,7 +47,7 @@ from lowbitcc.codec.interface import Kernels
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
-from lowbitcc.cost_model import CostModel
+from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.links import Links
 from lowbitcc.transports.topology import NodeLayout
@@ -109,7 +111,9 @@ class CompressedCalls:
         self._routes = routes
         self._on_worker = on_worker
         self.cost_model = CostModel()
-        self._leases: dict[tuple[str, int], int] = {}  # the worker's: exact calls left per class
+        self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
+        # exact calls left per class: CPU classes the worker's, CUDA classes the issuing thread's
+        self._leases: dict[SizeClass, int] = {}
         self._lock = threading.Lock()
         self._seq = 0
         self._epoch: tuple[str, int] | None = None
@@ -156,6 +160,40 @@ class CompressedCalls:
             self._ordinals[signature] = ordinal + 1
         dtype = str(tensor.dtype).replace("torch.", "")
         return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
+
+    def goes_exact(self, collective: str, like: torch.Tensor, numel: int) -> bool:
+        """For a compressible call of ``numel`` elements of ``like``'s dtype on an inline route
+        (CUDA), issued now in the calling thread: whether the caller should issue the exact
+        call itself, with its own options (no job, no timing events, no descriptor exchange).
+        So it is for calls under ``min_size`` (exact on every rank whatever the policy, as CPU
+        calls skip the exchange: `agrees_on`) and for calls of a size class the cost model has
+        leased to the exact path; those are counted as their job would count them (the lease,
+        the model's count, the feedback key's ordinal, statistics)."""
+        if numel < self.config.min_size:
+            return True
+        if not self._modelled(numel):
+            return False
+        size_class = CostModel.size_class(collective, numel * like.element_size(),
+                                          like.device.type)
+        if not self._take_lease(size_class):
+            return False
+        self.key(collective, like, numel)
+        return True
+
+    def _modelled(self, numel: int) -> bool:
+        """Whether the cost model chooses the path of a compressible call of ``numel``."""
+        cfg = self.config
+        return (cfg.cost_model and cfg.check and numel >= cfg.min_size
+                and not policy.forced())
+
+    def _take_lease(self, size_class: SizeClass) -> bool:
+        """Count a call of ``size_class`` against its lease, if it has one left."""
+        if self._leases.get(size_class, 0) <= 0:
+            return False
+        self._leases[size_class] -= 1
+        self.cost_model.count(size_class)
+        state.STATS.add("exact", model_exact=1)
+        return True
 
     def _next_seq(self) -> int:
         with self._lock:
@@ -245,8 +283,8 @@ class CompressedCalls:
         buffer = StorageWeakRef(source.untyped_storage()) if derived else None
         route = self.route(source.device)
         itemsize = source.element_size()
-        modelled = (cfg.cost_model and cfg.check and not route.inline and numel >= cfg.min_size
-                    and not policy.forced())
+        modelled = self._modelled(numel)
+        device = source.device.type
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
             bits=cfg.bits, group_size=cfg.group_size, compressed=wants and numel >= cfg.min_size,
@@ -257,15 +295,14 @@ class CompressedCalls:
         def job() -> Any:
             suggestion = None
             if modelled:
-                size_class = CostModel.size_class(collective, nbytes)
-                if self._leases.get(size_class, 0) > 0:
-                    self._leases[size_class] -= 1
-                    self.cost_model.count(size_class)
-                    state.STATS.add("exact", model_exact=1)
-                    return self._timed_exact(exact, size_class, nbytes)
-                suggestion = self.cost_model.suggest(collective, nbytes)
+                if route.inline:
+                    self._stream_timings.harvest(self.cost_model)
+                size_class = CostModel.size_class(collective, nbytes, device)
+                if self._take_lease(size_class):
+                    return self._timed_exact(exact, route, size_class, nbytes)
+                suggestion = self.cost_model.suggest(collective, nbytes, device)
             call = desc if suggestion is None else dataclasses.replace(
-                desc, prefer_exact=suggestion.exact)
+                desc, prefer_exact=suggestion.exact, lease=suggestion.lease)
             leader = call
             if cfg.check and route.inline and self._on_worker is not None:
                 agreed: list[wire.CallDescriptor] = []
@@ -277,11 +314,11 @@ class CompressedCalls:
                 return exact()
             if suggestion is not None and leader.prefer_exact:
                 state.STATS.add("exact", model_exact=1)
-                if suggestion.settled:  # not a warm-up or exploration call
-                    self._leases[suggestion.size_class] = self.cost_model.until_explore(
-                        suggestion.size_class)
-                return self._timed_exact(exact, suggestion.size_class, nbytes)
-            start = time.perf_counter()
+                if leader.lease:  # rank 0's: every rank holds the same lease
+                    self._leases[suggestion.size_class] = leader.lease
+                return self._timed_exact(exact, route, suggestion.size_class, nbytes)
+            stop = None if suggestion is None else self._clock(route, suggestion.size_class,
+                                                               False, nbytes)
             n = self.size
             m = -(-numel // n)
             phases = 2 if collective == "all_reduce" else 1
@@ -303,24 +340,36 @@ class CompressedCalls:
             run(Source(flat, n, m, factor), comp, route)
             comp.finish()
             comp.raise_deferred()
-            if suggestion is not None:
-                self.cost_model.record(suggestion.size_class, False, time.perf_counter() - start,
-                                       nbytes)
+            if stop is not None:
+                stop()
             return None
 
         return job
 
-    def _timed_exact(self, exact: Job, size_class: tuple[str, int], nbytes: int) -> Any:
-        """Start ``exact``; its time, until the inner work completes, goes to the cost model."""
+    def _clock(self, route: Route, size_class: SizeClass, exact: bool,
+               nbytes: int) -> Callable[[], None]:
+        """Start timing a call of ``size_class`` on one path; the returned function ends it,
+        and its time goes to the cost model: wall time on the worker, or for ``route.inline``
+        (CUDA) GPU time on the current stream, reported once the GPU has passed it."""
+        if route.inline:
+            timings = self._stream_timings
+            begun = timings.start()
+            return lambda: timings.stop(begun, size_class, exact, nbytes)
         start = time.perf_counter()
+        return lambda: self.cost_model.record(size_class, exact, time.perf_counter() - start,
+                                              nbytes)
+
+    def _timed_exact(self, exact: Job, route: Route, size_class: SizeClass, nbytes: int) -> Any:
+        """Start ``exact``; its time, until the inner work completes, goes to the cost model."""
+        stop = self._clock(route, size_class, True, nbytes)
         result = exact()
         if not isinstance(result, InnerWork):
-            self.cost_model.record(size_class, True, time.perf_counter() - start, nbytes)
+            stop()
             return result
         finish = result.finish
 
         def timed_finish() -> list[torch.Tensor]:
-            self.cost_model.record(size_class, True, time.perf_counter() - start, nbytes)
+            stop()
             return finish()
 
         return InnerWork(result.work, timed_finish)

@@ -7,8 +7,8 @@ on every rank. So every CUDA call is issued in the calling thread, in call order
 a Work whose waiting is stream-ordered, as ProcessGroupNCCL's is (docs/gpu.md):
 
 - exact calls go to the inner ``ProcessGroupNCCL`` with the caller's options; its Work is
-  returned, or, in synchronous mode where it returns none, a Work around a completed
-  CUDA-aware future (`ready_work`);
+  returned, or, in synchronous mode where it returns none, a `StreamWork` ordered after the
+  call on the caller's stream;
 - a compressed call runs its job (encode kernels, NCCL transfers, decode kernels, all enqueued
   on one stream S) and returns a Work around a future completed on S. S is the caller's
   current stream for synchronous calls, and a side stream per device that first waits on the
@@ -19,12 +19,17 @@ a Work whose waiting is stream-ordered, as ProcessGroupNCCL's is (docs/gpu.md):
 
 While a CUDA graph is being captured, a compressed call takes its exact path (the compressed
 path reads Python-side state that a graph would freeze).
+
+`StreamTimings` times calls on their stream with CUDA events for the cost model, without host
+waits.
 """
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,47 @@ def ready_work(outputs: list[torch.Tensor], device: torch.device) -> dist.Work:
     return _create_work_from_future(future)
 
 
+class StreamWork(dist.Work):
+    """The Work of an exact call that NCCL enqueued in synchronous mode on ``stream`` (the
+    caller's current stream), whose results are ``outputs``: they are ready in that stream's
+    order. `wait` makes the waiter's current stream wait for an event recorded after the call
+    (no host wait); `get_future` makes, on first use, a CUDA-aware future completed on
+    ``stream`` (so also after whatever was enqueued there since). What `ready_work` gives,
+    without building the future where the caller only waits (``dist.*(async_op=False)``)."""
+
+    def __init__(self, outputs: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        super().__init__()
+        self._outputs = outputs
+        self._stream = stream
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        torch.cuda.current_stream(self._stream.device).wait_event(self._event)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            future = torch.futures.Future(devices=[self._stream.device])
+            with torch.cuda.stream(self._stream):
+                future.set_result(self._outputs)
+            self._future = future
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+    def is_success(self) -> bool:
+        return self._event.query()
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+
 class CudaIssuer:
     """Issues the CUDA calls of one group (see the module docstring) on ``nccl``, its inner
     ``ProcessGroupNCCL``. Used only from the threads that call the group."""
@@ -49,12 +95,15 @@ class CudaIssuer:
         self._last: dict[torch.device, torch.cuda.Event] = {}
 
     def exact(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
-        """``nccl.<method>(*args)`` (the caller's options included); its Work, or `ready_work`."""
+        """``nccl.<method>(*args)`` (the caller's options included); its Work, or a
+        `StreamWork` (`ready_work` while a graph is captured)."""
         work = getattr(self.nccl, method)(*args)
         if work is not None:
             return work
         device = _device([*outputs, *args]) or torch.device("cuda", torch.cuda.current_device())
-        return ready_work(outputs, device)
+        if torch.cuda.is_current_stream_capturing():
+            return ready_work(outputs, device)
+        return StreamWork(outputs, torch.cuda.current_stream(device))
 
     def compressed(self, job: Callable[[], Any], exact: Callable[[], Any],
                    tensors: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -89,6 +138,52 @@ class CudaIssuer:
         if stream is None:
             stream = self._side[device] = torch.cuda.Stream(device)
         return stream
+
+
+class _Model(Protocol):
+    def record(self, size_class: Any, exact: bool, seconds: float, nbytes: int) -> None: ...
+
+
+class StreamTimings:
+    """GPU times of CUDA calls for the cost model (`lowbitcc.cost_model`), read without host waits.
+
+    `start` records a timing event on the current stream (the call's stream) before the call's
+    work is enqueued there, `stop` another after it and keeps the pair with the host seconds
+    the enqueueing took; `harvest` hands ``model.record`` the calls whose end the GPU has
+    passed (``Event.query``, which never blocks), oldest first, and keeps the rest for a later
+    call. A call's time is the larger of its GPU time (which includes its stream's waits for
+    peers in NCCL) and its host time: a call whose stream was busy shows only the GPU time of
+    its kernels, but the issuing thread still spent the host time on it. Used from the threads
+    that issue the group's CUDA calls; ``event`` makes the events (``torch.cuda.Event``; tests
+    pass a fake)."""
+
+    def __init__(self, event: Callable[..., Any] | None = None) -> None:
+        self._event = event or torch.cuda.Event
+        self._pending: collections.deque[tuple[Any, Any, float, Any, bool, int]] = (
+            collections.deque())
+
+    def start(self) -> tuple[Any, float]:
+        """Record the start event of a call on the current stream; it and the host clock."""
+        event = self._event(enable_timing=True)
+        event.record()
+        return event, time.perf_counter()
+
+    def stop(self, start: tuple[Any, float], size_class: Any, exact: bool, nbytes: int) -> None:
+        """Record the end of the call begun at ``start`` (on the current stream) and keep it."""
+        end = self._event(enable_timing=True)
+        end.record()
+        begun, host_start = start
+        self._pending.append((begun, end, time.perf_counter() - host_start, size_class, exact,
+                              nbytes))
+
+    def harvest(self, model: _Model) -> None:
+        """Report every finished call, oldest first, up to the first unfinished one."""
+        while self._pending and self._pending[0][1].query():
+            begun, end, host_s, size_class, exact, nbytes = self._pending.popleft()
+            model.record(size_class, exact, max(begun.elapsed_time(end) / 1e3, host_s), nbytes)
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 def _device(items: list[Any] | tuple[Any, ...]) -> torch.device | None:

@@ -230,7 +230,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         cuda = self._on_cuda(method, tensors)
         compress = self._compressible(tensors, opts.reduceOp)
         if cuda and self._cuda is not None:
-            if not compress:
+            if not compress or (len(tensors) == 1 and self._compressed.goes_exact(
+                    "all_reduce", tensors[0], tensors[0].numel())):
                 return self._cuda.exact(method, tensors, tensors, opts)
             single = _sync(opts, dist.AllreduceOptions)
             exacts = [lambda t=t: self._nccl.allreduce([t], single) for t in tensors]
@@ -267,7 +268,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             raise ValueError(
                 "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype")
         if cuda and self._cuda is not None:
-            if not self._compressible([output], opts.reduceOp):
+            if not self._compressible([output], opts.reduceOp) or self._compressed.goes_exact(
+                    "reduce_scatter", output, output.numel() * self.size()):
                 return self._cuda.exact("reduce_scatter", [output], output_tensors, input_tensors,
                                         opts)
             source = torch.stack([t.reshape(-1) for t in inputs])
@@ -309,7 +311,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                     f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements")
         compress = self._compressible(outputs, opts.reduceOp)
         if cuda and self._cuda is not None:
-            if not compress:
+            if not compress or (len(inputs) == 1 and self._compressed.goes_exact(
+                    "reduce_scatter", inputs[0], inputs[0].numel())):
                 if len(outputs) == 1:
                     return self._cuda.exact("_reduce_scatter_base", outputs, outputs[0],
                                             inputs[0], opts)

@@ -131,6 +131,8 @@ DESC_COMPRESSED = 1
 ranks compress it only if every rank would (and the cost model agrees)."""
 DESC_PREFER_EXACT = 2
 """Descriptor flag: this rank's cost model suggests the exact path."""
+DESC_LEASE_SHIFT = 8
+"""The flags word's bits from here up hold the descriptor's ``lease`` (24 bits)."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
 
 
@@ -149,11 +151,16 @@ class CallDescriptor:
     prefer_exact: bool = False
     """Advisory, not part of the call: this rank's cost model suggests the exact path (every
     rank follows rank 0's suggestion; see `lowbitcc.cost_model`)."""
+    lease: int = 0
+    """Advisory, with ``prefer_exact``: calls of this size class after this one that stay exact
+    without a descriptor exchange (rank 0's counts for every rank)."""
 
     def pack(self) -> bytes:
         dtype_code = DTYPE_CODES.get(self.dtype, 255)
+        if not 0 <= self.lease < 1 << (32 - DESC_LEASE_SHIFT):
+            raise ValueError(f"lowbitcc: a descriptor's lease must fit 24 bits, got {self.lease}")
         flags = (DESC_COMPRESSED if self.compressed else 0) | (
-            DESC_PREFER_EXACT if self.prefer_exact else 0)
+            DESC_PREFER_EXACT if self.prefer_exact else 0) | (self.lease << DESC_LEASE_SHIFT)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
             self.numel, self.seq & 0xFFFFFFFF, self.bits, self.group_size, flags,
@@ -162,7 +169,7 @@ class CallDescriptor:
     def call(self) -> CallDescriptor:
         """The call itself, without the advisory fields (what must match across ranks):
         whether this rank would compress it is not compared, the ranks settle it together."""
-        return dataclasses.replace(self, compressed=False, prefer_exact=False)
+        return dataclasses.replace(self, compressed=False, prefer_exact=False, lease=0)
 
     @classmethod
     def unpack(cls, raw: bytes) -> CallDescriptor:
@@ -173,7 +180,8 @@ class CallDescriptor:
             raise WireFormatError("corrupt call descriptor received")
         dtype = next((d for d, c in DTYPE_CODES.items() if c == dtype_code), None)
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
-                   bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT))
+                   bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
+                   flags >> DESC_LEASE_SHIFT)
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"

@@ -1,17 +1,20 @@
-"""The cost model: its per-class schedule of suggestions, and on real ranks that every rank
-follows rank 0's suggestion (a divergent choice would be a collective mismatch), that forcing
-compression skips it, and that turning it off compresses every call."""
+"""The cost model: its per-class schedule of suggestions, the GPU timings it is fed for CUDA
+calls, and on real ranks that every rank follows rank 0's suggestion (a divergent choice would
+be a collective mismatch), that forcing compression skips it, and that turning it off
+compresses every call. (Its choice on CUDA calls: tests/gpu.)"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import lowbitcc
+from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.codec import wire
-from lowbitcc.cost_model import CostModel
+from lowbitcc.cost_model import MAX_GAP, CostModel
 from tests.support.ranks import run_ranks
 
 N = 70_000
@@ -22,29 +25,127 @@ def test_warmup_then_the_faster_path_then_exploration():
     model = CostModel(warmup=2, explore_every=4)
     first = [model.suggest("all_reduce", NBYTES) for _ in range(4)]
     assert [s.exact for s in first] == [False, False, True, True]
-    assert not any(s.settled for s in first)  # warm-up: no choice to keep yet
+    assert not any(s.lease for s in first)  # warm-up: no choice to keep yet
     cls = CostModel.size_class("all_reduce", NBYTES)
+    assert cls == ("all_reduce", "cpu", NBYTES.bit_length() - 1)
     model.record(cls, True, 5.0, NBYTES)  # the first timing of a path is not kept
     assert model.table()[0]["exact_s_per_GB"] is None
-    model.record(cls, True, 0.001, NBYTES)
-    model.record(cls, False, 1.0, NBYTES)
-    model.record(cls, False, 1.0, NBYTES)
+    model.record(cls, True, 1.0, NBYTES)
+    model.record(cls, False, 1.15, NBYTES)
+    model.record(cls, False, 1.15, NBYTES)
+    # compressed is 15% slower: exploring it costs 0.15 of a call, under 5% of 4 calls, so
+    # it is retried every 4 calls; an exact suggestion leases the calls up to that retry
     steady = [model.suggest("all_reduce", NBYTES) for _ in range(8)]
-    assert [s.exact for s in steady] == [True, True, True, False] * 2  # 1 in 4 explores
-    assert [s.settled for s in steady] == [True, True, True, False] * 2
-    # an agreed exact choice holds until the next exploration call
-    assert model.until_explore(cls) == 3
-    model.count(cls)
-    assert model.until_explore(cls) == 2
+    assert [s.exact for s in steady] == [True, True, True, False] * 2
+    assert [s.lease for s in steady] == [2, 1, 0, 0] * 2
+    model.count(cls)  # a leased call counts as a call of its class
+    assert [model.suggest("all_reduce", NBYTES).lease for _ in range(3)] == [1, 0, 0]
     # another size class starts its own warm-up
     assert model.suggest("all_reduce", 64 * NBYTES).exact is False
 
 
+def _timed_model(exact_s: float, compressed_s: float) -> CostModel:
+    """A model (warm-up 1) whose "cuda" class has seen these timings, past its warm-up."""
+    model = CostModel(warmup=1, explore_every=64)
+    cls = CostModel.size_class("all_reduce", NBYTES, "cuda")
+    for _ in range(2):  # the first timing of each path is not kept
+        model.record(cls, True, exact_s, NBYTES)
+        model.record(cls, False, compressed_s, NBYTES)
+    assert [model.suggest("all_reduce", NBYTES, "cuda").exact for _ in range(2)] == [False, True]
+    return model
+
+
+def test_explorations_cost_at_most_a_twentieth_of_the_time():
+    # compressed takes 31x: an exploration costs 30 exact calls, so one call in 600 explores
+    # (30 / 600 = 5%), not one in explore_every
+    model = _timed_model(1.0, 31.0)
+    first = model.suggest("all_reduce", NBYTES, "cuda")
+    assert first.exact and first.lease == 598
+    for _ in range(first.lease):
+        model.count(CostModel.size_class("all_reduce", NBYTES, "cuda"))
+    assert model.suggest("all_reduce", NBYTES, "cuda").exact is False  # the 600th: explores
+    # and the gap is capped
+    assert _timed_model(1.0, 1e6).suggest("all_reduce", NBYTES, "cuda").lease == MAX_GAP - 2
+
+
+def test_device_types_are_separate_size_classes():
+    model = CostModel(warmup=1)
+    assert model.suggest("all_reduce", NBYTES, "cuda").exact is False  # cuda warm-up
+    assert model.suggest("all_reduce", NBYTES).exact is False  # cpu's own warm-up
+    assert {row["device"] for row in model.table()} == {"cpu", "cuda"}
+
+
+class _FakeEvent:
+    """A CUDA event as `StreamTimings` uses it: recorded at a host-set GPU clock, done once
+    the GPU clock has passed it."""
+
+    gpu_ms = 0.0  # what the fake GPU has executed up to
+    host_ms = 0.0  # where the next recorded event falls
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = _FakeEvent.host_ms
+
+    def query(self) -> bool:
+        assert self.at is not None
+        return self.at <= _FakeEvent.gpu_ms
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.query() and end.query(), "elapsed_time on an unfinished event"
+        return end.at - self.at
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+
+    def record(self, size_class, exact, seconds, nbytes) -> None:
+        self.rows.append((size_class, exact, round(seconds, 6), nbytes))
+
+
+def test_stream_timings_report_finished_calls_in_order_and_never_wait():
+    timings, model = StreamTimings(event=_FakeEvent), _Recorder()
+    _FakeEvent.gpu_ms = _FakeEvent.host_ms = 0.0
+    for i, (begin, end) in enumerate([(0.0, 2.0), (2.0, 5.0), (5.0, 5.5)]):
+        _FakeEvent.host_ms = begin
+        start = timings.start()
+        _FakeEvent.host_ms = end
+        timings.stop(start, ("all_reduce", "cuda", 20), i % 2 == 0, 1 << 20)
+    timings.harvest(model)  # nothing has run yet: nothing reported, nothing waited for
+    assert model.rows == [] and len(timings) == 3
+    _FakeEvent.gpu_ms = 5.2  # the GPU has passed the first two calls, not the third
+    timings.harvest(model)
+    assert model.rows == [(("all_reduce", "cuda", 20), True, 0.002, 1 << 20),
+                          (("all_reduce", "cuda", 20), False, 0.003, 1 << 20)]
+    _FakeEvent.gpu_ms = 9.0
+    timings.harvest(model)
+    assert model.rows[2:] == [(("all_reduce", "cuda", 20), True, 0.0005, 1 << 20)]
+    assert len(timings) == 0
+
+
+def test_a_call_costs_at_least_its_host_time():
+    """A call queued behind busy work shows only its kernels' GPU time; the issuing thread
+    still spent the host time enqueueing it."""
+    timings, model = StreamTimings(event=_FakeEvent), _Recorder()
+    _FakeEvent.gpu_ms = _FakeEvent.host_ms = 0.0
+    start = timings.start()
+    time.sleep(0.02)  # the host enqueues for 20 ms ...
+    _FakeEvent.host_ms = 1.0  # ... work that takes the GPU 1 ms
+    timings.stop(start, ("all_reduce", "cuda", 20), False, 1 << 20)
+    _FakeEvent.gpu_ms = 2.0
+    timings.harvest(model)
+    ((_, _, seconds, _),) = model.rows
+    assert 0.02 <= seconds < 1.0
+
+
 def test_descriptors_that_differ_only_in_the_suggestion_describe_the_same_call():
     a = wire.CallDescriptor("all_reduce", torch.float32, 0, N, 3, 4, 128, True, False)
-    b = wire.CallDescriptor.unpack(
-        wire.CallDescriptor("all_reduce", torch.float32, 0, N, 3, 4, 128, True, True).pack())
-    assert b.prefer_exact and a != b and a.call() == b.call()
+    b = wire.CallDescriptor.unpack(wire.CallDescriptor(
+        "all_reduce", torch.float32, 0, N, 3, 4, 128, True, True, lease=MAX_GAP).pack())
+    assert b.prefer_exact and b.lease == MAX_GAP and a != b and a.call() == b.call()
 
 
 def _in_backward(issue: Callable[[], None], times: int) -> None:

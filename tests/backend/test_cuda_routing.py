@@ -24,6 +24,7 @@ from lowbitcc.transports.nccl import SCHEDULES, NcclTransport
 class FakeStream:
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
+        self.device = torch.device("cpu")
 
     def wait_stream(self, other: FakeStream) -> None:
         self.log.append(("wait_stream", self.name, other.name))
@@ -137,8 +138,16 @@ def test_graph_capture_takes_the_exact_path(fake_cuda):
     assert log == [("exact", "current"), ("ready", "current", ["out"])]
 
 
-def test_exact_calls_return_ncclss_work_or_a_ready_one(fake_cuda):
+def test_exact_calls_return_ncclss_work_or_a_stream_ordered_one(fake_cuda, monkeypatch):
     log, state = fake_cuda
+    futures = []
+    real_future = torch.futures.Future
+
+    def future(devices):  # a CUDA-aware future needs CUDA devices; record them instead
+        futures.append(devices)
+        return real_future()
+
+    monkeypatch.setattr(torch.futures, "Future", future)
 
     class FakeNccl:
         def __init__(self, result):
@@ -152,9 +161,19 @@ def test_exact_calls_return_ncclss_work_or_a_ready_one(fake_cuda):
     async_nccl = FakeNccl("nccl-work")
     assert cuda_issue.CudaIssuer(async_nccl).exact("allreduce", [t], [t], "opts") == "nccl-work"
     assert async_nccl.calls == [("allreduce", "opts")]
-    sync = cuda_issue.CudaIssuer(FakeNccl(None)).exact("allreduce", [FakeTensor(log, "t")],
-                                                       [t], "opts")
-    assert sync == ("work", (sync[1][0],))  # never None to a C++ caller
+    # synchronous mode: NCCL returns no Work (never None to a C++ caller); ours is an event
+    # recorded after the call on the caller's stream, which wait() orders the waiter after
+    sync = cuda_issue.CudaIssuer(FakeNccl(None)).exact("allreduce", [t], [t], "opts")
+    assert isinstance(sync, cuda_issue.StreamWork) and log == []
+    state["current"] = FakeStream("waiter", log)
+    assert sync.wait()
+    assert log == [("wait_event", "waiter", "current")]
+    assert futures == []  # built only when asked for
+    assert sync.get_future().wait() == [t] and sync.result() == [t]
+    assert sync.get_future() is sync.get_future() and len(futures) == 1
+    state["capturing"] = True  # while a graph is captured: a ready future's Work
+    captured = cuda_issue.CudaIssuer(FakeNccl(None)).exact("allreduce", [t], [t], "opts")
+    assert captured == ("work", (t,))
 
 
 class FakeNcclGroup:

@@ -72,6 +72,28 @@ def test_exact_cuda_calls_run_on_nccl(group):
     assert lowbitcc.stats()["compressed"]["calls"] == 0
 
 
+def test_synchronous_exact_calls_return_works_ordered_on_the_callers_stream(group):
+    """NCCL in synchronous mode returns no Work; the group's is ordered after the call on the
+    stream it ran on: waiting orders the waiter's stream after it, without a host wait."""
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    t = torch.ones(1 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with lowbitcc.exact(), torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy well past the host's return
+        t.mul_(2)
+        work = group.allreduce([t], opts)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        work.wait()  # the current (default) stream now waits for the side stream's call
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(t.sum().cpu(), torch.tensor(2.0 * (1 << 20)))
+    assert work.is_completed() and work.get_future().value()[0] is t
+    t.record_stream(side)
+
+
 @needs_cupy
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compressed_all_reduce_equals_the_cpu_call_bit_for_bit(group, dtype):
@@ -117,6 +139,53 @@ def test_compressed_call_enqueues_without_host_sync(group):
             dist.all_reduce(x, async_op=True).wait()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+@needs_cupy
+def test_cost_model_sends_cuda_calls_exact_where_compressing_does_not_pay(group):
+    """At world size 1 NCCL's all-reduce moves nothing and takes microseconds, which encoding
+    and decoding cannot beat: after its warm-up (2 compressed, 2 exact calls) the model, fed GPU
+    times of the calls, sends every call exact (bit for bit the input), without a host wait."""
+    modelled = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        policy="always", min_size=1, cost_model=True))
+    x = torch.randn(1 << 20, device="cuda")
+    lowbitcc.reset_stats()
+    for _ in range(4):
+        dist.all_reduce(x.clone(), group=modelled)
+    torch.cuda.synchronize()  # the warm-up's events are done: its timings are read next call
+    results = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            y = x.clone()
+            dist.all_reduce(y, group=modelled)
+            results.append(y)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    stats = lowbitcc.stats()
+    assert (stats["compressed"]["calls"], stats["exact"]["model_exact"]) == (2, 22)
+    assert all(torch.equal(y, x) for y in results)
+    (row,) = [r for r in modelled.cost_model.table() if r["device"] == "cuda"]
+    assert 0 < row["exact_s_per_GB"] < row["compressed_s_per_GB"], row
+
+
+@needs_cupy
+def test_cuda_calls_under_min_size_go_to_nccl_without_a_descriptor_exchange(group):
+    """Calls under ``min_size`` are exact on every rank, so they skip the host-side exchange
+    (about 0.5 ms a call through the worker) and go to NCCL with the caller's options."""
+    small = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        policy="always", min_size=1 << 20))
+    exchanged = []
+    agree = small._compressed._agree
+    small._compressed._agree = lambda desc: exchanged.append(desc) or agree(desc)
+    x = torch.ones(4096, device="cuda")
+    out = torch.empty(4096, device="cuda")
+    with lowbitcc.compressed():
+        dist.all_reduce(x, group=small)
+        dist.reduce_scatter_tensor(out, x, group=small)
+        dist.all_reduce(torch.ones(1 << 20, device="cuda"), group=small)  # at min_size
+    assert torch.equal(out, x) and torch.equal(x, torch.ones_like(x))
+    assert [d.numel for d in exchanged] == [1 << 20]
 
 
 @needs_cupy
@@ -235,7 +304,8 @@ def test_training_on_loco_matches_nccl(kind):
     world = max(1, torch.cuda.device_count())
     if kind == "fsdp2" and world < 2:
         pytest.skip("needs 2 GPUs or more: FSDP2 issues no reduce-scatter on one rank")
-    for r in run_ranks(_parity_rank, world, kind, 30):
+    # the cost model off: on fast GPU links it would (rightly) send most buckets exact
+    for r in run_ranks(_parity_rank, world, kind, 30, env={"LOCO_COST_MODEL": "0"}):
         assert r["calls"] > 0, r  # gradients went through the compressed path
         assert abs(r["loco"] - r["nccl"]) < 0.05 * abs(r["nccl"]) + 0.02, r
         if world > 1:
