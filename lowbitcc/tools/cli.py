@@ -11,8 +11,8 @@ from typing import Any
 def _demo(args: argparse.Namespace) -> int:
     from lowbitcc.tools import demo
 
-    demo.run(nprocs=args.np, steps=args.steps, width=args.width, depth=args.depth)
-    return 0
+    return demo.run(nprocs=args.np, steps=args.steps, width=args.width, depth=args.depth,
+                    link=None if args.link == "none" else args.link)
 
 
 def _codec_bench(args: argparse.Namespace) -> int:
@@ -71,6 +71,18 @@ def _perf(args: argparse.Namespace) -> int:
         return 2
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import bench_train
+
+    opts = bench_train.BenchOptions(config=args.config, schemes=tuple(args.schemes),
+                                    steps=args.steps, warmup=args.warmup, json_path=args.json)
+    try:
+        return bench_train.main(opts, args.np, args.link, args.argv)
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+
+
 def _netem(args: argparse.Namespace) -> int:
     from lowbitcc.tools import netem
 
@@ -117,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     demo.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     demo.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
+    demo.add_argument("--link", default="1gbit",
+                      help="after loopback, run again behind emulated links of this rate where "
+                      "the machine allows it (root, ip, tc); none: loopback only (default 1gbit)")
     demo.set_defaults(func=_demo)
     bench = sub.add_parser("codec-bench", help="codec encode/decode throughput vs copy bandwidth")
     bench.add_argument("-b", type=_size, default=64 << 10, help="smallest size (default 64K)")
@@ -147,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
     st.set_defaults(func=_study)
     _add_perf(sub)
+    _add_bench_train(sub)
     ne = sub.add_parser(
         "netem", help="run a command on N ranks, each in a network namespace behind a "
         "rate-limited link (root)",
@@ -161,6 +177,29 @@ def build_parser() -> argparse.ArgumentParser:
     ne.add_argument("command_args", nargs=argparse.REMAINDER, help="-- command ...")
     ne.set_defaults(func=_netem)
     return parser
+
+
+def _add_bench_train(sub: Any) -> None:
+    from lowbitcc.tools.bench_train import CONFIGS, SCHEMES
+
+    bt = sub.add_parser(
+        "bench-train", help="training steps/s of a GPT over loco, gloo, fp16, PowerSGD, FSDP2",
+        description="Trains one GPT per scheme side by side in the same ranks (interleaved "
+        "steps, same batches) and prints steps/s, tokens/s, speed against gloo and against no "
+        "communication, bytes per step and the final loss. Start with --np N, --np N --link "
+        "RATE (emulated network, root), or under torchrun / mpiexec -n N.")
+    bt.add_argument("--config", default="comm", choices=list(CONFIGS),
+                    help="comm: 3.3 M parameters, 4 x 64 tokens per rank (default); compute: "
+                    "1.8 M parameters, 32 x 128 tokens; quick: a tiny smoke run")
+    bt.add_argument("--schemes", nargs="+", default=list(SCHEMES), metavar="NAME",
+                    help=f"schemes side by side (default all): {', '.join(SCHEMES)}")
+    bt.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    bt.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
+    bt.add_argument("--np", type=int, help="local ranks to start when not under a launcher "
+                    "(default 2)")
+    bt.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
+    bt.add_argument("--json", help="write the rows to this JSON file")
+    bt.set_defaults(func=_bench_train)
 
 
 def _add_perf(sub: Any) -> None:

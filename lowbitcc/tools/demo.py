@@ -1,8 +1,12 @@
 """`lowbitcc demo`: DDP over "loco" and over gloo, side by side, in the same processes.
 
-Each rank builds two identical MLPs from the same seed; one is wrapped in DDP over the "loco"
-default group, the other over a gloo group. Both see the same batches. Rank 0 prints, per step,
-the loss of each, the time of each step, and at the end the bytes each put on the wire.
+Each rank builds two identical MLPs from the same seed; one is wrapped in DDP over a "loco"
+group, the other over a gloo group. Both see the same batches. Rank 0 prints, per step, the
+loss of each, the time of each step, and at the end what the cost model decided, the bytes each
+put on the wire and the speed of each. The demo runs on local ranks over loopback (where
+compression rarely pays and the cost model sends the calls exact), then, where this machine can
+emulate a slow network (root, ``ip`` and ``tc``: `lowbitcc.tools.netem`), once more with every
+rank behind a link of ``link`` (1 Gbit/s by default), where compression pays.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbitcc
-from lowbitcc.tools.spawn import run_ranks
+from lowbitcc.backend import rendezvous
+from lowbitcc.tools import netem
+from lowbitcc.tools.spawn import launch
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -29,8 +35,9 @@ def _model(width: int, depth: int) -> nn.Module:
 
 def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> None:
     gloo = dist.new_group(backend="gloo")
+    loco = dist.new_group(backend="loco")
     models = {"gloo": DDP(_model(width, depth), process_group=gloo),
-              "loco": DDP(_model(width, depth))}
+              "loco": DDP(_model(width, depth), process_group=loco)}
     opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in models.items()}
     teacher = torch.randn(128, 16, generator=torch.Generator().manual_seed(7))
     data = torch.Generator().manual_seed(100 + rank)
@@ -83,5 +90,23 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> Non
         print(f"quantization relative error (RMS over calls): {s['relative_error']:.4f}")
 
 
-def run(nprocs: int = 2, steps: int = 20, width: int = 512, depth: int = 3) -> None:
-    run_ranks(_rank_main, nprocs, steps, width, depth)
+def run(nprocs: int = 2, steps: int = 20, width: int = 512, depth: int = 3,
+        link: str | None = "1gbit") -> int:
+    """Run the demo on ``nprocs`` local ranks (or on the ranks of a launcher that started us),
+    then, with ``link`` and where `netem` can, on ``nprocs`` ranks behind links of that rate.
+    Returns the exit status."""
+    launched = rendezvous.detect() is not None
+    if not launched:
+        print("== on local ranks over loopback ==", flush=True)
+    status = launch(_rank_main, nprocs, None, [], steps, width, depth)
+    if launched or status or not link:
+        return status
+    missing = netem.missing_requirements()
+    if missing:
+        print(f"(an emulated {link} link would show where compression pays; this machine lacks "
+              + "; ".join(missing) + ")")
+        return 0
+    print(f"\n== each rank behind an emulated {link} link (tc) ==", flush=True)
+    argv = ["demo", "--np", str(nprocs), "--steps", str(steps), "--width", str(width),
+            "--depth", str(depth)]
+    return launch(_rank_main, nprocs, link, argv, steps, width, depth)

@@ -109,3 +109,41 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
     if errors:
         raise RuntimeError("lowbitcc: rank failed\n" + "\n".join(errors))
     return [values[r] for r in range(nprocs)]
+
+
+def launch(rank_main: Callable[..., Any], nprocs: int | None, link: str | None,
+           argv: Sequence[str], *args: Any, timeout_s: float = 1800.0) -> int:
+    """Run a tool's ``rank_main(rank, world, *args)`` on the ranks of whatever started us:
+    under a launcher (torchrun, mpiexec, srun: this process is one rank, on a gloo default
+    group), on ``nprocs`` ranks behind emulated links of rate ``link`` (``argv``, the
+    command line, is run again in each rank's network namespace; root), or on ``nprocs``
+    local processes (default 2). Returns the exit status."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from lowbitcc.backend import rendezvous
+    from lowbitcc.tools import netem
+
+    launched = rendezvous.detect()
+    if launched is not None:
+        if link or (nprocs and nprocs != launched.world_size):
+            logging.getLogger("lowbitcc").warning(
+                "started by %s with %d ranks: --np/--link are ignored", launched.launcher,
+                launched.world_size)
+        torch.set_num_threads(threads_per_rank(launched.local_world_size))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            rank_main(dist.get_rank(), dist.get_world_size(), *args)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    if link:
+        import sys
+
+        command = [sys.executable, "-m", "lowbitcc", *argv]
+        return netem.run_ranks(command, nprocs or 2, None if link == "none" else link,
+                               timeout_s=timeout_s)
+    run_ranks(rank_main, nprocs or 2, *args, timeout_s=timeout_s, backend="gloo")
+    return 0

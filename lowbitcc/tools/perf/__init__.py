@@ -14,22 +14,14 @@ collective), `backends` (what is compared).
 
 from __future__ import annotations
 
-import datetime
-import logging
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lowbitcc.backend import rendezvous
-from lowbitcc.tools import netem
 from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table, plot, write_json
-from lowbitcc.tools.spawn import run_ranks, threads_per_rank
-
-log = logging.getLogger("lowbitcc.tools.perf")
+from lowbitcc.tools.spawn import launch
 
 __all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]
 
@@ -53,21 +45,4 @@ def main(opts: PerfOptions, nprocs: int | None, link: str | None, argv: Sequence
          timeout_s: float = 1800.0) -> int:
     """Run the sweep under whatever started us; ``argv`` is the command line, for ``--link``."""
     opts.validate()
-    launched = rendezvous.detect()
-    if launched is not None:
-        if link or (nprocs and nprocs != launched.world_size):
-            log.warning("started by %s with %d ranks: --np/--link are ignored",
-                        launched.launcher, launched.world_size)
-        torch.set_num_threads(threads_per_rank(launched.local_world_size))
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            rank_main(dist.get_rank(), dist.get_world_size(), opts)
-        finally:
-            dist.destroy_process_group()
-        return 0
-    if link:
-        command = [sys.executable, "-m", "lowbitcc", *argv]
-        rate = None if link == "none" else link
-        return netem.run_ranks(command, nprocs or 2, rate, timeout_s=timeout_s)
-    run_ranks(rank_main, nprocs or 2, opts, timeout_s=timeout_s, backend="gloo")
-    return 0
+    return launch(rank_main, nprocs, link, argv, opts, timeout_s=timeout_s)

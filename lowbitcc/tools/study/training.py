@@ -27,7 +27,7 @@ GROUP_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 3600.0
 
 
-def _wire_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float:
+def ring_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float:
     """Ring all-reduce bytes per rank per step for the gloo variants (analytic)."""
     ring = 2 * (world - 1) / world
     if variant.hook == "fp16":
@@ -143,7 +143,7 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
         s = lowbitcc.stats()
         wire = (s["compressed"]["wire_bytes"] + s["exact"]["wire_bytes"]) / cfg.steps
     else:
-        wire = _wire_bytes_per_step(inner, variant, world)
+        wire = ring_bytes_per_step(inner, variant, world)
     params = torch.cat([p.detach().full_tensor().reshape(-1) if hasattr(p, "full_tensor")
                         else p.detach().reshape(-1) for p in inner.parameters()])
     if rank != 0:
