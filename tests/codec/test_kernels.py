@@ -163,9 +163,9 @@ SCALES = [3.0, 0.0, 1e-39, 1e-30, 1e37]
 def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, bits, error_dtype,
                                                    with_state, beta, factor, scale, error_scale,
                                                    poison, seed):
-    """The explicit-SIMD encode (fp32, nearest rounding, group 128, no/int8/fp32 state; see
-    cpu_codec.cpp) gives the reference's bytes over three chained calls, so the LoCo blend
-    runs on a state the kernel itself wrote."""
+    """The explicit-SIMD encode (AVX-512, or AVX2 for 4 and 8 bits: fp32, nearest rounding,
+    group 128, no/int8/fp32 state; see cpu_codec.cpp) gives the reference's bytes over three
+    chained calls, so the LoCo blend runs on a state the kernel itself wrote."""
     gen = torch.Generator().manual_seed(seed)
     m = groups * 128 + tail
     x = torch.randn(rows * m, generator=gen) * scale
@@ -189,14 +189,16 @@ def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, bits, err
 
 
 def test_cpu_codec_reports_its_vector_path():
-    """On an AVX-512 machine the build takes the explicit-SIMD encode; elsewhere the portable
-    loops run (both are checked against the reference above)."""
+    """On an AVX-512 machine the build takes the AVX-512 encode, on an AVX2 one the AVX2 encode;
+    elsewhere the portable loops run (each is checked against the reference above)."""
     import re
     from pathlib import Path
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     has_avx512 = bool(re.search(r"\bavx512f\b", flags)) and bool(re.search(r"\bavx512vl\b", flags))
-    assert cpu.load().vector_path == ("avx512" if has_avx512 else "none")
+    has_avx2 = bool(re.search(r"\bavx2\b", flags))
+    expected = "avx512" if has_avx512 else "avx2" if has_avx2 else "none"
+    assert cpu.load().vector_path == expected
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])

@@ -24,6 +24,9 @@
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define LOCO_AVX512 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define LOCO_AVX2 1
 #endif
 
 #include "loco_codec.cuh"
@@ -314,9 +317,199 @@ LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t g
 
 #undef LOCO_VEC_INLINE
 }  // namespace avx512
-constexpr bool kVectorPath = true;
+constexpr const char* kVectorPath = "avx512";
+#elif defined(LOCO_AVX2)
+// AVX2 form of the same case as the AVX-512 one (fp32 source, nearest rounding, G = 128,
+// no/int8/fp32 error state, a finite group) for 4- and 8-bit codes: the group in 16 registers
+// of 8 lanes, each operation the 8-lane form of the same loco:: function in the same order (no
+// FMA contraction), so the bytes are the generic path's; 2-bit codes, and anything else, take
+// the generic path. The property tests check it against the reference on an AVX2 machine.
+namespace avx2 {
+
+#define LOCO_VEC_INLINE inline __attribute__((always_inline))
+
+constexpr int kV = 8;                   // fp32 lanes per register
+constexpr int kVecs = kFastGroup / kV;  // registers per group
+constexpr int kPrefetch = 8 * kFastGroup;  // source elements read ahead
+
+LOCO_VEC_INLINE __m256i abs_bits(__m256 v) {
+  return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+}
+
+// group_amax over 16 registers (see the AVX-512 form).
+LOCO_VEC_INLINE float amax(const __m256 (&v)[kVecs]) {
+  __m256i m = abs_bits(v[0]);
+  for (int i = 1; i < kVecs; ++i) m = _mm256_max_epu32(m, abs_bits(v[i]));
+  __m128i x = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+  const uint32_t top = static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  if (top >= 0x7f800000u) return loco::quiet_nan();
+  float out;
+  std::memcpy(&out, &top, sizeof(out));
+  return out;
+}
+
+// loco::code_nearest without the clamp (see the AVX-512 form for why it never acts).
+LOCO_VEC_INLINE __m256 code_nearest(__m256 y, __m256 inv) {
+  return _mm256_round_ps(_mm256_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// loco::residual: y - (t + 0) * scale.
+LOCO_VEC_INLINE __m256 residual(__m256 y, __m256 t, __m256 scale) {
+  return _mm256_sub_ps(y, _mm256_mul_ps(_mm256_add_ps(t, _mm256_setzero_ps()), scale));
+}
+
+// acc[0..1] += v * v in fp64.
+LOCO_VEC_INLINE void square_add(__m256d (&acc)[2], __m256 v) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+  acc[0] = _mm256_add_pd(acc[0], _mm256_mul_pd(lo, lo));
+  acc[1] = _mm256_add_pd(acc[1], _mm256_mul_pd(hi, hi));
+}
+
+// acc[0..1] += v, widened to fp64.
+LOCO_VEC_INLINE void add_halves(__m256d (&acc)[2], __m256 v) {
+  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+// The low byte of each 32-bit lane of v, lanes 0..7 in order.
+LOCO_VEC_INLINE uint64_t low_bytes(__m256i v) {
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(v, pick);
+  return static_cast<uint32_t>(_mm256_extract_epi32(b, 0)) |
+         static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(b, 4))) << 32;
+}
+
+// Writes the 8 codes t (integral floats in [-q, q]) as loco::code_to_field fields.
+template <int BITS>
+LOCO_VEC_INLINE void pack8(__m256 t, uint8_t* out) {
+  const __m256i field = _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(1 << (BITS - 1)));
+  if (BITS == 8) {
+    const uint64_t bytes = low_bytes(field);
+    std::memcpy(out, &bytes, 8);
+  } else {
+    // 64-bit lane = f_even | f_odd << 32; OR-ing in itself >> 28 puts f_even | f_odd << 4 in
+    // its low byte, which is the low byte of 32-bit lanes 0, 2, 4 and 6
+    const uint64_t bytes = low_bytes(_mm256_or_si256(field, _mm256_srli_epi64(field, 28)));
+    const uint32_t packed = static_cast<uint32_t>((bytes & 0xff) | (bytes >> 8 & 0xff00) |
+                                                  (bytes >> 16 & 0xff0000) |
+                                                  (bytes >> 24 & 0xff000000));
+    std::memcpy(out, &packed, 4);
+  }
+}
+
+template <int BITS, int MODE, int UPDATE>
+bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
+                  double* res_sq, double* in_sq) {
+  const int64_t off = gi * kFastGroup;
+  const bool with_error = MODE != kNoError && a.has_error;
+  __m256 y[kVecs], e[kVecs];
+  const __m256 factor = _mm256_set1_ps(a.factor);
+  for (int i = 0; i < kVecs; ++i) {
+    // an address, not a pointer into the source: it may lie past its end (a prefetch is a hint)
+    if (i % 2 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(x) +
+                                                 sizeof(float) * (kPrefetch + i * kV)),
+                   _MM_HINT_T0);
+    y[i] = _mm256_loadu_ps(x + i * kV);
+    if (a.scale_input) y[i] = _mm256_mul_ps(y[i], factor);
+  }
+  if (with_error) {
+    if (MODE == kInt8) {
+      const __m256 s = _mm256_set1_ps(a.escales[gi]);
+      const int8_t* c = a.ecodes + off;
+      for (int i = 0; i < kVecs; ++i) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i * kV));
+        e[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
+      }
+    } else {
+      for (int i = 0; i < kVecs; ++i) e[i] = _mm256_loadu_ps(a.ef32 + off + i * kV);
+    }
+    for (int i = 0; i < kVecs; ++i) y[i] = _mm256_add_ps(y[i], e[i]);
+  }
+  const loco::GroupScale s = loco::group_scale(amax(y), loco::qmax(BITS));
+  if (!s.finite) return false;
+
+  uint8_t* row_msg = a.msgs + row * a.P;
+  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + gcol * kFastGroup * BITS / 8;
+  const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
+  const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
+  __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();  // fp32 sums of squares, lane-wise
+  for (int i = 0; i < kVecs; ++i) {
+    const __m256 t = code_nearest(y[i], inv);
+    pack8<BITS>(t, packed + i * kV * BITS / 8);
+    const __m256 res = residual(y[i], t, scale);
+    r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
+    y2 = _mm256_add_ps(y2, _mm256_mul_ps(y[i], y[i]));
+    if (UPDATE == kKeepResidual) e[i] = res;
+    if (UPDATE == kDampResidual) e[i] = _mm256_mul_ps(res, omb);
+    if (UPDATE == kBlend) e[i] = _mm256_add_ps(_mm256_mul_ps(e[i], beta), _mm256_mul_ps(res, omb));
+  }
+  __m256d rd[2] = {_mm256_loadu_pd(res_sq), _mm256_loadu_pd(res_sq + 4)};
+  __m256d yd[2] = {_mm256_loadu_pd(in_sq), _mm256_loadu_pd(in_sq + 4)};
+  if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(r2, y2),
+                                       _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ))) {
+    // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
+    for (int i = 0; i < kVecs; ++i) {
+      square_add(rd, residual(y[i], code_nearest(y[i], inv), scale));
+      square_add(yd, y[i]);
+    }
+  } else {
+    add_halves(rd, r2);
+    add_halves(yd, y2);
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_pd(res_sq + 4 * h, rd[h]);
+    _mm256_storeu_pd(in_sq + 4 * h, yd[h]);
+  }
+
+  if (MODE == kFp32) {
+    for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(a.ef32 + off + i * kV, e[i]);
+  } else if (MODE == kInt8) {
+    const loco::GroupScale es = loco::group_scale(amax(e), 127);
+    int8_t* c = a.ecodes + off;
+    if (es.finite) {
+      const __m256 einv = _mm256_set1_ps(es.inv);
+      for (int i = 0; i < kVecs; ++i) {
+        const uint64_t bytes = low_bytes(_mm256_cvtps_epi32(code_nearest(e[i], einv)));
+        std::memcpy(c + i * kV, &bytes, 8);
+      }
+    } else {
+      std::memset(c, 0, kFastGroup);
+    }
+    a.escales[gi] = es.scale;
+  }
+  return true;
+}
+
+// encode_group's dispatch onto the vector path; false: not its case, run the generic path.
+template <typename T, int BITS, int MODE, bool SR, int GS>
+LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t gi, int64_t row,
+                                      int64_t gcol, int64_t valid, double* rs, double* is) {
+  if constexpr (std::is_same_v<T, float> && !SR && GS == kFastGroup && MODE != kBf16 &&
+                BITS != 2) {
+    if (valid != kFastGroup) return false;
+    switch (update_case<MODE>(a)) {
+      case kKeepNothing: return encode_group<BITS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
+      case kKeepResidual: return encode_group<BITS, MODE, kKeepResidual>(x, a, gi, row, gcol, rs, is);
+      case kDampResidual: return encode_group<BITS, MODE, kDampResidual>(x, a, gi, row, gcol, rs, is);
+      default: return encode_group<BITS, MODE, kBlend>(x, a, gi, row, gcol, rs, is);
+    }
+  } else {
+    return false;
+  }
+}
+
+#undef LOCO_VEC_INLINE
+}  // namespace avx2
+constexpr const char* kVectorPath = "avx2";
 #else
-constexpr bool kVectorPath = false;
+constexpr const char* kVectorPath = "none";
 #endif
 
 // Encodes group gi of the source; returns false if the group is non-finite.
@@ -332,8 +525,11 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   const int64_t base = row * a.m + col0;
   const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
   const T* x = src + base;
-#ifdef LOCO_AVX512
+#if defined(LOCO_AVX512)
   if (avx512::try_encode_group<T, BITS, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
+    return true;
+#elif defined(LOCO_AVX2)
+  if (avx2::try_encode_group<T, BITS, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
     return true;
 #endif
   const int64_t off = gi * G;
@@ -708,5 +904,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_sum", &decode_sum, "decode k messages of one shard, sum in row order");
   module.def("decode_into", &decode_into, "decode k messages into a flat output, cast");
   module.def("checksum", &checksum, "checksum of each message's body (lowbitcc.codec.wire)");
-  module.attr("vector_path") = kVectorPath ? "avx512" : "none";
+  module.attr("vector_path") = kVectorPath;
 }
