@@ -112,7 +112,7 @@ class LocoConfig:
     param_bits: int = 0
     checksum: bool = False
     schedule: str = "direct"
-    chunk_size: int = 262144
+    chunk_size: int = 1048576
     transport: str = "auto"
     node_size: int = 0
     auto_tree_bytes: int = 2097152

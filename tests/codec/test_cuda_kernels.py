@@ -28,6 +28,7 @@ def _nvcc() -> str | None:
     return found if Path(found).exists() else None
 
 
+@pytest.mark.slow  # NVRTC compiles every instance in the default suite; nvcc here
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
 def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
@@ -39,6 +40,7 @@ def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
     _assert_clean_ptxas_log(proc.stdout + proc.stderr, ARCHS)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
 def test_cuda_source_compiles_for_host_and_device_with_nvcc(tmp_path):
     """``nvcc -c`` compiles the shared header's __host__ __device__ functions for the host too

@@ -38,7 +38,8 @@ needs_mpi = pytest.mark.skipif(not _mpi_ready(), reason="needs mpi4py and mpiexe
                                "(pip install 'lowbitcc[mpi]')")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow), 5])
 def test_schedules_over_gloo(world):
     for rank, cases in enumerate(run_ranks(check_schedules, world, "gloo", timeout=300)):
         assert len(cases) == 4 * 12, len(cases)
@@ -46,7 +47,7 @@ def test_schedules_over_gloo(world):
 
 
 @needs_mpi
-@pytest.mark.parametrize("world", [2, 5])  # 3 and 4 ranks: over gloo above
+@pytest.mark.parametrize("world", [2, pytest.param(5, marks=pytest.mark.slow)])  # 5: gloo above
 def test_schedules_over_mpi(world):
     done = subprocess.run(
         [MPIEXEC, "-n", str(world), sys.executable, "-m", "tests.support.schedule_checks", "mpi"],
@@ -73,7 +74,8 @@ def _stall(rank, world, gloo, schedule, dead):
     return time.monotonic() - start, "no error"
 
 
-@pytest.mark.parametrize("schedule", ["direct", "ring", "tree"])
+@pytest.mark.parametrize("schedule", ["direct", pytest.param("ring", marks=pytest.mark.slow),
+                                      pytest.param("tree", marks=pytest.mark.slow)])
 def test_stalled_peer_raises_within_the_timeout(schedule):
     results = run_ranks(_stall, 3, schedule, False, timeout=90)
     for elapsed, message in results[:-1]:

@@ -28,6 +28,7 @@ def test_demo_on_loopback_reports_both_groups_and_the_cost_models_choice():
         assert line in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(netem.missing_requirements()), reason="needs root, ip and tc")
 def test_demo_runs_again_behind_an_emulated_link():
     done = _demo("--link", "1gbit")

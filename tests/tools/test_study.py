@@ -13,6 +13,7 @@ import pytest
 from lowbitcc.tools import study
 
 
+@pytest.mark.slow  # trains; `pytest -m slow`
 def test_loco_4bit_tracks_exact_closer_than_no_feedback(monkeypatch):
     monkeypatch.setenv("LOCO_GROUP_SIZE", "4096")
     cfg = study.StudyConfig(steps=80, world=2, **study.QUICK)
@@ -27,6 +28,7 @@ def test_loco_4bit_tracks_exact_closer_than_no_feedback(monkeypatch):
     assert loco["bytes_vs_exact"] == pytest.approx(0.13, abs=0.02)
 
 
+@pytest.mark.slow  # trains; `pytest -m slow`
 def test_tracking_feedback_removes_the_bias_plain_quantization_keeps():
     # the default 128-element groups: on one gradient stream, the sum of LoCo's all-reduces
     # stays close to the sum of exact's while plain 4-bit quantization's drifts, and Adam's
