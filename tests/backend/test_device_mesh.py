@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -58,6 +59,7 @@ def _train_2d(rank, world, gloo, scheme):
     return losses, stats["compressed"]["calls"], backends
 
 
+@pytest.mark.slow  # trains; tools/hybrid_bytes.py runs every scheme
 def test_a_2x2_mesh_trains_with_dp_over_loco_and_tp_exact():
     """Data parallel over "loco" (4-bit LoCo gradients and 8-bit parameter all-gathers),
     tensor parallel exact on gloo: the loss of the last 5 of 30 steps within 1% of the

@@ -181,7 +181,8 @@ def _train_steps(rank, world, gloo, kind, steps, load, save):
             for p in model.parameters()]
 
 
-@pytest.mark.parametrize("kind", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_a_resumed_checkpoint_trains_bit_identically_to_the_uninterrupted_run(kind, tmp_path):
     """Where the resumed run reduces the same layout (FSDP2; a DDP that keeps its buckets), it
     matches the uninterrupted run bit for bit; without lowbitcc's state it does not (checked

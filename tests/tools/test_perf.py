@@ -70,6 +70,7 @@ def test_avg_op_and_bfloat16():
     assert 0 < rows["loco4"]["oop_error"] < 0.5
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_reported():
     for args, message in ((["all_reduce", "--backend", "nope"], "unknown backend 'nope'"),
                           (["all_reduce", "-b", "1M", "-e", "1K"], "-b"),
