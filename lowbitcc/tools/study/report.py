@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def across_seeds(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per compared variant (in first-seen order): the seeds it ran, the mean, lowest and highest
-    gap to exact, and the mean of ``gap - loco4's gap`` over the seeds both ran (positive: worse
-    than 4-bit LoCo)."""
+    """Per compared variant (in first-seen order): the seeds it ran, the mean, sample standard
+    deviation, lowest and highest gap to exact, and the mean of ``gap - loco4's gap`` over the
+    seeds both ran (positive: worse than 4-bit LoCo)."""
     gaps: dict[str, dict[int, float]] = {}
     for row in summary:
         if "gap_to_exact" in row and row["variant"] != "exact":
@@ -44,6 +45,7 @@ def across_seeds(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for variant, by_seed in gaps.items():
         values = list(by_seed.values())
         row = {"variant": variant, "seeds": sorted(by_seed), "mean_gap": sum(values) / len(values),
+               "sd_gap": statistics.stdev(values) if len(values) > 1 else 0.0,
                "min_gap": min(values), "max_gap": max(values)}
         paired = [by_seed[s] - loco[s] for s in by_seed if s in loco]
         if paired and variant != "loco4":
@@ -54,11 +56,11 @@ def across_seeds(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(summary: list[dict[str, Any]]) -> str:
-    lines = [f"{'variant':<13} {'seed':>4} {'val loss':>9} {'gap':>8} {'w dist':>7} "
+    lines = [f"{'variant':<22} {'seed':>4} {'val loss':>9} {'gap':>8} {'w dist':>7} "
              f"{'MiB/step':>9} {'vs exact':>8} {'s':>7}"]
     for r in summary:
         lines.append(
-            f"{r['variant']:<13} {r['seed']:>4} {r['final_val_loss']:>9.4f} "
+            f"{r['variant']:<22} {r['seed']:>4} {r['final_val_loss']:>9.4f} "
             f"{100 * r.get('gap_to_exact', float('nan')):>7.2f}% "
             f"{r.get('weight_distance', float('nan')):>7.4f} "
             f"{r['wire_bytes_per_step'] / 2**20:>9.3f} {r.get('bytes_vs_exact', float('nan')):>8.3f} "
@@ -67,12 +69,13 @@ def format_table(summary: list[dict[str, Any]]) -> str:
 
 
 def format_across_seeds(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'variant':<13} {'seeds':>6} {'mean gap':>9} {'min':>7} {'max':>7} "
+    lines = [f"{'variant':<22} {'seeds':>6} {'mean gap':>9} {'sd':>6} {'min':>7} {'max':>7} "
              f"{'vs loco4':>9}  per seed"]
     for r in rows:
         each = " ".join(f"{100 * d:+.2f}%" for d in r.get("vs_loco4_each", []))
         vs = f"{100 * r['vs_loco4']:+8.2f}%" if "vs_loco4" in r else f"{'':>9}"
-        lines.append(f"{r['variant']:<13} {len(r['seeds']):>6} {100 * r['mean_gap']:>8.2f}% "
+        lines.append(f"{r['variant']:<22} {len(r['seeds']):>6} {100 * r['mean_gap']:>8.2f}% "
+                     f"{100 * r['sd_gap']:>5.2f}% "
                      f"{100 * r['min_gap']:>6.2f}% {100 * r['max_gap']:>6.2f}% {vs}  {each}")
     return "\n".join(lines)
 

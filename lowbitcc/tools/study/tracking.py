@@ -30,6 +30,7 @@ import lowbitcc
 from lowbitcc.config import LocoConfig
 from lowbitcc.tools.plotting import pyplot
 from lowbitcc.tools.spawn import run_ranks
+from lowbitcc.tools.study.formats import LAB_VARIANTS, LabState
 from lowbitcc.tools.study.model import TinyGPT, lm_loss, optimizer, split_corpus, train_batches
 from lowbitcc.tools.study.variants import VARIANTS, StudyConfig, check_trackable
 
@@ -61,10 +62,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _track_rank(rank: int, world: int, names: list[str], cfg: StudyConfig,
                 seed: int) -> dict[str, dict[str, list[float]]] | None:
     """Train with exact gradients on the initialised gloo group and replay them through every
-    tracked "loco" group; rank 0 returns the series."""
-    configs = {name: LocoConfig.from_env(dict(VARIANTS[name].env)) for name in names}
+    tracked "loco" group (and format-lab variant: its two stages around an exact all-reduce);
+    rank 0 returns the series."""
+    configs = {name: LocoConfig.from_env(dict(VARIANTS[name].env)) for name in names
+               if name not in LAB_VARIANTS}
     groups = {name: dist.new_group(backend="loco", pg_options=config)
               for name, config in configs.items()}
+    labs = {name: LabState(LAB_VARIANTS[name], seed) for name in names if name in LAB_VARIANTS}
     train, _ = split_corpus(cfg)
     torch.manual_seed(seed)
     model = TinyGPT(cfg)
@@ -85,10 +89,15 @@ def _track_rank(rank: int, world: int, names: list[str], cfg: StudyConfig,
         dist.all_reduce(exact)
         exact_sum += exact
         exact_direction = exact_adam.direction(exact)
-        for name, group in groups.items():
+        for name in names:
             got = local.clone()
-            with lowbitcc.compressed(), lowbitcc.feedback_key(name):
-                dist.all_reduce(got, group=group)
+            if name in labs:
+                got = labs[name].apply(0, "rs", got)
+                dist.all_reduce(got)
+                got = labs[name].apply(0, "ag", got)
+            else:
+                with lowbitcc.compressed(), lowbitcc.feedback_key(name):
+                    dist.all_reduce(got, group=groups[name])
             sums[name] += got
             record = series[name]
             record["step_error"].append(_relative(got, exact))
@@ -128,9 +137,9 @@ def run(names: list[str], cfg: StudyConfig, seed: int = 0) -> dict[str, Any]:
 
 
 def format_table(summary: list[dict[str, Any]]) -> str:
-    lines = [f"{'variant':<13} {'step error':>10} {'sum error':>10} {'Adam error':>10}"]
+    lines = [f"{'variant':<22} {'step error':>10} {'sum error':>10} {'Adam error':>10}"]
     for r in summary:
-        lines.append(f"{r['variant']:<13} {100 * r['step_error']:>9.2f}% "
+        lines.append(f"{r['variant']:<22} {100 * r['step_error']:>9.2f}% "
                      f"{100 * r['sum_error']:>9.2f}% {100 * r['adam_error']:>9.2f}%")
     return "\n".join(lines)
 

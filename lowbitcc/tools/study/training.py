@@ -13,6 +13,7 @@ from torch import nn
 
 import lowbitcc
 from lowbitcc.tools.spawn import run_ranks
+from lowbitcc.tools.study.formats import LAB_VARIANTS, LabState, lab_hook
 from lowbitcc.tools.study.model import (
     TinyGPT,
     lm_loss,
@@ -28,7 +29,8 @@ RUN_TIMEOUT_S = 3600.0
 
 
 def ring_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float:
-    """Ring all-reduce bytes per rank per step for the gloo variants (analytic)."""
+    """Bytes per rank per step for the gloo variants (analytic): a ring all-reduce's, and for
+    the format lab a direct all-reduce's at the variant's bits per element."""
     ring = 2 * (world - 1) / world
     if variant.hook == "fp16":
         return ring * 2 * sum(p.numel() for p in model.parameters())
@@ -41,6 +43,9 @@ def ring_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float
             else:
                 total += 4 * p.numel()
         return ring * total
+    if variant.hook == "lab":
+        return ring * LAB_VARIANTS[variant.name].bits_per_element / 8 * sum(
+            p.numel() for p in model.parameters())
     return ring * 4 * sum(p.numel() for p in model.parameters())
 
 
@@ -76,6 +81,8 @@ def wrap(model: nn.Module, variant: Variant, seed: int) -> nn.Module:
             process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10,
             random_seed=seed)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif variant.hook == "lab":
+        ddp.register_comm_hook(LabState(LAB_VARIANTS[variant.name], seed), lab_hook)
     return ddp
 
 

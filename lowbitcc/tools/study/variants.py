@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lowbitcc.tools.study.formats import LAB_VARIANTS
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -15,7 +17,7 @@ class Variant:
     name: str
     backend: str = "gloo"
     env: tuple[tuple[str, str], ...] = ()
-    hook: str | None = None  # "fp16" or "powersgd"
+    hook: str | None = None  # "fp16", "powersgd" or "lab" (`formats.lab_hook`)
     fsdp: bool = False
 
     def __post_init__(self) -> None:
@@ -36,6 +38,7 @@ VARIANTS = {
         Variant("fp16-hook", hook="fp16"),
         Variant("powersgd", hook="powersgd"),
         Variant("fsdp2-loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")), fsdp=True),
+        *(Variant(name, hook="lab") for name in LAB_VARIANTS),
     ]
 }
 
@@ -61,7 +64,7 @@ class StudyConfig:
     world: int = 2
 
 
-DEFAULT_VARIANTS = list(VARIANTS)
+DEFAULT_VARIANTS = [n for n in VARIANTS if n not in LAB_VARIANTS]
 DEFAULT_SEEDS = [0, 1, 2]
 EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb", "loco4-g64"]
 DEFAULT_TRACKED = ["loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2"]
@@ -72,8 +75,10 @@ QUICK = {"d_model": 64, "layers": 2, "heads": 2, "batch": 8, "context": 32, "eva
 
 
 def check_trackable(names: list[str]) -> None:
-    """Raise `ValueError` unless every name is a DDP-over-"loco" variant (what tracking runs)."""
-    trackable = [n for n, v in VARIANTS.items() if v.backend == "loco" and not v.fsdp]
+    """Raise `ValueError` unless every name is a DDP-over-"loco" or format-lab variant (what
+    tracking runs)."""
+    trackable = [n for n, v in VARIANTS.items()
+                 if (v.backend == "loco" or v.hook == "lab") and not v.fsdp]
     bad = [n for n in names if n not in trackable]
     if bad:
         raise ValueError(f"lowbitcc study: cannot track {bad}; trackable: {trackable}")

@@ -1,0 +1,227 @@
+"""The format lab: wire formats and feedback tried in training before any codec implements them.
+
+A DDP communication hook (`lab_hook`) reproduces the arithmetic of loco's direct all-reduce with a
+pluggable quantizer per stage, over an exact gloo all-reduce of the dequantized values:
+
+1. stage ``rs``: each rank compensates its bucket (``y = g + e``), quantizes it with the stage's
+   `Format` and keeps ``e <- beta e + (1 - beta)(y - deQ(Q(y)))``; the ranks sum the
+   dequantized values in fp32 (what loco's reduce-scatter computes, shard by shard);
+2. stage ``ag``: the reduced values are compensated and quantized again (loco re-quantizes each
+   reduced shard before its all-gather). Every rank holds the same sum, so every rank computes
+   the owner's codes itself and keeps the same error state.
+
+So a format can be judged by the loss it trains to before it is written three times (reference,
+C++, CUDA, bit for bit). The lab is faithful to loco where loco has the format: its default
+(`LAB_VARIANTS` ``lab-int4-g128``) reproduces the "loco4" study variant up to the order of fp32
+additions and the alignment of groups to shards. Random bits for stochastic rounding come from
+torch's generator, not loco's counter-based stream.
+
+Bits per element of a variant are the mean of its two stages (each stage sends the same number
+of elements per rank in a direct all-reduce), scales included; an exact stage counts 32.
+"""
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc.codec.error_state import ErrorState
+
+FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+CODES = ("int", "fp4", "asym")
+SCALES = ("fp32", "bf16", "e8m0")
+
+
+def _round_scale(s: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scales as stored: fp32 as is, bf16 rounded up (no code overflows), E8M0 the next power
+    of two up."""
+    if kind == "fp32":
+        return s
+    if kind == "bf16":  # round the fp32 bits up to the next bf16 (scales are >= 0)
+        bits = s.contiguous().view(torch.int32)
+        return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    return torch.where(s > 0, torch.exp2(torch.ceil(torch.log2(s))), s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One quantizer: ``codes`` ("int": symmetric uniform ``bits``-bit codes in
+    ``[-(2^(b-1)-1), 2^(b-1)-1]``; "fp4": E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} and a sign;
+    "asym": uniform codes in ``[0, 2^b - 1]`` from the group's minimum, which is stored in the
+    scale's format too), one scale per ``group`` elements stored as ``scale``."""
+
+    codes: str = "int"
+    bits: int = 4
+    group: int = 128
+    scale: str = "fp32"
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.codes not in CODES or self.scale not in SCALES:
+            raise ValueError(f"format lab: unknown codes {self.codes!r} or scale {self.scale!r}")
+        if self.codes == "fp4" and (self.bits != 4 or self.stochastic):
+            raise ValueError("format lab: fp4 codes are 4 bits, nearest rounding")
+
+    @property
+    def bits_per_element(self) -> float:
+        scale_bits = {"fp32": 32, "bf16": 16, "e8m0": 8}[self.scale]
+        return self.bits + scale_bits * (2 if self.codes == "asym" else 1) / self.group
+
+    def roundtrip(self, y: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        """``deQ(Q(y))`` of fp32 ``y`` ``[groups, group]``; ``gen`` draws stochastic rounding."""
+        def rnd(v: torch.Tensor) -> torch.Tensor:
+            if not self.stochastic:
+                return torch.round(v)
+            return torch.floor(v + torch.rand(v.shape, generator=gen))
+
+        if self.codes == "asym":
+            lo = y.amin(dim=1, keepdim=True)
+            levels = (1 << self.bits) - 1
+            lo = _round_scale(lo.abs(), self.scale) * torch.sign(lo) if self.scale != "fp32" \
+                else lo
+            lo = torch.minimum(lo, y.amin(dim=1, keepdim=True))
+            s = _round_scale((y.amax(dim=1, keepdim=True) - lo) / levels, self.scale)
+            inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+            return lo + rnd((y - lo) * inv).clamp(0, levels) * s
+        amax = y.abs().amax(dim=1, keepdim=True)
+        top = float(FP4_E2M1[-1]) if self.codes == "fp4" else float((1 << (self.bits - 1)) - 1)
+        s = _round_scale(amax / top, self.scale)
+        # loco's reference: inv = qmax / amax as one tensor division (not 1 / scale, and not
+        # scalar / tensor, which torch computes as a reciprocal times the scalar)
+        inv = torch.full_like(amax, top) / amax if self.scale == "fp32" else 1 / s
+        inv = torch.where((s > 0) & torch.isfinite(inv), inv, torch.zeros_like(s))
+        v = y * inv
+        if self.codes == "int":
+            return rnd(v).clamp(-top, top) * s
+        grid = FP4_E2M1.to(y.device)
+        mid = (grid[1:] + grid[:-1]) / 2
+        mag = grid[torch.bucketize(v.abs().clamp(max=top), mid)]
+        return torch.sign(v) * mag * s
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of the all-reduce: its format (None: exact) and its feedback (``beta`` None:
+    none), the error state stored as ``error_dtype`` in groups of the format's group size."""
+
+    fmt: Format | None = Format()
+    beta: float | None = 0.8
+    error_dtype: str = "int8"
+
+    @property
+    def bits_per_element(self) -> float:
+        return 32.0 if self.fmt is None else self.fmt.bits_per_element
+
+
+@dataclasses.dataclass(frozen=True)
+class LabSpec:
+    """What a lab variant sends: stage ``rs`` then stage ``ag``; buckets of fewer than
+    ``min_size`` elements travel exact (loco's default ``min_size``)."""
+
+    rs: Stage = Stage()
+    ag: Stage = Stage()
+    min_size: int = 65536
+
+    @property
+    def bits_per_element(self) -> float:
+        return (self.rs.bits_per_element + self.ag.bits_per_element) / 2
+
+
+class LabState:
+    """The hook's state on one rank: the spec, the error state per (bucket, stage), the random
+    generators (stage ``rs``: per rank; stage ``ag``: shared, so that every rank draws the owner's
+    bits)."""
+
+    def __init__(self, spec: LabSpec, seed: int) -> None:
+        self.spec = spec
+        self.errors: dict[tuple[int, str], ErrorState] = {}
+        self.buffers: dict[int, int] = {}
+        rank = dist.get_rank()
+        self.gens = {"rs": torch.Generator().manual_seed(seed * 1000 + rank + 1),
+                     "ag": torch.Generator().manual_seed(seed * 1000 + 999)}
+
+    def apply(self, bucket: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (flat fp32) as stage ``name`` delivers it: compensated, quantized, dequantized;
+        updates that stage's error state. As in loco, ``x`` is cut into one row per rank
+        (``ceil(n / world)`` elements) and each row into groups from its start."""
+        stage: Stage = getattr(self.spec, name)
+        if stage.fmt is None:
+            return x
+        group = stage.fmt.group
+        n, rows = x.numel(), dist.get_world_size()
+        m = -(-n // rows)
+        width = -(-m // group) * group
+        y = torch.zeros(rows, width)
+        y[:, :m] = torch.nn.functional.pad(x, (0, rows * m - n)).view(rows, m)
+        y = y.reshape(-1)
+        padded = y.numel()
+        key = (bucket, name)
+        if stage.beta is not None:
+            state = self.errors.get(key)
+            if state is None or state.numel != padded:
+                state = ErrorState.zeros(padded, stage.error_dtype, group)
+            y = y + state.decode()
+        d = stage.fmt.roundtrip(y.view(-1, group), self.gens[name]).reshape(-1)
+        if stage.beta is not None:
+            e = stage.beta * state.decode() + (1 - stage.beta) * (y - d)
+            self.errors[key] = ErrorState.encode(e, stage.error_dtype, group)
+        return d.view(rows, width)[:, :m].reshape(-1)[:n]
+
+
+def lab_hook(state: LabState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean gradient through `LabState`'s two stages."""
+    buf = bucket.buffer()
+    if buf.numel() < state.spec.min_size:
+        return dist.all_reduce(buf.div_(dist.get_world_size()), async_op=True).get_future().then(
+            lambda f: f.value()[0])
+    if state.buffers.get(bucket.index()) != buf.data_ptr():
+        # as loco: a bucket in a new buffer (DDP rebuilds its buckets after the first step)
+        # starts from zero error
+        state.buffers[bucket.index()] = buf.data_ptr()
+        state.errors = {k: v for k, v in state.errors.items() if k[0] != bucket.index()}
+    grads = buf.div_(dist.get_world_size()).to(torch.float32)
+    sent = state.apply(bucket.index(), "rs", grads)
+    fut = dist.all_reduce(sent, async_op=True).get_future()
+
+    def gather(f: torch.futures.Future[Any]) -> torch.Tensor:
+        buf.copy_(state.apply(bucket.index(), "ag", f.value()[0]))
+        return buf
+
+    return fut.then(gather)
+
+
+def _spec(rs: Stage, ag: Stage | None = None) -> LabSpec:
+    return LabSpec(rs, rs if ag is None else ag)
+
+
+LAB_VARIANTS: dict[str, LabSpec] = {
+    # loco's default, for fidelity, and the stage ablations
+    "lab-int4-g128": _spec(Stage()),
+    "lab-int4-g128-nofb": _spec(Stage(beta=None)),
+    "lab-rs-only": _spec(Stage(), Stage(fmt=None)),
+    "lab-ag-only": _spec(Stage(fmt=None), Stage()),
+    "lab-ag-nofb": _spec(Stage(), Stage(beta=None)),
+    "lab-ag8": _spec(Stage(), Stage(Format(bits=8))),
+    # formats at 4.25 bits per element
+    "lab-int4-g64-bf16": _spec(Stage(Format(group=64, scale="bf16"))),
+    "lab-int4-g32-e8m0": _spec(Stage(Format(group=32, scale="e8m0"))),
+    "lab-mxfp4": _spec(Stage(Format("fp4", group=32, scale="e8m0"))),
+    "lab-fp4-g64-bf16": _spec(Stage(Format("fp4", group=64, scale="bf16"))),
+    "lab-fp4-g64-bf16-nofb": _spec(Stage(Format("fp4", group=64, scale="bf16"), beta=None)),
+    # 4.5 bits per element
+    "lab-int4-g64": _spec(Stage(Format(group=64))),
+    "lab-asym4-g64-bf16": _spec(Stage(Format("asym", group=64, scale="bf16"))),
+    # rounding and feedback
+    "lab-int4-g128-sr": _spec(Stage(Format(stochastic=True))),
+    "lab-int4-g128-sr-nofb": _spec(Stage(Format(stochastic=True), beta=None)),
+    "lab-int4-g128-ef": _spec(Stage(beta=0.0)),
+    "lab-int4-g128-b5": _spec(Stage(beta=0.5)),
+    "lab-int4-g128-b95": _spec(Stage(beta=0.95)),
+    "lab-int4-g128-fp32e": _spec(Stage(error_dtype="fp32")),
+    # where feedback matters
+    "lab-int2-g128": _spec(Stage(Format(bits=2))),
+    "lab-int2-g128-nofb": _spec(Stage(Format(bits=2), beta=None)),
+    "lab-int4-g1024": _spec(Stage(Format(group=1024))),
+    "lab-int4-g1024-nofb": _spec(Stage(Format(group=1024), beta=None)),
+}

@@ -1,0 +1,102 @@
+"""The study's format lab: its quantizers keep their stated formats, and its default reproduces
+loco's all-reduce bit for bit inside DDP training (what makes its other formats' losses
+comparable with loco's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbitcc.codec import reference
+from lowbitcc.tools.study.formats import FP4_E2M1, LAB_VARIANTS, Format
+
+
+def _groups(g: int, n: int = 64, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, g, generator=gen) * torch.rand(n, 1, generator=gen) ** 4
+
+
+def test_int4_fp32_is_loco_reference_bit_for_bit():
+    y = _groups(128)
+    codes, scales = reference.quantize(y, 4)
+    assert torch.equal(Format().roundtrip(y), reference.dequantize(codes, scales))
+
+
+@pytest.mark.parametrize("fmt", [Format(group=64, scale="bf16"), Format(group=32, scale="e8m0"),
+                                 Format("fp4", group=32, scale="e8m0"),
+                                 Format("fp4", group=64, scale="bf16")])
+def test_values_lie_on_the_format_grid(fmt):
+    y = _groups(fmt.group)
+    d = fmt.roundtrip(y)
+    amax = y.abs().amax(dim=1, keepdim=True)
+    top = 6.0 if fmt.codes == "fp4" else 7.0
+    scale = amax / top
+    if fmt.scale == "e8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        assert torch.equal(torch.log2(scale), torch.round(torch.log2(scale)))
+    else:  # bf16, rounded up: representable, and never below the exact scale
+        b = scale.to(torch.bfloat16)
+        up = (b.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 above
+        scale = torch.where(b.float() < scale, up.float(), b.float())
+    mags = (d / scale).abs()
+    grid = FP4_E2M1 if fmt.codes == "fp4" else torch.arange(8.0)
+    assert torch.isin(mags, grid).all()
+    # nearest on the grid: the error is at most half the widest step near each value
+    step = 2.0 if fmt.codes == "fp4" else 1.0
+    assert ((d - y).abs() <= step / 2 * scale * (1 + 1e-6)).all()
+
+
+def test_bits_per_element():
+    assert LAB_VARIANTS["lab-int4-g128"].bits_per_element == 4.25
+    assert LAB_VARIANTS["lab-mxfp4"].bits_per_element == 4.25
+    assert LAB_VARIANTS["lab-asym4-g64-bf16"].bits_per_element == 4.5
+    assert LAB_VARIANTS["lab-rs-only"].bits_per_element == (4.25 + 32) / 2
+
+
+def test_asymmetric_codes_cover_the_group_range():
+    y = _groups(64) + 0.5  # mostly positive groups: where min/max codes gain a bit
+    d = Format("asym", group=64, scale="bf16").roundtrip(y)
+    sym = Format(group=64, scale="bf16").roundtrip(y)
+    assert (d - y).norm() < (sym - y).norm()
+
+
+def _train(rank: int, world: int, which: str) -> list[torch.Tensor]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lowbitcc
+    from lowbitcc.tools.study.formats import LabState, lab_hook
+    from lowbitcc.tools.study.model import TinyGPT, lm_loss, optimizer, split_corpus, train_batches
+    from lowbitcc.tools.study.variants import QUICK, StudyConfig
+
+    cfg = StudyConfig(steps=4, **QUICK)
+    train, _ = split_corpus(cfg)
+    torch.manual_seed(0)
+    group = None
+    if which == "loco":
+        group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=False))
+    model = DDP(TinyGPT(cfg), process_group=group)
+    if which == "lab":
+        model.register_comm_hook(LabState(LAB_VARIANTS["lab-int4-g128"], 0), lab_hook)
+    opt, sched = optimizer(model.parameters(), cfg)
+    out = []
+    for x, y in train_batches(train, cfg, 0, rank):
+        loss = lm_loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        out.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    return out
+
+
+def test_lab_default_trains_bit_for_bit_like_loco():
+    from lowbitcc.tools.spawn import run_ranks
+
+    loco = run_ranks(_train, 2, "loco", backend="gloo")[0]
+    lab = run_ranks(_train, 2, "lab", backend="gloo")[0]
+    exact = run_ranks(_train, 2, "exact", backend="gloo")[0]
+    assert len(loco) == len(lab) == 4
+    for a, b in zip(loco, lab):
+        assert torch.equal(a, b)
+    assert not torch.equal(loco[-1], exact[-1])  # compression did change the weights
