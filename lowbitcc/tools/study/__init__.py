@@ -12,7 +12,11 @@ variant, with the same seed, initial weights and data order for every variant:
 - ``fp16-hook``: gloo with torch's ``fp16_compress_hook`` (its ``bf16_compress_hook`` refuses
   CPU tensors), the 16-bit compression users have today;
 - ``powersgd``: gloo with torch's PowerSGD hook (rank 2, exact for the first 10 steps);
-- ``fsdp2-loco4``: FSDP2 (``fully_shard`` per block) over "loco" at 4 bits.
+- ``fsdp2-loco4``: FSDP2 (``fully_shard`` per block) over "loco" at 4 bits;
+- ``loco2-nofb``, ``loco4-g64-nofb``, ``loco4-g1024`` and ``loco4-g1024-nofb``: where feedback
+  matters (not in the default set);
+- ``lab-*``: wire formats and feedback loco does not implement (yet), tried through the format
+  lab's DDP hook (`lowbitcc.tools.study.formats`; not in the default set).
 
 Per variant it records train loss (mean over ranks) every step, validation loss every
 ``eval_every`` steps on ``eval_batches`` fixed batches and after the last step on
@@ -21,9 +25,9 @@ each rank put on the wire for gradients: measured by lowbitcc for "loco", and fo
 a ring all-reduce sends (``2 (n-1)/n`` times the payload; PowerSGD's payload computed from its P
 and Q shapes). Results go to JSON, and to a PNG with matplotlib installed.
 
-The package: `variants` (what runs), `model` (data and model), `training` (one run on its
-ranks), `tracking` (the compressors on one gradient stream), `report` (summaries, tables, plot);
-`run` here runs a whole study.
+The package: `variants` (what runs), `formats` (the format lab), `model` (data and model),
+`training` (one run on its ranks), `tracking` (the compressors on one gradient stream), `report`
+(summaries, tables, plot); `run` here runs a whole study.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
     (`lowbitcc.tools.study.tracking`).
 
     Returns ``{"config", "runs": [records], "summary", "across_seeds"}`` (and ``"tracking"``);
-    with ``out_dir``, writes ``study.json`` and (matplotlib permitting) ``study.png`` and
+    with ``out_dir``, writes ``study.json`` (after every run, so that an interrupted study keeps
+    its finished runs) and (matplotlib permitting) ``study.png`` and
     ``tracking.png`` there."""
     unknown = [v for v in [*variants, *(extra_seed_variants or [])] if v not in VARIANTS]
     if unknown:
@@ -79,24 +84,35 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
     plan = [(v, seeds[0]) for v in variants]
     for seed in seeds[1:]:
         plan += [(v, seed) for v in (extra_seed_variants or variants)]
-    runs = []
+    out = Path(out_dir) if out_dir else None
+    runs: list[dict[str, Any]] = []
     for i, (name, seed) in enumerate(plan):
         log.info("[%d/%d] %s, seed %d", i + 1, len(plan), name, seed)
         runs.append(run_variant(VARIANTS[name], cfg, seed))
-    summary = summarize(runs)
-    result = {"config": dataclasses.asdict(cfg), "runs": runs, "summary": summary,
-              "across_seeds": across_seeds(summary)}
+        result = _result(cfg, runs)
+        if out:  # after every run: a long study interrupted keeps what it finished
+            _write(out, result, runs)
+    result = _result(cfg, runs)
     if tracked:
         log.info("tracking %s on the gradients of exact, seed %d", ", ".join(tracked), seeds[0])
         result["tracking"] = tracking.run(tracked, cfg, seeds[0])
-    if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        serializable = {**result, "runs": [{k: v for k, v in r.items() if k != "final_params"}
-                                           for r in runs]}
-        (out / "study.json").write_text(json.dumps(serializable, indent=1))
-        plot(runs, summary, out / "study.png")
+    if out:
+        _write(out, result, runs)
+        plot(runs, result["summary"], out / "study.png")
         if "tracking" in result:
             tracking.plot(result["tracking"], out / "tracking.png")
     return result
 
+
+def _result(cfg: StudyConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = summarize(runs)
+    return {"config": dataclasses.asdict(cfg), "runs": runs, "summary": summary,
+            "across_seeds": across_seeds(summary)}
+
+
+def _write(out: Path, result: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """``study.json`` in ``out``: ``result`` without the runs' final parameters."""
+    out.mkdir(parents=True, exist_ok=True)
+    serializable = {**result, "runs": [{k: v for k, v in r.items() if k != "final_params"}
+                                       for r in runs]}
+    (out / "study.json").write_text(json.dumps(serializable, indent=1))

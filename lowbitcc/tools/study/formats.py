@@ -161,10 +161,11 @@ class LabState:
             state = self.errors.get(key)
             if state is None or state.numel != padded:
                 state = ErrorState.zeros(padded, stage.error_dtype, group)
-            y = y + state.decode()
+            e = state.decode()
+            y = y + e
         d = stage.fmt.roundtrip(y.view(-1, group), self.gens[name]).reshape(-1)
         if stage.beta is not None:
-            e = stage.beta * state.decode() + (1 - stage.beta) * (y - d)
+            e = stage.beta * e + (1 - stage.beta) * (y - d)
             self.errors[key] = ErrorState.encode(e, stage.error_dtype, group)
         return d.view(rows, width)[:, :m].reshape(-1)[:n]
 
@@ -207,6 +208,7 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-int4-g64-bf16": _spec(Stage(Format(group=64, scale="bf16"))),
     "lab-int4-g32-e8m0": _spec(Stage(Format(group=32, scale="e8m0"))),
     "lab-mxfp4": _spec(Stage(Format("fp4", group=32, scale="e8m0"))),
+    "lab-mxfp4-nofb": _spec(Stage(Format("fp4", group=32, scale="e8m0"), beta=None)),
     "lab-fp4-g64-bf16": _spec(Stage(Format("fp4", group=64, scale="bf16"))),
     "lab-fp4-g64-bf16-nofb": _spec(Stage(Format("fp4", group=64, scale="bf16"), beta=None)),
     # 4.5 bits per element

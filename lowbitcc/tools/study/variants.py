@@ -35,6 +35,13 @@ VARIANTS = {
                                       ("LOCO_GROUP_SIZE", "64"))),
         Variant("loco8", "loco", (("LOCO_BITS", "8"), ("LOCO_BETA", "0.8"))),
         Variant("loco2", "loco", (("LOCO_BITS", "2"), ("LOCO_BETA", "0.8"))),
+        Variant("loco2-nofb", "loco", (("LOCO_BITS", "2"), ("LOCO_FEEDBACK", "0"))),
+        Variant("loco4-g1024", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
+                                        ("LOCO_GROUP_SIZE", "1024"))),
+        Variant("loco4-g1024-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"),
+                                             ("LOCO_GROUP_SIZE", "1024"))),
+        Variant("loco4-g64-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"),
+                                           ("LOCO_GROUP_SIZE", "64"))),
         Variant("fp16-hook", hook="fp16"),
         Variant("powersgd", hook="powersgd"),
         Variant("fsdp2-loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")), fsdp=True),
@@ -64,7 +71,8 @@ class StudyConfig:
     world: int = 2
 
 
-DEFAULT_VARIANTS = [n for n in VARIANTS if n not in LAB_VARIANTS]
+DEFAULT_VARIANTS = ["exact", "loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2",
+                    "fp16-hook", "powersgd", "fsdp2-loco4"]
 DEFAULT_SEEDS = [0, 1, 2]
 EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb", "loco4-g64"]
 DEFAULT_TRACKED = ["loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2"]

@@ -1,0 +1,129 @@
+"""The frontier of wire cost against quality, from one or more `lowbitcc study` outputs.
+
+Reads each ``study.json`` given (their ``summary`` rows: variant, seed, gap to the exact run of
+the same seed, bytes against exact), merges them by (variant, seed), and prints per variant its
+bits per element (averaged over the phases of a direct all-reduce, scales included), the mean
+gap over seeds with its sample standard deviation and standard error, and the mean paired
+difference from a baseline variant on the seeds both ran. ``loco4`` and ``lab-int4-g128`` are
+the same arithmetic (tests/tools/test_formats.py), so either stands in for the other.
+
+With ``--plot``, writes the frontier (bits per element against mean gap, one standard error
+bars, the lower envelope) as a PNG; with ``--json``, the table.
+
+    python tools/format_frontier.py docs/study/study.json docs/study/formats/study.json \\
+        --plot docs/study/frontier.png --json docs/study/frontier.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from lowbitcc.tools.study.formats import LAB_VARIANTS
+
+SAME = {"lab-int4-g128": "loco4", "lab-int4-g128-nofb": "loco4-nofb", "lab-int4-g64": "loco4-g64"}
+
+
+def load(paths: list[Path]) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """Gaps by variant and seed, and bits per element by variant."""
+    gaps: dict[str, dict[int, float]] = {}
+    bits: dict[str, float] = {}
+    for path in paths:
+        for row in json.loads(path.read_text())["summary"]:
+            if "gap_to_exact" not in row or row["variant"] == "exact":
+                continue
+            name = SAME.get(row["variant"], row["variant"])
+            gaps.setdefault(name, {})[row["seed"]] = row["gap_to_exact"]
+            spec = LAB_VARIANTS.get(row["variant"])
+            bits[name] = spec.bits_per_element if spec else 32 * row["bytes_vs_exact"]
+    return gaps, bits
+
+
+def table(gaps: dict[str, dict[int, float]], bits: dict[str, float],
+          baseline: str) -> list[dict]:
+    base = gaps.get(baseline, {})
+    rows = []
+    for name, by_seed in gaps.items():
+        values = list(by_seed.values())
+        sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+        row = {"variant": name, "bits_per_element": bits[name], "seeds": sorted(by_seed),
+               "mean_gap": statistics.fmean(values), "sd": sd,
+               "se": sd / math.sqrt(len(values))}
+        paired = [by_seed[s] - base[s] for s in by_seed if s in base]
+        if paired and name != baseline:
+            row["vs_baseline"] = statistics.fmean(paired)
+            row["vs_baseline_se"] = (statistics.stdev(paired) / math.sqrt(len(paired))
+                                     if len(paired) > 1 else float("nan"))
+            row["vs_baseline_n"] = len(paired)
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["bits_per_element"], r["mean_gap"]))
+
+
+def show(rows: list[dict], baseline: str) -> str:
+    lines = [f"{'variant':<24} {'bits':>6} {'n':>2} {'mean gap':>9} {'sd':>6} {'se':>6} "
+             f"{'vs ' + baseline:>16}"]
+    for r in rows:
+        vs = ""
+        if "vs_baseline" in r:
+            vs = f"{100 * r['vs_baseline']:+6.2f}% ± {100 * r['vs_baseline_se']:.2f} " \
+                 f"({r['vs_baseline_n']})"
+        lines.append(f"{r['variant']:<24} {r['bits_per_element']:>6.3f} {len(r['seeds']):>2} "
+                     f"{100 * r['mean_gap']:>8.2f}% {100 * r['sd']:>5.2f}% {100 * r['se']:>5.2f}% "
+                     f"{vs:>16}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["bits_per_element"] <= 9 and len(r["seeds"]) > 1]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in shown:
+        nofb = "nofb" in r["variant"]
+        ax.errorbar(r["bits_per_element"], 100 * r["mean_gap"], yerr=100 * r["se"],
+                    fmt="s" if nofb else "o", color="tab:gray" if nofb else "tab:blue",
+                    capsize=3, markersize=5)
+        ax.annotate(r["variant"], (r["bits_per_element"], 100 * r["mean_gap"]), fontsize=7,
+                    xytext=(4, 2), textcoords="offset points")
+    envelope, best = [], math.inf
+    for r in sorted(shown, key=lambda r: r["bits_per_element"]):
+        if r["mean_gap"] < best:
+            best = r["mean_gap"]
+            envelope.append((r["bits_per_element"], 100 * best))
+    if envelope:
+        ax.step(*zip(*envelope), where="post", color="tab:red", alpha=0.5, label="frontier")
+    ax.axhline(0.5, color="tab:green", linestyle="--", alpha=0.6, label="goal: within 0.5%")
+    ax.axvline(4.5, color="tab:orange", linestyle=":", alpha=0.6, label="4.5 bits/element")
+    ax.set(xlabel="bits per element on the wire (mean of the two phases, scales included)",
+           ylabel="final validation loss gap to exact, % (mean over seeds, ±1 s.e.)",
+           title="4-bit formats and feedback: wire cost against quality (2 ranks, 300 steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("studies", nargs="+", type=Path, help="study.json files")
+    ap.add_argument("--baseline", default="loco4")
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    gaps, bits = load(args.studies)
+    rows = table(gaps, bits, args.baseline)
+    print(show(rows, args.baseline))
+    if args.plot:
+        plot(rows, args.plot)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
