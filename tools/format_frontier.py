@@ -4,14 +4,15 @@ Reads each ``study.json`` given (their ``summary`` rows: variant, seed, gap to t
 the same seed, bytes against exact), merges them by (variant, seed), and prints per variant its
 bits per element (averaged over the phases of a direct all-reduce, scales included), the mean
 gap over seeds with its sample standard deviation and standard error, and the mean paired
-difference from a baseline variant on the seeds both ran. ``loco4`` and ``lab-int4-g128`` are
-the same arithmetic (tests/tools/test_formats.py), so either stands in for the other.
+difference from loco4 on the seeds both ran (`lowbitcc.tools.study.report.across_seeds`).
+``loco4`` and ``lab-int4-g128`` are the same arithmetic (tests/tools/test_formats.py), so
+either stands in for the other.
 
 With ``--plot``, writes the frontier (bits per element against mean gap, one standard error
 bars, the lower envelope) as a PNG; with ``--json``, the table.
 
-    python tools/format_frontier.py docs/study/study.json docs/study/formats/study.json \\
-        --plot docs/study/frontier.png --json docs/study/frontier.json
+    python tools/format_frontier.py docs/study/study.json docs/study/formats/sweep-*.json \\
+        --plot docs/study/formats/frontier.png --json docs/study/formats/frontier.json
 """
 
 from __future__ import annotations
@@ -23,38 +24,39 @@ import statistics
 from pathlib import Path
 
 from lowbitcc.tools.study.formats import LAB_VARIANTS
+from lowbitcc.tools.study.report import across_seeds
 
 SAME = {"lab-int4-g128": "loco4", "lab-int4-g128-nofb": "loco4-nofb", "lab-int4-g64": "loco4-g64"}
 
 
-def load(paths: list[Path]) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
-    """Gaps by variant and seed, and bits per element by variant."""
-    gaps: dict[str, dict[int, float]] = {}
+def load(paths: list[Path]) -> tuple[list[dict], dict[str, float]]:
+    """The studies' summary rows (lab variants that are loco's arithmetic renamed to loco's
+    variant), and bits per element by variant."""
+    rows: list[dict] = []
     bits: dict[str, float] = {}
     for path in paths:
         for row in json.loads(path.read_text())["summary"]:
             if "gap_to_exact" not in row or row["variant"] == "exact":
                 continue
             name = SAME.get(row["variant"], row["variant"])
-            gaps.setdefault(name, {})[row["seed"]] = row["gap_to_exact"]
+            rows.append({**row, "variant": name})
             spec = LAB_VARIANTS.get(row["variant"])
             bits[name] = spec.bits_per_element if spec else 32 * row["bytes_vs_exact"]
-    return gaps, bits
+    return rows, bits
 
 
-def table(gaps: dict[str, dict[int, float]], bits: dict[str, float],
-          baseline: str) -> list[dict]:
-    base = gaps.get(baseline, {})
+def table(summary: list[dict], bits: dict[str, float]) -> list[dict]:
+    """`across_seeds` of the merged rows (a later study's run of the same variant and seed
+    replaces an earlier one), with bits per element and standard errors."""
     rows = []
-    for name, by_seed in gaps.items():
-        values = list(by_seed.values())
-        sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-        row = {"variant": name, "bits_per_element": bits[name], "seeds": sorted(by_seed),
-               "mean_gap": statistics.fmean(values), "sd": sd,
-               "se": sd / math.sqrt(len(values))}
-        paired = [by_seed[s] - base[s] for s in by_seed if s in base]
-        if paired and name != baseline:
-            row["vs_baseline"] = statistics.fmean(paired)
+    for r in across_seeds(summary):
+        n = len(r["seeds"])
+        sd = r["sd_gap"] if n > 1 else float("nan")
+        row = {"variant": r["variant"], "bits_per_element": bits[r["variant"]],
+               "seeds": r["seeds"], "mean_gap": r["mean_gap"], "sd": sd, "se": sd / math.sqrt(n)}
+        paired = r.get("vs_loco4_each", [])
+        if paired:
+            row["vs_baseline"] = r["vs_loco4"]
             row["vs_baseline_se"] = (statistics.stdev(paired) / math.sqrt(len(paired))
                                      if len(paired) > 1 else float("nan"))
             row["vs_baseline_n"] = len(paired)
@@ -62,9 +64,9 @@ def table(gaps: dict[str, dict[int, float]], bits: dict[str, float],
     return sorted(rows, key=lambda r: (r["bits_per_element"], r["mean_gap"]))
 
 
-def show(rows: list[dict], baseline: str) -> str:
+def show(rows: list[dict]) -> str:
     lines = [f"{'variant':<24} {'bits':>6} {'n':>2} {'mean gap':>9} {'sd':>6} {'se':>6} "
-             f"{'vs ' + baseline:>16}"]
+             f"{'vs loco4':>16}"]
     for r in rows:
         vs = ""
         if "vs_baseline" in r:
@@ -118,13 +120,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("studies", nargs="+", type=Path, help="study.json files")
-    ap.add_argument("--baseline", default="loco4")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    gaps, bits = load(args.studies)
-    rows = table(gaps, bits, args.baseline)
-    print(show(rows, args.baseline))
+    summary, bits = load(args.studies)
+    rows = table(summary, bits)
+    print(show(rows))
     if args.plot:
         plot(rows, args.plot)
     if args.json:

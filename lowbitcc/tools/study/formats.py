@@ -12,9 +12,11 @@ pluggable quantizer per stage, over an exact gloo all-reduce of the dequantized 
 
 So a format can be judged by the loss it trains to before it is written three times (reference,
 C++, CUDA, bit for bit). The lab is faithful to loco where loco has the format: its default
-(`LAB_VARIANTS` ``lab-int4-g128``) reproduces the "loco4" study variant up to the order of fp32
-additions and the alignment of groups to shards. Random bits for stochastic rounding come from
-torch's generator, not loco's counter-based stream.
+(`LAB_VARIANTS` ``lab-int4-g128``) trains bit for bit like the "loco4" study variant
+(tests/tools/test_formats.py). It does not cut rows longer than loco's ``chunk_size`` into
+pipelined chunks with their own error states, as loco does (the study's rows are shorter).
+Random bits for stochastic rounding come from torch's generator, not loco's counter-based
+stream.
 
 Bits per element of a variant are the mean of its two stages (each stage sends the same number
 of elements per rank in a direct all-reduce), scales included; an exact stage counts 32.
@@ -172,17 +174,15 @@ class LabState:
 
 def lab_hook(state: LabState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's mean gradient through `LabState`'s two stages."""
-    buf = bucket.buffer()
+    buf = bucket.buffer().div_(dist.get_world_size())
     if buf.numel() < state.spec.min_size:
-        return dist.all_reduce(buf.div_(dist.get_world_size()), async_op=True).get_future().then(
-            lambda f: f.value()[0])
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
     if state.buffers.get(bucket.index()) != buf.data_ptr():
         # as loco: a bucket in a new buffer (DDP rebuilds its buckets after the first step)
         # starts from zero error
         state.buffers[bucket.index()] = buf.data_ptr()
         state.errors = {k: v for k, v in state.errors.items() if k[0] != bucket.index()}
-    grads = buf.div_(dist.get_world_size()).to(torch.float32)
-    sent = state.apply(bucket.index(), "rs", grads)
+    sent = state.apply(bucket.index(), "rs", buf.to(torch.float32))
     fut = dist.all_reduce(sent, async_op=True).get_future()
 
     def gather(f: torch.futures.Future[Any]) -> torch.Tensor:
