@@ -22,10 +22,15 @@ from lowbitcc import schedules, transports
 from lowbitcc.codec.abi import ERROR_STORAGES
 from lowbitcc.codec.kernels import CHOICES as CODECS
 from lowbitcc.codec.reference import ROUNDINGS
+from lowbitcc.codec.wire import FORMATS
 
 ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
 BITS = (2, 4, 8)
+FORMAT_CHOICES = ("auto", *FORMATS)
+DEFAULT_GROUP_SIZES = {"int": 128, "mxfp4": 32}
+"""The group size each code format takes when ``group_size`` is 0 (its default)."""
+assert set(DEFAULT_GROUP_SIZES) == set(FORMATS)
 SCHEDULES = (*schedules.NAMES, "auto")
 TRANSPORTS = ("auto", *transports.NAMES)
 
@@ -36,7 +41,13 @@ class LocoConfig:
 
     Attributes:
         bits: code width of compressed payloads (2, 4 or 8).
-        group_size: elements sharing one fp32 scale; a multiple of 8.
+        format: the codes and scales of compressed payloads: "int" (symmetric integer codes,
+            one fp32 scale per group), "mxfp4" (4-bit FP4 E2M1 codes, one power-of-two E8M0
+            scale byte per group, nearest rounding only: docs/wire-format.md) or "auto" (the
+            default: "mxfp4" at 4 bits with nearest rounding, else "int"). Read the resolved
+            value from `wire_format`.
+        group_size: elements sharing one scale, a multiple of 8; 0 (the default): the
+            format's own, 32 for "mxfp4" and 128 for "int" (`group_for`).
         beta: LoCo moving-average factor of the error state, in [0, 1); 0 is classic error feedback.
         feedback: keep and apply an error state at all (False: plain quantization, for studies).
         reset_interval: the error state of a key is zeroed every this many uses (0: never).
@@ -96,7 +107,8 @@ class LocoConfig:
     """
 
     bits: int = 4
-    group_size: int = 128
+    format: str = "auto"
+    group_size: int = 0
     beta: float = 0.8
     feedback: bool = True
     reset_interval: int = 1024
@@ -123,6 +135,23 @@ class LocoConfig:
         self.validate()
 
     @property
+    def wire_format(self) -> str:
+        """The code format of compressed reductions: ``format``, with "auto" resolved."""
+        if self.format != "auto":
+            return self.format
+        return "mxfp4" if self.bits == 4 and self.rounding == "nearest" else "int"
+
+    def group_for(self, fmt: str) -> int:
+        """Elements per scale for payloads in format ``fmt``: ``group_size``, or the format's
+        default when it is 0."""
+        return self.group_size or DEFAULT_GROUP_SIZES[fmt]
+
+    @property
+    def wire_group_size(self) -> int:
+        """Elements per scale of compressed reductions (`group_for` of `wire_format`)."""
+        return self.group_for(self.wire_format)
+
+    @property
     def _timeout(self) -> None:
         """c10d's backend options carry a ``_timeout``, and ``init_device_mesh`` reads it from
         the ``pg_options`` of a ``backend_override`` entry; None: the group's default."""
@@ -140,8 +169,12 @@ class LocoConfig:
 
         if not _is_int(self.bits) or self.bits not in BITS:
             raise bad("bits", "one of 2, 4, 8")
-        if not _is_int(self.group_size) or self.group_size < 8 or self.group_size % 8:
-            raise bad("group_size", "a positive multiple of 8")
+        if self.format not in FORMAT_CHOICES:
+            raise bad("format", "one of " + ", ".join(FORMAT_CHOICES))
+        if self.format == "mxfp4" and self.bits != 4:
+            raise bad("format", f'"int" or "auto" with bits={self.bits} (mxfp4 codes are 4 bits)')
+        if not _is_int(self.group_size) or self.group_size < 0 or self.group_size % 8:
+            raise bad("group_size", "0 (the format's default) or a positive multiple of 8")
         if self.group_size > 1 << 20:
             raise bad("group_size", "at most 1048576")
         if isinstance(self.beta, bool) or not isinstance(self.beta, int | float):
@@ -168,6 +201,8 @@ class LocoConfig:
             raise bad("codec", "one of " + ", ".join(CODECS))
         if self.rounding not in ROUNDINGS:
             raise bad("rounding", "one of " + ", ".join(ROUNDINGS))
+        if self.format == "mxfp4" and self.rounding != "nearest":
+            raise bad("rounding", "\"nearest\" with format=\"mxfp4\"")
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             raise bad("seed", "an integer in [0, 2**32)")
         if not _is_int(self.param_bits) or self.param_bits not in (0, *BITS):

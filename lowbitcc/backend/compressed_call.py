@@ -242,7 +242,7 @@ class CompressedCalls:
         route = self.route(source.device)
         desc = wire.CallDescriptor(
             collective="all_gather", dtype=source.dtype, op=0, numel=numel, seq=seq,
-            bits=cfg.param_bits, group_size=cfg.group_size, compressed=wants)
+            bits=cfg.param_bits, group_size=cfg.group_for("int"), compressed=wants)
 
         def job() -> Any:
             if cfg.check and not self._agree(desc).compressed:
@@ -253,7 +253,7 @@ class CompressedCalls:
                             logical_bytes=(n - 1) * numel * itemsize)
             start = time.perf_counter()
             codec = ShardCodec(
-                bits=cfg.param_bits, group_size=cfg.group_size,
+                bits=cfg.param_bits, group_size=cfg.group_for("int"),
                 dtype_code=wire.DTYPE_CODES[source.dtype], seq=seq, world=n,
                 signature=wire.call_signature("all_gather", numel, source.dtype),
                 kernels=route.kernels, checksum=cfg.checksum)
@@ -287,7 +287,8 @@ class CompressedCalls:
         device = source.device.type
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
-            bits=cfg.bits, group_size=cfg.group_size, compressed=wants and numel >= cfg.min_size,
+            bits=cfg.bits, group_size=cfg.wire_group_size,
+            compressed=wants and numel >= cfg.min_size, fmt=cfg.wire_format,
         )
         factor = Reduction.of(op, self.size).input_factor()
         nbytes = numel * itemsize
@@ -325,10 +326,11 @@ class CompressedCalls:
             state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
                             logical_bytes=phases * (n - 1) * m * itemsize)
             codec = ShardCodec(
-                bits=cfg.bits, group_size=cfg.group_size, dtype_code=wire.DTYPE_CODES[source.dtype],
-                seq=seq, world=n, signature=wire.call_signature(collective, numel, source.dtype),
+                bits=cfg.bits, group_size=cfg.wire_group_size,
+                dtype_code=wire.DTYPE_CODES[source.dtype], seq=seq, world=n,
+                signature=wire.call_signature(collective, numel, source.dtype),
                 kernels=route.kernels, rounding=cfg.rounding, seed=cfg.seed,
-                checksum=cfg.checksum,
+                checksum=cfg.checksum, fmt=cfg.wire_format,
             )
             comp = CallCompressor(
                 codec, state.FEEDBACK, key, state.STATS,

@@ -95,7 +95,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout)
         self._gloo = GlooTransport(self._inner)
         cpu = Route(
-            kernels=kernels.select(config.codec, "cpu", config.group_size),
+            kernels=kernels.select(config.codec, "cpu", config.wire_group_size),
             links=open_links(config.transport, world=self._gloo, store=store,
                              global_ranks=global_ranks or list(range(size)), rank=rank,
                              timeout=timeout, node_size=config.node_size, stats=state.STATS),
@@ -109,7 +109,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._nccl = _inner_nccl(store, rank, size, timeout, global_ranks, group_id)
             self._cuda = CudaIssuer(self._nccl)
             routes["cuda"] = Route(
-                kernels=kernels.select(config.codec, "cuda", config.group_size),
+                kernels=kernels.select(config.codec, "cuda", config.wire_group_size),
                 links=open_nccl_links(self._nccl, state.STATS), inline=True,
                 schedules=NCCL_SCHEDULES)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,

@@ -1,6 +1,8 @@
 """The kernels' shared definitions, read from ``csrc/loco_codec.cuh`` (their only definition).
 
 - `ERROR_MODES`: error-state storage name (None: feedback off) -> ``loco::ErrorMode`` value.
+- `FORMAT_CODES`: code format name -> ``loco::Format`` value (the names are
+  `wire.FORMATS`, checked here).
 - `encode_args_dtype()`: a NumPy structured dtype with the byte layout of ``loco::EncodeArgs``
   (host ABI, x86-64 and aarch64 alike, which CUDA's device ABI matches for such structs), so the
   CUDA launcher passes one struct by value, as CuPy does for structured scalars
@@ -18,6 +20,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+
+from lowbitcc.codec.wire import FORMATS
 
 CSRC = Path(__file__).parent / "csrc"
 HEADER = CSRC / "loco_codec.cuh"
@@ -45,6 +49,18 @@ def error_modes() -> dict[str | None, int]:
 
 ERROR_MODES = error_modes()
 ERROR_STORAGES = tuple(k for k in ERROR_MODES if k is not None)
+
+
+@functools.cache
+def format_codes() -> dict[str, int]:
+    return {member.lower(): int(value)
+            for member, value in re.findall(r"kFormat(\w+)\s*=\s*(\d+)", _block("enum", "Format"))}
+
+
+FORMAT_CODES = format_codes()
+if tuple(FORMAT_CODES) != FORMATS:
+    raise RuntimeError(f"lowbitcc: {HEADER} defines formats {tuple(FORMAT_CODES)}, "
+                       f"wire.py {FORMATS}")
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 
 from lowbitcc.codec import reference, wire
-from lowbitcc.codec.abi import CSRC, HEADER
+from lowbitcc.codec.abi import CSRC, FORMAT_CODES, HEADER
 from lowbitcc.codec.interface import EncodeArgs
 
 SOURCES = [CSRC / "cpu_codec.cpp"]
@@ -80,13 +80,15 @@ class CpuKernels:
     def encode(self, args: EncodeArgs) -> None:
         load().encode(args)
 
-    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor) -> None:
-        load().decode_sum(messages, m, bits, group_size, torch.get_num_threads(), out)
+        load().decode_sum(messages, m, bits, group_size, FORMAT_CODES[fmt],
+                          torch.get_num_threads(), out)
 
-    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor) -> None:
-        load().decode_into(messages, m, bits, group_size, out, torch.get_num_threads())
+        load().decode_into(messages, m, bits, group_size, FORMAT_CODES[fmt], out,
+                           torch.get_num_threads())
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         return load().checksum(messages, *_CHECKSUM_CONSTANTS, torch.get_num_threads())

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lowbitcc.codec import reference
-from lowbitcc.codec.abi import CSRC, ERROR_MODES, encode_args_dtype
+from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
 from lowbitcc.codec.interface import EncodeArgs
 
 SOURCE = CSRC / "cuda_codec.cu"
@@ -34,16 +34,31 @@ BITS = (2, 4, 8)
 TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
-def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool) -> str:
-    return f"loco_cuda::encode<{TYPES[dtype]}, {bits}, {mode}, {'true' if stochastic else 'false'}>"
+WIRES = (*((b, "int") for b in BITS), (4, "mxfp4"))
+"""The (bits, format) pairs the kernels are instantiated for (mxfp4: nearest rounding only)."""
+
+
+def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool,
+                fmt: str = "int") -> str:
+    sr = "true" if stochastic else "false"
+    return f"loco_cuda::encode<{TYPES[dtype]}, {bits}, {mode}, {sr}, {FORMAT_CODES[fmt]}>"
+
+
+def decode_sum_name(bits: int, fmt: str) -> str:
+    return f"loco_cuda::decode_sum<{bits}, {FORMAT_CODES[fmt]}>"
+
+
+def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
+    return f"loco_cuda::decode_into<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
 
 
 def name_expressions() -> list[str]:
     """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
-    names = [encode_name(t, b, mode, sr) for t in TYPES for b in BITS
-             for mode in ERROR_MODES.values() for sr in (False, True)]
-    names += [f"loco_cuda::decode_sum<{b}>" for b in BITS]
-    names += [f"loco_cuda::decode_into<{TYPES[t]}, {b}>" for t in TYPES for b in BITS]
+    names = [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
+             for mode in ERROR_MODES.values() for sr in (False, True)
+             if not (sr and fmt == "mxfp4")]
+    names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
+    names += [decode_into_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
     return names
 
 
@@ -177,7 +192,7 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
         "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
         "G": args.group_size, "scale_input": int(args.factor != 1.0),
         "has_error": int(args.has_error), "mode": args.mode, "stochastic": int(args.stochastic),
-        "k0": args.k0, "k1": args.k1,
+        "format": args.format_code, "k0": args.k0, "k1": args.k1,
     }
     return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)[()]
 
@@ -191,20 +206,20 @@ class CudaKernels:
 
     def encode(self, args: EncodeArgs) -> None:
         groups = args.rows * args.ng
-        name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic)
+        name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
         blocks = min(-(-groups * 32 // THREADS), ENCODE_BLOCKS)
         _launch(name, args.source.device, blocks, (pack_encode_args(args),))
 
-    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor) -> None:
-        _launch(f"loco_cuda::decode_sum<{bits}>", messages.device, -(-m // THREADS),
+        _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
                 (_p(messages), np.int64(messages.shape[0]), np.int64(messages.shape[1]),
                  np.int64(m), np.int32(group_size), _p(out)))
 
-    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor) -> None:
         n = out.numel()
-        name = f"loco_cuda::decode_into<{TYPES[out.dtype]}, {bits}>"
+        name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
                 (_p(messages), np.int64(messages.shape[1]), np.int64(m), np.int32(group_size),
                  np.int64(n), _p(out)))

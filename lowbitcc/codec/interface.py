@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from lowbitcc.codec import wire
-from lowbitcc.codec.abi import ERROR_MODES
+from lowbitcc.codec.abi import ERROR_MODES, FORMAT_CODES
 from lowbitcc.codec.error_state import ErrorState
 
 
@@ -40,6 +40,12 @@ class EncodeArgs:
     nonfinite: torch.Tensor
     sums: torch.Tensor
     threads: int = 1
+    fmt: str = "int"
+    """The code format (`wire.FORMATS`)."""
+
+    @property
+    def format_code(self) -> int:
+        return FORMAT_CODES[self.fmt]
 
     @property
     def ng(self) -> int:
@@ -87,6 +93,7 @@ class Kernels(Protocol):
     """One implementation of the codec's arithmetic (see the module docstring).
 
     ``writes_every_byte``: encode writes every payload byte (else the caller zeroes messages).
+    Decoders read messages of ``bits``-bit codes in format ``fmt`` in groups of ``group_size``.
     ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
     ``uint8 [k, P]``; ``decode_into`` writes row ``r`` of the messages, cast to ``out``'s dtype,
     to ``out[r*m ...]`` (``out`` flat, at most ``k * m`` elements). Sizes are already validated.
@@ -99,10 +106,10 @@ class Kernels(Protocol):
 
     def encode(self, args: EncodeArgs) -> None: ...
 
-    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor) -> None: ...
 
-    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor) -> None: ...
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor: ...

@@ -46,10 +46,11 @@ class ReferenceKernels:
         e = args.state.decode().view(-1, G) if args.state is not None and args.has_error else None
         beta = args.beta if args.state is not None else 0.0
         codes, scales, new_e, residual = reference.compensate_quantize(
-            groups, e, args.bits, beta, args.keys)
-        start = wire.HEADER_BYTES + 4 * args.ng
-        args.messages[:, wire.HEADER_BYTES:start] = scales.view(rows, args.ng).view(torch.uint8)
-        packed = reference.pack(codes, args.bits).view(rows, -1)
+            groups, e, args.bits, beta, args.keys, args.fmt)
+        start = wire.codes_offset(m, G, args.fmt)
+        args.messages[:, wire.HEADER_BYTES:start] = reference.scale_field(scales, args.fmt).view(
+            rows, -1)
+        packed = reference.pack(codes, args.bits, args.fmt).view(rows, -1)
         args.messages[:, start:start + mp * args.bits // 8] = packed
         finite = torch.isfinite(scales)
         args.nonfinite.copy_((~finite).to(torch.uint8))
@@ -62,30 +63,32 @@ class ReferenceKernels:
             if new.scales is not None:
                 args.state.scales.copy_(new.scales)
 
-    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor) -> None:
-        values = _decode_rows(messages, m, bits, group_size)
+        values = _decode_rows(messages, m, bits, group_size, fmt)
         out.copy_(values[0])
         for row in values[1:]:
             out += row
 
-    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int,
+    def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor) -> None:
-        out.copy_(_decode_rows(messages, m, bits, group_size).reshape(-1)[:out.numel()])
+        out.copy_(_decode_rows(messages, m, bits, group_size, fmt).reshape(-1)[:out.numel()])
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         return reference.checksum(messages)
 
 
-def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int) -> torch.Tensor:
+def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int,
+                 fmt: str) -> torch.Tensor:
     """fp32 ``[k, m]``: every message decoded."""
     k = messages.shape[0]
     ng = wire.ngroups(m, group_size)
     mp = ng * group_size
-    start = wire.HEADER_BYTES + 4 * ng
-    scales = messages[:, wire.HEADER_BYTES:start].contiguous().view(torch.float32)
-    codes = reference.unpack(messages[:, start:start + mp * bits // 8].reshape(-1), bits, k * mp)
-    values = reference.dequantize(codes.view(-1, group_size), scales.reshape(-1))
+    start = wire.codes_offset(m, group_size, fmt)
+    scales = reference.scales_from_field(messages[:, wire.HEADER_BYTES:start].contiguous(), fmt)
+    codes = reference.unpack(messages[:, start:start + mp * bits // 8].reshape(-1), bits, k * mp,
+                             fmt)
+    values = reference.dequantize(codes.view(-1, group_size), scales, fmt)
     return values.view(k, mp)[:, :m]
 
 

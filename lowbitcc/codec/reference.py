@@ -17,6 +17,19 @@ Quantizer (symmetric, one fp32 scale per group of ``G`` consecutive elements, ``
    codes 0, so that it decodes to NaN on every rank: non-finite inputs stay visible to AMP.
 5. Decode: ``x = code * scale`` (fp32).
 
+MXFP4 quantizer (format "mxfp4": 4-bit FP4 E2M1 codes, one power-of-two scale per group sent as
+an E8M0 byte, as the OCP microscaling formats define the element and scale types):
+
+1. ``amax = max(|y|)`` over the group; ``scale = 2**k`` with ``k`` the least integer such that
+   ``amax <= 6 * 2**k``, so that no code clips, computed exactly from amax's bits (E8M0 byte
+   ``k + 127``, at least 1); ``inv = 2**-k``. A non-finite group gets byte 0xFF (NaN), all
+   codes 0.
+2. ``v = y * inv`` (exact but for subnormal results; ``|v| <= 6``); the code is the E2M1 value
+   {0, 0.5, 1, 1.5, 2, 3, 4, 6} nearest to ``|v|``, ties to the even index (round half to even
+   on E2M1's mantissa bit), and ``v``'s sign. Its 4-bit field is the index (bits 0..2) and a
+   sign bit 3, set only for a negative non-zero code. Nearest rounding only.
+3. Decode: ``x = (-1)**sign * E2M1[index] * 2**(byte - 127)``.
+
 Packing: ``u = code + 2**(b-1)`` is stored in ``b`` bits, little-end first: for 4 bits element
 ``2i`` is the low nibble of byte ``i``; for 2 bits element ``4i + k`` sits at bits ``2k..2k+1``.
 
@@ -30,7 +43,20 @@ from __future__ import annotations
 
 import torch
 
+from lowbitcc.codec import wire
+from lowbitcc.codec.wire import FORMATS
+
 CODE_DTYPE = torch.int8
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""FP4 E2M1 magnitudes, by 3-bit index."""
+
+
+def check_format(fmt: str, bits: int, stochastic: bool = False) -> None:
+    """Raise ValueError unless ``fmt`` is a format that can carry ``bits``-bit codes."""
+    if fmt not in FORMATS:
+        raise ValueError(f"lowbitcc: unknown code format {fmt!r} (expected one of {FORMATS})")
+    if fmt == "mxfp4" and (bits != 4 or stochastic):
+        raise ValueError("lowbitcc: mxfp4 codes are 4 bits wide, rounded to nearest")
 
 
 def qmax(bits: int) -> int:
@@ -68,14 +94,18 @@ def uniform24(numel: int, k0: int, k1: int, device: torch.device | str = "cpu") 
 
 
 def quantize(
-    y: torch.Tensor, bits: int, keys: tuple[int, int] | None = None
+    y: torch.Tensor, bits: int, keys: tuple[int, int] | None = None, fmt: str = "int",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``y`` ``[groups, G]`` fp32 to int8 codes ``[groups, G]`` and scales ``[groups]``.
+    """Quantize ``y`` ``[groups, G]`` fp32 to int8 codes ``[groups, G]`` and fp32 scales
+    ``[groups]`` in format ``fmt`` (for "mxfp4" the codes are the 4-bit fields).
 
     ``keys`` None rounds to nearest (half to even); ``(k0, k1)`` rounds stochastically with the
     random stream those keys select."""
     if y.dtype != torch.float32 or y.dim() != 2:
         raise ValueError(f"quantize expects a 2-D fp32 tensor, got {y.dtype} {tuple(y.shape)}")
+    check_format(fmt, bits, keys is not None)
+    if fmt == "mxfp4":
+        return _quantize_mxfp4(y)
     q = float(qmax(bits))
     amax = y.abs().amax(dim=1)
     finite = torch.isfinite(amax)
@@ -98,14 +128,58 @@ def quantize(
     return codes.to(CODE_DTYPE), scale
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]``."""
+def _quantize_mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for format "mxfp4" (the module docstring's rules)."""
+    amax = y.abs().amax(dim=1)
+    finite = torch.isfinite(amax)
+    bits = torch.where(finite, amax, 0.0).view(torch.int32)
+    k = (bits >> 23) - torch.where((bits & 0x7FFFFF) <= 0x400000, 2, 1)
+    byte = torch.where(finite, k.clamp(min=1), 0xFF).to(torch.int32)
+    scale = e8m0_scale(byte)
+    inv = torch.where(finite, ((254 - byte) << 23).view(torch.float32), 0.0)
+    a = (y * inv[:, None]).abs()
+    index = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
+             + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    sign = ((y < 0) & (index > 0)).int() << 3
+    fields = torch.where(finite[:, None], index | sign, 0)
+    return fields.to(CODE_DTYPE), scale
+
+
+def e8m0_scale(byte: torch.Tensor) -> torch.Tensor:
+    """fp32 scales of E8M0 bytes (any integer dtype): ``2**(byte - 127)``, NaN for 0xFF."""
+    byte = byte.to(torch.int32)
+    return torch.where(byte == 0xFF, float("nan"), (byte << 23).view(torch.float32))
+
+
+def scale_field(scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The wire bytes (uint8 ``[groups * scale_bytes(fmt)]``) of fp32 scales from `quantize`."""
+    if fmt == "mxfp4":
+        return ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return scales.contiguous().view(torch.uint8).reshape(-1)
+
+
+def scales_from_field(raw: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Inverse of `scale_field`: fp32 scales from contiguous uint8 wire bytes."""
+    if fmt == "mxfp4":
+        return e8m0_scale(raw.reshape(-1))
+    return raw.contiguous().view(torch.float32).reshape(-1)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "int") -> torch.Tensor:
+    """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]`` (for "mxfp4"
+    each code's signed E2M1 value times the scale)."""
+    if fmt == "mxfp4":
+        fields = codes.to(torch.int64)
+        values = torch.tensor(E2M1, device=codes.device)[fields & 7]
+        return torch.where((fields & 8) != 0, -values, values) * scales[:, None]
     return codes.to(torch.float32) * scales[:, None]
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack int8 codes (any shape, numel a multiple of ``8 // bits``) into a flat uint8 tensor."""
-    u = (codes.reshape(-1).to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+def pack(codes: torch.Tensor, bits: int, fmt: str = "int") -> torch.Tensor:
+    """Pack int8 codes (any shape, numel a multiple of ``8 // bits``) into a flat uint8 tensor
+    (integer codes as ``code + 2**(bits-1)``, mxfp4 codes as they are: they are fields)."""
+    offset = 0 if fmt == "mxfp4" else 1 << (bits - 1)
+    u = (codes.reshape(-1).to(torch.int16) + offset).to(torch.uint8)
     if bits == 8:
         return u
     per_byte = 8 // bits
@@ -116,7 +190,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, bits: int, numel: int, fmt: str = "int") -> torch.Tensor:
     """Inverse of `pack`: ``numel`` int8 codes from a flat uint8 tensor."""
     per_byte = 8 // bits
     if packed.numel() * per_byte < numel:
@@ -127,22 +201,23 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         mask = (1 << bits) - 1
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         u = ((packed[:, None] >> shifts) & mask).reshape(-1)[:numel]
-    return (u.to(torch.int16) - (1 << (bits - 1))).to(CODE_DTYPE)
+    offset = 0 if fmt == "mxfp4" else 1 << (bits - 1)
+    return (u.to(torch.int16) - offset).to(CODE_DTYPE)
 
 
 def compensate_quantize(
     g: torch.Tensor, e: torch.Tensor | None, bits: int, beta: float,
-    keys: tuple[int, int] | None = None,
+    keys: tuple[int, int] | None = None, fmt: str = "int",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LoCo step on ``[groups, G]`` fp32 input ``g`` with error state ``e`` (or None: zeros);
-    ``keys`` as in `quantize` (None: nearest rounding).
+    ``keys`` and ``fmt`` as in `quantize` (None: nearest rounding).
 
     Returns ``(codes, scales, new_error, residual)``; ``new_error`` is
     ``beta * e + (1 - beta) * r`` with ``r = y - deQ(Q(y))`` and ``y = g + e``.
     """
     y = g if e is None else g + e
-    codes, scales = quantize(y, bits, keys)
-    residual = y - dequantize(codes, scales)
+    codes, scales = quantize(y, bits, keys, fmt)
+    residual = y - dequantize(codes, scales, fmt)
     if e is None or beta == 0.0:
         new_e = residual * (1.0 - beta) if beta else residual
     else:
@@ -164,8 +239,6 @@ def checksum(messages: torch.Tensor) -> torch.Tensor:
     """int64 ``[rows]``: the checksum (`wire` module docstring) of each row of ``uint8 [rows, P]``
     messages, over bytes ``HEADER_BYTES .. P - TRAILER_BYTES``, as the bits of a uint64. Any
     device; allocates a few temporaries of the body's size."""
-    from lowbitcc.codec import wire
-
     rows, width = messages.shape
     body = messages[:, wire.HEADER_BYTES:width - wire.TRAILER_BYTES]
     if body.shape[1] % 8:

@@ -7,7 +7,7 @@ rank ``j`` in a reduce-scatter; an all-gather stage encodes a single row. Each r
 on its own in groups of ``G`` (its last group zero-padded), so no group straddles rows. The
 error state of a source is an `ErrorState` of ``rows * mp`` elements, ``mp = ceil(m / G) * G``.
 
-Messages are ``uint8 [rows, P]`` with ``P = wire.payload_bytes(m, bits, G)``; the caller owns
+Messages are ``uint8 [rows, P]`` with ``P = wire.payload_bytes(m, bits, G, fmt)``; the caller owns
 every returned tensor. `ShardCodec` frames and validates messages (headers, sizes, padding) and
 leaves the arithmetic to its `kernels.Kernels` (reference, C++ or CUDA, chosen once by the
 caller with `kernels.select`); every implementation produces the same bytes.
@@ -66,8 +66,8 @@ class EncodeResult:
 
 @dataclasses.dataclass(frozen=True)
 class ShardCodec:
-    """Encode and decode shard messages for one call: ``bits``, group size, header fields, and
-    the ``kernels`` that do the arithmetic (for tensors on their device)."""
+    """Encode and decode shard messages for one call: ``bits``, group size, code format, header
+    fields, and the ``kernels`` that do the arithmetic (for tensors on their device)."""
 
     bits: int
     group_size: int
@@ -81,10 +81,13 @@ class ShardCodec:
     checksum: bool = True
     """Write each message's checksum trailer and verify it on receipt (`wire`); False writes
     zeros there and checks nothing (every rank of a call must agree)."""
+    fmt: str = "int"
+    """The code format (`wire.FORMATS`): "int" codes with fp32 scales, or "mxfp4"."""
 
     def __post_init__(self) -> None:
         if self.rounding not in reference.ROUNDINGS:
             raise ValueError(f"rounding must be one of {reference.ROUNDINGS}, got {self.rounding!r}")
+        reference.check_format(self.fmt, self.bits, self.rounding == "stochastic")
 
     def keys(self, stream: int) -> tuple[int, int] | None:
         """Random-stream keys of an encode by ``stream`` in this call (None: nearest rounding)."""
@@ -96,7 +99,7 @@ class ShardCodec:
         return wire.ngroups(m, self.group_size) * self.group_size
 
     def message_bytes(self, m: int) -> int:
-        return wire.payload_bytes(m, self.bits, self.group_size)
+        return wire.payload_bytes(m, self.bits, self.group_size, self.fmt)
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(
@@ -139,7 +142,7 @@ class ShardCodec:
                              f"{out.device}")
         else:
             messages = out if self.kernels.writes_every_byte else out.zero_()
-        messages[:, wire.used_bytes(m, self.bits, self.group_size):] = 0  # the row's padding
+        messages[:, wire.used_bytes(m, self.bits, self.group_size, self.fmt):] = 0  # the row's padding
         state = error
         if state is None and error_dtype:
             state = ErrorState.zeros(rows * self.padded(m), error_dtype, self.group_size, device)
@@ -150,7 +153,7 @@ class ShardCodec:
             group_size=self.group_size, keys=self.keys(stream),
             nonfinite=torch.zeros(rows * ng, dtype=torch.uint8, device=device),
             sums=torch.zeros(2, dtype=torch.float64, device=device),
-            threads=torch.get_num_threads(),
+            threads=torch.get_num_threads(), fmt=self.fmt,
         )
         self.kernels.encode(args)
         nonfinite = (args.nonfinite.view(rows, ng) != 0).any(dim=1)
@@ -168,6 +171,7 @@ class ShardCodec:
             wire.ShardHeader(
                 bits=self.bits, dtype_code=self.dtype_code, flags=0, group_size=self.group_size,
                 numel=m, seq=self.seq, shard=shard, world=self.world, signature=self.signature,
+                fmt=self.fmt,
             ).pack()
             for shard in shard_ids
         )
@@ -193,7 +197,7 @@ class ShardCodec:
             raise ValueError(f"decode_sum: out must be a contiguous float32 tensor of {m} elements "
                              f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}")
-        self.kernels.decode_sum(messages, m, self.bits, self.group_size, out.view(-1))
+        self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1))
         return out, self._check_after(messages, m, shards, out, nonfinite)
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
@@ -205,7 +209,7 @@ class ShardCodec:
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
         if out.device != messages.device:
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
-        self.kernels.decode_into(messages, m, self.bits, self.group_size, out)
+        self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out)
         return self._check_after(messages, m, shard_ids, out, nonfinite)
 
     def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
@@ -268,6 +272,7 @@ class ShardCodec:
                 f"{name} {got} != {want}"
                 for name, got, want in (
                     ("bits", h.bits, self.bits),
+                    ("format", h.fmt, self.fmt),
                     ("group size", h.group_size, self.group_size),
                     ("numel", h.numel, m),
                     ("dtype", h.dtype_code, self.dtype_code),

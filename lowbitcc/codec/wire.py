@@ -5,8 +5,9 @@ A compressed *shard message* carries ``numel`` elements of one shard, quantized 
 
     offset  size           field
     0       32             header (`ShardHeader`)
-    32      4 * ngroups    fp32 scales
-    32+4ng  ng * G * b / 8 packed codes (see `reference.pack`)
+    32      S * ngroups    scales: fp32 (S = 4) for format "int", E8M0 bytes (S = 1) for
+                           "mxfp4" (`reference.scale_field`)
+    32+S*ng ng * G * b / 8 packed codes (see `reference.pack`)
     ...     0..7           zero padding to a multiple of 8 bytes
     P - 8   8              checksum of bytes 32 .. P-8 (`checksum`; 0 when checksums are off)
 
@@ -67,16 +68,45 @@ FMIX64 = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
 """The multipliers of MurmurHash3's 64-bit finalizer (shifts by 33 around each)."""
 
 
-def used_bytes(numel: int, bits: int, group_size: int) -> int:
+FORMATS = ("int", "mxfp4")
+"""The code formats, in ``loco::Format`` order (lowbitcc.codec.abi checks the header agrees):
+"int", symmetric integer codes with an fp32 scale per group; "mxfp4", FP4 E2M1 codes with an
+E8M0 scale byte per group (`reference` defines both)."""
+
+
+def scale_bytes(fmt: str) -> int:
+    """Bytes of one group's scale on the wire: 4 (fp32) for "int", 1 (E8M0) for "mxfp4"."""
+    return 1 if fmt == "mxfp4" else 4
+
+
+def codes_offset(numel: int, group_size: int, fmt: str = "int") -> int:
+    """Byte offset of the packed codes in a shard message (the scales end there)."""
+    return HEADER_BYTES + scale_bytes(fmt) * ngroups(numel, group_size)
+
+
+def used_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:
     """Bytes of one shard message that carry header, scales and codes (before its padding)."""
     ng = ngroups(numel, group_size)
-    return HEADER_BYTES + 4 * ng + ng * group_size * bits // 8
+    return codes_offset(numel, group_size, fmt) + ng * group_size * bits // 8
 
 
-def payload_bytes(numel: int, bits: int, group_size: int) -> int:
+def payload_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:
     """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 8,
     then the checksum trailer."""
-    return -(-used_bytes(numel, bits, group_size) // 8) * 8 + TRAILER_BYTES
+    return -(-used_bytes(numel, bits, group_size, fmt) // 8) * 8 + TRAILER_BYTES
+
+
+def width_byte(bits: int, fmt: str) -> int:
+    """The header's code byte: the code width in bits 0..3, the format's ``loco::Format`` value
+    in bits 4..7 (so "int" messages keep the bytes of version 2 without formats). The value is
+    the format's position in `FORMATS`, which `abi` checks is its ``loco::Format``."""
+    return bits | FORMATS.index(fmt) << 4
+
+
+def split_width_byte(value: int) -> tuple[int, str | None]:
+    """Inverse of `width_byte`: ``(bits, format)``, format None when unknown."""
+    code = value >> 4
+    return value & 0xF, FORMATS[code] if code < len(FORMATS) else None
 
 
 _SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes
@@ -97,25 +127,28 @@ class ShardHeader:
     shard: int
     world: int
     signature: int
+    fmt: str | None = "int"
+    """The code format (None: a value this build does not know)."""
 
     def pack(self) -> bytes:
         return _SHARD.pack(
-            SHARD_MAGIC, VERSION, self.bits, self.dtype_code, self.flags, self.group_size,
-            self.numel, self.seq & 0xFFFFFFFF, self.shard, self.world, self.signature,
+            SHARD_MAGIC, VERSION, width_byte(self.bits, self.fmt), self.dtype_code, self.flags,
+            self.group_size, self.numel, self.seq & 0xFFFFFFFF, self.shard, self.world, self.signature,
         )
 
     @classmethod
     def unpack(cls, raw: bytes) -> ShardHeader:
         if len(raw) < HEADER_BYTES:
             raise WireFormatError(f"shard message of {len(raw)} bytes is shorter than its header")
-        magic, version, bits, dtype_code, flags, group_size, numel, seq, shard, world, sig = (
+        magic, version, width, dtype_code, flags, group_size, numel, seq, shard, world, sig = (
             _SHARD.unpack_from(raw)
         )
+        bits, fmt = split_width_byte(width)
         if magic != SHARD_MAGIC:
             raise WireFormatError(f"bad magic {magic!r} in shard message (expected {SHARD_MAGIC!r})")
         if version != VERSION:
             raise WireFormatError(f"wire format version {version}, this build speaks {VERSION}")
-        return cls(bits, dtype_code, flags, group_size, numel, seq, shard, world, sig)
+        return cls(bits, dtype_code, flags, group_size, numel, seq, shard, world, sig, fmt)
 
 
 def call_signature(collective: str, numel: int, dtype: torch.dtype) -> int:
@@ -154,6 +187,8 @@ class CallDescriptor:
     lease: int = 0
     """Advisory, with ``prefer_exact``: calls of this size class after this one that stay exact
     without a descriptor exchange (rank 0's counts for every rank)."""
+    fmt: str | None = "int"
+    """The code format (carried with ``bits`` as `width_byte`; None: unknown to this build)."""
 
     def pack(self) -> bytes:
         dtype_code = DTYPE_CODES.get(self.dtype, 255)
@@ -163,7 +198,8 @@ class CallDescriptor:
             DESC_PREFER_EXACT if self.prefer_exact else 0) | (self.lease << DESC_LEASE_SHIFT)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
-            self.numel, self.seq & 0xFFFFFFFF, self.bits, self.group_size, flags,
+            self.numel, self.seq & 0xFFFFFFFF, width_byte(self.bits, self.fmt), self.group_size,
+            flags,
         )
 
     def call(self) -> CallDescriptor:
@@ -173,20 +209,22 @@ class CallDescriptor:
 
     @classmethod
     def unpack(cls, raw: bytes) -> CallDescriptor:
-        magic, version, coll, dtype_code, op, numel, seq, bits, group_size, flags = (
+        magic, version, coll, dtype_code, op, numel, seq, width, group_size, flags = (
             _CALL.unpack_from(raw)
         )
+        bits, fmt = split_width_byte(width & 0xFF)
         if magic != CALL_MAGIC or version != VERSION or coll not in COLLECTIVE_NAMES:
             raise WireFormatError("corrupt call descriptor received")
         dtype = next((d for d, c in DTYPE_CODES.items() if c == dtype_code), None)
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
                    bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
-                   flags >> DESC_LEASE_SHIFT)
+                   flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None)
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"
         dtype = str(self.dtype).replace("torch.", "") if self.dtype else "non-float"
         return (
             f"{kind} {self.collective}(numel={self.numel}, dtype={dtype}, op={self.op}, "
-            f"bits={self.bits}, group_size={self.group_size}) as call #{self.seq}"
+            f"bits={self.bits}, format={self.fmt}, group_size={self.group_size}) as call "
+            f"#{self.seq}"
         )

@@ -17,6 +17,7 @@ the reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import itertools
 import logging
@@ -112,12 +113,17 @@ class Case:
     poison: str | None
     rounding: str
     seed: int
+    fmt: str = "int"
+
+
+WIRES = ((2, "int"), (4, "int"), (8, "int"), (4, "mxfp4"))
+"""(bits, code format) pairs the kernels implement."""
 
 
 def cases(count: int, seed: int = 0) -> Iterator[Case]:
-    """``count`` cases: first every bits x group x error storage x poison corner at small
-    sizes, then random ones (sizes up to 2500 elements per row)."""
-    corners = itertools.product((2, 4, 8), (8, 32, 128, 256), ERROR_DTYPES, (None, "nan", "inf"))
+    """``count`` cases: first every (bits, format) x group x error storage x poison corner at
+    small sizes, then random ones (sizes up to 2500 elements per row)."""
+    corners = itertools.product(WIRES, (8, 32, 128, 256), ERROR_DTYPES, (None, "nan", "inf"))
     gen = torch.Generator().manual_seed(seed)
 
     def pick(options):
@@ -125,15 +131,17 @@ def cases(count: int, seed: int = 0) -> Iterator[Case]:
 
     for i in range(count):
         corner = next(corners, None)
-        bits, group, error_dtype, poison = corner or (
-            pick((2, 4, 8)), pick((8, 32, 128, 256)), pick(ERROR_DTYPES), pick((None, "nan", "inf")))
+        wire, group, error_dtype, poison = corner or (
+            pick(WIRES), pick((8, 32, 128, 256)), pick(ERROR_DTYPES), pick((None, "nan", "inf")))
+        bits, fmt = wire
+        rounding = pick(("nearest", "stochastic"))
         yield Case(
             rows=int(torch.randint(1, 5, (1,), generator=gen)),
             m=int(torch.randint(1, 2500, (1,), generator=gen)) if corner is None else 1 + 37 * i % 700,
             bits=bits, group=group, dtype=pick((torch.float32, torch.bfloat16, torch.float16)),
             error_dtype=error_dtype, with_state=bool(torch.randint(2, (1,), generator=gen)),
             beta=pick((0.0, 0.5, 0.8)), factor=pick((1.0, 0.25, 1 / 3)), poison=poison,
-            rounding=pick(("nearest", "stochastic")), seed=i)
+            rounding="nearest" if fmt == "mxfp4" else rounding, seed=i, fmt=fmt)
 
 
 def compare_kernels(kernels, device: str, case: Case) -> str | None:
@@ -145,7 +153,7 @@ def compare_kernels(kernels, device: str, case: Case) -> str | None:
 
     gen = torch.Generator().manual_seed(case.seed)
     header = dict(bits=case.bits, group_size=case.group, dtype_code=0, seq=5, world=4,
-                  signature=3, rounding=case.rounding, seed=case.seed)
+                  signature=3, rounding=case.rounding, seed=case.seed, fmt=case.fmt)
     ref = ShardCodec(kernels=REFERENCE, **header)
     ker = ShardCodec(kernels=kernels, **header)
     numel = max(case.rows * case.m - case.m // 3, 1)
@@ -211,17 +219,20 @@ def throughput(numel: int = 1 << 26) -> Outcome:
     from lowbitcc.codec.shard_codec import ShardCodec
 
     x = torch.randn(numel, device="cuda")
-    codec = ShardCodec(4, 128, 0, 1, 1, 1, kernels=select("auto", "cuda", 128))
-    messages = codec.encode(x, 1, numel, 1.0, None, 0.8, [0], "int8").messages
     out = torch.empty(numel, device="cuda")
     copy_s = _cuda_time(lambda: out.copy_(x))
-    encode_s = _cuda_time(lambda: codec.encode(x, 1, numel, 1.0, None, 0.8, [0], "int8"))
-    decode_s = _cuda_time(lambda: codec.decode_sum(messages, numel, 0, out))
     gb = numel * 4 / 1e9
-    detail = (f"fp32 input {gb:.2f} GB: copy {2 * gb / copy_s:.0f} GB/s (read+write); encode "
-              f"{gb / encode_s:.0f} GB/s ({copy_s / encode_s:.2f}x copy time); decode "
-              f"{gb / decode_s:.0f} GB/s of output ({copy_s / decode_s:.2f}x)")
-    return Outcome("CUDA codec throughput", "ok", detail)
+    parts = [f"fp32 input {gb:.2f} GB: copy {2 * gb / copy_s:.0f} GB/s (read+write)"]
+    for fmt, group in (("int", 128), ("mxfp4", 32)):
+        codec = ShardCodec(4, group, 0, 1, 1, 1, kernels=select("auto", "cuda", group), fmt=fmt)
+        messages = codec.encode(x, 1, numel, 1.0, None, 0.8, [0], "int8").messages
+        encode_s = _cuda_time(functools.partial(codec.encode, x, 1, numel, 1.0, None, 0.8, [0],
+                                                "int8"))
+        decode_s = _cuda_time(functools.partial(codec.decode_sum, messages, numel, 0, out))
+        parts.append(f"{fmt}/{group}: encode {gb / encode_s:.0f} GB/s ({copy_s / encode_s:.2f}x "
+                     f"copy time), decode {gb / decode_s:.0f} GB/s of output "
+                     f"({copy_s / decode_s:.2f}x)")
+    return Outcome("CUDA codec throughput", "ok", "; ".join(parts))
 
 
 def _cuda_time(fn: Callable[[], object], reps: int = 10) -> float:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from tests.support.numerics import group_amax, identical_everywhere, rank_input
+from tests.support.numerics import codec_step, group_amax, identical_everywhere, rank_input
 from tests.support.ranks import run_ranks
 
 SIZES = [65536, 100_003, 65536 * 3 + 7]
@@ -24,7 +24,7 @@ def _op(name: str, world: int):
 
 
 def _all_reduce_properties(rank, world, gloo):
-    q = 7  # 4-bit codes
+    group, q = codec_step()
     results = []
     for size in SIZES:
         for dtype in DTYPES:
@@ -36,7 +36,7 @@ def _all_reduce_properties(rank, world, gloo):
                     dist.all_reduce(out, op=op)
                 ref = x.double() * factor
                 dist.all_reduce(ref, group=gloo)
-                amax = group_amax(x.double() * factor, world, 128)
+                amax = group_amax(x.double() * factor, world, group)
                 dist.all_reduce(amax, group=gloo)
                 # stage 1: <= amax_i / 2q per rank; stage 2: <= (sum amax_i) / 2q, plus slack
                 bound = amax / q * 1.01 + ref.abs() * OUTPUT_EPS[dtype] + 1e-6
@@ -63,7 +63,7 @@ def test_compressed_all_reduce_identical_and_bounded(world):
 
 
 def _reduce_scatter_properties(rank, world, gloo):
-    q = 7
+    group, q = codec_step()
     results = []
     for per_rank_size in (16384, 25_001):
         for dtype in DTYPES:
@@ -76,7 +76,7 @@ def _reduce_scatter_properties(rank, world, gloo):
                 full = x.double() * factor
                 dist.all_reduce(full, group=gloo)
                 ref = full.view(world, -1)[rank]
-                amax = group_amax(x.double() * factor, world, 128)
+                amax = group_amax(x.double() * factor, world, group)
                 dist.all_reduce(amax, group=gloo)
                 bound = amax.view(world, -1)[rank] / (2 * q) * 1.01 + ref.abs() * OUTPUT_EPS[dtype] + 1e-6
                 err = (out.double() - ref).abs()
@@ -163,14 +163,14 @@ def test_error_feedback_tracks_cumulative_sum(world, collective):
 
 
 def _stochastic_all_reduce(rank, world, gloo):
-    q = 7
+    group, q = codec_step()
     x = rank_input(rank, 100003, 5, torch.float32)
     out = x.clone()
     with lowbitcc.compressed(), lowbitcc.feedback_key("stochastic"):
         dist.all_reduce(out)
     ref = x.double()
     dist.all_reduce(ref, group=gloo)
-    amax = group_amax(x.double(), world, 128)
+    amax = group_amax(x.double(), world, group)
     dist.all_reduce(amax, group=gloo)
     # stochastic rounding errs by less than one step (not half) in each of the two stages
     bound = 2 * amax / q * 1.01 + 1e-6

@@ -13,8 +13,35 @@ from lowbitcc.feedback import FeedbackStore
 
 def test_defaults_follow_the_design():
     c = LocoConfig()
-    assert (c.bits, c.group_size, c.beta, c.error_dtype, c.reset_interval, c.min_size,
-            c.policy) == (4, 128, 0.8, "int8", 1024, 65536, "backward")
+    assert (c.bits, c.wire_format, c.wire_group_size, c.beta, c.error_dtype, c.reset_interval,
+            c.min_size, c.policy) == (4, "mxfp4", 32, 0.8, "int8", 1024, 65536, "backward")
+
+
+@pytest.mark.parametrize("kwargs,fmt,group", [
+    ({}, "mxfp4", 32),
+    ({"bits": 8}, "int", 128),
+    ({"bits": 2}, "int", 128),
+    ({"rounding": "stochastic"}, "int", 128),
+    ({"format": "int"}, "int", 128),
+    ({"format": "int", "group_size": 64}, "int", 64),
+    ({"format": "mxfp4", "group_size": 64}, "mxfp4", 64),
+])
+def test_auto_format_and_group_size_resolve(kwargs, fmt, group):
+    """"auto" is MXFP4 at 4 bits with nearest rounding and int codes otherwise; group size 0
+    is the format's own (param_bits gathers always use int codes: `group_for("int")`)."""
+    c = LocoConfig(**kwargs)
+    assert (c.wire_format, c.wire_group_size) == (fmt, group)
+    assert c.group_for("int") == (kwargs.get("group_size") or 128)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"format": "fp8"}, "format='fp8'"),
+    ({"format": "mxfp4", "bits": 8}, "mxfp4 codes are 4 bits"),
+    ({"format": "mxfp4", "rounding": "stochastic"}, "nearest"),
+])
+def test_invalid_format_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LocoConfig(**kwargs)
 
 
 @pytest.mark.parametrize("field,value,match", [

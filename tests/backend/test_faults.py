@@ -339,6 +339,11 @@ def test_codec_build_cache_is_keyed_by_what_changes_the_binary(monkeypatch, tmp_
     assert cpu._build_digest() != here
 
 
+def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """A compressed all-reduce's result near the exact one: within 4-bit codes' error."""
+    return bool((ours - theirs).norm() / theirs.norm() < 0.3)
+
+
 class _Corrupted:
     """A transfer whose received row ``row`` gets one byte flipped (as a bad NIC or a stray
     write would): a header byte (``how="header"``) or one bit of a code (``"payload"``); or
@@ -384,7 +389,7 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
     with lowbitcc.compressed():
         dist.all_reduce(ours)  # the group is still in step
     dist.all_reduce(theirs, group=gloo)
-    return raised, bool(torch.isfinite(ours).all()), bool((ours - theirs).abs().max() < 0.5)
+    return raised, bool(torch.isfinite(ours).all()), _close(ours, theirs)
 
 
 @pytest.mark.parametrize("phase, expected", [
@@ -415,7 +420,7 @@ def _late_peer(rank, world, gloo):
     with lowbitcc.compressed():
         dist.all_reduce(ours)
     dist.all_reduce(theirs, group=gloo)
-    return bool((ours - theirs).abs().max() < 0.5)
+    return _close(ours, theirs)
 
 
 def test_a_late_peer_only_delays_the_call():
@@ -561,7 +566,7 @@ def _corrupt_on_another_schedule(rank, world, gloo, schedule):
     with lowbitcc.compressed():
         dist.all_reduce(ours)
     dist.all_reduce(theirs, group=gloo)
-    return raised, bool(torch.isfinite(ours).all()), bool((ours - theirs).abs().max() < 0.5)
+    return raised, bool(torch.isfinite(ours).all()), _close(ours, theirs)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "tree", "hierarchical"])

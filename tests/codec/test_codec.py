@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -138,3 +140,105 @@ def test_decoder_fuzz_header_mutations_are_caught_or_harmless(position, value, i
     # accepted only if the byte was unchanged or is the flags byte (non-finite marker)
     assert value == int(msgs[0, position]) or position == 7
     assert torch.equal(out, expected)
+
+
+# -- MXFP4 ------------------------------------------------------------------------------------
+def _mx_amaxes() -> torch.Tensor:
+    """Group maxima at and around every kind of edge of the scale rule."""
+    edges = [0.0, 1e-45, 1e-40, 2.0**-126, 2.0**-125, 1e-30, 0.1, 1.0, 3.0, 4.0, 5.0, 6.0,
+             7.0, 12.0, 1e20, 3.0e38]
+    a = torch.tensor(edges, dtype=torch.float32)
+    up = torch.nextafter(a, torch.tensor(float("inf")))
+    down = torch.nextafter(a, torch.tensor(0.0))
+    rand = torch.rand(200, generator=torch.Generator().manual_seed(1)) * 2.0 ** torch.randint(
+        -60, 60, (200,), generator=torch.Generator().manual_seed(2))
+    return torch.cat([a, up, down, rand.float()])
+
+
+def test_mxfp4_scale_is_the_least_power_of_two_that_fits_six_codes():
+    """scale = 2**k with k the least integer such that amax <= 6 * 2**k (no code clips), and
+    k >= -126; checked against exact float64 arithmetic."""
+    amax = _mx_amaxes()
+    y = torch.zeros(amax.numel(), 32)
+    y[:, 0] = amax
+    _, scales = reference.quantize(y, 4, fmt="mxfp4")
+    for a, s in zip(amax.double().tolist(), scales.double().tolist()):
+        k = -126
+        while a > 6 * 2.0**k:
+            k += 1
+        assert s == 2.0**k, (a, s, k)
+
+
+def test_mxfp4_codes_are_nearest_e2m1_with_ties_to_even():
+    y = torch.tensor([[6.0, -6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.2, 0.3,
+                       -5.0, 4.9, 5.1, 0.0]])
+    codes, scales = reference.quantize(y, 4, fmt="mxfp4")
+    assert float(scales[0]) == 1.0
+    out = reference.dequantize(codes, scales, "mxfp4")[0].tolist()
+    assert out == [6.0, -6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.0, 0.0, 0.5, -4.0, 4.0,
+                   6.0, 0.0]
+    # the sign bit is set only on a negative non-zero code
+    assert [int(c) for c in codes[0, [1, 9, 10, 12]]] == [15, 0, 0, 14]
+
+
+@given(groups=st.integers(1, 10), scale=st.floats(1e-30, 1e30), seed=st.integers(0, 999))
+@settings(max_examples=60, deadline=None)
+def test_mxfp4_error_is_at_most_half_the_local_step(groups, scale, seed):
+    """Every value of E2M1 times the scale is exact, and rounding errs by at most half the gap
+    between the two E2M1 neighbours of a value (0.25, 0.5 or 1 times the scale)."""
+    y = torch.randn(groups, 32, generator=torch.Generator().manual_seed(seed)) * scale
+    codes, scales = reference.quantize(y, 4, fmt="mxfp4")
+    x = reference.dequantize(codes, scales, "mxfp4")
+    a = (y / scales[:, None]).abs()
+    half_gap = torch.where(a <= 2, 0.25, torch.where(a <= 4, 0.5, 1.0)) * scales[:, None]
+    assert bool(((y - x).abs() <= half_gap).all())
+    grid = torch.tensor(reference.E2M1)
+    exact = (grid[None, :].repeat(groups, 4)[:, :32] * scales[:, None])
+    codes2, _ = reference.quantize(exact, 4, fmt="mxfp4")
+    assert torch.equal(reference.dequantize(codes2, scales, "mxfp4"), exact)
+
+
+def test_mxfp4_non_finite_group_decodes_to_nan():
+    y = torch.zeros(2, 32)
+    y[1, 3] = float("inf")
+    codes, scales = reference.quantize(y, 4, fmt="mxfp4")
+    assert list(reference.scale_field(scales, "mxfp4")) == [1, 255]
+    assert int(codes.abs().sum()) == 0
+    out = reference.dequantize(codes, scales, "mxfp4")
+    assert torch.equal(out[0], torch.zeros(32)) and torch.isnan(out[1]).all()
+
+
+def test_mxfp4_message_is_4_25_bits_per_element_and_names_its_format():
+    m = 32 * 1000
+    assert wire.used_bytes(m, 4, 32, "mxfp4") - wire.HEADER_BYTES == m * 4.25 / 8
+    mx = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5, fmt="mxfp4")
+    plain = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5)
+    x = torch.randn(m)
+    messages = mx.encode(x, 1, m, 1.0, None, 0.0, [0], None).messages
+    out, _ = mx.decode_sum(messages, m, 0)
+    assert float((out - x).norm() / x.norm()) < 0.15
+    header = wire.ShardHeader.unpack(messages[0, :wire.HEADER_BYTES].numpy().tobytes())
+    assert header.fmt == "mxfp4" and header.bits == 4
+    with pytest.raises(wire.WireFormatError):  # int4 decoder: other size, or other format
+        plain.decode_sum(messages, m, 0)
+    same_size = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5,
+                           fmt="mxfp4")
+    assert same_size.check_on_host(messages, m, [0]) is False
+    forged = messages.clone()
+    forged[0, 5] = wire.width_byte(4, "int")
+    with pytest.raises(wire.WireFormatError, match="format int != mxfp4"):
+        mx.decode_sum(forged, m, 0)
+
+
+def test_mxfp4_needs_4_bit_nearest_codes():
+    with pytest.raises(ValueError, match="mxfp4"):
+        ShardCodec(bits=8, group_size=32, dtype_code=0, seq=1, world=1, signature=5, fmt="mxfp4")
+    with pytest.raises(ValueError, match="mxfp4"):
+        ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5,
+                   fmt="mxfp4", rounding="stochastic")
+
+
+def test_descriptor_carries_the_format():
+    desc = wire.CallDescriptor("all_reduce", torch.float32, 0, 100, 3, 4, 32, True, fmt="mxfp4")
+    back = wire.CallDescriptor.unpack(desc.pack())
+    assert back == desc and back.call() != dataclasses.replace(desc, fmt="int").call()

@@ -113,7 +113,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.mark.gpu
 @given(
-    rows=st.integers(1, 4), m=st.integers(1, 2500), bits=st.sampled_from([2, 4, 8]),
+    rows=st.integers(1, 4), m=st.integers(1, 2500), wire=st.sampled_from(selftest.WIRES),
     group=st.sampled_from([8, 32, 128, 256]), dtype=st.sampled_from(DTYPES),
     error_dtype=st.sampled_from([None, "int8", "fp32", "bf16"]),
     with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
@@ -121,14 +121,15 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
     seed=st.integers(0, 2**31 - 1), rounding=st.sampled_from(["nearest", "stochastic"]),
 )
 @settings(max_examples=200, deadline=None)
-def test_cuda_kernels_match_reference_bitwise(rows, m, bits, group, dtype, error_dtype,
+def test_cuda_kernels_match_reference_bitwise(rows, m, wire, group, dtype, error_dtype,
                                               with_state, beta, factor, poison, seed, rounding):
     """The selftest's comparison (messages, flags, new error state and scales, decode_sum,
     decode_into; decoded NaNs by position, as a NaN's payload is not specified: the GPU's
     arithmetic writes 0x7fffffff, x86's keeps the operand's 0x7fc00000) on hypothesis' cases."""
     _cupy_or_skip()
+    bits, fmt = wire
     case = selftest.Case(rows, m, bits, group, dtype, error_dtype, with_state, beta, factor,
-                         poison, rounding, seed)
+                         poison, "nearest" if fmt == "mxfp4" else rounding, seed, fmt)
     assert selftest.compare_kernels(select("auto", "cuda"), "cuda", case) is None, case
 
 

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU codec co
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _codecs(bits, group, rounding="nearest", seed=0):
+def _codecs(bits, group, rounding="nearest", seed=0, fmt="int"):
     args = dict(bits=bits, group_size=group, dtype_code=0, seq=3, world=4, signature=11,
-                rounding=rounding, seed=seed)
+                rounding=rounding, seed=seed, fmt=fmt)
     return ShardCodec(kernels=select("reference"), **args), ShardCodec(kernels=select("cpu"), **args)
 
 
@@ -188,6 +188,56 @@ def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, bits, err
         x = x * 0.5
 
 
+@given(
+    rows=st.integers(1, 3), m=st.integers(1, 1200), group=st.sampled_from([8, 32, 32, 128]),
+    dtype=st.sampled_from(DTYPES), error_dtype=st.sampled_from([None, "int8", "fp32", "bf16"]),
+    with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
+    factor=st.sampled_from([1.0, 1 / 3]), scale=st.sampled_from(SCALES + [6.0, 2.0**-126]),
+    poison=st.sampled_from([None, None, "nan", "inf"]), ties=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=300, deadline=None)
+def test_cpu_mxfp4_matches_reference_bitwise(rows, m, group, dtype, error_dtype, with_state,
+                                             beta, factor, scale, poison, ties, seed):
+    """MXFP4 encode and decode in C++ give the reference's bytes over three chained calls: any
+    group size, source dtype and error storage, magnitudes from zero and subnormal to the top
+    of fp32, and inputs on E2M1's rounding ties (multiples of 1/4 of a power of two)."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = rows * m
+    x = torch.randn(numel, generator=gen) * scale
+    if ties:
+        x = torch.randint(-24, 25, (numel,), generator=gen).float() * 0.25 * max(scale, 1e-30)
+    if poison is not None:
+        x[int(torch.randint(numel, (1,), generator=gen))] = float(poison)
+    x = x.to(dtype)
+    ref, ker = _codecs(4, group, fmt="mxfp4")
+    state_a = state_b = None
+    if error_dtype and with_state:
+        state_a = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
+                                    error_dtype, group)
+        state_b = state_a.clone()
+    shards = list(range(rows))
+    for call in range(3):
+        a = ref.encode(x, rows, m, factor, state_a, beta, shards, error_dtype, call)
+        b = ker.encode(x, rows, m, factor, state_b, beta, shards, error_dtype, call)
+        _assert_same_encoding(a, b)
+        total_a, _ = ref.decode_sum(a.messages[:1].repeat(2, 1), m, 0)
+        total_b, _ = ker.decode_sum(a.messages[:1].repeat(2, 1), m, 0)
+        nan = torch.isnan(total_a)
+        assert torch.equal(nan, torch.isnan(total_b))
+        assert torch.equal(total_a[~nan].view(torch.int32), total_b[~nan].view(torch.int32))
+        out_a, out_b = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        ref.decode_into(a.messages, m, shards, out_a)
+        ker.decode_into(a.messages, m, shards, out_b)
+        nan = torch.isnan(out_a)
+        assert torch.equal(nan, torch.isnan(out_b))
+        assert torch.equal(out_a[~nan].view(torch.uint8), out_b[~nan].view(torch.uint8))
+        if any(a.nonfinite):
+            break
+        state_a, state_b = a.error, b.error
+        x = x * 0.5
+
+
 def test_cpu_codec_reports_its_vector_path():
     """On an AVX-512 machine the build takes the AVX-512 encode, on an AVX2 one the AVX2 encode;
     elsewhere the portable loops run (each is checked against the reference above)."""
@@ -213,14 +263,14 @@ def test_decode_sum_rejects_an_unfit_output(impl, bad):
         codec.decode_sum(messages, 1000, 0, out)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("group", [8, 128])
+@pytest.mark.parametrize("wire", [(2, "int"), (4, "int"), (8, "int"), (4, "mxfp4")])
+@pytest.mark.parametrize("group", [8, 32, 128])
 @pytest.mark.parametrize("m", [1, 127, 128, 1000])
-def test_encode_writes_every_byte_of_its_output(bits, group, m):
+def test_encode_writes_every_byte_of_its_output(wire, group, m):
     """Messages are allocated uninitialised (or given by the caller): a buffer full of a junk
     pattern comes back with the same bytes as a fresh encode, for every implementation."""
     x = torch.randn(3 * m - 1)
-    ref, ker = _codecs(bits, group)
+    ref, ker = _codecs(wire[0], group, fmt=wire[1])
     fresh = ref.encode(x, 3, m, 1.0, None, 0.8, [0, 1, 2], "int8").messages
     for codec in (ref, ker):
         for junk in (0xAB, 0x55):

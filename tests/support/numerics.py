@@ -28,6 +28,19 @@ def codec_case(gen: torch.Generator, numel: int, dtype: torch.dtype, poison: str
     return x, state
 
 
+def codec_step(config=None) -> tuple[int, float]:
+    """``(group, q)`` of a config's compressed reductions (default: from ``LOCO_*``): one
+    nearest-rounding quantization errs by at most ``amax / (2 q)`` per element, with ``amax``
+    that of its group. Int codes: ``q = 2**(bits-1) - 1``. MXFP4: ``q = 1.5`` (an error of at
+    most half E2M1's widest gap (4 to 6), 1, times a scale of at most ``amax / 3``)."""
+    import lowbitcc
+    from lowbitcc.codec import reference
+
+    cfg = config or lowbitcc.LocoConfig.from_env()
+    q = 1.5 if cfg.wire_format == "mxfp4" else float(reference.qmax(cfg.bits))
+    return cfg.wire_group_size, q
+
+
 def group_amax(x: torch.Tensor, rows: int, group: int = 128) -> torch.Tensor:
     """Per element, the max |x| of the quantization group it falls in, for a layout of ``rows``
     rows of ``ceil(n / rows)`` elements each quantized in groups of ``group``."""

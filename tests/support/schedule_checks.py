@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc.schedules import tree
-from tests.support.numerics import group_amax, identical_everywhere, rank_input
+from tests.support.numerics import codec_step, group_amax, identical_everywhere, rank_input
 
 SCHEDULES = ("direct", "ring", "tree", "hierarchical")
 NODE_SIZE = {2: 2, 3: 1, 4: 2, 5: 5}  # one node; one rank per node; 2 x 2; one node
 EPS = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}
-Q = 7  # 4-bit codes
+GROUP, Q = codec_step(lowbitcc.LocoConfig())  # the groups below use the default codes
 
 
 def quantizations(schedule: str, collective: str, world: int) -> int:
@@ -60,7 +60,7 @@ def _all_reduce_cases(rank, world, gloo, schedule, group) -> list[dict]:
                     dist.all_reduce(out, op=op, group=group)
                 ref = x.double() * factor
                 dist.all_reduce(ref, group=gloo)
-                amax = group_amax(x.double() * factor, world)
+                amax = group_amax(x.double() * factor, world, GROUP)
                 dist.all_reduce(amax, group=gloo)
                 bound = amax * bound_factor(hops) * 1.001 + ref.abs() * EPS[dtype] + 1e-6
                 err = (out.double() - ref).abs()
@@ -84,7 +84,7 @@ def _reduce_scatter_cases(rank, world, gloo, schedule, group) -> list[dict]:
         full = x.double()
         dist.all_reduce(full, group=gloo)
         ref = full.view(world, -1)[rank]
-        amax = group_amax(x.double(), world)
+        amax = group_amax(x.double(), world, GROUP)
         dist.all_reduce(amax, group=gloo)
         bound = amax.view(world, -1)[rank] * bound_factor(hops) * 1.001 + ref.abs() * EPS[
             torch.float32] + 1e-6

@@ -60,7 +60,7 @@ def test_asymmetric_codes_cover_the_group_range():
     assert (d - y).norm() < (sym - y).norm()
 
 
-def _train(rank: int, world: int, which: str) -> list[torch.Tensor]:
+def _train(rank: int, world: int, which: str, fmt: str = "int") -> list[torch.Tensor]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -74,10 +74,12 @@ def _train(rank: int, world: int, which: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     group = None
     if which == "loco":
-        group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=False))
+        group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+            cost_model=False, format=fmt))
     model = DDP(TinyGPT(cfg), process_group=group)
     if which == "lab":
-        model.register_comm_hook(LabState(LAB_VARIANTS["lab-int4-g128"], 0), lab_hook)
+        lab = {"int": "lab-int4-g128", "mxfp4": "lab-mxfp4"}[fmt]
+        model.register_comm_hook(LabState(LAB_VARIANTS[lab], 0), lab_hook)
     opt, sched = optimizer(model.parameters(), cfg)
     out = []
     for x, y in train_batches(train, cfg, 0, rank):
@@ -90,11 +92,13 @@ def _train(rank: int, world: int, which: str) -> list[torch.Tensor]:
     return out
 
 
-def test_lab_default_trains_bit_for_bit_like_loco():
+@pytest.mark.parametrize("fmt", ["int", "mxfp4"])
+def test_lab_trains_bit_for_bit_like_loco(fmt):
+    """lab-int4-g128 against loco with int4 / 128, lab-mxfp4 against loco's MXFP4 default."""
     from lowbitcc.tools.spawn import run_ranks
 
-    loco = run_ranks(_train, 2, "loco", backend="gloo")[0]
-    lab = run_ranks(_train, 2, "lab", backend="gloo")[0]
+    loco = run_ranks(_train, 2, "loco", fmt, backend="gloo")[0]
+    lab = run_ranks(_train, 2, "lab", fmt, backend="gloo")[0]
     exact = run_ranks(_train, 2, "exact", backend="gloo")[0]
     assert len(loco) == len(lab) == 4
     for a, b in zip(loco, lab):

@@ -1,8 +1,10 @@
 // Fused CPU codec kernels (C++/OpenMP) built from loco_codec.cuh; bit-exact with reference.py.
 //
 // encode: one pass per group of G elements: read the source (fp32/bf16/fp16, times `factor`),
-//   add the stored error, group max, quantize, pack codes and the fp32 scale straight into the
-//   message rows, LoCo-update the error and store it back (int8 + scale, fp32 or bf16) in place.
+//   add the stored error, group max, quantize, pack codes and the scale (fp32, or an E8M0 byte
+//   for MXFP4) straight into the message rows, LoCo-update the error and store it back (int8 +
+//   scale, fp32 or bf16) in place. The explicit AVX-512/AVX2 paths cover int codes; MXFP4 runs
+//   the portable loops (compiled for G = 32).
 // decode_sum: decode k messages of one shard and sum them in fp32 in row order.
 // decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.
 //
@@ -38,6 +40,8 @@ constexpr int kNoError = loco::kErrorNone;
 constexpr int kInt8 = loco::kErrorInt8;
 constexpr int kFp32 = loco::kErrorFp32;
 constexpr int kBf16 = loco::kErrorBf16;
+constexpr int kInt = loco::kFormatInt;
+constexpr int kMx = loco::kFormatMxfp4;
 
 inline const at::BFloat16* error_bf16(const EncodeArgs& a) {
   return reinterpret_cast<const at::BFloat16*>(a.ebf16);
@@ -47,8 +51,10 @@ inline at::BFloat16* error_bf16_out(const EncodeArgs& a) {
 }
 
 constexpr int kLanes = 8;  // G is a multiple of 8
-// The default group size, compiled with G known so that the per-group loops have no tails.
+// The default group sizes (int codes; MXFP4), compiled with G known so that the per-group loops
+// have no tails.
 constexpr int kFastGroup = 128;
+constexpr int kMxGroup = 32;
 constexpr int kStatLanes = 16;  // lanes of the statistics sums (one AVX-512 register)
 
 // max |v| over v[0..G), or NaN if any v is NaN or +-Inf (the group is then non-finite).
@@ -72,14 +78,15 @@ inline float group_amax(const float* v, int G) {
   return amax;
 }
 
-// Packs G codes (G a multiple of 8) into G * BITS / 8 bytes.
-template <int BITS>
+// Packs G codes (G a multiple of 8) into G * BITS / 8 bytes (MXFP4 codes are their fields).
+template <int BITS, int FMT>
 inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
   constexpr int kPer = 8 / BITS;
   for (int b = 0; b < G / kPer; ++b) {
     uint32_t byte = 0;
     for (int k = 0; k < kPer; ++k)
-      byte |= loco::code_to_field(codes[b * kPer + k], BITS) << (BITS * k);
+      byte |= (FMT == kMx ? (uint32_t)codes[b * kPer + k]
+                          : loco::code_to_field(codes[b * kPer + k], BITS)) << (BITS * k);
     out[b] = (uint8_t)byte;
   }
 }
@@ -99,22 +106,28 @@ inline int update_case(const EncodeArgs& a) {
                           : kDampResidual;
 }
 
-// Quantizes the G compensated values y of a finite group into codes, writes the residuals to r
-// and replaces e by the new error (per UPDATE). Adds the squared residual and the squared y, in
-// fp64 per lane, to rs and is (statistics only: their summation order differs from the
-// reference's).
-template <bool SR, int UPDATE>
+// Quantizes the G compensated values y of a finite group (format FMT; scale and inv from its
+// group scale) into codes (MXFP4: fields), writes the residuals to r and replaces e by the new
+// error (per UPDATE). Adds the squared residual and the squared y, in fp64 per lane, to rs and
+// is (statistics only: their summation order differs from the reference's).
+template <int FMT, bool SR, int UPDATE>
 inline void quantize_group(const float* __restrict y, float* __restrict e, float* __restrict r,
-                           int8_t* __restrict codes, int G, const loco::GroupScale& s, float qf,
+                           int8_t* __restrict codes, int G, float scale, float inv, float qf,
                            const EncodeArgs& a, int64_t off, double* rs, double* is) {
-  const float inv = s.inv, scale = s.scale, beta = a.beta, omb = a.omb;
+  const float beta = a.beta, omb = a.omb;
   const uint32_t k0 = a.k0, k1 = a.k1, base = (uint32_t)off;
 #pragma omp simd
   for (int j = 0; j < G; ++j) {
     const float v = y[j];
-    const float t = SR ? loco::code_stochastic(v, inv, loco::uniform24(base + (uint32_t)j, k0, k1), qf)
-                       : loco::code_nearest(v, inv, qf);
-    codes[j] = (int8_t)t;
+    float t;
+    if constexpr (FMT == kMx) {
+      t = loco::fp4_code(v, inv);
+      codes[j] = (int8_t)loco::fp4_field(v, inv);
+    } else {
+      t = SR ? loco::code_stochastic(v, inv, loco::uniform24(base + (uint32_t)j, k0, k1), qf)
+             : loco::code_nearest(v, inv, qf);
+      codes[j] = (int8_t)t;
+    }
     const float res = loco::residual(v, t, scale);
     r[j] = res;
     if (UPDATE == kKeepResidual) e[j] = res;
@@ -299,10 +312,11 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
 }
 
 // encode_group's dispatch onto the vector path; false: not its case, run the generic path.
-template <typename T, int BITS, int MODE, bool SR, int GS>
+template <typename T, int BITS, int FMT, int MODE, bool SR, int GS>
 LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t gi, int64_t row,
                              int64_t gcol, int64_t valid, double* rs, double* is) {
-  if constexpr (std::is_same_v<T, float> && !SR && GS == kFastGroup && MODE != kBf16) {
+  if constexpr (std::is_same_v<T, float> && FMT == kInt && !SR && GS == kFastGroup &&
+                MODE != kBf16) {
     if (valid != kFastGroup) return false;
     switch (update_case<MODE>(a)) {
       case kKeepNothing: return encode_group<BITS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
@@ -320,8 +334,8 @@ LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t g
 constexpr const char* kVectorPath = "avx512";
 #elif defined(LOCO_AVX2)
 // AVX2 form of the same case as the AVX-512 one (fp32 source, nearest rounding, G = 128,
-// no/int8/fp32 error state, a finite group) for 4- and 8-bit codes: the group in 16 registers
-// of 8 lanes, each operation the 8-lane form of the same loco:: function in the same order (no
+// no/int8/fp32 error state, a finite group) for 4- and 8-bit int codes, and of MXFP4 with
+// G = 32: the group in G / 8 registers of 8 lanes, each operation the 8-lane form of the same loco:: function in the same order (no
 // FMA contraction), so the bytes are the generic path's; 2-bit codes, and anything else, take
 // the generic path. The property tests check it against the reference on an AVX2 machine.
 namespace avx2 {
@@ -329,14 +343,14 @@ namespace avx2 {
 #define LOCO_VEC_INLINE inline __attribute__((always_inline))
 
 constexpr int kV = 8;                   // fp32 lanes per register
-constexpr int kVecs = kFastGroup / kV;  // registers per group
 constexpr int kPrefetch = 8 * kFastGroup;  // source elements read ahead
 
 LOCO_VEC_INLINE __m256i abs_bits(__m256 v) {
   return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
 }
 
-// group_amax over 16 registers (see the AVX-512 form).
+// group_amax over a group's registers (see the AVX-512 form).
+template <int kVecs>
 LOCO_VEC_INLINE float amax(const __m256 (&v)[kVecs]) {
   __m256i m = abs_bits(v[0]);
   for (int i = 1; i < kVecs; ++i) m = _mm256_max_epu32(m, abs_bits(v[i]));
@@ -384,10 +398,40 @@ LOCO_VEC_INLINE uint64_t low_bytes(__m256i v) {
          static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(b, 4))) << 32;
 }
 
-// Writes the 8 codes t (integral floats in [-q, q]) as loco::code_to_field fields.
+// loco::fp4_code and loco::fp4_field of the 8 values y of a finite MXFP4 group with reciprocal
+// scale inv: the seven steps of e2m1_round as masks (each sum is exact, in any order), v's sign
+// copied onto the value, the counted steps and the sign bit (v < -0.25) as the field.
+LOCO_VEC_INLINE __m256 fp4_code(__m256 y, __m256 inv, __m256i* field) {
+  const __m256 v = _mm256_mul_ps(y, inv);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign, v);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 c1 = _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_GT_OQ);
+  const __m256 c2 = _mm256_cmp_ps(a, _mm256_set1_ps(0.75f), _CMP_GE_OQ);
+  const __m256 c3 = _mm256_cmp_ps(a, _mm256_set1_ps(1.25f), _CMP_GT_OQ);
+  const __m256 c4 = _mm256_cmp_ps(a, _mm256_set1_ps(1.75f), _CMP_GE_OQ);
+  const __m256 c5 = _mm256_cmp_ps(a, _mm256_set1_ps(2.5f), _CMP_GT_OQ);
+  const __m256 c6 = _mm256_cmp_ps(a, _mm256_set1_ps(3.5f), _CMP_GE_OQ);
+  const __m256 c7 = _mm256_cmp_ps(a, _mm256_set1_ps(5.0f), _CMP_GT_OQ);
+  const __m256 halves = _mm256_add_ps(_mm256_add_ps(_mm256_and_ps(c1, one), _mm256_and_ps(c2, one)),
+                                      _mm256_add_ps(_mm256_and_ps(c3, one), _mm256_and_ps(c4, one)));
+  const __m256 ones = _mm256_add_ps(_mm256_and_ps(c5, one), _mm256_and_ps(c6, one));
+  const __m256 val = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), halves), ones),
+                                   _mm256_and_ps(c7, _mm256_set1_ps(2.0f)));
+  // each mask is -1 where its step is taken: the index is minus their sum
+  __m256i index = _mm256_add_epi32(_mm256_castps_si256(c1), _mm256_castps_si256(c2));
+  index = _mm256_add_epi32(index, _mm256_add_epi32(_mm256_castps_si256(c3), _mm256_castps_si256(c4)));
+  index = _mm256_add_epi32(index, _mm256_add_epi32(_mm256_castps_si256(c5), _mm256_castps_si256(c6)));
+  index = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(index, _mm256_castps_si256(c7)));
+  const __m256 negative = _mm256_cmp_ps(v, _mm256_set1_ps(-0.25f), _CMP_LT_OQ);
+  *field = _mm256_or_si256(index, _mm256_and_si256(_mm256_castps_si256(negative),
+                                                   _mm256_set1_epi32(8)));
+  return _mm256_or_ps(val, _mm256_and_ps(sign, v));
+}
+
+// Writes 8 BITS-bit fields (one per 32-bit lane, already in range).
 template <int BITS>
-LOCO_VEC_INLINE void pack8(__m256 t, uint8_t* out) {
-  const __m256i field = _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(1 << (BITS - 1)));
+LOCO_VEC_INLINE void pack8_fields(__m256i field, uint8_t* out) {
   if (BITS == 8) {
     const uint64_t bytes = low_bytes(field);
     std::memcpy(out, &bytes, 8);
@@ -402,10 +446,18 @@ LOCO_VEC_INLINE void pack8(__m256 t, uint8_t* out) {
   }
 }
 
-template <int BITS, int MODE, int UPDATE>
+// Writes the 8 codes t (integral floats in [-q, q]) as loco::code_to_field fields.
+template <int BITS>
+LOCO_VEC_INLINE void pack8(__m256 t, uint8_t* out) {
+  pack8_fields<BITS>(
+      _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(1 << (BITS - 1))), out);
+}
+
+template <int BITS, int FMT, int GS, int MODE, int UPDATE>
 bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
                   double* res_sq, double* in_sq) {
-  const int64_t off = gi * kFastGroup;
+  constexpr int kVecs = GS / kV;  // registers per group
+  const int64_t off = gi * GS;
   const bool with_error = MODE != kNoError && a.has_error;
   __m256 y[kVecs], e[kVecs];
   const __m256 factor = _mm256_set1_ps(a.factor);
@@ -431,19 +483,35 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
     }
     for (int i = 0; i < kVecs; ++i) y[i] = _mm256_add_ps(y[i], e[i]);
   }
-  const loco::GroupScale s = loco::group_scale(amax(y), loco::qmax(BITS));
-  if (!s.finite) return false;
-
+  float group_inv, group_scale;
   uint8_t* row_msg = a.msgs + row * a.P;
-  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
-  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + gcol * kFastGroup * BITS / 8;
-  const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
+  if constexpr (FMT == kMx) {
+    const loco::MxScale s = loco::mx_scale(loco::float_as_bits(amax<kVecs>(y)));
+    if (!s.finite) return false;
+    row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
+    group_inv = s.inv, group_scale = s.scale;
+  } else {
+    const loco::GroupScale s = loco::group_scale(amax<kVecs>(y), loco::qmax(BITS));
+    if (!s.finite) return false;
+    std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+    group_inv = s.inv, group_scale = s.scale;
+  }
+  uint8_t* packed =
+      row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + gcol * GS * BITS / 8;
+  const __m256 inv = _mm256_set1_ps(group_inv), scale = _mm256_set1_ps(group_scale);
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
   __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();  // fp32 sums of squares, lane-wise
+  __m256 t[kVecs];
   for (int i = 0; i < kVecs; ++i) {
-    const __m256 t = code_nearest(y[i], inv);
-    pack8<BITS>(t, packed + i * kV * BITS / 8);
-    const __m256 res = residual(y[i], t, scale);
+    if constexpr (FMT == kMx) {
+      __m256i field;
+      t[i] = fp4_code(y[i], inv, &field);
+      pack8_fields<BITS>(field, packed + i * kV * BITS / 8);
+    } else {
+      t[i] = code_nearest(y[i], inv);
+      pack8<BITS>(t[i], packed + i * kV * BITS / 8);
+    }
+    const __m256 res = residual(y[i], t[i], scale);
     r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
     y2 = _mm256_add_ps(y2, _mm256_mul_ps(y[i], y[i]));
     if (UPDATE == kKeepResidual) e[i] = res;
@@ -456,7 +524,7 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
                                        _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ))) {
     // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
     for (int i = 0; i < kVecs; ++i) {
-      square_add(rd, residual(y[i], code_nearest(y[i], inv), scale));
+      square_add(rd, residual(y[i], t[i], scale));
       square_add(yd, y[i]);
     }
   } else {
@@ -471,7 +539,7 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
   if (MODE == kFp32) {
     for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(a.ef32 + off + i * kV, e[i]);
   } else if (MODE == kInt8) {
-    const loco::GroupScale es = loco::group_scale(amax(e), 127);
+    const loco::GroupScale es = loco::group_scale(amax<kVecs>(e), 127);
     int8_t* c = a.ecodes + off;
     if (es.finite) {
       const __m256 einv = _mm256_set1_ps(es.inv);
@@ -480,7 +548,7 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
         std::memcpy(c + i * kV, &bytes, 8);
       }
     } else {
-      std::memset(c, 0, kFastGroup);
+      std::memset(c, 0, GS);
     }
     a.escales[gi] = es.scale;
   }
@@ -488,17 +556,17 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
 }
 
 // encode_group's dispatch onto the vector path; false: not its case, run the generic path.
-template <typename T, int BITS, int MODE, bool SR, int GS>
+template <typename T, int BITS, int FMT, int MODE, bool SR, int GS>
 LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t gi, int64_t row,
                                       int64_t gcol, int64_t valid, double* rs, double* is) {
-  if constexpr (std::is_same_v<T, float> && !SR && GS == kFastGroup && MODE != kBf16 &&
-                BITS != 2) {
-    if (valid != kFastGroup) return false;
+  if constexpr (std::is_same_v<T, float> && !SR && MODE != kBf16 && BITS != 2 &&
+                ((FMT == kInt && GS == kFastGroup) || (FMT == kMx && GS == kMxGroup))) {
+    if (valid != GS) return false;
     switch (update_case<MODE>(a)) {
-      case kKeepNothing: return encode_group<BITS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
-      case kKeepResidual: return encode_group<BITS, MODE, kKeepResidual>(x, a, gi, row, gcol, rs, is);
-      case kDampResidual: return encode_group<BITS, MODE, kDampResidual>(x, a, gi, row, gcol, rs, is);
-      default: return encode_group<BITS, MODE, kBlend>(x, a, gi, row, gcol, rs, is);
+      case kKeepNothing: return encode_group<BITS, FMT, GS, MODE, kKeepNothing>(x, a, gi, row, gcol, rs, is);
+      case kKeepResidual: return encode_group<BITS, FMT, GS, MODE, kKeepResidual>(x, a, gi, row, gcol, rs, is);
+      case kDampResidual: return encode_group<BITS, FMT, GS, MODE, kDampResidual>(x, a, gi, row, gcol, rs, is);
+      default: return encode_group<BITS, FMT, GS, MODE, kBlend>(x, a, gi, row, gcol, rs, is);
     }
   } else {
     return false;
@@ -515,7 +583,7 @@ constexpr const char* kVectorPath = "none";
 // Encodes group gi of the source; returns false if the group is non-finite.
 // Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
 // runs over the whole group with no data-dependent branch, so it vectorizes.
-template <typename T, int BITS, int MODE, bool SR, int GS>
+template <typename T, int BITS, int FMT, int MODE, bool SR, int GS>
 bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e, float* r,
                   int8_t* codes, double* res_sq, double* in_sq) {
   const int G = GS ? GS : a.G;
@@ -526,10 +594,10 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
   const T* x = src + base;
 #if defined(LOCO_AVX512)
-  if (avx512::try_encode_group<T, BITS, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
+  if (avx512::try_encode_group<T, BITS, FMT, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
     return true;
 #elif defined(LOCO_AVX2)
-  if (avx2::try_encode_group<T, BITS, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
+  if (avx2::try_encode_group<T, BITS, FMT, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
     return true;
 #endif
   const int64_t off = gi * G;
@@ -563,24 +631,33 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
 #pragma omp simd
     for (int j = 0; j < G; ++j) y[j] = y[j] + e[j];
   }
-  const loco::GroupScale s = loco::group_scale(group_amax(y, G), loco::qmax(BITS));
   uint8_t* row_msg = a.msgs + row * a.P;
-  std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
-  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + col0 * BITS / 8;
-  if (!s.finite) {
+  uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + col0 * BITS / 8;
+  float scale, inv;
+  bool finite;
+  if constexpr (FMT == kMx) {
+    const loco::MxScale s = loco::mx_scale(loco::float_as_bits(group_amax(y, G)));
+    row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
+    scale = s.scale, inv = s.inv, finite = s.finite;
+  } else {
+    const loco::GroupScale s = loco::group_scale(group_amax(y, G), loco::qmax(BITS));
+    std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+    scale = s.scale, inv = s.inv, finite = s.finite;
+  }
+  if (!finite) {
 #pragma omp simd
     for (int j = 0; j < G; ++j) codes[j] = 0;
-    pack_codes<BITS>(codes, G, packed);
+    pack_codes<BITS, FMT>(codes, G, packed);
     return false;
   }
   const float qf = (float)loco::qmax(BITS);
   switch (update_case<MODE>(a)) {
-    case kKeepNothing: quantize_group<SR, kKeepNothing>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
-    case kKeepResidual: quantize_group<SR, kKeepResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
-    case kDampResidual: quantize_group<SR, kDampResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
-    default: quantize_group<SR, kBlend>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq);
+    case kKeepNothing: quantize_group<FMT, SR, kKeepNothing>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq); break;
+    case kKeepResidual: quantize_group<FMT, SR, kKeepResidual>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq); break;
+    case kDampResidual: quantize_group<FMT, SR, kDampResidual>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq); break;
+    default: quantize_group<FMT, SR, kBlend>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq);
   }
-  pack_codes<BITS>(codes, G, packed);
+  pack_codes<BITS, FMT>(codes, G, packed);
   if (MODE == kInt8) {
     const loco::GroupScale es = loco::group_scale(group_amax(e, G), 127);
     int8_t* c = a.ecodes + off;
@@ -602,9 +679,10 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   return true;
 }
 
-template <typename T, int BITS, int MODE, bool SR>
+template <typename T, int BITS, int FMT, int MODE, bool SR>
 void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq, double& in_sq,
                 int threads) {
+  constexpr int kFast = FMT == kMx ? kMxGroup : kFastGroup;
   const int64_t groups = a.rows * a.ng;
   double rs = 0.0, is = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : rs, is)
@@ -612,15 +690,15 @@ void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq,
     std::vector<float> y(a.G), e(a.G), r(a.G);
     std::vector<int8_t> codes(a.G);
     double lane_rs[kStatLanes] = {0.0}, lane_is[kStatLanes] = {0.0};
-    if (a.G == kFastGroup) {
+    if (a.G == kFast) {
 #pragma omp for schedule(static)
       for (int64_t gi = 0; gi < groups; ++gi)
-        bad[gi] = !encode_group<T, BITS, MODE, SR, kFastGroup>(
+        bad[gi] = !encode_group<T, BITS, FMT, MODE, SR, kFast>(
             src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
     } else {
 #pragma omp for schedule(static)
       for (int64_t gi = 0; gi < groups; ++gi)
-        bad[gi] = !encode_group<T, BITS, MODE, SR, 0>(
+        bad[gi] = !encode_group<T, BITS, FMT, MODE, SR, 0>(
             src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
     }
     for (int k = 0; k < kStatLanes; ++k) {
@@ -632,29 +710,30 @@ void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq,
   in_sq = is;
 }
 
-template <typename T, int BITS, bool SR>
+template <typename T, int BITS, int FMT, bool SR>
 void encode_mode(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
                  double& is, int threads) {
   switch (mode) {
-    case kNoError: return encode_all<T, BITS, kNoError, SR>(src, a, bad, rs, is, threads);
-    case kInt8: return encode_all<T, BITS, kInt8, SR>(src, a, bad, rs, is, threads);
-    case kFp32: return encode_all<T, BITS, kFp32, SR>(src, a, bad, rs, is, threads);
-    default: return encode_all<T, BITS, kBf16, SR>(src, a, bad, rs, is, threads);
+    case kNoError: return encode_all<T, BITS, FMT, kNoError, SR>(src, a, bad, rs, is, threads);
+    case kInt8: return encode_all<T, BITS, FMT, kInt8, SR>(src, a, bad, rs, is, threads);
+    case kFp32: return encode_all<T, BITS, FMT, kFp32, SR>(src, a, bad, rs, is, threads);
+    default: return encode_all<T, BITS, FMT, kBf16, SR>(src, a, bad, rs, is, threads);
   }
 }
 
 template <typename T, int BITS>
 void encode_bits(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, double& rs,
                  double& is, int threads) {
-  if (a.stochastic) return encode_mode<T, BITS, true>(src, a, mode, bad, rs, is, threads);
-  return encode_mode<T, BITS, false>(src, a, mode, bad, rs, is, threads);
+  if (a.stochastic) return encode_mode<T, BITS, kInt, true>(src, a, mode, bad, rs, is, threads);
+  return encode_mode<T, BITS, kInt, false>(src, a, mode, bad, rs, is, threads);
 }
 
 template <typename T>
 void encode_typed(const EncodeArgs& a, int64_t bits, int threads) {
   const T* src = static_cast<const T*>(a.src);
   double rs = 0.0, is = 0.0;
-  if (bits == 2) encode_bits<T, 2>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  if (a.format == kMx) encode_mode<T, 4, kMx, false>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  else if (bits == 2) encode_bits<T, 2>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else if (bits == 4) encode_bits<T, 4>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else encode_bits<T, 8>(src, a, a.mode, a.nonfinite, rs, is, threads);
   a.sums[0] = rs;
@@ -687,7 +766,9 @@ void encode(const py::object& args) {
   a.G = args.attr("group_size").cast<int32_t>();
   const int64_t bits = args.attr("bits").cast<int64_t>();
   a.mode = args.attr("mode").cast<int32_t>();
+  a.format = args.attr("format_code").cast<int32_t>();
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  TORCH_CHECK(a.format == kInt || a.format == kMx, "unknown code format ", a.format);
   TORCH_CHECK(a.G > 0 && a.G % 8 == 0, "group size must be a positive multiple of 8");
   TORCH_CHECK(a.rows >= 0 && a.m >= 0, "rows and m must be >= 0");
   TORCH_CHECK(a.mode >= kNoError && a.mode <= kBf16, "unknown error mode ", a.mode);
@@ -698,8 +779,8 @@ void encode(const py::object& args) {
   TORCH_CHECK(messages.defined() && messages.dim() == 2 && messages.size(0) == a.rows &&
                   messages.is_contiguous() && messages.scalar_type() == at::kByte &&
                   messages.device().is_cpu(), "messages must be a contiguous [rows, P] uint8 CPU tensor");
-  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + 4 * a.ng + a.ng * a.G * bits / 8,
-              "message rows too short");
+  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_bytes(a.format) * a.ng +
+                  a.ng * a.G * bits / 8, "message rows too short");
   check_buffer(nonfinite, at::kByte, groups, "nonfinite");
   check_buffer(sums, at::kDouble, 2, "sums");
   a.has_error = args.attr("has_error").cast<bool>();
@@ -729,6 +810,8 @@ void encode(const py::object& args) {
   a.beta = (float)beta;
   a.omb = (float)(1.0 - beta);
   a.stochastic = args.attr("stochastic").cast<bool>();
+  TORCH_CHECK(a.format == kInt || (bits == 4 && !a.stochastic),
+              "mxfp4 codes are 4 bits wide, rounded to nearest");
   a.k0 = args.attr("k0").cast<uint32_t>();
   a.k1 = args.attr("k1").cast<uint32_t>();
   const int threads = args.attr("threads").cast<int>();
@@ -754,24 +837,53 @@ inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int 
   }
 }
 
-inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int G, float* v) {
-  if (bits == 4) decode_group_bits<4>(msg, ng, gcol, G, v);
+// The signed E2M1 values of both fields of every byte (loco::fp4_dequantize with scale 1).
+struct Fp4Pairs {
+  float v[256][2];
+  Fp4Pairs() {
+    for (int byte = 0; byte < 256; ++byte)
+      for (int k = 0; k < 2; ++k) v[byte][k] = loco::fp4_dequantize((uint32_t)byte, k, 1.0f);
+  }
+};
+const Fp4Pairs kFp4Pairs;
+
+// Decodes group gcol of one MXFP4 message into v[0..G): each field's value times the scale, as
+// loco::fp4_dequantize computes it (x * 1 is exact, so the table holds the same signed values).
+inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
+  const float scale = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
+  const uint8_t* packed = msg + loco::kHeaderBytes + ng + gcol * G / 2;
+  for (int b = 0; b < G / 2; ++b) {
+    const float* pair = kFp4Pairs.v[packed[b]];
+    v[2 * b] = pair[0] * scale;
+    v[2 * b + 1] = pair[1] * scale;
+  }
+}
+
+inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int fmt, int G,
+                         float* v) {
+  if (fmt == kMx) decode_group_fp4(msg, ng, gcol, G, v);
+  else if (bits == 4) decode_group_bits<4>(msg, ng, gcol, G, v);
   else if (bits == 8) decode_group_bits<8>(msg, ng, gcol, G, v);
   else decode_group_bits<2>(msg, ng, gcol, G, v);
 }
 
-void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G) {
+void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t fmt,
+                    int64_t G) {
   TORCH_CHECK(messages.dim() == 2 && messages.scalar_type() == at::kByte &&
                   messages.is_contiguous(), "messages must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(fmt == kInt || (fmt == kMx && bits == 4), "unknown code format ", fmt, " for ",
+              bits, " bits");
+  TORCH_CHECK(G > 0 && G % 8 == 0, "group size must be a positive multiple of 8");
   const int64_t ng = (m + G - 1) / G;
-  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + 4 * ng + ng * G * bits / 8,
+  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_bytes((int)fmt) * ng +
+                  ng * G * bits / 8,
               "message rows too short for ", m, " elements");
 }
 
 // `out`: fp32 [m] to write, or an empty tensor to allocate one.
 torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
-                         int64_t threads, torch::Tensor out) {
-  check_messages(messages, m, bits, G);
+                         int64_t fmt, int64_t threads, torch::Tensor out) {
+  check_messages(messages, m, bits, fmt, G);
   const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
   if (out.numel() == 0) out = torch::empty({m}, torch::kFloat);
   TORCH_CHECK(out.numel() == m && out.scalar_type() == at::kFloat && out.is_contiguous() &&
@@ -784,9 +896,9 @@ torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits,
     std::vector<float> acc(G), v(G);
 #pragma omp for schedule(static)
     for (int64_t gcol = 0; gcol < ng; ++gcol) {
-      decode_group(msgs, ng, gcol, (int)bits, (int)G, acc.data());
+      decode_group(msgs, ng, gcol, (int)bits, (int)fmt, (int)G, acc.data());
       for (int64_t r = 1; r < k; ++r) {
-        decode_group(msgs + r * P, ng, gcol, (int)bits, (int)G, v.data());
+        decode_group(msgs + r * P, ng, gcol, (int)bits, (int)fmt, (int)G, v.data());
         for (int j = 0; j < G; ++j) acc[j] = acc[j] + v[j];
       }
       const int64_t n = std::min<int64_t>(G, m - gcol * G);
@@ -798,7 +910,7 @@ torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits,
 
 template <typename T>
 void decode_into_typed(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
-                       torch::Tensor& out, int threads) {
+                       int64_t fmt, torch::Tensor& out, int threads) {
   const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
   const int64_t numel = out.numel();
   T* o = out.data_ptr<T>();
@@ -809,7 +921,7 @@ void decode_into_typed(const torch::Tensor& messages, int64_t m, int64_t bits, i
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < k * ng; ++gi) {
       const int64_t r = gi / ng, gcol = gi % ng;
-      decode_group(msgs + r * P, ng, gcol, (int)bits, (int)G, v.data());
+      decode_group(msgs + r * P, ng, gcol, (int)bits, (int)fmt, (int)G, v.data());
       const int64_t base = r * m + gcol * G;
       const int64_t n = std::min<int64_t>(std::min<int64_t>(G, m - gcol * G), numel - base);
       for (int64_t j = 0; j < n; ++j) o[base + j] = static_cast<T>(v[j]);
@@ -818,14 +930,14 @@ void decode_into_typed(const torch::Tensor& messages, int64_t m, int64_t bits, i
 }
 
 void decode_into(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
-                 torch::Tensor out, int64_t threads) {
-  check_messages(messages, m, bits, G);
+                 int64_t fmt, torch::Tensor out, int64_t threads) {
+  check_messages(messages, m, bits, fmt, G);
   TORCH_CHECK(out.is_contiguous() && out.numel() <= messages.size(0) * m,
               "out must be contiguous and hold at most rows * m elements");
   switch (out.scalar_type()) {
-    case at::kFloat: return decode_into_typed<float>(messages, m, bits, G, out, (int)threads);
-    case at::kBFloat16: return decode_into_typed<at::BFloat16>(messages, m, bits, G, out, (int)threads);
-    case at::kHalf: return decode_into_typed<at::Half>(messages, m, bits, G, out, (int)threads);
+    case at::kFloat: return decode_into_typed<float>(messages, m, bits, G, fmt, out, (int)threads);
+    case at::kBFloat16: return decode_into_typed<at::BFloat16>(messages, m, bits, G, fmt, out, (int)threads);
+    case at::kHalf: return decode_into_typed<at::Half>(messages, m, bits, G, fmt, out, (int)threads);
     default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
   }
 }
@@ -891,7 +1003,7 @@ py::dict encode_args_layout() {
   LOCO_FIELD(ebf16) LOCO_FIELD(nonfinite) LOCO_FIELD(sums) LOCO_FIELD(numel) LOCO_FIELD(rows)
   LOCO_FIELD(m) LOCO_FIELD(ng) LOCO_FIELD(P) LOCO_FIELD(factor) LOCO_FIELD(beta) LOCO_FIELD(omb)
   LOCO_FIELD(G) LOCO_FIELD(scale_input) LOCO_FIELD(has_error) LOCO_FIELD(mode)
-  LOCO_FIELD(stochastic) LOCO_FIELD(k0) LOCO_FIELD(k1)
+  LOCO_FIELD(stochastic) LOCO_FIELD(format) LOCO_FIELD(k0) LOCO_FIELD(k1)
 #undef LOCO_FIELD
   d["sizeof"] = sizeof(EncodeArgs);
   return d;

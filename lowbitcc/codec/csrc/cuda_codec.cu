@@ -28,6 +28,7 @@ constexpr int kNoError = loco::kErrorNone;
 constexpr int kInt8 = loco::kErrorInt8;
 constexpr int kFp32 = loco::kErrorFp32;
 constexpr int kBf16 = loco::kErrorBf16;
+constexpr int kMx = loco::kFormatMxfp4;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -58,8 +59,8 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 // One group `gi` by one whole warp; adds this lane's share of the group's residual and input
-// squares to rs_acc / is_acc (finite groups only).
-template <typename T, int BITS, int MODE, bool SR>
+// squares to rs_acc / is_acc (finite groups only). FMT: loco::Format (kMx: BITS 4, !SR).
+template <typename T, int BITS, int MODE, bool SR, int FMT>
 __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
                                              double& rs_acc, double& is_acc) {
   const T* __restrict__ src = static_cast<const T*>(a.src);
@@ -95,13 +96,23 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
     top = max(top, __float_as_uint(v) & 0x7fffffffu);
   }
   top = warp_max_bits(top);
-  const loco::GroupScale s = loco::group_scale(bits_to_amax(top), loco::qmax(BITS));
   unsigned char* row_msg = a.msgs + row * a.P;
-  if (lane == 0) {
-    const unsigned sb = __float_as_uint(s.scale);
-    for (int b = 0; b < 4; ++b) row_msg[loco::kHeaderBytes + 4 * gcol + b] = (sb >> (8 * b)) & 0xff;
+  float scale, inv;
+  bool finite;
+  if (FMT == kMx) {
+    const loco::MxScale s = loco::mx_scale(top);
+    if (lane == 0) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
+    scale = s.scale, inv = s.inv, finite = s.finite;
+  } else {
+    const loco::GroupScale s = loco::group_scale(bits_to_amax(top), loco::qmax(BITS));
+    if (lane == 0) {
+      const unsigned sb = __float_as_uint(s.scale);
+      for (int b = 0; b < 4; ++b) row_msg[loco::kHeaderBytes + 4 * gcol + b] = (sb >> (8 * b)) & 0xff;
+    }
+    scale = s.scale, inv = s.inv, finite = s.finite;
   }
-  unsigned char* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + col0 * BITS / 8;
+  unsigned char* packed =
+      row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + col0 * BITS / 8;
   const float qf = (float)loco::qmax(BITS);
 
   // codes of this lane's chunk, packed little-end first: BITS bytes
@@ -111,11 +122,18 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
     float code = 0.0f;
-    if (s.finite) {
-      code = SR ? loco::code_stochastic(
-                      y[t], s.inv, loco::uniform24((unsigned)(off + first + t), a.k0, a.k1), qf)
-                : loco::code_nearest(y[t], s.inv, qf);
-      const float r = loco::residual(y[t], code, s.scale);
+    unsigned field = FMT == kMx ? 0u : loco::code_to_field(0, BITS);
+    if (finite) {
+      if (FMT == kMx) {
+        code = loco::fp4_code(y[t], inv);
+        field = loco::fp4_field(y[t], inv);
+      } else {
+        code = SR ? loco::code_stochastic(
+                        y[t], inv, loco::uniform24((unsigned)(off + first + t), a.k0, a.k1), qf)
+                  : loco::code_nearest(y[t], inv, qf);
+        field = loco::code_to_field((int)code, BITS);
+      }
+      const float r = loco::residual(y[t], code, scale);
       if (active) {
         rs += (double)r * (double)r;
         is += (double)y[t] * (double)y[t];
@@ -123,13 +141,13 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
       if (MODE != kNoError) e[t] = loco::update_error(e[t], r, a.beta, a.omb, with_error);
       etop = max(etop, __float_as_uint(e[t]) & 0x7fffffffu);
     }
-    word |= (unsigned long long)loco::code_to_field((int)code, BITS) << (BITS * t);
+    word |= (unsigned long long)field << (BITS * t);
   }
   if (active) {
 #pragma unroll
     for (int b = 0; b < BITS; ++b) packed[first * BITS / 8 + b] = (word >> (8 * b)) & 0xff;
   }
-  if (!s.finite) {
+  if (!finite) {
     if (lane == 0) a.nonfinite[gi] = 1;
     return;  // the call's error states are dropped, as on the CPU
   }
@@ -156,7 +174,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 
 // `a` is loco::EncodeArgs (loco_codec.cuh), passed by value: the launcher lays out its bytes with
 // lowbitcc.codec.abi.encode_args_dtype(). a.src holds T; a.ebf16 holds __nv_bfloat16 bits.
-template <typename T, int BITS, int MODE, bool SR>
+template <typename T, int BITS, int MODE, bool SR, int FMT>
 __global__ void encode(const loco::EncodeArgs a) {
   const long long groups = a.rows * a.ng;
   const int lane = threadIdx.x & 31;
@@ -165,7 +183,7 @@ __global__ void encode(const loco::EncodeArgs a) {
   // gi is the same on every lane, so whole warps run (and leave) the loop together
   for (long long gi = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; gi < groups;
        gi += warps)
-    encode_group<T, BITS, MODE, SR>(a, gi, lane, rs, is);
+    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane, rs, is);
   rs = warp_sum(rs);
   is = warp_sum(is);
   if (lane == 0 && (rs != 0.0 || is != 0.0)) {
@@ -174,11 +192,15 @@ __global__ void encode(const loco::EncodeArgs a) {
   }
 }
 
-template <int BITS>
+template <int BITS, int FMT>
 __device__ __forceinline__ float decode_one(const unsigned char* msg, long long ng, int G,
                                             long long j) {
   constexpr int kPer = 8 / BITS;
   const long long gcol = j / G;
+  if (FMT == kMx) {
+    const float scale = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
+    return loco::fp4_dequantize(msg[loco::kHeaderBytes + ng + j / 2], (int)(j % 2), scale);
+  }
   const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
   const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
                                       ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
@@ -187,52 +209,54 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
 }
 
 // out[j] = sum over rows r (in order) of message r's element j, for j < m.
-template <int BITS>
+template <int BITS, int FMT>
 __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
                            long long m, int G, float* __restrict__ out) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= m) return;
   const long long ng = (m + G - 1) / G;
-  float acc = decode_one<BITS>(msgs, ng, G, j);
-  for (long long r = 1; r < k; ++r) acc = __fadd_rn(acc, decode_one<BITS>(msgs + r * P, ng, G, j));
+  float acc = decode_one<BITS, FMT>(msgs, ng, G, j);
+  for (long long r = 1; r < k; ++r)
+    acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
   out[j] = acc;
 }
 
 // out[r * m + j] = message r's element j, cast, for r * m + j < numel.
-template <typename T, int BITS>
+template <typename T, int BITS, int FMT>
 __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
                             int G, long long numel, T* __restrict__ out) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= numel) return;
   const long long r = i / m, j = i % m;
   const long long ng = (m + G - 1) / G;
-  out[i] = from_float<T>(decode_one<BITS>(msgs + r * P, ng, G, j));
+  out[i] = from_float<T>(decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
 }
 
 }  // namespace loco_cuda
 
 #if defined(LOCO_INSTANTIATE_ALL)
 #define LOCO_ENC_ARGS(T) const loco::EncodeArgs
-#define LOCO_ENC(T, B)                                                     \
-  template __global__ void encode<T, B, 0, false>(LOCO_ENC_ARGS(T));       \
-  template __global__ void encode<T, B, 1, false>(LOCO_ENC_ARGS(T));       \
-  template __global__ void encode<T, B, 2, false>(LOCO_ENC_ARGS(T));       \
-  template __global__ void encode<T, B, 3, false>(LOCO_ENC_ARGS(T));       \
-  template __global__ void encode<T, B, 0, true>(LOCO_ENC_ARGS(T));        \
-  template __global__ void encode<T, B, 1, true>(LOCO_ENC_ARGS(T));        \
-  template __global__ void encode<T, B, 2, true>(LOCO_ENC_ARGS(T));        \
-  template __global__ void encode<T, B, 3, true>(LOCO_ENC_ARGS(T));
+#define LOCO_ENC_MODE(T, B, M)                                              \
+  template __global__ void encode<T, B, M, false, 0>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, B, M, true, 0>(LOCO_ENC_ARGS(T));
+#define LOCO_ENC(T, B) LOCO_ENC_MODE(T, B, 0) LOCO_ENC_MODE(T, B, 1) LOCO_ENC_MODE(T, B, 2) \
+  LOCO_ENC_MODE(T, B, 3)
+#define LOCO_ENC_MX(T)                                                      \
+  template __global__ void encode<T, 4, 0, false, 1>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, 4, 1, false, 1>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, 4, 2, false, 1>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, 4, 3, false, 1>(LOCO_ENC_ARGS(T));
 namespace loco_cuda {
-LOCO_ENC(float, 2) LOCO_ENC(float, 4) LOCO_ENC(float, 8)
+LOCO_ENC(float, 2) LOCO_ENC(float, 4) LOCO_ENC(float, 8) LOCO_ENC_MX(float)
 LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
-LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8)
-template __global__ void decode_sum<2>(const unsigned char*, long long, long long, long long, int, float*);
-template __global__ void decode_sum<4>(const unsigned char*, long long, long long, long long, int, float*);
-template __global__ void decode_sum<8>(const unsigned char*, long long, long long, long long, int, float*);
-#define LOCO_DEC(T)                                                                                 \
-  template __global__ void decode_into<T, 2>(const unsigned char*, long long, long long, int, long long, T*); \
-  template __global__ void decode_into<T, 4>(const unsigned char*, long long, long long, int, long long, T*); \
-  template __global__ void decode_into<T, 8>(const unsigned char*, long long, long long, int, long long, T*);
+LOCO_ENC_MX(__nv_bfloat16)
+LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8) LOCO_ENC_MX(__half)
+#define LOCO_DSUM(B, F) \
+  template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*);
+LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1)
+#define LOCO_DEC1(T, B, F) \
+  template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*);
+#define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1)
 LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
 }  // namespace loco_cuda
 #endif

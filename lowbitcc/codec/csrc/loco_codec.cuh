@@ -37,6 +37,16 @@ enum ErrorMode : int32_t {
   kErrorBf16 = 3,
 };
 
+// The codes and scales of a compressed message. lowbitcc/codec/abi.py reads the names and values
+// from this enum (kFormat<Name> -> "<name>"): it is the only definition.
+//   kFormatInt: symmetric b-bit integer codes (b = 2, 4, 8), one fp32 scale per group;
+//   kFormatMxfp4: 4-bit FP4 (E2M1) codes, one power-of-two E8M0 scale byte per group (the OCP
+//     microscaling MXFP4 element and scale types; see reference.py for the rounding rules).
+enum Format : int32_t {
+  kFormatInt = 0,
+  kFormatMxfp4 = 1,
+};
+
 // The arguments of one encode, shared by the C++ and the CUDA kernels (passed by value to the
 // CUDA kernel). lowbitcc/codec/abi.py reads this struct to lay out the same bytes with NumPy,
 // so keep one field per line, fixed-width types and pointers only; the CPU module exports
@@ -67,6 +77,7 @@ struct EncodeArgs {
   int32_t has_error;    // an error state is applied (y = g + e)
   int32_t mode;         // ErrorMode of the state written back
   int32_t stochastic;   // stochastic rounding with keys k0, k1 (uniform24)
+  int32_t format;       // Format of the codes and scales
   uint32_t k0;
   uint32_t k1;
 };
@@ -166,6 +177,99 @@ LOCO_HD uint32_t code_to_field(int code, int bits) {
 LOCO_HD int field_to_code(uint32_t byte, int k, int bits) {
   uint32_t mask = (1u << bits) - 1u;
   return (int)((byte >> (bits * k)) & mask) - (1 << (bits - 1));
+}
+
+// Bytes of one group's scale on the wire.
+LOCO_HD int scale_bytes(int format) { return format == kFormatMxfp4 ? 1 : 4; }
+
+LOCO_HD float bits_as_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+LOCO_HD uint32_t float_as_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, sizeof(bits));
+  return bits;
+#endif
+}
+
+// MXFP4 scale of one group from the bits of its amax with the sign cleared (>= 0x7f800000: the
+// group holds a NaN or an Inf). The scale is 2^k with k the least integer such that
+// amax <= 6 * 2^k (so no code clips), as E8M0 byte k + 127, at least 1 (2^-126, normal): with
+// amax = (1 + f) 2^(e - 127), k = e - 129 when f <= 1/2 (mantissa bits <= 0x400000), else
+// e - 128. A non-finite group gets byte 0xFF (E8M0's NaN), scale NaN, inv 0. inv = 2^-k exactly.
+struct MxScale {
+  uint32_t byte;
+  float scale;
+  float inv;
+  bool finite;
+};
+
+LOCO_HD MxScale mx_scale(uint32_t amax_bits) {
+  MxScale s;
+  s.finite = amax_bits < 0x7f800000u;
+  const int e = (int)(amax_bits >> 23);
+  int k = e - ((amax_bits & 0x7fffffu) <= 0x400000u ? 2 : 1);
+  k = k < 1 ? 1 : k;
+  s.byte = s.finite ? (uint32_t)k : 0xffu;
+  s.scale = s.finite ? bits_as_float(s.byte << 23) : quiet_nan();
+  s.inv = s.finite ? bits_as_float((254u - s.byte) << 23) : 0.0f;
+  return s;
+}
+
+// Scale of an E8M0 byte read off the wire: 2^(byte - 127); 0xFF is NaN (byte 0, which no encode
+// writes, reads as 0).
+LOCO_HD float e8m0_scale(uint32_t byte) {
+  return byte == 0xffu ? quiet_nan() : bits_as_float(byte << 23);
+}
+
+// The E2M1 value {0, .5, 1, 1.5, 2, 3, 4, 6} nearest to a in [0, 6], ties to the even index
+// (IEEE round-half-even on E2M1's mantissa bit), as a sum of exact steps (branch-free, so it
+// vectorizes).
+LOCO_HD float e2m1_round(float a) {
+  return 0.5f * ((float)(a > 0.25f) + (float)(a >= 0.75f) + (float)(a > 1.25f) +
+                 (float)(a >= 1.75f)) +
+         ((float)(a > 2.5f) + (float)(a >= 3.5f)) + 2.0f * (float)(a > 5.0f);
+}
+
+// The E2M1 value of magnitude index 0..7.
+LOCO_HD float e2m1_value(int index) {
+  return index <= 4 ? 0.5f * (float)index : index == 7 ? 6.0f : (float)(index - 2);
+}
+
+// The signed E2M1 code of y in a finite group whose scale gave inv (|y * inv| <= 6, exact up to
+// subnormal rounding since inv is a power of two): e2m1_round with v's sign (a zero code may be
+// -0: dequantize_code turns it into +0, and its field has no sign bit).
+LOCO_HD float fp4_code(float y, float inv) {
+  const float v = y * inv;
+  return copysignf(e2m1_round(fabsf(v)), v);
+}
+
+// The 4-bit field of the code fp4_code(y, inv): the magnitude index (the same seven steps as
+// e2m1_round, counted) in bits 0..2 and the sign in bit 3, set for a negative non-zero code
+// (v < -0.25, since the index is 0 up to 0.25).
+LOCO_HD uint32_t fp4_field(float y, float inv) {
+  const float v = y * inv;
+  const float a = fabsf(v);
+  return (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) +
+         (uint32_t)(a >= 1.75f) + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) +
+         (uint32_t)(a > 5.0f) + 8u * (uint32_t)(v < -0.25f);
+}
+
+// The value of the 4-bit field at element k of a byte, times scale.
+LOCO_HD float fp4_dequantize(uint32_t byte, int k, float scale) {
+  const uint32_t field = (byte >> (4 * k)) & 0xfu;
+  const float val = e2m1_value((int)(field & 7u));
+  return (field & 8u ? -val : val) * scale;
 }
 
 // LoCo error update. has_error: an error state was applied (y = g + e).

@@ -11,10 +11,11 @@ pluggable quantizer per stage, over an exact gloo all-reduce of the dequantized 
    the owner's codes itself and keeps the same error state.
 
 So a format can be judged by the loss it trains to before it is written three times (reference,
-C++, CUDA, bit for bit). The lab is faithful to loco where loco has the format: its default
-(`LAB_VARIANTS` ``lab-int4-g128``) trains bit for bit like the "loco4" study variant
-(tests/tools/test_formats.py). It does not cut rows longer than loco's ``chunk_size`` into
-pipelined chunks with their own error states, as loco does (the study's rows are shorter).
+C++, CUDA, bit for bit). The lab is faithful to loco where loco has the format: ``lab-int4-g128``
+trains bit for bit like the "loco4" study variant (int4 / 128) and ``lab-mxfp4`` like "mxfp4"
+(tests/tools/test_formats.py); FP4 codes with an E8M0 scale are the codec's reference MXFP4.
+It does not cut rows longer than loco's ``chunk_size`` into pipelined chunks with their own
+error states, as loco does (the study's rows are shorter).
 Random bits for stochastic rounding come from torch's generator, not loco's counter-based
 stream.
 
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbitcc.codec import reference
 from lowbitcc.codec.error_state import ErrorState
 
 FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -86,6 +88,9 @@ class Format:
             s = _round_scale((y.amax(dim=1, keepdim=True) - lo) / levels, self.scale)
             inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
             return lo + rnd((y - lo) * inv).clamp(0, levels) * s
+        if self.codes == "fp4" and self.scale == "e8m0":  # MXFP4: the codec's own rules
+            codes, scales = reference.quantize(y, 4, fmt="mxfp4")
+            return reference.dequantize(codes, scales, "mxfp4")
         amax = y.abs().amax(dim=1, keepdim=True)
         top = float(FP4_E2M1[-1]) if self.codes == "fp4" else float((1 << (self.bits - 1)) - 1)
         s = _round_scale(amax / top, self.scale)

@@ -25,26 +25,37 @@ class Variant:
             object.__setattr__(self, "env", (*self.env, ("LOCO_COST_MODEL", "0")))
 
 
+INT = ("LOCO_FORMAT", "int")
+"""The "loco*" variants keep int codes: they name what they measured before MXFP4 became the
+4-bit default (docs/convergence.md); the "mxfp4*" variants run the default's format."""
+MX = ("LOCO_FORMAT", "mxfp4")
+
 VARIANTS = {
     v.name: v for v in [
         Variant("exact"),
-        Variant("loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
-        Variant("loco4-ef", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
-        Variant("loco4-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
-        Variant("loco4-g64", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
+        Variant("mxfp4", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
+        Variant("mxfp4-ef", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
+        Variant("mxfp4-nofb", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
+        Variant("fsdp2-mxfp4", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
+                fsdp=True),
+        Variant("loco4", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
+        Variant("loco4-ef", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
+        Variant("loco4-nofb", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
+        Variant("loco4-g64", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
                                       ("LOCO_GROUP_SIZE", "64"))),
         Variant("loco8", "loco", (("LOCO_BITS", "8"), ("LOCO_BETA", "0.8"))),
         Variant("loco2", "loco", (("LOCO_BITS", "2"), ("LOCO_BETA", "0.8"))),
         Variant("loco2-nofb", "loco", (("LOCO_BITS", "2"), ("LOCO_FEEDBACK", "0"))),
-        Variant("loco4-g1024", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
+        Variant("loco4-g1024", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
                                         ("LOCO_GROUP_SIZE", "1024"))),
-        Variant("loco4-g1024-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"),
+        Variant("loco4-g1024-nofb", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"),
                                              ("LOCO_GROUP_SIZE", "1024"))),
-        Variant("loco4-g64-nofb", "loco", (("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"),
+        Variant("loco4-g64-nofb", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"),
                                            ("LOCO_GROUP_SIZE", "64"))),
         Variant("fp16-hook", hook="fp16"),
         Variant("powersgd", hook="powersgd"),
-        Variant("fsdp2-loco4", "loco", (("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")), fsdp=True),
+        Variant("fsdp2-loco4", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
+                fsdp=True),
         *(Variant(name, hook="lab") for name in LAB_VARIANTS),
     ]
 }
@@ -71,11 +82,11 @@ class StudyConfig:
     world: int = 2
 
 
-DEFAULT_VARIANTS = ["exact", "loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2",
-                    "fp16-hook", "powersgd", "fsdp2-loco4"]
+DEFAULT_VARIANTS = ["exact", "mxfp4", "mxfp4-nofb", "loco4", "loco8", "loco2", "loco2-nofb",
+                    "fp16-hook", "powersgd", "fsdp2-mxfp4"]
 DEFAULT_SEEDS = [0, 1, 2]
-EXTRA_SEED_VARIANTS = ["exact", "loco4", "loco4-nofb", "loco4-g64"]
-DEFAULT_TRACKED = ["loco4", "loco4-ef", "loco4-nofb", "loco4-g64", "loco8", "loco2"]
+EXTRA_SEED_VARIANTS = ["exact", "mxfp4", "mxfp4-nofb", "loco4"]
+DEFAULT_TRACKED = ["mxfp4", "mxfp4-nofb", "loco4", "loco8", "loco2"]
 # the smoke run of the test suite: a tiny model and little data
 QUICK = {"d_model": 64, "layers": 2, "heads": 2, "batch": 8, "context": 32, "eval_every": 10,
          "eval_batches": 4, "final_eval_batches": 32, "corpus_bytes": 1 << 20}
