@@ -20,7 +20,7 @@ def _codec_bench(args: argparse.Namespace) -> int:
 
     codec_bench.run(min_size=args.b, max_size=args.e, factor=args.f, threads=args.threads,
                     reference_max=args.reference_max, json_path=args.json, min_time=args.min_time,
-                    device=args.device)
+                    device=args.device, formats=tuple(args.formats))
     return 0
 
 
@@ -142,22 +142,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest size for the slow reference codec (default 64M)")
     bench.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     bench.add_argument("--json", help="write results to this JSON file")
+    bench.add_argument("--formats", nargs="+", choices=["mxfp4", "int"], default=["mxfp4", "int"],
+                       help="4-bit code formats (default both: mxfp4 / 32, int / 128)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="where the tensors live (cuda: the CUDA kernels on the current GPU)")
     bench.set_defaults(func=_codec_bench)
     st = sub.add_parser("study", help="convergence study: a small GPT trained per variant")
     st.add_argument("--np", type=int, default=2, help="local ranks (default 2)")
     st.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    from lowbitcc.tools.study import variants as study_variants
+
     st.add_argument("--variants", nargs="+",
-                    help="variants to run (default: all; an unknown name lists the known ones)")
+                    help="variants to run (default: " + " ".join(study_variants.DEFAULT_VARIANTS)
+                    + "; an unknown name lists the known ones)")
     st.add_argument("--seeds", type=int, nargs="+",
-                    help="seeds; all variants run the first (default 0 1 2)")
+                    help="seeds; all variants run the first (default "
+                    + " ".join(map(str, study_variants.DEFAULT_SEEDS)) + ")")
     st.add_argument("--extra-seed-variants", nargs="+",
-                    help="variants run for the other seeds too (default: exact loco4 loco4-nofb "
-                    "loco4-g64)")
+                    help="variants run for the other seeds too (default: "
+                    + " ".join(study_variants.EXTRA_SEED_VARIANTS) + ")")
     st.add_argument("--track", nargs="*",
                     help="variants measured on exact's gradient stream of the first seed (default: "
-                    "loco4 loco4-ef loco4-nofb loco4-g64 loco8 loco2; none given: skip)")
+                    + " ".join(study_variants.DEFAULT_TRACKED) + "; none given: skip)")
     st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
     st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
     st.set_defaults(func=_study)

@@ -4,7 +4,8 @@ For each size (bytes of fp32 input) and thread count it times, median of repeats
 
 - ``copy``: ``dst.copy_(src)`` into a preallocated tensor (the memory-bandwidth baseline);
 - ``encode``: the fused LoCo encode of the tensor as one shard row (fp32 input, int8 error state
-  read and written back, 4-bit codes) into a preallocated message buffer, per implementation;
+  read and written back, 4-bit codes in each format asked for: MXFP4 in groups of 32, int in
+  groups of 128) into a preallocated message buffer, per implementation;
 - ``decode``: decode-and-sum of 4 messages of a quarter of the elements each (the reduce-scatter
   receive side) into a preallocated fp32 output, as the copy writes into one, per
   implementation;
@@ -30,6 +31,7 @@ import torch
 from lowbitcc.codec import cpu, kernels
 from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.config import DEFAULT_GROUP_SIZES
 
 
 def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50,
@@ -53,19 +55,20 @@ def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50,
     return statistics.median(samples)
 
 
-def _codec(impl: str, bits: int, group: int, device: str) -> ShardCodec:
+def _codec(impl: str, bits: int, group: int, device: str, fmt: str) -> ShardCodec:
     choice = "auto" if impl == "cuda" else impl
     return ShardCodec(bits=bits, group_size=group, dtype_code=0, seq=1, world=4, signature=0,
-                      kernels=kernels.select(choice, device, group))
+                      kernels=kernels.select(choice, device, group), fmt=fmt)
 
 
-def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int = 128,
-            min_time: float = 0.3, device: str = "cpu") -> dict[str, float]:
+def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int | None = None,
+            min_time: float = 0.3, device: str = "cpu", fmt: str = "mxfp4") -> dict[str, float]:
     torch.set_num_threads(threads)
+    group = group or DEFAULT_GROUP_SIZES[fmt]
     n = size_bytes // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    codec = _codec(impl, bits, group, device)
+    codec = _codec(impl, bits, group, device, fmt)
     state = ErrorState.encode(torch.randn(codec.padded(n), device=device) * 0.01, "int8", group)
     holder = {"state": state}
     sent = torch.empty(1, codec.message_bytes(n), dtype=torch.uint8, device=device)
@@ -83,6 +86,7 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
     t_sum = _time(lambda: codec.kernels.checksum(sent), min_time, device=device)
     return {
         "size_bytes": size_bytes, "impl": impl, "threads": threads, "device": device,
+        "format": fmt, "group": group,
         "copy_GBps": size_bytes / t_copy / 1e9,
         "encode_GBps": size_bytes / t_enc / 1e9,
         "decode_GBps": size_bytes / t_dec / 1e9,
@@ -94,7 +98,7 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
 def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
         threads: list[int] | None = None, reference_max: int = 64 << 20,
         json_path: str | None = None, min_time: float = 0.3,
-        device: str = "cpu") -> list[dict[str, float]]:
+        device: str = "cpu", formats: tuple[str, ...] = ("mxfp4", "int")) -> list[dict[str, float]]:
     if device == "cuda":
         from lowbitcc.codec import cuda
 
@@ -105,21 +109,23 @@ def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
         threads = threads or [1, 2]
         impls = ["reference"] + (["cpu"] if cpu.load() is not None else [])
     rows: list[dict[str, float]] = []
-    print(f"{'size':>10} {'impl':>9} {'thr':>3} {'copy GB/s':>9} {'enc GB/s':>9} "
+    print(f"{'size':>10} {'format':>9} {'impl':>9} {'thr':>3} {'copy GB/s':>9} {'enc GB/s':>9} "
           f"{'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8} {'csum/enc':>8} {'csum/dec':>8}")
     size = min_size
     while size <= max_size:
         for t in threads:
-            for impl in impls:
-                if impl == "reference" and size > reference_max:
-                    continue
-                r = measure(size, impl, t, min_time=min_time, device=device)
-                rows.append(r)
-                print(f"{_human(size):>10} {impl:>9} {t:>3} {r['copy_GBps']:>9.2f} "
-                      f"{r['encode_GBps']:>9.3f} {r['encode_GBps'] / r['copy_GBps']:>8.3f} "
-                      f"{r['decode_GBps']:>9.3f} {r['decode_GBps'] / r['copy_GBps']:>8.3f} "
-                      f"{r['checksum_share_encode']:>8.3f} {r['checksum_share_decode']:>8.3f}",
-                      flush=True)
+            for fmt in formats:
+                for impl in impls:
+                    if impl == "reference" and size > reference_max:
+                        continue
+                    r = measure(size, impl, t, min_time=min_time, device=device, fmt=fmt)
+                    rows.append(r)
+                    print(f"{_human(size):>10} {fmt + '/' + str(r['group']):>9} {impl:>9} {t:>3} "
+                          f"{r['copy_GBps']:>9.2f} {r['encode_GBps']:>9.3f} "
+                          f"{r['encode_GBps'] / r['copy_GBps']:>8.3f} {r['decode_GBps']:>9.3f} "
+                          f"{r['decode_GBps'] / r['copy_GBps']:>8.3f} "
+                          f"{r['checksum_share_encode']:>8.3f} {r['checksum_share_decode']:>8.3f}",
+                          flush=True)
         size *= factor
     if json_path:
         with open(json_path, "w") as f:
