@@ -44,7 +44,6 @@ from __future__ import annotations
 import torch
 
 from lowbitcc.codec import wire
-from lowbitcc.codec.wire import FORMATS
 
 CODE_DTYPE = torch.int8
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -53,8 +52,9 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def check_format(fmt: str, bits: int, stochastic: bool = False) -> None:
     """Raise ValueError unless ``fmt`` is a format that can carry ``bits``-bit codes."""
-    if fmt not in FORMATS:
-        raise ValueError(f"lowbitcc: unknown code format {fmt!r} (expected one of {FORMATS})")
+    if fmt not in wire.FORMATS:
+        raise ValueError(f"lowbitcc: unknown code format {fmt!r} "
+                         f"(expected one of {wire.FORMATS})")
     if fmt == "mxfp4" and (bits != 4 or stochastic):
         raise ValueError("lowbitcc: mxfp4 codes are 4 bits wide, rounded to nearest")
 

@@ -183,18 +183,18 @@ def compare_kernels(kernels, device: str, case: Case) -> str | None:
             return "new error state's scales differ"
     total_a, _ = ref.decode_sum(a.messages[:1].repeat(3, 1), case.m, 0)
     total_b, _ = ker.decode_sum(b.messages[:1].repeat(3, 1).contiguous(), case.m, 0)
-    if not _same(total_a, total_b.cpu()):
+    if not same_bits(total_a, total_b.cpu()):
         return "decode_sum differs"
     out_a = torch.empty(numel, dtype=case.dtype)
     out_b = torch.empty(numel, dtype=case.dtype, device=device)
     ref.decode_into(a.messages, case.m, shards, out_a)
     ker.decode_into(b.messages, case.m, shards, out_b)
-    if not _same(out_a, out_b.cpu()):
+    if not same_bits(out_a, out_b.cpu()):
         return "decode_into differs"
     return None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal, NaNs compared by position (their payload is not specified)."""
     nan = torch.isnan(a)
     if not torch.equal(nan, torch.isnan(b)):

@@ -3,8 +3,8 @@
 // encode: one pass per group of G elements: read the source (fp32/bf16/fp16, times `factor`),
 //   add the stored error, group max, quantize, pack codes and the scale (fp32, or an E8M0 byte
 //   for MXFP4) straight into the message rows, LoCo-update the error and store it back (int8 +
-//   scale, fp32 or bf16) in place. The explicit AVX-512/AVX2 paths cover int codes; MXFP4 runs
-//   the portable loops (compiled for G = 32).
+//   scale, fp32 or bf16) in place. The explicit AVX-512 path covers int codes with G = 128, the
+//   AVX2 path those and MXFP4 with G = 32; everything else runs the portable loops.
 // decode_sum: decode k messages of one shard and sum them in fp32 in row order.
 // decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.
 //
@@ -91,6 +91,22 @@ inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
   }
 }
 
+// The scale of a group whose max |y| is amax, in format FMT (loco::group_scale for int codes,
+// loco::mx_scale for MXFP4, whose scale is 2^-k with inv exact), written into slot gcol of the
+// scales of its message row. A non-finite group's slot gets NaN (int) or 0xFF (MXFP4).
+template <int BITS, int FMT>
+inline loco::GroupScale store_scale(float amax, uint8_t* row_msg, int64_t gcol) {
+  if constexpr (FMT == kMx) {
+    const loco::MxScale s = loco::mx_scale(loco::float_as_bits(amax));
+    row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
+    return {s.scale, s.inv, s.finite};
+  } else {
+    const loco::GroupScale s = loco::group_scale(amax, loco::qmax(BITS));
+    std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
+    return s;
+  }
+}
+
 // The LoCo update of loco::update_error, as a compile-time case so the quantize loop has no
 // branch: nothing kept (feedback off), e' = r (beta 0), e' = r * (1 - beta) (no state applied),
 // e' = e * beta + r * (1 - beta).
@@ -106,15 +122,15 @@ inline int update_case(const EncodeArgs& a) {
                           : kDampResidual;
 }
 
-// Quantizes the G compensated values y of a finite group (format FMT; scale and inv from its
-// group scale) into codes (MXFP4: fields), writes the residuals to r and replaces e by the new
+// Quantizes the G compensated values y of a finite group (format FMT, scale s) into codes
+// (MXFP4: fields), writes the residuals to r and replaces e by the new
 // error (per UPDATE). Adds the squared residual and the squared y, in fp64 per lane, to rs and
 // is (statistics only: their summation order differs from the reference's).
 template <int FMT, bool SR, int UPDATE>
 inline void quantize_group(const float* __restrict y, float* __restrict e, float* __restrict r,
-                           int8_t* __restrict codes, int G, float scale, float inv, float qf,
+                           int8_t* __restrict codes, int G, const loco::GroupScale& s, float qf,
                            const EncodeArgs& a, int64_t off, double* rs, double* is) {
-  const float beta = a.beta, omb = a.omb;
+  const float inv = s.inv, scale = s.scale, beta = a.beta, omb = a.omb;
   const uint32_t k0 = a.k0, k1 = a.k1, base = (uint32_t)off;
 #pragma omp simd
   for (int j = 0; j < G; ++j) {
@@ -335,9 +351,9 @@ constexpr const char* kVectorPath = "avx512";
 #elif defined(LOCO_AVX2)
 // AVX2 form of the same case as the AVX-512 one (fp32 source, nearest rounding, G = 128,
 // no/int8/fp32 error state, a finite group) for 4- and 8-bit int codes, and of MXFP4 with
-// G = 32: the group in G / 8 registers of 8 lanes, each operation the 8-lane form of the same loco:: function in the same order (no
-// FMA contraction), so the bytes are the generic path's; 2-bit codes, and anything else, take
-// the generic path. The property tests check it against the reference on an AVX2 machine.
+// G = 32: the group in G / 8 registers of 8 lanes, each operation the 8-lane form of the same
+// loco:: function in the same order (no FMA contraction), so the bytes are the generic path's;
+// 2-bit codes, and anything else, take the generic path. The property tests check it against the reference on an AVX2 machine.
 namespace avx2 {
 
 #define LOCO_VEC_INLINE inline __attribute__((always_inline))
@@ -483,22 +499,13 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
     }
     for (int i = 0; i < kVecs; ++i) y[i] = _mm256_add_ps(y[i], e[i]);
   }
-  float group_inv, group_scale;
   uint8_t* row_msg = a.msgs + row * a.P;
-  if constexpr (FMT == kMx) {
-    const loco::MxScale s = loco::mx_scale(loco::float_as_bits(amax<kVecs>(y)));
-    if (!s.finite) return false;
-    row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
-    group_inv = s.inv, group_scale = s.scale;
-  } else {
-    const loco::GroupScale s = loco::group_scale(amax<kVecs>(y), loco::qmax(BITS));
-    if (!s.finite) return false;
-    std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
-    group_inv = s.inv, group_scale = s.scale;
-  }
+  // a non-finite group returns to the generic path, which writes its whole message again
+  const loco::GroupScale s = store_scale<BITS, FMT>(amax<kVecs>(y), row_msg, gcol);
+  if (!s.finite) return false;
   uint8_t* packed =
       row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + gcol * GS * BITS / 8;
-  const __m256 inv = _mm256_set1_ps(group_inv), scale = _mm256_set1_ps(group_scale);
+  const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
   __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();  // fp32 sums of squares, lane-wise
   __m256 t[kVecs];
@@ -633,18 +640,8 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   }
   uint8_t* row_msg = a.msgs + row * a.P;
   uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + col0 * BITS / 8;
-  float scale, inv;
-  bool finite;
-  if constexpr (FMT == kMx) {
-    const loco::MxScale s = loco::mx_scale(loco::float_as_bits(group_amax(y, G)));
-    row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
-    scale = s.scale, inv = s.inv, finite = s.finite;
-  } else {
-    const loco::GroupScale s = loco::group_scale(group_amax(y, G), loco::qmax(BITS));
-    std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
-    scale = s.scale, inv = s.inv, finite = s.finite;
-  }
-  if (!finite) {
+  const loco::GroupScale s = store_scale<BITS, FMT>(group_amax(y, G), row_msg, gcol);
+  if (!s.finite) {
 #pragma omp simd
     for (int j = 0; j < G; ++j) codes[j] = 0;
     pack_codes<BITS, FMT>(codes, G, packed);
@@ -652,10 +649,10 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float
   }
   const float qf = (float)loco::qmax(BITS);
   switch (update_case<MODE>(a)) {
-    case kKeepNothing: quantize_group<FMT, SR, kKeepNothing>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq); break;
-    case kKeepResidual: quantize_group<FMT, SR, kKeepResidual>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq); break;
-    case kDampResidual: quantize_group<FMT, SR, kDampResidual>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq); break;
-    default: quantize_group<FMT, SR, kBlend>(y, e, r, codes, G, scale, inv, qf, a, off, res_sq, in_sq);
+    case kKeepNothing: quantize_group<FMT, SR, kKeepNothing>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    case kKeepResidual: quantize_group<FMT, SR, kKeepResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    case kDampResidual: quantize_group<FMT, SR, kDampResidual>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq); break;
+    default: quantize_group<FMT, SR, kBlend>(y, e, r, codes, G, s, qf, a, off, res_sq, in_sq);
   }
   pack_codes<BITS, FMT>(codes, G, packed);
   if (MODE == kInt8) {

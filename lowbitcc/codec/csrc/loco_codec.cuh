@@ -106,7 +106,8 @@ LOCO_HD float amax_step(float amax, float v) {
 
 // Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0, and 0
 // when q / amax overflows: a group that small encodes as all-zero codes, never as 0 * inf);
-// a non-finite group gets scale NaN and inv 0 (all its codes are 0).
+// a non-finite group gets scale NaN and inv 0 (all its codes are 0). The C++ codec also carries
+// an MXFP4 group's scale, inv and finiteness (MxScale below) in this struct.
 struct GroupScale {
   float scale;
   float inv;

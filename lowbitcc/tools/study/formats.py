@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lowbitcc.codec import reference
 from lowbitcc.codec.error_state import ErrorState
 
-FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FP4_E2M1 = torch.tensor(reference.E2M1)
 CODES = ("int", "fp4", "asym")
 SCALES = ("fp32", "bf16", "e8m0")
 
