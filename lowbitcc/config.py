@@ -55,11 +55,11 @@ class LocoConfig:
         min_size: tensors with fewer elements than this travel exact.
         policy: which eligible calls are compressed: "backward" (calls issued while autograd runs
             a backward pass), "always" or "never".
-        check: exchange a 32-byte call descriptor before each compressible call, and before
-            each all-reduce / reduce-scatter of at least ``min_size`` elements on CPU tensors
-            that this rank leaves exact, so that a shape, dtype or op mismatch across ranks
-            raises on every rank instead of hanging, and a call is compressed only if every
-            rank would compress it.
+        check: exchange a call descriptor (`wire.FRAME_BYTES` per rank) before each
+            all-reduce / reduce-scatter on CPU tensors, and before each one on CUDA tensors
+            that could be compressed or has at least ``min_size`` elements, so that a size,
+            dtype or op mismatch across ranks raises on every rank instead of hanging, and a
+            call is compressed only if every rank would compress it.
         cost_model: compress a call the policy allows only where compressing calls of its size
             has been faster than the exact call on this group (timed on real calls, rank 0's
             choice followed by every rank; `lowbitcc.cost_model`). Needs ``check``. False:

@@ -1,10 +1,11 @@
 """What the call-descriptor exchange costs an all-reduce that the policy leaves exact.
 
-Since issue 18, every all-reduce of at least ``min_size`` elements on CPU tensors exchanges a
-32-byte call descriptor, also when this rank will not compress it (another rank might, or might
-issue another call). This times such calls (issued outside backward, so exact under the default
-policy) on 2 local ranks with ``LOCO_CHECK=1`` (the default) and ``LOCO_CHECK=0`` (no exchange),
-alternating the two twice, and prints the best time of each and their ratio.
+Since issue 18, every all-reduce on CPU tensors exchanges a call descriptor frame
+(``wire.FRAME_BYTES``), also when this rank will not compress it (another rank might, or might
+issue another call); one of at most ``wire.FRAME_PAYLOAD`` bytes travels in the frame, and needs
+no gloo all-reduce after it. This times such calls (issued outside backward, so exact under the
+default policy) on 2 local ranks with ``LOCO_CHECK=1`` (the default) and ``LOCO_CHECK=0`` (no
+exchange), alternating the two twice, and prints the best time of each and their ratio.
 
     python tools/descriptor_overhead.py
 """
@@ -18,16 +19,17 @@ import torch.distributed as dist
 
 from lowbitcc.tools import spawn
 
-SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # elements (fp32)
+SIZES = (1, 24, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # elements (fp32)
 CALLS = 50
 
 
 def _time_calls(rank: int, world: int) -> dict[int, float]:
     seconds = {}
+    for n in SIZES:  # warm every size up first (the first calls of a process are slower)
+        for _ in range(5):
+            dist.all_reduce(torch.ones(n))
     for n in SIZES:
         x = torch.ones(n)
-        for _ in range(5):
-            dist.all_reduce(x)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(CALLS):

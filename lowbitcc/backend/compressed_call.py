@@ -40,7 +40,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import policy, schedules, state
 from lowbitcc.backend.cuda_issue import StreamTimings
-from lowbitcc.backend.exact import Reduction, op_type
+from lowbitcc.backend.exact import (
+    Reduction,
+    op_type,
+    own_input,
+    reduce_in_rank_order,
+    reduces_in_rank_order,
+)
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.codec import wire
 from lowbitcc.codec.interface import Kernels
@@ -123,16 +129,17 @@ class CompressedCalls:
     def serves(self, device: torch.device) -> bool:
         return device.type in self._routes
 
-    def agrees_on(self, numels: list[int]) -> bool:
-        """Whether a reduction of CPU tensors that this rank will not compress must still
-        exchange descriptors (with ``wants=False``): its calls have ``numels`` elements (the
-        whole input of each), all at least ``min_size``, so another rank may be about to
-        compress the same call (or issue another one: a dtype or op mismatch then raises
-        instead of hanging). Smaller calls are exact on every rank whatever the policy, and
-        skip the exchange. (CUDA calls never ask: see docs/reliability.md.)"""
+    def agrees_on(self, numels: list[int], device_type: str = "cpu") -> bool:
+        """Whether a reduction that this rank will not compress must still exchange descriptors
+        (with ``wants=False``): another rank may be about to compress the same call, or to
+        issue another one (a size, dtype or op mismatch then raises instead of hanging). Its
+        calls have ``numels`` elements (the whole input of each). On CPU every such call
+        exchanges (``check``, and a policy that may compress); the small ones carry their input
+        in the frame (`wire.FRAME_PAYLOAD`) and need no second exchange. CUDA calls under
+        ``min_size`` go straight to NCCL without it (docs/reliability.md)."""
         cfg = self.config
         return (cfg.check and cfg.policy != "never" and bool(numels)
-                and all(n >= cfg.min_size for n in numels))
+                and (device_type == "cpu" or all(n >= cfg.min_size for n in numels)))
 
     def route(self, device: torch.device) -> Route:
         try:
@@ -171,7 +178,7 @@ class CompressedCalls:
         the model's count, the feedback key's ordinal, statistics)."""
         if numel < self.config.min_size:
             return True
-        if not self._modelled(numel):
+        if not self._leasable(numel):
             return False
         size_class = CostModel.size_class(collective, numel * like.element_size(),
                                           like.device.type)
@@ -180,11 +187,16 @@ class CompressedCalls:
         self.key(collective, like, numel)
         return True
 
+    def _leasable(self, numel: int) -> bool:
+        """Whether a reduction of ``numel`` elements counts against the cost model's leases.
+        Every rank counts the same calls, whatever its policy says (in a `compressed()` block
+        too: the ranks holding the lease skip the exchange, so a rank that did not would hang)."""
+        cfg = self.config
+        return cfg.cost_model and cfg.check and numel >= cfg.min_size
+
     def _modelled(self, numel: int) -> bool:
         """Whether the cost model chooses the path of a compressible call of ``numel``."""
-        cfg = self.config
-        return (cfg.cost_model and cfg.check and numel >= cfg.min_size
-                and not policy.forced())
+        return self._leasable(numel) and not policy.forced()
 
     def _take_lease(self, size_class: SizeClass) -> bool:
         """Count a call of ``size_class`` against its lease, if it has one left."""
@@ -211,7 +223,10 @@ class CompressedCalls:
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
-        return self._job("all_reduce", tensor, op, run, exact, wants)
+        def deliver(reduced: torch.Tensor) -> None:
+            tensor.copy_(reduced.view(tensor.shape))
+
+        return self._job("all_reduce", tensor, op, run, deliver, exact, wants)
 
     def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: Any,
                        exact: Job, wants: bool = True) -> Job:
@@ -223,7 +238,10 @@ class CompressedCalls:
                                                self._chunk(route))
             output.copy_(reduced.view(output.shape))
 
-        return self._job("reduce_scatter", source, op, run, exact, wants)
+        def deliver(reduced: torch.Tensor) -> None:
+            output.copy_(reduced.view(self.size, -1)[self.rank].view(output.shape))
+
+        return self._job("reduce_scatter", source, op, run, deliver, exact, wants)
 
     def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
                    wants: bool = True) -> Job:
@@ -273,8 +291,12 @@ class CompressedCalls:
         return job
 
     def _job(self, collective: str, source: torch.Tensor, op: Any,
-             run: Callable[[Source, CallCompressor, Route], None], exact: Job,
-             wants: bool) -> Job:
+             run: Callable[[Source, CallCompressor, Route], None],
+             deliver: Callable[[torch.Tensor], None], exact: Job, wants: bool) -> Job:
+        """The worker job of one reduction of ``source`` (``run``: its compressed schedule;
+        ``deliver(reduced)``: writes the reduction of every rank's whole ``source``, flat, to
+        the call's output, for calls that travel in the descriptor frame; ``exact``: the
+        fallback; ``wants``: whether this rank would compress it)."""
         cfg = self.config
         numel = source.numel()
         seq = self._next_seq()
@@ -283,36 +305,46 @@ class CompressedCalls:
         buffer = StorageWeakRef(source.untyped_storage()) if derived else None
         route = self.route(source.device)
         itemsize = source.element_size()
-        modelled = self._modelled(numel)
+        leasable = self._leasable(numel)
+        modelled = leasable and not policy.forced()
         device = source.device.type
+        nbytes = numel * itemsize
+        framed = (cfg.check and not route.inline and nbytes <= wire.FRAME_PAYLOAD
+                  and reduces_in_rank_order(op, source.dtype))
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
             bits=cfg.bits, group_size=cfg.wire_group_size,
-            compressed=wants and numel >= cfg.min_size, fmt=cfg.wire_format,
+            compressed=wants and numel >= cfg.min_size, fmt=cfg.wire_format, framed=framed,
         )
         factor = Reduction.of(op, self.size).input_factor()
-        nbytes = numel * itemsize
 
         def job() -> Any:
             suggestion = None
-            if modelled:
+            if leasable:
                 if route.inline:
                     self._stream_timings.harvest(self.cost_model)
                 size_class = CostModel.size_class(collective, nbytes, device)
                 if self._take_lease(size_class):
                     return self._timed_exact(exact, route, size_class, nbytes)
-                suggestion = self.cost_model.suggest(collective, nbytes, device)
+                if modelled:
+                    suggestion = self.cost_model.suggest(collective, nbytes, device)
             call = desc if suggestion is None else dataclasses.replace(
                 desc, prefer_exact=suggestion.exact, lease=suggestion.lease)
-            leader = call
+            leader, inputs = call, None
             if cfg.check and route.inline and self._on_worker is not None:
                 agreed: list[wire.CallDescriptor] = []
                 self._on_worker(lambda: agreed.append(self._agree(call)))
                 leader = agreed[0]
             elif cfg.check:
-                leader = self._agree(call)
+                mine = own_input(op, self.size, source.detach().reshape(-1)) if framed else None
+                leader, inputs = self._exchange(call, mine)
             if not leader.compressed:  # some rank would not compress it (or it is too small)
-                return exact()
+                if inputs is None:
+                    return exact()
+                state.STATS.add("exact", calls=1, tensor_bytes=nbytes)
+                rows = [inputs[r, :nbytes].clone().view(source.dtype) for r in range(self.size)]
+                deliver(reduce_in_rank_order(rows, op, self.size))
+                return None
             if suggestion is not None and leader.prefer_exact:
                 state.STATS.add("exact", model_exact=1)
                 if leader.lease:  # rank 0's: every rank holds the same lease
@@ -378,18 +410,39 @@ class CompressedCalls:
 
     # -- on the worker -------------------------------------------------------------------------
     def _agree(self, desc: wire.CallDescriptor) -> wire.CallDescriptor:
-        """Exchange call descriptors; raise `CollectiveMismatchError` on every rank on mismatch.
-        Returns rank 0's (whose advisory fields every rank follows), marked compressed only if
-        every rank's is."""
-        raw = torch.frombuffer(bytearray(desc.pack()), dtype=torch.uint8)
-        everyone = self._agreement.all_gather(raw)
-        descs = [wire.CallDescriptor.unpack(bytes(row.numpy().tobytes())) for row in everyone]
-        if any(d.call() != descs[0].call() for d in descs):
-            lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in enumerate(descs))
-            raise CollectiveMismatchError(
-                f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: {lines}"
-            )
-        return dataclasses.replace(descs[0], compressed=all(d.compressed for d in descs))
+        """`_exchange` without an input: rank 0's descriptor, as agreed."""
+        return self._exchange(desc)[0]
+
+    def _exchange(self, desc: wire.CallDescriptor, own: torch.Tensor | None = None
+                  ) -> tuple[wire.CallDescriptor, torch.Tensor | None]:
+        """All-gather one `wire.FRAME_BYTES` frame per rank: ``desc``, then ``own`` (this
+        rank's contribution to a reduction of at most `wire.FRAME_PAYLOAD` bytes, flat).
+        Raises `CollectiveMismatchError` on every rank if the calls differ. Returns rank 0's
+        descriptor (whose advisory fields every rank follows), marked compressed only if every
+        rank's is, and with ``own`` every rank's frame after the descriptor (uint8, one row per
+        rank: the first ``own``'s bytes of each are that rank's contribution; the descriptors
+        agreeing, the dtypes and sizes do)."""
+        frame = bytearray(wire.FRAME_BYTES)
+        frame[:wire.DESCRIPTOR_BYTES] = desc.pack()
+        if own is not None:
+            raw = own.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            frame[wire.DESCRIPTOR_BYTES:wire.DESCRIPTOR_BYTES + len(raw)] = raw
+        everyone = self._agreement.all_gather(torch.frombuffer(frame, dtype=torch.uint8))
+        rows = everyone.numpy()
+        flags = rows[:, wire.DESC_FLAGS_OFFSET].astype(int)
+        if not ((rows[:, :wire.DESC_FLAGS_OFFSET] == rows[0, :wire.DESC_FLAGS_OFFSET]).all()
+                and (flags & wire.DESC_FRAMED == flags[0] & wire.DESC_FRAMED).all()):
+            descs = [wire.CallDescriptor.unpack(row[:wire.DESCRIPTOR_BYTES].tobytes())
+                     for row in rows]
+            if any(d.call() != descs[0].call() for d in descs):
+                lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in enumerate(descs))
+                raise CollectiveMismatchError(
+                    f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: "
+                    f"{lines}")
+        leader = dataclasses.replace(
+            wire.CallDescriptor.unpack(rows[0, :wire.DESCRIPTOR_BYTES].tobytes()),
+            compressed=bool((flags & wire.DESC_COMPRESSED).all()))
+        return leader, None if own is None else everyone[:, wire.DESCRIPTOR_BYTES:]
 
     def _chunk(self, route: Route) -> int:
         return 0 if route.inline else self.config.chunk_size

@@ -4,7 +4,8 @@ Gloo has no AVG and no PREMUL_SUM. `Reduction.of(op, world)` says how a reductio
 gloo op: AVG is a SUM whose outputs are divided by the group size afterwards; PREMUL_SUM is a
 SUM of the inputs multiplied by the factor first (on copies, copied back for in-place calls).
 `ExactReduction` is one such call, run as a job on the group's worker; its ``issue(buffers,
-opts)`` starts the gloo op on the (possibly scaled) input buffers.
+opts)`` starts the gloo op on the (possibly scaled) input buffers. `reduce_in_rank_order`
+reduces inputs already gathered (the small calls that travel in a descriptor frame).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _COPIED_OPTIONS = ("rootRank", "rootTensor", "timeout", "asyncOp")
 
 def op_type(op: ReduceOp | Any) -> Any:
     """The ``ReduceOp.RedOpType`` of ``op`` (c10d hands over either form)."""
-    return op.op if isinstance(op, ReduceOp) else op
+    return op if isinstance(op, ReduceOp.RedOpType) else op.op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,51 @@ class ExactReduction:
             return self.outputs
 
         return InnerWork(work, finish)
+
+
+_ELEMENTWISE = {
+    ReduceOp.SUM: torch.Tensor.add_,
+    ReduceOp.PRODUCT: torch.Tensor.mul_,
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+    ReduceOp.BAND: torch.Tensor.bitwise_and_,
+    ReduceOp.BOR: torch.Tensor.bitwise_or_,
+    ReduceOp.BXOR: torch.Tensor.bitwise_xor_,
+}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def reduces_in_rank_order(op: ReduceOp | Any, dtype: torch.dtype) -> bool:
+    """Whether `reduce_in_rank_order` serves ``op`` on ``dtype``: real and integer dtypes (not
+    bool), the ops gloo has and AVG and PREMUL_SUM; the bitwise ops on integers only."""
+    kind = op_type(op)
+    if kind in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+        kind = ReduceOp.SUM
+    if dtype == torch.bool or dtype.is_complex or kind not in _ELEMENTWISE:
+        return False
+    return not (dtype.is_floating_point and kind in _BITWISE)
+
+
+def own_input(op: ReduceOp | Any, world: int, flat: torch.Tensor) -> torch.Tensor:
+    """What this rank contributes of input ``flat`` to a reduction by ``op``: PREMUL_SUM's
+    factor applied (on a copy), else ``flat`` itself."""
+    red = Reduction.of(op, world)
+    return flat if red.factor is None else _scaled(flat, red.factor)
+
+
+def reduce_in_rank_order(rows: list[torch.Tensor], op: ReduceOp | Any,
+                         world: int) -> torch.Tensor:
+    """The reduction by ``op`` of every rank's contribution (``rows[r]``: rank r's
+    `own_input`, flat, one dtype), folded in rank order one element-wise step at a time, so
+    every rank that folds the same rows gets the same bits. Returns a new tensor."""
+    red = Reduction.of(op, world)
+    step = _ELEMENTWISE[red.op]
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        step(acc, row)
+    if red.divisor is not None:
+        _divide_(acc, red.divisor)
+    return acc
 
 
 def reduce_scatter_into(group: dist.ProcessGroup, output: torch.Tensor) -> Issue:

@@ -230,12 +230,13 @@ class LocoProcessGroup(dist.ProcessGroup):
         cuda = self._on_cuda(method, tensors)
         compress = self._compressible(tensors, opts.reduceOp)
         if cuda and self._cuda is not None:
-            if not compress or (len(tensors) == 1 and self._compressed.goes_exact(
+            agree = compress or self._compressed.agrees_on([t.numel() for t in tensors], "cuda")
+            if not agree or (len(tensors) == 1 and self._compressed.goes_exact(
                     "all_reduce", tensors[0], tensors[0].numel())):
                 return self._cuda.exact(method, tensors, tensors, opts)
             single = _sync(opts, dist.AllreduceOptions)
             exacts = [lambda t=t: self._nccl.allreduce([t], single) for t in tensors]
-            jobs = [self._compressed.all_reduce(t, opts.reduceOp, exact=e)
+            jobs = [self._compressed.all_reduce(t, opts.reduceOp, exact=e, wants=compress)
                     for t, e in zip(tensors, exacts)]
             return self._cuda.compressed(lambda: [job() for job in jobs],
                                          lambda: [e() for e in exacts],
@@ -268,7 +269,10 @@ class LocoProcessGroup(dist.ProcessGroup):
             raise ValueError(
                 "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype")
         if cuda and self._cuda is not None:
-            if not self._compressible([output], opts.reduceOp) or self._compressed.goes_exact(
+            compress = self._compressible([output], opts.reduceOp)
+            agree = compress or self._compressed.agrees_on([output.numel() * self.size()],
+                                                           "cuda")
+            if not agree or self._compressed.goes_exact(
                     "reduce_scatter", output, output.numel() * self.size()):
                 return self._cuda.exact("reduce_scatter", [output], output_tensors, input_tensors,
                                         opts)
@@ -278,7 +282,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             def exact_rs() -> None:
                 self._nccl.reduce_scatter([output], [inputs], single)
 
-            job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact_rs)
+            job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact_rs,
+                                                  wants=compress)
             return self._cuda.compressed(job, exact_rs, [output, source, *inputs], [output],
                                          opts.asyncOp)
         exact = self._reduction(opts, inputs, [output], reduce_scatter_into(self._inner, output),
@@ -311,7 +316,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                     f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements")
         compress = self._compressible(outputs, opts.reduceOp)
         if cuda and self._cuda is not None:
-            if not compress or (len(inputs) == 1 and self._compressed.goes_exact(
+            agree = compress or self._compressed.agrees_on([i.numel() for i in inputs], "cuda")
+            if not agree or (len(inputs) == 1 and self._compressed.goes_exact(
                     "reduce_scatter", inputs[0], inputs[0].numel())):
                 if len(outputs) == 1:
                     return self._cuda.exact("_reduce_scatter_base", outputs, outputs[0],
@@ -321,7 +327,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             single = _sync(opts, dist.ReduceScatterOptions)
             exacts = [lambda o=o, i=i: self._nccl._reduce_scatter_base(o, i, single)
                       for o, i in zip(outputs, inputs)]
-            jobs = [self._compressed.reduce_scatter(o, i, opts.reduceOp, exact=e)
+            jobs = [self._compressed.reduce_scatter(o, i, opts.reduceOp, exact=e, wants=compress)
                     for o, i, e in zip(outputs, inputs, exacts)]
             return self._cuda.compressed(lambda: [job() for job in jobs],
                                          lambda: [e() for e in exacts],

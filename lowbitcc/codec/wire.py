@@ -46,6 +46,13 @@ this message's values, are incomplete (see `lowbitcc.compressor.CallCompressor`)
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16"}
+DESCRIPTOR_DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.uint16, torch.uint32, torch.uint64,
+)
+"""The dtypes a call descriptor names, by code (its index; 255: any other dtype). The codec's
+`DTYPE_CODES` are the first codes."""
 
 
 class WireFormatError(RuntimeError):
@@ -157,6 +164,17 @@ def call_signature(collective: str, numel: int, dtype: torch.dtype) -> int:
 
 
 _CALL = struct.Struct("<4sBBBBQIIII")  # 32 bytes
+DESCRIPTOR_BYTES = _CALL.size
+DESC_FLAGS_OFFSET = 28
+"""Where the flags word starts: the bytes before it are the call itself, compared across ranks
+byte for byte (`CallDescriptor.call` where they differ)."""
+FRAME_BYTES = 128
+"""Every descriptor exchange all-gathers one frame of this many bytes per rank: the descriptor,
+then (an exact reduction small enough, see `FRAME_PAYLOAD`) the call's input, then zeros. One
+size for every call, so that ranks that issued different calls still exchange frames alike."""
+FRAME_PAYLOAD = FRAME_BYTES - DESCRIPTOR_BYTES
+"""Input bytes a frame carries: an exact reduction of at most this many bytes is done from the
+gathered frames, in one exchange."""
 
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
 DESC_COMPRESSED = 1
@@ -164,6 +182,10 @@ DESC_COMPRESSED = 1
 ranks compress it only if every rank would (and the cost model agrees)."""
 DESC_PREFER_EXACT = 2
 """Descriptor flag: this rank's cost model suggests the exact path."""
+DESC_FRAMED = 4
+"""Descriptor flag: this rank's frame carries its input (`FRAME_PAYLOAD`). Part of the call:
+every rank decides it alike from the call, so ranks that differ issued different calls (e.g.
+CPU tensors on one, CUDA tensors on another)."""
 DESC_LEASE_SHIFT = 8
 """The flags word's bits from here up hold the descriptor's ``lease`` (24 bits)."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
@@ -189,13 +211,17 @@ class CallDescriptor:
     without a descriptor exchange (rank 0's counts for every rank)."""
     fmt: str | None = "int"
     """The code format (carried with ``bits`` as `width_byte`; None: unknown to this build)."""
+    framed: bool = False
+    """The frame carries this rank's input (`DESC_FRAMED`)."""
 
     def pack(self) -> bytes:
-        dtype_code = DTYPE_CODES.get(self.dtype, 255)
+        dtype_code = (DESCRIPTOR_DTYPES.index(self.dtype) if self.dtype in DESCRIPTOR_DTYPES
+                      else 255)
         if not 0 <= self.lease < 1 << (32 - DESC_LEASE_SHIFT):
             raise ValueError(f"lowbitcc: a descriptor's lease must fit 24 bits, got {self.lease}")
         flags = (DESC_COMPRESSED if self.compressed else 0) | (
-            DESC_PREFER_EXACT if self.prefer_exact else 0) | (self.lease << DESC_LEASE_SHIFT)
+            DESC_PREFER_EXACT if self.prefer_exact else 0) | (
+            DESC_FRAMED if self.framed else 0) | (self.lease << DESC_LEASE_SHIFT)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
             self.numel, self.seq & 0xFFFFFFFF, width_byte(self.bits, self.fmt), self.group_size,
@@ -215,16 +241,17 @@ class CallDescriptor:
         bits, fmt = split_width_byte(width & 0xFF)
         if magic != CALL_MAGIC or version != VERSION or coll not in COLLECTIVE_NAMES:
             raise WireFormatError("corrupt call descriptor received")
-        dtype = next((d for d, c in DTYPE_CODES.items() if c == dtype_code), None)
+        dtype = DESCRIPTOR_DTYPES[dtype_code] if dtype_code < len(DESCRIPTOR_DTYPES) else None
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
                    bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
-                   flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None)
+                   flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None,
+                   bool(flags & DESC_FRAMED))
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"
-        dtype = str(self.dtype).replace("torch.", "") if self.dtype else "non-float"
+        dtype = str(self.dtype).replace("torch.", "") if self.dtype else "another dtype"
         return (
             f"{kind} {self.collective}(numel={self.numel}, dtype={dtype}, op={self.op}, "
-            f"bits={self.bits}, format={self.fmt}, group_size={self.group_size}) as call "
-            f"#{self.seq}"
+            f"bits={self.bits}, format={self.fmt}, group_size={self.group_size}"
+            f"{', input in frame' if self.framed else ''}) as call #{self.seq}"
         )

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lowbitcc
 import lowbitcc.backend.process_group
 import lowbitcc.codec.wire
+import lowbitcc.cost_model
 from tests.support.ranks import run_ranks
 
 
@@ -354,7 +355,7 @@ class _Corrupted:
 
     def wait(self):
         got = self.pending.wait()
-        if got.shape[-1] <= 32:  # the call descriptors' all-gather, not shard messages
+        if got.shape[-1] <= lowbitcc.codec.wire.FRAME_BYTES:  # the descriptor frames' all-gather
             return got
         if self.how == "truncate":
             return got[:, :-4].contiguous()
@@ -597,3 +598,59 @@ def test_an_all_reduce_against_a_reduce_scatter_raises_on_every_rank():
     """Two compressible calls of different kinds (the same input size): the descriptors name
     the collective, so both ranks raise at once."""
     assert run_ranks(_all_reduce_against_reduce_scatter, 2, timeout=60) == [True, True]
+
+
+def _mismatched_exact_reductions(rank, world, gloo, kind):
+    x = {"across min_size": torch.ones(BIG if rank == 0 else 10),
+         "small sizes": torch.ones(10 + rank),
+         "small dtypes": torch.ones(10, dtype=torch.int32 if rank == 0 else torch.int64),
+         "integer dtypes": torch.ones(BIG, dtype=torch.int32 if rank == 0 else torch.int64),
+         }[kind]
+    started = time.monotonic()
+    with pytest.raises(lowbitcc.backend.process_group.CollectiveMismatchError,
+                       match="issued different collectives"):
+        dist.all_reduce(x)
+    dist.all_reduce(torch.ones(10))  # the group is still usable
+    return time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("kind", ["across min_size", "small sizes", "small dtypes",
+                                  "integer dtypes"])
+def test_exact_reductions_that_differ_raise_on_every_rank(kind):
+    """Calls that neither rank compresses: one above min_size and one below (the first used to
+    exchange a descriptor and the second not: stuck until the timeout), two small calls of
+    different sizes or dtypes (gloo's garbage or abort), int32 against int64 (their descriptors
+    named both "not a float type"). Every reduction now exchanges a frame of one size."""
+    assert run_ranks(_mismatched_exact_reductions, 2, kind, timeout=60) == [True, True]
+
+
+def _forced_on_one_rank_during_a_lease(rank, world, gloo):
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=True))
+    size_class = lowbitcc.cost_model.CostModel.size_class("all_reduce", BIG * 4)
+    for _ in range(3):  # exact calls have been far faster on every rank
+        group.cost_model.record(size_class, True, 1e-9, BIG * 4)
+        group.cost_model.record(size_class, False, 10.0, BIG * 4)
+    x = torch.randn(BIG, generator=torch.Generator().manual_seed(rank))
+
+    def in_backward(grad):
+        for _ in range(5):  # warm-up, then rank 0's exact suggestion with a lease
+            dist.all_reduce(x.clone(), group=group)
+
+    w = torch.zeros(1, requires_grad=True)
+    w.register_hook(in_backward)
+    w.sum().backward()
+    leased = sum(group._compressed._leases.values())
+    y, expected = x.clone(), x.clone()
+    if rank == 1:
+        with lowbitcc.compressed():
+            dist.all_reduce(y, group=group)
+    else:
+        dist.all_reduce(y, group=group)
+    dist.all_reduce(expected, group=gloo)
+    return leased > 0, torch.equal(y, expected)
+
+
+def test_compressed_on_one_rank_while_the_cost_model_holds_a_lease():
+    """The leased ranks skip the descriptor exchange; the forced rank used not to (stuck until
+    the timeout). Every rank now counts the call against the lease: exact, gloo's sum."""
+    assert run_ranks(_forced_on_one_rank_during_a_lease, 2, timeout=60) == [(True, True)] * 2

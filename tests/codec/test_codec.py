@@ -107,6 +107,18 @@ def test_call_descriptor_round_trip():
     assert "numel=123456" in d.describe() and "bfloat16" in d.describe()
 
 
+@pytest.mark.parametrize("dtype", wire.DESCRIPTOR_DTYPES)
+def test_call_descriptors_name_every_dtype_and_whether_the_frame_carries_the_input(dtype):
+    d = wire.CallDescriptor("reduce_scatter", dtype, 2, 24, 7, 8, 128, False, framed=True)
+    back = wire.CallDescriptor.unpack(d.pack())
+    assert back == d and back.call().framed
+    others = [wire.CallDescriptor.unpack(dataclasses.replace(d, dtype=o).pack())
+              for o in wire.DESCRIPTOR_DTYPES if o != dtype]
+    assert all(o.call() != d.call() for o in others)  # int32 and int64 differ, and so on
+    assert wire.CallDescriptor.unpack(dataclasses.replace(d, framed=False).pack()).call() != d
+    assert wire.DESCRIPTOR_BYTES + wire.FRAME_PAYLOAD == wire.FRAME_BYTES
+
+
 @given(data=st.binary(min_size=0, max_size=600), rows=st.integers(1, 3), m=st.integers(1, 300),
        impl=st.sampled_from(["reference", "cpu"]))
 @settings(max_examples=200, deadline=None)

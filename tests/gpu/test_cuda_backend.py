@@ -189,6 +189,31 @@ def test_cuda_calls_under_min_size_go_to_nccl_without_a_descriptor_exchange(grou
 
 
 @needs_cupy
+def test_cuda_calls_left_exact_by_the_policy_exchange_a_descriptor(group):
+    """An all-reduce or reduce-scatter of at least ``min_size`` elements that this rank leaves
+    exact (outside backward, an integer dtype) still exchanges its descriptor: another rank may
+    be about to compress the same call, and then both must take the exact path."""
+    checked = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=1024, cost_model=False))
+    world = dist.get_world_size()
+    exchanged = []
+    agree = checked._compressed._agree
+    checked._compressed._agree = lambda desc: exchanged.append(desc) or agree(desc)
+    x = torch.ones(4096, device="cuda")
+    counts = torch.ones(4096, dtype=torch.int32, device="cuda")
+    out = torch.empty(4096, device="cuda")
+    dist.all_reduce(x, group=checked)  # outside backward: exact by policy
+    dist.all_reduce(counts, group=checked)
+    dist.reduce_scatter_tensor(out, torch.ones(4096 * world, device="cuda"), group=checked)
+    dist.all_reduce(torch.ones(100, device="cuda"), group=checked)  # under min_size: no exchange
+    torch.cuda.synchronize()
+    assert [(d.numel, d.compressed) for d in exchanged] == [
+        (4096, False), (4096, False), (4096 * world, False)]
+    assert torch.equal(x, torch.full_like(x, world)) and torch.equal(out, x)
+    assert torch.equal(counts, torch.full_like(counts, world))
+
+
+@needs_cupy
 def test_async_op_orders_with_the_callers_stream(group):
     from lowbitcc.tools import selftest
 

@@ -25,10 +25,19 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
 
 
+_REFERENCE_GROUPS: list[Any] = []
+"""The gloo groups made for the tests, kept to the process's end: a gloo future callback that
+captured its group (as a test's may) can otherwise drop the group's last reference on one of
+gloo's own worker threads, whose destructor then joins that thread: "Resource deadlock
+avoided", SIGABRT (seen over plain gloo, with loco's group not involved)."""
+
+
 def _with_gloo(fn: Callable[..., Any], rank: int, world: int, *args: Any) -> Any:
     import torch.distributed as dist
 
-    return fn(rank, world, dist.new_group(backend="gloo"), *args)
+    gloo = dist.new_group(backend="gloo")
+    _REFERENCE_GROUPS.append(gloo)
+    return fn(rank, world, gloo, *args)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
