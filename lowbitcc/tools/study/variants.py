@@ -82,11 +82,14 @@ class StudyConfig:
     world: int = 2
 
 
-DEFAULT_VARIANTS = ["exact", "mxfp4", "mxfp4-nofb", "loco4", "loco8", "loco2", "loco2-nofb",
-                    "fp16-hook", "powersgd", "fsdp2-mxfp4"]
+# `lowbitcc study` with no names: the default format with and without feedback over 3 seeds, the
+# former int4 default, FSDP2 and torch's hooks once: 13 runs, under 30 minutes on 2 cores
+# (docs/convergence.md); the other variants are the sweeps' (their commands are there too)
+DEFAULT_VARIANTS = ["exact", "mxfp4", "mxfp4-nofb", "loco4", "fp16-hook", "powersgd",
+                    "fsdp2-mxfp4"]
 DEFAULT_SEEDS = [0, 1, 2]
-EXTRA_SEED_VARIANTS = ["exact", "mxfp4", "mxfp4-nofb", "loco4"]
-DEFAULT_TRACKED = ["mxfp4", "mxfp4-nofb", "loco4", "loco8", "loco2"]
+EXTRA_SEED_VARIANTS = ["exact", "mxfp4", "mxfp4-nofb"]
+DEFAULT_TRACKED = ["mxfp4", "mxfp4-nofb", "loco4", "loco2"]
 # the smoke run of the test suite: a tiny model and little data
 QUICK = {"d_model": 64, "layers": 2, "heads": 2, "batch": 8, "context": 32, "eval_every": 10,
          "eval_batches": 4, "final_eval_batches": 32, "corpus_bytes": 1 << 20}
