@@ -6,12 +6,13 @@ For each compressible all-reduce or reduce-scatter (the policy said so; see `low
 1. names the call's error-feedback key in the issuing thread (`key`: explicit, or group,
    collective, dtype, numel and the ordinal of that signature within the current backward pass or
    optimizer step) and its sequence number;
-2. on the worker, exchanges 32-byte call descriptors so that ranks that issued different calls
-   all raise `CollectiveMismatchError` (``config.check``), and falls back to the exact call when
-   the agreed size is under ``min_size``, when any rank would not compress it (its policy said
-   exact: e.g. a joined DDP rank's shadow all-reduce, issued outside backward, or an `exact()`
-   block on one rank; such calls of at least ``min_size`` elements come here too, see
-   `agrees_on`), or when rank 0's cost model (`lowbitcc.cost_model`,
+2. on the worker, exchanges call descriptors (one `wire.FRAME_BYTES` frame per rank) so that
+   ranks that issued different calls all raise `CollectiveMismatchError` (``config.check``),
+   and falls back to the exact call when the agreed size is under ``min_size``, when any rank
+   would not compress it (its policy said exact: e.g. a joined DDP rank's shadow all-reduce,
+   issued outside backward, or an `exact()` block on one rank; every CPU reduction comes here,
+   see `agrees_on`, and one of at most `wire.FRAME_PAYLOAD` bytes is reduced from the frames
+   themselves), or when rank 0's cost model (`lowbitcc.cost_model`,
    its suggestion carried in the descriptor) says the exact call has been faster for calls of
    this size. Rank 0's exact suggestion carries a *lease*: that many further calls of the
    size class (up to its next exploration) run exact without the exchange on every rank (a

@@ -52,7 +52,7 @@ def _all_reduce_properties(rank, world, gloo):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_compressed_all_reduce_identical_and_bounded(world):
     for per_rank in run_ranks(_all_reduce_properties, world):
         for r in per_rank:
@@ -106,7 +106,7 @@ def _reduce_scatter_properties(rank, world, gloo):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_compressed_reduce_scatter_bounded(world):
     for per_rank in run_ranks(_reduce_scatter_properties, world):
         for r in per_rank:
@@ -155,7 +155,7 @@ def _feedback_tracking(rank, world, gloo, collective):
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_error_feedback_tracks_cumulative_sum(world, collective):
     for gaps in run_ranks(_feedback_tracking, world, collective):
         assert gaps["loco"] * 5 <= gaps["none"], gaps
@@ -212,7 +212,7 @@ def _chunked_equals_whole(rank, world, gloo):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_pipelined_chunks_give_the_same_bytes(world):
     """chunk_size 1000 (1024 after rounding to groups) cuts each row into ~33-49 chunks."""
     for per_rank in run_ranks(_chunked_equals_whole, world):

@@ -185,7 +185,7 @@ def _compare_all(rank, world, gloo):
     return report
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_exact_collectives_equal_gloo_bitwise(world):
     for rank_report in run_ranks(_compare_all, world):
         bad = [(name, a) for name, a, same in rank_report if not same]

@@ -38,8 +38,8 @@ needs_mpi = pytest.mark.skipif(not _mpi_ready(), reason="needs mpi4py and mpiexe
                                "(pip install 'lowbitcc[mpi]')")
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
-                                   pytest.param(4, marks=pytest.mark.slow), 5])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow),
+                                   pytest.param(5, marks=pytest.mark.slow)])
 def test_schedules_over_gloo(world):
     for rank, cases in enumerate(run_ranks(check_schedules, world, "gloo", timeout=300)):
         assert len(cases) == 4 * 12, len(cases)
