@@ -103,7 +103,7 @@ dist.destroy_process_group()
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ddp_over_loco_under_mpiexec(world):
     env = clean_env()
     done = subprocess.run([MPIEXEC, "-n", str(world), sys.executable, "-c", DDP_SCRIPT],
