@@ -83,6 +83,19 @@ def _bench_train(args: argparse.Namespace) -> int:
         return 2
 
 
+def _hybrid(args: argparse.Namespace) -> int:
+    from lowbitcc.tools import hybrid
+
+    opts = hybrid.HybridOptions(config=args.config, schemes=tuple(args.schemes),
+                                seeds=tuple(args.seeds), steps=args.steps, warmup=args.warmup,
+                                dp=args.dp, tp=args.tp, json_path=args.json)
+    try:
+        return hybrid.main(opts, args.link, args.argv)
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+
+
 def _netem(args: argparse.Namespace) -> int:
     from lowbitcc.tools import netem
 
@@ -169,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_study)
     _add_perf(sub)
     _add_bench_train(sub)
+    _add_hybrid(sub)
     ne = sub.add_parser(
         "netem", help="run a command on N ranks, each in a network namespace behind a "
         "rate-limited link (root)",
@@ -206,6 +220,33 @@ def _add_bench_train(sub: Any) -> None:
     bt.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
     bt.add_argument("--json", help="write the rows to this JSON file")
     bt.set_defaults(func=_bench_train)
+
+
+def _add_hybrid(sub: Any) -> None:
+    from lowbitcc.tools.hybrid import CONFIGS, DEFAULT_SCHEMES, SCHEMES
+
+    hy = sub.add_parser(
+        "hybrid", help="naive vs hybrid compression of a DP x TP GPT (docs/hybrid.md)",
+        description="Trains a GPT with tensor-parallel attention and MLP x FSDP2 data "
+        "parallelism once per scheme, side by side in the same ranks (interleaved steps, same "
+        "batches), per seed, and prints the final validation loss and its gap to exact, the "
+        "step time and the bytes per step (per dimension under --link, where each TP group "
+        "shares a network namespace and DP crosses the emulated link; root).")
+    hy.add_argument("--config", default="study", choices=list(CONFIGS),
+                    help="study: 0.87 M parameters, 150 steps (default); quick: a smoke run")
+    hy.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), metavar="NAME",
+                    help=f"schemes side by side: {', '.join(SCHEMES)} (default all but the "
+                    "last)")
+    hy.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                    help="seeds (default 0 1 2)")
+    hy.add_argument("--steps", type=int, help="training steps (default: the config's)")
+    hy.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
+    hy.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2)")
+    hy.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    hy.add_argument("--link", help="emulate the DP links at this rate (tc units, e.g. 1gbit, "
+                    "or none; root); TP stays inside a namespace")
+    hy.add_argument("--json", help="write the results to this JSON file")
+    hy.set_defaults(func=_hybrid)
 
 
 def _add_perf(sub: Any) -> None:

@@ -6,8 +6,11 @@
     {prefix}-r1: veth0 198.18.0.2/24 ─┼── {prefix}-sw: bridge sw0 (ports p0, p1, ...)
     ...                              ─┘
 
-Every veth end, the rank's side and the switch's side, gets a ``tc tbf`` rate limit, so each
-rank has a full-duplex link of ``rate`` to a switch, as a NIC on a top-of-rack switch does.
+Every veth end, the node's side and the switch's side, gets a ``tc tbf`` rate limit, so each
+node has a full-duplex link of ``rate`` to a switch, as a NIC on a top-of-rack switch does. A
+node is one namespace and holds ``ranks_per_node`` consecutive ranks (default 1): ranks of one
+node reach each other through the namespace's own address, which the kernel routes over its
+loopback device (unshaped, counted on ``lo``), as the GPUs of one server talk over NVLink.
 The kernel here has tbf but no netem: delay and loss cannot be emulated, only bandwidth.
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
 namespaces this module creates; nothing is added to the caller's namespace. Leaving the
@@ -84,10 +87,14 @@ class EmulatedNetwork:
     nranks: int
     rate: str | None = "1gbit"
     prefix: str = dataclasses.field(default_factory=lambda: f"lbcc{os.getpid()}")
+    ranks_per_node: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.nranks <= 250:
             raise ValueError(f"lowbitcc netem: need 1..250 ranks, got {self.nranks}")
+        if self.ranks_per_node < 1 or self.nranks % self.ranks_per_node:
+            raise ValueError(f"lowbitcc netem: {self.nranks} ranks do not fill nodes of "
+                             f"{self.ranks_per_node}")
         if self.rate is not None:
             parse_rate(self.rate)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", self.prefix):
@@ -98,22 +105,29 @@ class EmulatedNetwork:
     def switch(self) -> str:
         return f"{self.prefix}-sw"
 
-    def namespace(self, rank: int) -> str:
-        return f"{self.prefix}-r{rank}"
+    @property
+    def nodes(self) -> int:
+        return self.nranks // self.ranks_per_node
 
-    def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def namespace(self, node: int) -> str:
+        return f"{self.prefix}-r{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
 
     def exec_prefix(self, rank: int) -> list[str]:
-        """Argv prefix that runs a command inside rank ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespace(rank)]
+        """Argv prefix that runs a command inside the namespace of rank ``rank``'s node."""
+        return ["ip", "netns", "exec", self.namespace(self.node_of(rank))]
 
     # -- commands -----------------------------------------------------------------------------
     def setup_commands(self) -> list[list[str]]:
         cmds = [["ip", "netns", "add", self.switch],
                 ["ip", "-n", self.switch, "link", "add", "sw0", "type", "bridge"],
                 ["ip", "-n", self.switch, "link", "set", "sw0", "up"]]
-        for r in range(self.nranks):
+        for r in range(self.nodes):
             ns, port = self.namespace(r), f"p{r}"
             cmds += [
                 ["ip", "netns", "add", ns],
@@ -130,7 +144,7 @@ class EmulatedNetwork:
         return cmds
 
     def teardown_commands(self) -> list[list[str]]:
-        return [["ip", "netns", "del", self.namespace(r)] for r in range(self.nranks)] + [
+        return [["ip", "netns", "del", self.namespace(r)] for r in range(self.nodes)] + [
             ["ip", "netns", "del", self.switch]]
 
     def _tbf(self, ns: str, dev: str) -> list[str]:
@@ -149,8 +163,8 @@ class EmulatedNetwork:
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        log.info("emulated network %s: %d ranks, links %s", self.prefix, self.nranks,
-                 self.rate or "unshaped")
+        log.info("emulated network %s: %d ranks on %d nodes, links %s", self.prefix,
+                 self.nranks, self.nodes, self.rate or "unshaped")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -193,7 +207,8 @@ def _terminate_as_exit() -> Iterator[None]:
 
 
 def rank_environment(net: EmulatedNetwork, rank: int, port: int = DEFAULT_PORT) -> dict[str, str]:
-    """The variables a rank started by `run_ranks` sees (torchrun's names)."""
+    """The variables a rank started by `run_ranks` sees (torchrun's names; LOCAL_* count every
+    rank on this machine, whose cores they share, whatever its emulated node)."""
     return {
         "RANK": str(rank), "WORLD_SIZE": str(net.nranks), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(net.nranks), "MASTER_ADDR": net.address(0),
@@ -202,15 +217,18 @@ def rank_environment(net: EmulatedNetwork, rank: int, port: int = DEFAULT_PORT) 
 
 
 def run_ranks(command: Sequence[str], nranks: int, rate: str | None,
-              env: dict[str, str] | None = None, timeout_s: float | None = None) -> int:
-    """Run ``command`` on ``nranks`` ranks, each in its own namespace of an `EmulatedNetwork`.
+              env: dict[str, str] | None = None, timeout_s: float | None = None,
+              ranks_per_node: int = 1) -> int:
+    """Run ``command`` on ``nranks`` ranks in the namespaces of an `EmulatedNetwork` (one per
+    node of ``ranks_per_node`` ranks).
 
     Rank 0's output passes through; the others' too (prefix your own logging by RANK). When a
     rank fails, the others are terminated. Returns 0 or the first failing rank's exit code.
     """
     if not command:
         raise ValueError("lowbitcc netem: no command to run")
-    with _terminate_as_exit(), EmulatedNetwork(nranks, rate) as net:
+    with _terminate_as_exit(), EmulatedNetwork(nranks, rate,
+                                               ranks_per_node=ranks_per_node) as net:
         procs: list[subprocess.Popen] = []
         try:
             for r in range(nranks):

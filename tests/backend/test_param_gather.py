@@ -75,7 +75,7 @@ def _fsdp2_with_gathers(rank, world, gloo):
     return ref, ours, calls
 
 
-@pytest.mark.slow  # trains; tools/hybrid_bytes.py too
+@pytest.mark.slow  # trains; `lowbitcc hybrid` trains with parameter all-gathers too
 def test_fsdp2_trains_with_8_bit_parameter_all_gathers():
     for ref, ours, (without, with_gathers) in run_ranks(_fsdp2_with_gathers, 2, timeout=300):
         assert ours[-1] < 0.8 * ours[0], "did not train"

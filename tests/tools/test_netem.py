@@ -66,6 +66,18 @@ def test_environment_of_a_rank():
     assert net.exec_prefix(2) == ["ip", "netns", "exec", "lbcctest-r2"]
 
 
+def test_nodes_of_several_ranks_share_a_namespace_and_its_link():
+    net = netem.EmulatedNetwork(4, "1gbit", prefix="lbcctest", ranks_per_node=2)
+    assert net.nodes == 2
+    assert [net.exec_prefix(r)[-1] for r in range(4)] == ["lbcctest-r0", "lbcctest-r0",
+                                                          "lbcctest-r1", "lbcctest-r1"]
+    cmds = [" ".join(c) for c in net.setup_commands()]
+    assert sum("tbf" in c for c in cmds) == 4  # both ends of 2 links
+    assert not any("lbcctest-r2" in c for c in cmds + [" ".join(c) for c in net.teardown_commands()])
+    with pytest.raises(ValueError, match="nodes of 2"):
+        netem.EmulatedNetwork(3, "1gbit", ranks_per_node=2)
+
+
 def test_bad_networks_are_refused():
     with pytest.raises(ValueError, match="ranks"):
         netem.EmulatedNetwork(0, "1gbit")
