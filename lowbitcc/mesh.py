@@ -2,7 +2,8 @@
 hard, keep tensor- and pipeline-parallel traffic exact (or light).
 
 `hybrid_mesh` is ``init_device_mesh`` with a ``backend_override`` per dimension: the
-data-parallel dimension ("dp", or "dp_replicate" / "dp_shard" as torchtitan names them) over
+data-parallel dimensions (names starting with "dp": "dp", or "dp_replicate" / "dp_shard" as
+torchtitan names them) over
 "loco" with the given `LocoConfig` (default: the ``LOCO_*`` environment, i.e. 4-bit LoCo on
 gradient reductions issued during backward), and every other dimension ("tp", "pp", "cp", ...)
 exact over the device's own backend (gloo for CPU, NCCL for CUDA) unless a `LocoConfig` is
@@ -24,8 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lowbitcc.config import LocoConfig
 
-DATA_PARALLEL = ("dp", "dp_replicate", "dp_shard")
-"""Dimension names that `hybrid_mesh` treats as data parallel."""
+DATA_PARALLEL_PREFIX = "dp"
+"""`hybrid_mesh` treats the dimensions whose names start with it as data parallel ("dp",
+"dp_replicate", "dp_shard", ...)."""
+
+
+def is_data_parallel(name: str) -> bool:
+    return name.startswith(DATA_PARALLEL_PREFIX)
 
 
 def hybrid_mesh(device_type: str, shape: tuple[int, ...],
@@ -51,11 +57,11 @@ def hybrid_mesh(device_type: str, shape: tuple[int, ...],
     override: dict[str, object] = {}
     for name in mesh_dim_names:
         config = configs.get(name)
-        if config is None and name in DATA_PARALLEL:
+        if config is None and is_data_parallel(name):
             config = LocoConfig.from_env()
-        if config is not None and param_bits is not None and name in DATA_PARALLEL:
+        if config is not None and param_bits is not None and is_data_parallel(name):
             config = config.replace(param_bits=param_bits)
-        if (config is not None and name not in DATA_PARALLEL and config.feedback
+        if (config is not None and not is_data_parallel(name) and config.feedback
                 and config.policy != "never"):
             warnings.warn(f"lowbitcc.hybrid_mesh: dimension {name!r} is not data parallel but "
                           "its LocoConfig has feedback=True: the error of one batch's "

@@ -326,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    from lowbitcc.tools.spawn import LOG_FORMAT
+
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     return args.func(args)
 
 

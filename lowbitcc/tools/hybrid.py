@@ -236,7 +236,9 @@ def build(scheme: str, cfg: StudyConfig, seed: int, dp: int, tp: int) -> nn.Modu
                                 backend_override=override)
     else:
         configs = {names[0]: dp_config, **({names[1]: tp_config} if tp_config else {})}
-        mesh = lowbitcc.hybrid_mesh("cpu", (dp, tp), names, configs=configs)
+        with warnings.catch_warnings():  # naive's feedback on TP is deliberate
+            warnings.filterwarnings("ignore", message="lowbitcc.hybrid_mesh: dimension")
+            mesh = lowbitcc.hybrid_mesh("cpu", (dp, tp), names, configs=configs)
     torch.manual_seed(seed)
     model = TPGPT(cfg)
     for block in model.blocks:

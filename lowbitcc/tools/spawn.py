@@ -5,13 +5,15 @@
 rendezvous in a temporary folder (no port is opened for the rendezvous; gloo itself listens on
 loopback), and returns the ranks' return values in rank order. A rank's exception is re-raised
 in the parent with its traceback; a run that outlives ``timeout_s`` is killed and raises, so a
-hang never stalls the caller. Values travel pickled by value (tensors included).
+hang never stalls the caller. Ranks log at the caller's level, in `LOG_FORMAT`. Values travel
+pickled by value (tensors included).
 `threads_per_rank` is the rule every tool uses for torch's intra-op threads.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import queue
@@ -23,6 +25,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+"""The tools' log format (the `lowbitcc` command's, and its ranks')."""
+
 
 def threads_per_rank(local_ranks: int) -> int:
     """torch threads for each of ``local_ranks`` ranks sharing this machine's cores."""
@@ -31,8 +36,9 @@ def threads_per_rank(local_ranks: int) -> int:
 
 def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file: str,
            backend: str, pg_timeout_s: float, env: Mapping[str, str], threads: int,
-           pg_options: Any, results: Any) -> None:
+           pg_options: Any, results: Any, log_level: int) -> None:
     os.environ.update(env)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
         import torch
         import torch.distributed as dist
@@ -78,7 +84,8 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
         envs = [{**(env or {}), **(rank_env[r] if rank_env else {})} for r in range(nprocs)]
         procs = [ctx.Process(target=_entry, daemon=True, args=(
             r, nprocs, fn, args, init_file, backend, pg_timeout_s or timeout_s, envs[r],
-            threads or threads_per_rank(nprocs), pg_options, results)) for r in range(nprocs)]
+            threads or threads_per_rank(nprocs), pg_options, results,
+            logging.getLogger().getEffectiveLevel())) for r in range(nprocs)]
         for p in procs:
             p.start()
         values: dict[int, Any] = {}

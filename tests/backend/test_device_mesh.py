@@ -44,6 +44,13 @@ def _per_dimension(rank, world, gloo, tp_backend):
     return report
 
 
+def test_dimensions_whose_names_start_with_dp_are_data_parallel():
+    from lowbitcc.mesh import is_data_parallel
+
+    assert all(map(is_data_parallel, ("dp", "dp_replicate", "dp_shard", "dp_shard_cp")))
+    assert not any(map(is_data_parallel, ("tp", "pp", "cp", "ep")))
+
+
 def test_each_mesh_dimension_takes_its_own_settings():
     """DP at 8 bits, compressing every call; TP a "loco" group at policy never: the TP
     all-reduce returns gloo's bits while the DP one is compressed (within 8-bit error)."""
