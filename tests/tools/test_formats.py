@@ -60,6 +60,11 @@ def test_asymmetric_codes_cover_the_group_range():
     assert (d - y).norm() < (sym - y).norm()
 
 
+def _train_each(rank: int, world: int, fmt: str) -> dict[str, list[torch.Tensor]]:
+    """`_train` of loco, lab and exact, one after the other in the same ranks."""
+    return {which: _train(rank, world, which, fmt) for which in ("loco", "lab", "exact")}
+
+
 def _train(rank: int, world: int, which: str, fmt: str = "int") -> list[torch.Tensor]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -97,9 +102,8 @@ def test_lab_trains_bit_for_bit_like_loco(fmt):
     """lab-int4-g128 against loco with int4 / 128, lab-mxfp4 against loco's MXFP4 default."""
     from lowbitcc.tools.spawn import run_ranks
 
-    loco = run_ranks(_train, 2, "loco", fmt, backend="gloo")[0]
-    lab = run_ranks(_train, 2, "lab", fmt, backend="gloo")[0]
-    exact = run_ranks(_train, 2, "exact", backend="gloo")[0]
+    runs = run_ranks(_train_each, 2, fmt, backend="gloo")[0]
+    loco, lab, exact = runs["loco"], runs["lab"], runs["exact"]
     assert len(loco) == len(lab) == 4
     for a, b in zip(loco, lab):
         assert torch.equal(a, b)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc.codec import reference
 from lowbitcc.codec.error_state import ErrorState
@@ -143,7 +144,7 @@ class LabState:
     def __init__(self, spec: LabSpec, seed: int) -> None:
         self.spec = spec
         self.errors: dict[tuple[int, str], ErrorState] = {}
-        self.buffers: dict[int, int] = {}
+        self.buffers: dict[int, StorageWeakRef] = {}
         rank = dist.get_rank()
         self.gens = {"rs": torch.Generator().manual_seed(seed * 1000 + rank + 1),
                      "ag": torch.Generator().manual_seed(seed * 1000 + 999)}
@@ -182,10 +183,13 @@ def lab_hook(state: LabState, bucket: dist.GradBucket) -> torch.futures.Future[t
     buf = bucket.buffer().div_(dist.get_world_size())
     if buf.numel() < state.spec.min_size:
         return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-    if state.buffers.get(bucket.index()) != buf.data_ptr():
+    storage = StorageWeakRef(buf.untyped_storage())
+    known = state.buffers.get(bucket.index())
+    if known is None or known != storage:
         # as loco: a bucket in a new buffer (DDP rebuilds its buckets after the first step)
-        # starts from zero error
-        state.buffers[bucket.index()] = buf.data_ptr()
+        # starts from zero error. A weak reference, not the address: the rebuilt bucket may
+        # be allocated where the old one was
+        state.buffers[bucket.index()] = storage
         state.errors = {k: v for k, v in state.errors.items() if k[0] != bucket.index()}
     sent = state.apply(bucket.index(), "rs", buf.to(torch.float32))
     fut = dist.all_reduce(sent, async_op=True).get_future()
