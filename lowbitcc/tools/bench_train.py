@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 import warnings
@@ -36,8 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 import lowbitcc
+from lowbitcc.tools import netem
 from lowbitcc.tools.spawn import launch
 from lowbitcc.tools.study.model import TinyGPT, lm_loss, sample_batch, split_corpus
 from lowbitcc.tools.study.training import ring_bytes_per_step
@@ -82,20 +83,9 @@ class BenchOptions:
 
 
 def _tx_bytes() -> int | None:
-    """Bytes sent so far on gloo's interface (``GLOO_SOCKET_IFNAME``, which `netem` sets) in
-    this process's network namespace; None where it is not set or not found."""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if not interface:
-        return None
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, counters = line.partition(":")
-                if name.strip() == interface:
-                    return int(counters.split()[8])
-    except OSError:
-        return None
-    return None
+    """Bytes sent so far on gloo's interface (`netem.sent_bytes`); None where not known."""
+    sent = netem.sent_bytes()
+    return None if sent is None else sent["link"]
 
 
 def _loco_bytes(world: int) -> float:
@@ -175,11 +165,8 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     sent = {s: 0.0 for s in opts.schemes}
     losses: dict[str, list[float]] = {s: [] for s in opts.schemes}
     lowbitcc.reset_stats()
-    bar = None
-    if rank == 0 and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=opts.steps, desc=f"bench-train {opts.config}", leave=False)
+    bar = tqdm(total=opts.steps, desc=f"bench-train {opts.config}", leave=False,
+               disable=rank != 0 or not sys.stderr.isatty())
     for step in range(opts.steps):
         starts = torch.randint(len(train) - cfg.context - 1, (cfg.batch,), generator=order)
         x, y = sample_batch(train, starts, cfg.context)
@@ -203,10 +190,8 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
         dist.all_reduce(step_loss, group=metrics)
         for i, scheme in enumerate(opts.schemes):
             losses[scheme].append(float(step_loss[i]) / world)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     timed = opts.steps - opts.warmup
     totals = torch.tensor([seconds[s] for s in opts.schemes], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=metrics)  # a step ends on its last rank

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import statistics
 import sys
 import time
@@ -51,11 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 import lowbitcc
 from lowbitcc.config import LocoConfig
+from lowbitcc.tools import netem
 from lowbitcc.tools.spawn import launch
-from lowbitcc.tools.study.model import lm_loss, optimizer, sample_batch, split_corpus
+from lowbitcc.tools.study.model import TinyGPT, lm_loss, optimizer, sample_batch, split_corpus
 from lowbitcc.tools.study.variants import StudyConfig
 
 log = logging.getLogger("lowbitcc.tools.hybrid")
@@ -131,23 +132,12 @@ class TPBlock(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
-class TPGPT(nn.Module):
-    """The study's byte-level decoder (`lowbitcc.tools.study.model.TinyGPT`) with blocks that
-    tensor parallelism can split (`TP_PLAN`)."""
+class TPGPT(TinyGPT):
+    """The study's byte-level decoder with blocks that tensor parallelism can split
+    (`tp_plan`)."""
 
     def __init__(self, cfg: StudyConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(256, cfg.d_model)
-        self.pos = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(TPBlock(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
-        self.ln = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, 256)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+        super().__init__(cfg, block=TPBlock)
 
 
 def tp_plan() -> dict[str, Any]:
@@ -194,28 +184,15 @@ class HybridOptions:
         return cfg if self.steps is None else dataclasses.replace(cfg, steps=self.steps)
 
 
-def _counters() -> dict[str, int] | None:
-    """Bytes sent so far on this namespace's interfaces: gloo's (``GLOO_SOCKET_IFNAME``, set
-    by `netem`: the DP link) and ``lo`` (traffic between the ranks of the node: TP); None
-    where ``GLOO_SOCKET_IFNAME`` is not set or not found."""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if not interface:
-        return None
-    found = {}
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, counters = line.partition(":")
-                if name.strip() in (interface, "lo"):
-                    found["lo" if name.strip() == "lo" else "link"] = int(counters.split()[8])
-    except OSError:
-        return None
-    return found if len(found) == 2 else None
-
-
-def _loco_counted() -> float:
-    s = lowbitcc.stats()
-    return float(s["compressed"]["wire_bytes"] + s["exact"]["tensor_bytes"])
+def _meter(measured: bool) -> tuple[dict[str, float], int]:
+    """``(bytes, calls)`` sent so far by this rank: ``netem.sent_bytes()`` where ``measured``,
+    else ``{"loco_counted": ...}`` (the "loco" groups' compressed codes and exact input
+    sizes); and the "loco" groups' compressed calls."""
+    stats = lowbitcc.stats()
+    counted = {"loco_counted": float(stats["compressed"]["wire_bytes"]
+                                     + stats["exact"]["tensor_bytes"])}
+    sent = netem.sent_bytes() if measured else None
+    return dict(sent) if sent is not None else counted, stats["compressed"]["calls"]
 
 
 def build(scheme: str, cfg: StudyConfig, seed: int, dp: int, tp: int) -> nn.Module:
@@ -276,17 +253,14 @@ def train_seed(rank: int, world: int, opts: HybridOptions, seed: int,
     optims = {s: optimizer(m.parameters(), cfg) for s, m in models.items()}
     train, val = split_corpus(cfg)
     order = torch.Generator().manual_seed(seed * 1000 + dp_rank)
-    measured = _counters() is not None
+    measured = netem.sent_bytes() is not None
     zero = {"link": 0.0, "lo": 0.0} if measured else {"loco_counted": 0.0}
     seconds = {s: 0.0 for s in opts.schemes}
     sent = {s: dict(zero) for s in opts.schemes}
     calls = {s: 0 for s in opts.schemes}
     losses: dict[str, list[float]] = {s: [] for s in opts.schemes}
-    bar = None
-    if rank == 0 and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, desc=f"hybrid seed {seed}", leave=False)
+    bar = tqdm(total=cfg.steps, desc=f"hybrid seed {seed}", leave=False,
+               disable=rank != 0 or not sys.stderr.isatty())
     for step in range(cfg.steps):
         starts = torch.randint(len(train) - cfg.context - 1, (cfg.batch,), generator=order)
         x, y = sample_batch(train, starts, cfg.context)
@@ -295,8 +269,7 @@ def train_seed(rank: int, world: int, opts: HybridOptions, seed: int,
         for scheme in opts.schemes[k:] + opts.schemes[:k]:
             (opt, sched), model = optims[scheme], models[scheme]
             dist.barrier(group=metrics)
-            before = _counters() if measured else {"loco_counted": _loco_counted()}
-            called = lowbitcc.stats()["compressed"]["calls"]
+            before, called = _meter(measured)
             start = time.perf_counter()
             loss = lm_loss(model, x, y)
             opt.zero_grad(set_to_none=True)
@@ -305,20 +278,18 @@ def train_seed(rank: int, world: int, opts: HybridOptions, seed: int,
             sched.step()
             elapsed = time.perf_counter() - start
             dist.barrier(group=metrics)
-            after = _counters() if measured else {"loco_counted": _loco_counted()}
-            calls[scheme] += lowbitcc.stats()["compressed"]["calls"] - called
+            after, now = _meter(measured)
+            calls[scheme] += now - called
             if step >= opts.warmup:
                 seconds[scheme] += elapsed
                 for name in sent[scheme]:
-                    sent[scheme][name] += (after or {})[name] - (before or {})[name]
+                    sent[scheme][name] += after[name] - before[name]
             step_loss[opts.schemes.index(scheme)] = float(loss.detach())
         dist.all_reduce(step_loss, group=metrics)
         for i, scheme in enumerate(opts.schemes):
             losses[scheme].append(float(step_loss[i]) / world)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     timed = cfg.steps - opts.warmup
     totals = torch.tensor([seconds[s] for s in opts.schemes], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=metrics)  # a step ends on its last rank

@@ -206,6 +206,26 @@ def _terminate_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def sent_bytes() -> dict[str, int] | None:
+    """Bytes sent so far in this process's network namespace: ``link`` on gloo's interface
+    (``GLOO_SOCKET_IFNAME``, which `run_ranks` sets: the emulated link) and ``lo`` (traffic
+    between the ranks of one node); None where ``GLOO_SOCKET_IFNAME`` is not set or either
+    interface is not found."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not interface:
+        return None
+    found = {}
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() in (interface, "lo"):
+                    found["lo" if name.strip() == "lo" else "link"] = int(counters.split()[8])
+    except OSError:
+        return None
+    return found if len(found) == 2 else None
+
+
 def rank_environment(net: EmulatedNetwork, rank: int, port: int = DEFAULT_PORT) -> dict[str, str]:
     """The variables a rank started by `run_ranks` sees (torchrun's names; LOCAL_* count every
     rank on this machine, whose cores they share, whatever its emulated node)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,13 +53,14 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Byte-level decoder: vocabulary 256, learned positions, pre-norm blocks."""
+    """Byte-level decoder: vocabulary 256, learned positions, pre-norm blocks (``block(d_model,
+    heads)``: `Block`, or another block of the same interface)."""
 
-    def __init__(self, cfg: StudyConfig) -> None:
+    def __init__(self, cfg: StudyConfig, block: Callable[[int, int], nn.Module] = Block) -> None:
         super().__init__()
         self.tok = nn.Embedding(256, cfg.d_model)
         self.pos = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, 256)
 

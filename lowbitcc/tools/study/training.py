@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 import lowbitcc
 from lowbitcc.tools.spawn import run_ranks
@@ -120,11 +121,8 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
     train_loss: list[float] = []
     val_loss: list[tuple[int, float]] = []
     start = time.perf_counter()
-    bar = None
-    if rank == 0 and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False)
+    bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False,
+               disable=rank != 0 or not sys.stderr.isatty())
     for step, (x, y) in enumerate(train_batches(train, cfg, seed, rank)):
         if step % cfg.eval_every == 0:
             val_loss.append((step, evaluate(model, val, val_starts, cfg, cfg.eval_batches,
@@ -137,14 +135,12 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=metrics)
         train_loss.append(float(mean) / world)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{train_loss[-1]:.3f}")
+        bar.update(1)
+        bar.set_postfix(loss=f"{train_loss[-1]:.3f}")
     val_loss.append((cfg.steps, evaluate(model, val, val_starts, cfg, cfg.final_eval_batches,
                                          metrics)))
     elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    bar.close()
     inner = model.module if hasattr(model, "module") else model
     if variant.backend == "loco":
         s = lowbitcc.stats()
