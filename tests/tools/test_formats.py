@@ -108,3 +108,48 @@ def test_lab_trains_bit_for_bit_like_loco(fmt):
     for a, b in zip(loco, lab):
         assert torch.equal(a, b)
     assert not torch.equal(loco[-1], exact[-1])  # compression did change the weights
+
+
+class _Bucket:
+    """What `lab_hook` reads of DDP's GradBucket."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def _rebuilt_bucket_at_the_same_address(rank: int, world: int) -> tuple[bool, bool]:
+    from lowbitcc.tools.study.formats import LabState, lab_hook
+
+    n = 1 << 17
+    lab, fresh = LabState(LAB_VARIANTS["lab-mxfp4"], 0), LabState(LAB_VARIANTS["lab-mxfp4"], 0)
+    # two storages over one piece of memory: what DDP's rebuilt bucket is when the allocator
+    # places it where the freed old one was (it does, now and then)
+    memory = bytearray(4 * n)
+    old = torch.frombuffer(memory, dtype=torch.float32)
+    old.copy_(torch.randn(n, generator=torch.Generator().manual_seed(1)))
+    lab_hook(lab, _Bucket(old)).wait()
+    new = torch.frombuffer(memory, dtype=torch.float32)
+    new.copy_(torch.randn(n, generator=torch.Generator().manual_seed(2)))
+    same_address = new.data_ptr() == old.data_ptr()
+    copy = new.clone()
+    lab_hook(lab, _Bucket(new)).wait()
+    lab_hook(fresh, _Bucket(copy)).wait()
+    return same_address, torch.equal(new, copy)
+
+
+def test_lab_resets_a_rebuilt_bucket_even_at_the_old_buckets_address():
+    """A bucket in new storage starts from zero error, as in loco, also where the allocator
+    put it at the freed bucket's address (the lab compared addresses and kept the old
+    layout's errors there)."""
+    from lowbitcc.tools.spawn import run_ranks
+
+    same_address, like_fresh = run_ranks(_rebuilt_bucket_at_the_same_address, 1,
+                                         backend="gloo", timeout_s=60)[0]
+    assert same_address
+    assert like_fresh
