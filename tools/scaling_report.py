@@ -101,11 +101,13 @@ def loco_direct(n: int, size: float, alpha: float, bandwidth: float, encode: flo
     """Seconds of loco's direct all-reduce of ``size`` fp32 bytes per rank (docs/scaling.md):
     a fixed cost per call (host work, thread hand-offs), the descriptor exchange and two phases
     of n-1 messages (3 (n-1) latencies), codes of the wire ratio, an encode of the whole input
-    and of the reduced shard, decodes of n shards twice; the wire and the codec one after the
-    other, or with the wire hidden behind the codec where ``overlap``."""
-    latency = 3 * (n - 1) * alpha
+    and of the reduced shard, decodes of n shards twice; on two ranks one all-gather instead
+    (2 latencies, the same bytes, one encode of the input, decodes of both ranks' inputs); the
+    wire and the codec one after the other, or with the wire hidden behind the codec where
+    ``overlap``."""
+    latency = (2 if n == 2 else 3 * (n - 1)) * alpha
     wire = 2 * (n - 1) / n * size * WIRE_RATIO / bandwidth
-    codec = (1 + 1 / n) * size / encode + 2 * size / decode
+    codec = (1 if n == 2 else 1 + 1 / n) * size / encode + 2 * size / decode
     return fixed_s + latency + (max(wire, codec) if overlap else wire + codec)
 
 

@@ -172,7 +172,7 @@ def _stochastic_all_reduce(rank, world, gloo):
     dist.all_reduce(ref, group=gloo)
     amax = group_amax(x.double(), world, group)
     dist.all_reduce(amax, group=gloo)
-    # stochastic rounding errs by less than one step (not half) in each of the two stages
+    # stochastic rounding errs by less than one step (not half) in each of at most two stages
     bound = 2 * amax / q * 1.01 + 1e-6
     err = (out.double() - ref).abs()
     nearest_group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(feedback=False))

@@ -74,7 +74,7 @@ def _non_finite(rank, world, gloo):
 
 def test_non_finite_inputs_propagate_and_reset_state():
     for r in run_ranks(_non_finite, 2):
-        assert r["before"] == 2  # the reduce-scatter and all-gather stages
+        assert r["before"] == 1  # direct's two-rank all-reduce has one stage ("gather")
         assert r["after"] == 0, r
         assert r["nan_seen"] and r["inf_region_nonfinite"] and not r["all_finite"], r
         assert r["recovered"], r
@@ -134,7 +134,7 @@ def _bounded_keys(rank, world, gloo):
 def test_max_keys_bounds_the_feedback_store():
     """LOCO_MAX_KEYS / LocoConfig.max_keys is the store's bound (it used to keep 4096). The
     store is shared by every group of the process, so its bound is the largest any group set."""
-    # 6 keys of 2 stages each (rs, ag) would be 12 states without the bound
+    # 6 keys (one stage each: a two-rank all-reduce) would be 6 states without the bound
     assert run_ranks(_bounded_keys, 2, env={"LOCO_MAX_KEYS": "3"}) == [3, 3]
 
 

@@ -393,24 +393,28 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
     return raised, bool(torch.isfinite(ours).all()), _close(ours, theirs)
 
 
+PEER, OWN, NOTHING = ("peer", True, True), ("own", True, True), ("nothing", True, True)
+
+
 @pytest.mark.parametrize("phase, expected", [
-    # rank 1's reduced shard is built from the bad message: rank 0 learns it from the flag
-    ("scatter", [("peer", True, True), ("own", True, True)]),
+    # rank 1's reduced shard is built from the bad message: ranks 0 and 2 learn it from the flag
+    ("scatter", [PEER, OWN, PEER]),
     # the bad all-gathered message hurts rank 1's result only
-    ("gather", [("nothing", True, True), ("own", True, True)]),
+    ("gather", [NOTHING, OWN, NOTHING]),
     # messages 4 bytes short: the size check, deferred like the header check
-    ("truncated", [("peer", True, True), ("own", True, True)]),
+    ("truncated", [PEER, OWN, PEER]),
     # one code bit flipped: the checksum refuses what the header check lets through
-    ("payload-scatter", [("peer", True, True), ("own", True, True)]),
-    ("payload-gather", [("nothing", True, True), ("own", True, True)]),
+    ("payload-scatter", [PEER, OWN, PEER]),
+    ("payload-gather", [NOTHING, OWN, NOTHING]),
 ])
 def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_survives(
         phase, expected):
     """The receiver raised WireFormatError mid-schedule, the sender carried on, and the next
     call aborted. Now every rank finishes the call's transfers, the receiver raises, ranks whose
-    result depends on the bad message raise too, and the next call works."""
+    result depends on the bad message raise too, and the next call works. Three ranks: on two,
+    direct's all-reduce is one all-gather (no scatter phase; the gather cases cover it)."""
     env = {"LOCO_CHECKSUM": "1"} if phase.startswith("payload") else None
-    assert run_ranks(_corrupt_message_on_one_rank, 2, phase, timeout=60, env=env) == expected
+    assert run_ranks(_corrupt_message_on_one_rank, 3, phase, timeout=60, env=env) == expected
 
 
 def _late_peer(rank, world, gloo):
@@ -539,7 +543,7 @@ class _FirstCorrupted:
 
     def wait(self):
         got = self.pending.wait()
-        if not _FirstCorrupted.hit and got.numel() > 64:
+        if not _FirstCorrupted.hit and got.shape[-1] > lowbitcc.codec.wire.FRAME_BYTES:
             _FirstCorrupted.hit = True
             got.view(-1)[28] ^= 0xFF
         return got
@@ -548,7 +552,8 @@ class _FirstCorrupted:
 def _corrupt_on_another_schedule(rank, world, gloo, schedule):
     from lowbitcc.transports import gloo as gloo_transport
 
-    method = "all_to_all_async" if schedule == "hierarchical" else "recv_async"
+    # hierarchical over two nodes of one rank: direct's two-rank all-reduce, one all-gather
+    method = "all_gather_async" if schedule == "hierarchical" else "recv_async"
     original = getattr(gloo_transport.GlooTransport, method)
     if rank == 1:
         setattr(gloo_transport.GlooTransport, method,
@@ -654,3 +659,4 @@ def test_compressed_on_one_rank_while_the_cost_model_holds_a_lease():
     """The leased ranks skip the descriptor exchange; the forced rank used not to (stuck until
     the timeout). Every rank now counts the call against the lease: exact, gloo's sum."""
     assert run_ranks(_forced_on_one_rank_during_a_lease, 2, timeout=60) == [(True, True)] * 2
+

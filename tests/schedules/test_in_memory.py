@@ -31,9 +31,10 @@ Q = 7  # 4-bit codes
 def _quantizations(name: str, collective: str, world: int) -> int:
     nodes = world // NODE_SIZE[world]
     two = collective == "all_reduce"
-    return {"direct": 2 if two else 1, "ring": world if two else world - 1,
+    # direct's all-reduce on two ranks (and hierarchical's over two nodes) is one all-gather
+    return {"direct": 2 if two and world > 2 else 1, "ring": world if two else world - 1,
             "tree": schedules.tree.depth(world) + 1,
-            "hierarchical": 0 if nodes == 1 else (2 if two else 1)}[name]
+            "hierarchical": 0 if nodes == 1 else (2 if two and nodes > 2 else 1)}[name]
 
 
 def _run(name: str, collective: str, world: int, numel: int, chunk: int) -> list[torch.Tensor]:
@@ -94,8 +95,28 @@ def test_schedule_in_memory(name, world, collective):
     _run(name, collective, world, numel=1000 * world + 7, chunk=0)
 
 
-@pytest.mark.parametrize("name", ["direct", "ring"])
-def test_chunked_schedule_gives_the_same_bytes_with_nearest_rounding(name):
-    whole = _run(name, "all_reduce", 3, numel=3 * 900, chunk=0)
-    chunked = _run(name, "all_reduce", 3, numel=3 * 900, chunk=256)
+@pytest.mark.parametrize(("name", "world"), [("direct", 2), ("direct", 3), ("ring", 3)])
+def test_chunked_schedule_gives_the_same_bytes_with_nearest_rounding(name, world):
+    whole = _run(name, "all_reduce", world, numel=world * 900 + 5, chunk=0)
+    chunked = _run(name, "all_reduce", world, numel=world * 900 + 5, chunk=256)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+@pytest.mark.parametrize("chunk", [0, 256])
+def test_direct_all_reduce_on_two_ranks_sums_each_ranks_own_codes_once(chunk):
+    """On two ranks the all-reduce is one all-gather of each rank's codes of its whole input:
+    the result is, bit for bit, rank 0's decoded codes plus rank 1's (no second quantization)."""
+    numel = 2 * 900 + 5
+    results = _run("direct", "all_reduce", 2, numel=numel, chunk=chunk)
+    m = -(-numel // 2)
+    decoded = []
+    for rank in range(2):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        codec = ShardCodec(bits=4, group_size=64, dtype_code=0, seq=1, world=2,
+                           signature=wire.call_signature("all_reduce", numel, torch.float32),
+                           kernels=kernels.REFERENCE)
+        encoded = codec.encode(x, 2, m, 1.0, None, 0.0, [0, 1], None)
+        out = torch.empty(numel)
+        codec.decode_into(encoded.messages, m, [0, 1], out)
+        decoded.append(out)
+    assert torch.equal(results[0], decoded[0] + decoded[1])

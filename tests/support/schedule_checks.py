@@ -28,11 +28,13 @@ GROUP, Q = codec_step(lowbitcc.LocoConfig())  # the groups below use the default
 def quantizations(schedule: str, collective: str, world: int) -> int:
     """Quantizations on an element's path (docs/algorithms.md)."""
     nodes = world // NODE_SIZE[world]
+    two = collective == "all_reduce"
+    # direct's all-reduce on two ranks (and hierarchical's over two nodes) is one all-gather
     return {
-        "direct": 2 if collective == "all_reduce" else 1,
-        "ring": world if collective == "all_reduce" else world - 1,
+        "direct": 2 if two and world > 2 else 1,
+        "ring": world if two else world - 1,
         "tree": tree.depth(world) + 1,
-        "hierarchical": 0 if nodes == 1 else (2 if collective == "all_reduce" else 1),
+        "hierarchical": 0 if nodes == 1 else (2 if two and nodes > 2 else 1),
     }[schedule]
 
 

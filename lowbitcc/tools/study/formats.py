@@ -8,7 +8,9 @@ pluggable quantizer per stage, over an exact gloo all-reduce of the dequantized 
    dequantized values in fp32 (what loco's reduce-scatter computes, shard by shard);
 2. stage ``ag``: the reduced values are compensated and quantized again (loco re-quantizes each
    reduced shard before its all-gather). Every rank holds the same sum, so every rank computes
-   the owner's codes itself and keeps the same error state.
+   the owner's codes itself and keeps the same error state. On two ranks loco's all-reduce is
+   one all-gather of each rank's codes (docs/algorithms.md), so there the lab skips this stage
+   too (the ``ag`` ablations need three ranks or more).
 
 So a format can be judged by the loss it trains to before it is written three times (reference,
 C++, CUDA, bit for bit). The lab is faithful to loco where loco has the format: ``lab-int4-g128``
@@ -193,6 +195,8 @@ def lab_hook(state: LabState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state.errors = {k: v for k, v in state.errors.items() if k[0] != bucket.index()}
     sent = state.apply(bucket.index(), "rs", buf.to(torch.float32))
     fut = dist.all_reduce(sent, async_op=True).get_future()
+    if dist.get_world_size() == 2:  # loco's two-rank all-reduce: one stage
+        return fut.then(lambda f: buf.copy_(f.value()[0]))
 
     def gather(f: torch.futures.Future[Any]) -> torch.Tensor:
         buf.copy_(state.apply(bucket.index(), "ag", f.value()[0]))
