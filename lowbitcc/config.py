@@ -60,6 +60,12 @@ class LocoConfig:
             that could be compressed or has at least ``min_size`` elements, so that a size,
             dtype or op mismatch across ranks raises on every rank instead of hanging, and a
             call is compressed only if every rank would compress it.
+        check_all: with ``check``, exchange a descriptor before the exact data movements on
+            CPU tensors too (broadcast, all-gather, gather, scatter, all-to-all, barrier,
+            reduce), so that any two kinds of collective that differ across ranks raise on every
+            rank (an all-reduce against a broadcast: a hang on gloo). Off by default: it adds one
+            small exchange to each such call (docs/reliability.md has the cost), which gloo and
+            NCCL do not pay; torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is the like of it.
         cost_model: compress a call the policy allows only where compressing calls of its size
             has been faster than the exact call on this group (timed on real calls, rank 0's
             choice followed by every rank; `lowbitcc.cost_model`). Needs ``check``. False:
@@ -116,6 +122,7 @@ class LocoConfig:
     min_size: int = 65536
     policy: str = "backward"
     check: bool = True
+    check_all: bool = False
     cost_model: bool = True
     max_keys: int = 4096
     codec: str = "auto"
@@ -193,6 +200,8 @@ class LocoConfig:
             raise bad("policy", "one of " + ", ".join(POLICIES))
         if not isinstance(self.check, bool):
             raise bad("check", "a bool")
+        if not isinstance(self.check_all, bool) or (self.check_all and not self.check):
+            raise bad("check_all", "a bool, and false when check is false")
         if not isinstance(self.cost_model, bool):
             raise bad("cost_model", "a bool")
         if not _is_int(self.max_keys) or self.max_keys < 1:

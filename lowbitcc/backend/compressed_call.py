@@ -142,6 +142,31 @@ class CompressedCalls:
         return (cfg.check and cfg.policy != "never" and bool(numels)
                 and (device_type == "cpu" or all(n >= cfg.min_size for n in numels)))
 
+    def checks_data_movement(self) -> bool:
+        """Whether exact data movements of CPU tensors (broadcast, all-gather, gather, scatter,
+        all-to-all, barrier, reduce) exchange a descriptor first (`checked`): under
+        ``check_all`` with a policy that may compress (where CPU reductions exchange one too),
+        so that a broadcast on one rank against an all-reduce on another raises instead of
+        hanging (docs/reliability.md)."""
+        cfg = self.config
+        return cfg.check and cfg.check_all and cfg.policy != "never"
+
+    def checked(self, collective: str, dtype: torch.dtype, numel: int, job: Job, *,
+                op: int = 0, root: int = 0) -> Job:
+        """``job`` (an exact data movement, issued now) preceded on the worker by a descriptor
+        exchange naming ``collective`` with ``numel`` elements of ``dtype`` (0 where ranks may
+        differ), ``op`` and ``root``: raises `CollectiveMismatchError` on every rank if another
+        rank issued another call."""
+        desc = wire.CallDescriptor(collective=collective, dtype=dtype, op=op, numel=numel,
+                                   seq=self._next_seq(), bits=0, group_size=root,
+                                   compressed=False)
+
+        def run() -> Any:
+            self._agree(desc)
+            return job()
+
+        return run
+
     def route(self, device: torch.device) -> Route:
         try:
             return self._routes[device.type]

@@ -188,10 +188,14 @@ class LocoProcessGroup(dist.ProcessGroup):
         return device_type == "cuda"
 
     def _exact(self, method: str, outputs: list[Any], *args: Any,
-               source_rank: Callable[[Any], int] | None = None) -> Any:
+               source_rank: Callable[[Any], int] | None = None,
+               check: tuple[str, list[torch.Tensor], int] | None = None) -> Any:
         """Queue ``inner.<method>(*args)`` (CUDA tensors: issue ``nccl.<method>(*args)`` now);
         the Work's value is ``outputs`` flattened. ``source_rank(inner_work)`` (receives only)
-        names the sender once the inner work has completed (see `LocoWork`)."""
+        names the sender once the inner work has completed (see `LocoWork`). ``check``, for
+        collectives: ``(kind, tensors, root)``, the call as its descriptor names it (wire
+        `COLLECTIVE_CODES`; its size is that of ``tensors``, the same on every rank), which CPU
+        calls exchange first (`CompressedCalls.checked`)."""
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(list(args[:1]))))
         tensors = [t for t in _flat([a for a in args if isinstance(a, list | tuple | torch.Tensor)])
                    if isinstance(t, torch.Tensor)]
@@ -199,7 +203,16 @@ class LocoProcessGroup(dist.ProcessGroup):
             return self._cuda.exact(method, _flat(outputs), *args)
         posted: list[Any] = []
         sender = None if source_rank is None else lambda: source_rank(posted[0])
-        return self._queue.submit(self._inner_job(method, outputs, *args, posted=posted), sender)
+        job = self._inner_job(method, outputs, *args, posted=posted)
+        if check is not None and self._compressed.checks_data_movement():
+            job = self._checked(check, job)
+        return self._queue.submit(job, sender)
+
+    def _checked(self, check: tuple[str, list[torch.Tensor], int], job: Job, op: int = 0) -> Job:
+        kind, described, root = check
+        dtype = described[0].dtype if described else torch.uint8
+        return self._compressed.checked(kind, dtype, sum(t.numel() for t in described), job,
+                                        op=op, root=root)
 
     def _inner_job(self, method: str, outputs: list[Any], *args: Any,
                    posted: list[Any] | None = None) -> Job:
@@ -348,17 +361,22 @@ class LocoProcessGroup(dist.ProcessGroup):
         if self._on_cuda("reduce", tensors) and self._cuda is not None:
             return self._cuda.exact("reduce", tensors, tensors, opts)
         outputs = tensors if self.rank() == opts.rootRank else []
-        return self._queue.submit(
-            self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True))
+        job: Job = self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True)
+        if self._compressed.checks_data_movement():
+            job = self._checked(("reduce", tensors, opts.rootRank), job,
+                                op=int(op_type(opts.reduceOp)))
+        return self._queue.submit(job)
 
     # -- c10d methods: exact data movement ----------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
-        return self._exact("broadcast", tensors, tensors, opts or dist.BroadcastOptions())
+        opts = opts or dist.BroadcastOptions()
+        return self._exact("broadcast", tensors, tensors, opts,
+                           check=("broadcast", tensors, opts.rootRank))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
         return self._exact("allgather", output_tensors, output_tensors, input_tensors,
-                           opts or AllgatherOptions())
+                           opts or AllgatherOptions(), check=("all_gather", input_tensors, 0))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> LocoWork:
@@ -374,7 +392,8 @@ class LocoProcessGroup(dist.ProcessGroup):
 
                 job = self._compressed.all_gather(output, input, exact, wants=wants)
                 return self._queue.submit(self._queue.sequence([job], [output]))
-        return self._exact("_allgather_base", [output], output, input, opts)
+        return self._exact("_allgather_base", [output], output, input, opts,
+                           check=("all_gather", [input], 0))
 
     def _gathers_compressibly(self, output: torch.Tensor, source: torch.Tensor) -> bool:
         """An all-gather that ``param_bits`` applies to: CPU float tensors, at least
@@ -396,40 +415,49 @@ class LocoProcessGroup(dist.ProcessGroup):
 
         jobs = [self._inner_job("_allgather_base", [o], o, i, opts)
                 for o, i in zip(outputs, inputs)]
-        return self._queue.submit(self._queue.sequence(jobs, outputs))
+        job = self._queue.sequence(jobs, outputs)
+        if self._compressed.checks_data_movement():
+            job = self._checked(("all_gather", inputs, 0), job)
+        return self._queue.submit(job)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> LocoWork:
         return self._exact("allgather_coalesced", output_lists, output_lists, input_list,
-                           opts or AllgatherOptions())
+                           opts or AllgatherOptions(), check=("all_gather", input_list, 0))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> LocoWork:
-        return self._exact("gather", output_tensors, output_tensors, input_tensors,
-                           opts or dist.GatherOptions())
+        opts = opts or dist.GatherOptions()
+        return self._exact("gather", output_tensors, output_tensors, input_tensors, opts,
+                           check=("gather", input_tensors, opts.rootRank))
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> LocoWork:
-        return self._exact("scatter", output_tensors, output_tensors, input_tensors,
-                           opts or dist.ScatterOptions())
+        opts = opts or dist.ScatterOptions()
+        return self._exact("scatter", output_tensors, output_tensors, input_tensors, opts,
+                           check=("scatter", output_tensors, opts.rootRank))
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> LocoWork:
+        # sizes may differ between ranks (uneven splits): the descriptor names none
         return self._exact("alltoall", output_tensors, output_tensors, input_tensors,
-                           opts or dist.AllToAllOptions())
+                           opts or dist.AllToAllOptions(), check=("all_to_all", [], 0))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> LocoWork:
         return self._exact("alltoall_base", [output], output, input, output_split_sizes,
-                           input_split_sizes, opts or dist.AllToAllOptions())
+                           input_split_sizes, opts or dist.AllToAllOptions(),
+                           check=("all_to_all", [], 0))
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts: Any = None) -> LocoWork:
         opts = opts or dist.BarrierOptions()
+        if self._compressed.checks_data_movement():  # the exchange is a barrier itself
+            return self._queue.submit(self._checked(("barrier", [], 0), lambda: []))
         return self._queue.submit(lambda: InnerWork(self._inner.barrier(opts), lambda: []))
 
     def monitored_barrier(self, timeout: datetime.timedelta | float | None = None,

@@ -176,7 +176,13 @@ FRAME_PAYLOAD = FRAME_BYTES - DESCRIPTOR_BYTES
 """Input bytes a frame carries: an exact reduction of at most this many bytes is done from the
 gathered frames, in one exchange."""
 
-COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
+COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
+                    "gather": 5, "scatter": 6, "all_to_all": 7, "barrier": 8, "reduce": 9}
+"""The kinds of call a descriptor names: the reductions (1, 2), the all-gather (3, compressed
+or exact) and, under ``check``, the exact data movements (4-9), whose descriptors carry the
+root rank in ``group_size`` and 0 in ``bits``; point-to-point calls have none."""
+ROOTED = frozenset({"broadcast", "gather", "scatter", "reduce"})
+"""The kinds whose descriptor's ``group_size`` field is the root rank."""
 DESC_COMPRESSED = 1
 """Descriptor flag: this rank would compress the call (its policy and the size allow it); the
 ranks compress it only if every rank would (and the cost model agrees)."""
@@ -250,6 +256,11 @@ class CallDescriptor:
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"
         dtype = str(self.dtype).replace("torch.", "") if self.dtype else "another dtype"
+        if self.collective not in ("all_reduce", "reduce_scatter") and not self.bits:
+            root = f", root={self.group_size}" if self.collective in ROOTED else ""
+            op = f", op={self.op}" if self.collective == "reduce" else ""
+            return (f"exact {self.collective}(numel={self.numel}, dtype={dtype}{op}{root}) "
+                    f"as call #{self.seq}")
         return (
             f"{kind} {self.collective}(numel={self.numel}, dtype={dtype}, op={self.op}, "
             f"bits={self.bits}, format={self.fmt}, group_size={self.group_size}"

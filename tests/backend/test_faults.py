@@ -660,3 +660,71 @@ def test_compressed_on_one_rank_while_the_cost_model_holds_a_lease():
     the timeout). Every rank now counts the call against the lease: exact, gloo's sum."""
     assert run_ranks(_forced_on_one_rank_during_a_lease, 2, timeout=60) == [(True, True)] * 2
 
+
+def _issue(kind: str, rank: int, world: int) -> None:
+    """One collective of ``kind`` on the default group (the same call on every rank)."""
+    t = torch.ones(2 * BIG if kind.startswith("compressed") else 8)
+    if kind == "small all_reduce":
+        dist.all_reduce(t)
+    elif kind == "compressed all_reduce":
+        with lowbitcc.compressed():
+            dist.all_reduce(t)
+    elif kind == "compressed reduce_scatter":
+        with lowbitcc.compressed():
+            dist.reduce_scatter_single(torch.empty(t.numel() // world), t)
+    elif kind == "reduce":
+        dist.reduce(t, dst=0)
+    elif kind == "broadcast":
+        dist.broadcast(t, src=0)
+    elif kind == "all_gather":
+        dist.all_gather([torch.empty_like(t) for _ in range(world)], t)
+    elif kind == "all_gather_single":
+        dist.all_gather_single(torch.empty(world * t.numel()), t)
+    elif kind == "gather":
+        dist.gather(t, [torch.empty_like(t) for _ in range(world)] if rank == 0 else None, dst=0)
+    elif kind == "scatter":
+        dist.scatter(t, [torch.ones(8) for _ in range(world)] if rank == 0 else None, src=0)
+    elif kind == "all_to_all":
+        dist.all_to_all_single(torch.empty_like(t), t)
+    elif kind == "barrier":
+        dist.barrier()
+    else:
+        raise AssertionError(kind)
+
+
+CALL_KINDS = ("small all_reduce", "compressed all_reduce", "compressed reduce_scatter", "reduce",
+              "broadcast", "all_gather", "all_gather_single", "gather", "scatter",
+              "all_to_all", "barrier")
+SAME_CALL = {"all_gather_single": "all_gather"}
+"""Kinds that are one call in two forms (list or flat output: the same bytes move)."""
+
+
+def _every_pair_of_call_kinds(rank, world, gloo):
+    outcomes = {}
+    for mine in CALL_KINDS:
+        for theirs in CALL_KINDS:
+            started = time.monotonic()
+            try:
+                _issue(mine if rank == 0 else theirs, rank, world)
+                outcome = "ok"
+            except lowbitcc.backend.process_group.CollectiveMismatchError as exc:
+                outcome = "mismatch" if "issued different collectives" in str(exc) else str(exc)
+            t = torch.ones(3)
+            dist.all_reduce(t)  # the group is still usable
+            outcomes[mine, theirs] = (outcome, bool((t == world).all()),
+                                      time.monotonic() - started < 10)
+    return outcomes
+
+
+def test_every_pair_of_call_kinds_that_differ_raises_on_every_rank():
+    """Rank 0 issues one kind of collective and rank 1 another, for every ordered pair of
+    eleven kinds (reductions small and compressed, and every exact data movement, which
+    exchange a descriptor first under ``LOCO_CHECK_ALL``): both raise CollectiveMismatchError, within
+    seconds, and the group goes on; the same call on both ranks completes (an all-gather into
+    a list and into one tensor are the same call)."""
+    for outcomes in run_ranks(_every_pair_of_call_kinds, 2, timeout=120,
+                              env={"LOCO_CHECK_ALL": "1"}):
+        for (mine, theirs), (outcome, usable, quick) in outcomes.items():
+            same = SAME_CALL.get(mine, mine) == SAME_CALL.get(theirs, theirs)
+            assert outcome == ("ok" if same else "mismatch"), (mine, theirs, outcome)
+            assert usable and quick, (mine, theirs)
