@@ -47,6 +47,12 @@ from lowbitcc.tools.study.variants import StudyConfig, Variant
 SCHEMES = ("local", "gloo", "fp16", "powersgd", "loco", "fsdp2-exact", "fsdp2-loco")
 """Every scheme, in the order of the table."""
 
+PHASES = ("forward", "backward", "optimizer", "codec", "wire")
+"""The step's phases, timed per scheme (ms per step, mean of the ranks): forward (with
+``zero_grad``), backward (DDP waits for its last bucket's all-reduce there), the optimizer step,
+and of that time the loco groups' codec and wire seconds (`lowbitcc.stats`; the wire includes
+waiting for the peers; calls run on the group's worker thread, beside the backward pass)."""
+
 CONFIGS = {
     # the issue's communication-heavy GPT: 3.3 M parameters, 4 sequences of 64 bytes per rank
     "comm": StudyConfig(d_model=256, layers=4, heads=4, batch=4, context=64),
@@ -162,6 +168,7 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     order = torch.Generator().manual_seed(1000 + rank)
     measured = _tx_bytes() is not None
     seconds = {s: 0.0 for s in opts.schemes}
+    phases = {s: torch.zeros(len(PHASES), dtype=torch.float64) for s in opts.schemes}
     sent = {s: 0.0 for s in opts.schemes}
     losses: dict[str, list[float]] = {s: [] for s in opts.schemes}
     lowbitcc.reset_stats()
@@ -176,15 +183,23 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
             model, opt = models[scheme], optims[scheme]
             dist.barrier(group=metrics)
             before = _tx_bytes() if measured else _loco_bytes(world)
+            loco_before = lowbitcc.stats()["compressed"]
             start = time.perf_counter()
             loss = lm_loss(model, x, y)
             opt.zero_grad(set_to_none=True)
+            forward = time.perf_counter()
             loss.backward()
+            backward = time.perf_counter()
             opt.step()
             elapsed = time.perf_counter() - start
             after = _tx_bytes() if measured else _loco_bytes(world)
+            loco_after = lowbitcc.stats()["compressed"]
             if step >= opts.warmup:
                 seconds[scheme] += elapsed
+                phases[scheme] += torch.tensor([
+                    forward - start, backward - forward, start + elapsed - backward,
+                    loco_after["codec_s"] - loco_before["codec_s"],
+                    loco_after["wire_s"] - loco_before["wire_s"]], dtype=torch.float64)
                 sent[scheme] += (after or 0) - (before or 0)
             step_loss[opts.schemes.index(scheme)] = float(loss.detach())
         dist.all_reduce(step_loss, group=metrics)
@@ -195,6 +210,8 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     timed = opts.steps - opts.warmup
     totals = torch.tensor([seconds[s] for s in opts.schemes], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=metrics)  # a step ends on its last rank
+    phase_sums = torch.stack([phases[s] for s in opts.schemes])
+    dist.all_reduce(phase_sums, group=metrics)
     if rank != 0:
         return None
     rows = []
@@ -209,7 +226,9 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
         rows.append({"scheme": scheme, "step_ms": step_s * 1e3, "steps_per_s": 1 / step_s,
                      "tokens_per_s": world * cfg.batch * cfg.context / step_s,
                      "bytes_per_step": per_step, "bytes": how,
-                     "final_loss": sum(losses[scheme][-5:]) / len(losses[scheme][-5:])})
+                     "final_loss": sum(losses[scheme][-5:]) / len(losses[scheme][-5:]),
+                     "phases_ms": {name: float(v) / (world * timed) * 1e3
+                                   for name, v in zip(PHASES, phase_sums[i], strict=True)}})
     _print(rows, opts, cfg, world, sum(p.numel() for p in models[opts.schemes[0]].parameters()))
     if opts.json_path:
         with open(opts.json_path, "w") as f:
@@ -241,6 +260,13 @@ def _print(rows: list[dict[str, Any]], opts: BenchOptions, cfg: StudyConfig, wor
              else "(~: estimates; loco: its compressed calls' bytes counted, its exact "
              "calls' as ring all-reduces; others: the ring's analytic count)")
           + "; loss: mean training loss of the last 5 steps")
+    print(f"# phases, ms per step (mean of the ranks): {'scheme':<12} "
+          + " ".join(f"{name:>9}" for name in PHASES))
+    for r in rows:
+        print(f"  {'':<41}{r['scheme']:<12} "
+              + " ".join(f"{r['phases_ms'][name]:>9.1f}" for name in PHASES))
+    print("# backward includes waiting for DDP's last bucket; codec and wire: the loco groups' "
+          "compressed calls (lowbitcc.stats), run beside the backward pass")
 
 
 def main(opts: BenchOptions, nprocs: int | None, link: str | None, argv: Sequence[str],
