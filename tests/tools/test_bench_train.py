@@ -6,7 +6,7 @@ import math
 import subprocess
 import sys
 
-from lowbitcc.tools.bench_train import SCHEMES
+from lowbitcc.tools.bench_train import PHASES, SCHEMES
 from tests.support.ranks import clean_env
 
 
@@ -26,6 +26,14 @@ def test_every_scheme_trains_and_is_reported(tmp_path):
         assert scheme in done.stdout
         assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r
         assert r["bytes"] == "estimate"  # no GLOO_SOCKET_IFNAME here: nothing to count on
+        phases = r["phases_ms"]
+        assert list(phases) == list(PHASES) and phases["forward"] > 0 < phases["backward"], r
+        # the mean rank's phases fit in the step, which is the slowest rank's
+        step = phases["forward"] + phases["backward"] + phases["optimizer"]
+        assert step <= r["step_ms"] * 1.001, r
+        if scheme not in ("loco", "fsdp2-loco"):
+            assert phases["codec"] == phases["wire"] == 0, r
+    assert "phases, ms per step" in done.stdout
     assert rows["local"]["bytes_per_step"] == 0
     assert all(r["bytes_per_step"] > 0 for s, r in rows.items() if s != "local")
     # the same initial model and batches: three small steps leave every scheme near the rest
