@@ -44,7 +44,6 @@ from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import (
     Reduction,
     op_type,
-    own_input,
     reduce_in_rank_order,
     reduces_in_rank_order,
 )
@@ -342,7 +341,8 @@ class CompressedCalls:
             bits=cfg.bits, group_size=cfg.wire_group_size,
             compressed=wants and numel >= cfg.min_size, fmt=cfg.wire_format, framed=framed,
         )
-        factor = Reduction.of(op, self.size).input_factor()
+        reduction = Reduction.of(op, self.size)
+        factor = reduction.input_factor()
 
         def job() -> Any:
             suggestion = None
@@ -362,7 +362,7 @@ class CompressedCalls:
                 self._on_worker(lambda: agreed.append(self._agree(call)))
                 leader = agreed[0]
             elif cfg.check:
-                mine = own_input(op, self.size, source.detach().reshape(-1)) if framed else None
+                mine = reduction.scaled(source.detach().reshape(-1)) if framed else None
                 leader, inputs = self._exchange(call, mine)
             if not leader.compressed:  # some rank would not compress it (or it is too small)
                 if inputs is None:

@@ -42,6 +42,7 @@ class Reduction:
 
     @classmethod
     def of(cls, op: ReduceOp | Any, world: int) -> Reduction:
+        """``op`` as gloo runs it on ``world`` ranks (raises on a PREMUL_SUM without a factor)."""
         kind = op_type(op)
         if kind == ReduceOp.AVG:
             return cls(ReduceOp.SUM, divisor=world)
@@ -52,6 +53,21 @@ class Reduction:
                     "lowbitcc: PREMUL_SUM without a factor (use dist._make_nccl_premul_sum)")
             return cls(ReduceOp.SUM, factor=factor)
         return cls(kind)
+
+    @staticmethod
+    def folded_kind(op: ReduceOp | Any) -> Any:
+        """The element-wise op a reduction by ``op`` folds with: SUM for AVG and PREMUL_SUM
+        (their scaling aside), else ``op``'s own kind."""
+        kind = op_type(op)
+        return ReduceOp.SUM if kind in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else kind
+
+    def scaled(self, t: torch.Tensor) -> torch.Tensor:
+        """What a rank contributes of input ``t``: times PREMUL_SUM's factor (a copy), else
+        ``t`` itself."""
+        if self.factor is None:
+            return t
+        factor = self.factor
+        return t * (factor.to(t.dtype) if isinstance(factor, torch.Tensor) else factor)
 
     def input_factor(self) -> float:
         """What a compressed call multiplies its inputs by: the factor, ``1/divisor``, else 1."""
@@ -87,12 +103,11 @@ class ExactReduction:
             if hasattr(self.opts, field):
                 setattr(sum_opts, field, getattr(self.opts, field))
         sum_opts.reduceOp = red.op
-        buffers = self.inputs if red.factor is None else [_scaled(t, red.factor)
-                                                          for t in self.inputs]
+        buffers = [red.scaled(t) for t in self.inputs]
         work = self.issue(buffers, sum_opts)
 
         def finish() -> list[torch.Tensor]:
-            if self.in_place and buffers is not self.inputs:
+            if self.in_place and red.factor is not None:
                 for dst, src in zip(self.outputs, buffers):
                     dst.copy_(src)
             if red.divisor is not None:
@@ -118,25 +133,16 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 def reduces_in_rank_order(op: ReduceOp | Any, dtype: torch.dtype) -> bool:
     """Whether `reduce_in_rank_order` serves ``op`` on ``dtype``: real and integer dtypes (not
     bool), the ops gloo has and AVG and PREMUL_SUM; the bitwise ops on integers only."""
-    kind = op_type(op)
-    if kind in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-        kind = ReduceOp.SUM
+    kind = Reduction.folded_kind(op)
     if dtype == torch.bool or dtype.is_complex or kind not in _ELEMENTWISE:
         return False
     return not (dtype.is_floating_point and kind in _BITWISE)
 
 
-def own_input(op: ReduceOp | Any, world: int, flat: torch.Tensor) -> torch.Tensor:
-    """What this rank contributes of input ``flat`` to a reduction by ``op``: PREMUL_SUM's
-    factor applied (on a copy), else ``flat`` itself."""
-    red = Reduction.of(op, world)
-    return flat if red.factor is None else _scaled(flat, red.factor)
-
-
 def reduce_in_rank_order(rows: list[torch.Tensor], op: ReduceOp | Any,
                          world: int) -> torch.Tensor:
-    """The reduction by ``op`` of every rank's contribution (``rows[r]``: rank r's
-    `own_input`, flat, one dtype), folded in rank order one element-wise step at a time, so
+    """The reduction by ``op`` of every rank's contribution (``rows[r]``: rank r's input as
+    `Reduction.scaled` gives it, flat, one dtype), folded in rank order one element-wise step at a time, so
     every rank that folds the same rows gets the same bits. Returns a new tensor."""
     red = Reduction.of(op, world)
     step = _ELEMENTWISE[red.op]
@@ -164,10 +170,6 @@ def reduce_scatter_flat_into(group: dist.ProcessGroup, output: torch.Tensor) -> 
         return group._reduce_scatter_base(output, buffers[0].contiguous(), opts)
 
     return issue
-
-
-def _scaled(t: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
-    return t * factor if not isinstance(factor, torch.Tensor) else t * factor.to(t.dtype)
 
 
 def _divide_(t: torch.Tensor, divisor: int) -> None:
