@@ -204,11 +204,15 @@ class LocoProcessGroup(dist.ProcessGroup):
         posted: list[Any] = []
         sender = None if source_rank is None else lambda: source_rank(posted[0])
         job = self._inner_job(method, outputs, *args, posted=posted)
-        if check is not None and self._compressed.checks_data_movement():
+        if check is not None:
             job = self._checked(check, job)
         return self._queue.submit(job, sender)
 
     def _checked(self, check: tuple[str, list[torch.Tensor], int], job: Job, op: int = 0) -> Job:
+        """``job`` preceded by the descriptor exchange of ``check`` (see `_exact`) where the
+        group checks data movements (`CompressedCalls.checks_data_movement`), else ``job``."""
+        if not self._compressed.checks_data_movement():
+            return job
         kind, described, root = check
         dtype = described[0].dtype if described else torch.uint8
         return self._compressed.checked(kind, dtype, sum(t.numel() for t in described), job,
@@ -362,9 +366,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             return self._cuda.exact("reduce", tensors, tensors, opts)
         outputs = tensors if self.rank() == opts.rootRank else []
         job: Job = self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True)
-        if self._compressed.checks_data_movement():
-            job = self._checked(("reduce", tensors, opts.rootRank), job,
-                                op=int(op_type(opts.reduceOp)))
+        job = self._checked(("reduce", tensors, opts.rootRank), job,
+                            op=int(op_type(opts.reduceOp)))
         return self._queue.submit(job)
 
     # -- c10d methods: exact data movement ----------------------------------------------------
@@ -415,10 +418,8 @@ class LocoProcessGroup(dist.ProcessGroup):
 
         jobs = [self._inner_job("_allgather_base", [o], o, i, opts)
                 for o, i in zip(outputs, inputs)]
-        job = self._queue.sequence(jobs, outputs)
-        if self._compressed.checks_data_movement():
-            job = self._checked(("all_gather", inputs, 0), job)
-        return self._queue.submit(job)
+        return self._queue.submit(
+            self._checked(("all_gather", inputs, 0), self._queue.sequence(jobs, outputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
