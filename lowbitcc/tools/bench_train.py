@@ -94,10 +94,10 @@ def _tx_bytes() -> int | None:
     return None if sent is None else sent["link"]
 
 
-def _loco_bytes(world: int) -> float:
-    """Bytes this rank's loco groups sent so far: the compressed calls' (counted), and the
-    exact calls' input bytes times the ring all-reduce's 2 (n - 1) / n (an estimate)."""
-    s = lowbitcc.stats()
+def _loco_bytes(s: dict[str, Any], world: int) -> float:
+    """Bytes this rank's loco groups sent so far, from ``s`` (`lowbitcc.stats`): the
+    compressed calls' (counted), and the exact calls' input bytes times the ring all-reduce's
+    2 (n - 1) / n (an estimate)."""
     return s["compressed"]["wire_bytes"] + 2 * (world - 1) / world * s["exact"]["tensor_bytes"]
 
 
@@ -182,8 +182,8 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
         for scheme in opts.schemes[k:] + opts.schemes[:k]:
             model, opt = models[scheme], optims[scheme]
             dist.barrier(group=metrics)
-            before = _tx_bytes() if measured else _loco_bytes(world)
-            loco_before = lowbitcc.stats()["compressed"]
+            stats_before = lowbitcc.stats()
+            before = _tx_bytes() if measured else _loco_bytes(stats_before, world)
             start = time.perf_counter()
             loss = lm_loss(model, x, y)
             opt.zero_grad(set_to_none=True)
@@ -192,8 +192,9 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
             backward = time.perf_counter()
             opt.step()
             elapsed = time.perf_counter() - start
-            after = _tx_bytes() if measured else _loco_bytes(world)
-            loco_after = lowbitcc.stats()["compressed"]
+            stats_after = lowbitcc.stats()
+            after = _tx_bytes() if measured else _loco_bytes(stats_after, world)
+            loco_before, loco_after = stats_before["compressed"], stats_after["compressed"]
             if step >= opts.warmup:
                 seconds[scheme] += elapsed
                 phases[scheme] += torch.tensor([
