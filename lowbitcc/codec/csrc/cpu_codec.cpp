@@ -5,7 +5,8 @@
 //   for MXFP4) straight into the message rows, LoCo-update the error and store it back (int8 +
 //   scale, fp32 or bf16) in place. The explicit AVX-512 path covers int codes with G = 128, the
 //   AVX2 path those and MXFP4 with G = 32; everything else runs the portable loops.
-// decode_sum: decode k messages of one shard and sum them in fp32 in row order.
+// decode_sum: decode k messages of one shard and sum them in fp32 in row order (with AVX2, 4-
+//   and 8-bit codes 8 at a time, the sum held in a register).
 // decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.
 //
 // Shapes: the source is a flat tensor of `numel` elements seen as `rows` rows of `m` elements
@@ -404,75 +405,69 @@ LOCO_VEC_INLINE void add_halves(__m256d (&acc)[2], __m256 v) {
   acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
 }
 
-// The low byte of each 32-bit lane of v, lanes 0..7 in order.
-LOCO_VEC_INLINE uint64_t low_bytes(__m256i v) {
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, -1, -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(v, pick);
-  return static_cast<uint32_t>(_mm256_extract_epi32(b, 0)) |
-         static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(b, 4))) << 32;
-}
-
 // loco::fp4_code and loco::fp4_field of the 8 values y of a finite MXFP4 group with reciprocal
-// scale inv: the seven steps of e2m1_round as masks (each sum is exact, in any order), v's sign
-// copied onto the value, the counted steps and the sign bit (v < -0.25) as the field.
+// scale inv (|y * inv| <= 6). e2m1_round's seven steps are IEEE round-half-even onto E2M1's
+// grid, done here directly: below 1 (E2M1's subnormals, spacing 1/2) as round(2a) / 2, from 1 up
+// as fp32 rounded to one mantissa bit (add just under half an ulp of that bit plus its parity,
+// then clear the bits below it). The magnitude index is round(2a) below 1 and
+// 2 + 2 * exponent + mantissa bit from 1 up, which is the fp32 bits shifted right by 22, minus
+// 252. The code takes v's sign; the field's sign bit is set for v < -0.25.
 LOCO_VEC_INLINE __m256 fp4_code(__m256 y, __m256 inv, __m256i* field) {
   const __m256 v = _mm256_mul_ps(y, inv);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 a = _mm256_andnot_ps(sign, v);
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 c1 = _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_GT_OQ);
-  const __m256 c2 = _mm256_cmp_ps(a, _mm256_set1_ps(0.75f), _CMP_GE_OQ);
-  const __m256 c3 = _mm256_cmp_ps(a, _mm256_set1_ps(1.25f), _CMP_GT_OQ);
-  const __m256 c4 = _mm256_cmp_ps(a, _mm256_set1_ps(1.75f), _CMP_GE_OQ);
-  const __m256 c5 = _mm256_cmp_ps(a, _mm256_set1_ps(2.5f), _CMP_GT_OQ);
-  const __m256 c6 = _mm256_cmp_ps(a, _mm256_set1_ps(3.5f), _CMP_GE_OQ);
-  const __m256 c7 = _mm256_cmp_ps(a, _mm256_set1_ps(5.0f), _CMP_GT_OQ);
-  const __m256 halves = _mm256_add_ps(_mm256_add_ps(_mm256_and_ps(c1, one), _mm256_and_ps(c2, one)),
-                                      _mm256_add_ps(_mm256_and_ps(c3, one), _mm256_and_ps(c4, one)));
-  const __m256 ones = _mm256_add_ps(_mm256_and_ps(c5, one), _mm256_and_ps(c6, one));
-  const __m256 val = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), halves), ones),
-                                   _mm256_and_ps(c7, _mm256_set1_ps(2.0f)));
-  // each mask is -1 where its step is taken: the index is minus their sum
-  __m256i index = _mm256_add_epi32(_mm256_castps_si256(c1), _mm256_castps_si256(c2));
-  index = _mm256_add_epi32(index, _mm256_add_epi32(_mm256_castps_si256(c3), _mm256_castps_si256(c4)));
-  index = _mm256_add_epi32(index, _mm256_add_epi32(_mm256_castps_si256(c5), _mm256_castps_si256(c6)));
-  index = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(index, _mm256_castps_si256(c7)));
+  const __m256 twice = _mm256_round_ps(_mm256_add_ps(a, a),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i parity = _mm256_and_si256(_mm256_srli_epi32(bits, 22), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(parity, _mm256_set1_epi32(0x1fffff))),
+      _mm256_set1_epi32(static_cast<int>(0xffc00000u)));
+  const __m256 below = _mm256_cmp_ps(a, _mm256_set1_ps(1.0f), _CMP_LT_OQ);
+  const __m256 val = _mm256_blendv_ps(_mm256_castsi256_ps(up),
+                                      _mm256_mul_ps(twice, _mm256_set1_ps(0.5f)), below);
+  const __m256i index =
+      _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_srli_epi32(up, 22), _mm256_set1_epi32(252)),
+                         _mm256_cvttps_epi32(twice), _mm256_castps_si256(below));
   const __m256 negative = _mm256_cmp_ps(v, _mm256_set1_ps(-0.25f), _CMP_LT_OQ);
   *field = _mm256_or_si256(index, _mm256_and_si256(_mm256_castps_si256(negative),
                                                    _mm256_set1_epi32(8)));
   return _mm256_or_ps(val, _mm256_and_ps(sign, v));
 }
 
-// Writes 8 BITS-bit fields (one per 32-bit lane, already in range).
-template <int BITS>
-LOCO_VEC_INLINE void pack8_fields(__m256i field, uint8_t* out) {
-  if (BITS == 8) {
-    const uint64_t bytes = low_bytes(field);
-    std::memcpy(out, &bytes, 8);
-  } else {
-    // 64-bit lane = f_even | f_odd << 32; OR-ing in itself >> 28 puts f_even | f_odd << 4 in
-    // its low byte, which is the low byte of 32-bit lanes 0, 2, 4 and 6
-    const uint64_t bytes = low_bytes(_mm256_or_si256(field, _mm256_srli_epi64(field, 28)));
-    const uint32_t packed = static_cast<uint32_t>((bytes & 0xff) | (bytes >> 8 & 0xff00) |
-                                                  (bytes >> 16 & 0xff0000) |
-                                                  (bytes >> 24 & 0xff000000));
-    std::memcpy(out, &packed, 4);
-  }
+// The 32 lanes of f[0..3] as bytes in lane order (each value in 0..255, or in -128..127 with
+// SIGNED): two saturating packs, which interleave the 128-bit halves, and one permute that puts
+// the 4-byte runs back in order.
+template <bool SIGNED>
+LOCO_VEC_INLINE __m256i bytes32(const __m256i* f) {
+  const __m256i words = SIGNED ? _mm256_packs_epi16(_mm256_packs_epi32(f[0], f[1]),
+                                                    _mm256_packs_epi32(f[2], f[3]))
+                               : _mm256_packus_epi16(_mm256_packus_epi32(f[0], f[1]),
+                                                     _mm256_packus_epi32(f[2], f[3]));
+  return _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Writes the 8 codes t (integral floats in [-q, q]) as loco::code_to_field fields.
+// Writes the 32 BITS-bit fields of f[0..3] (one per 32-bit lane, already in range) in lane
+// order: 32 bytes (8 bits) or 16 (4 bits, the even lane in the low nibble).
 template <int BITS>
-LOCO_VEC_INLINE void pack8(__m256 t, uint8_t* out) {
-  pack8_fields<BITS>(
-      _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(1 << (BITS - 1))), out);
+LOCO_VEC_INLINE void pack32_fields(const __m256i* f, uint8_t* out) {
+  const __m256i bytes = bytes32<false>(f);
+  if (BITS == 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+  } else {
+    // each 16-bit lane: even byte * 1 + odd byte * 16; then one byte per 16-bit lane, the low
+    // 8 of each 128-bit half
+    const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  }
 }
 
 template <int BITS, int FMT, int GS, int MODE, int UPDATE>
 bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
                   double* res_sq, double* in_sq) {
   constexpr int kVecs = GS / kV;  // registers per group
+  static_assert(kVecs % 4 == 0, "fields and error codes are packed 4 registers at a time");
   const int64_t off = gi * GS;
   const bool with_error = MODE != kNoError && a.has_error;
   __m256 y[kVecs], e[kVecs];
@@ -509,15 +504,15 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
   __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();  // fp32 sums of squares, lane-wise
   __m256 t[kVecs];
+  __m256i field[kVecs];
   for (int i = 0; i < kVecs; ++i) {
     if constexpr (FMT == kMx) {
-      __m256i field;
-      t[i] = fp4_code(y[i], inv, &field);
-      pack8_fields<BITS>(field, packed + i * kV * BITS / 8);
+      t[i] = fp4_code(y[i], inv, &field[i]);
     } else {
       t[i] = code_nearest(y[i], inv);
-      pack8<BITS>(t[i], packed + i * kV * BITS / 8);
+      field[i] = _mm256_add_epi32(_mm256_cvtps_epi32(t[i]), _mm256_set1_epi32(1 << (BITS - 1)));
     }
+    if (i % 4 == 3) pack32_fields<BITS>(field + i - 3, packed + (i - 3) * kV * BITS / 8);
     const __m256 res = residual(y[i], t[i], scale);
     r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
     y2 = _mm256_add_ps(y2, _mm256_mul_ps(y[i], y[i]));
@@ -550,10 +545,10 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
     int8_t* c = a.ecodes + off;
     if (es.finite) {
       const __m256 einv = _mm256_set1_ps(es.inv);
-      for (int i = 0; i < kVecs; ++i) {
-        const uint64_t bytes = low_bytes(_mm256_cvtps_epi32(code_nearest(e[i], einv)));
-        std::memcpy(c + i * kV, &bytes, 8);
-      }
+      __m256i codes[kVecs];
+      for (int i = 0; i < kVecs; ++i) codes[i] = _mm256_cvtps_epi32(code_nearest(e[i], einv));
+      for (int i = 0; i < kVecs; i += 4)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kV), bytes32<true>(codes + i));
     } else {
       std::memset(c, 0, GS);
     }
@@ -820,13 +815,87 @@ void encode(const py::object& args) {
   }
 }
 
-// Decodes group gcol of one message into v[0..G).
+#if defined(__AVX2__)
+// The 8 4-bit fields of the 4 bytes at p (field k in bits 4k .. 4k + 3 of the little-endian
+// word), one per 32-bit lane, in order.
+inline __m256i fields4x8(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                          _mm256_set1_epi32(15));
+}
+
+// The values of elements j .. j + 7 of one group whose packed codes start at `packed`, times
+// the group's scale s, as loco::dequantize_one (int codes: the integer code, converted exactly)
+// or loco::fp4_dequantize (MXFP4: the magnitude from the 8 E2M1 values held in a register, the
+// field's sign bit moved onto it; negation commutes exactly with the product) compute them.
+// 4- and 8-bit int codes, 4-bit MXFP4.
+template <int BITS, int FMT>
+inline __m256 values8(const uint8_t* packed, int j, __m256 s) {
+  const __m256i f =
+      BITS == 4 ? fields4x8(packed + j / 2)
+                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j)));
+  if constexpr (FMT == kMx) {
+    const __m256 e2m1 = _mm256_setr_ps(loco::e2m1_value(0), loco::e2m1_value(1),
+                                       loco::e2m1_value(2), loco::e2m1_value(3),
+                                       loco::e2m1_value(4), loco::e2m1_value(5),
+                                       loco::e2m1_value(6), loco::e2m1_value(7));
+    const __m256 sign = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_and_si256(f, _mm256_set1_epi32(8)), 28));
+    return _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(e2m1, f), sign), s);
+  } else {
+    return _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(f, _mm256_set1_epi32(1 << (BITS - 1)))), s);
+  }
+}
+
+// decode_sum of the vector-decoded wires: for group gcol, the rows' values summed in row order
+// 8 at a time in a register, the n <= G valid ones written to o. `scales` holds k floats of
+// the calling thread.
+template <int BITS, int FMT>
+void decode_sum_group(const uint8_t* msgs, int64_t k, int64_t P, int64_t ng, int64_t gcol, int G,
+                      int64_t n, float* scales, float* o) {
+  const int64_t packed = loco::kHeaderBytes + loco::scale_bytes(FMT) * ng + gcol * G * BITS / 8;
+  for (int64_t r = 0; r < k; ++r) {
+    const uint8_t* msg = msgs + r * P;
+    if constexpr (FMT == kMx) {
+      scales[r] = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
+    } else {
+      std::memcpy(scales + r, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
+    }
+  }
+  for (int j = 0; j < n; j += 8) {
+    __m256 acc = values8<BITS, FMT>(msgs + packed, j, _mm256_set1_ps(scales[0]));
+    for (int64_t r = 1; r < k; ++r)
+      acc = _mm256_add_ps(acc, values8<BITS, FMT>(msgs + r * P + packed, j,
+                                                  _mm256_set1_ps(scales[r])));
+    if (j + 8 <= n) {
+      _mm256_storeu_ps(o + j, acc);
+    } else {
+      float tail[8];
+      _mm256_storeu_ps(tail, acc);
+      std::memcpy(o + j, tail, (n - j) * sizeof(float));
+    }
+  }
+}
+#endif
+
+// Decodes group gcol of one message into v[0..G) (G a multiple of 8); with AVX2, 4- and 8-bit
+// codes 8 at a time (values8).
 template <int BITS>
 inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
   constexpr int kPer = 8 / BITS;
   float scale;
   std::memcpy(&scale, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
   const uint8_t* packed = msg + loco::kHeaderBytes + 4 * ng + gcol * G * BITS / 8;
+#if defined(__AVX2__)
+  if constexpr (BITS == 4 || BITS == 8) {
+    for (int j = 0; j < G; j += 8)
+      _mm256_storeu_ps(v + j, values8<BITS, kInt>(packed, j, _mm256_set1_ps(scale)));
+    return;
+  }
+#endif
   for (int b = 0; b < G / kPer; ++b) {
     const uint32_t byte = packed[b];
     for (int k = 0; k < kPer; ++k)
@@ -834,6 +903,7 @@ inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int 
   }
 }
 
+#if !defined(__AVX2__)
 // The signed E2M1 values of both fields of every byte (loco::fp4_dequantize with scale 1).
 struct Fp4Pairs {
   float v[256][2];
@@ -843,17 +913,24 @@ struct Fp4Pairs {
   }
 };
 const Fp4Pairs kFp4Pairs;
+#endif
 
-// Decodes group gcol of one MXFP4 message into v[0..G): each field's value times the scale, as
-// loco::fp4_dequantize computes it (x * 1 is exact, so the table holds the same signed values).
+// Decodes group gcol of one MXFP4 message into v[0..G) (G a multiple of 8): each field's value
+// times the scale, as loco::fp4_dequantize computes it; with AVX2 8 at a time (values8),
+// otherwise from a table of signed pairs per byte (x * 1 is exact, so it holds the same values).
 inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
   const float scale = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
   const uint8_t* packed = msg + loco::kHeaderBytes + ng + gcol * G / 2;
+#if defined(__AVX2__)
+  for (int j = 0; j < G; j += 8)
+    _mm256_storeu_ps(v + j, values8<4, kMx>(packed, j, _mm256_set1_ps(scale)));
+#else
   for (int b = 0; b < G / 2; ++b) {
     const float* pair = kFp4Pairs.v[packed[b]];
     v[2 * b] = pair[0] * scale;
     v[2 * b + 1] = pair[1] * scale;
   }
+#endif
 }
 
 inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int fmt, int G,
@@ -888,6 +965,21 @@ torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits,
               " elements");
   float* o = out.data_ptr<float>();
   const uint8_t* msgs = messages.data_ptr<uint8_t>();
+#if defined(__AVX2__)
+  if (bits == 4 || bits == 8) {
+    auto group = fmt == kMx ? decode_sum_group<4, kMx>
+                 : bits == 4 ? decode_sum_group<4, kInt> : decode_sum_group<8, kInt>;
+#pragma omp parallel num_threads((int)threads)
+    {
+      std::vector<float> scales(k);
+#pragma omp for schedule(static)
+      for (int64_t gcol = 0; gcol < ng; ++gcol)
+        group(msgs, k, P, ng, gcol, (int)G, std::min<int64_t>(G, m - gcol * G), scales.data(),
+              o + gcol * G);
+    }
+    return out;
+  }
+#endif
 #pragma omp parallel num_threads((int)threads)
   {
     std::vector<float> acc(G), v(G);
