@@ -1,12 +1,20 @@
 """The one way the tools (and the tests) start local ranks.
 
-`run_ranks(fn, nprocs, *args)` runs ``fn(rank, world, *args)`` in ``nprocs`` fresh processes
-(multiprocessing "spawn"), each after ``init_process_group(backend)`` with a FileStore
+`run_ranks(fn, nprocs, *args)` runs ``fn(rank, world, *args)`` in ``nprocs`` new processes,
+each after ``init_process_group(backend)`` with a FileStore
 rendezvous in a temporary folder (no port is opened for the rendezvous; gloo itself listens on
 loopback), and returns the ranks' return values in rank order. A rank's exception is re-raised
 in the parent with its traceback; a run that outlives ``timeout_s`` is killed and raises, so a
 hang never stalls the caller. Ranks log at the caller's level, in `LOG_FORMAT`. Values travel
 pickled by value (tensors included).
+
+The processes are forked by multiprocessing's "forkserver", a server started once per calling
+process that imports torch (and so, through torch's backend autoload, lowbitcc) before it forks
+anything: a rank starts in milliseconds instead of importing torch for seconds, which is most of
+a short multi-process test. The server has run no torch operation, created no thread and not
+initialised CUDA, so each rank starts as a fresh process would, with one difference handled
+here: a forked rank would inherit the server's environment, so it gets the caller's
+environment as of the call instead, then ``env``.
 `threads_per_rank` is the rule every tool uses for torch's intra-op threads.
 """
 
@@ -37,6 +45,7 @@ def threads_per_rank(local_ranks: int) -> int:
 def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file: str,
            backend: str, pg_timeout_s: float, env: Mapping[str, str], threads: int,
            pg_options: Any, results: Any, log_level: int) -> None:
+    os.environ.clear()
     os.environ.update(env)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
@@ -75,13 +84,15 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
     """
     if nprocs < 1:
         raise ValueError(f"lowbitcc: need at least one rank, got {nprocs}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # read when the server starts
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="lowbitcc-") as tmp:
         init_file = os.path.join(tmp, "store")
         if rank_env is not None and len(rank_env) != nprocs:
             raise ValueError(f"lowbitcc: rank_env has {len(rank_env)} entries for {nprocs} ranks")
-        envs = [{**(env or {}), **(rank_env[r] if rank_env else {})} for r in range(nprocs)]
+        envs = [{**os.environ, **(env or {}), **(rank_env[r] if rank_env else {})}
+                for r in range(nprocs)]
         procs = [ctx.Process(target=_entry, daemon=True, args=(
             r, nprocs, fn, args, init_file, backend, pg_timeout_s or timeout_s, envs[r],
             threads or threads_per_rank(nprocs), pg_options, results,
