@@ -1,0 +1,41 @@
+"""`lowbitcc.tools.spawn.run_ranks`: ranks forked from a forkserver behave as fresh processes
+started by the caller (its environment as of the call, its own process, the threads asked)."""
+
+from __future__ import annotations
+
+import os
+
+from lowbitcc.tools import spawn
+
+VARIABLE = "LOWBITCC_TEST_SPAWN_PROBE"
+
+
+def _environment(rank: int, world: int) -> dict:
+    import torch
+
+    return {"pid": os.getpid(), "probe": os.environ.get(VARIABLE),
+            "override": os.environ.get("LOWBITCC_TEST_SPAWN_OVERRIDE"),
+            "threads": torch.get_num_threads()}
+
+
+def test_ranks_see_the_callers_environment_as_of_the_call(monkeypatch):
+    """The forkserver starts with the caller's first call, so a variable set or removed after
+    it must still reach (or leave) the ranks of later calls, as with a spawned process; ``env``
+    and ``rank_env`` come on top."""
+    monkeypatch.setenv(VARIABLE, "before")
+    first = spawn.run_ranks(_environment, 2, backend="gloo")
+    assert [r["probe"] for r in first] == ["before", "before"]
+
+    monkeypatch.setenv(VARIABLE, "after")
+    second = spawn.run_ranks(_environment, 2, backend="gloo", threads=1,
+                             env={"LOWBITCC_TEST_SPAWN_OVERRIDE": "all"},
+                             rank_env=[{}, {"LOWBITCC_TEST_SPAWN_OVERRIDE": "one"}])
+    assert [r["probe"] for r in second] == ["after", "after"]
+    assert [r["override"] for r in second] == ["all", "one"]
+    assert [r["threads"] for r in second] == [1, 1]
+
+    monkeypatch.delenv(VARIABLE)
+    third = spawn.run_ranks(_environment, 2, backend="gloo")
+    assert [r["probe"] for r in third] == [None, None]
+    pids = {r["pid"] for r in first + second + third}
+    assert len(pids) == 6 and os.getpid() not in pids
