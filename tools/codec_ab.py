@@ -3,11 +3,12 @@ interleaved in one process, so a change in the kernels is measured without the r
 drift of a shared machine (which moves a single run's GB/s by 30% and more).
 
 Builds ``lowbitcc/codec/csrc`` of ``--rev`` (default HEAD) next to this checkout's build, then
-alternates the two, ``--rounds`` times each, timing the steady-state encode (LoCo with an int8
-error state, beta 0.8, into a preallocated message) and decode_sum of two messages, of
-``--mib`` MiB of fp32 input per format and thread count. Prints the best GB/s of each and
-their ratio (> 1: this checkout is faster). The two builds must share Python's ABI for
-``EncodeArgs`` (``encode_args_layout``): compare revisions with the same argument layout.
+runs `lowbitcc codec-bench`'s measurement (`codec_bench.measure`: steady-state encode with an
+int8 error state into a preallocated message, decode-sum of 4 messages of a quarter each) on
+each in turn, ``--rounds`` times, at ``--mib`` MiB of fp32 input per format and thread count.
+Prints the best GB/s of each and their ratio (> 1: this checkout is faster). The two builds
+must share Python's ABI for ``EncodeArgs`` (``encode_args_layout``): compare revisions with the
+same argument layout.
 
     python tools/codec_ab.py --rev HEAD --mib 64 --threads 1 2
 """
@@ -17,17 +18,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch.utils import cpp_extension
 
-from lowbitcc.codec import cpu, kernels
-from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.codec import cpu
 from lowbitcc.config import DEFAULT_GROUP_SIZES
+from lowbitcc.tools import codec_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,47 +45,19 @@ def build_revision(rev: str) -> object:
                               extra_ldflags=["-fopenmp"])
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def compare(modules: dict[str, object], fmt: str, threads: int, size: int, rounds: int,
-            repeats: int) -> dict[tuple[str, str], float]:
-    """Best seconds per (module name, "encode" | "decode"), the modules alternated per round."""
-    torch.set_num_threads(threads)
-    group = DEFAULT_GROUP_SIZES[fmt]
-    n = size // 4
-    src = torch.randn(n)
-    codec = ShardCodec(bits=4, group_size=group, dtype_code=0, seq=1, world=2, signature=0,
-                       kernels=kernels.select("cpu", "cpu", group), fmt=fmt)
-    holder = {"state": ErrorState.encode(torch.randn(codec.padded(n)) * 0.01, "int8", group)}
-    sent = torch.empty(1, codec.message_bytes(n), dtype=torch.uint8)
-    half = n // 2
-    pair = codec.encode(src, 2, half, 1.0, None, 0.8, [0, 0], None).messages
-    total = torch.empty(half)
-
-    def encode() -> None:
-        holder["state"] = codec.encode(src, 1, n, 1.0, holder["state"], 0.8, [0], "int8",
-                                       out=sent).error
-
-    def decode() -> None:
-        codec.decode_sum(pair, half, 0, total)
-
+            min_time: float) -> dict[tuple[str, str], float]:
+    """Best GB/s per (module name, "encode" | "decode"), `codec_bench.measure` run on each
+    module in turn, ``rounds`` times."""
     best: dict[tuple[str, str], float] = {}
     loaded = cpu.load
     try:
         for _ in range(rounds):
             for name, module in modules.items():
                 cpu.load = lambda module=module: module  # CpuKernels calls cpu.load() per call
-                for what, fn in (("encode", encode), ("decode", decode)):
-                    t = _best(fn, repeats)
-                    best[(name, what)] = min(best.get((name, what), t), t)
+                result = codec_bench.measure(size, "cpu", threads, fmt=fmt, min_time=min_time)
+                for what in ("encode", "decode"):
+                    best[(name, what)] = max(best.get((name, what), 0.0), result[f"{what}_GBps"])
     finally:
         cpu.load = loaded
     return best
@@ -102,7 +71,8 @@ def main() -> None:
                         choices=sorted(DEFAULT_GROUP_SIZES))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-time", type=float, default=0.2,
+                        help="seconds per measurement (codec-bench's --min-time)")
     args = parser.parse_args()
     modules = {args.rev: build_revision(args.rev), "checkout": cpu.load()}
     size = args.mib << 20
@@ -110,12 +80,12 @@ def main() -> None:
           f"{'checkout GB/s':>14} {'ratio':>6}")
     for fmt in args.formats:
         for threads in args.threads:
-            best = compare(modules, fmt, threads, size, args.rounds, args.repeats)
+            best = compare(modules, fmt, threads, size, args.rounds, args.min_time)
             for what in ("encode", "decode"):
                 old, new = best[(args.rev, what)], best[("checkout", what)]
                 label = f"{args.mib} MiB"
-                print(f"{fmt:>7} {threads:>3} {label:>9} {what:>6} {size / old / 1e9:>14.3f} "
-                      f"{size / new / 1e9:>14.3f} {old / new:>6.2f}")
+                print(f"{fmt:>7} {threads:>3} {label:>9} {what:>6} {old:>14.3f} {new:>14.3f} "
+                      f"{new / old:>6.2f}")
 
 
 if __name__ == "__main__":

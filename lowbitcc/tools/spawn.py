@@ -1,12 +1,12 @@
 """The one way the tools (and the tests) start local ranks.
 
-`run_ranks(fn, nprocs, *args)` runs ``fn(rank, world, *args)`` in ``nprocs`` new processes,
-each after ``init_process_group(backend)`` with a FileStore
-rendezvous in a temporary folder (no port is opened for the rendezvous; gloo itself listens on
-loopback), and returns the ranks' return values in rank order. A rank's exception is re-raised
-in the parent with its traceback; a run that outlives ``timeout_s`` is killed and raises, so a
-hang never stalls the caller. Ranks log at the caller's level, in `LOG_FORMAT`. Values travel
-pickled by value (tensors included).
+`run_ranks(fn, nprocs, *args)` runs ``fn(rank, world, *args)`` in ``nprocs`` new processes, each
+after ``init_process_group(backend)`` with a FileStore rendezvous in a temporary folder (no port
+is opened for the rendezvous; gloo itself listens on loopback), and returns the ranks' return
+values in rank order. A rank's exception is re-raised in the parent with its traceback; a run
+that outlives ``timeout_s`` is killed and raises, so a hang never stalls the caller. Ranks log
+at the caller's level, in `LOG_FORMAT`. Values travel pickled by value (tensors included).
+`threads_per_rank` is the rule every tool uses for torch's intra-op threads.
 
 The processes are forked by multiprocessing's "forkserver", a server started once per calling
 process that imports torch (and so, through torch's backend autoload, lowbitcc) before it forks
@@ -15,7 +15,6 @@ a short multi-process test. The server has run no torch operation, created no th
 initialised CUDA, so each rank starts as a fresh process would, with one difference handled
 here: a forked rank would inherit the server's environment, so it gets the caller's
 environment as of the call instead, then ``env``.
-`threads_per_rank` is the rule every tool uses for torch's intra-op threads.
 """
 
 from __future__ import annotations
