@@ -91,10 +91,8 @@ class CpuKernels:
                            torch.get_num_threads())
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
-        return load().checksum(messages, *_CHECKSUM_CONSTANTS, torch.get_num_threads())
-
-
-_CHECKSUM_CONSTANTS = tuple(reference.as_int64(c) for c in (wire.CHECKSUM_STEP, *wire.FMIX64))
+        return load().checksum(messages, reference.as_int64(wire.CHECKSUM_STEP),
+                               torch.get_num_threads())
 
 
 KERNELS = CpuKernels()

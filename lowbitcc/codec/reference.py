@@ -244,11 +244,10 @@ def checksum(messages: torch.Tensor) -> torch.Tensor:
     if body.shape[1] % 8:
         raise ValueError(f"checksum: message bodies of {body.shape[1]} bytes, not whole words")
     words = body.contiguous().view(torch.int64)
+    low = (1 << 32) - 1
     position = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=messages.device)
-    x = words + position * as_int64(wire.CHECKSUM_STEP)
-    x = x ^ _shift_right(x, 33)
-    x = x * as_int64(wire.FMIX64[0])
-    x = x ^ _shift_right(x, 33)
-    x = x * as_int64(wire.FMIX64[1])
-    x = x ^ _shift_right(x, 33)
-    return x.sum(dim=1, dtype=torch.int64).view(rows)
+    y = words + position * as_int64(wire.CHECKSUM_STEP)
+    n = ((y & low) * _shift_right(y, 32)).sum(dim=1, dtype=torch.int64)
+    s = ((words & low) + _shift_right(words, 32)).sum(dim=1, dtype=torch.int64) & low
+    folded = (n ^ _shift_right(n, 32)) & low
+    return (s | folded << 32).view(rows)

@@ -3,7 +3,6 @@ message corrupted anywhere in its scales, codes or padding is refused."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,17 +14,17 @@ from lowbitcc.codec.shard_codec import ShardCodec
 
 
 def _spec(messages: torch.Tensor) -> list[int]:
-    """The wire module's definition, written again with numpy's wrapping uint64 arithmetic."""
-    body = messages.numpy()[:, wire.HEADER_BYTES:-wire.TRAILER_BYTES].copy().view("<u8")
+    """The wire module's definition, written again with Python integers."""
     sums = []
-    with np.errstate(over="ignore"):
-        for row in body:
-            x = row + np.arange(1, row.size + 1, dtype=np.uint64) * np.uint64(wire.CHECKSUM_STEP)
-            for mul in wire.FMIX64:
-                x ^= x >> np.uint64(33)
-                x *= np.uint64(mul)
-            x ^= x >> np.uint64(33)
-            sums.append(int(x.sum(dtype=np.uint64)))
+    for row in messages.numpy()[:, wire.HEADER_BYTES:-wire.TRAILER_BYTES]:
+        body = row.tobytes()
+        n = s = 0
+        for i in range(len(body) // 8):
+            w = int.from_bytes(body[8 * i:8 * i + 8], "little")
+            y = (w + (i + 1) * wire.CHECKSUM_STEP) % 2**64
+            n = (n + (y & 0xFFFFFFFF) * (y >> 32)) % 2**64
+            s = (s + (w & 0xFFFFFFFF) + (w >> 32)) % 2**32
+        sums.append(s | ((n & 0xFFFFFFFF) ^ (n >> 32)) << 32)
     return sums
 
 
@@ -43,6 +42,21 @@ def test_every_implementation_computes_the_defined_checksum(rows, words, seed):
     assert _unsigned(reference.checksum(messages)) == want
     if cpu.load() is not None:
         assert _unsigned(cpu.KERNELS.checksum(messages)) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(words=st.integers(1, 40), seed=st.integers(0, 2**31), data=st.data())
+def test_any_flipped_bit_or_byte_of_the_body_changes_the_checksum(words, seed, data):
+    """The 32-bit sum moves with any change confined to one 32-bit word (`wire`)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = wire.HEADER_BYTES + 8 * words + wire.TRAILER_BYTES
+    messages = torch.randint(0, 256, (1, width), dtype=torch.uint8, generator=gen)
+    offset = data.draw(st.integers(wire.HEADER_BYTES, width - wire.TRAILER_BYTES - 1))
+    new = data.draw(st.integers(0, 255).filter(lambda v: v != int(messages[0, offset])))
+    changed = messages.clone()
+    changed[0, offset] = new
+    assert _spec(changed) != _spec(messages)
+    assert not torch.equal(reference.checksum(changed), reference.checksum(messages))
 
 
 @pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU codec could not be built")

@@ -1031,11 +1031,55 @@ void decode_into(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t
   }
 }
 
+// Partial checksum of words [first, last) of one message body `w` (lowbitcc.codec.wire): the
+// keyed product sum N and the sum S of the 32-bit halves, each modulo its width; partial sums of
+// disjoint ranges add up to the whole body's.
+struct ChecksumSums {
+  uint64_t n = 0;
+  uint32_t s = 0;
+};
+
+ChecksumSums checksum_words(const uint8_t* w, int64_t first, int64_t last, uint64_t k) {
+  ChecksumSums out;
+  int64_t i = first;
+  uint64_t key = (uint64_t)(first + 1) * k;
+#if defined(__AVX2__)
+  if (last - i >= 4) {
+    __m256i keys = _mm256_add_epi64(_mm256_set1_epi64x((long long)key),
+                                    _mm256_set_epi64x((long long)(3 * k), (long long)(2 * k),
+                                                      (long long)k, 0));
+    const __m256i step = _mm256_set1_epi64x((long long)(4 * k));
+    __m256i n = _mm256_setzero_si256(), s = _mm256_setzero_si256();
+    for (; i + 4 <= last; i += 4) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * i));
+      const __m256i y = _mm256_add_epi64(x, keys);
+      n = _mm256_add_epi64(n, _mm256_mul_epu32(y, _mm256_srli_epi64(y, 32)));
+      s = _mm256_add_epi32(s, x);
+      keys = _mm256_add_epi64(keys, step);
+    }
+    alignas(32) uint64_t nl[4];
+    alignas(32) uint32_t sl[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(nl), n);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sl), s);
+    for (uint64_t v : nl) out.n += v;
+    for (uint32_t v : sl) out.s += v;
+    key = (uint64_t)(i + 1) * k;
+  }
+#endif
+  for (; i < last; ++i, key += k) {
+    uint64_t x;
+    std::memcpy(&x, w + 8 * i, 8);
+    const uint64_t y = x + key;
+    out.n += (y & 0xffffffffu) * (y >> 32);
+    out.s += (uint32_t)x + (uint32_t)(x >> 32);
+  }
+  return out;
+}
+
 // The checksum of each row of `messages` (uint8 [rows, P]) over bytes kHeaderBytes .. P - 8, as
-// lowbitcc.codec.wire defines it; its constants come from there (`step`, `m1`, `m2`, as the
-// bits of uint64). Returns int64 [rows] holding the uint64 sums' bits.
-torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t m1, int64_t m2,
-                       int64_t threads) {
+// lowbitcc.codec.wire defines it; `step` is its key step K (the bits of a uint64). Returns int64
+// [rows] holding the checksums' bits.
+torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t threads) {
   TORCH_CHECK(messages.dim() == 2 && messages.scalar_type() == at::kByte &&
                   messages.is_contiguous() && messages.device().is_cpu(),
               "checksum: messages must be a contiguous 2-D uint8 CPU tensor");
@@ -1043,40 +1087,30 @@ torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t m1, 
   const int64_t body = P - loco::kHeaderBytes - 8;
   TORCH_CHECK(body >= 0 && body % 8 == 0, "checksum: message bodies of ", body,
               " bytes, not whole words");
-  const uint64_t k = (uint64_t)step, c1 = (uint64_t)m1, c2 = (uint64_t)m2;
+  const uint64_t k = (uint64_t)step;
   const int64_t words = body / 8;
-  // Partial sums of chunks of kChunk words, in one parallel loop over every row's chunks (a
-  // sum modulo 2^64 is the same in any order); small messages stay on the calling thread,
-  // where waking OpenMP's team would cost more than the hashing.
+  // One parallel loop over every row's chunks of kChunk words; small messages stay on the
+  // calling thread, where waking OpenMP's team would cost more than the hashing.
   constexpr int64_t kChunk = 1 << 15;
-  const int64_t chunks = (words + kChunk - 1) / kChunk;
-  std::vector<uint64_t> partial(rows * chunks, 0);
+  const int64_t chunks = std::max<int64_t>(1, (words + kChunk - 1) / kChunk);
+  std::vector<ChecksumSums> partial(rows * chunks);
   const uint8_t* msgs = messages.data_ptr<uint8_t>();
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (rows * words > 4 * kChunk)
   for (int64_t job = 0; job < rows * chunks; ++job) {
     const int64_t r = job / chunks, first = (job % chunks) * kChunk;
-    const int64_t last = std::min(words, first + kChunk);
-    const uint8_t* w = msgs + r * P + loco::kHeaderBytes;
-    uint64_t sum = 0;
-    for (int64_t i = first; i < last; ++i) {
-      uint64_t x;
-      std::memcpy(&x, w + 8 * i, 8);
-      x += (uint64_t)(i + 1) * k;
-      x ^= x >> 33;
-      x *= c1;
-      x ^= x >> 33;
-      x *= c2;
-      x ^= x >> 33;
-      sum += x;
-    }
-    partial[job] = sum;
+    partial[job] = checksum_words(msgs + r * P + loco::kHeaderBytes, first,
+                                  std::min(words, first + kChunk), k);
   }
   torch::Tensor out = torch::empty({rows}, torch::kLong);
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    uint64_t sum = 0;
-    for (int64_t c = 0; c < chunks; ++c) sum += partial[r * chunks + c];
-    o[r] = (int64_t)sum;
+    ChecksumSums sum;
+    for (int64_t c = 0; c < chunks; ++c) {
+      sum.n += partial[r * chunks + c].n;
+      sum.s += partial[r * chunks + c].s;
+    }
+    const uint32_t folded = (uint32_t)sum.n ^ (uint32_t)(sum.n >> 32);
+    o[r] = (int64_t)((uint64_t)sum.s | (uint64_t)folded << 32);
   }
   return out;
 }
