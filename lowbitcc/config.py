@@ -87,8 +87,11 @@ class LocoConfig:
         checksum: compressed messages carry a 64-bit checksum of their scales and codes,
             verified on receipt: a message corrupted in transit (or in memory) raises
             ``WireFormatError`` instead of decoding into wrong values (docs/wire-format.md).
-            On by default (about 1-3% of a compressed call's codec time, docs/reliability.md);
-            off, messages keep their size (and a zero trailer) and nothing is verified.
+            None (the default, ``LOCO_CHECKSUM=auto``): on for CPU tensors, where it costs
+            about 1-3% of a compressed call's codec time (docs/reliability.md), off for CUDA
+            tensors, where it is a dozen torch kernels per side whose cost has not been
+            measured on a GPU yet (`checksum_for`). True or False: on or off for both. Off,
+            messages keep their size (and a zero trailer) and nothing is verified.
         schedule: the compressed reduce-scatter/all-reduce schedule (see docs/algorithms.md):
             "direct" (one all-to-all of codes, then one all-gather), "ring" (neighbours only,
             re-quantized at each hop), "tree" (binary tree, for small messages),
@@ -128,7 +131,7 @@ class LocoConfig:
     rounding: str = "nearest"
     seed: int = 0
     param_bits: int = 0
-    checksum: bool = True
+    checksum: bool | None = None
     schedule: str = "direct"
     chunk_size: int = 1048576
     transport: str = "auto"
@@ -156,6 +159,11 @@ class LocoConfig:
     def wire_group_size(self) -> int:
         """Elements per scale of compressed reductions (`group_for` of `wire_format`)."""
         return self.group_for(self.wire_format)
+
+    def checksum_for(self, device_type: str) -> bool:
+        """Whether compressed messages of ``device_type`` tensors carry checksums: ``checksum``,
+        or where it is None (auto) on for "cpu" and off for other devices."""
+        return self.checksum if self.checksum is not None else device_type == "cpu"
 
     @property
     def _timeout(self) -> None:
@@ -215,8 +223,8 @@ class LocoConfig:
             raise bad("seed", "an integer in [0, 2**32)")
         if not _is_int(self.param_bits) or self.param_bits not in (0, *BITS):
             raise bad("param_bits", "0 (exact) or one of 2, 4, 8")
-        if not isinstance(self.checksum, bool):
-            raise bad("checksum", "a bool")
+        if self.checksum is not None and not isinstance(self.checksum, bool):
+            raise bad("checksum", "a bool, or None for auto")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", "one of " + ", ".join(SCHEDULES))
         if not _is_int(self.chunk_size) or self.chunk_size < 0:
@@ -262,7 +270,9 @@ def _parse(field: str, type_name: Any, raw: str) -> Any:
             return int(text)
         if type_name in ("float", float):
             return float(text)
-        if type_name in ("bool", bool):
+        if type_name == "bool | None" and text.lower() == "auto":
+            return None
+        if type_name in ("bool", bool, "bool | None"):
             lowered = text.lower()
             if lowered in ("1", "true", "yes", "on"):
                 return True

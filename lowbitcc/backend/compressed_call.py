@@ -299,7 +299,7 @@ class CompressedCalls:
                 bits=cfg.param_bits, group_size=cfg.group_for("int"),
                 dtype_code=wire.DTYPE_CODES[source.dtype], seq=seq, world=n,
                 signature=wire.call_signature("all_gather", numel, source.dtype),
-                kernels=route.kernels, checksum=cfg.checksum)
+                kernels=route.kernels, checksum=cfg.checksum_for(source.device.type))
             flat = source.detach().reshape(-1).contiguous()
             mine = codec.encode(flat, 1, numel, 1.0, None, 0.0, [self.rank], None).messages
             encoded = time.perf_counter()
@@ -388,7 +388,7 @@ class CompressedCalls:
                 dtype_code=wire.DTYPE_CODES[source.dtype], seq=seq, world=n,
                 signature=wire.call_signature(collective, numel, source.dtype),
                 kernels=route.kernels, rounding=cfg.rounding, seed=cfg.seed,
-                checksum=cfg.checksum, fmt=cfg.wire_format,
+                checksum=cfg.checksum_for(device), fmt=cfg.wire_format,
             )
             comp = CallCompressor(
                 codec, state.FEEDBACK, key, state.STATS,

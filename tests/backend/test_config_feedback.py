@@ -68,6 +68,18 @@ def test_environment_parsing():
         LocoConfig.from_env({"LOCO_BIT": "4"})
 
 
+@pytest.mark.parametrize("raw,value,cpu,cuda", [
+    (None, None, True, False), ("auto", None, True, False), ("1", True, True, True),
+    ("off", False, False, False),
+])
+def test_checksums_default_to_cpu_tensors_only_and_the_setting_covers_both(raw, value, cpu, cuda):
+    c = LocoConfig.from_env({} if raw is None else {"LOCO_CHECKSUM": raw})
+    assert c.checksum is value
+    assert (c.checksum_for("cpu"), c.checksum_for("cuda")) == (cpu, cuda)
+    with pytest.raises(ValueError, match="LOCO_CHECKSUM='sometimes'"):
+        LocoConfig.from_env({"LOCO_CHECKSUM": "sometimes"})
+
+
 def _state(numel=256, dtype="fp32"):
     return ErrorState.encode(torch.randn(numel), dtype, 128)
 
