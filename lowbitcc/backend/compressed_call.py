@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -443,18 +444,28 @@ class CompressedCalls:
                   ) -> tuple[wire.CallDescriptor, torch.Tensor | None]:
         """All-gather one `wire.FRAME_BYTES` frame per rank: ``desc``, then ``own`` (this
         rank's contribution to a reduction of at most `wire.FRAME_PAYLOAD` bytes, flat).
-        Raises `CollectiveMismatchError` on every rank if the calls differ. Returns rank 0's
+        Raises `CollectiveMismatchError` on every rank if the calls differ, and
+        `wire.WireFormatError` on a rank that received a frame failing its check. Returns rank 0's
         descriptor (whose advisory fields every rank follows), marked compressed only if every
         rank's is, and with ``own`` every rank's frame after the descriptor (uint8, one row per
         rank: the first ``own``'s bytes of each are that rank's contribution; the descriptors
         agreeing, the dtypes and sizes do)."""
-        frame = bytearray(wire.FRAME_BYTES)
-        frame[:wire.DESCRIPTOR_BYTES] = desc.pack()
+        frame = np.zeros((1, wire.FRAME_BYTES), dtype=np.uint8)
+        frame[0, :wire.DESCRIPTOR_BYTES] = np.frombuffer(desc.pack(), dtype=np.uint8)
         if own is not None:
-            raw = own.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            frame[wire.DESCRIPTOR_BYTES:wire.DESCRIPTOR_BYTES + len(raw)] = raw
-        everyone = self._agreement.all_gather(torch.frombuffer(frame, dtype=torch.uint8))
+            raw = own.contiguous().view(-1).view(torch.uint8).numpy()
+            frame[0, wire.DESCRIPTOR_BYTES:wire.DESCRIPTOR_BYTES + raw.size] = raw
+        frame[0, -wire.FRAME_CHECK_BYTES:] = wire.frame_checks(frame).view(np.uint8)
+        everyone = self._agreement.all_gather(torch.from_numpy(frame[0]))
         rows = everyone.numpy()
+        carried = np.ascontiguousarray(rows[:, -wire.FRAME_CHECK_BYTES:]).view("<u8")[:, 0]
+        corrupt = np.flatnonzero(wire.frame_checks(rows) != carried)
+        if corrupt.size:
+            raise wire.WireFormatError(
+                f"lowbitcc: the call descriptor frame of rank {int(corrupt[0])} arrived corrupt "
+                f"on rank {self.rank} of group '{self.group_name}' (its check fails); this rank "
+                "cannot know what that rank called, and raises (ranks that received it intact "
+                "go on with the call)")
         flags = rows[:, wire.DESC_FLAGS_OFFSET].astype(int)
         if not ((rows[:, :wire.DESC_FLAGS_OFFSET] == rows[0, :wire.DESC_FLAGS_OFFSET]).all()
                 and (flags & wire.DESC_FRAMED == flags[0] & wire.DESC_FRAMED).all()):

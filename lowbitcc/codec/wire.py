@@ -39,6 +39,7 @@ import dataclasses
 import struct
 import zlib
 
+import numpy as np
 import torch
 
 HEADER_BYTES = 32
@@ -175,13 +176,27 @@ DESCRIPTOR_BYTES = _CALL.size
 DESC_FLAGS_OFFSET = 28
 """Where the flags word starts: the bytes before it are the call itself, compared across ranks
 byte for byte (`CallDescriptor.call` where they differ)."""
-FRAME_BYTES = 128
-"""Every descriptor exchange all-gathers one frame of this many bytes per rank: the descriptor,
-then (an exact reduction small enough, see `FRAME_PAYLOAD`) the call's input, then zeros. One
-size for every call, so that ranks that issued different calls still exchange frames alike."""
-FRAME_PAYLOAD = FRAME_BYTES - DESCRIPTOR_BYTES
+FRAME_PAYLOAD = 96
 """Input bytes a frame carries: an exact reduction of at most this many bytes is done from the
 gathered frames, in one exchange."""
+FRAME_CHECK_BYTES = 8
+FRAME_BYTES = DESCRIPTOR_BYTES + FRAME_PAYLOAD + FRAME_CHECK_BYTES
+"""Every descriptor exchange all-gathers one frame of this many bytes per rank: the descriptor,
+then (an exact reduction small enough, see `FRAME_PAYLOAD`) the call's input, then zeros, then
+the frame's check (`frame_checks`). One size for every call, so that ranks that issued
+different calls still exchange frames alike."""
+_FRAME_KEYS = np.array([((j + 1) * CHECKSUM_STEP | 1) % 2**64
+                        for j in range((FRAME_BYTES - FRAME_CHECK_BYTES) // 4)], dtype=np.uint64)
+
+
+def frame_checks(frames: np.ndarray) -> np.ndarray:
+    """uint64 ``[rows]``: the check of each descriptor frame (``uint8 [rows, FRAME_BYTES]``),
+    ``sum_j u_j * K_j mod 2**64`` over the little-endian 32-bit words ``u_j`` of its bytes
+    before the check, with odd keys ``K_j = (j + 1) * CHECKSUM_STEP | 1``: a change within one
+    word always changes it (an odd key is invertible modulo 2**64). The sender writes it into
+    the frame's last `FRAME_CHECK_BYTES`."""
+    words = np.ascontiguousarray(frames[:, :FRAME_BYTES - FRAME_CHECK_BYTES]).view("<u4")
+    return (words.astype(np.uint64) * _FRAME_KEYS).sum(axis=1, dtype=np.uint64)
 
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
                     "gather": 5, "scatter": 6, "all_to_all": 7, "barrier": 8, "reduce": 9}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -116,7 +117,18 @@ def test_call_descriptors_name_every_dtype_and_whether_the_frame_carries_the_inp
               for o in wire.DESCRIPTOR_DTYPES if o != dtype]
     assert all(o.call() != d.call() for o in others)  # int32 and int64 differ, and so on
     assert wire.CallDescriptor.unpack(dataclasses.replace(d, framed=False).pack()).call() != d
-    assert wire.DESCRIPTOR_BYTES + wire.FRAME_PAYLOAD == wire.FRAME_BYTES
+    assert wire.DESCRIPTOR_BYTES + wire.FRAME_PAYLOAD + wire.FRAME_CHECK_BYTES == wire.FRAME_BYTES
+
+
+@given(seed=st.integers(0, 2**31), offset=st.integers(0, wire.FRAME_BYTES - 9),
+       flip=st.integers(1, 255))
+@settings(max_examples=200, deadline=None)
+def test_any_changed_byte_of_a_descriptor_frame_changes_its_check(seed, offset, flip):
+    frames = np.random.default_rng(seed).integers(0, 256, (3, wire.FRAME_BYTES), dtype=np.uint8)
+    changed = frames.copy()
+    changed[1, offset] ^= flip
+    before, after = wire.frame_checks(frames), wire.frame_checks(changed)
+    assert before[1] != after[1] and before[0] == after[0] and before[2] == after[2]
 
 
 @given(data=st.binary(min_size=0, max_size=600), rows=st.integers(1, 3), m=st.integers(1, 300),
