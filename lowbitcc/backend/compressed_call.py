@@ -64,6 +64,17 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (shape, dtype, op or order) on the same group."""
 
 
+class CorruptFrameError(wire.WireFormatError):
+    """A descriptor frame arrived corrupt on this rank (`wire.frame_checks`). ``exact_known``:
+    this rank's own descriptor settles the call's path anyway (it would not compress the call,
+    and the call does not travel in the frames), so it can still take the exact path with the
+    ranks that received every frame intact, and raise once the call is done."""
+
+    def __init__(self, message: str, exact_known: bool) -> None:
+        super().__init__(message)
+        self.exact_known = exact_known
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
     """The codec kernels and the links that compressed calls on one device type use.
@@ -162,7 +173,10 @@ class CompressedCalls:
                                    compressed=False)
 
         def run() -> Any:
-            self._agree(desc)
+            try:
+                self._agree(desc)
+            except CorruptFrameError as exc:
+                return self._then_raise(exc, job)
             return job()
 
         return run
@@ -289,7 +303,11 @@ class CompressedCalls:
             bits=cfg.param_bits, group_size=cfg.group_for("int"), compressed=wants)
 
         def job() -> Any:
-            if cfg.check and not self._agree(desc).compressed:
+            try:
+                agreed = not cfg.check or self._agree(desc).compressed
+            except CorruptFrameError as exc:
+                return self._then_raise(exc, exact)
+            if not agreed:
                 return exact()
             n = self.size
             itemsize = source.element_size()
@@ -364,7 +382,10 @@ class CompressedCalls:
                 leader = agreed[0]
             elif cfg.check:
                 mine = reduction.scaled(source.detach().reshape(-1)) if framed else None
-                leader, inputs = self._exchange(call, mine)
+                try:
+                    leader, inputs = self._exchange(call, mine)
+                except CorruptFrameError as exc:
+                    return self._then_raise(exc, exact)
             if not leader.compressed:  # some rank would not compress it (or it is too small)
                 if inputs is None:
                     return exact()
@@ -445,7 +466,8 @@ class CompressedCalls:
         """All-gather one `wire.FRAME_BYTES` frame per rank: ``desc``, then ``own`` (this
         rank's contribution to a reduction of at most `wire.FRAME_PAYLOAD` bytes, flat).
         Raises `CollectiveMismatchError` on every rank if the calls differ, and
-        `wire.WireFormatError` on a rank that received a frame failing its check. Returns rank 0's
+        `CorruptFrameError` on a rank that received a frame failing its check (the intact
+        frames are compared first). Returns rank 0's
         descriptor (whose advisory fields every rank follows), marked compressed only if every
         rank's is, and with ``own`` every rank's frame after the descriptor (uint8, one row per
         rank: the first ``own``'s bytes of each are that rank's contribution; the descriptors
@@ -459,27 +481,56 @@ class CompressedCalls:
         everyone = self._agreement.all_gather(torch.from_numpy(frame[0]))
         rows = everyone.numpy()
         carried = np.ascontiguousarray(rows[:, -wire.FRAME_CHECK_BYTES:]).view("<u8")[:, 0]
-        corrupt = np.flatnonzero(wire.frame_checks(rows) != carried)
-        if corrupt.size:
-            raise wire.WireFormatError(
-                f"lowbitcc: the call descriptor frame of rank {int(corrupt[0])} arrived corrupt "
-                f"on rank {self.rank} of group '{self.group_name}' (its check fails); this rank "
-                "cannot know what that rank called, and raises (ranks that received it intact "
-                "go on with the call)")
-        flags = rows[:, wire.DESC_FLAGS_OFFSET].astype(int)
-        if not ((rows[:, :wire.DESC_FLAGS_OFFSET] == rows[0, :wire.DESC_FLAGS_OFFSET]).all()
-                and (flags & wire.DESC_FRAMED == flags[0] & wire.DESC_FRAMED).all()):
-            descs = [wire.CallDescriptor.unpack(row[:wire.DESCRIPTOR_BYTES].tobytes())
-                     for row in rows]
-            if any(d.call() != descs[0].call() for d in descs):
-                lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in enumerate(descs))
-                raise CollectiveMismatchError(
-                    f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: "
-                    f"{lines}")
+        intact = wire.frame_checks(rows) == carried
+        self._check_match(rows, np.flatnonzero(intact))
+        if not intact.all():
+            exact_known = not desc.compressed and not desc.framed
+            raise CorruptFrameError(
+                f"lowbitcc: the call descriptor frame of rank {int(np.flatnonzero(~intact)[0])} "
+                f"arrived corrupt on rank {self.rank} of group '{self.group_name}' (its check "
+                "fails); " + ("this rank took the exact path, as its own descriptor says every "
+                              "rank does, and raises now that the call is done" if exact_known
+                              else "this rank cannot know what that rank called and raises; "
+                              "ranks that received it intact go on with the call"),
+                exact_known)
+        flags = rows[:, wire.DESC_FLAGS_OFFSET]
         leader = dataclasses.replace(
             wire.CallDescriptor.unpack(rows[0, :wire.DESCRIPTOR_BYTES].tobytes()),
             compressed=bool((flags & wire.DESC_COMPRESSED).all()))
         return leader, None if own is None else everyone[:, wire.DESCRIPTOR_BYTES:]
+
+    def _check_match(self, rows: np.ndarray, ranks: np.ndarray) -> None:
+        """Raise `CollectiveMismatchError` unless the frames ``rows[ranks]`` describe one call."""
+        head, flags = rows[ranks, :wire.DESC_FLAGS_OFFSET], rows[ranks, wire.DESC_FLAGS_OFFSET]
+        if ((head == head[:1]).all()
+                and (flags & wire.DESC_FRAMED == flags[:1] & wire.DESC_FRAMED).all()):
+            return
+        descs = {int(r): wire.CallDescriptor.unpack(rows[r, :wire.DESCRIPTOR_BYTES].tobytes())
+                 for r in ranks}
+        first = next(iter(descs.values()))
+        if any(d.call() != first.call() for d in descs.values()):
+            lines = "; ".join(f"rank {r}: {d.describe()}" for r, d in descs.items())
+            raise CollectiveMismatchError(
+                f"lowbitcc: ranks of group '{self.group_name}' issued different collectives: "
+                f"{lines}")
+
+    @staticmethod
+    def _then_raise(error: CorruptFrameError, start: Job) -> Any:
+        """Run ``start`` (the call's exact path, which the ranks that received every frame
+        intact take too) and raise ``error`` once the call is done: when its inner work
+        finishes, or now if it left none in flight."""
+        if not error.exact_known:
+            raise error
+        result = start()
+        if not isinstance(result, InnerWork):
+            raise error
+        finish = result.finish
+
+        def finish_then_raise() -> list[torch.Tensor]:
+            finish()
+            raise error
+
+        return InnerWork(result.work, finish_then_raise)
 
     def _chunk(self, route: Route) -> int:
         return 0 if route.inline else self.config.chunk_size

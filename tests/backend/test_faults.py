@@ -417,9 +417,9 @@ def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_sur
     assert run_ranks(_corrupt_message_on_one_rank, 3, phase, timeout=60, env=env) == expected
 
 
-def _corrupt_frame_on_one_rank(rank, world, gloo, offset):
+def _corrupt_frame_on_one_rank(rank, world, gloo, offset, numel):
     """Rank 1's copy of rank 0's descriptor frame gets byte ``offset`` flipped in the first
-    exchange: an exact all-reduce of 3 floats, which travels in the frames."""
+    exchange, of an exact all-reduce of ``numel`` floats (3: it travels in the frames)."""
     from lowbitcc.transports import gloo as gloo_transport
 
     original = gloo_transport.GlooTransport.all_gather
@@ -434,7 +434,7 @@ def _corrupt_frame_on_one_rank(rank, world, gloo, offset):
 
     if rank == 1:
         gloo_transport.GlooTransport.all_gather = corrupting
-    x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+    x = torch.arange(1.0, numel + 1) * (rank + 1)
     y = x.clone()
     try:
         dist.all_reduce(y)
@@ -442,25 +442,29 @@ def _corrupt_frame_on_one_rank(rank, world, gloo, offset):
     except lowbitcc.codec.wire.WireFormatError as exc:
         raised = "raised" if "frame of rank 0 arrived corrupt on rank 1" in str(exc) else str(exc)
     gloo_transport.GlooTransport.all_gather = original
-    expected = sum(torch.tensor([1.0, 2.0, 3.0]) * (r + 1) for r in range(world))
+    expected = sum(torch.arange(1.0, numel + 1) * (r + 1) for r in range(world))
     after = x.clone()
     dist.all_reduce(after)  # the group is still in step
-    return raised, raised != "nothing" or torch.equal(y, expected), torch.equal(after, expected)
+    return raised, torch.equal(y, expected), torch.equal(after, expected)
 
 
 @pytest.mark.parametrize("offset", [
     4,  # the descriptor's version byte
     28,  # its flags: "would compress"
-    40,  # the input it carries
+    40,  # the input it carries, or zeros
     130,  # the check itself
 ])
-def test_a_corrupt_descriptor_frame_raises_on_the_rank_that_received_it(offset):
+@pytest.mark.parametrize("numel", [3, 1000])
+def test_a_corrupt_descriptor_frame_raises_on_the_rank_that_received_it(offset, numel):
     """Before frames carried a check, a flipped flag sent that rank alone down another path (a
     hang) and a flipped input bit summed into a wrong value on that rank only. Now that rank
-    raises naming the sender; the others, which received every frame intact, complete a call
-    carried in the frames, and the group stays in step."""
-    assert run_ranks(_corrupt_frame_on_one_rank, 3, offset, timeout=60) == [
-        ("nothing", True, True), ("raised", True, True), ("nothing", True, True)]
+    raises naming the sender. The others received every frame intact and complete the call;
+    for 3 floats it travels in the frames, so the raising rank has no result. For 1000 floats
+    the raising rank's own descriptor says the call is exact on every rank: it takes part in
+    the exact all-reduce, then raises, with the sum in its tensor. The group stays in step."""
+    rank1 = ("raised", numel > 3, True)
+    assert run_ranks(_corrupt_frame_on_one_rank, 3, offset, numel, timeout=60) == [
+        ("nothing", True, True), rank1, ("nothing", True, True)]
 
 
 def _late_peer(rank, world, gloo):
