@@ -248,6 +248,6 @@ def checksum(messages: torch.Tensor) -> torch.Tensor:
     position = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=messages.device)
     y = words + position * as_int64(wire.CHECKSUM_STEP)
     n = ((y & low) * _shift_right(y, 32)).sum(dim=1, dtype=torch.int64)
-    s = ((words & low) + _shift_right(words, 32)).sum(dim=1, dtype=torch.int64) & low
+    s = words.view(torch.int32).sum(dim=1, dtype=torch.int64) & low  # signed or not, mod 2**32
     folded = (n ^ _shift_right(n, 32)) & low
     return (s | folded << 32).view(rows)
