@@ -467,19 +467,39 @@ def test_a_corrupt_descriptor_frame_raises_on_the_rank_that_received_it(offset, 
         ("nothing", True, True), rank1, ("nothing", True, True)]
 
 
-def _late_peer(rank, world, gloo):
+def _late_peer(rank, world, gloo, kind):
     if rank == 1:
-        time.sleep(3)
+        time.sleep(1.5)
     x = torch.linspace(-1, 1, BIG) * (rank + 1)
     ours, theirs = x.clone(), x.clone()
-    with lowbitcc.compressed():
+    if kind == "compressed all-reduce":
+        with lowbitcc.compressed():
+            dist.all_reduce(ours)
+    elif kind == "exact all-reduce":  # outside backward: exact, after the descriptor exchange
+        dist.all_reduce(ours)
+    elif kind == "framed all-reduce":  # 3 floats: reduced from the descriptor frames
+        ours, theirs = ours[:3].clone(), theirs[:3].clone()
+        dist.all_reduce(ours)
+    elif kind in ("broadcast", "checked broadcast"):
+        dist.broadcast(ours, src=0)
+        dist.broadcast(theirs, src=0, group=gloo)
+        return torch.equal(ours, theirs)
+    else:  # barrier, then an all-reduce to see the group in step
+        dist.barrier()
         dist.all_reduce(ours)
     dist.all_reduce(theirs, group=gloo)
-    return _close(ours, theirs)
+    return _close(ours, theirs) if kind == "compressed all-reduce" else torch.equal(ours, theirs)
 
 
-def test_a_late_peer_only_delays_the_call():
-    assert run_ranks(_late_peer, 2, timeout=60) == [True, True]
+@pytest.mark.parametrize("kind", ["compressed all-reduce", "exact all-reduce",
+                                  "framed all-reduce", "broadcast", "checked broadcast",
+                                  "barrier"])
+def test_a_late_peer_only_delays_the_call(kind):
+    """Rank 1 calls 1.5 s after rank 0, on every path: the descriptor exchange (and the call
+    after it) waits, and both ranks get the exact result (the compressed one's within 4-bit
+    error). "checked broadcast" exchanges a descriptor first (``LOCO_CHECK_ALL``)."""
+    env = {"LOCO_CHECK_ALL": "1"} if kind == "checked broadcast" else None
+    assert run_ranks(_late_peer, 2, kind, timeout=60, env=env) == [True, True]
 
 
 def _absent_peer(rank, world, gloo):
