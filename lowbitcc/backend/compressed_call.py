@@ -66,9 +66,10 @@ class CollectiveMismatchError(RuntimeError):
 
 class CorruptFrameError(wire.WireFormatError):
     """A descriptor frame arrived corrupt on this rank (`wire.frame_checks`). ``exact_known``:
-    this rank's own descriptor settles the call's path anyway (it would not compress the call,
-    and the call does not travel in the frames), so it can still take the exact path with the
-    ranks that received every frame intact, and raise once the call is done."""
+    the intact frames settle the call's path anyway (this rank, or another whose frame arrived
+    intact, would not compress the call, and the call does not travel in the frames), so this
+    rank can still take the exact path with the ranks that received every frame intact, and
+    raise once the call is done."""
 
     def __init__(self, message: str, exact_known: bool) -> None:
         super().__init__(message)
@@ -484,11 +485,14 @@ class CompressedCalls:
         intact = wire.frame_checks(rows) == carried
         self._check_match(rows, np.flatnonzero(intact))
         if not intact.all():
-            exact_known = not desc.compressed and not desc.framed
+            # exact on every rank if any rank would not compress it (this one, or one whose
+            # frame arrived intact), unless the call itself travels in the frames
+            declined = (rows[intact, wire.DESC_FLAGS_OFFSET] & wire.DESC_COMPRESSED) == 0
+            exact_known = not desc.framed and (not desc.compressed or bool(declined.any()))
             raise CorruptFrameError(
                 f"lowbitcc: the call descriptor frame of rank {int(np.flatnonzero(~intact)[0])} "
                 f"arrived corrupt on rank {self.rank} of group '{self.group_name}' (its check "
-                "fails); " + ("this rank took the exact path, as its own descriptor says every "
+                "fails); " + ("this rank took the exact path, as the intact frames say every "
                               "rank does, and raises now that the call is done" if exact_known
                               else "this rank cannot know what that rank called and raises; "
                               "ranks that received it intact go on with the call"),

@@ -467,6 +467,47 @@ def test_a_corrupt_descriptor_frame_raises_on_the_rank_that_received_it(offset, 
         ("nothing", True, True), rank1, ("nothing", True, True)]
 
 
+def _corrupt_frame_where_another_rank_declines(rank, world, gloo):
+    """Ranks 0 and 1 would compress a large all-reduce, rank 2 would not (so every rank runs it
+    exact); rank 1's copy of rank 0's frame arrives corrupt. Rank 2's intact frame settles the
+    path: rank 1 joins the exact call, then raises."""
+    from lowbitcc.transports import gloo as gloo_transport
+
+    original = gloo_transport.GlooTransport.all_gather
+    state = {"done": False}
+
+    def corrupting(self, send):
+        got = original(self, send)
+        if not state["done"]:
+            state["done"] = True
+            got[0, 40] ^= 0x01
+        return got
+
+    if rank == 1:
+        gloo_transport.GlooTransport.all_gather = corrupting
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    y, expected = x.clone(), x.clone()
+    try:
+        if rank < 2:
+            with lowbitcc.compressed():
+                dist.all_reduce(y)
+        else:
+            dist.all_reduce(y)
+        raised = "nothing"
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        raised = "raised" if "frame of rank 0 arrived corrupt on rank 1" in str(exc) else str(exc)
+    gloo_transport.GlooTransport.all_gather = original
+    dist.all_reduce(expected, group=gloo)
+    after = x.clone()
+    dist.all_reduce(after)  # the group is still in step
+    return raised, torch.equal(y, expected), torch.equal(after, expected)
+
+
+def test_a_corrupt_frame_where_another_rank_declines_compression_still_runs_exact():
+    assert run_ranks(_corrupt_frame_where_another_rank_declines, 3, timeout=60) == [
+        ("nothing", True, True), ("raised", True, True), ("nothing", True, True)]
+
+
 def _late_peer(rank, world, gloo, kind):
     if rank == 1:
         time.sleep(1.5)
