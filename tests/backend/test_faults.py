@@ -417,9 +417,10 @@ def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_sur
     assert run_ranks(_corrupt_message_on_one_rank, 3, phase, timeout=60, env=env) == expected
 
 
-def _corrupt_frame_on_one_rank(rank, world, gloo, offset, numel):
-    """Rank 1's copy of rank 0's descriptor frame gets byte ``offset`` flipped in the first
-    exchange, of an exact all-reduce of ``numel`` floats (3: it travels in the frames)."""
+def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call):
+    """Run ``call()``; rank 1's copy of rank 0's descriptor frame gets byte ``offset`` flipped in
+    the first exchange. Returns "nothing", "raised" (the `WireFormatError` naming that frame)
+    or the text of another such error."""
     from lowbitcc.transports import gloo as gloo_transport
 
     original = gloo_transport.GlooTransport.all_gather
@@ -434,14 +435,21 @@ def _corrupt_frame_on_one_rank(rank, world, gloo, offset, numel):
 
     if rank == 1:
         gloo_transport.GlooTransport.all_gather = corrupting
+    try:
+        call()
+        return "nothing"
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        return "raised" if "frame of rank 0 arrived corrupt on rank 1" in str(exc) else str(exc)
+    finally:
+        gloo_transport.GlooTransport.all_gather = original
+
+
+def _corrupt_frame_on_one_rank(rank, world, gloo, offset, numel):
+    """Rank 1's copy of rank 0's descriptor frame gets byte ``offset`` flipped in the first
+    exchange, of an exact all-reduce of ``numel`` floats (3: it travels in the frames)."""
     x = torch.arange(1.0, numel + 1) * (rank + 1)
     y = x.clone()
-    try:
-        dist.all_reduce(y)
-        raised = "nothing"
-    except lowbitcc.codec.wire.WireFormatError as exc:
-        raised = "raised" if "frame of rank 0 arrived corrupt on rank 1" in str(exc) else str(exc)
-    gloo_transport.GlooTransport.all_gather = original
+    raised = _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, lambda: dist.all_reduce(y))
     expected = sum(torch.arange(1.0, numel + 1) * (r + 1) for r in range(world))
     after = x.clone()
     dist.all_reduce(after)  # the group is still in step
@@ -471,32 +479,17 @@ def _corrupt_frame_where_another_rank_declines(rank, world, gloo):
     """Ranks 0 and 1 would compress a large all-reduce, rank 2 would not (so every rank runs it
     exact); rank 1's copy of rank 0's frame arrives corrupt. Rank 2's intact frame settles the
     path: rank 1 joins the exact call, then raises."""
-    from lowbitcc.transports import gloo as gloo_transport
-
-    original = gloo_transport.GlooTransport.all_gather
-    state = {"done": False}
-
-    def corrupting(self, send):
-        got = original(self, send)
-        if not state["done"]:
-            state["done"] = True
-            got[0, 40] ^= 0x01
-        return got
-
-    if rank == 1:
-        gloo_transport.GlooTransport.all_gather = corrupting
     x = torch.linspace(-1, 1, BIG) * (rank + 1)
     y, expected = x.clone(), x.clone()
-    try:
+
+    def call() -> None:
         if rank < 2:
             with lowbitcc.compressed():
                 dist.all_reduce(y)
         else:
             dist.all_reduce(y)
-        raised = "nothing"
-    except lowbitcc.codec.wire.WireFormatError as exc:
-        raised = "raised" if "frame of rank 0 arrived corrupt on rank 1" in str(exc) else str(exc)
-    gloo_transport.GlooTransport.all_gather = original
+
+    raised = _with_rank_0s_frame_corrupt_on_rank_1(rank, 40, call)
     dist.all_reduce(expected, group=gloo)
     after = x.clone()
     dist.all_reduce(after)  # the group is still in step
