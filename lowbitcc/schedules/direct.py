@@ -23,7 +23,8 @@ as without chunks (stochastic rounding draws its random bits per chunk).
 Two ranks: the all-reduce is one phase instead. Each rank quantizes its whole input (every
 row, stage ``"gather"``), the ranks all-gather these codes, and every rank decodes both ranks'
 messages of each row and sums them in fp32 in rank order (its own codes, not its own values),
-so both end with bitwise-identical values. Against steps 1-5 this sends the same bytes (one
+so both end with bitwise-identical values. With chunks, each row's slice of a chunk is
+all-gathered on its own, started as soon as it is encoded. Against steps 1-5 this sends the same bytes (one
 message of ``2m`` elements instead of two of ``m``), encodes ``2m`` elements instead of ``3m``,
 decodes as many, waits for the network once instead of twice, and quantizes each element once.
 With more ranks it would send ``(n-1) n m`` elements instead of ``2 (n-1) m``, so it is not used.
@@ -42,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from lowbitcc.compressor import CallCompressor, Source
-from lowbitcc.schedules.chunking import chunks, decode_columns, encode_columns, stage
+from lowbitcc.schedules.chunking import chunks, decode_columns, encode_columns, row_slice, stage
 from lowbitcc.transports.base import Pending, Transport
 from lowbitcc.transports.links import Links
 
@@ -128,30 +129,47 @@ def all_reduce(
 
 def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
                        transport: Transport, ranges: list[tuple[int, int]], prefix: str) -> None:
-    """The two-rank all-reduce (module docstring): per chunk, all-gather the codes of every row
-    and decode-sum each row's two messages, one chunk in flight while the next is encoded."""
+    """The two-rank all-reduce (module docstring): all-gather the codes of every row and
+    decode-sum each row's messages of every rank, one chunk in flight while the next is encoded.
+
+    With one chunk, all rows travel in one all-gather. With several, each row's slice of a chunk
+    travels in its own, started as soon as it is encoded, so that every rank's messages of a
+    row arrive side by side (``[n, P]``) and are decoded where they landed."""
     rows, m, n = source.rows, source.m, transport.size
     device = source.tensor.device
     in_flight: collections.deque = collections.deque()
 
-    def place_oldest() -> None:
-        a, b, pending = in_flight.popleft()
-        gathered = pending.wait().view(n, rows, -1)
-        for r in range(rows):
-            lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
-            if lo == hi:
-                continue
-            target = out[lo:hi]
-            in_place = out.dtype == torch.float32 and hi - lo == b - a
-            reduced = comp.decode_sum(gathered[:, r].contiguous(), b - a, r,
-                                      target if in_place else comp.scratch(b - a, device))
-            if not in_place:
-                target.copy_(reduced[:hi - lo])
+    def place(r: int, a: int, b: int, messages: torch.Tensor) -> None:
+        lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
+        if lo == hi:
+            return
+        target = out[lo:hi]
+        in_place = out.dtype == torch.float32 and hi - lo == b - a
+        reduced = comp.decode_sum(messages, b - a, r,
+                                  target if in_place else comp.scratch(b - a, device))
+        if not in_place:
+            target.copy_(reduced[:hi - lo])
 
-    for k, (a, b) in enumerate(ranges):
-        messages = encode_columns(comp, stage(prefix + "gather", k, len(ranges)), source, a, b)
-        in_flight.append((a, b, transport.all_gather_async(messages)))
-        if len(in_flight) > 1:
-            place_oldest()
+    def place_oldest() -> None:
+        a, b, row, pending = in_flight.popleft()
+        gathered = pending.wait()
+        if row is not None:
+            place(row, a, b, gathered.view(n, -1))
+            return
+        gathered = gathered.view(n, rows, -1)
+        for r in range(rows):
+            place(r, a, b, gathered[:, r].contiguous())
+
+    if len(ranges) == 1:
+        messages = comp.encode(prefix + "gather", source, list(range(rows)))
+        in_flight.append((0, m, None, transport.all_gather_async(messages)))
+    else:
+        for k, (a, b) in enumerate(ranges):
+            name = stage(prefix + "gather", k, len(ranges))
+            for r in range(rows):
+                messages = comp.encode(f"{name}.{r}", row_slice(source, r, a, b), [r])
+                in_flight.append((a, b, r, transport.all_gather_async(messages)))
+                if len(in_flight) > rows:
+                    place_oldest()
     while in_flight:
         place_oldest()
