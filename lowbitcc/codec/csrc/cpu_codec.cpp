@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <omp.h>
 #include <type_traits>
 #include <vector>
 
@@ -463,71 +464,92 @@ LOCO_VEC_INLINE void pack32_fields(const __m256i* f, uint8_t* out) {
   }
 }
 
-template <int BITS, int FMT, int GS, int MODE, int UPDATE>
-bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
+// encode_group for NG consecutive groups gi .. gi + NG - 1 of one row (columns gcol ..; their
+// source, error state, scales and codes lie one after the other). Each stage runs for every
+// group before the next stage starts, so that the groups' chains of dependent steps (group
+// max, scale, codes, error max, error scale) overlap: one MXFP4 group alone is too short to
+// keep the core busy. Returns false before writing any code if a group is non-finite (the
+// caller then encodes them one at a time); the bytes are those of NG calls with NG = 1.
+template <int BITS, int FMT, int GS, int MODE, int UPDATE, int NG>
+bool encode_block(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
                   double* res_sq, double* in_sq) {
   constexpr int kVecs = GS / kV;  // registers per group
   static_assert(kVecs % 4 == 0, "fields and error codes are packed 4 registers at a time");
-  const int64_t off = gi * GS;
   const bool with_error = MODE != kNoError && a.has_error;
-  __m256 y[kVecs], e[kVecs];
+  __m256 y[NG][kVecs], e[NG][kVecs];
   const __m256 factor = _mm256_set1_ps(a.factor);
-  for (int i = 0; i < kVecs; ++i) {
-    // an address, not a pointer into the source: it may lie past its end (a prefetch is a hint)
-    if (i % 2 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(x) +
-                                                 sizeof(float) * (kPrefetch + i * kV)),
-                   _MM_HINT_T0);
-    y[i] = _mm256_loadu_ps(x + i * kV);
-    if (a.scale_input) y[i] = _mm256_mul_ps(y[i], factor);
-  }
-  if (with_error) {
-    if (MODE == kInt8) {
-      const __m256 s = _mm256_set1_ps(a.escales[gi]);
-      const int8_t* c = a.ecodes + off;
-      for (int i = 0; i < kVecs; ++i) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i * kV));
-        e[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
-      }
-    } else {
-      for (int i = 0; i < kVecs; ++i) e[i] = _mm256_loadu_ps(a.ef32 + off + i * kV);
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < kVecs; ++i) {
+      const float* p = x + g * GS + i * kV;
+      // an address, not a pointer into the source: it may lie past its end (a prefetch is a hint)
+      if (i % 2 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) +
+                                                   sizeof(float) * kPrefetch),
+                     _MM_HINT_T0);
+      y[g][i] = _mm256_loadu_ps(p);
+      if (a.scale_input) y[g][i] = _mm256_mul_ps(y[g][i], factor);
     }
-    for (int i = 0; i < kVecs; ++i) y[i] = _mm256_add_ps(y[i], e[i]);
+  if (with_error) {
+    for (int g = 0; g < NG; ++g) {
+      const int64_t off = (gi + g) * GS;
+      if (MODE == kInt8) {
+        const __m256 s = _mm256_set1_ps(a.escales[gi + g]);
+        const int8_t* c = a.ecodes + off;
+        for (int i = 0; i < kVecs; ++i) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i * kV));
+          e[g][i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
+        }
+      } else {
+        for (int i = 0; i < kVecs; ++i) e[g][i] = _mm256_loadu_ps(a.ef32 + off + i * kV);
+      }
+      for (int i = 0; i < kVecs; ++i) y[g][i] = _mm256_add_ps(y[g][i], e[g][i]);
+    }
   }
+  float top[NG];
+  for (int g = 0; g < NG; ++g) top[g] = amax<kVecs>(y[g]);
+  for (int g = 0; g < NG; ++g)
+    if (top[g] != top[g]) return false;  // amax is NaN for a group holding a NaN or an Inf
   uint8_t* row_msg = a.msgs + row * a.P;
-  // a non-finite group returns to the generic path, which writes its whole message again
-  const loco::GroupScale s = store_scale<BITS, FMT>(amax<kVecs>(y), row_msg, gcol);
-  if (!s.finite) return false;
+  loco::GroupScale s[NG];
+  for (int g = 0; g < NG; ++g) s[g] = store_scale<BITS, FMT>(top[g], row_msg, gcol + g);
   uint8_t* packed =
       row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + gcol * GS * BITS / 8;
-  const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
   __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();  // fp32 sums of squares, lane-wise
-  __m256 t[kVecs];
-  __m256i field[kVecs];
-  for (int i = 0; i < kVecs; ++i) {
-    if constexpr (FMT == kMx) {
-      t[i] = fp4_code(y[i], inv, &field[i]);
-    } else {
-      t[i] = code_nearest(y[i], inv);
-      field[i] = _mm256_add_epi32(_mm256_cvtps_epi32(t[i]), _mm256_set1_epi32(1 << (BITS - 1)));
+  __m256 t[NG][kVecs];
+  for (int g = 0; g < NG; ++g) {
+    const __m256 inv = _mm256_set1_ps(s[g].inv), scale = _mm256_set1_ps(s[g].scale);
+    __m256i field[kVecs];
+    for (int i = 0; i < kVecs; ++i) {
+      if constexpr (FMT == kMx) {
+        t[g][i] = fp4_code(y[g][i], inv, &field[i]);
+      } else {
+        t[g][i] = code_nearest(y[g][i], inv);
+        field[i] =
+            _mm256_add_epi32(_mm256_cvtps_epi32(t[g][i]), _mm256_set1_epi32(1 << (BITS - 1)));
+      }
+      if (i % 4 == 3)
+        pack32_fields<BITS>(field + i - 3, packed + (g * GS + (i - 3) * kV) * BITS / 8);
+      const __m256 res = residual(y[g][i], t[g][i], scale);
+      r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
+      y2 = _mm256_add_ps(y2, _mm256_mul_ps(y[g][i], y[g][i]));
+      if (UPDATE == kKeepResidual) e[g][i] = res;
+      if (UPDATE == kDampResidual) e[g][i] = _mm256_mul_ps(res, omb);
+      if (UPDATE == kBlend)
+        e[g][i] = _mm256_add_ps(_mm256_mul_ps(e[g][i], beta), _mm256_mul_ps(res, omb));
     }
-    if (i % 4 == 3) pack32_fields<BITS>(field + i - 3, packed + (i - 3) * kV * BITS / 8);
-    const __m256 res = residual(y[i], t[i], scale);
-    r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
-    y2 = _mm256_add_ps(y2, _mm256_mul_ps(y[i], y[i]));
-    if (UPDATE == kKeepResidual) e[i] = res;
-    if (UPDATE == kDampResidual) e[i] = _mm256_mul_ps(res, omb);
-    if (UPDATE == kBlend) e[i] = _mm256_add_ps(_mm256_mul_ps(e[i], beta), _mm256_mul_ps(res, omb));
   }
   __m256d rd[2] = {_mm256_loadu_pd(res_sq), _mm256_loadu_pd(res_sq + 4)};
   __m256d yd[2] = {_mm256_loadu_pd(in_sq), _mm256_loadu_pd(in_sq + 4)};
   if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(r2, y2),
                                        _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ))) {
     // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
-    for (int i = 0; i < kVecs; ++i) {
-      square_add(rd, residual(y[i], t[i], scale));
-      square_add(yd, y[i]);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 scale = _mm256_set1_ps(s[g].scale);
+      for (int i = 0; i < kVecs; ++i) {
+        square_add(rd, residual(y[g][i], t[g][i], scale));
+        square_add(yd, y[g][i]);
+      }
     }
   } else {
     add_halves(rd, r2);
@@ -539,22 +561,32 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
   }
 
   if (MODE == kFp32) {
-    for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(a.ef32 + off + i * kV, e[i]);
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(a.ef32 + (gi + g) * GS + i * kV, e[g][i]);
   } else if (MODE == kInt8) {
-    const loco::GroupScale es = loco::group_scale(amax<kVecs>(e), 127);
-    int8_t* c = a.ecodes + off;
-    if (es.finite) {
-      const __m256 einv = _mm256_set1_ps(es.inv);
-      __m256i codes[kVecs];
-      for (int i = 0; i < kVecs; ++i) codes[i] = _mm256_cvtps_epi32(code_nearest(e[i], einv));
-      for (int i = 0; i < kVecs; i += 4)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kV), bytes32<true>(codes + i));
-    } else {
-      std::memset(c, 0, GS);
+    loco::GroupScale es[NG];
+    for (int g = 0; g < NG; ++g) es[g] = loco::group_scale(amax<kVecs>(e[g]), 127);
+    for (int g = 0; g < NG; ++g) {
+      int8_t* c = a.ecodes + (gi + g) * GS;
+      if (es[g].finite) {
+        const __m256 einv = _mm256_set1_ps(es[g].inv);
+        __m256i codes[kVecs];
+        for (int i = 0; i < kVecs; ++i) codes[i] = _mm256_cvtps_epi32(code_nearest(e[g][i], einv));
+        for (int i = 0; i < kVecs; i += 4)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kV), bytes32<true>(codes + i));
+      } else {
+        std::memset(c, 0, GS);
+      }
+      a.escales[gi + g] = es[g].scale;
     }
-    a.escales[gi] = es.scale;
   }
   return true;
+}
+
+template <int BITS, int FMT, int GS, int MODE, int UPDATE>
+LOCO_VEC_INLINE bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row,
+                                  int64_t gcol, double* res_sq, double* in_sq) {
+  return encode_block<BITS, FMT, GS, MODE, UPDATE, 1>(x, a, gi, row, gcol, res_sq, in_sq);
 }
 
 // encode_group's dispatch onto the vector path; false: not its case, run the generic path.
@@ -575,6 +607,27 @@ LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t g
   }
 }
 
+// Groups of 32 encoded by one encode_block call on the MXFP4 vector path.
+constexpr int kMxBlock = 4;
+
+// The vector path for the kMxBlock groups gi ... of one row (the caller checked that they lie
+// in one row and hold valid elements only); false: not its case, or a group is non-finite.
+template <typename T, int BITS, int FMT, int MODE, bool SR>
+LOCO_VEC_INLINE bool try_encode_block(const T* x, const EncodeArgs& a, int64_t gi, int64_t row,
+                                      int64_t gcol, double* rs, double* is) {
+  if constexpr (std::is_same_v<T, float> && !SR && MODE != kBf16 && FMT == kMx) {
+    constexpr int GS = kMxGroup, NG = kMxBlock;
+    switch (update_case<MODE>(a)) {
+      case kKeepNothing: return encode_block<BITS, FMT, GS, MODE, kKeepNothing, NG>(x, a, gi, row, gcol, rs, is);
+      case kKeepResidual: return encode_block<BITS, FMT, GS, MODE, kKeepResidual, NG>(x, a, gi, row, gcol, rs, is);
+      case kDampResidual: return encode_block<BITS, FMT, GS, MODE, kDampResidual, NG>(x, a, gi, row, gcol, rs, is);
+      default: return encode_block<BITS, FMT, GS, MODE, kBlend, NG>(x, a, gi, row, gcol, rs, is);
+    }
+  } else {
+    return false;
+  }
+}
+
 #undef LOCO_VEC_INLINE
 }  // namespace avx2
 constexpr const char* kVectorPath = "avx2";
@@ -586,10 +639,9 @@ constexpr const char* kVectorPath = "none";
 // Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
 // runs over the whole group with no data-dependent branch, so it vectorizes.
 template <typename T, int BITS, int FMT, int MODE, bool SR, int GS>
-bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, float* y, float* e, float* r,
-                  int8_t* codes, double* res_sq, double* in_sq) {
+bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
+                  float* y, float* e, float* r, int8_t* codes, double* res_sq, double* in_sq) {
   const int G = GS ? GS : a.G;
-  const int64_t row = gi / a.ng, gcol = gi % a.ng;
   const int64_t col0 = gcol * G;
   const int64_t limit = std::min<int64_t>(G, std::max<int64_t>(0, a.m - col0));
   const int64_t base = row * a.m + col0;
@@ -682,16 +734,41 @@ void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq,
     std::vector<float> y(a.G), e(a.G), r(a.G);
     std::vector<int8_t> codes(a.G);
     double lane_rs[kStatLanes] = {0.0}, lane_is[kStatLanes] = {0.0};
-    if (a.G == kFast) {
-#pragma omp for schedule(static)
-      for (int64_t gi = 0; gi < groups; ++gi)
-        bad[gi] = !encode_group<T, BITS, FMT, MODE, SR, kFast>(
-            src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
-    } else {
-#pragma omp for schedule(static)
-      for (int64_t gi = 0; gi < groups; ++gi)
-        bad[gi] = !encode_group<T, BITS, FMT, MODE, SR, 0>(
-            src, a, gi, y.data(), e.data(), r.data(), codes.data(), lane_rs, lane_is);
+    const auto one = [&](int64_t gi, int64_t row, int64_t gcol) {
+      bad[gi] = a.G == kFast
+                    ? !encode_group<T, BITS, FMT, MODE, SR, kFast>(src, a, gi, row, gcol, y.data(),
+                                                                  e.data(), r.data(), codes.data(),
+                                                                  lane_rs, lane_is)
+                    : !encode_group<T, BITS, FMT, MODE, SR, 0>(src, a, gi, row, gcol, y.data(),
+                                                              e.data(), r.data(), codes.data(),
+                                                              lane_rs, lane_is);
+    };
+    // this thread's contiguous range of groups (as schedule(static)), with its row and column
+    // kept as counters
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t lo = groups * t / nt, hi = groups * (t + 1) / nt;
+    int64_t row = lo / a.ng, gcol = lo % a.ng;
+    for (int64_t gi = lo; gi < hi;) {
+      int64_t step = 1;
+#if defined(LOCO_AVX2)
+      constexpr int64_t NB = avx2::kMxBlock;
+      if (FMT == kMx && a.G == kMxGroup && gi + NB <= hi && gcol + NB <= a.ng &&
+          (gcol + NB) * kMxGroup <= a.m && row * a.m + (gcol + NB) * kMxGroup <= a.numel) {
+        step = NB;
+        const T* x = src + row * a.m + gcol * kMxGroup;
+        if (avx2::try_encode_block<T, BITS, FMT, MODE, SR>(x, a, gi, row, gcol, lane_rs, lane_is))
+          std::memset(bad + gi, 0, NB);
+        else
+          for (int64_t g = 0; g < NB; ++g) one(gi + g, row, gcol + g);
+      }
+#endif
+      if (step == 1) one(gi, row, gcol);
+      gi += step;
+      gcol += step;
+      while (gcol >= a.ng) {
+        gcol -= a.ng;
+        ++row;
+      }
     }
     for (int k = 0; k < kStatLanes; ++k) {
       rs += lane_rs[k];
