@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lowbitcc.codec import reference
+from lowbitcc.codec import reference, wire
 from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
 from lowbitcc.codec.interface import EncodeArgs
 
@@ -30,6 +30,8 @@ THREADS = 256
 ENCODE_BLOCKS = 1024
 """Most blocks an encode launches (its warps loop over the groups): about one full wave on an
 H100 (132 SMs x 2048 threads), and the count of atomic adds of the residual sums."""
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension (the checksum launches one row per y index)."""
 BITS = (2, 4, 8)
 TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
@@ -52,9 +54,16 @@ def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
     return f"loco_cuda::decode_into<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
 
 
+CHECKSUM = "loco_cuda::checksum"
+CHECKSUM_FOLD = "loco_cuda::checksum_fold"
+CHECKSUM_BLOCKS = 256
+"""Most blocks per message row of a checksum launch (each thread then loops over the words)."""
+
+
 def name_expressions() -> list[str]:
     """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
-    names = [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
+    names = [CHECKSUM, CHECKSUM_FOLD]
+    names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
              for mode in ERROR_MODES.values() for sr in (False, True)
              if not (sr and fmt == "mxfp4")]
     names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
@@ -140,15 +149,16 @@ def module() -> Any:
                         name_expressions=name_expressions())
 
 
-def _launch(name: str, device: torch.device, grid: int, args: tuple) -> None:
+def _launch(name: str, device: torch.device, grid: int | tuple[int, int], args: tuple) -> None:
     """Launch kernel ``name`` of `module` on ``device``'s current torch stream (CuPy's own
     current stream and device are never used: a launch names both; CuPy loads the module once
-    per device)."""
-    if grid == 0:
+    per device). ``grid``: blocks, or (blocks in x, blocks in y)."""
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    if 0 in grid:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
-    _function(index, name)((grid,), (THREADS,), args, stream=_external(stream, index))
+    _function(index, name)(grid, (THREADS,), args, stream=_external(stream, index))
 
 
 @functools.cache
@@ -225,9 +235,22 @@ class CudaKernels:
                  np.int64(n), _p(out)))
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
-        """torch's own kernels (`reference.checksum`), on the current stream: a handful of
-        elementwise passes and one reduction over ~1/8 of the input's bytes."""
-        return reference.checksum(messages)
+        """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64
+        per row), on the current stream. Rows that do not start 8-byte aligned, or more rows
+        than a grid's second dimension holds, take `reference.checksum` (torch's kernels)."""
+        rows, width = messages.shape
+        body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
+        if (body % 8 or width % 8 or messages.data_ptr() % 8 or not messages.is_contiguous()
+                or not 0 < rows <= MAX_GRID_Y):
+            return reference.checksum(messages)
+        sums = torch.zeros(rows, 2, dtype=torch.int64, device=messages.device)
+        out = torch.empty(rows, dtype=torch.int64, device=messages.device)
+        blocks = max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
+        _launch(CHECKSUM, messages.device, (blocks, rows),
+                (_p(messages), np.int64(width), np.uint64(wire.CHECKSUM_STEP), _p(sums)))
+        _launch(CHECKSUM_FOLD, messages.device, -(-rows // THREADS),
+                (_p(sums), np.int64(rows), _p(out)))
+        return out
 
 
 KERNELS = CudaKernels()

@@ -15,6 +15,11 @@
 //   warp (one per group serialised the kernel on those two addresses).
 // decode_sum: one thread per element of the shard, rows summed in row order.
 // decode_into: one thread per element of the output, cast to its dtype.
+// checksum: the wire checksum of each message row (wire.py), by a grid of (blocks, rows): each
+//   thread sums its 64-bit words in a grid-stride loop, warps and then the block reduce, and
+//   one atomic add per block and sum reaches the row's two accumulators; checksum_fold makes
+//   the trailer. The sums are mod 2^64 and integer additions commute, so the result does not
+//   depend on the order.
 #include "loco_codec.cuh"
 
 #include <cuda_bf16.h>
@@ -230,6 +235,58 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
   const long long r = i / m, j = i % m;
   const long long ng = (m + G - 1) / G;
   out[i] = from_float<T>(decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
+}
+
+constexpr int kTrailerBytes = 8;
+constexpr int kChecksumThreads = 256;  // the launcher's block size (cuda.THREADS)
+
+// sums[2 * r] += N and sums[2 * r + 1] += S of row r's body (bytes kHeaderBytes ..
+// P - kTrailerBytes, as 64-bit words w_i, i from 0): N = sum of lo32(y_i) * hi32(y_i) with
+// y_i = w_i + (i + 1) * step, S = sum of the 32-bit halves of every w_i (both mod 2^64). Row r
+// is blockIdx.y; rows start 8-byte aligned (the launcher checks). `sums` starts at zero.
+__global__ void checksum(const unsigned char* __restrict__ msgs, long long P,
+                         unsigned long long step, unsigned long long* __restrict__ sums) {
+  const long long row = blockIdx.y;
+  const long long words = (P - loco::kHeaderBytes - kTrailerBytes) / 8;
+  const unsigned long long* w =
+      reinterpret_cast<const unsigned long long*>(msgs + row * P + loco::kHeaderBytes);
+  unsigned long long n = 0, s = 0;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words;
+       i += (long long)gridDim.x * blockDim.x) {
+    const unsigned long long x = w[i];
+    const unsigned long long y = x + (unsigned long long)(i + 1) * step;
+    n += (y & 0xffffffffull) * (y >> 32);
+    s += (x & 0xffffffffull) + (x >> 32);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    n += __shfl_down_sync(kFull, n, offset);
+    s += __shfl_down_sync(kFull, s, offset);
+  }
+  __shared__ unsigned long long warp_n[kChecksumThreads / 32], warp_s[kChecksumThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_n[warp] = n;
+    warp_s[warp] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < (int)(blockDim.x / 32); ++k) {
+      n += warp_n[k];
+      s += warp_s[k];
+    }
+    atomicAdd(sums + 2 * row, n);
+    atomicAdd(sums + 2 * row + 1, s);
+  }
+}
+
+// out[r] = the trailer of row r from its sums: S mod 2^32 in the low half, lo32(N) ^ hi32(N) in
+// the high half (as the int64 bits of a uint64).
+__global__ void checksum_fold(const unsigned long long* __restrict__ sums, long long rows,
+                              long long* __restrict__ out) {
+  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const unsigned long long n = sums[2 * r], s = sums[2 * r + 1];
+  out[r] = (long long)((s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32));
 }
 
 }  // namespace loco_cuda
