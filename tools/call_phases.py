@@ -8,13 +8,18 @@ Every rank times, in turn and with a barrier before each, ``--calls`` times:
   `lowbitcc.stats()` into codec (encode and decode, wall time), waiting on the wire and the
   rest (descriptor exchange, queueing, Python);
 - ``codes``: the bytes one loco call sends per rank at the throughput of gloo's all-reduce
-  (which sends ``2 (n - 1) / n`` of its input per rank): the codes' time on the wire;
+  (which sends ``2 (n - 1) / n`` of its input per rank): the codes' time on the wire at the
+  link's bulk rate;
+- ``gather``: a gloo all-gather of as many bytes per rank: the codes' time in one transfer of
+  their size (on a shaped link, short transfers reach less than the bulk rate);
 - ``codec alone``: the codec work of the call without any transfer: encode the tensor as one
   row per rank, then decode-sum each row's messages of every rank (the two-rank all-reduce's
   work exactly; with more ranks the reduce-scatter's, a lower bound), on every rank at once.
 
 It prints the medians (the slowest rank's) and the *frontier*: the larger of codec alone and
-codes, the call's time if codec and wire overlapped perfectly and nothing else took time.
+codes, the call's time if codec and wire overlapped perfectly, the link gave the codes its bulk
+rate, and nothing else took time (the network stack's own CPU time included: on a machine
+with one core per rank it competes with the codec).
 
     python tools/call_phases.py                           # 2 local ranks, loopback
     lowbitcc netem --np 2 --link 1gbit -- python tools/call_phases.py   # emulated links (root)
@@ -39,7 +44,7 @@ from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.tools import spawn
 
-ROWS = ("gloo", "loco", "codec", "wire", "other", "alone", "codes")
+ROWS = ("gloo", "loco", "codec", "wire", "other", "alone", "codes", "gather")
 
 
 def _codec_alone(config: lowbitcc.LocoConfig, x: torch.Tensor, world: int) -> Callable[[], None]:
@@ -99,13 +104,16 @@ def _measure(rank: int, world: int, mib: int, calls: int) -> dict[str, float]:
         t_gloo = timed(lambda: dist.all_reduce(y, group=gloo))
         t_alone = timed(alone)
         t_codes = sent_per_call / (2 * (world - 1) / world * x.numel() * 4 / t_gloo)
+        share = torch.empty(-(-sent_per_call // (world - 1)), dtype=torch.uint8)
+        gathered = torch.empty(world * share.numel(), dtype=torch.uint8)
+        t_gather = timed(lambda g=gathered, s=share: dist.all_gather_into_tensor(g, s, group=gloo))
         if i < 2:  # warm-up: error states, buffers, connections
             continue
         codec_s = after["codec_s"] - before["codec_s"]
         wire_s = after["wire_s"] - before["wire_s"]
         for name, value in (("gloo", t_gloo), ("loco", t_loco), ("codec", codec_s),
                             ("wire", wire_s), ("other", t_loco - codec_s - wire_s),
-                            ("alone", t_alone), ("codes", t_codes)):
+                            ("alone", t_alone), ("codes", t_codes), ("gather", t_gather)):
             samples[name].append(value)
     medians = torch.tensor([statistics.median(samples[name]) for name in ROWS]
                            + [sent_per_call, torch.get_num_threads()], dtype=torch.float64)
@@ -129,6 +137,7 @@ def _report(result: dict[str, float], mib: int, world: int) -> None:
     print(f"{'codec alone':<28}{ms['alone']:>9.1f}")
     print(f"{'codes at gloo throughput':<28}{ms['codes']:>9.1f}   ({result['sent'] / 1e6:.2f} MB sent "
           f"per rank)")
+    print(f"{'codes in one all-gather':<28}{ms['gather']:>9.1f}")
     print(f"{'frontier max(alone, codes)':<28}{frontier:>9.1f}{ms['gloo'] / frontier:>8.2f}")
 
 
