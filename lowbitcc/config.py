@@ -112,6 +112,9 @@ class LocoConfig:
             to a multiple of ``group_size``): transfers of chunk k overlap the codec work of its
             neighbours; 0 sends each phase as one message. With nearest rounding the results are the
             same bytes either way (stochastic rounding draws other random bits per chunk).
+        max_chunks: the most chunks a row is cut into: a row longer than ``max_chunks *
+            chunk_size`` gets wider chunks, so that a large call pays the host work of a chunk
+            (about a millisecond) fewer times (0: no limit, ``chunk_size`` alone decides).
     """
 
     bits: int = 4
@@ -134,6 +137,7 @@ class LocoConfig:
     checksum: bool | None = None
     schedule: str = "direct"
     chunk_size: int = 1048576
+    max_chunks: int = 4
     transport: str = "auto"
     node_size: int = 0
     auto_tree_bytes: int = 2097152
@@ -229,6 +233,8 @@ class LocoConfig:
             raise bad("schedule", "one of " + ", ".join(SCHEDULES))
         if not _is_int(self.chunk_size) or self.chunk_size < 0:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
+        if not _is_int(self.max_chunks) or self.max_chunks < 0:
+            raise bad("max_chunks", "an integer >= 0 (0: no limit)")
         if self.transport not in TRANSPORTS:
             raise bad("transport", "one of " + ", ".join(TRANSPORTS))
         for field in ("node_size", "auto_tree_bytes", "auto_tree_ranks", "auto_ring_ranks"):

@@ -55,6 +55,7 @@ from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
+from lowbitcc.schedules.chunking import chunk_width
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.links import Links
 from lowbitcc.transports.topology import NodeLayout
@@ -260,7 +261,7 @@ class CompressedCalls:
         def run(source: Source, comp: CallCompressor, route: Route) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
             schedules.all_reduce(self._schedule(source, route), source, out, comp, route.links,
-                                 self._chunk(route))
+                                 self._chunk(route, source.m))
             if out.data_ptr() != tensor.data_ptr():
                 tensor.copy_(out.view(tensor.shape))
 
@@ -276,7 +277,7 @@ class CompressedCalls:
 
         def run(src: Source, comp: CallCompressor, route: Route) -> None:
             reduced = schedules.reduce_scatter(self._schedule(src, route), src, comp, route.links,
-                                               self._chunk(route))
+                                               self._chunk(route, src.m))
             output.copy_(reduced.view(output.shape))
 
         def deliver(reduced: torch.Tensor) -> None:
@@ -536,8 +537,12 @@ class CompressedCalls:
 
         return InnerWork(result.work, finish_then_raise)
 
-    def _chunk(self, route: Route) -> int:
-        return 0 if route.inline else self.config.chunk_size
+    def _chunk(self, route: Route, m: int) -> int:
+        """The chunk width for rows of ``m`` elements: ``chunk_size``, widened to a
+        ``max_chunks``-th of the row where that is wider (0 for ``route.inline``: no chunks)."""
+        if route.inline:
+            return 0
+        return chunk_width(m, self.config.chunk_size, self.config.max_chunks)
 
     def _schedule(self, source: Source, route: Route) -> str:
         nbytes = source.tensor.numel() * source.tensor.element_size()

@@ -18,6 +18,15 @@ def chunks(m: int, chunk: int, group_size: int) -> list[tuple[int, int]]:
     return [(a, min(a + width, m)) for a in range(0, m, width)]
 
 
+def chunk_width(m: int, chunk_size: int, max_chunks: int) -> int:
+    """The chunk width for rows of ``m`` elements under `LocoConfig`'s ``chunk_size`` (0: no
+    chunks) and ``max_chunks``: ``chunk_size``, widened to ``ceil(m / max_chunks)`` where that
+    is wider (``max_chunks`` 0: never), so that a row has at most ``max_chunks`` chunks."""
+    if chunk_size <= 0 or max_chunks <= 0:
+        return max(chunk_size, 0)
+    return max(chunk_size, -(-m // max_chunks))
+
+
 def stage(name: str, k: int, count: int) -> str:
     """Chunk ``k``'s stage name (``name`` itself when there is one chunk)."""
     return name if count == 1 else f"{name}.{k}"

@@ -191,13 +191,15 @@ def test_stochastic_rounding_all_reduce_identical_and_bounded():
 
 def _chunked_equals_whole(rank, world, gloo):
     whole = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(chunk_size=0))
-    chunked = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(chunk_size=1000))
+    chunked = dist.new_group(backend="loco",
+                             pg_options=lowbitcc.LocoConfig(chunk_size=1000, max_chunks=0))
+    capped = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(chunk_size=1000))
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for step in range(3):  # later calls use the error state the earlier ones left
             x = rank_input(rank, 100_003, step, dtype)
             outs = {}
-            for name, group in (("whole", whole), ("chunked", chunked)):
+            for name, group in (("whole", whole), ("chunked", chunked), ("capped", capped)):
                 ar = x.clone()
                 rs = torch.empty(100_003 // world, dtype=dtype)
                 with lowbitcc.compressed(), lowbitcc.feedback_key(f"chunks-{dtype}"):
@@ -207,6 +209,8 @@ def _chunked_equals_whole(rank, world, gloo):
             results.append({
                 "all_reduce_same": torch.equal(outs["whole"][0], outs["chunked"][0]),
                 "reduce_scatter_same": torch.equal(outs["whole"][1], outs["chunked"][1]),
+                "capped_same": (torch.equal(outs["whole"][0], outs["capped"][0])
+                                and torch.equal(outs["whole"][1], outs["capped"][1])),
                 "identical": identical_everywhere(outs["chunked"][0], gloo),
             })
     return results
@@ -214,7 +218,9 @@ def _chunked_equals_whole(rank, world, gloo):
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_pipelined_chunks_give_the_same_bytes(world):
-    """chunk_size 1000 (1024 after rounding to groups) cuts each row into ~33-49 chunks."""
+    """chunk_size 1000 (1024 after rounding to groups) cuts each row into ~33-49 chunks
+    (max_chunks 0), or into 4 wider ones (the default max_chunks, 4)."""
     for per_rank in run_ranks(_chunked_equals_whole, world):
         for r in per_rank:
-            assert r["all_reduce_same"] and r["reduce_scatter_same"] and r["identical"], r
+            assert (r["all_reduce_same"] and r["reduce_scatter_same"] and r["capped_same"]
+                    and r["identical"]), r

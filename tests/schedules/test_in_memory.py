@@ -120,3 +120,35 @@ def test_direct_all_reduce_on_two_ranks_sums_each_ranks_own_codes_once(chunk):
         codec.decode_into(encoded.messages, m, [0, 1], out)
         decoded.append(out)
     assert torch.equal(results[0], decoded[0] + decoded[1])
+
+
+@pytest.mark.parametrize("m", [1, 1000, 4096, 4097, 1_490_000, 8_388_608, 33_554_432])
+@pytest.mark.parametrize("chunk_size, max_chunks", [(1_048_576, 4), (1024, 4), (1024, 0), (0, 4)])
+def test_chunk_width_caps_the_chunks_per_row(m, chunk_size, max_chunks):
+    """A row gets chunks of ``chunk_size`` (rounded up to groups), widened so that there are at
+    most ``max_chunks`` of them; ranges cover the row in order, group-aligned but the last."""
+    from lowbitcc.schedules.chunking import chunk_width, chunks
+
+    ranges = chunks(m, chunk_width(m, chunk_size, max_chunks), 32)
+    assert ranges[0][0] == 0 and ranges[-1][1] == m
+    assert all(a < b and b == c for (a, b), (c, _) in zip(ranges, ranges[1:]))
+    assert all(b % 32 == 0 for _, b in ranges[:-1])
+    if chunk_size == 0:
+        assert len(ranges) == 1
+    elif max_chunks:
+        assert len(ranges) <= max_chunks
+        assert len(ranges) == 1 or all(b - a >= chunk_size for a, b in ranges[:-1])
+    else:
+        width = -(-chunk_size // 32) * 32
+        assert len(ranges) == -(-m // width)
+
+
+def test_chunk_width_of_the_measured_cases():
+    """docs/performance.md: a 64 MiB two-rank all-reduce (rows of 8 Mi elements) runs in four
+    chunks of 2 Mi per row; DDP's 2.98 M-element bucket (rows of 1.49 M) keeps 1 Mi."""
+    from lowbitcc.schedules.chunking import chunk_width
+
+    assert chunk_width(8_388_608, 1_048_576, 4) == 2_097_152
+    assert chunk_width(1_490_000, 1_048_576, 4) == 1_048_576
+    assert chunk_width(8_388_608, 1_048_576, 0) == 1_048_576
+    assert chunk_width(8_388_608, 0, 4) == 0

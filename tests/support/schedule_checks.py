@@ -46,7 +46,8 @@ def bound_factor(hops: int) -> float:
 
 def _group(schedule: str, transport: str, world: int, **changes) -> dist.ProcessGroup:
     cfg = lowbitcc.LocoConfig(schedule=schedule, transport=transport, node_size=NODE_SIZE[world],
-                              policy="always", cost_model=False, min_size=1, chunk_size=4096, **changes)
+                              policy="always", cost_model=False, min_size=1, chunk_size=4096,
+                              max_chunks=0, **changes)
     return dist.new_group(backend="loco", pg_options=cfg)
 
 
