@@ -89,8 +89,8 @@ class LocoConfig:
             ``WireFormatError`` instead of decoding into wrong values (docs/wire-format.md).
             None (the default, ``LOCO_CHECKSUM=auto``): on for CPU tensors, where it costs
             about 1-3% of a compressed call's codec time (docs/reliability.md), off for CUDA
-            tensors, where it is a dozen torch kernels per side whose cost has not been
-            measured on a GPU yet (`checksum_for`). True or False: on or off for both. Off,
+            tensors, whose fused checksum kernels have not been run or timed on a GPU yet
+            (`checksum_for`). True or False: on or off for both. Off,
             messages keep their size (and a zero trailer) and nothing is verified.
         schedule: the compressed reduce-scatter/all-reduce schedule (see docs/algorithms.md):
             "direct" (one all-to-all of codes, then one all-gather), "ring" (neighbours only,

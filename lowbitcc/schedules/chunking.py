@@ -61,8 +61,14 @@ def encode_columns(comp: CallCompressor, name: str, source: Source, a: int, b: i
     rows, m = source.rows, source.m
     if (a, b) == (0, m):
         return comp.encode(name, source, list(range(rows)))
-    parts = [comp.encode(f"{name}.{r}", row_slice(source, r, a, b), [r]) for r in range(rows)]
-    return torch.cat(parts)
+    return torch.cat([encode_row(comp, name, source, r, a, b) for r in range(rows)])
+
+
+def encode_row(comp: CallCompressor, name: str, source: Source, row: int, a: int,
+               b: int) -> torch.Tensor:
+    """The message ``[1, P]`` of columns ``[a, b)`` of row ``row``, encoded in place (a view)
+    with chunk stage ``name``'s own stage for the row, ``name.row``."""
+    return comp.encode(f"{name}.{row}", row_slice(source, row, a, b), [row])
 
 
 def decode_columns(comp: CallCompressor, messages: torch.Tensor, source_rows: int, m: int,

@@ -24,8 +24,9 @@ Two ranks: the all-reduce is one phase instead. Each rank quantizes its whole in
 row, stage ``"gather"``), the ranks all-gather these codes, and every rank decodes both ranks'
 messages of each row and sums them in fp32 in rank order (its own codes, not its own values),
 so both end with bitwise-identical values. With chunks, each row's slice of a chunk is
-all-gathered on its own, started as soon as it is encoded. Against steps 1-5 this sends the same bytes (one
-message of ``2m`` elements instead of two of ``m``), encodes ``2m`` elements instead of ``3m``,
+all-gathered on its own, started as soon as it is encoded. Against steps 1-5 this sends the
+same bytes (one message of ``2m`` elements instead of two of ``m``), encodes ``2m`` elements
+instead of ``3m``,
 decodes as many, waits for the network once instead of twice, and quantizes each element once.
 With more ranks it would send ``(n-1) n m`` elements instead of ``2 (n-1) m``, so it is not used.
 
@@ -43,7 +44,7 @@ from collections.abc import Callable
 import torch
 
 from lowbitcc.compressor import CallCompressor, Source
-from lowbitcc.schedules.chunking import chunks, decode_columns, encode_columns, row_slice, stage
+from lowbitcc.schedules.chunking import chunks, decode_columns, encode_columns, encode_row, stage
 from lowbitcc.transports.base import Pending, Transport
 from lowbitcc.transports.links import Links
 
@@ -161,13 +162,13 @@ def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
             place(r, a, b, gathered[:, r].contiguous())
 
     if len(ranges) == 1:
-        messages = comp.encode(prefix + "gather", source, list(range(rows)))
+        messages = encode_columns(comp, prefix + "gather", source, 0, m)
         in_flight.append((0, m, None, transport.all_gather_async(messages)))
     else:
         for k, (a, b) in enumerate(ranges):
             name = stage(prefix + "gather", k, len(ranges))
             for r in range(rows):
-                messages = comp.encode(f"{name}.{r}", row_slice(source, r, a, b), [r])
+                messages = encode_row(comp, name, source, r, a, b)
                 in_flight.append((a, b, r, transport.all_gather_async(messages)))
                 if len(in_flight) > rows:
                     place_oldest()

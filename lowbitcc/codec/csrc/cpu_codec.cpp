@@ -4,7 +4,8 @@
 //   add the stored error, group max, quantize, pack codes and the scale (fp32, or an E8M0 byte
 //   for MXFP4) straight into the message rows, LoCo-update the error and store it back (int8 +
 //   scale, fp32 or bf16) in place. The explicit AVX-512 path covers int codes with G = 128, the
-//   AVX2 path those and MXFP4 with G = 32; everything else runs the portable loops.
+//   AVX2 path those and MXFP4 with G = 32 (four groups a call, encode_block); everything else
+//   runs the portable loops.
 // decode_sum: decode k messages of one shard and sum them in fp32 in row order (with AVX2, 4-
 //   and 8-bit codes 8 at a time, the sum held in a register).
 // decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.

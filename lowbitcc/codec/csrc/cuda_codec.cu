@@ -238,7 +238,7 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
 }
 
 constexpr int kTrailerBytes = 8;
-constexpr int kChecksumThreads = 256;  // the launcher's block size (cuda.THREADS)
+constexpr int kMaxWarps = 32;  // warps in the largest block CUDA allows (1024 threads)
 
 // sums[2 * r] += N and sums[2 * r + 1] += S of row r's body (bytes kHeaderBytes ..
 // P - kTrailerBytes, as 64-bit words w_i, i from 0): N = sum of lo32(y_i) * hi32(y_i) with
@@ -262,7 +262,7 @@ __global__ void checksum(const unsigned char* __restrict__ msgs, long long P,
     n += __shfl_down_sync(kFull, n, offset);
     s += __shfl_down_sync(kFull, s, offset);
   }
-  __shared__ unsigned long long warp_n[kChecksumThreads / 32], warp_s[kChecksumThreads / 32];
+  __shared__ unsigned long long warp_n[kMaxWarps], warp_s[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) {
     warp_n[warp] = n;
