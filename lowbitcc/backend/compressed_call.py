@@ -6,8 +6,9 @@ For each compressible all-reduce or reduce-scatter (the policy said so; see `low
 1. names the call's error-feedback key in the issuing thread (`key`: explicit, or group,
    collective, dtype, numel and the ordinal of that signature within the current backward pass or
    optimizer step) and its sequence number;
-2. on the worker, exchanges call descriptors (one `wire.FRAME_BYTES` frame per rank) so that
-   ranks that issued different calls all raise `CollectiveMismatchError` (``config.check``),
+2. on the worker, exchanges call descriptors (one `wire.FRAME_BYTES` frame per rank, twice
+   over) so that ranks that issued different calls all raise `CollectiveMismatchError`
+   (``config.check``),
    and falls back to the exact call when the agreed size is under ``min_size``, when any rank
    would not compress it (its policy said exact: e.g. a joined DDP rank's shadow all-reduce,
    issued outside backward, or an `exact()` block on one rank; every CPU reduction comes here,
@@ -31,6 +32,7 @@ agreement and byte accounting are shared by every device.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -60,13 +62,15 @@ from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.links import Links
 from lowbitcc.transports.topology import NodeLayout
 
+log = logging.getLogger(__name__)
+
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (shape, dtype, op or order) on the same group."""
 
 
 class CorruptFrameError(wire.WireFormatError):
-    """A descriptor frame arrived corrupt on this rank (`wire.frame_checks`). ``exact_known``:
+    """Every copy of a descriptor frame arrived corrupt on this rank (`wire.pick_frames`). ``exact_known``:
     the intact frames settle the call's path anyway (this rank, or another whose frame arrived
     intact, would not compress the call, and the call does not travel in the frames), so this
     rank can still take the exact path with the ranks that received every frame intact, and
@@ -465,25 +469,29 @@ class CompressedCalls:
 
     def _exchange(self, desc: wire.CallDescriptor, own: torch.Tensor | None = None
                   ) -> tuple[wire.CallDescriptor, torch.Tensor | None]:
-        """All-gather one `wire.FRAME_BYTES` frame per rank: ``desc``, then ``own`` (this
-        rank's contribution to a reduction of at most `wire.FRAME_PAYLOAD` bytes, flat).
-        Raises `CollectiveMismatchError` on every rank if the calls differ, and
-        `CorruptFrameError` on a rank that received a frame failing its check (the intact
-        frames are compared first). Returns rank 0's
+        """All-gather one `wire.FRAME_BYTES` frame per rank (`wire.FRAME_COPIES` times over):
+        ``desc``, then ``own`` (this rank's contribution to a reduction of at most
+        `wire.FRAME_PAYLOAD` bytes, flat). A frame counts as intact if one of its copies passes
+        its check (a warning names a corrected one). Raises `CollectiveMismatchError` on every
+        rank if the calls differ, and `CorruptFrameError` on a rank that received a frame none
+        of whose copies passes (the intact frames are compared first). Returns rank 0's
         descriptor (whose advisory fields every rank follows), marked compressed only if every
         rank's is, and with ``own`` every rank's frame after the descriptor (uint8, one row per
         rank: the first ``own``'s bytes of each are that rank's contribution; the descriptors
         agreeing, the dtypes and sizes do)."""
-        frame = np.zeros((1, wire.FRAME_BYTES), dtype=np.uint8)
+        frame = np.zeros((wire.FRAME_COPIES, wire.FRAME_BYTES), dtype=np.uint8)
         frame[0, :wire.DESCRIPTOR_BYTES] = np.frombuffer(desc.pack(), dtype=np.uint8)
         if own is not None:
             raw = own.contiguous().view(-1).view(torch.uint8).numpy()
             frame[0, wire.DESCRIPTOR_BYTES:wire.DESCRIPTOR_BYTES + raw.size] = raw
-        frame[0, -wire.FRAME_CHECK_BYTES:] = wire.frame_checks(frame).view(np.uint8)
-        everyone = self._agreement.all_gather(torch.from_numpy(frame[0]))
-        rows = everyone.numpy()
-        carried = np.ascontiguousarray(rows[:, -wire.FRAME_CHECK_BYTES:]).view("<u8")[:, 0]
-        intact = wire.frame_checks(rows) == carried
+        frame[0, -wire.FRAME_CHECK_BYTES:] = wire.frame_checks(frame[:1]).view(np.uint8)
+        frame[1:] = frame[0]
+        gathered = self._agreement.all_gather(torch.from_numpy(frame.reshape(-1)))
+        rows, intact, corrected = wire.pick_frames(gathered.numpy())
+        for r in np.flatnonzero(corrected):
+            log.warning("lowbitcc: a copy of rank %d's call descriptor frame arrived corrupt on "
+                        "rank %d of group '%s' (its check fails); another copy passed and "
+                        "settles the call", int(r), self.rank, self.group_name)
         self._check_match(rows, np.flatnonzero(intact))
         if not intact.all():
             # exact on every rank if any rank would not compress it (this one, or one whose
@@ -502,7 +510,7 @@ class CompressedCalls:
         leader = dataclasses.replace(
             wire.CallDescriptor.unpack(rows[0, :wire.DESCRIPTOR_BYTES].tobytes()),
             compressed=bool((flags & wire.DESC_COMPRESSED).all()))
-        return leader, None if own is None else everyone[:, wire.DESCRIPTOR_BYTES:]
+        return leader, None if own is None else torch.from_numpy(rows[:, wire.DESCRIPTOR_BYTES:])
 
     def _check_match(self, rows: np.ndarray, ranks: np.ndarray) -> None:
         """Raise `CollectiveMismatchError` unless the frames ``rows[ranks]`` describe one call."""

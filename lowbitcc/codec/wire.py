@@ -181,10 +181,10 @@ FRAME_PAYLOAD = 96
 gathered frames, in one exchange."""
 FRAME_CHECK_BYTES = 8
 FRAME_BYTES = DESCRIPTOR_BYTES + FRAME_PAYLOAD + FRAME_CHECK_BYTES
-"""Every descriptor exchange all-gathers one frame of this many bytes per rank: the descriptor,
-then (an exact reduction small enough, see `FRAME_PAYLOAD`) the call's input, then zeros, then
-the frame's check (`frame_checks`). One size for every call, so that ranks that issued
-different calls still exchange frames alike."""
+"""A rank's descriptor frame: the descriptor, then (an exact reduction small enough, see
+`FRAME_PAYLOAD`) the call's input, then zeros, then the frame's check (`frame_checks`). Every
+descriptor exchange all-gathers `FRAME_COPIES` of it per rank. One size for every call, so
+that ranks that issued different calls still exchange frames alike."""
 _FRAME_KEYS = np.array([((j + 1) * CHECKSUM_STEP | 1) % 2**64
                         for j in range((FRAME_BYTES - FRAME_CHECK_BYTES) // 4)], dtype=np.uint64)
 
@@ -197,6 +197,41 @@ def frame_checks(frames: np.ndarray) -> np.ndarray:
     the frame's last `FRAME_CHECK_BYTES`."""
     words = np.ascontiguousarray(frames[:, :FRAME_BYTES - FRAME_CHECK_BYTES]).view("<u4")
     return (words.astype(np.uint64) * _FRAME_KEYS).sum(axis=1, dtype=np.uint64)
+
+FRAME_COPIES = 2
+"""Each rank's row of a descriptor exchange holds its frame this many times over
+(`EXCHANGE_BYTES`); a receiver takes the first copy that passes its check (`pick_frames`), so a
+row corrupted in one place still settles the call on every rank."""
+EXCHANGE_BYTES = FRAME_COPIES * FRAME_BYTES
+"""Bytes each rank contributes to a descriptor exchange."""
+
+
+def pick_frames(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From the gathered rows ``uint8 [ranks, EXCHANGE_BYTES]`` of a descriptor exchange, return
+    ``(frames, intact, corrected)``: ``frames`` ``uint8 [ranks, FRAME_BYTES]`` (a view of
+    ``rows`` where every first copy passes), each rank's first
+    copy that passes its check (its first copy where none does); ``intact`` bool ``[ranks]``,
+    whether one did; ``corrected``, whether only a later copy did."""
+    frames = rows[:, :FRAME_BYTES]
+    intact = frame_checks(frames) == _carried_checks(frames)
+    corrected = np.zeros(len(intact), dtype=bool)
+    if intact.all():
+        return frames, intact, corrected
+    frames = frames.copy()
+    for copy in range(1, FRAME_COPIES):
+        bad = np.flatnonzero(~intact)
+        later = np.ascontiguousarray(rows[bad, copy * FRAME_BYTES:(copy + 1) * FRAME_BYTES])
+        good = frame_checks(later) == _carried_checks(later)
+        frames[bad[good]] = later[good]
+        intact[bad[good]] = corrected[bad[good]] = True
+        if intact.all():
+            break
+    return frames, intact, corrected
+
+
+def _carried_checks(frames: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(frames[:, -FRAME_CHECK_BYTES:]).view("<u8")[:, 0]
+
 
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
                     "gather": 5, "scatter": 6, "all_to_all": 7, "barrier": 8, "reduce": 9}

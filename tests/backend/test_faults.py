@@ -355,7 +355,7 @@ class _Corrupted:
 
     def wait(self):
         got = self.pending.wait()
-        if got.shape[-1] <= lowbitcc.codec.wire.FRAME_BYTES:  # the descriptor frames' all-gather
+        if got.shape[-1] <= lowbitcc.codec.wire.EXCHANGE_BYTES:  # the descriptor frames' all-gather
             return got
         if self.how == "truncate":
             return got[:, :-4].contiguous()
@@ -417,10 +417,12 @@ def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_sur
     assert run_ranks(_corrupt_message_on_one_rank, 3, phase, timeout=60, env=env) == expected
 
 
-def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call):
-    """Run ``call()``; rank 1's copy of rank 0's descriptor frame gets byte ``offset`` flipped in
-    the first exchange. Returns "nothing", "raised" (the `WireFormatError` naming that frame)
-    or the text of another such error."""
+def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
+                                          copies=lowbitcc.codec.wire.FRAME_COPIES):
+    """Run ``call()``; in the first exchange, byte ``offset`` of the first ``copies`` copies of
+    rank 0's descriptor frame gets flipped as rank 1 receives it (every copy by default).
+    Returns "nothing", "raised" (the `WireFormatError` naming that frame) or the text of
+    another such error."""
     from lowbitcc.transports import gloo as gloo_transport
 
     original = gloo_transport.GlooTransport.all_gather
@@ -430,7 +432,8 @@ def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call):
         got = original(self, send)
         if not state["done"]:
             state["done"] = True
-            got[0, offset] ^= 0x01
+            for copy in range(copies):
+                got[0, copy * lowbitcc.codec.wire.FRAME_BYTES + offset] ^= 0x01
         return got
 
     if rank == 1:
@@ -499,6 +502,60 @@ def _corrupt_frame_where_another_rank_declines(rank, world, gloo):
 def test_a_corrupt_frame_where_another_rank_declines_compression_still_runs_exact():
     assert run_ranks(_corrupt_frame_where_another_rank_declines, 3, timeout=60) == [
         ("nothing", True, True), ("raised", True, True), ("nothing", True, True)]
+
+
+def _one_copy_of_a_frame_corrupt(rank, world, gloo, offset, kind):
+    """Rank 1 receives the first copy of rank 0's frame with byte ``offset`` flipped; the
+    second copy arrives intact. Returns what raised, whether the result is right (the exact sum;
+    for a compressed call, near it and bitwise the same on every rank) and whether rank 1 logged
+    the corrected copy."""
+    import logging
+
+    numel = {"framed": 3, "exact": 1000, "compressed": BIG}[kind]
+    x = torch.linspace(-1, 1, numel) * (rank + 1)
+    y, expected = x.clone(), x.clone()
+    dist.all_reduce(expected, group=gloo)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("lowbitcc.backend.compressed_call")
+    logger.addHandler(handler)
+
+    def call() -> None:
+        if kind == "compressed":
+            with lowbitcc.compressed():
+                dist.all_reduce(y)
+        else:
+            dist.all_reduce(y)
+
+    try:
+        raised = _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call, copies=1)
+    finally:
+        logger.removeHandler(handler)
+    if kind == "compressed":
+        everyone = [torch.empty_like(y) for _ in range(world)]
+        dist.all_gather(everyone, y, group=gloo)
+        right = all(torch.equal(everyone[0], t) for t in everyone) and _close(y, expected)
+    else:
+        right = torch.equal(y, expected)
+    logged = any("a copy of rank 0's call descriptor frame arrived corrupt on rank 1" in w
+                 for w in warnings)
+    return raised, right, logged
+
+
+@pytest.mark.parametrize("offset", [
+    4,  # the descriptor's version byte
+    28,  # its flags: "would compress"
+    40,  # the input it carries, or zeros
+    130,  # the check itself
+])
+@pytest.mark.parametrize("kind", ["framed", "exact", "compressed"])
+def test_a_frame_with_one_intact_copy_settles_the_call_on_every_rank(offset, kind):
+    """Every rank sends its frame twice in one exchange. With one copy corrupt, rank 1 takes the
+    other, logs it, and completes the call with the others. Before, rank 1 raised, and for a
+    compressed call the others waited for it until the group's timeout."""
+    assert run_ranks(_one_copy_of_a_frame_corrupt, 3, offset, kind, timeout=60) == [
+        ("nothing", True, False), ("nothing", True, True), ("nothing", True, False)]
 
 
 def _late_peer(rank, world, gloo, kind):
@@ -647,7 +704,7 @@ class _FirstCorrupted:
 
     def wait(self):
         got = self.pending.wait()
-        if not _FirstCorrupted.hit and got.shape[-1] > lowbitcc.codec.wire.FRAME_BYTES:
+        if not _FirstCorrupted.hit and got.shape[-1] > lowbitcc.codec.wire.EXCHANGE_BYTES:
             _FirstCorrupted.hit = True
             got.view(-1)[28] ^= 0xFF
         return got

@@ -131,6 +131,27 @@ def test_any_changed_byte_of_a_descriptor_frame_changes_its_check(seed, offset, 
     assert before[1] != after[1] and before[0] == after[0] and before[2] == after[2]
 
 
+
+@given(seed=st.integers(0, 2**31), row=st.integers(0, 2),
+       spans=st.lists(st.tuples(st.integers(0, wire.EXCHANGE_BYTES - 1), st.integers(1, 255)),
+                      min_size=1, max_size=4, unique_by=lambda span: span[0]))
+@settings(max_examples=200, deadline=None)
+def test_pick_frames_takes_a_copy_that_passes_and_flags_rows_where_none_does(seed, row, spans):
+    frames = np.random.default_rng(seed).integers(0, 256, (3, wire.FRAME_BYTES), dtype=np.uint8)
+    frames[:, -wire.FRAME_CHECK_BYTES:] = wire.frame_checks(frames).view(np.uint8).reshape(3, -1)
+    rows = np.tile(frames, wire.FRAME_COPIES)
+    for offset, flip in spans:
+        rows[row, offset] ^= flip
+    copies_hit = {offset // wire.FRAME_BYTES for offset, _ in spans}
+    picked, intact, corrected = wire.pick_frames(rows)
+    others = [r for r in range(3) if r != row]
+    assert intact[others].all() and not corrected[others].any()
+    assert np.array_equal(picked[others], frames[others])
+    assert intact[row] == (len(copies_hit) < wire.FRAME_COPIES)
+    assert corrected[row] == (intact[row] and 0 in copies_hit)
+    if intact[row]:
+        assert np.array_equal(picked[row], frames[row])
+
 @given(data=st.binary(min_size=0, max_size=600), rows=st.integers(1, 3), m=st.integers(1, 300),
        impl=st.sampled_from(["reference", "cpu"]))
 @settings(max_examples=200, deadline=None)
