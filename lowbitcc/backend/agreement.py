@@ -9,7 +9,10 @@ operations for the same call: a hang or an abort inside gloo. So each rank publi
 invalid), within the group's timeout.
 
 Two settings are each rank's own: ``codec`` (every implementation gives the same bytes) and
-``max_keys`` (a local memory bound).
+``max_keys`` (a local memory bound). Each rank also publishes its build's `PROTOCOL` (the wire
+format version and the size of a descriptor exchange): ranks running lowbitcc builds that speak
+different protocols raise a ``ValueError`` naming them, instead of exchanging frames of
+different sizes at the first call (gloo aborts the process there).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 
 import torch.distributed as dist
 
+from lowbitcc.codec import wire
 from lowbitcc.config import LocoConfig
 
 LOCAL_SETTINGS = ("codec", "max_keys")
@@ -27,14 +31,20 @@ LOCAL_SETTINGS = ("codec", "max_keys")
 
 _KEY = "lowbitcc/config/{}"
 
+PROTOCOL = {"wire format": wire.VERSION, "descriptor exchange bytes": wire.EXCHANGE_BYTES}
+"""What ranks' builds must share to talk to each other (compared at group creation)."""
+
 
 def agree(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-          config: LocoConfig | None, error: Exception | None = None) -> LocoConfig:
+          config: LocoConfig | None, error: Exception | None = None,
+          protocol: dict[str, int] | None = None) -> LocoConfig:
     """Publish this rank's ``config`` (or ``error``, the exception reading it raised) and
-    return ``config`` once every rank of the group has published the same shared settings;
-    raise ``error`` itself, or a ``ValueError`` naming what differs, on every rank otherwise."""
-    mine = {"error": f"{type(error).__name__}: {error}"} if error is not None else {
+    ``protocol`` (default `PROTOCOL`), and return ``config`` once every rank of the group has
+    published the same protocol and shared settings; raise ``error`` itself, or a
+    ``ValueError`` naming what differs, on every rank otherwise."""
+    mine: dict = {"error": f"{type(error).__name__}: {error}"} if error is not None else {
         "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(LocoConfig)}}
+    mine["protocol"] = PROTOCOL if protocol is None else protocol
     store.set(_KEY.format(rank), json.dumps(mine))
     keys = [_KEY.format(r) for r in range(size)]
     try:
@@ -45,6 +55,14 @@ def agree(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
             f"lowbitcc: ranks {missing} of this 'loco' group did not publish their settings "
             f"within {timeout} ({exc})") from exc
     published = [json.loads(store.get(key)) for key in keys]
+    protocols = [p.get("protocol") for p in published]
+    if any(p != protocols[0] for p in protocols):
+        per_rank = "; ".join(
+            f"rank {r}: " + (", ".join(f"{k} {v}" for k, v in p.items()) if p else "unknown")
+            for r, p in enumerate(protocols))
+        raise ValueError(
+            "lowbitcc: the ranks of a 'loco' group run lowbitcc builds that speak different "
+            f"protocols ({per_rank}); install the same lowbitcc on every rank")
     if error is not None:
         raise error
     invalid = [(r, p["error"]) for r, p in enumerate(published) if "error" in p]

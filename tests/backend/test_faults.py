@@ -248,6 +248,47 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank_at_init(setting,
         assert "rank 1's 'loco' settings are invalid" in errors
 
 
+@pytest.mark.parametrize("other", [
+    {"wire format": 2, "descriptor exchange bytes": 136},  # an older build
+    None,  # a build that publishes no protocol at all
+])
+def test_builds_that_speak_different_protocols_raise_on_every_rank_at_init(other):
+    """Two builds whose descriptor exchanges differ in size made gloo abort the process at the
+    first call (an all-gather of 272 bytes against one of 136). Now group creation raises a
+    ValueError naming each rank's protocol, on every rank. Two ranks as threads on one store."""
+    import threading
+
+    from lowbitcc.backend import agreement
+    from lowbitcc.config import LocoConfig
+
+    store, config = dist.HashStore(), LocoConfig.from_env({})
+    outcome: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        if r == 1 and other is None:  # publish as a build without the protocol field would
+            store.set("lowbitcc/config/1", '{"config": {}}')
+            outcome[r] = "old build"
+            return
+        try:
+            agreement.agree(store, r, 2, datetime.timedelta(seconds=20), config,
+                            protocol=other if r == 1 else None)
+            outcome[r] = "agreed"
+        except ValueError as exc:
+            outcome[r] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    mine = ", ".join(f"{k} {v}" for k, v in agreement.PROTOCOL.items())
+    theirs = "unknown" if other is None else "wire format 2, descriptor exchange bytes 136"
+    raising = [0] if other is None else [0, 1]
+    for r in raising:
+        assert "speak different protocols" in outcome[r], outcome
+        assert f"rank 0: {mine}; rank 1: {theirs}" in outcome[r], outcome
+
+
 def test_codec_implementation_is_each_ranks_own():
     from lowbitcc.tools import spawn
 
