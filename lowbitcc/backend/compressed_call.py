@@ -360,6 +360,7 @@ class CompressedCalls:
         device = source.device.type
         nbytes = numel * itemsize
         framed = (cfg.check and not route.inline and nbytes <= wire.FRAME_PAYLOAD
+                  and source.layout == torch.strided
                   and reduces_in_rank_order(op, source.dtype))
         desc = wire.CallDescriptor(
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,

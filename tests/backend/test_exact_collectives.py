@@ -5,12 +5,14 @@ gloo's to rounding (and each other bit for bit)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import lowbitcc
 import lowbitcc.codec.wire
 from lowbitcc.backend.exact import op_type
 from tests.support.ranks import run_ranks
@@ -167,8 +169,22 @@ def coalesced(group, rank, world, async_op):
     return [a, b, ga, gb, ra, rb]
 
 
+def sparse_all_reduce(group, rank, world, async_op):
+    # gloo reduces sparse COO tensors (DDP's sparse embedding gradients take this path); loco
+    # hands them to it, never in the descriptor frame (6 elements would fit) nor compressed
+    outs = []
+    for n, forced in ((6, False), (50_000, False), (100_000, True)):
+        t = torch.sparse_coo_tensor(torch.tensor([[rank % n, (3 * rank + 1) % n, n - 1]]),
+                                    _data(rank, 3), (n,))
+        with lowbitcc.compressed() if forced else contextlib.nullcontext():
+            _finish(dist.all_reduce(t, group=group, async_op=async_op), async_op)
+        outs.append(t.to_dense())
+    return outs
+
+
 CASES = [all_reduce_ops, all_reduce_large_outside_backward, all_reduce_future, reduce_scatter,
-         all_gather, broadcast_reduce, gather_scatter, all_to_all, point_to_point, coalesced]
+         all_gather, broadcast_reduce, gather_scatter, all_to_all, point_to_point, coalesced,
+         sparse_all_reduce]
 
 
 def _compare_all(rank, world, gloo):
