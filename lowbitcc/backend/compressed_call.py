@@ -31,6 +31,7 @@ agreement and byte accounting are shared by every device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -67,6 +68,11 @@ log = logging.getLogger(__name__)
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (shape, dtype, op or order) on the same group."""
+
+
+class InvalidPeerCallError(ValueError):
+    """Another rank's arguments for this call were invalid: that rank raised its own error, this
+    one raises this, no data moved, and the group stays in step."""
 
 
 class CorruptFrameError(wire.WireFormatError):
@@ -184,6 +190,39 @@ class CompressedCalls:
             except CorruptFrameError as exc:
                 return self._then_raise(exc, job)
             return job()
+
+        return run
+
+    def refused(self, collective: str, error: Exception, numels: list[int],
+                like: torch.Tensor) -> Job:
+        """The job of a reduction whose arguments this rank found invalid (``error``), where a
+        valid call would exchange a descriptor: it exchanges one flagged `wire.DESC_INVALID`,
+        so that every other rank raises `InvalidPeerCallError` for the same call instead of
+        pairing its exchange with this rank's next call, then raises ``error``. ``numels``:
+        the whole input of each call (tensor) the valid call would be, as this rank's outputs
+        say, of ``like``'s dtype and device: it takes as many sequence numbers, and where the
+        cost model has leased the first one's size class to the exact path (the valid ranks
+        then skip the exchange) it takes the leases instead, and raises without an exchange."""
+        seqs = [self._next_seq() for _ in numels]
+        desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
+                                   seq=seqs[0], bits=0, group_size=0, compressed=False,
+                                   invalid=True)
+
+        def run() -> Any:
+            if self._leasable(numels[0]):
+                size_class = CostModel.size_class(
+                    collective, numels[0] * like.element_size(), like.device.type)
+                if self._take_lease(size_class):
+                    for numel in numels[1:]:
+                        if self._leasable(numel):
+                            self._take_lease(CostModel.size_class(
+                                collective, numel * like.element_size(), like.device.type))
+                    raise error
+            # this rank's own error says more than any the exchange raises
+            with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
+                                     CollectiveMismatchError):
+                self._agree(desc)
+            raise error
 
         return run
 
@@ -493,6 +532,15 @@ class CompressedCalls:
             log.warning("lowbitcc: a copy of rank %d's call descriptor frame arrived corrupt on "
                         "rank %d of group '%s' (its check fails); another copy passed and "
                         "settles the call", int(r), self.rank, self.group_name)
+        flags = rows[:, wire.DESC_FLAGS_OFFSET]
+        if desc.invalid:
+            return desc, None
+        refusing = np.flatnonzero(intact & ((flags & wire.DESC_INVALID) != 0))
+        if refusing.size:
+            raise InvalidPeerCallError(
+                f"lowbitcc: rank {int(refusing[0])} of group '{self.group_name}' called "
+                f"{desc.collective} (call #{desc.seq}) with invalid arguments and raised its own "
+                "error; this rank raises too, no data moved, and the group stays usable")
         self._check_match(rows, np.flatnonzero(intact))
         if not intact.all():
             # exact on every rank if any rank would not compress it (this one, or one whose
@@ -507,7 +555,6 @@ class CompressedCalls:
                               else "this rank cannot know what that rank called and raises; "
                               "ranks that received it intact go on with the call"),
                 exact_known)
-        flags = rows[:, wire.DESC_FLAGS_OFFSET]
         leader = dataclasses.replace(
             wire.CallDescriptor.unpack(rows[0, :wire.DESCRIPTOR_BYTES].tobytes()),
             compressed=bool((flags & wire.DESC_COMPRESSED).all()))

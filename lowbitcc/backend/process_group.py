@@ -230,6 +230,19 @@ class LocoProcessGroup(dist.ProcessGroup):
 
         return job
 
+    def _refuse(self, collective: str, error: Exception, cuda: bool,
+                outputs: list[torch.Tensor]) -> LocoWork:
+        """Raise ``error``, this rank's verdict on a reduction's arguments (one call per tensor
+        of ``outputs``). Where the valid call would exchange a descriptor (CPU tensors), first
+        take part in that exchange flagged invalid (`CompressedCalls.refused`), so that every
+        rank raises for this call and the group stays in step; CUDA calls raise here only."""
+        if cuda or not self._compressed.agrees_on([o.numel() for o in outputs]):
+            raise error
+        job = self._compressed.refused(collective, error, [o.numel() * self.size()
+                                                            for o in outputs], outputs[0])
+        self._queue.submit(job).wait()  # raises error
+        raise error
+
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
         return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self.size())
@@ -278,13 +291,15 @@ class LocoProcessGroup(dist.ProcessGroup):
         if len(output_tensors) != 1 or len(input_tensors) != 1:
             raise ValueError("lowbitcc: reduce_scatter takes one output and one input list")
         output, inputs = output_tensors[0], input_tensors[0]
-        if len(inputs) != self.size():
-            raise ValueError(
-                f"lowbitcc: reduce_scatter needs {self.size()} input tensors, got {len(inputs)}")
         cuda = self._on_cuda("reduce_scatter", [output, *inputs])
+        if len(inputs) != self.size():
+            return self._refuse("reduce_scatter", ValueError(
+                f"lowbitcc: reduce_scatter needs {self.size()} input tensors, got {len(inputs)}"),
+                cuda, [output])
         if any(t.shape != output.shape or t.dtype != output.dtype for t in inputs):
-            raise ValueError(
-                "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype")
+            return self._refuse("reduce_scatter", ValueError(
+                "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype"),
+                cuda, [output])
         if cuda and self._cuda is not None:
             compress = self._compressible([output], opts.reduceOp)
             agree = compress or self._compressed.agrees_on([output.numel() * self.size()],
@@ -328,9 +343,10 @@ class LocoProcessGroup(dist.ProcessGroup):
         cuda = self._on_cuda("reduce_scatter", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs):
             if inp.numel() != out.numel() * self.size() or inp.dtype != out.dtype:
-                raise ValueError(
+                return self._refuse("reduce_scatter", ValueError(
                     f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements does not "
-                    f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements")
+                    f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements"),
+                    cuda, outputs)
         compress = self._compressible(outputs, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([i.numel() for i in inputs], "cuda")

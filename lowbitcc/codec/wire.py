@@ -249,6 +249,10 @@ DESC_FRAMED = 4
 """Descriptor flag: this rank's frame carries its input (`FRAME_PAYLOAD`). Part of the call:
 every rank decides it alike from the call, so ranks that differ issued different calls (e.g.
 CPU tensors on one, CUDA tensors on another)."""
+DESC_INVALID = 8
+"""Descriptor flag: this rank's arguments for the call are invalid. It takes part in the
+exchange only so that every rank raises for this call (it its own error, the others naming it)
+and the group stays in step; its other fields are a placeholder and are not compared."""
 DESC_LEASE_SHIFT = 8
 """The flags word's bits from here up hold the descriptor's ``lease`` (24 bits)."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
@@ -276,6 +280,8 @@ class CallDescriptor:
     """The code format (carried with ``bits`` as `width_byte`; None: unknown to this build)."""
     framed: bool = False
     """The frame carries this rank's input (`DESC_FRAMED`)."""
+    invalid: bool = False
+    """This rank's arguments are invalid (`DESC_INVALID`)."""
 
     def pack(self) -> bytes:
         dtype_code = (DESCRIPTOR_DTYPES.index(self.dtype) if self.dtype in DESCRIPTOR_DTYPES
@@ -284,7 +290,8 @@ class CallDescriptor:
             raise ValueError(f"lowbitcc: a descriptor's lease must fit 24 bits, got {self.lease}")
         flags = (DESC_COMPRESSED if self.compressed else 0) | (
             DESC_PREFER_EXACT if self.prefer_exact else 0) | (
-            DESC_FRAMED if self.framed else 0) | (self.lease << DESC_LEASE_SHIFT)
+            DESC_FRAMED if self.framed else 0) | (DESC_INVALID if self.invalid else 0) | (
+            self.lease << DESC_LEASE_SHIFT)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
             self.numel, self.seq & 0xFFFFFFFF, width_byte(self.bits, self.fmt), self.group_size,
@@ -308,7 +315,7 @@ class CallDescriptor:
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
                    bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
                    flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None,
-                   bool(flags & DESC_FRAMED))
+                   bool(flags & DESC_FRAMED), bool(flags & DESC_INVALID))
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"

@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbitcc
+import lowbitcc.backend.compressed_call
 import lowbitcc.backend.process_group
 import lowbitcc.codec.wire
 import lowbitcc.cost_model
@@ -597,6 +598,54 @@ def test_a_frame_with_one_intact_copy_settles_the_call_on_every_rank(offset, kin
     compressed call the others waited for it until the group's timeout."""
     assert run_ranks(_one_copy_of_a_frame_corrupt, 3, offset, kind, timeout=60) == [
         ("nothing", True, False), ("nothing", True, True), ("nothing", True, False)]
+
+
+def _invalid_arguments_on_one_rank(rank, world, gloo, case):
+    """Rank 0 calls a reduction with arguments it refuses; the other ranks' are valid."""
+    bad = rank == 0
+    started = time.monotonic()
+    try:
+        if case == "list of wrong shapes":
+            inputs = [torch.ones(10) for _ in range(world)]
+            if bad:
+                inputs[1] = torch.ones(12)
+            dist.reduce_scatter(torch.empty(10), inputs)
+        elif case == "list of wrong length":
+            count = world + 1 if bad else world
+            dist.reduce_scatter(torch.empty(10), [torch.ones(10) for _ in range(count)])
+        elif case == "uneven tensor":
+            dist.reduce_scatter_tensor(torch.empty(10), torch.ones(world * 10 + (3 if bad else 0)))
+        elif case == "coalesced, one uneven":
+            outputs = [torch.empty(10), torch.empty(BIG)]
+            inputs = [torch.ones(world * 10), torch.ones(world * BIG + (1 if bad else 0))]
+            with dist._coalescing_manager():
+                for out, inp in zip(outputs, inputs):
+                    dist.reduce_scatter_tensor(out, inp)
+        raised = "nothing"
+    except lowbitcc.backend.compressed_call.InvalidPeerCallError as exc:
+        raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
+    except ValueError as exc:
+        raised = "own" if "lowbitcc: reduce_scatter" in str(exc) else str(exc)
+    in_time = time.monotonic() - started < 10
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    exact, compressed, theirs = x.clone(), x.clone(), x.clone()
+    dist.all_reduce(exact)  # the group is still in step, for either path
+    with lowbitcc.compressed():
+        dist.all_reduce(compressed)
+    dist.all_reduce(theirs, group=gloo)
+    return raised, in_time, torch.equal(exact, theirs), _close(compressed, theirs)
+
+
+@pytest.mark.parametrize("case", ["list of wrong shapes", "list of wrong length",
+                                  "uneven tensor", "coalesced, one uneven"])
+def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_survives(case):
+    """Rank 0 raised its ValueError and issued nothing, so the others' descriptor exchange
+    paired with rank 0's next call: each rank raised a CollectiveMismatchError about other
+    calls, and the group stayed out of step (every later call failed). Now rank 0 takes part in
+    the exchange with its call flagged invalid: it raises its own error, the others
+    `InvalidPeerCallError` naming it, and the next calls work."""
+    expected = [("own", True, True, True)] + [("peer", True, True, True)] * 2
+    assert run_ranks(_invalid_arguments_on_one_rank, 3, case, timeout=60) == expected
 
 
 def _late_peer(rank, world, gloo, kind):

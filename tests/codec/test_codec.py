@@ -117,6 +117,7 @@ def test_call_descriptors_name_every_dtype_and_whether_the_frame_carries_the_inp
               for o in wire.DESCRIPTOR_DTYPES if o != dtype]
     assert all(o.call() != d.call() for o in others)  # int32 and int64 differ, and so on
     assert wire.CallDescriptor.unpack(dataclasses.replace(d, framed=False).pack()).call() != d
+    assert wire.CallDescriptor.unpack(dataclasses.replace(d, invalid=True).pack()).invalid
     assert wire.DESCRIPTOR_BYTES + wire.FRAME_PAYLOAD + wire.FRAME_CHECK_BYTES == wire.FRAME_BYTES
 
 
