@@ -128,13 +128,18 @@ _ELEMENTWISE = {
     ReduceOp.BXOR: torch.Tensor.bitwise_xor_,
 }
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+_GLOO_REDUCES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                           torch.int8, torch.uint8, torch.int32, torch.int64})
+"""The real and integer dtypes gloo reduces (it refuses int16, the unsigned types past uint8
+and the float8 types with "Invalid scalar type")."""
 
 
 def reduces_in_rank_order(op: ReduceOp | Any, dtype: torch.dtype) -> bool:
-    """Whether `reduce_in_rank_order` serves ``op`` on ``dtype``: real and integer dtypes (not
-    bool), the ops gloo has and AVG and PREMUL_SUM; the bitwise ops on integers only."""
+    """Whether `reduce_in_rank_order` serves ``op`` on ``dtype``: the real and integer dtypes
+    gloo reduces (so that a call behaves alike at every size), the ops gloo has and AVG and
+    PREMUL_SUM; the bitwise ops on integers only."""
     kind = Reduction.folded_kind(op)
-    if dtype == torch.bool or dtype.is_complex or kind not in _ELEMENTWISE:
+    if dtype not in _GLOO_REDUCES or kind not in _ELEMENTWISE:
         return False
     return not (dtype.is_floating_point and kind in _BITWISE)
 

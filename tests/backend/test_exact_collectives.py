@@ -352,3 +352,26 @@ def test_small_reductions_travel_in_the_descriptor_frame_and_equal_gloo(world):
         bad = [row for row in report if not all(row[2:])]
         assert not bad, bad
         assert len(report) == 4 * 6 + 4 * 7
+
+
+def _dtypes_gloo_refuses(rank, world, gloo):
+    outcomes = []
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.float8_e4m3fn):
+        for n in (5, 100_000):  # in the descriptor frame, and not
+            for group in (None, gloo):
+                try:
+                    dist.all_reduce(torch.ones(n).to(dtype), group=group)
+                    outcomes.append("reduced")
+                except RuntimeError as exc:
+                    outcomes.append("refused" if "Invalid scalar type" in str(exc) else str(exc))
+    after = torch.ones(3)
+    dist.all_reduce(after)
+    return outcomes, after.tolist()
+
+
+def test_dtypes_gloo_refuses_are_refused_at_every_size():
+    """Reductions small enough for the descriptor frame were folded by torch, so int16 summed
+    at 5 elements and failed at 100,000 ("Invalid scalar type", gloo's), and the unsigned and
+    float8 types raised torch's NotImplementedError at 5. Now every size raises as gloo does."""
+    for outcomes, after in run_ranks(_dtypes_gloo_refuses, 2):
+        assert outcomes == ["refused"] * 16 and after == [2.0] * 3
