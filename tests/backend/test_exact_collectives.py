@@ -219,12 +219,21 @@ def _reductions_gloo_lacks(rank, world, gloo):
     dist.all_reduce(pre, op=dist._make_nccl_premul_sum(0.25))
     ref_pre = x * 0.25
     dist.all_reduce(ref_pre, group=gloo)
-    return torch.equal(avg, ref / world), torch.equal(pre, ref_pre)
+    # integers: the factor makes float copies, summed, then cast back (in the frame too)
+    ints = []
+    for n in (5, 1000):
+        i = torch.full((n,), 2 * rank + 1, dtype=torch.int64)
+        dist.all_reduce(i, op=dist._make_nccl_premul_sum(0.5))
+        ints.append(i.tolist() == [world * world // 2] * n)
+    return torch.equal(avg, ref / world), torch.equal(pre, ref_pre), ints
 
 
 def test_avg_and_premul_sum_are_exact_sum_with_scaling():
-    for avg_ok, pre_ok in run_ranks(_reductions_gloo_lacks, 3):
-        assert avg_ok and pre_ok
+    """Before 2026-11-24 an integer PREMUL_SUM small enough for the descriptor frame put the
+    float products' bytes where the integers were read: garbage (9133300046433878016 for 1 and
+    3 times 0.5 on int64)."""
+    for avg_ok, pre_ok, ints in run_ranks(_reductions_gloo_lacks, 3):
+        assert avg_ok and pre_ok and ints == [True, True]
 
 
 def _subgroups(rank, world, gloo):
