@@ -194,22 +194,23 @@ class CompressedCalls:
         return run
 
     def refused(self, collective: str, error: Exception, numels: list[int],
-                like: torch.Tensor) -> Job:
-        """The job of a reduction whose arguments this rank found invalid (``error``), where a
+                like: torch.Tensor | None) -> Job:
+        """The job of a call whose arguments this rank found invalid (``error``), where a
         valid call would exchange a descriptor: it exchanges one flagged `wire.DESC_INVALID`,
         so that every other rank raises `InvalidPeerCallError` for the same call instead of
         pairing its exchange with this rank's next call, then raises ``error``. ``numels``:
         the whole input of each call (tensor) the valid call would be, as this rank's outputs
         say, of ``like``'s dtype and device: it takes as many sequence numbers, and where the
         cost model has leased the first one's size class to the exact path (the valid ranks
-        then skip the exchange) it takes the leases instead, and raises without an exchange."""
+        then skip the exchange) it takes the leases instead, and raises without an exchange.
+        Data movements pass ``[0]`` and None (one call, never leased)."""
         seqs = [self._next_seq() for _ in numels]
         desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
                                    seq=seqs[0], bits=0, group_size=0, compressed=False,
                                    invalid=True)
 
         def run() -> Any:
-            if self._leasable(numels[0]):
+            if like is not None and self._leasable(numels[0]):
                 size_class = CostModel.size_class(
                     collective, numels[0] * like.element_size(), like.device.type)
                 if self._take_lease(size_class):

@@ -189,18 +189,28 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def _exact(self, method: str, outputs: list[Any], *args: Any,
                source_rank: Callable[[Any], int] | None = None,
-               check: tuple[str, list[torch.Tensor], int] | None = None) -> Any:
+               check: tuple[str, list[torch.Tensor], int] | None = None,
+               problem: Callable[[], str | None] | None = None) -> Any:
         """Queue ``inner.<method>(*args)`` (CUDA tensors: issue ``nccl.<method>(*args)`` now);
         the Work's value is ``outputs`` flattened. ``source_rank(inner_work)`` (receives only)
         names the sender once the inner work has completed (see `LocoWork`). ``check``, for
         collectives: ``(kind, tensors, root)``, the call as its descriptor names it (wire
         `COLLECTIVE_CODES`; its size is that of ``tensors``, the same on every rank), which CPU
-        calls exchange first (`CompressedCalls.checked`)."""
+        calls exchange first (`CompressedCalls.checked`). ``problem()``: what is wrong with
+        this rank's arguments as gloo would refuse them (None: nothing); where the call
+        exchanges a descriptor, a problem makes this rank refuse the call in the exchange
+        (`_refuse`), so that every rank raises; elsewhere gloo raises its own error."""
         state.STATS.add("exact", calls=1, tensor_bytes=_bytes(_flat(list(args[:1]))))
         tensors = [t for t in _flat([a for a in args if isinstance(a, list | tuple | torch.Tensor)])
                    if isinstance(t, torch.Tensor)]
         if self._on_cuda(method, tensors) and self._cuda is not None:
             return self._cuda.exact(method, _flat(outputs), *args)
+        if (check is not None and problem is not None
+                and self._compressed.checks_data_movement()):
+            wrong = problem()
+            if wrong is not None:
+                self._queue.submit(self._compressed.refused(
+                    check[0], ValueError(f"lowbitcc: {check[0]}: {wrong}"), [0], None)).wait()
         posted: list[Any] = []
         sender = None if source_rank is None else lambda: source_rank(posted[0])
         job = self._inner_job(method, outputs, *args, posted=posted)
@@ -380,6 +390,10 @@ class LocoProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         if self._on_cuda("reduce", tensors) and self._cuda is not None:
             return self._cuda.exact("reduce", tensors, tensors, opts)
+        wrong = self._root_problem(opts.rootRank)
+        if wrong is not None and self._compressed.checks_data_movement():
+            self._queue.submit(self._compressed.refused(
+                "reduce", ValueError(f"lowbitcc: reduce: {wrong}"), [0], None)).wait()
         outputs = tensors if self.rank() == opts.rootRank else []
         job: Job = self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True)
         job = self._checked(("reduce", tensors, opts.rootRank), job,
@@ -390,12 +404,19 @@ class LocoProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
         opts = opts or dist.BroadcastOptions()
         return self._exact("broadcast", tensors, tensors, opts,
-                           check=("broadcast", tensors, opts.rootRank))
+                           check=("broadcast", tensors, opts.rootRank),
+                           problem=lambda: self._root_problem(opts.rootRank))
+
+    def _root_problem(self, root: int) -> str | None:
+        return None if 0 <= root < self.size() else (
+            f"root rank {root} is not a rank of this group of {self.size()}")
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
         return self._exact("allgather", output_tensors, output_tensors, input_tensors,
-                           opts or AllgatherOptions(), check=("all_gather", input_tensors, 0))
+                           opts or AllgatherOptions(), check=("all_gather", input_tensors, 0),
+                           problem=lambda: _list_problem("output", output_tensors,
+                                                         input_tensors, self.size()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> LocoWork:
@@ -412,7 +433,12 @@ class LocoProcessGroup(dist.ProcessGroup):
                 job = self._compressed.all_gather(output, input, exact, wants=wants)
                 return self._queue.submit(self._queue.sequence([job], [output]))
         return self._exact("_allgather_base", [output], output, input, opts,
-                           check=("all_gather", [input], 0))
+                           check=("all_gather", [input], 0),
+                           problem=lambda: None if (
+                               output.numel() == input.numel() * self.size()
+                               and output.dtype == input.dtype) else (
+                               f"an output of {output.numel()} {output.dtype} elements does not "
+                               f"hold {self.size()} inputs of {input.numel()} {input.dtype}"))
 
     def _gathers_compressibly(self, output: torch.Tensor, source: torch.Tensor) -> bool:
         """An all-gather that ``param_bits`` applies to: CPU float tensors, at least
@@ -448,13 +474,21 @@ class LocoProcessGroup(dist.ProcessGroup):
                opts: Any = None) -> LocoWork:
         opts = opts or dist.GatherOptions()
         return self._exact("gather", output_tensors, output_tensors, input_tensors, opts,
-                           check=("gather", input_tensors, opts.rootRank))
+                           check=("gather", input_tensors, opts.rootRank),
+                           problem=lambda: self._root_problem(opts.rootRank) or (
+                               _list_problem("output", output_tensors, input_tensors,
+                                             self.size())
+                               if self.rank() == opts.rootRank else None))
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> LocoWork:
         opts = opts or dist.ScatterOptions()
         return self._exact("scatter", output_tensors, output_tensors, input_tensors, opts,
-                           check=("scatter", output_tensors, opts.rootRank))
+                           check=("scatter", output_tensors, opts.rootRank),
+                           problem=lambda: self._root_problem(opts.rootRank) or (
+                               _list_problem("input", input_tensors, output_tensors,
+                                             self.size())
+                               if self.rank() == opts.rootRank else None))
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> LocoWork:
@@ -508,6 +542,22 @@ class LocoProcessGroup(dist.ProcessGroup):
                              "(NCCL has no receive from any source)")
         return self._exact("recv_anysource", tensors, tensors, tag,
                            source_rank=lambda inner: inner._source_rank())
+
+
+def _list_problem(name: str, lists: list[list[torch.Tensor]], like: list[torch.Tensor],
+                  size: int) -> str | None:
+    """What is wrong with ``lists`` (one list of ``size`` tensors per tensor of ``like``, each
+    of its shape and dtype), as gloo would refuse it; None: nothing."""
+    if len(lists) != len(like):
+        return f"{len(lists)} {name} lists for {len(like)} tensors"
+    for entries, t in zip(lists, like):
+        if len(entries) != size:
+            return f"an {name} list of {len(entries)} tensors in a group of {size}"
+        for i, e in enumerate(entries):
+            if e.shape != t.shape or e.dtype != t.dtype:
+                return (f"{name} tensor {i} is {e.dtype} {tuple(e.shape)}, expected "
+                        f"{t.dtype} {tuple(t.shape)}")
+    return None
 
 
 def _check_tensors(what: str, tensors: list[Any]) -> str:

@@ -648,6 +648,45 @@ def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_survive
     assert run_ranks(_invalid_arguments_on_one_rank, 3, case, timeout=60) == expected
 
 
+def _invalid_data_movement_on_one_rank(rank, world, gloo, case):
+    """With ``LOCO_CHECK_ALL``, rank 0 (the root where there is one) calls a data movement
+    with arguments gloo would refuse; the other ranks' are valid."""
+    bad = rank == 0
+    t = torch.ones(5)
+    try:
+        if case == "gather list":
+            dist.gather(t, [torch.empty(5)] * (world - 1 if bad else world) if rank == 0
+                        else None, dst=0)
+        elif case == "scatter list":
+            dist.scatter(t, [torch.ones(5)] * (world + 1) if rank == 0 else None, src=0)
+        elif case == "all-gather list":
+            dist.all_gather([torch.empty(5) for _ in range(world + (1 if bad else 0))], t)
+        elif case == "all-gather tensor":
+            dist.all_gather_into_tensor(torch.empty(world * 5 + (1 if bad else 0)), t)
+        elif case == "broadcast root":
+            dist.broadcast(t, src=world + 2 if bad else 0)
+        elif case == "reduce root":
+            dist.reduce(t, dst=world + 2 if bad else 0)
+        raised = "nothing"
+    except lowbitcc.backend.compressed_call.InvalidPeerCallError as exc:
+        raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
+    except ValueError as exc:
+        raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)
+    after, theirs = torch.full((3,), float(rank)), torch.full((3,), float(rank))
+    dist.broadcast(after, src=1)  # the group is still in step
+    dist.broadcast(theirs, src=1, group=gloo)
+    return raised, torch.equal(after, theirs)
+
+
+@pytest.mark.parametrize("case", ["gather list", "scatter list", "all-gather list",
+                                  "all-gather tensor", "broadcast root", "reduce root"])
+def test_invalid_data_movement_on_one_rank_raises_on_every_rank_with_check_all(case):
+    """Before, the descriptors agreed, gloo refused the call on rank 0 alone, and the others
+    waited in gloo until the group's timeout. Now rank 0 refuses the call in the exchange."""
+    assert run_ranks(_invalid_data_movement_on_one_rank, 3, case, timeout=60,
+                     env={"LOCO_CHECK_ALL": "1"}) == [("own", True)] + [("peer", True)] * 2
+
+
 def _late_peer(rank, world, gloo, kind):
     if rank == 1:
         time.sleep(1.5)
