@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -209,8 +209,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                 and self._compressed.checks_data_movement()):
             wrong = problem()
             if wrong is not None:
-                self._queue.submit(self._compressed.refused(
-                    check[0], ValueError(f"lowbitcc: {check[0]}: {wrong}"), [0], None)).wait()
+                self._refuse(check[0], ValueError(f"lowbitcc: {check[0]}: {wrong}"),
+                             exchanges=True)
         posted: list[Any] = []
         sender = None if source_rank is None else lambda: source_rank(posted[0])
         job = self._inner_job(method, outputs, *args, posted=posted)
@@ -240,18 +240,25 @@ class LocoProcessGroup(dist.ProcessGroup):
 
         return job
 
-    def _refuse(self, collective: str, error: Exception, cuda: bool,
-                outputs: list[torch.Tensor]) -> LocoWork:
-        """Raise ``error``, this rank's verdict on a reduction's arguments (one call per tensor
-        of ``outputs``). Where the valid call would exchange a descriptor (CPU tensors), first
-        take part in that exchange flagged invalid (`CompressedCalls.refused`), so that every
-        rank raises for this call and the group stays in step; CUDA calls raise here only."""
-        if cuda or not self._compressed.agrees_on([o.numel() for o in outputs]):
-            raise error
-        job = self._compressed.refused(collective, error, [o.numel() * self.size()
-                                                            for o in outputs], outputs[0])
-        self._queue.submit(job).wait()  # raises error
+    def _refuse(self, collective: str, error: Exception, *, exchanges: bool,
+                numels: list[int] | None = None, like: torch.Tensor | None = None) -> NoReturn:
+        """Raise ``error``, this rank's verdict on a call's arguments. Where the valid call
+        would exchange a descriptor (``exchanges``), first take part in that exchange flagged
+        invalid (`CompressedCalls.refused`, with ``numels`` and ``like`` for a reduction), so
+        that every rank raises for this call and the group stays in step."""
+        if exchanges:
+            job = self._compressed.refused(collective, error, numels or [0], like)
+            self._queue.submit(job).wait()  # raises error
         raise error
+
+    def _refuse_reduction(self, error: Exception, cuda: bool,
+                          outputs: list[torch.Tensor]) -> NoReturn:
+        """`_refuse` a reduce-scatter of ``outputs`` (one call per tensor); CUDA calls raise
+        without an exchange (their exchange depends on the policy and the cost model's CUDA
+        leases, not checked here)."""
+        self._refuse("reduce_scatter", error,
+                     exchanges=not cuda and self._compressed.agrees_on([o.numel() for o in outputs]),
+                     numels=[o.numel() * self.size() for o in outputs], like=outputs[0])
 
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
@@ -303,11 +310,11 @@ class LocoProcessGroup(dist.ProcessGroup):
         output, inputs = output_tensors[0], input_tensors[0]
         cuda = self._on_cuda("reduce_scatter", [output, *inputs])
         if len(inputs) != self.size():
-            return self._refuse("reduce_scatter", ValueError(
+            self._refuse_reduction(ValueError(
                 f"lowbitcc: reduce_scatter needs {self.size()} input tensors, got {len(inputs)}"),
                 cuda, [output])
         if any(t.shape != output.shape or t.dtype != output.dtype for t in inputs):
-            return self._refuse("reduce_scatter", ValueError(
+            self._refuse_reduction(ValueError(
                 "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype"),
                 cuda, [output])
         if cuda and self._cuda is not None:
@@ -353,7 +360,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         cuda = self._on_cuda("reduce_scatter", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs):
             if inp.numel() != out.numel() * self.size() or inp.dtype != out.dtype:
-                return self._refuse("reduce_scatter", ValueError(
+                self._refuse_reduction(ValueError(
                     f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements does not "
                     f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements"),
                     cuda, outputs)
@@ -392,8 +399,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             return self._cuda.exact("reduce", tensors, tensors, opts)
         wrong = self._root_problem(opts.rootRank)
         if wrong is not None and self._compressed.checks_data_movement():
-            self._queue.submit(self._compressed.refused(
-                "reduce", ValueError(f"lowbitcc: reduce: {wrong}"), [0], None)).wait()
+            self._refuse("reduce", ValueError(f"lowbitcc: reduce: {wrong}"), exchanges=True)
         outputs = tensors if self.rank() == opts.rootRank else []
         job: Job = self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True)
         job = self._checked(("reduce", tensors, opts.rootRank), job,
@@ -434,11 +440,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                 return self._queue.submit(self._queue.sequence([job], [output]))
         return self._exact("_allgather_base", [output], output, input, opts,
                            check=("all_gather", [input], 0),
-                           problem=lambda: None if (
-                               output.numel() == input.numel() * self.size()
-                               and output.dtype == input.dtype) else (
-                               f"an output of {output.numel()} {output.dtype} elements does not "
-                               f"hold {self.size()} inputs of {input.numel()} {input.dtype}"))
+                           problem=lambda: _holds_problem(output, input, self.size()))
 
     def _gathers_compressibly(self, output: torch.Tensor, source: torch.Tensor) -> bool:
         """An all-gather that ``param_bits`` applies to: CPU float tensors, at least
@@ -542,6 +544,15 @@ class LocoProcessGroup(dist.ProcessGroup):
                              "(NCCL has no receive from any source)")
         return self._exact("recv_anysource", tensors, tensors, tag,
                            source_rank=lambda inner: inner._source_rank())
+
+
+def _holds_problem(output: torch.Tensor, source: torch.Tensor, size: int) -> str | None:
+    """What is wrong with ``output`` as the all-gather of ``size`` tensors like ``source``, as
+    gloo would refuse it; None: nothing."""
+    if output.numel() == source.numel() * size and output.dtype == source.dtype:
+        return None
+    return (f"an output of {output.numel()} {output.dtype} elements does not hold {size} inputs "
+            f"of {source.numel()} {source.dtype}")
 
 
 def _list_problem(name: str, lists: list[list[torch.Tensor]], like: list[torch.Tensor],
