@@ -200,10 +200,11 @@ class CompressedCalls:
         so that every other rank raises `InvalidPeerCallError` for the same call instead of
         pairing its exchange with this rank's next call, then raises ``error``. ``numels``:
         the whole input of each call (tensor) the valid call would be, as this rank's outputs
-        say, of ``like``'s dtype and device: it takes as many sequence numbers, and where the
-        cost model has leased the first one's size class to the exact path (the valid ranks
-        then skip the exchange) it takes the leases instead, and raises without an exchange.
-        Data movements pass ``[0]`` and None (one call, never leased)."""
+        say, of ``like``'s dtype and device: it takes as many sequence numbers. Where the cost
+        model has leased the first one's size class to the exact path, the valid ranks skip the
+        exchange: this rank takes the lease and raises without one (the others then wait in
+        gloo until the group's timeout, as on gloo). Data movements pass ``[0]`` and None (one
+        call, never leased)."""
         seqs = [self._next_seq() for _ in numels]
         desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
                                    seq=seqs[0], bits=0, group_size=0, compressed=False,
@@ -214,10 +215,6 @@ class CompressedCalls:
                 size_class = CostModel.size_class(
                     collective, numels[0] * like.element_size(), like.device.type)
                 if self._take_lease(size_class):
-                    for numel in numels[1:]:
-                        if self._leasable(numel):
-                            self._take_lease(CostModel.size_class(
-                                collective, numel * like.element_size(), like.device.type))
                     raise error
             # this rank's own error says more than any the exchange raises
             with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
