@@ -137,13 +137,10 @@ and the float8 types with "Invalid scalar type")."""
 def reduces_in_rank_order(op: ReduceOp | Any, dtype: torch.dtype) -> bool:
     """Whether `reduce_in_rank_order` serves ``op`` on ``dtype``: the real and integer dtypes
     gloo reduces (so that a call behaves alike at every size), the ops gloo has and AVG and
-    PREMUL_SUM; PREMUL_SUM on floating dtypes only (an integer input times a float factor
-    becomes a float, which `ExactReduction` sums on gloo before casting back); the bitwise ops
-    on integers only."""
+    PREMUL_SUM (the process group refuses PREMUL_SUM on integers first); the bitwise ops on
+    integers only."""
     kind = Reduction.folded_kind(op)
     if dtype not in _GLOO_REDUCES or kind not in _ELEMENTWISE:
-        return False
-    if op_type(op) == ReduceOp.PREMUL_SUM and not dtype.is_floating_point:
         return False
     return not (dtype.is_floating_point and kind in _BITWISE)
 

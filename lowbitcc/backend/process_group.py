@@ -251,14 +251,16 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._queue.submit(job).wait()  # raises error
         raise error
 
-    def _refuse_reduction(self, error: Exception, cuda: bool,
-                          outputs: list[torch.Tensor]) -> NoReturn:
-        """`_refuse` a reduce-scatter of ``outputs`` (one call per tensor); CUDA calls raise
-        without an exchange (their exchange depends on the policy and the cost model's CUDA
-        leases, not checked here)."""
-        self._refuse("reduce_scatter", error,
-                     exchanges=not cuda and self._compressed.agrees_on([o.numel() for o in outputs]),
-                     numels=[o.numel() * self.size() for o in outputs], like=outputs[0])
+    def _refuse_reduction(self, error: Exception, cuda: bool, outputs: list[torch.Tensor],
+                          collective: str = "reduce_scatter") -> NoReturn:
+        """`_refuse` a reduce-scatter (or all-reduce) of ``outputs``, one call per tensor; CUDA
+        calls raise without an exchange (their exchange depends on the policy and the cost
+        model's CUDA leases, not checked here)."""
+        world = self.size() if collective == "reduce_scatter" else 1
+        numels = [o.numel() * world for o in outputs]
+        self._refuse(collective, error,
+                     exchanges=not cuda and self._compressed.agrees_on(numels),
+                     numels=numels, like=outputs[0])
 
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
@@ -275,6 +277,9 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def _all_reduce(self, method: str, tensors: list[torch.Tensor], opts: Any) -> Any:
         cuda = self._on_cuda(method, tensors)
+        wrong = _op_problem(opts.reduceOp, tensors)
+        if wrong is not None:
+            self._refuse_reduction(wrong, cuda, tensors, "all_reduce")
         compress = self._compressible(tensors, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([t.numel() for t in tensors], "cuda")
@@ -317,6 +322,9 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._refuse_reduction(ValueError(
                 "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype"),
                 cuda, [output])
+        wrong = _op_problem(opts.reduceOp, [output])
+        if wrong is not None:
+            self._refuse_reduction(wrong, cuda, [output])
         if cuda and self._cuda is not None:
             compress = self._compressible([output], opts.reduceOp)
             agree = compress or self._compressed.agrees_on([output.numel() * self.size()],
@@ -364,6 +372,9 @@ class LocoProcessGroup(dist.ProcessGroup):
                     f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements does not "
                     f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements"),
                     cuda, outputs)
+        wrong = _op_problem(opts.reduceOp, outputs)
+        if wrong is not None:
+            self._refuse_reduction(wrong, cuda, outputs)
         compress = self._compressible(outputs, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([i.numel() for i in inputs], "cuda")
@@ -400,6 +411,9 @@ class LocoProcessGroup(dist.ProcessGroup):
         wrong = self._root_problem(opts.rootRank)
         if wrong is not None and self._compressed.checks_data_movement():
             self._refuse("reduce", ValueError(f"lowbitcc: reduce: {wrong}"), exchanges=True)
+        op_wrong = _op_problem(opts.reduceOp, tensors)
+        if op_wrong is not None:
+            self._refuse("reduce", op_wrong, exchanges=self._compressed.checks_data_movement())
         outputs = tensors if self.rank() == opts.rootRank else []
         job: Job = self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True)
         job = self._checked(("reduce", tensors, opts.rootRank), job,
@@ -544,6 +558,18 @@ class LocoProcessGroup(dist.ProcessGroup):
                              "(NCCL has no receive from any source)")
         return self._exact("recv_anysource", tensors, tensors, tag,
                            source_rank=lambda inner: inner._source_rank())
+
+
+def _op_problem(op: Any, tensors: list[torch.Tensor]) -> TypeError | None:
+    """The error of a reduction by ``op`` of ``tensors`` that NCCL refuses and gloo lacks:
+    PREMUL_SUM on tensors that are not floating point (None: none)."""
+    if op_type(op) != dist.ReduceOp.PREMUL_SUM:
+        return None
+    for t in tensors:
+        if not t.dtype.is_floating_point:
+            return TypeError(f"lowbitcc: PREMUL_SUM needs floating-point tensors (as on NCCL), "
+                             f"got {t.dtype}")
+    return None
 
 
 def _holds_problem(output: torch.Tensor, source: torch.Tensor, size: int) -> str | None:

@@ -219,21 +219,34 @@ def _reductions_gloo_lacks(rank, world, gloo):
     dist.all_reduce(pre, op=dist._make_nccl_premul_sum(0.25))
     ref_pre = x * 0.25
     dist.all_reduce(ref_pre, group=gloo)
-    # integers: the factor makes float copies, summed, then cast back (in the frame too)
+    # integers: refused as NCCL refuses them, at every size and by every call kind
     ints = []
     for n in (5, 1000):
-        i = torch.full((n,), 2 * rank + 1, dtype=torch.int64)
-        dist.all_reduce(i, op=dist._make_nccl_premul_sum(0.5))
-        ints.append(i.tolist() == [world * world // 2] * n)
-    return torch.equal(avg, ref / world), torch.equal(pre, ref_pre), ints
+        for call in (lambda t, op: dist.all_reduce(t, op=op),
+                     lambda t, op: dist.reduce_scatter_tensor(torch.empty(n, dtype=t.dtype),
+                                                              t.repeat(world), op=op),
+                     lambda t, op: dist.reduce(t, dst=0, op=op)):
+            try:
+                call(torch.full((n,), 2 * rank + 1, dtype=torch.int64),
+                     dist._make_nccl_premul_sum(0.5))
+                ints.append("reduced")
+            except TypeError as exc:
+                ints.append("refused" if "PREMUL_SUM needs floating-point" in str(exc)
+                            else str(exc))
+    after = torch.ones(3)
+    dist.all_reduce(after)  # the group is still in step
+    return (torch.equal(avg, ref / world), torch.equal(pre, ref_pre), ints,
+            after.tolist() == [world] * 3)
 
 
 def test_avg_and_premul_sum_are_exact_sum_with_scaling():
     """Before 2026-11-24 an integer PREMUL_SUM small enough for the descriptor frame put the
     float products' bytes where the integers were read: garbage (9133300046433878016 for 1 and
-    3 times 0.5 on int64)."""
-    for avg_ok, pre_ok, ints in run_ranks(_reductions_gloo_lacks, 3):
-        assert avg_ok and pre_ok and ints == [True, True]
+    3 times 0.5 on int64); larger ones summed float products, and a reduce-scatter failed a
+    gloo check. NCCL refuses PREMUL_SUM on integers ("PreMulSum Data type must be half, float,
+    bfloat16 or double"); so does loco now, on every rank."""
+    for avg_ok, pre_ok, ints, after in run_ranks(_reductions_gloo_lacks, 3):
+        assert avg_ok and pre_ok and ints == ["refused"] * 6 and after
 
 
 def _subgroups(rank, world, gloo):

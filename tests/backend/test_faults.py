@@ -615,6 +615,9 @@ def _invalid_arguments_on_one_rank(rank, world, gloo, case):
             dist.reduce_scatter(torch.empty(10), [torch.ones(10) for _ in range(count)])
         elif case == "uneven tensor":
             dist.reduce_scatter_tensor(torch.empty(10), torch.ones(world * 10 + (3 if bad else 0)))
+        elif case == "premul on integers":
+            dist.all_reduce(torch.ones(10, dtype=torch.int64 if bad else torch.float32),
+                            op=dist._make_nccl_premul_sum(0.5))
         elif case == "coalesced, one uneven":
             outputs = [torch.empty(10), torch.empty(BIG)]
             inputs = [torch.ones(world * 10), torch.ones(world * BIG + (1 if bad else 0))]
@@ -624,8 +627,8 @@ def _invalid_arguments_on_one_rank(rank, world, gloo, case):
         raised = "nothing"
     except lowbitcc.backend.compressed_call.InvalidPeerCallError as exc:
         raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
-    except ValueError as exc:
-        raised = "own" if "lowbitcc: reduce_scatter" in str(exc) else str(exc)
+    except (ValueError, TypeError) as exc:
+        raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)
     in_time = time.monotonic() - started < 10
     x = torch.linspace(-1, 1, BIG) * (rank + 1)
     exact, compressed, theirs = x.clone(), x.clone(), x.clone()
@@ -637,7 +640,8 @@ def _invalid_arguments_on_one_rank(rank, world, gloo, case):
 
 
 @pytest.mark.parametrize("case", ["list of wrong shapes", "list of wrong length",
-                                  "uneven tensor", "coalesced, one uneven"])
+                                  "uneven tensor", "coalesced, one uneven",
+                                  "premul on integers"])
 def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_survives(case):
     """Rank 0 raised its ValueError and issued nothing, so the others' descriptor exchange
     paired with rank 0's next call: each rank raised a CollectiveMismatchError about other
