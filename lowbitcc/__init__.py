@@ -5,7 +5,8 @@ Public API (everything else is internal):
 - ``LocoConfig``: the configuration (also read from ``LOCO_*`` environment variables);
 - ``exact()``, ``compressed()``, ``feedback_key(name)``: per-call control (context managers);
 - ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups;
-- ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints;
+- ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints, and
+  ``rebuild_ddp_buckets()``: a resumed DDP's bucket layout made the saved one's (`lowbitcc.resume`);
 - ``hybrid_mesh()``: a DeviceMesh whose data-parallel dimension goes over "loco" and whose
   other dimensions stay exact (per-dimension `LocoConfig`s; `lowbitcc.mesh`);
 - ``monitored_barrier()``: gloo's debugging barrier on a "loco" group (torch's
@@ -25,6 +26,7 @@ from lowbitcc.backend.registration import register
 from lowbitcc.config import LocoConfig
 from lowbitcc.mesh import hybrid_mesh
 from lowbitcc.policy import compressed, exact, feedback_key
+from lowbitcc.resume import rebuild_ddp_buckets
 
 __version__ = "0.1.0"
 
@@ -85,6 +87,7 @@ __all__ = [
     "hybrid_mesh",
     "load_state_dict",
     "monitored_barrier",
+    "rebuild_ddp_buckets",
     "reset_stats",
     "state_dict",
     "stats",

@@ -223,7 +223,7 @@ def _reductions_gloo_lacks(rank, world, gloo):
     ints = []
     for n in (5, 1000):
         for call in (lambda t, op: dist.all_reduce(t, op=op),
-                     lambda t, op: dist.reduce_scatter_tensor(torch.empty(n, dtype=t.dtype),
+                     lambda t, op: dist.reduce_scatter_tensor(torch.empty_like(t),
                                                               t.repeat(world), op=op),
                      lambda t, op: dist.reduce(t, dst=0, op=op)):
             try:

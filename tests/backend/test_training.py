@@ -151,24 +151,30 @@ def test_ddp_bucket_rebuild_does_not_carry_errors_to_other_parameters():
 
 
 def _train_steps(rank, world, gloo, kind, steps, load, save):
-    """Train `_model` with ``kind`` ("ddp" that never rebuilds its buckets, or "fsdp2") and
-    Adam over batches ``steps`` (a range of step indices), after loading the checkpoint
-    ``load`` (with or without lowbitcc's part), then save one."""
+    """Train `_model` with ``kind`` ("ddp" that never rebuilds its buckets, "ddp-rebuild"
+    that does, as by default, or "fsdp2") and Adam over batches ``steps`` (a range of step
+    indices), after loading the checkpoint ``load`` (path, with lowbitcc's part, and for
+    "ddp-rebuild" whether to call `lowbitcc.rebuild_ddp_buckets`), then save one."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model(width=256, depth=1)
-    # find_unused_parameters: DDP keeps its first bucket layout (it rebuilds none)
-    wrapped = DDP(model, find_unused_parameters=True) if kind == "ddp" else _wrap(
-        kind, model, None)
+    model = _model(width=256, depth=2 if kind == "ddp-rebuild" else 1)
+    if kind == "ddp":  # find_unused_parameters: DDP keeps its first bucket layout
+        wrapped = DDP(model, find_unused_parameters=True)
+    elif kind == "ddp-rebuild":  # several buckets, rebuilt in another order after step 1
+        wrapped = DDP(model, bucket_cap_mb=0.15)
+    else:
+        wrapped = _wrap(kind, model, None)
     opt = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+    batches = list(_batches(rank, steps.stop))
     if load is not None:
-        path, with_errors = load
+        path, with_errors, *rebuild = load
         saved = torch.load(f"{path}.{rank}", weights_only=False)
         model.load_state_dict(saved["model"])  # FSDP2: sharded into sharded, in place
         opt.load_state_dict(saved["opt"])
         if with_errors:
             lowbitcc.load_state_dict(saved["loco"])
-    batches = list(_batches(rank, steps.stop))
+        if rebuild and rebuild[0]:
+            lowbitcc.rebuild_ddp_buckets(wrapped, batches[steps.start][0])
     for i in steps:
         x, y = batches[i]
         opt.zero_grad()
@@ -197,3 +203,48 @@ def test_a_resumed_checkpoint_trains_bit_identically_to_the_uninterrupted_run(ki
     if kind == "fsdp2":  # the test can fail: without lowbitcc's state the runs differ
         forgot = run_ranks(_train_steps, 2, kind, range(3, 5), (ckpt, False), None, env=env)
         assert not all(torch.equal(a, b) for a, b in zip(whole[0], forgot[0], strict=True))
+
+
+def test_a_resumed_ddp_that_rebuilds_its_buckets_trains_bit_identically_after_rebuild_ddp_buckets(
+        tmp_path):
+    """DDP's default rebuilds its buckets after its first step. A resumed run's first step
+    reduced the initial layout with states made on the rebuilt one (0.0013 apart from the
+    uninterrupted run after two steps, 2026-11-24). `lowbitcc.rebuild_ddp_buckets` after loading
+    makes it the uninterrupted run bit for bit; without it the runs differ (checked)."""
+    env = {"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "1000"}  # buckets of ~39,000 elements
+    kind = "ddp-rebuild"
+    whole = run_ranks(_train_steps, 2, kind, range(0, 5), None, None, env=env)
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_train_steps, 2, kind, range(0, 3), None, ckpt, env=env)
+    rebuilt = run_ranks(_train_steps, 2, kind, range(3, 5), (ckpt, True, True), None, env=env)
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(whole[rank], rebuilt[rank], strict=True))
+    plain = run_ranks(_train_steps, 2, kind, range(3, 5), (ckpt, True, False), None, env=env)
+    assert not all(torch.equal(a, b) for a, b in zip(whole[0], plain[0], strict=True))
+
+
+def _rebuild_side_effects(rank, world, gloo):
+    """`rebuild_ddp_buckets` on a model with BatchNorm and dropout: buffers, random state and
+    gradients are as before, and it refuses what is not a DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 2))
+    wrapped = DDP(model)
+    wrapped.eval()
+    batch = torch.randn(4, 8)
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    lowbitcc.rebuild_ddp_buckets(wrapped, batch)
+    try:
+        lowbitcc.rebuild_ddp_buckets(model, batch)
+        refused = False
+    except TypeError:
+        refused = True
+    return (all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True)),
+            torch.equal(rng, torch.get_rng_state()),
+            all(p.grad is None for p in model.parameters()), not wrapped.training, refused)
+
+
+def test_rebuild_ddp_buckets_leaves_buffers_random_state_and_gradients_as_they_were():
+    assert run_ranks(_rebuild_side_effects, 2) == [(True, True, True, True, True)] * 2
