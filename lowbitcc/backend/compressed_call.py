@@ -51,7 +51,7 @@ from lowbitcc.backend.exact import (
     reduce_in_rank_order,
     reduces_in_rank_order,
 )
-from lowbitcc.backend.issue_queue import InnerWork, Job
+from lowbitcc.backend.issue_queue import InnerWork, Job, callback_parent
 from lowbitcc.codec import wire
 from lowbitcc.codec.interface import Kernels
 from lowbitcc.codec.shard_codec import ShardCodec
@@ -182,7 +182,7 @@ class CompressedCalls:
         rank issued another call."""
         desc = wire.CallDescriptor(collective=collective, dtype=dtype, op=op, numel=numel,
                                    seq=self._next_seq(), bits=0, group_size=root,
-                                   compressed=False)
+                                   compressed=False, parent=callback_parent())
 
         def run() -> Any:
             try:
@@ -343,7 +343,8 @@ class CompressedCalls:
         route = self.route(source.device)
         desc = wire.CallDescriptor(
             collective="all_gather", dtype=source.dtype, op=0, numel=numel, seq=seq,
-            bits=cfg.param_bits, group_size=cfg.group_for("int"), compressed=wants)
+            bits=cfg.param_bits, group_size=cfg.group_for("int"), compressed=wants,
+            parent=callback_parent())
 
         def job() -> Any:
             try:
@@ -403,6 +404,7 @@ class CompressedCalls:
             collective=collective, dtype=source.dtype, op=int(op_type(op)), numel=numel, seq=seq,
             bits=cfg.bits, group_size=cfg.wire_group_size,
             compressed=wants and numel >= cfg.min_size, fmt=cfg.wire_format, framed=framed,
+            parent=callback_parent(),
         )
         reduction = Reduction.of(op, self.size)
         factor = reduction.input_factor()
@@ -561,7 +563,8 @@ class CompressedCalls:
     def _check_match(self, rows: np.ndarray, ranks: np.ndarray) -> None:
         """Raise `CollectiveMismatchError` unless the frames ``rows[ranks]`` describe one call."""
         head, flags = rows[ranks, :wire.DESC_FLAGS_OFFSET], rows[ranks, wire.DESC_FLAGS_OFFSET]
-        if ((head == head[:1]).all()
+        parent = rows[ranks, wire.DESC_PARENT_OFFSET:wire.DESCRIPTOR_BYTES]
+        if ((head == head[:1]).all() and (parent == parent[:1]).all()
                 and (flags & wire.DESC_FRAMED == flags[:1] & wire.DESC_FRAMED).all()):
             return
         descs = {int(r): wire.CallDescriptor.unpack(rows[r, :wire.DESCRIPTOR_BYTES].tobytes())

@@ -20,6 +20,15 @@ kind of thread, a pool of completers, never by the worker or the waiter: a futur
 (torch's PowerSGD hook does), which needs the worker and the waiter free. The pool starts one
 completer and adds one whenever all are busy (completing a future, or blocked in a
 callback), up to `COMPLETERS`; so callbacks of different calls may run at once, as on gloo.
+
+A call's future is a `LocoFuture` tagged with the call (group and issue ordinal): a callback
+added with ``then`` or ``add_done_callback`` (and the callbacks chained after it) runs with that
+tag as its context, wherever it runs (inline, if the future was already complete, or on a
+completer), and the calls it issues name it as their parent (`callback_parent`) in their
+descriptors. Callbacks of two calls that run at once may issue their calls in either order, and
+in different orders on different ranks (torch's PowerSGD hook with several buckets does): the
+descriptors then differ in their parents and every rank raises `CollectiveMismatchError`,
+instead of reducing one bucket's tensor with another's.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import dataclasses
 import datetime
 import queue
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,6 +70,56 @@ class _AllOf:
         for inner in self.inners:
             inner.work.wait()
             self.retire(inner.work)
+
+
+_context = threading.local()
+
+
+def callback_parent() -> int:
+    """The tag of the call whose future's callback this thread is running (0: none)."""
+    return getattr(_context, "parent", 0)
+
+
+def _within(tag: int, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``callback``, run with ``tag`` as this thread's `callback_parent`."""
+
+    def run(future: Any) -> Any:
+        outer = callback_parent()
+        _context.parent = tag
+        try:
+            return callback(future)
+        finally:
+            _context.parent = outer
+
+    return run
+
+
+class LocoFuture(torch.futures.Future):
+    """The future of a call tagged ``tag``: its callbacks, and the callbacks chained after them
+    with ``then``, run with the tag as their `callback_parent`."""
+
+    def __init__(self, tag: int) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def then(self, callback: Callable[[Any], Any]) -> LocoFuture:  # type: ignore[override]
+        child = super().then(_within(self.tag, callback))
+        chained = LocoFuture(self.tag)
+        child.add_done_callback(lambda done: _forward(done, chained))
+        return chained
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        super().add_done_callback(_within(self.tag, callback))
+
+
+def _forward(done: torch.futures.Future, to: torch.futures.Future) -> None:
+    """Complete ``to`` as ``done`` completed."""
+    try:
+        value = done.value()
+    except Exception as exc:  # noqa: BLE001 (handed on to the chained future)
+        to.set_exception(exc)
+        return
+    to.set_result(value)
 
 
 class LocoWork(dist.Work):
@@ -119,11 +179,15 @@ class LocoWork(dist.Work):
 class IssueQueue:
     """The worker and waiter threads of one group (see the module docstring).
 
-    ``retire(work)`` is called on every finished inner gloo Work (see `GlooTransport.retire`).
+    ``retire(work)`` is called on every finished inner gloo Work (see `GlooTransport.retire`);
+    ``group()`` names the group (the same on every rank), for the futures' tags.
     """
 
-    def __init__(self, name: str, retire: Callable[[Any], None]) -> None:
+    def __init__(self, name: str, retire: Callable[[Any], None],
+                 group: Callable[[], str] = lambda: "") -> None:
         self._retire = retire
+        self._group = group
+        self._issued = 0
         self._lock = threading.Lock()
         self._closed = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -138,7 +202,11 @@ class IssueQueue:
     def submit(self, job: Job, source_rank: Callable[[], int] | None = None) -> LocoWork:
         """Queue ``job`` (run on the worker, in issue order) and return its Work
         (``source_rank``: see `LocoWork`)."""
-        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._issued += 1
+            ordinal = self._issued
+        # the group's hash and the call's ordinal: the same call has the same tag on every rank
+        future = LocoFuture(zlib.crc32(self._group().encode()) << 32 | ordinal & 0xFFFFFFFF)
         # The Work (and its done callback) first: once queued, the worker takes the GIL for
         # the job, and the caller would wait for it to come back (0.1 ms a call, measured).
         work = LocoWork(future, source_rank)

@@ -114,7 +114,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                 schedules=NCCL_SCHEDULES)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                    self._nccl)
-        self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
+        self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire,
+                                 lambda: self._group_name)
         self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
                                            on_worker=self._on_worker)
 

@@ -45,9 +45,10 @@ import torch
 HEADER_BYTES = 32
 SHARD_MAGIC = b"LBCS"
 CALL_MAGIC = b"LBCD"
-VERSION = 3
+VERSION = 4
 """1: no checksum trailer (padding to 4 bytes); 2: the trailer held a sum of MurmurHash3
-finalizers (about 4 GB/s per core, too slow to be on by default)."""
+finalizers (about 4 GB/s per core, too slow to be on by default); 3: call descriptors of 32
+bytes, without ``parent``."""
 
 FLAG_NONFINITE = 1
 FLAG_PEER_ERROR = 2
@@ -171,11 +172,13 @@ def call_signature(collective: str, numel: int, dtype: torch.dtype) -> int:
     return zlib.crc32(f"{collective}|{numel}|{dtype}".encode())
 
 
-_CALL = struct.Struct("<4sBBBBQIIII")  # 32 bytes
+_CALL = struct.Struct("<4sBBBBQIIIIQ")  # 40 bytes
 DESCRIPTOR_BYTES = _CALL.size
 DESC_FLAGS_OFFSET = 28
 """Where the flags word starts: the bytes before it are the call itself, compared across ranks
-byte for byte (`CallDescriptor.call` where they differ)."""
+byte for byte (`CallDescriptor.call` where they differ), and so is the ``parent`` after it."""
+DESC_PARENT_OFFSET = 32
+"""Where ``parent`` starts (8 bytes, to the descriptor's end)."""
 FRAME_PAYLOAD = 96
 """Input bytes a frame carries: an exact reduction of at most this many bytes is done from the
 gathered frames, in one exchange."""
@@ -282,6 +285,11 @@ class CallDescriptor:
     """The frame carries this rank's input (`DESC_FRAMED`)."""
     invalid: bool = False
     """This rank's arguments are invalid (`DESC_INVALID`)."""
+    parent: int = 0
+    """The call whose future's callback issued this one (its tag, `issue_queue.callback_parent`;
+    0: issued outside such a callback). Part of the call: callbacks of different calls that
+    run at once issue their calls in either order, and ranks whose orders differ must not pair
+    one bucket's call with another's."""
 
     def pack(self) -> bytes:
         dtype_code = (DESCRIPTOR_DTYPES.index(self.dtype) if self.dtype in DESCRIPTOR_DTYPES
@@ -295,7 +303,7 @@ class CallDescriptor:
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
             self.numel, self.seq & 0xFFFFFFFF, width_byte(self.bits, self.fmt), self.group_size,
-            flags,
+            flags, self.parent,
         )
 
     def call(self) -> CallDescriptor:
@@ -305,7 +313,7 @@ class CallDescriptor:
 
     @classmethod
     def unpack(cls, raw: bytes) -> CallDescriptor:
-        magic, version, coll, dtype_code, op, numel, seq, width, group_size, flags = (
+        magic, version, coll, dtype_code, op, numel, seq, width, group_size, flags, parent = (
             _CALL.unpack_from(raw)
         )
         bits, fmt = split_width_byte(width & 0xFF)
@@ -315,7 +323,7 @@ class CallDescriptor:
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
                    bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
                    flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None,
-                   bool(flags & DESC_FRAMED), bool(flags & DESC_INVALID))
+                   bool(flags & DESC_FRAMED), bool(flags & DESC_INVALID), parent)
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"
@@ -324,9 +332,13 @@ class CallDescriptor:
             root = f", root={self.group_size}" if self.collective in ROOTED else ""
             op = f", op={self.op}" if self.collective == "reduce" else ""
             return (f"exact {self.collective}(numel={self.numel}, dtype={dtype}{op}{root}) "
-                    f"as call #{self.seq}")
+                    f"as call #{self.seq}{self._issuer()}")
         return (
             f"{kind} {self.collective}(numel={self.numel}, dtype={dtype}, op={self.op}, "
             f"bits={self.bits}, format={self.fmt}, group_size={self.group_size}"
-            f"{', input in frame' if self.framed else ''}) as call #{self.seq}"
+            f"{', input in frame' if self.framed else ''}) as call #{self.seq}{self._issuer()}"
         )
+
+    def _issuer(self) -> str:
+        return (f", issued by a callback of the call tagged {self.parent:#x}" if self.parent
+                else "")

@@ -40,6 +40,53 @@ def test_a_callback_may_issue_a_collective_and_wait_for_it():
     assert run_ranks(_collective_waited_in_a_callback, 2, timeout=60) == [(True, 1.0)] * 2
 
 
+def _callbacks_issue_calls(rank, world, gloo, order):
+    """Two all-reduces; a callback of each issues an all-reduce of 1000 floats and waits for it.
+    ``order="swapped"``: once both calls completed (so that each callback runs inline, when
+    it is added), rank 0 adds A's callback first, rank 1 B's: the two nested calls are issued
+    in opposite orders, as concurrent callbacks may issue them. ``order="same"``: both add A's
+    first; rank 0 after both calls completed (inline), rank 1 at once (its callbacks may run
+    on a completer)."""
+    futures = {name: dist.all_reduce(torch.ones(8), async_op=True).get_future()
+               for name in "AB"}
+    nested = {name: torch.full((1000,), float(rank + 1)) * (1 if name == "A" else 10)
+              for name in "AB"}
+    if order == "swapped" or rank == 0:
+        torch.futures.wait_all(list(futures.values()))
+    names = "BA" if order == "swapped" and rank == 1 else "AB"
+    try:
+        done = [futures[name].then(
+                    lambda _, name=name: dist.all_reduce(nested[name], async_op=True)
+                    .get_future().wait())
+                for name in names]
+        torch.futures.wait_all(done)
+        raised = "nothing"
+    except RuntimeError as exc:
+        raised = "mismatch" if "issued different collectives" in str(exc) else str(exc)
+    expected = {name: torch.full((1000,), 3.0) * (1 if name == "A" else 10) for name in "AB"}
+    right = all(torch.equal(nested[name], expected[name]) for name in "AB")
+    after = torch.ones(3)
+    dist.all_reduce(after)  # the group is still in step
+    return raised, right, after.tolist() == [2.0] * 3
+
+
+def test_calls_issued_by_callbacks_of_different_calls_in_different_orders_raise():
+    """Before, the two nested all-reduces (same size, dtype and op) were paired across ranks
+    in issue order: each rank summed its A with the other's B, and the ranks' results differed
+    silently (what torch's PowerSGD hook with several buckets did over loco: replicas diverged,
+    where gloo hangs). Now each call's descriptor names the call whose callback issued it, and
+    every rank raises `CollectiveMismatchError`; the group stays usable."""
+    results = run_ranks(_callbacks_issue_calls, 2, "swapped", timeout=60)
+    assert [r[0] for r in results] == ["mismatch", "mismatch"] and all(r[2] for r in results)
+
+
+def test_calls_issued_by_callbacks_match_whether_the_callbacks_ran_inline_or_not():
+    """A callback added to a completed future runs inline in the caller's thread, else on a
+    completer: either way the calls it issues name the same parent, so the ranks agree."""
+    assert run_ranks(_callbacks_issue_calls, 2, "same", timeout=60) == [
+        ("nothing", True, True)] * 2
+
+
 def _train_with_hook(rank, world, gloo, hook_name):
     hooks = {
         "fp16": (default_hooks.fp16_compress_hook, lambda g: g),
@@ -505,7 +552,7 @@ def _corrupt_frame_on_one_rank(rank, world, gloo, offset, numel):
     4,  # the descriptor's version byte
     28,  # its flags: "would compress"
     40,  # the input it carries, or zeros
-    130,  # the check itself
+    140,  # the check itself
 ])
 @pytest.mark.parametrize("numel", [3, 1000])
 def test_a_corrupt_descriptor_frame_raises_on_the_rank_that_received_it(offset, numel):
@@ -589,7 +636,7 @@ def _one_copy_of_a_frame_corrupt(rank, world, gloo, offset, kind):
     4,  # the descriptor's version byte
     28,  # its flags: "would compress"
     40,  # the input it carries, or zeros
-    130,  # the check itself
+    140,  # the check itself
 ])
 @pytest.mark.parametrize("kind", ["framed", "exact", "compressed"])
 def test_a_frame_with_one_intact_copy_settles_the_call_on_every_rank(offset, kind):

@@ -104,8 +104,11 @@ def test_decoder_rejects_messages_of_another_call():
 def test_call_descriptor_round_trip():
     d = wire.CallDescriptor("all_reduce", torch.bfloat16, 0, 123456, 9, 4, 128, True)
     assert wire.CallDescriptor.unpack(d.pack()) == d
-    assert len(d.pack()) == wire.HEADER_BYTES
+    assert len(d.pack()) == wire.DESCRIPTOR_BYTES == 40
     assert "numel=123456" in d.describe() and "bfloat16" in d.describe()
+    child = dataclasses.replace(d, parent=(7 << 32) | 3)
+    assert wire.CallDescriptor.unpack(child.pack()) == child and child.call() != d.call()
+    assert "issued by a callback of the call tagged 0x700000003" in child.describe()
 
 
 @pytest.mark.parametrize("dtype", wire.DESCRIPTOR_DTYPES)
