@@ -179,14 +179,13 @@ class LocoWork(dist.Work):
 class IssueQueue:
     """The worker and waiter threads of one group (see the module docstring).
 
-    ``retire(work)`` is called on every finished inner gloo Work (see `GlooTransport.retire`);
-    ``group()`` names the group (the same on every rank), for the futures' tags.
+    ``retire(work)`` is called on every finished inner gloo Work (see `GlooTransport.retire`).
+    `name_group` sets the group's part of the futures' tags, once c10d has named the group.
     """
 
-    def __init__(self, name: str, retire: Callable[[Any], None],
-                 group: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, name: str, retire: Callable[[Any], None]) -> None:
         self._retire = retire
-        self._group = group
+        self._group_tag = 0
         self._issued = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -199,14 +198,19 @@ class IssueQueue:
         self._worker.start()
         self._waiter.start()
 
+    def name_group(self, group_name: str) -> None:
+        """The futures' tags take the group's name (the same on every rank) in their high 32
+        bits: the CRC-32 of ``group_name``."""
+        self._group_tag = zlib.crc32(group_name.encode()) << 32
+
     def submit(self, job: Job, source_rank: Callable[[], int] | None = None) -> LocoWork:
         """Queue ``job`` (run on the worker, in issue order) and return its Work
         (``source_rank``: see `LocoWork`)."""
         with self._lock:
             self._issued += 1
             ordinal = self._issued
-        # the group's hash and the call's ordinal: the same call has the same tag on every rank
-        future = LocoFuture(zlib.crc32(self._group().encode()) << 32 | ordinal & 0xFFFFFFFF)
+        # the group's tag and the call's ordinal: the same call has the same tag on every rank
+        future = LocoFuture(self._group_tag | ordinal & 0xFFFFFFFF)
         # The Work (and its done callback) first: once queued, the worker takes the GIL for
         # the job, and the caller would wait for it to come back (0.1 ms a call, measured).
         work = LocoWork(future, source_rank)

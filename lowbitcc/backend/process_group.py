@@ -114,8 +114,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                 schedules=NCCL_SCHEDULES)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                    self._nccl)
-        self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire,
-                                 lambda: self._group_name)
+        self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
         self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
                                            on_worker=self._on_worker)
 
@@ -132,6 +131,7 @@ class LocoProcessGroup(dist.ProcessGroup):
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
         self._compressed.group_name = name
+        self._queue.name_group(name)
 
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
@@ -206,12 +206,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                    if isinstance(t, torch.Tensor)]
         if self._on_cuda(method, tensors) and self._cuda is not None:
             return self._cuda.exact(method, _flat(outputs), *args)
-        if (check is not None and problem is not None
-                and self._compressed.checks_data_movement()):
-            wrong = problem()
-            if wrong is not None:
-                self._refuse(check[0], ValueError(f"lowbitcc: {check[0]}: {wrong}"),
-                             exchanges=True)
+        if check is not None and problem is not None:
+            self._refuse_data_movement(check[0], problem)
         posted: list[Any] = []
         sender = None if source_rank is None else lambda: source_rank(posted[0])
         job = self._inner_job(method, outputs, *args, posted=posted)
@@ -251,6 +247,16 @@ class LocoProcessGroup(dist.ProcessGroup):
             job = self._compressed.refused(collective, error, numels or [0], like)
             self._queue.submit(job).wait()  # raises error
         raise error
+
+    def _refuse_data_movement(self, kind: str, problem: Callable[[], str | None]) -> None:
+        """Where the group checks data movements (`CompressedCalls.checks_data_movement`),
+        `_refuse` a call of ``kind`` in its exchange if ``problem()`` names one; else nothing
+        (gloo raises its own error on this rank)."""
+        if not self._compressed.checks_data_movement():
+            return
+        wrong = problem()
+        if wrong is not None:
+            self._refuse(kind, ValueError(f"lowbitcc: {kind}: {wrong}"), exchanges=True)
 
     def _refuse_reduction(self, error: Exception, cuda: bool, outputs: list[torch.Tensor],
                           collective: str = "reduce_scatter") -> NoReturn:
@@ -409,9 +415,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         if self._on_cuda("reduce", tensors) and self._cuda is not None:
             return self._cuda.exact("reduce", tensors, tensors, opts)
-        wrong = self._root_problem(opts.rootRank)
-        if wrong is not None and self._compressed.checks_data_movement():
-            self._refuse("reduce", ValueError(f"lowbitcc: reduce: {wrong}"), exchanges=True)
+        self._refuse_data_movement("reduce", lambda: self._root_problem(opts.rootRank))
         op_wrong = _op_problem(opts.reduceOp, tensors)
         if op_wrong is not None:
             self._refuse("reduce", op_wrong, exchanges=self._compressed.checks_data_movement())
