@@ -211,10 +211,10 @@ EXCHANGE_BYTES = FRAME_COPIES * FRAME_BYTES
 
 def pick_frames(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """From the gathered rows ``uint8 [ranks, EXCHANGE_BYTES]`` of a descriptor exchange, return
-    ``(frames, intact, corrected)``: ``frames`` ``uint8 [ranks, FRAME_BYTES]`` (a view of
-    ``rows`` where every first copy passes), each rank's first
-    copy that passes its check (its first copy where none does); ``intact`` bool ``[ranks]``,
-    whether one did; ``corrected``, whether only a later copy did."""
+    ``(frames, intact, corrected)``: ``frames`` ``uint8 [ranks, FRAME_BYTES]``, each rank's first
+    copy that passes its check (its first copy where none does; a view of ``rows`` when every
+    first copy passes); ``intact`` bool ``[ranks]``, whether one did; ``corrected``, whether
+    only a later copy did."""
     frames = rows[:, :FRAME_BYTES]
     intact = frame_checks(frames) == _carried_checks(frames)
     corrected = np.zeros(len(intact), dtype=bool)
@@ -254,8 +254,8 @@ every rank decides it alike from the call, so ranks that differ issued different
 CPU tensors on one, CUDA tensors on another)."""
 DESC_INVALID = 8
 """Descriptor flag: this rank's arguments for the call are invalid. It takes part in the
-exchange only so that every rank raises for this call (it its own error, the others naming it)
-and the group stays in step; its other fields are a placeholder and are not compared."""
+exchange only so that every rank raises for this call (this rank its own error, the others one
+naming it) and the group stays in step; its other fields are a placeholder and are not compared."""
 DESC_LEASE_SHIFT = 8
 """The flags word's bits from here up hold the descriptor's ``lease`` (24 bits)."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
