@@ -37,6 +37,10 @@ def _with_gloo(fn: Callable[..., Any], rank: int, world: int, *args: Any) -> Any
 
     gloo = dist.new_group(backend="gloo")
     _REFERENCE_GROUPS.append(gloo)
+    # A rank that leaves new_group has connected its side only; without this barrier a test
+    # that returns at once can exit while a peer is still connecting to it ("connectFullMesh
+    # failed ... Connection closed by peer", seen in CI).
+    dist.barrier(group=gloo)
     return fn(rank, world, gloo, *args)
 
 
