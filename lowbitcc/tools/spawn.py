@@ -58,6 +58,12 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout_s), pg_options=pg_options,
         )
+        if backend != "loco":
+            # a rank leaves init once its own side is connected; one that then returns at
+            # once could exit while a peer is still connecting to it ("Connection closed by
+            # peer"). A "loco" group is left as it is: a barrier there would be a call of its
+            # own, counted in lowbitcc.stats().
+            dist.barrier()
         try:
             value = fn(rank, world, *args)
         finally:
