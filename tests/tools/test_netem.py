@@ -112,12 +112,18 @@ def test_ranks_talk_through_a_shaped_link_and_nothing_is_left():
     assert set(netem.leftover_namespaces()) == before
 
 
+def _default_sigint() -> None:
+    # a runner started in the background of a shell without job control inherits SIGINT
+    # ignored, and so would the command, which then never sees the interrupt sent below
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @NEEDS_ROOT
 def test_interrupt_removes_the_network():
     before = set(netem.leftover_namespaces())
     proc = subprocess.Popen([sys.executable, "-m", "lowbitcc", "netem", "--np", "2", "--link",
                              "1gbit", "--", "sleep", "60"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 30
     while len(set(netem.leftover_namespaces()) - before) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
