@@ -58,12 +58,7 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout_s), pg_options=pg_options,
         )
-        if backend != "loco":
-            # a rank leaves init once its own side is connected; one that then returns at
-            # once could exit while a peer is still connecting to it ("Connection closed by
-            # peer"). A "loco" group is left as it is: a barrier there would be a call of its
-            # own, counted in lowbitcc.stats().
-            dist.barrier()
+        _wait_for_every_rank(f"{init_file}.ready", rank, world, pg_timeout_s)
         try:
             value = fn(rank, world, *args)
         finally:
@@ -73,6 +68,19 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 (sent to the parent, which raises)
         results.put((rank, False, traceback.format_exc()))
+
+
+def _wait_for_every_rank(path: str, rank: int, world: int, timeout_s: float) -> None:
+    """Return once every rank has created its group. A rank leaves ``init_process_group`` when
+    its own side is connected; one whose function then returned at once could exit while a
+    peer was still connecting to it (gloo: "connectFullMesh failed ... Connection closed by
+    peer"). A store, not a barrier, so that the group sees no call the function did not make."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(path, world)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(world)])
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "loco",
