@@ -269,6 +269,14 @@ class LocoProcessGroup(dist.ProcessGroup):
                      exchanges=not cuda and self._compressed.agrees_on(numels),
                      numels=numels, like=outputs[0])
 
+    def _refuse_invalid_op(self, op: Any, cuda: bool, outputs: list[torch.Tensor],
+                           collective: str = "reduce_scatter") -> None:
+        """`_refuse_reduction` if ``op`` cannot reduce ``outputs`` (`_op_problem`); else
+        nothing."""
+        wrong = _op_problem(op, outputs)
+        if wrong is not None:
+            self._refuse_reduction(wrong, cuda, outputs, collective)
+
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                    issue: Any, *, in_place: bool) -> ExactReduction:
         return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self.size())
@@ -284,9 +292,7 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def _all_reduce(self, method: str, tensors: list[torch.Tensor], opts: Any) -> Any:
         cuda = self._on_cuda(method, tensors)
-        wrong = _op_problem(opts.reduceOp, tensors)
-        if wrong is not None:
-            self._refuse_reduction(wrong, cuda, tensors, "all_reduce")
+        self._refuse_invalid_op(opts.reduceOp, cuda, tensors, "all_reduce")
         compress = self._compressible(tensors, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([t.numel() for t in tensors], "cuda")
@@ -329,9 +335,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._refuse_reduction(ValueError(
                 "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype"),
                 cuda, [output])
-        wrong = _op_problem(opts.reduceOp, [output])
-        if wrong is not None:
-            self._refuse_reduction(wrong, cuda, [output])
+        self._refuse_invalid_op(opts.reduceOp, cuda, [output])
         if cuda and self._cuda is not None:
             compress = self._compressible([output], opts.reduceOp)
             agree = compress or self._compressed.agrees_on([output.numel() * self.size()],
@@ -379,9 +383,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                     f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements does not "
                     f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements"),
                     cuda, outputs)
-        wrong = _op_problem(opts.reduceOp, outputs)
-        if wrong is not None:
-            self._refuse_reduction(wrong, cuda, outputs)
+        self._refuse_invalid_op(opts.reduceOp, cuda, outputs)
         compress = self._compressible(outputs, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([i.numel() for i in inputs], "cuda")
