@@ -1,12 +1,16 @@
 """`Stats`: counters of what the "loco" groups sent, behind `lowbitcc.stats()` (the process-wide
 instance is `lowbitcc.state.STATS`).
 
-Two categories, ``compressed`` and ``exact``. For each: ``calls``; ``tensor_bytes`` (sum of the
-input sizes); ``logical_bytes`` (bytes this rank would have sent with the same schedule had the
-elements travelled in their own dtype); ``wire_bytes`` (bytes this rank actually sent, headers and
-scales included); ``codec_s`` and ``wire_s`` (seconds spent encoding/decoding and exchanging).
-Exact calls run gloo's own schedules, which this package does not see: they count only
-``calls`` and ``tensor_bytes`` (their byte and time fields stay 0). ``compressed`` also has
+Two categories, ``compressed`` and ``exact``, and their sum ``total``. For each: ``calls``;
+``tensor_bytes`` (sum of the input sizes); ``logical_bytes`` (bytes this rank would have sent
+with the same schedule had the elements travelled in their own dtype); ``wire_bytes`` (bytes
+this rank actually sent, headers and scales included); ``codec_s`` and ``wire_s`` (seconds
+spent encoding/decoding and exchanging). Exact reductions (all-reduce, reduce-scatter, reduce)
+run gloo's or NCCL's own schedules, which this package does not see: their logical and wire
+bytes are the ring volume of `lowbitcc.collectives` (the bus factor times the call's size),
+and their times stay 0; exact data movements (broadcast, all-gather, ...) count only ``calls``
+and ``tensor_bytes``. ``total``'s ``ratio`` is the wire bytes over the logical bytes of every
+counted call, what switching to "loco" saved. ``compressed`` also has
 ``residual_sq`` and ``input_sq``, the squared norms of the quantization residual and of the
 compensated input, and ``relative_error = sqrt(residual_sq / input_sq)``. ``exact`` also has
 ``model_exact``: compressible calls that the cost model sent exact (`lowbitcc.cost_model`).
@@ -33,6 +37,10 @@ class Counters:
     residual_sq: float = 0.0
     input_sq: float = 0.0
     model_exact: int = 0
+
+
+_SUMMED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "codec_s", "wire_s")
+"""The `Counters` fields that ``total`` sums."""
 
 
 class Stats:
@@ -75,6 +83,9 @@ class Stats:
             math.sqrt(comp["residual_sq"] / comp["input_sq"]) if comp["input_sq"] > 0 else 0.0
         )
         comp["ratio"] = comp["wire_bytes"] / comp["logical_bytes"] if comp["logical_bytes"] else 0.0
+        total = {name: out["compressed"][name] + out["exact"][name] for name in _SUMMED}
+        total["ratio"] = total["wire_bytes"] / total["logical_bytes"] if total["logical_bytes"] else 0.0
+        out["total"] = total
         return out
 
     def reset(self) -> None:

@@ -47,14 +47,17 @@ from lowbitcc import policy, schedules, state
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import (
     Reduction,
+    count_exact,
     op_type,
     reduce_in_rank_order,
     reduces_in_rank_order,
 )
 from lowbitcc.backend.issue_queue import InnerWork, Job, callback_parent
+from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.codec import wire
 from lowbitcc.codec.interface import Kernels
 from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
@@ -142,8 +145,7 @@ class CompressedCalls:
         self._on_worker = on_worker
         self.cost_model = CostModel()
         self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
-        # exact calls left per class: CPU classes the worker's, CUDA classes the issuing thread's
-        self._leases: dict[SizeClass, int] = {}
+        self.leases = Leases(self.cost_model)
         self._lock = threading.Lock()
         self._seq = 0
         self._epoch: tuple[str, int] | None = None
@@ -209,18 +211,23 @@ class CompressedCalls:
         desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
                                    seq=seqs[0], bits=0, group_size=0, compressed=False,
                                    invalid=True)
+        ticket = None
+        if like is not None and self._leasable(numels[0]):
+            ticket = self.leases.begin(CostModel.size_class(
+                collective, numels[0] * like.element_size(), like.device.type))
 
         def run() -> Any:
-            if like is not None and self._leasable(numels[0]):
-                size_class = CostModel.size_class(
-                    collective, numels[0] * like.element_size(), like.device.type)
-                if self._take_lease(size_class):
+            try:
+                if ticket is not None and (ticket.leased or ticket.take()):
                     raise error
-            # this rank's own error says more than any the exchange raises
-            with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
-                                     CollectiveMismatchError):
-                self._agree(desc)
-            raise error
+                # this rank's own error says more than any the exchange raises
+                with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
+                                         CollectiveMismatchError):
+                    self._agree(desc)
+                raise error
+            finally:
+                if ticket is not None:
+                    ticket.settle()
 
         return run
 
@@ -251,24 +258,36 @@ class CompressedCalls:
         dtype = str(tensor.dtype).replace("torch.", "")
         return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
 
-    def goes_exact(self, collective: str, like: torch.Tensor, numel: int) -> bool:
-        """For a compressible call of ``numel`` elements of ``like``'s dtype on an inline route
-        (CUDA), issued now in the calling thread: whether the caller should issue the exact
-        call itself, with its own options (no job, no timing events, no descriptor exchange).
-        So it is for calls under ``min_size`` (exact on every rank whatever the policy, as CPU
-        calls skip the exchange: `agrees_on`) and for calls of a size class the cost model has
-        leased to the exact path; those are counted as their job would count them (the lease,
-        the model's count, the feedback key's ordinal, statistics)."""
-        if numel < self.config.min_size:
-            return True
+    def ticket(self, collective: str, like: torch.Tensor, numel: int,
+               wants: bool) -> Ticket | None:
+        """The lease decision (`leases`) of a reduction of ``numel`` elements of ``like``'s
+        dtype and device, issued now by the calling thread; None where the call does not count
+        against leases (`_leasable`). A ticket decided at once (``leased``) means the caller
+        issues the exact call itself, with its own options (no job, no descriptor exchange;
+        counted as its job would count it: the lease, the model's count, the feedback key's
+        ordinal where the call ``wants`` compression, its call number, statistics); otherwise
+        the caller passes the ticket to the call's job (`all_reduce`, `reduce_scatter`), which
+        decides."""
         if not self._leasable(numel):
-            return False
-        size_class = CostModel.size_class(collective, numel * like.element_size(),
-                                          like.device.type)
-        if not self._take_lease(size_class):
-            return False
-        self.key(collective, like, numel)
-        return True
+            return None
+        ticket = self.leases.begin(CostModel.size_class(
+            collective, numel * like.element_size(), like.device.type))
+        if ticket.leased:
+            self._next_seq()  # as its job would: the ranks' call numbers stay in step
+            if wants:
+                self.key(collective, like, numel)
+        return ticket
+
+    def goes_exact(self, collective: str, like: torch.Tensor, numel: int,
+                   wants: bool = True) -> tuple[bool, Ticket | None]:
+        """For a call on an inline route (CUDA), issued now in the calling thread: whether the
+        caller should issue the exact call itself (calls under ``min_size``, exact on every rank
+        whatever the policy, as CPU calls skip the exchange: `agrees_on`; calls leased at once,
+        see `ticket`), and the call's ticket otherwise."""
+        if numel < self.config.min_size:
+            return True, None
+        ticket = self.ticket(collective, like, numel, wants)
+        return ticket is not None and ticket.leased, ticket
 
     def _leasable(self, numel: int) -> bool:
         """Whether a reduction of ``numel`` elements counts against the cost model's leases.
@@ -277,27 +296,17 @@ class CompressedCalls:
         cfg = self.config
         return cfg.cost_model and cfg.check and numel >= cfg.min_size
 
-    def _modelled(self, numel: int) -> bool:
-        """Whether the cost model chooses the path of a compressible call of ``numel``."""
-        return self._leasable(numel) and not policy.forced()
-
-    def _take_lease(self, size_class: SizeClass) -> bool:
-        """Count a call of ``size_class`` against its lease, if it has one left."""
-        if self._leases.get(size_class, 0) <= 0:
-            return False
-        self._leases[size_class] -= 1
-        self.cost_model.count(size_class)
-        state.STATS.add("exact", model_exact=1)
-        return True
-
     def _next_seq(self) -> int:
         with self._lock:
             self._seq += 1
             return self._seq
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job, wants: bool = True) -> Job:
-        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback;
-        ``wants``: whether this rank would compress it, see `agrees_on`)."""
+    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job, wants: bool = True,
+                   ticket: Ticket | None = None, leased: Job | None = None) -> Job:
+        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback
+        after an exchange; ``wants``: whether this rank would compress it, see `agrees_on`;
+        ``ticket``: the call's undecided lease decision from `ticket`, None: taken here;
+        ``leased``: what runs when the job takes a lease, default ``exact``)."""
 
         def run(source: Source, comp: CallCompressor, route: Route) -> None:
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
@@ -309,12 +318,14 @@ class CompressedCalls:
         def deliver(reduced: torch.Tensor) -> None:
             tensor.copy_(reduced.view(tensor.shape))
 
-        return self._job("all_reduce", tensor, op, run, deliver, exact, wants)
+        return self._job("all_reduce", tensor, op, run, deliver, exact, wants, ticket, leased)
 
     def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: Any,
-                       exact: Job, wants: bool = True) -> Job:
+                       exact: Job, wants: bool = True, ticket: Ticket | None = None,
+                       leased: Job | None = None) -> Job:
         """The job of a compressed reduce-scatter of flat ``source`` (``size`` rows of
-        ``output.numel()``) into ``output`` (``exact``, ``wants``: see `all_reduce`)."""
+        ``output.numel()``) into ``output`` (``exact``, ``wants``, ``ticket``, ``leased``: see
+        `all_reduce`)."""
 
         def run(src: Source, comp: CallCompressor, route: Route) -> None:
             reduced = schedules.reduce_scatter(self._schedule(src, route), src, comp, route.links,
@@ -324,7 +335,8 @@ class CompressedCalls:
         def deliver(reduced: torch.Tensor) -> None:
             output.copy_(reduced.view(self.size, -1)[self.rank].view(output.shape))
 
-        return self._job("reduce_scatter", source, op, run, deliver, exact, wants)
+        return self._job("reduce_scatter", source, op, run, deliver, exact, wants, ticket,
+                         leased)
 
     def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
                    wants: bool = True) -> Job:
@@ -356,7 +368,8 @@ class CompressedCalls:
             n = self.size
             itemsize = source.element_size()
             state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
-                            logical_bytes=(n - 1) * numel * itemsize)
+                            logical_bytes=COLLECTIVES["all_gather"].logical_bytes(
+                                n * numel * itemsize, n))
             start = time.perf_counter()
             codec = ShardCodec(
                 bits=cfg.param_bits, group_size=cfg.group_for("int"),
@@ -380,11 +393,13 @@ class CompressedCalls:
 
     def _job(self, collective: str, source: torch.Tensor, op: Any,
              run: Callable[[Source, CallCompressor, Route], None],
-             deliver: Callable[[torch.Tensor], None], exact: Job, wants: bool) -> Job:
+             deliver: Callable[[torch.Tensor], None], exact: Job, wants: bool,
+             ticket: Ticket | None, leased: Job | None) -> Job:
         """The worker job of one reduction of ``source`` (``run``: its compressed schedule;
         ``deliver(reduced)``: writes the reduction of every rank's whole ``source``, flat, to
         the call's output, for calls that travel in the descriptor frame; ``exact``: the
-        fallback; ``wants``: whether this rank would compress it)."""
+        fallback; ``wants``: whether this rank would compress it; ``ticket``, ``leased``: see
+        `all_reduce`)."""
         cfg = self.config
         numel = source.numel()
         seq = self._next_seq()
@@ -408,15 +423,23 @@ class CompressedCalls:
         )
         reduction = Reduction.of(op, self.size)
         factor = reduction.input_factor()
+        if leasable and ticket is None:
+            ticket = self.leases.begin(CostModel.size_class(collective, nbytes, device), now=False)
 
         def job() -> Any:
+            try:
+                return decide_and_run()
+            finally:
+                if ticket is not None:
+                    ticket.settle()
+
+        def decide_and_run() -> Any:
             suggestion = None
-            if leasable:
+            if ticket is not None:
                 if route.inline:
                     self._stream_timings.harvest(self.cost_model)
-                size_class = CostModel.size_class(collective, nbytes, device)
-                if self._take_lease(size_class):
-                    return self._timed_exact(exact, route, size_class, nbytes)
+                if ticket.take():
+                    return self._timed_exact(leased or exact, route, ticket.size_class, nbytes)
                 if modelled:
                     suggestion = self.cost_model.suggest(collective, nbytes, device)
             call = desc if suggestion is None else dataclasses.replace(
@@ -435,22 +458,24 @@ class CompressedCalls:
             if not leader.compressed:  # some rank would not compress it (or it is too small)
                 if inputs is None:
                     return exact()
-                state.STATS.add("exact", calls=1, tensor_bytes=nbytes)
+                count_exact(collective, nbytes, self.size)
                 rows = [inputs[r, :nbytes].clone().view(source.dtype) for r in range(self.size)]
                 deliver(reduce_in_rank_order(rows, op, self.size))
                 return None
             if suggestion is not None and leader.prefer_exact:
                 state.STATS.add("exact", model_exact=1)
-                if leader.lease:  # rank 0's: every rank holds the same lease
-                    self._leases[suggestion.size_class] = leader.lease
+                if leader.lease and ticket is not None:  # rank 0's: every rank holds it
+                    ticket.settle(leader.lease)
                 return self._timed_exact(exact, route, suggestion.size_class, nbytes)
-            stop = None if suggestion is None else self._clock(route, suggestion.size_class,
+            if ticket is not None:  # decided: later calls need not wait for the schedule
+                ticket.settle()
+            stop = None if suggestion is None else self.clock(route, suggestion.size_class,
                                                                False, nbytes)
             n = self.size
             m = -(-numel // n)
-            phases = 2 if collective == "all_reduce" else 1
             state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
-                            logical_bytes=phases * (n - 1) * m * itemsize)
+                            logical_bytes=COLLECTIVES[collective].logical_bytes(
+                                n * m * itemsize, n))
             codec = ShardCodec(
                 bits=cfg.bits, group_size=cfg.wire_group_size,
                 dtype_code=wire.DTYPE_CODES[source.dtype], seq=seq, world=n,
@@ -474,7 +499,7 @@ class CompressedCalls:
 
         return job
 
-    def _clock(self, route: Route, size_class: SizeClass, exact: bool,
+    def clock(self, route: Route, size_class: SizeClass, exact: bool,
                nbytes: int) -> Callable[[], None]:
         """Start timing a call of ``size_class`` on one path; the returned function ends it,
         and its time goes to the cost model: wall time on the worker, or for ``route.inline``
@@ -489,7 +514,7 @@ class CompressedCalls:
 
     def _timed_exact(self, exact: Job, route: Route, size_class: SizeClass, nbytes: int) -> Any:
         """Start ``exact``; its time, until the inner work completes, goes to the cost model."""
-        stop = self._clock(route, size_class, True, nbytes)
+        stop = self.clock(route, size_class, True, nbytes)
         result = exact()
         if not isinstance(result, InnerWork):
             stop()

@@ -36,9 +36,12 @@ from lowbitcc.backend.compressed_call import CollectiveMismatchError, Compressed
 from lowbitcc.backend.cuda_issue import CudaIssuer
 from lowbitcc.backend.exact import (
     ExactReduction,
+    all_reduce_of,
     op_type,
+    reduce_of,
     reduce_scatter_flat_into,
     reduce_scatter_into,
+    start_now,
 )
 from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, LocoWork
 from lowbitcc.codec import kernels
@@ -50,6 +53,10 @@ from lowbitcc.transports.nccl import SCHEDULES as NCCL_SCHEDULES
 log = logging.getLogger("lowbitcc")
 
 __all__ = ["CollectiveMismatchError", "LocoProcessGroup", "LocoWork"]
+
+
+LEASED_TIMED = 8
+"""One in this many exact calls issued at once under a lease is timed for the cost model."""
 
 
 def _flat(tensors: list[Any]) -> list[torch.Tensor]:
@@ -94,6 +101,12 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._inner = dist.ProcessGroupGloo(
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout)
         self._gloo = GlooTransport(self._inner)
+        # the leased exact reductions, issued by the deciding thread in issue order (`leases`)
+        self._direct = dist.ProcessGroupGloo(
+            dist.PrefixStore("lowbitcc/gloo-direct", store), rank, size, timeout
+        ) if config.cost_model and config.check and config.policy != "never" else self._inner
+        self._direct_works = GlooTransport(self._direct)
+        self._leased = 0
         cpu = Route(
             kernels=kernels.select(config.codec, "cpu", config.wire_group_size),
             links=open_links(config.transport, world=self._gloo, store=store,
@@ -155,6 +168,8 @@ class LocoProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         if self._queue.shutdown(self.timeout.total_seconds()):
             self._inner.shutdown()
+            if self._direct is not self._inner:
+                self._direct.shutdown()
             if self._nccl is not None:
                 self._nccl.shutdown()
 
@@ -278,8 +293,28 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._refuse_reduction(wrong, cuda, outputs, collective)
 
     def _reduction(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-                   issue: Any, *, in_place: bool) -> ExactReduction:
-        return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self.size())
+                   issue: Any, *, in_place: bool, collective: str = "all_reduce"
+                   ) -> ExactReduction:
+        return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self.size(),
+                              group=self._inner, collective=collective)
+
+    def _leased_now(self, exact: ExactReduction, size_class: Any) -> Any:
+        """Issue ``exact``, a reduction leased at issue (`Leases`), on the direct group now and
+        return its Work (gloo's own where it needs no finishing). One in `LEASED_TIMED` of
+        these is timed for the cost model, until gloo has completed it: the timing callback
+        takes the GIL on gloo's thread, which costs more than the rest of the call."""
+        self._leased += 1
+        if self._leased % LEASED_TIMED:
+            return start_now(exact.on(self._direct))
+        nbytes = sum(t.numel() * t.element_size() for t in exact.inputs)
+        stop = self._compressed.clock(self._compressed.route(exact.inputs[0].device),
+                                      size_class, True, nbytes)
+
+        def done(work: Any) -> None:
+            stop()
+            self._direct_works.retire(work)
+
+        return start_now(exact.on(self._direct), done)
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -296,28 +331,39 @@ class LocoProcessGroup(dist.ProcessGroup):
         compress = self._compressible(tensors, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([t.numel() for t in tensors], "cuda")
-            if not agree or (len(tensors) == 1 and self._compressed.goes_exact(
-                    "all_reduce", tensors[0], tensors[0].numel())):
+            ticket = None
+            if agree and len(tensors) == 1:
+                exact_now, ticket = self._compressed.goes_exact(
+                    "all_reduce", tensors[0], tensors[0].numel(), compress)
+                agree = not exact_now
+            if not agree:
                 return self._cuda.exact(method, tensors, tensors, opts)
             single = _sync(opts, dist.AllreduceOptions)
             exacts = [lambda t=t: self._nccl.allreduce([t], single) for t in tensors]
-            jobs = [self._compressed.all_reduce(t, opts.reduceOp, exact=e, wants=compress)
+            jobs = [self._compressed.all_reduce(t, opts.reduceOp, exact=e, wants=compress,
+                                                ticket=ticket)
                     for t, e in zip(tensors, exacts)]
             return self._cuda.compressed(lambda: [job() for job in jobs],
                                          lambda: [e() for e in exacts],
                                          tensors, tensors, opts.asyncOp)
-        issue = getattr(self._inner, method)
         if not compress and not self._compressed.agrees_on([t.numel() for t in tensors]):
-            return self._queue.submit(self._reduction(opts, tensors, tensors, issue, in_place=True))
+            return self._queue.submit(self._reduction(opts, tensors, tensors, all_reduce_of,
+                                                      in_place=True))
         single = opts
         if not isinstance(opts, dist.AllreduceOptions):
             single = dist.AllreduceOptions()
             single.reduceOp = opts.reduceOp
-        jobs = [self._compressed.all_reduce(
-                    t, opts.reduceOp,
-                    exact=self._reduction(single, [t], [t], self._inner.allreduce, in_place=True),
-                    wants=compress)
-                for t in tensors]
+        exacts = [self._reduction(single, [t], [t], all_reduce_of, in_place=True)
+                  for t in tensors]
+        ticket = None
+        if len(tensors) == 1:
+            ticket = self._compressed.ticket("all_reduce", tensors[0], tensors[0].numel(),
+                                             compress)
+            if ticket is not None and ticket.leased:
+                return self._leased_now(exacts[0], ticket.size_class)
+        jobs = [self._compressed.all_reduce(t, opts.reduceOp, exact=e, wants=compress,
+                                            ticket=ticket, leased=e.on(self._direct))
+                for t, e in zip(tensors, exacts)]
         return self._queue.submit(self._queue.sequence(jobs, tensors))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
@@ -340,8 +386,12 @@ class LocoProcessGroup(dist.ProcessGroup):
             compress = self._compressible([output], opts.reduceOp)
             agree = compress or self._compressed.agrees_on([output.numel() * self.size()],
                                                            "cuda")
-            if not agree or self._compressed.goes_exact(
-                    "reduce_scatter", output, output.numel() * self.size()):
+            ticket = None
+            if agree:
+                exact_now, ticket = self._compressed.goes_exact(
+                    "reduce_scatter", output, output.numel() * self.size(), compress)
+                agree = not exact_now
+            if not agree:
                 return self._cuda.exact("reduce_scatter", [output], output_tensors, input_tensors,
                                         opts)
             source = torch.stack([t.reshape(-1) for t in inputs])
@@ -351,17 +401,22 @@ class LocoProcessGroup(dist.ProcessGroup):
                 self._nccl.reduce_scatter([output], [inputs], single)
 
             job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact_rs,
-                                                  wants=compress)
+                                                  wants=compress, ticket=ticket)
             return self._cuda.compressed(job, exact_rs, [output, source, *inputs], [output],
                                          opts.asyncOp)
-        exact = self._reduction(opts, inputs, [output], reduce_scatter_into(self._inner, output),
-                                in_place=False)
+        exact = self._reduction(opts, inputs, [output], reduce_scatter_into(output),
+                                in_place=False, collective="reduce_scatter")
         compress = self._compressible([output], opts.reduceOp)
         if not compress and not self._compressed.agrees_on([output.numel() * self.size()]):
             return self._queue.submit(exact)
+        ticket = self._compressed.ticket("reduce_scatter", output, output.numel() * self.size(),
+                                         compress)
+        if ticket is not None and ticket.leased:
+            return self._leased_now(exact, ticket.size_class)
         source = torch.stack([t.reshape(-1) for t in inputs])
         job = self._compressed.reduce_scatter(output, source, opts.reduceOp, exact=exact,
-                                              wants=compress)
+                                              wants=compress, ticket=ticket,
+                                              leased=exact.on(self._direct))
         return self._queue.submit(self._queue.sequence([job], [output]))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
@@ -387,8 +442,12 @@ class LocoProcessGroup(dist.ProcessGroup):
         compress = self._compressible(outputs, opts.reduceOp)
         if cuda and self._cuda is not None:
             agree = compress or self._compressed.agrees_on([i.numel() for i in inputs], "cuda")
-            if not agree or (len(inputs) == 1 and self._compressed.goes_exact(
-                    "reduce_scatter", inputs[0], inputs[0].numel())):
+            ticket = None
+            if agree and len(inputs) == 1:
+                exact_now, ticket = self._compressed.goes_exact(
+                    "reduce_scatter", inputs[0], inputs[0].numel(), compress)
+                agree = not exact_now
+            if not agree:
                 if len(outputs) == 1:
                     return self._cuda.exact("_reduce_scatter_base", outputs, outputs[0],
                                             inputs[0], opts)
@@ -397,18 +456,25 @@ class LocoProcessGroup(dist.ProcessGroup):
             single = _sync(opts, dist.ReduceScatterOptions)
             exacts = [lambda o=o, i=i: self._nccl._reduce_scatter_base(o, i, single)
                       for o, i in zip(outputs, inputs)]
-            jobs = [self._compressed.reduce_scatter(o, i, opts.reduceOp, exact=e, wants=compress)
+            jobs = [self._compressed.reduce_scatter(o, i, opts.reduceOp, exact=e, wants=compress,
+                                                    ticket=ticket)
                     for o, i, e in zip(outputs, inputs, exacts)]
             return self._cuda.compressed(lambda: [job() for job in jobs],
                                          lambda: [e() for e in exacts],
                                          [*outputs, *inputs], outputs, opts.asyncOp)
         jobs: list[Job] = []
         for out, inp in zip(outputs, inputs):
-            exact = self._reduction(opts, [inp], [out], reduce_scatter_flat_into(self._inner, out),
-                                    in_place=False)
+            exact = self._reduction(opts, [inp], [out], reduce_scatter_flat_into(out),
+                                    in_place=False, collective="reduce_scatter")
             agree = compress or self._compressed.agrees_on([inp.numel()])
-            jobs.append(self._compressed.reduce_scatter(out, inp, opts.reduceOp, exact=exact,
-                                                        wants=compress) if agree else exact)
+            ticket = None
+            if agree and len(inputs) == 1:
+                ticket = self._compressed.ticket("reduce_scatter", inp, inp.numel(), compress)
+                if ticket is not None and ticket.leased:
+                    return self._leased_now(exact, ticket.size_class)
+            jobs.append(self._compressed.reduce_scatter(
+                out, inp, opts.reduceOp, exact=exact, wants=compress, ticket=ticket,
+                leased=exact.on(self._direct)) if agree else exact)
         return self._queue.submit(self._queue.sequence(jobs, outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -422,7 +488,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         if op_wrong is not None:
             self._refuse("reduce", op_wrong, exchanges=self._compressed.checks_data_movement())
         outputs = tensors if self.rank() == opts.rootRank else []
-        job: Job = self._reduction(opts, tensors, outputs, self._inner.reduce, in_place=True)
+        job: Job = self._reduction(opts, tensors, outputs, reduce_of, in_place=True,
+                                   collective="reduce")
         job = self._checked(("reduce", tensors, opts.rootRank), job,
                             op=int(op_type(opts.reduceOp)))
         return self._queue.submit(job)

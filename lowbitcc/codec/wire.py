@@ -42,6 +42,8 @@ import zlib
 import numpy as np
 import torch
 
+from lowbitcc.collectives import COLLECTIVES
+
 HEADER_BYTES = 32
 SHARD_MAGIC = b"LBCS"
 CALL_MAGIC = b"LBCD"
@@ -236,12 +238,12 @@ def _carried_checks(frames: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(frames[:, -FRAME_CHECK_BYTES:]).view("<u8")[:, 0]
 
 
-COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
-                    "gather": 5, "scatter": 6, "all_to_all": 7, "barrier": 8, "reduce": 9}
-"""The kinds of call a descriptor names: the reductions (1, 2), the all-gather (3, compressed
-or exact) and, under ``check``, the exact data movements (4-9), whose descriptors carry the
-root rank in ``group_size`` and 0 in ``bits``; point-to-point calls have none."""
-ROOTED = frozenset({"broadcast", "gather", "scatter", "reduce"})
+COLLECTIVE_CODES = {c.name: c.code for c in COLLECTIVES.values()}
+"""The kinds of call a descriptor names (`lowbitcc.collectives`): the reductions (1, 2), the
+all-gather (3, compressed or exact) and, under ``check``, the exact data movements (4-9), whose
+descriptors carry the root rank in ``group_size`` and 0 in ``bits``; point-to-point calls have
+none."""
+ROOTED = frozenset(c.name for c in COLLECTIVES.values() if c.rooted)
 """The kinds whose descriptor's ``group_size`` field is the root rank."""
 DESC_COMPRESSED = 1
 """Descriptor flag: this rank would compress the call (its policy and the size allow it); the

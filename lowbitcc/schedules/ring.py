@@ -15,7 +15,7 @@ All-reduce adds the all-gather: the owner quantizes its reduced row once (stage 
 and the codes travel ``n-1`` hops unchanged (forwarded, never re-quantized); every rank, the
 owner included, decodes all ``n`` messages, so every rank ends with bitwise-identical values.
 
-Pipelining: the columns are cut into chunks (`columns.chunks`); at every step, chunk ``k`` is
+Pipelining: the columns are cut into chunks (`chunking.chunks`); at every step, chunk ``k`` is
 decoded, re-encoded and sent while chunk ``k+1`` of the previous step is still arriving.
 
 Traffic per rank and phase: ``n-1`` messages of ``m`` elements out, ``n-1`` in, to and from one

@@ -989,7 +989,7 @@ def _forced_on_one_rank_during_a_lease(rank, world, gloo):
     w = torch.zeros(1, requires_grad=True)
     w.register_hook(in_backward)
     w.sum().backward()
-    leased = sum(group._compressed._leases.values())
+    leased = group._compressed.leases.held()
     y, expected = x.clone(), x.clone()
     if rank == 1:
         with lowbitcc.compressed():

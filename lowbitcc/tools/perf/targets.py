@@ -96,12 +96,13 @@ class LocoBackend(Backend):
         return _loco_context(f"perf|{self.name}|{key}")
 
     def measured_wire_bytes(self, run: Callable[[], None]) -> int | None:
-        """Compressed calls count their bytes; an exact one (below min_size, or not a
-        reduction) returns None, so the harness uses the ring volume as for gloo."""
-        before = lowbitcc.stats()["compressed"]
+        """The bytes the call counted (`lowbitcc.stats`' ``total``: compressed calls their own,
+        exact reductions their ring volume); None where it counted none (an exact data
+        movement), so the harness uses the ring volume as for gloo."""
+        before = lowbitcc.stats()["total"]
         run()
-        after = lowbitcc.stats()["compressed"]
-        if after["calls"] == before["calls"]:
+        after = lowbitcc.stats()["total"]
+        if after["wire_bytes"] == before["wire_bytes"]:
             return None
         return int(after["wire_bytes"] - before["wire_bytes"])
 
