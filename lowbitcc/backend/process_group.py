@@ -6,7 +6,7 @@ runs it:
 - exact calls go to the group's inner ``ProcessGroupGloo`` (built on the same store), so they
   equal gloo bit for bit; reductions through `exact.ExactReduction` (AVG and PREMUL_SUM
   emulated);
-- compressible calls (`lowbitcc.policy`) go to `compressed_call.CompressedCalls`, which runs a
+- compressible calls (`lowbitcc.policy`) go to `compressed_calls.CompressedCalls`, which runs a
   compressed schedule over the group's links: the inner gloo group, or MPI, or further node and
   rail groups (``LOCO_TRANSPORT``, ``LOCO_SCHEDULE``);
 - every CPU call, either path, is queued in issue order on the group's `issue_queue.IssueQueue`
@@ -32,7 +32,9 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from lowbitcc import policy, state
 from lowbitcc.backend import BACKEND_NAME
-from lowbitcc.backend.compressed_call import CollectiveMismatchError, CompressedCalls, Route
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from lowbitcc.backend.compressed_call import Route
+from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.cuda_issue import CudaIssuer
 from lowbitcc.backend.exact import (
     ExactReduction,

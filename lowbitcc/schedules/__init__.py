@@ -1,6 +1,7 @@
-"""Compressed reduce-scatter / all-reduce schedules (see docs/algorithms.md).
+"""Compressed reduce-scatter / all-reduce schedules (see docs/algorithms.md), and the compressed
+all-gather (`gather`, one schedule).
 
-Every schedule module has ``reduce_scatter(source, comp, links, chunk)`` -> fp32 ``[m]`` (the
+Every reduction schedule module has ``reduce_scatter(source, comp, links, chunk)`` -> fp32 ``[m]`` (the
 sum of this rank's row) and ``all_reduce(source, out, comp, links, chunk)`` (the sum of every row
 into flat ``out``, identical on every rank). A schedule sees only `CallCompressor` (codec, error
 feedback, statistics) and the group's `Links` (transports through their protocol); flat
@@ -17,7 +18,7 @@ from types import ModuleType
 import torch
 
 from lowbitcc.compressor import CallCompressor, Source
-from lowbitcc.schedules import direct, hierarchical, ring, tree
+from lowbitcc.schedules import direct, gather, hierarchical, ring, tree
 from lowbitcc.transports.links import Links
 
 SCHEDULES: dict[str, ModuleType] = {
@@ -38,4 +39,9 @@ def all_reduce(name: str, source: Source, out: torch.Tensor, comp: CallCompresso
     SCHEDULES[name].all_reduce(source, out, comp, links, chunk)
 
 
-__all__ = ["NAMES", "SCHEDULES", "all_reduce", "reduce_scatter"]
+def all_gather(source: Source, out: torch.Tensor, comp: CallCompressor, links: Links) -> None:
+    """The compressed all-gather of every rank's one-row ``source`` into flat ``out``."""
+    gather.all_gather(source, out, comp, links)
+
+
+__all__ = ["NAMES", "SCHEDULES", "all_gather", "all_reduce", "reduce_scatter"]

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbitcc
-import lowbitcc.backend.compressed_call
+import lowbitcc.backend.call_agreement
 import lowbitcc.backend.process_group
 import lowbitcc.codec.wire
 import lowbitcc.cost_model
@@ -607,7 +607,7 @@ def _one_copy_of_a_frame_corrupt(rank, world, gloo, offset, kind):
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logger = logging.getLogger("lowbitcc.backend.compressed_call")
+    logger = logging.getLogger("lowbitcc.backend.call_agreement")
     logger.addHandler(handler)
 
     def call() -> None:
@@ -672,7 +672,7 @@ def _invalid_arguments_on_one_rank(rank, world, gloo, case):
                 for out, inp in zip(outputs, inputs):
                     dist.reduce_scatter_tensor(out, inp)
         raised = "nothing"
-    except lowbitcc.backend.compressed_call.InvalidPeerCallError as exc:
+    except lowbitcc.backend.call_agreement.InvalidPeerCallError as exc:
         raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
     except (ValueError, TypeError) as exc:
         raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)
@@ -719,7 +719,7 @@ def _invalid_data_movement_on_one_rank(rank, world, gloo, case):
         elif case == "reduce root":
             dist.reduce(t, dst=world + 2 if bad else 0)
         raised = "nothing"
-    except lowbitcc.backend.compressed_call.InvalidPeerCallError as exc:
+    except lowbitcc.backend.call_agreement.InvalidPeerCallError as exc:
         raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
     except ValueError as exc:
         raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)

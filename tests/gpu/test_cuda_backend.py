@@ -176,8 +176,8 @@ def test_cuda_calls_under_min_size_go_to_nccl_without_a_descriptor_exchange(grou
     small = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
         policy="always", min_size=1 << 20))
     exchanged = []
-    agree = small._compressed._agree
-    small._compressed._agree = lambda desc: exchanged.append(desc) or agree(desc)
+    agree = small._compressed.agreement.agree
+    small._compressed.agreement.agree = lambda desc: exchanged.append(desc) or agree(desc)
     x = torch.ones(4096, device="cuda")
     out = torch.empty(4096, device="cuda")
     with lowbitcc.compressed():
@@ -197,8 +197,8 @@ def test_cuda_calls_left_exact_by_the_policy_exchange_a_descriptor(group):
         min_size=1024, cost_model=False))
     world = dist.get_world_size()
     exchanged = []
-    agree = checked._compressed._agree
-    checked._compressed._agree = lambda desc: exchanged.append(desc) or agree(desc)
+    agree = checked._compressed.agreement.agree
+    checked._compressed.agreement.agree = lambda desc: exchanged.append(desc) or agree(desc)
     x = torch.ones(4096, device="cuda")
     counts = torch.ones(4096, dtype=torch.int32, device="cuda")
     out = torch.empty(4096, device="cuda")

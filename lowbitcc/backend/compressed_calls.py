@@ -1,0 +1,279 @@
+"""`CompressedCalls`: what one "loco" group needs to build and run its compressed calls.
+
+The group's process group asks it, in the issuing thread, whether a call must exchange a
+descriptor (`agrees_on`, `checks_data_movement`), for the call's lease decision (`ticket`,
+`goes_exact`; `lowbitcc.backend.leases`) and for the call itself: `all_reduce`,
+`reduce_scatter` and `all_gather` return a `compressed_call.CompressedCall` (the job). It holds
+what the calls of the group share: the settings, the `Route` per device type, the descriptor
+exchanges (`call_agreement.CallAgreement`), the cost model and its leases, the feedback keys'
+ordinals, the worker's decode buffer, and the CUDA calls' stream timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowbitcc import policy
+from lowbitcc.backend.call_agreement import (
+    CallAgreement,
+    CollectiveMismatchError,
+    CorruptFrameError,
+    InvalidPeerCallError,
+)
+from lowbitcc.backend.compressed_call import (
+    AllReduceCall,
+    GatherCall,
+    ReduceScatterCall,
+    Route,
+    choose_schedule,
+)
+from lowbitcc.backend.cuda_issue import StreamTimings
+from lowbitcc.backend.issue_queue import InnerWork, Job
+from lowbitcc.backend.leases import Leases, Ticket
+from lowbitcc.codec import wire
+from lowbitcc.compressor import Scratch, Source
+from lowbitcc.config import LocoConfig
+from lowbitcc.cost_model import CostModel, SizeClass
+from lowbitcc.schedules.chunking import chunk_width
+from lowbitcc.transports.gloo import GlooTransport
+
+
+class CompressedCalls:
+    """The compressed calls of one group of ``size`` ranks (see the module docstring).
+
+    ``agreement`` is the group's inner gloo transport (descriptor exchange, unmetered);
+    ``routes`` maps a device type to its `Route`; ``on_worker(fn)`` runs ``fn`` on the group's
+    worker thread and waits (for inline routes). `group_name` is set by c10d after creation.
+    """
+
+    def __init__(self, rank: int, size: int, config: LocoConfig, agreement: GlooTransport,
+                 routes: dict[str, Route],
+                 on_worker: Callable[[Callable[[], None]], None] | None = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.config = config
+        self.agreement = CallAgreement(rank, agreement)
+        self.on_worker = on_worker
+        self.cost_model = CostModel()
+        self.leases = Leases(self.cost_model)
+        self.scratch = Scratch()  # the worker thread's decode buffer
+        self._routes = routes
+        self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
+        self._lock = threading.Lock()
+        self._epoch: tuple[str, int] | None = None
+        self._ordinals: dict[tuple, int] = {}
+
+    @property
+    def group_name(self) -> str:
+        return self.agreement.group_name
+
+    @group_name.setter
+    def group_name(self, name: str) -> None:
+        self.agreement.group_name = name
+
+    def serves(self, device: torch.device) -> bool:
+        return device.type in self._routes
+
+    def agrees_on(self, numels: list[int], device_type: str = "cpu") -> bool:
+        """Whether a reduction that this rank will not compress must still exchange descriptors
+        (with ``wants=False``): another rank may be about to compress the same call, or to
+        issue another one (a size, dtype or op mismatch then raises instead of hanging). Its
+        calls have ``numels`` elements (the whole input of each). On CPU every such call
+        exchanges (``check``, and a policy that may compress); the small ones carry their input
+        in the frame (`wire.FRAME_PAYLOAD`) and need no second exchange. CUDA calls under
+        ``min_size`` go straight to NCCL without it (docs/reliability.md)."""
+        cfg = self.config
+        return (cfg.check and cfg.policy != "never" and bool(numels)
+                and (device_type == "cpu" or all(n >= cfg.min_size for n in numels)))
+
+    def checks_data_movement(self) -> bool:
+        """Whether exact data movements of CPU tensors (broadcast, all-gather, gather, scatter,
+        all-to-all, barrier, reduce) exchange a descriptor first (`checked`): under
+        ``check_all`` with a policy that may compress (where CPU reductions exchange one too),
+        so that a broadcast on one rank against an all-reduce on another raises instead of
+        hanging (docs/reliability.md)."""
+        cfg = self.config
+        return cfg.check and cfg.check_all and cfg.policy != "never"
+
+    def checked(self, collective: str, dtype: torch.dtype, numel: int, job: Job, *,
+                op: int = 0, root: int = 0) -> Job:
+        """`CallAgreement.checked`: ``job`` preceded by a descriptor exchange."""
+        return self.agreement.checked(collective, dtype, numel, job, op=op, root=root)
+
+    def refused(self, collective: str, error: Exception, numels: list[int],
+                like: torch.Tensor | None) -> Job:
+        """The job of a call whose arguments this rank found invalid (``error``), where a
+        valid call would exchange a descriptor: it exchanges one flagged `wire.DESC_INVALID`,
+        so that every other rank raises `InvalidPeerCallError` for the same call instead of
+        pairing its exchange with this rank's next call, then raises ``error``. ``numels``:
+        the whole input of each call (tensor) the valid call would be, as this rank's outputs
+        say, of ``like``'s dtype and device: it takes as many sequence numbers. Where the cost
+        model has leased the first one's size class to the exact path, the valid ranks skip the
+        exchange: this rank takes the lease and raises without one (the others then wait in
+        gloo until the group's timeout, as on gloo). Data movements pass ``[0]`` and None (one
+        call, never leased)."""
+        seqs = [self.agreement.next_seq() for _ in numels]
+        desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
+                                   seq=seqs[0], bits=0, group_size=0, compressed=False,
+                                   invalid=True)
+        ticket = None
+        if like is not None and self.leasable(numels[0]):
+            ticket = self.leases.begin(CostModel.size_class(
+                collective, numels[0] * like.element_size(), like.device.type))
+
+        def run() -> Any:
+            try:
+                if ticket is not None and (ticket.leased or ticket.take()):
+                    raise error
+                # this rank's own error says more than any the exchange raises
+                with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
+                                         CollectiveMismatchError):
+                    self.agreement.agree(desc)
+                raise error
+            finally:
+                if ticket is not None:
+                    ticket.settle()
+
+        return run
+
+    def route(self, device: torch.device) -> Route:
+        try:
+            return self._routes[device.type]
+        except KeyError:
+            raise ValueError(
+                f"lowbitcc: compressed calls on {device.type} tensors are not served by this "
+                f"group (served: {', '.join(self._routes)})"
+            ) from None
+
+    # -- in the issuing thread ---------------------------------------------------------------
+    def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]:
+        """The error-feedback key of this call (counts it within the current epoch), and
+        whether it was derived from the call's position (False: named by `feedback_key`)."""
+        explicit = policy.explicit_key()
+        if explicit is not None:
+            return f"{self.group_name}|{explicit}", False
+        epoch = policy.epoch()
+        signature = (collective, tensor.dtype, numel)
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                self._ordinals.clear()
+            ordinal = self._ordinals.get(signature, 0)
+            self._ordinals[signature] = ordinal + 1
+        dtype = str(tensor.dtype).replace("torch.", "")
+        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
+
+    def ticket(self, collective: str, like: torch.Tensor, numel: int,
+               wants: bool) -> Ticket | None:
+        """The lease decision (`leases`) of a reduction of ``numel`` elements of ``like``'s
+        dtype and device, issued now by the calling thread; None where the call does not count
+        against leases (`leasable`). A ticket decided at once (``leased``) means the caller
+        issues the exact call itself, with its own options (no job, no descriptor exchange;
+        counted as its job would count it: the lease, the model's count, the feedback key's
+        ordinal where the call ``wants`` compression, its call number, statistics); otherwise
+        the caller passes the ticket to the call's job (`all_reduce`, `reduce_scatter`), which
+        decides."""
+        if not self.leasable(numel):
+            return None
+        ticket = self.leases.begin(CostModel.size_class(
+            collective, numel * like.element_size(), like.device.type))
+        if ticket.leased:
+            self.agreement.next_seq()  # as its job would: the ranks' call numbers stay in step
+            if wants:
+                self.key(collective, like, numel)
+        return ticket
+
+    def goes_exact(self, collective: str, like: torch.Tensor, numel: int,
+                   wants: bool = True) -> tuple[bool, Ticket | None]:
+        """For a call on an inline route (CUDA), issued now in the calling thread: whether the
+        caller should issue the exact call itself (calls under ``min_size``, exact on every rank
+        whatever the policy, as CPU calls skip the exchange: `agrees_on`; calls leased at once,
+        see `ticket`), and the call's ticket otherwise."""
+        if numel < self.config.min_size:
+            return True, None
+        ticket = self.ticket(collective, like, numel, wants)
+        return ticket is not None and ticket.leased, ticket
+
+    def leasable(self, numel: int) -> bool:
+        """Whether a reduction of ``numel`` elements counts against the cost model's leases.
+        Every rank counts the same calls, whatever its policy says (in a `compressed()` block
+        too: the ranks holding the lease skip the exchange, so a rank that did not would hang)."""
+        cfg = self.config
+        return cfg.cost_model and cfg.check and numel >= cfg.min_size
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job, wants: bool = True,
+                   ticket: Ticket | None = None, leased: Job | None = None) -> Job:
+        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback
+        after an exchange; ``wants``: whether this rank would compress it, see `agrees_on`;
+        ``ticket``: the call's undecided lease decision from `ticket`, None: taken here;
+        ``leased``: what runs when the job takes a lease, default ``exact``)."""
+        return AllReduceCall(self, tensor, op, exact, wants, ticket, leased)
+
+    def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: Any,
+                       exact: Job, wants: bool = True, ticket: Ticket | None = None,
+                       leased: Job | None = None) -> Job:
+        """The job of a compressed reduce-scatter of flat ``source`` (``size`` rows of
+        ``output.numel()``) into ``output`` (the rest: see `all_reduce`)."""
+        return ReduceScatterCall(self, output, source, op, exact, wants, ticket, leased)
+
+    def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
+                   wants: bool = True) -> Job:
+        """The job of a ``param_bits`` all-gather of flat ``source`` into ``output``
+        (`compressed_call.GatherCall`)."""
+        return GatherCall(self, output, source, exact, wants)
+
+    def harvest_timings(self) -> None:
+        """Hand the cost model the CUDA calls' timings that the GPU has passed."""
+        self._stream_timings.harvest(self.cost_model)
+
+    def clock(self, route: Route, size_class: SizeClass, exact: bool,
+               nbytes: int) -> Callable[[], None]:
+        """Start timing a call of ``size_class`` on one path; the returned function ends it,
+        and its time goes to the cost model: wall time on the worker, or for ``route.inline``
+        (CUDA) GPU time on the current stream, reported once the GPU has passed it."""
+        if route.inline:
+            timings = self._stream_timings
+            begun = timings.start()
+            return lambda: timings.stop(begun, size_class, exact, nbytes)
+        start = time.perf_counter()
+        return lambda: self.cost_model.record(size_class, exact, time.perf_counter() - start,
+                                              nbytes)
+
+    def timed_exact(self, exact: Job, route: Route, size_class: SizeClass, nbytes: int) -> Any:
+        """Start ``exact``; its time, until the inner work completes, goes to the cost model."""
+        stop = self.clock(route, size_class, True, nbytes)
+        result = exact()
+        if not isinstance(result, InnerWork):
+            stop()
+            return result
+        finish = result.finish
+
+        def timed_finish() -> list[torch.Tensor]:
+            stop()
+            return finish()
+
+        return InnerWork(result.work, timed_finish)
+
+    def chunk(self, route: Route, m: int) -> int:
+        """The chunk width for rows of ``m`` elements: ``chunk_size``, widened to a
+        ``max_chunks``-th of the row where that is wider (0 for ``route.inline``: no chunks)."""
+        if route.inline:
+            return 0
+        return chunk_width(m, self.config.chunk_size, self.config.max_chunks)
+
+    def schedule_for(self, source: Source, route: Route) -> str:
+        nbytes = source.tensor.numel() * source.tensor.element_size()
+        name = choose_schedule(self.config, nbytes, self.size, route.links.layout)
+        if route.schedules is None or name in route.schedules:
+            return name
+        if self.config.schedule == "auto":
+            return route.schedules[0]
+        raise ValueError(
+            f"lowbitcc: LOCO_SCHEDULE={name} cannot run on {source.tensor.device.type} tensors; "
+            f"their transport runs {', '.join(route.schedules)} (or auto)")
