@@ -33,6 +33,8 @@ DEFAULT_GROUP_SIZES = {"int": 128, "mxfp4": 32}
 assert set(DEFAULT_GROUP_SIZES) == set(FORMATS)
 SCHEDULES = (*schedules.NAMES, "auto")
 TRANSPORTS = ("auto", *transports.NAMES)
+ISSUERS = ("auto", "inline")
+"""How CPU reductions are issued (``LOCO_ISSUER``; `lowbitcc.backend.issuer`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,10 @@ class LocoConfig:
         max_chunks: the most chunks a row is cut into: a row longer than ``max_chunks *
             chunk_size`` gets wider chunks, so that a large call pays the host work of a chunk
             (about a millisecond) fewer times (0: no limit, ``chunk_size`` alone decides).
+        issuer: how CPU reductions are issued: "auto" (the group's worker thread) or "inline"
+            (in the calling thread, as CUDA calls always are: a test and measurement mode that
+            runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
+            reductions are issued inline either way.
     """
 
     bits: int = 4
@@ -143,6 +149,7 @@ class LocoConfig:
     auto_tree_bytes: int = 2097152
     auto_tree_ranks: int = 4
     auto_ring_ranks: int = 0
+    issuer: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -235,6 +242,8 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
+        if self.issuer not in ISSUERS:
+            raise bad("issuer", "one of " + ", ".join(ISSUERS))
         if self.transport not in TRANSPORTS:
             raise bad("transport", "one of " + ", ".join(TRANSPORTS))
         for field in ("node_size", "auto_tree_bytes", "auto_tree_ranks", "auto_ring_ranks"):

@@ -1,10 +1,14 @@
 """The torch backend "loco": registration, the c10d process group and what it delegates to.
 
 `registration` (the name, torch's hooks), `agreement` (the ranks' settings, compared when a
-group is created), `process_group` (the c10d face), `issue_queue` (CPU issue order, Works),
-`cuda_issue` (CUDA calls: streams and Works, in the calling thread), `exact` (exact reductions
-on gloo), `leases` (which calls the cost model leased to the exact path, decided in issue
-order), `compressed_call` (compressed calls up to the schedule), `rendezvous` (ranks and address
+group is created), `process_group` (the c10d face; its reductions), `data_movement` (the exact
+data movements), `arguments` (argument checks), `issuer` (how a device's reductions are issued:
+`worker_issue` for CPU through the worker thread, `inline_issue` for CPU in the calling thread
+under ``LOCO_ISSUER=inline``, `cuda_issue` for CUDA: streams and Works), `issue_queue` (the
+worker: CPU issue order, Works), `exact` (exact reductions on gloo), `leases` (which calls the
+cost model leased to the exact path, decided in issue order), `call_agreement` (the per-call
+descriptor exchange), `compressed_call` (one compressed call and its phases),
+`compressed_calls` (what a group's compressed calls share), `rendezvous` (ranks and address
 from torchrun, mpiexec, srun).
 """
 

@@ -117,8 +117,9 @@ class CallGroup(Protocol):
 class CompressedCall:
     """One compressible reduction of ``source`` on ``group`` (see the module docstring).
 
-    ``op``: the c10d reduction; ``exact``: the exact fallback after an exchange (a job on the
-    group's worker, or on an inline route an exact call on the current stream); ``wants``:
+    ``output``: where the result goes; ``op``: the c10d reduction; ``exact``: the exact
+    fallback after an exchange (a job on the group's worker, or on an inline route an exact
+    call issued in the calling thread); ``wants``:
     whether this rank would compress it (its policy said so); ``ticket``: the call's lease
     decision if the issuing thread already began it (`CompressedCalls.ticket`), else begun
     here; ``leased``: what runs when the call takes a lease on the worker (default ``exact``).
@@ -126,10 +127,11 @@ class CompressedCall:
 
     collective: ClassVar[str]
 
-    def __init__(self, group: CallGroup, source: torch.Tensor, op: Any, exact: Job,
-                 wants: bool, ticket: Ticket | None = None, leased: Job | None = None) -> None:
+    def __init__(self, group: CallGroup, output: torch.Tensor, source: torch.Tensor, op: Any,
+                 exact: Job, wants: bool, ticket: Ticket | None = None,
+                 leased: Job | None = None) -> None:
         cfg = group.config
-        self.group, self.source, self.op = group, source, op
+        self.group, self.output, self.source, self.op = group, output, source, op
         self.exact, self.leased = exact, leased or exact
         self.numel = source.numel()
         self.nbytes = self.numel * source.element_size()
@@ -276,7 +278,7 @@ class CompressedCall:
 
 
 class AllReduceCall(CompressedCall):
-    """A compressed all-reduce of ``tensor`` in place."""
+    """A compressed all-reduce of ``source`` in place (``output`` is ``source``)."""
 
     collective = "all_reduce"
 
@@ -298,12 +300,6 @@ class ReduceScatterCall(CompressedCall):
 
     collective = "reduce_scatter"
 
-    def __init__(self, group: CallGroup, output: torch.Tensor, source: torch.Tensor,
-                 op: Any, exact: Job, wants: bool, ticket: Ticket | None = None,
-                 leased: Job | None = None) -> None:
-        self.output = output
-        super().__init__(group, source, op, exact, wants, ticket, leased)
-
     def schedule(self, source: Source, comp: CallCompressor) -> None:
         route = self.route
         reduced = schedules.reduce_scatter(self.group.schedule_for(source, route), source, comp,
@@ -313,6 +309,12 @@ class ReduceScatterCall(CompressedCall):
     def deliver(self, reduced: torch.Tensor) -> None:
         rows = reduced.view(self.group.size, -1)
         self.output.copy_(rows[self.group.rank].view(self.output.shape))
+
+
+CALLS: dict[str, type[CompressedCall]] = {
+    "all_reduce": AllReduceCall, "reduce_scatter": ReduceScatterCall}
+"""The compressed reductions by collective (`lowbitcc.collectives`): a new one is a row here,
+a subclass, and its schedule function."""
 
 
 class GatherCall:

@@ -12,36 +12,34 @@ ordinals, the worker's decode buffer, and the CUDA calls' stream timings.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from lowbitcc import policy
+from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import (
     CallAgreement,
     CollectiveMismatchError,
     CorruptFrameError,
     InvalidPeerCallError,
 )
-from lowbitcc.backend.compressed_call import (
-    AllReduceCall,
-    GatherCall,
-    ReduceScatterCall,
-    Route,
-    choose_schedule,
-)
+from lowbitcc.backend.compressed_call import CALLS, GatherCall, Route, choose_schedule
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.backend.leases import Leases, Ticket
-from lowbitcc.codec import wire
+from lowbitcc.codec import kernels, wire
 from lowbitcc.compressor import Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.schedules.chunking import chunk_width
+from lowbitcc.transports import open_links, open_nccl_links
 from lowbitcc.transports.gloo import GlooTransport
+from lowbitcc.transports.nccl import SCHEDULES as NCCL_SCHEDULES
 
 
 class CompressedCalls:
@@ -80,17 +78,18 @@ class CompressedCalls:
     def serves(self, device: torch.device) -> bool:
         return device.type in self._routes
 
-    def agrees_on(self, numels: list[int], device_type: str = "cpu") -> bool:
+    def agrees_on(self, numels: list[int], inline: bool = False) -> bool:
         """Whether a reduction that this rank will not compress must still exchange descriptors
         (with ``wants=False``): another rank may be about to compress the same call, or to
         issue another one (a size, dtype or op mismatch then raises instead of hanging). Its
-        calls have ``numels`` elements (the whole input of each). On CPU every such call
-        exchanges (``check``, and a policy that may compress); the small ones carry their input
-        in the frame (`wire.FRAME_PAYLOAD`) and need no second exchange. CUDA calls under
-        ``min_size`` go straight to NCCL without it (docs/reliability.md)."""
+        calls have ``numels`` elements (the whole input of each). Issued by the worker, every
+        such call exchanges (``check``, and a policy that may compress); the small ones carry
+        their input in the frame (`wire.FRAME_PAYLOAD`) and need no second exchange. Issued
+        ``inline`` (CUDA, or ``LOCO_ISSUER=inline``), calls under ``min_size`` go straight to
+        the inner group without it (docs/reliability.md)."""
         cfg = self.config
         return (cfg.check and cfg.policy != "never" and bool(numels)
-                and (device_type == "cpu" or all(n >= cfg.min_size for n in numels)))
+                and (not inline or all(n >= cfg.min_size for n in numels)))
 
     def checks_data_movement(self) -> bool:
         """Whether exact data movements of CPU tensors (broadcast, all-gather, gather, scatter,
@@ -189,13 +188,13 @@ class CompressedCalls:
                 self.key(collective, like, numel)
         return ticket
 
-    def goes_exact(self, collective: str, like: torch.Tensor, numel: int,
-                   wants: bool = True) -> tuple[bool, Ticket | None]:
-        """For a call on an inline route (CUDA), issued now in the calling thread: whether the
-        caller should issue the exact call itself (calls under ``min_size``, exact on every rank
-        whatever the policy, as CPU calls skip the exchange: `agrees_on`; calls leased at once,
-        see `ticket`), and the call's ticket otherwise."""
-        if numel < self.config.min_size:
+    def goes_exact(self, collective: str, like: torch.Tensor, numel: int, wants: bool,
+                   inline: bool) -> tuple[bool, Ticket | None]:
+        """For a reduction of one tensor, issued now: whether the caller should issue the exact
+        call itself (``inline``: calls under ``min_size``, exact on every rank whatever the
+        policy, see `agrees_on`; and calls leased at once, see `ticket`), and the call's
+        ticket otherwise."""
+        if inline and numel < self.config.min_size:
             return True, None
         ticket = self.ticket(collective, like, numel, wants)
         return ticket is not None and ticket.leased, ticket
@@ -207,20 +206,15 @@ class CompressedCalls:
         cfg = self.config
         return cfg.cost_model and cfg.check and numel >= cfg.min_size
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any, exact: Job, wants: bool = True,
-                   ticket: Ticket | None = None, leased: Job | None = None) -> Job:
-        """The job of a compressed all-reduce of ``tensor`` in place (``exact``: the fallback
-        after an exchange; ``wants``: whether this rank would compress it, see `agrees_on`;
-        ``ticket``: the call's undecided lease decision from `ticket`, None: taken here;
-        ``leased``: what runs when the job takes a lease, default ``exact``)."""
-        return AllReduceCall(self, tensor, op, exact, wants, ticket, leased)
-
-    def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: Any,
-                       exact: Job, wants: bool = True, ticket: Ticket | None = None,
-                       leased: Job | None = None) -> Job:
-        """The job of a compressed reduce-scatter of flat ``source`` (``size`` rows of
-        ``output.numel()``) into ``output`` (the rest: see `all_reduce`)."""
-        return ReduceScatterCall(self, output, source, op, exact, wants, ticket, leased)
+    def call(self, collective: str, output: torch.Tensor, source: torch.Tensor, op: Any,
+             exact: Job, wants: bool = True, ticket: Ticket | None = None,
+             leased: Job | None = None) -> Job:
+        """The job of a compressed ``collective`` (`compressed_call.CALLS`) of flat or in-place
+        ``source`` into ``output`` (``exact``: the fallback after an exchange; ``wants``:
+        whether this rank would compress it, see `agrees_on`; ``ticket``: the call's undecided
+        lease decision from `ticket`, None: taken here; ``leased``: what runs when the job
+        takes a lease, default ``exact``)."""
+        return CALLS[collective](self, output, source, op, exact, wants, ticket, leased)
 
     def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
                    wants: bool = True) -> Job:
@@ -277,3 +271,23 @@ class CompressedCalls:
         raise ValueError(
             f"lowbitcc: LOCO_SCHEDULE={name} cannot run on {source.tensor.device.type} tensors; "
             f"their transport runs {', '.join(route.schedules)} (or auto)")
+
+
+def cpu_route(config: LocoConfig, world: GlooTransport, store: dist.Store,
+              global_ranks: list[int], rank: int, timeout: datetime.timedelta) -> Route:
+    """The `Route` of CPU tensors: the C++ kernels and ``LOCO_TRANSPORT``'s links with
+    ``world`` as the gloo world link; ``inline`` under ``LOCO_ISSUER=inline``."""
+    return Route(
+        kernels=kernels.select(config.codec, "cpu", config.wire_group_size),
+        links=open_links(config.transport, world=world, store=store, global_ranks=global_ranks,
+                         rank=rank, timeout=timeout, node_size=config.node_size,
+                         stats=state.STATS),
+        inline=config.issuer == "inline")
+
+
+def cuda_route(config: LocoConfig, nccl: Any) -> Route:
+    """The `Route` of CUDA tensors: the CUDA kernels and the links over ``nccl``, the group's
+    inner ``ProcessGroupNCCL``; inline, the schedules NCCL's links can run."""
+    return Route(kernels=kernels.select(config.codec, "cuda", config.wire_group_size),
+                 links=open_nccl_links(nccl, state.STATS), inline=True,
+                 schedules=NCCL_SCHEDULES)

@@ -27,6 +27,7 @@ waits.
 from __future__ import annotations
 
 import collections
+import datetime
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -34,6 +35,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
+
+from lowbitcc.backend.exact import ExactReduction
 
 
 def ready_work(outputs: list[torch.Tensor], device: torch.device) -> dist.Work:
@@ -94,7 +97,32 @@ class CudaIssuer:
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._last: dict[torch.device, torch.cuda.Event] = {}
 
-    def exact(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
+    inline = True
+
+    def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
+        """`Issuer.exact`: the call as c10d asked for it, on NCCL."""
+        method, args = call.native
+        return self.native(method, call.outputs, *args)
+
+    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+        method, args = call.native
+        return self.native(method, call.outputs, *args)
+
+    def fallback(self, part: ExactReduction, leased: bool = False) -> Callable[[], Any]:
+        """One tensor's exact call on NCCL, synchronous (enqueued on the current stream)."""
+        method, args = part.native
+        issue = getattr(self.nccl, method)
+        single = sync_options(args[-1])
+        return lambda: issue(*args[:-1], single)
+
+    def run(self, jobs: list[Callable[[], Any]], parts: list[ExactReduction],
+            tensors: list[torch.Tensor], outputs: list[torch.Tensor],
+            async_op: bool) -> dist.Work:
+        fallbacks = [self.fallback(p) for p in parts]
+        return self.compressed(lambda: [job() for job in jobs], lambda: [f() for f in fallbacks],
+                               tensors, outputs, async_op)
+
+    def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
         """``nccl.<method>(*args)`` (the caller's options included); its Work, or a
         `StreamWork` (`ready_work` while a graph is captured)."""
         work = getattr(self.nccl, method)(*args)
@@ -122,7 +150,7 @@ class CudaIssuer:
             last = self._last.get(device)
             if last is not None:
                 stream.wait_event(last)
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.no_grad():
                 job()
                 done = torch.cuda.Event()
                 done.record(stream)
@@ -138,6 +166,35 @@ class CudaIssuer:
         if stream is None:
             stream = self._side[device] = torch.cuda.Stream(device)
         return stream
+
+
+def sync_options(options: Any) -> Any:
+    """A copy of ``options`` (c10d's options of a reduction) with their reduction and timeout,
+    synchronous (NCCL then runs the call on the current stream)."""
+    out = type(options)()
+    out.reduceOp = options.reduceOp
+    out.timeout = options.timeout
+    out.asyncOp = False
+    return out
+
+
+def cuda_usable() -> bool:
+    """Whether this process can serve CUDA tensors: torch with CUDA and NCCL, and a GPU."""
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+def inner_nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+               global_ranks: list[int] | None, group_id: str) -> Any:
+    """A group's inner ``ProcessGroupNCCL`` on its own store prefix, named and numbered as
+    c10d names and numbers the NCCL groups it creates itself."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    options.global_ranks_in_group = global_ranks or list(range(size))
+    options.group_name = f"{group_id}/lowbitcc" if group_id else "lowbitcc"
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("lowbitcc/nccl", store), rank, size, options)
+    nccl._set_sequence_number_for_group()
+    return nccl
 
 
 class _Model(Protocol):

@@ -24,7 +24,7 @@ from lowbitcc.backend.issue_queue import InnerWork
 from lowbitcc.collectives import COLLECTIVES
 
 ReduceOp = dist.ReduceOp
-Issue = Callable[[dist.ProcessGroup, list[torch.Tensor], Any], dist.Work]
+Issue = Callable[[dist.ProcessGroup, list[torch.Tensor], Any], Any]
 """``issue(group, buffers, opts)`` starts a gloo reduction of ``buffers`` with ``opts`` on
 ``group``."""
 
@@ -88,17 +88,20 @@ class ExactReduction:
 
     ``opts`` are the caller's options; ``in_place`` says the outputs are the inputs (so scaled
     copies are copied back); ``world`` is the group size (AVG's divisor). `on` gives the same
-    call on another group.
+    call on another group. ``native`` is the same call as c10d asked for it, ``(method, args)``
+    with the caller's options last, for an inner backend that reduces every op itself (NCCL);
+    ``issue`` None: gloo has no one operation for the call (the issuer runs its parts).
     """
 
     opts: Any
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
-    issue: Issue
+    issue: Issue | None
     in_place: bool
     world: int
     group: dist.ProcessGroup
     collective: str = "all_reduce"
+    native: tuple[str, tuple] = ("", ())
 
     def on(self, group: dist.ProcessGroup) -> ExactReduction:
         return dataclasses.replace(self, group=group)
@@ -207,19 +210,35 @@ def reduce_scatter_flat_into(output: torch.Tensor) -> Issue:
     return issue
 
 
-def start_now(call: ExactReduction,
-              on_done: Callable[[dist.Work], None] | None = None) -> dist.Work:
+def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None = None,
+              complete: Callable[[InnerWork], dist.Work] | None = None) -> dist.Work:
     """Start ``call`` in the calling thread and return its Work, whose value is the call's
     outputs; ``on_done(gloo_work)``, if given, runs on the gloo thread that completes it (it
-    takes the GIL there, which costs the caller's wait about 0.1-0.3 ms). Where the call
-    needs no finishing (no AVG or PREMUL_SUM), gloo's own Work itself; else a Work whose
-    future finishes the call (AVG's division, PREMUL_SUM's copy back) without autograd on that
-    thread, with the gloo op's error as its error."""
+    takes the GIL there, which costs the caller's wait about 0.1-0.3 ms). Where the call needs
+    no finishing (no AVG or PREMUL_SUM), gloo's own Work itself; else a Work whose future
+    finishes the call (AVG's division, PREMUL_SUM's copy back) without autograd on that
+    thread, with the gloo op's error as its error. Gloo gives some operations no future (its
+    flat reduce-scatter): those are finished by ``complete(inner_work)`` (the caller's worker),
+    or without it waited for here, and are not timed."""
     inner = call()
     red = Reduction.of(call.opts.reduceOp, call.world)
-    if red.factor is None and red.divisor is None:
-        if on_done is not None:
-            inner.work.get_future().add_done_callback(lambda _: on_done(inner.work))
+    plain = red.factor is None and red.divisor is None
+    if plain and on_done is None:
+        return inner.work
+    try:
+        future = inner.work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        if plain:
+            return inner.work
+        if complete is not None:
+            return complete(inner)
+        inner.work.wait()
+        with torch.no_grad():
+            done = torch.futures.Future()
+            done.set_result(inner.finish())
+        return _create_work_from_future(done)
+    if plain:
+        future.add_done_callback(lambda _: on_done(inner.work))
         return inner.work
 
     def finish(done: torch.futures.Future) -> list[torch.Tensor]:
@@ -231,7 +250,7 @@ def start_now(call: ExactReduction,
             if on_done is not None:
                 on_done(inner.work)
 
-    return _create_work_from_future(inner.work.get_future().then(finish))
+    return _create_work_from_future(future.then(finish))
 
 
 def _divide_(t: torch.Tensor, divisor: int) -> None:

@@ -339,7 +339,7 @@ def run(count: int = 400, gpu: bool = True) -> int:
     else:
         outcomes.append(check_kernels(cuda.KERNELS, "cuda", count))
         outcomes.append(throughput())
-        from lowbitcc.backend.process_group import cuda_usable
+        from lowbitcc.backend.cuda_issue import cuda_usable
 
         if cuda_usable():
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

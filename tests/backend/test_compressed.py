@@ -52,9 +52,14 @@ def _all_reduce_properties(rank, world, gloo):
     return results
 
 
+ISSUERS = ["auto", "inline"]
+"""``LOCO_ISSUER``: the worker (CPU's default) and the calling thread (CUDA's way, on CPU)."""
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
-def test_compressed_all_reduce_identical_and_bounded(world):
-    for per_rank in run_ranks(_all_reduce_properties, world):
+def test_compressed_all_reduce_identical_and_bounded(world, issuer):
+    for per_rank in run_ranks(_all_reduce_properties, world, env={"LOCO_ISSUER": issuer}):
         for r in per_rank:
             assert r["identical"], r
             assert r["within_bound"], r
@@ -106,9 +111,10 @@ def _reduce_scatter_properties(rank, world, gloo):
     return results
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
-def test_compressed_reduce_scatter_bounded(world):
-    for per_rank in run_ranks(_reduce_scatter_properties, world):
+def test_compressed_reduce_scatter_bounded(world, issuer):
+    for per_rank in run_ranks(_reduce_scatter_properties, world, env={"LOCO_ISSUER": issuer}):
         for r in per_rank:
             assert r["within_bound"], r
             assert r["rel"] < 0.2, r
@@ -154,10 +160,11 @@ def _feedback_tracking(rank, world, gloo, collective):
     return gaps
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_error_feedback_tracks_cumulative_sum(world, collective):
-    for gaps in run_ranks(_feedback_tracking, world, collective):
+def test_error_feedback_tracks_cumulative_sum(world, collective, issuer):
+    for gaps in run_ranks(_feedback_tracking, world, collective, env={"LOCO_ISSUER": issuer}):
         assert gaps["loco"] * 5 <= gaps["none"], gaps
         assert gaps["ef"] * 5 <= gaps["none"], gaps
 
@@ -224,3 +231,32 @@ def test_pipelined_chunks_give_the_same_bytes(world):
         for r in per_rank:
             assert (r["all_reduce_same"] and r["reduce_scatter_same"] and r["capped_same"]
                     and r["identical"]), r
+
+
+def _worker_and_inline(rank, world, gloo):
+    """The same compressed calls, with error feedback over several steps, on a group whose CPU
+    reductions go through the worker and on one that issues them inline."""
+    groups = {issuer: dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        policy="always", cost_model=False, issuer=issuer)) for issuer in ISSUERS}
+    outputs: dict[str, list[torch.Tensor]] = {issuer: [] for issuer in ISSUERS}
+    for step in range(3):
+        for size, dtype in ((65536, torch.float32), (100_003, torch.bfloat16)):
+            x = rank_input(rank + 10 * step, size, size, dtype)
+            chunk = size // world
+            for issuer, group in groups.items():
+                with lowbitcc.feedback_key(f"same-{size}"):
+                    y = x.clone()
+                    dist.all_reduce(y, group=group)
+                    out = torch.empty(chunk, dtype=dtype)
+                    dist.reduce_scatter_tensor(out, x[:chunk * world].clone(), group=group)
+                    work = dist.all_reduce(z := x.clone(), op=dist.ReduceOp.AVG, group=group,
+                                           async_op=True)
+                    work.wait()
+                outputs[issuer] += [y, out, z]
+    return [torch.equal(a, b) for a, b in zip(*outputs.values())]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_inline_issuer_gives_the_worker_issuers_results_bit_for_bit(world):
+    for equal in run_ranks(_worker_and_inline, world):
+        assert equal and all(equal), equal

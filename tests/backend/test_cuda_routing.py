@@ -159,11 +159,11 @@ def test_exact_calls_return_ncclss_work_or_a_stream_ordered_one(fake_cuda, monke
 
     t = torch.ones(3)
     async_nccl = FakeNccl("nccl-work")
-    assert cuda_issue.CudaIssuer(async_nccl).exact("allreduce", [t], [t], "opts") == "nccl-work"
+    assert cuda_issue.CudaIssuer(async_nccl).native("allreduce", [t], [t], "opts") == "nccl-work"
     assert async_nccl.calls == [("allreduce", "opts")]
     # synchronous mode: NCCL returns no Work (never None to a C++ caller); ours is an event
     # recorded after the call on the caller's stream, which wait() orders the waiter after
-    sync = cuda_issue.CudaIssuer(FakeNccl(None)).exact("allreduce", [t], [t], "opts")
+    sync = cuda_issue.CudaIssuer(FakeNccl(None)).native("allreduce", [t], [t], "opts")
     assert isinstance(sync, cuda_issue.StreamWork) and log == []
     state["current"] = FakeStream("waiter", log)
     assert sync.wait()
@@ -172,7 +172,7 @@ def test_exact_calls_return_ncclss_work_or_a_stream_ordered_one(fake_cuda, monke
     assert sync.get_future().wait() == [t] and sync.result() == [t]
     assert sync.get_future() is sync.get_future() and len(futures) == 1
     state["capturing"] = True  # while a graph is captured: a ready future's Work
-    captured = cuda_issue.CudaIssuer(FakeNccl(None)).exact("allreduce", [t], [t], "opts")
+    captured = cuda_issue.CudaIssuer(FakeNccl(None)).native("allreduce", [t], [t], "opts")
     assert captured == ("work", (t,))
 
 

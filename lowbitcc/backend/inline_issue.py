@@ -1,0 +1,54 @@
+"""`InlineIssuer`: CPU reductions issued in the calling thread, as the CUDA path issues its own.
+
+Selected by ``LOCO_ISSUER=inline``; **a test and measurement mode on CPU**, not a faster path:
+it runs the logic of the CUDA path (`cuda_issue`: lease decisions at issue, calls under
+``min_size`` exact without an exchange, compressed jobs run in call order by the calling
+thread, no chunks, the descriptor exchange handed to the worker) with the C++ kernels, so that
+CPU CI covers it and its host cost per call can be measured without a GPU. Exact calls and the
+compressed schedules' transfers go over the group's direct gloo group (the role NCCL plays on
+CUDA), which only the calling thread uses; a compressed call's Work is complete when returned
+(on CUDA: ordered on the stream), and its errors raise from the call itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from lowbitcc.backend.exact import ExactReduction, start_now
+from lowbitcc.backend.issue_queue import InnerWork, Job
+
+
+class InlineIssuer:
+    """Issues CPU reductions in the calling thread over ``direct`` (see the module docstring)."""
+
+    inline = True
+
+    def __init__(self, direct: dist.ProcessGroup) -> None:
+        self._direct = direct
+
+    def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
+        if call.issue is None:
+            return self.run(list(parts), parts, [], call.outputs, False)
+        return start_now(call.on(self._direct))
+
+    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+        return start_now(call.on(self._direct))
+
+    def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
+        return part.on(self._direct)
+
+    def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],
+            outputs: list[torch.Tensor], async_op: bool) -> dist.Work:
+        with torch.no_grad():  # outputs are written in place, as the worker's jobs write them
+            for job in jobs:
+                result = job()
+                if isinstance(result, InnerWork):
+                    result.work.wait()
+                    result.finish()
+        future = torch.futures.Future()
+        future.set_result(outputs)
+        return _create_work_from_future(future)

@@ -1,0 +1,58 @@
+"""`Issuer`: how one "loco" group issues the reductions of one device type, chosen once.
+
+The process group writes each c10d reduction once (`process_group`): it checks the call, asks
+the policy, builds the call's exact form (`exact.ExactReduction`: as gloo runs it, and as c10d
+asked for it, ``native``) and its compressed jobs (`compressed_call.CompressedCall`), and hands
+them to the issuer of the tensors' device. The issuers are the device-specific layer, and
+neither imports the other:
+
+- `worker_issue.WorkerIssuer` (CPU tensors, ``LOCO_ISSUER=auto``): the group's worker thread
+  runs the jobs in issue order (`issue_queue`), exact calls on the inner gloo group, calls
+  leased to the exact path at once on the direct gloo group;
+- `inline_issue.InlineIssuer` (CPU tensors under ``LOCO_ISSUER=inline``, a test and
+  measurement mode): every reduction issued in the calling thread, in call order, as the CUDA
+  path issues them, over the direct gloo group (the descriptor exchange still goes to the
+  worker, which owns the inner gloo group), so that the CUDA path's logic runs in CPU CI;
+- `cuda_issue.CudaIssuer` (CUDA tensors): the calling thread, streams and NCCL.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc.backend.exact import ExactReduction
+from lowbitcc.backend.issue_queue import Job
+
+
+class Issuer(Protocol):
+    """What the process group needs of a device's issuing (see the module docstring).
+
+    ``inline``: compressed jobs run in the calling thread (no chunks, no calls carried in the
+    descriptor frames, calls under ``min_size`` exact without an exchange, a refused call
+    raised without one)."""
+
+    inline: bool
+
+    def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
+        """Issue ``call`` now with the caller's options, without an exchange (``parts``: the
+        same call a tensor at a time, for where the inner backend has no one operation)."""
+        ...
+
+    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+        """Issue ``call``, which the cost model leased to the exact path (``size_class``; None:
+        under ``min_size``), in the calling thread now."""
+        ...
+
+    def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
+        """The exact job of one tensor of a compressed call: after an exchange, or (``leased``)
+        when the job itself takes a lease."""
+        ...
+
+    def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],
+            outputs: list[torch.Tensor], async_op: bool) -> dist.Work:
+        """Issue a call's compressed ``jobs`` (one per tensor; ``parts`` their exact forms);
+        ``tensors``: every tensor the call reads or writes; ``outputs`` the Work's value."""
+        ...

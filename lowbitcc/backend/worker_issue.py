@@ -1,0 +1,72 @@
+"""`WorkerIssuer`: the CPU reductions of a "loco" group, issued through its worker thread.
+
+Every job is queued on the group's `issue_queue.IssueQueue` in issue order: compressed calls
+run their schedules there, exact ones start on the inner gloo group and are finished by the
+waiter. A reduction leased to the exact path at issue (`leases`) skips the worker: it starts at
+once on the group's *direct* gloo group, which carries nothing else, and its Work is gloo's own
+(or, for AVG and PREMUL_SUM, a Work whose future finishes it). One such call in
+`LEASED_TIMED` is timed for the cost model (`clock`); the timing callback takes the GIL on
+gloo's completing thread, which costs more than the rest of the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc.backend.exact import ExactReduction, start_now
+from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, LocoWork
+from lowbitcc.transports.gloo import GlooTransport
+
+LEASED_TIMED = 8
+"""One in this many exact calls issued at once under a lease is timed for the cost model."""
+
+Clock = Callable[[Any, int], Callable[[], None]]
+"""``clock(size_class, nbytes)`` starts timing an exact call; calling the result ends it."""
+
+
+class WorkerIssuer:
+    """Issues CPU reductions through ``queue`` (see the module docstring); ``direct`` is the
+    direct gloo group, ``clock`` times a leased call for the cost model."""
+
+    inline = False
+
+    def __init__(self, queue: IssueQueue, direct: dist.ProcessGroup, clock: Clock) -> None:
+        self._queue = queue
+        self._direct = direct
+        self._retired = GlooTransport(direct)
+        self._clock = clock
+        self._leased = 0
+
+    def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> LocoWork:
+        if call.issue is None:
+            return self._queue.submit(self._queue.sequence(list(parts), call.outputs))
+        return self._queue.submit(call)
+
+    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+        self._leased += 1
+        direct = call.on(self._direct)
+        if self._leased % LEASED_TIMED:
+            return start_now(direct, complete=self._complete)
+        stop = self._clock(size_class, sum(t.numel() * t.element_size() for t in call.inputs))
+
+        def done(work: Any) -> None:
+            stop()
+            self._retired.retire(work)
+
+        return start_now(direct, done, self._complete)
+
+    def _complete(self, inner: InnerWork) -> LocoWork:
+        """The Work of a call started at once whose gloo op has no future: the worker's waiter
+        finishes it, in issue order."""
+        return self._queue.submit(lambda: inner)
+
+    def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
+        return part.on(self._direct) if leased else part
+
+    def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],
+            outputs: list[torch.Tensor], async_op: bool) -> LocoWork:
+        return self._queue.submit(self._queue.sequence(jobs, outputs))
