@@ -19,18 +19,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from lowbitcc import schedules, transports
+from lowbitcc.codec import formats
 from lowbitcc.codec.abi import ERROR_STORAGES
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.kernels import CHOICES as CODECS
 from lowbitcc.codec.reference import ROUNDINGS
-from lowbitcc.codec.wire import FORMATS
 
 ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
 BITS = (2, 4, 8)
 FORMAT_CHOICES = ("auto", *FORMATS)
-DEFAULT_GROUP_SIZES = {"int": 128, "mxfp4": 32}
-"""The group size each code format takes when ``group_size`` is 0 (its default)."""
-assert set(DEFAULT_GROUP_SIZES) == set(FORMATS)
 SCHEDULES = (*schedules.NAMES, "auto")
 TRANSPORTS = ("auto", *transports.NAMES)
 ISSUERS = ("auto", "inline")
@@ -159,12 +157,12 @@ class LocoConfig:
         """The code format of compressed reductions: ``format``, with "auto" resolved."""
         if self.format != "auto":
             return self.format
-        return "mxfp4" if self.bits == 4 and self.rounding == "nearest" else "int"
+        return formats.auto(self.bits, self.rounding)
 
     def group_for(self, fmt: str) -> int:
         """Elements per scale for payloads in format ``fmt``: ``group_size``, or the format's
         default when it is 0."""
-        return self.group_size or DEFAULT_GROUP_SIZES[fmt]
+        return self.group_size or FORMATS[fmt].default_group
 
     @property
     def wire_group_size(self) -> int:
@@ -196,8 +194,11 @@ class LocoConfig:
             raise bad("bits", "one of 2, 4, 8")
         if self.format not in FORMAT_CHOICES:
             raise bad("format", "one of " + ", ".join(FORMAT_CHOICES))
-        if self.format == "mxfp4" and self.bits != 4:
-            raise bad("format", f'"int" or "auto" with bits={self.bits} (mxfp4 codes are 4 bits)')
+        if self.format != "auto" and self.bits not in FORMATS[self.format].bits:
+            takes = [f.name for f in formats.TABLE if self.bits in f.bits]
+            raise bad("format", f'{" or ".join(f"{t!r}" for t in [*takes, "auto"])} with '
+                      f"bits={self.bits} ({self.format} codes are "
+                      f"{'/'.join(map(str, FORMATS[self.format].bits))} bits)")
         if not _is_int(self.group_size) or self.group_size < 0 or self.group_size % 8:
             raise bad("group_size", "0 (the format's default) or a positive multiple of 8")
         if self.group_size > 1 << 20:
@@ -228,8 +229,9 @@ class LocoConfig:
             raise bad("codec", "one of " + ", ".join(CODECS))
         if self.rounding not in ROUNDINGS:
             raise bad("rounding", "one of " + ", ".join(ROUNDINGS))
-        if self.format == "mxfp4" and self.rounding != "nearest":
-            raise bad("rounding", "\"nearest\" with format=\"mxfp4\"")
+        if self.format != "auto" and self.rounding not in FORMATS[self.format].roundings:
+            allowed = " or ".join(f'"{r}"' for r in FORMATS[self.format].roundings)
+            raise bad("rounding", f'{allowed} with format="{self.format}"')
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             raise bad("seed", "an integer in [0, 2**32)")
         if not _is_int(self.param_bits) or self.param_bits not in (0, *BITS):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lowbitcc.codec import reference, wire
+from lowbitcc.codec import formats, reference, wire
 from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
 from lowbitcc.codec.interface import EncodeArgs
 
@@ -32,12 +32,11 @@ ENCODE_BLOCKS = 1024
 H100 (132 SMs x 2048 threads), and the count of atomic adds of the residual sums."""
 MAX_GRID_Y = 65535
 """CUDA's limit on a grid's second dimension (the checksum launches one row per y index)."""
-BITS = (2, 4, 8)
 TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
-WIRES = (*((b, "int") for b in BITS), (4, "mxfp4"))
-"""The (bits, format) pairs the kernels are instantiated for (mxfp4: nearest rounding only)."""
+WIRES = formats.WIRES
+"""The (bits, format) pairs the kernels are instantiated for (`formats.WIRES`)."""
 
 
 def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool,

@@ -42,6 +42,7 @@ import zlib
 import numpy as np
 import torch
 
+from lowbitcc.codec import formats
 from lowbitcc.collectives import COLLECTIVES
 
 HEADER_BYTES = 32
@@ -86,15 +87,14 @@ CHECKSUM_STEP = 0x9E3779B97F4A7C15
 """``K`` of the checksum: word ``i`` is keyed as ``w_i + (i + 1) * K`` (mod 2**64)."""
 
 
-FORMATS = ("int", "mxfp4")
-"""The code formats, in ``loco::Format`` order (lowbitcc.codec.abi checks the header agrees):
-"int", symmetric integer codes with an fp32 scale per group; "mxfp4", FP4 E2M1 codes with an
-E8M0 scale byte per group (`reference` defines both)."""
+FORMATS = formats.NAMES
+"""The code formats, in ``loco::Format`` order (`lowbitcc.codec.formats`; lowbitcc.codec.abi
+checks the header agrees)."""
 
 
 def scale_bytes(fmt: str) -> int:
-    """Bytes of one group's scale on the wire: 4 (fp32) for "int", 1 (E8M0) for "mxfp4"."""
-    return 1 if fmt == "mxfp4" else 4
+    """Bytes of one group's scale on the wire (`formats.Format.scale_bytes`)."""
+    return formats.FORMATS[fmt].scale_bytes
 
 
 def codes_offset(numel: int, group_size: int, fmt: str = "int") -> int:

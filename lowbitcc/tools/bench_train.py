@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -35,10 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 import lowbitcc
-from lowbitcc.tools import netem
+from lowbitcc.tools import netem, side_by_side
 from lowbitcc.tools.spawn import launch
 from lowbitcc.tools.study.model import TinyGPT, lm_loss, sample_batch, split_corpus
 from lowbitcc.tools.study.training import ring_bytes_per_step
@@ -167,67 +165,51 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     train, _ = split_corpus(cfg)
     order = torch.Generator().manual_seed(1000 + rank)
     measured = _tx_bytes() is not None
-    seconds = {s: 0.0 for s in opts.schemes}
-    phases = {s: torch.zeros(len(PHASES), dtype=torch.float64) for s in opts.schemes}
-    sent = {s: 0.0 for s in opts.schemes}
-    losses: dict[str, list[float]] = {s: [] for s in opts.schemes}
-    lowbitcc.reset_stats()
-    bar = tqdm(total=opts.steps, desc=f"bench-train {opts.config}", leave=False,
-               disable=rank != 0 or not sys.stderr.isatty())
-    for step in range(opts.steps):
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(len(train) - cfg.context - 1, (cfg.batch,), generator=order)
-        x, y = sample_batch(train, starts, cfg.context)
-        k = step % len(opts.schemes)
-        step_loss = torch.zeros(len(opts.schemes), dtype=torch.float64)
-        for scheme in opts.schemes[k:] + opts.schemes[:k]:
-            model, opt = models[scheme], optims[scheme]
-            dist.barrier(group=metrics)
-            stats_before = lowbitcc.stats()
-            before = _tx_bytes() if measured else _loco_bytes(stats_before, world)
-            start = time.perf_counter()
-            loss = lm_loss(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            forward = time.perf_counter()
-            loss.backward()
-            backward = time.perf_counter()
-            opt.step()
-            elapsed = time.perf_counter() - start
-            stats_after = lowbitcc.stats()
-            after = _tx_bytes() if measured else _loco_bytes(stats_after, world)
-            loco_before, loco_after = stats_before["compressed"], stats_after["compressed"]
-            if step >= opts.warmup:
-                seconds[scheme] += elapsed
-                phases[scheme] += torch.tensor([
-                    forward - start, backward - forward, start + elapsed - backward,
-                    loco_after["codec_s"] - loco_before["codec_s"],
-                    loco_after["wire_s"] - loco_before["wire_s"]], dtype=torch.float64)
-                sent[scheme] += (after or 0) - (before or 0)
-            step_loss[opts.schemes.index(scheme)] = float(loss.detach())
-        dist.all_reduce(step_loss, group=metrics)
-        for i, scheme in enumerate(opts.schemes):
-            losses[scheme].append(float(step_loss[i]) / world)
-        bar.update(1)
-    bar.close()
+        return sample_batch(train, starts, cfg.context)
+
+    def step(scheme: str, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        start = time.perf_counter()
+        loss = lm_loss(models[scheme], x, y)
+        optims[scheme].zero_grad(set_to_none=True)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        optims[scheme].step()
+        return loss, {"forward": forward - start, "backward": backward - forward,
+                      "optimizer": time.perf_counter() - backward}
+
+    def meter() -> dict[str, float]:
+        stats = lowbitcc.stats()
+        sent = _tx_bytes() if measured else _loco_bytes(stats, world)
+        return {"bytes": float(sent or 0), "codec": stats["compressed"]["codec_s"],
+                "wire": stats["compressed"]["wire_s"]}
+
+    lowbitcc.reset_stats()
+    trained = side_by_side.train(opts.schemes, opts.steps, opts.warmup, batch, step, meter,
+                                 metrics, desc=f"bench-train {opts.config}")
     timed = opts.steps - opts.warmup
-    totals = torch.tensor([seconds[s] for s in opts.schemes], dtype=torch.float64)
-    dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=metrics)  # a step ends on its last rank
-    phase_sums = torch.stack([phases[s] for s in opts.schemes])
+    phase_sums = torch.tensor([[{**t.phases, **t.timed}.get(name, 0.0) for name in PHASES]
+                               for t in trained.values()], dtype=torch.float64)
     dist.all_reduce(phase_sums, group=metrics)
     if rank != 0:
         return None
     rows = []
     for i, scheme in enumerate(opts.schemes):
-        step_s = float(totals[i]) / timed
+        t = trained[scheme]
+        step_s = t.slowest_s / timed
         if measured:
-            per_step, how = sent[scheme] / timed, "measured"
+            per_step, how = t.timed["bytes"] / timed, "measured"
         elif scheme in ("loco", "fsdp2-loco"):
-            per_step, how = sent[scheme] / timed, "estimate"
+            per_step, how = t.timed["bytes"] / timed, "estimate"
         else:
             per_step, how = _estimated_bytes(scheme, models[scheme], world), "estimate"
         rows.append({"scheme": scheme, "step_ms": step_s * 1e3, "steps_per_s": 1 / step_s,
                      "tokens_per_s": world * cfg.batch * cfg.context / step_s,
                      "bytes_per_step": per_step, "bytes": how,
-                     "final_loss": sum(losses[scheme][-5:]) / len(losses[scheme][-5:]),
+                     "final_loss": sum(t.losses[-5:]) / len(t.losses[-5:]),
                      "phases_ms": {name: float(v) / (world * timed) * 1e3
                                    for name, v in zip(PHASES, phase_sums[i], strict=True)}})
     _print(rows, opts, cfg, world, sum(p.numel() for p in models[opts.schemes[0]].parameters()))

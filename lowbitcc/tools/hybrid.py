@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -50,11 +49,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 import lowbitcc
 from lowbitcc.config import LocoConfig
-from lowbitcc.tools import netem
+from lowbitcc.tools import netem, side_by_side
 from lowbitcc.tools.spawn import launch
 from lowbitcc.tools.study.model import TinyGPT, lm_loss, optimizer, sample_batch, split_corpus
 from lowbitcc.tools.study.variants import StudyConfig
@@ -184,15 +182,15 @@ class HybridOptions:
         return cfg if self.steps is None else dataclasses.replace(cfg, steps=self.steps)
 
 
-def _meter(measured: bool) -> tuple[dict[str, float], int]:
-    """``(bytes, calls)`` sent so far by this rank: ``netem.sent_bytes()`` where ``measured``,
-    else ``{"loco_counted": ...}`` (the "loco" groups' compressed codes and exact input
-    sizes); and the "loco" groups' compressed calls."""
+def _meter(measured: bool) -> dict[str, float]:
+    """This rank's counters so far: bytes sent (``netem.sent_bytes()`` where ``measured``, else
+    ``loco_counted``: the "loco" groups' compressed codes and exact input sizes) and the "loco"
+    groups' compressed ``calls``."""
     stats = lowbitcc.stats()
-    counted = {"loco_counted": float(stats["compressed"]["wire_bytes"]
-                                     + stats["exact"]["tensor_bytes"])}
     sent = netem.sent_bytes() if measured else None
-    return dict(sent) if sent is not None else counted, stats["compressed"]["calls"]
+    counted = dict(sent) if sent is not None else {
+        "loco_counted": float(stats["compressed"]["wire_bytes"] + stats["exact"]["tensor_bytes"])}
+    return {**counted, "calls": float(stats["compressed"]["calls"])}
 
 
 def build(scheme: str, cfg: StudyConfig, seed: int, dp: int, tp: int) -> nn.Module:
@@ -254,58 +252,38 @@ def train_seed(rank: int, world: int, opts: HybridOptions, seed: int,
     train, val = split_corpus(cfg)
     order = torch.Generator().manual_seed(seed * 1000 + dp_rank)
     measured = netem.sent_bytes() is not None
-    zero = {"link": 0.0, "lo": 0.0} if measured else {"loco_counted": 0.0}
-    seconds = {s: 0.0 for s in opts.schemes}
-    sent = {s: dict(zero) for s in opts.schemes}
-    calls = {s: 0 for s in opts.schemes}
-    losses: dict[str, list[float]] = {s: [] for s in opts.schemes}
-    bar = tqdm(total=cfg.steps, desc=f"hybrid seed {seed}", leave=False,
-               disable=rank != 0 or not sys.stderr.isatty())
-    for step in range(cfg.steps):
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(len(train) - cfg.context - 1, (cfg.batch,), generator=order)
-        x, y = sample_batch(train, starts, cfg.context)
-        k = step % len(opts.schemes)
-        step_loss = torch.zeros(len(opts.schemes), dtype=torch.float64)
-        for scheme in opts.schemes[k:] + opts.schemes[:k]:
-            (opt, sched), model = optims[scheme], models[scheme]
-            dist.barrier(group=metrics)
-            before, called = _meter(measured)
-            start = time.perf_counter()
-            loss = lm_loss(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            elapsed = time.perf_counter() - start
-            dist.barrier(group=metrics)
-            after, now = _meter(measured)
-            calls[scheme] += now - called
-            if step >= opts.warmup:
-                seconds[scheme] += elapsed
-                for name in sent[scheme]:
-                    sent[scheme][name] += after[name] - before[name]
-            step_loss[opts.schemes.index(scheme)] = float(loss.detach())
-        dist.all_reduce(step_loss, group=metrics)
-        for i, scheme in enumerate(opts.schemes):
-            losses[scheme].append(float(step_loss[i]) / world)
-        bar.update(1)
-    bar.close()
+        return sample_batch(train, starts, cfg.context)
+
+    def step(scheme: str, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        (opt, sched), model = optims[scheme], models[scheme]
+        loss = lm_loss(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss, {}
+
+    trained = side_by_side.train(opts.schemes, cfg.steps, opts.warmup, batch, step,
+                                 lambda: _meter(measured), metrics, desc=f"hybrid seed {seed}",
+                                 barrier_after=True)
     timed = cfg.steps - opts.warmup
-    totals = torch.tensor([seconds[s] for s in opts.schemes], dtype=torch.float64)
-    dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=metrics)  # a step ends on its last rank
     # a namespace's counters hold its node's tp ranks: per rank, divide by tp
     per_rank = opts.tp if measured else 1
     out = {}
-    for i, scheme in enumerate(opts.schemes):
-        counted = torch.tensor([sent[scheme][n] for n in sent[scheme]], dtype=torch.float64)
+    for scheme, t in trained.items():
+        names = [n for n in t.timed if n != "calls"]
+        counted = torch.tensor([t.timed[n] for n in names], dtype=torch.float64)
         dist.all_reduce(counted, group=metrics)
         out[scheme] = {
-            "losses": losses[scheme],
+            "losses": t.losses,
             "val_loss": _evaluate(models[scheme], val, cfg, dp_rank, opts.dp, metrics),
-            "step_s": float(totals[i]) / timed,
+            "step_s": t.slowest_s / timed,
             "bytes": {n: float(v) / world / per_rank / timed
-                      for n, v in zip(sent[scheme], counted.tolist(), strict=True)},
-            "compressed_calls": calls[scheme],
+                      for n, v in zip(names, counted.tolist(), strict=True)},
+            "compressed_calls": int(t.every["calls"]),
         }
     return out
 

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from lowbitcc.codec import formats
+
 log = logging.getLogger("lowbitcc")
 
 ERROR_DTYPES = (None, "int8", "fp32", "bf16")
@@ -116,8 +118,8 @@ class Case:
     fmt: str = "int"
 
 
-WIRES = ((2, "int"), (4, "int"), (8, "int"), (4, "mxfp4"))
-"""(bits, code format) pairs the kernels implement."""
+WIRES = formats.WIRES
+"""(bits, code format) pairs the kernels implement (`lowbitcc.codec.formats`)."""
 
 
 def cases(count: int, seed: int = 0) -> Iterator[Case]:
@@ -223,7 +225,7 @@ def throughput(numel: int = 1 << 26) -> Outcome:
     copy_s = _cuda_time(lambda: out.copy_(x))
     gb = numel * 4 / 1e9
     parts = [f"fp32 input {gb:.2f} GB: copy {2 * gb / copy_s:.0f} GB/s (read+write)"]
-    for fmt, group in (("int", 128), ("mxfp4", 32)):
+    for fmt, group in ((f.name, f.default_group) for f in formats.TABLE):
         codec = ShardCodec(4, group, 0, 1, 1, 1, kernels=select("auto", "cuda", group), fmt=fmt)
         messages = codec.encode(x, 1, numel, 1.0, None, 0.8, [0], "int8").messages
         encode_s = _cuda_time(functools.partial(codec.encode, x, 1, numel, 1.0, None, 0.8, [0],

@@ -72,9 +72,10 @@ def _compare(rank, world, gloo, kind):
     return {"ref": ref, "loco": ours, "stats": lowbitcc.stats()}
 
 
+@pytest.mark.parametrize("issuer", ["auto", "inline"])  # LOCO_ISSUER: worker, calling thread
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2", "fsdp1"])
-def test_training_matches_gloo(kind):
-    for result in run_ranks(_compare, 2, kind, timeout=240):
+def test_training_matches_gloo(kind, issuer):
+    for result in run_ranks(_compare, 2, kind, timeout=240, env={"LOCO_ISSUER": issuer}):
         ref, ours, stats = result["ref"], result["loco"], result["stats"]
         assert len(ours) == STEPS
         assert ours[-1] < 0.8 * ours[0], "did not train"

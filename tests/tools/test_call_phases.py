@@ -1,11 +1,11 @@
-"""`tools/call_phases.py`: run the script on two local ranks and check what it prints."""
+"""`benchmarks/call_phases.py`: run the script on two local ranks and check what it prints."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "call_phases.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "call_phases.py"
 
 
 def test_call_phases_prints_every_phase_and_a_consistent_frontier():

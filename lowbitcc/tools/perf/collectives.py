@@ -6,8 +6,9 @@ in-place variant, the exact expected result, and which backend method to call. T
 (`lowbitcc.tools.perf.harness`) owns everything else.
 
 Sizes follow nccl-tests: for all-reduce, count is the tensor; for reduce-scatter, count is the
-whole input (each rank receives count/n); for all-gather, count is the whole output. Bus factors:
-all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n.
+whole input (each rank receives count/n); for all-gather, count is the whole output. Bus
+factors come from the library's table (`lowbitcc.collectives`): all-reduce 2(n-1)/n,
+reduce-scatter and all-gather (n-1)/n.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from lowbitcc.collectives import COLLECTIVES as TABLE
 from lowbitcc.tools.perf.targets import Backend
 
 OPS = ("sum", "avg", "max", "min")
@@ -114,7 +116,7 @@ def _rs_expected(inputs: list[torch.Tensor], rank: int, op: str) -> torch.Tensor
 COLLECTIVES: dict[str, Collective] = {
     "all_reduce": Collective(
         name="all_reduce", reduces=True,
-        bus_factor=lambda n: 2 * (n - 1) / n,
+        bus_factor=TABLE["all_reduce"].bus_factor,
         shape=lambda count, n: (count, count),
         buffers=_ar_buffers,
         expected=lambda inputs, rank, op: reduce(inputs, op),
@@ -122,7 +124,7 @@ COLLECTIVES: dict[str, Collective] = {
     ),
     "reduce_scatter": Collective(
         name="reduce_scatter", reduces=True,
-        bus_factor=lambda n: (n - 1) / n,
+        bus_factor=TABLE["reduce_scatter"].bus_factor,
         shape=lambda count, n: (count, count // n),
         buffers=_rs_buffers,
         expected=_rs_expected,
@@ -130,7 +132,7 @@ COLLECTIVES: dict[str, Collective] = {
     ),
     "all_gather": Collective(
         name="all_gather", reduces=False,
-        bus_factor=lambda n: (n - 1) / n,
+        bus_factor=TABLE["all_gather"].bus_factor,
         shape=lambda count, n: (count // n, count),
         buffers=_ag_buffers,
         expected=lambda inputs, rank, op: torch.cat(inputs),

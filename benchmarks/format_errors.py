@@ -5,7 +5,7 @@ communication) and prints per format: bits per element, relative L2 error, the s
 entries that decode to zero and their share of ``sum |g|``, and the median per-element relative
 error ``|deQ(Q(g)) - g| / |g|`` (what Adam, which divides each coordinate by its own RMS, sees).
 
-    python tools/format_errors.py [--batch 100]
+    python benchmarks/format_errors.py [--batch 100]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Broadcasts and all-gathers are timed alike, with ``LOCO_CHECK_ALL=1`` in the che
 exact data movements then exchange a descriptor too; without it they exchange none, as with
 ``LOCO_CHECK=0``).
 
-    python tools/descriptor_overhead.py
+    python benchmarks/descriptor_overhead.py
 """
 
 from __future__ import annotations

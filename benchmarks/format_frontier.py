@@ -11,7 +11,7 @@ either stands in for the other.
 With ``--plot``, writes the frontier (bits per element against mean gap, one standard error
 bars, the lower envelope) as a PNG; with ``--json``, the table.
 
-    python tools/format_frontier.py docs/study/study.json docs/study/formats/sweep-*.json \\
+    python benchmarks/format_frontier.py docs/study/study.json docs/study/formats/sweep-*.json \\
         --plot docs/study/formats/frontier.png --json docs/study/formats/frontier.json
 """
 

@@ -2,7 +2,7 @@
 """Measured table of docs/algorithms.md: time per all-reduce of every schedule on 4 ranks at
 64 KiB, 1 MiB and 64 MiB, on loopback and on an emulated 1 Gbit/s link.
 
-    sudo python3 tools/algorithms_report.py      # root: the emulated link needs namespaces
+    sudo python3 benchmarks/algorithms_report.py      # root: the emulated link needs namespaces
 
 Runs `lowbitcc perf all_reduce` twice per link: direct, ring, tree and auto on one node, then
 hierarchical and auto with LOCO_NODE_SIZE=2 (two emulated nodes of two ranks). LOCO_MIN_SIZE=1

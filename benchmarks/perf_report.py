@@ -3,7 +3,7 @@
 loopback and on emulated 1 Gbit/s and 10 Gbit/s links, loco 4-bit, loco 8-bit, gloo fp32 and
 gloo with bf16 tensors side by side.
 
-    sudo python3 tools/perf_report.py            # root: the emulated links need namespaces
+    sudo python3 benchmarks/perf_report.py            # root: the emulated links need namespaces
 
 Writes docs/perf/<ranks>r-<link>.json, docs/perf/perf.png, and rewrites the section between
 the ``perf-report`` markers of docs/performance.md (tables of busbw ratios at 64 MiB and the
@@ -134,7 +134,7 @@ def main() -> int:
         for link in args.links:
             results[(ranks, link)] = run(ranks, link, args.out / f"{ranks}r-{link}.json", args)
     plot(results, args.out / "perf.png")
-    command = "sudo python3 tools/perf_report.py " + " ".join(sys.argv[1:])
+    command = "sudo python3 benchmarks/perf_report.py " + " ".join(sys.argv[1:])
     text = report(results, command.strip())
     print(text)
     doc = args.doc.read_text()

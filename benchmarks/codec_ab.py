@@ -10,7 +10,7 @@ Prints the best GB/s of each and their ratio (> 1: this checkout is faster). The
 must share Python's ABI for ``EncodeArgs`` (``encode_args_layout``): compare revisions with the
 same argument layout.
 
-    python tools/codec_ab.py --rev HEAD --mib 64 --threads 1 2
+    python benchmarks/codec_ab.py --rev HEAD --mib 64 --threads 1 2
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ codes, the call's time if codec and wire overlapped perfectly, the link gave the
 rate, and nothing else took time (the network stack's own CPU time included: on a machine
 with one core per rank it competes with the codec).
 
-    python tools/call_phases.py                           # 2 local ranks, loopback
-    lowbitcc netem --np 2 --link 1gbit -- python tools/call_phases.py   # emulated links (root)
+    python benchmarks/call_phases.py                           # 2 local ranks, loopback
+    lowbitcc netem --np 2 --link 1gbit -- python benchmarks/call_phases.py   # emulated links (root)
 
 The "loco" group takes its settings from ``LOCO_*`` (`LocoConfig.from_env`).
 """

@@ -2,8 +2,8 @@
 """The alpha-beta-gamma model of docs/scaling.md: fitted and checked against runs here, then
 projected to large GPU clusters on paper.
 
-    sudo python3 tools/scaling_report.py --measure   # root: the emulated links need namespaces
-    python3 tools/scaling_report.py                  # the report from the saved runs
+    sudo python3 benchmarks/scaling_report.py --measure   # root: the emulated links need namespaces
+    python3 benchmarks/scaling_report.py                  # the report from the saved runs
 
 ``--measure`` runs, on 2 and 4 local ranks, over loopback and emulated 10 and 1 Gbit/s links,
 ``lowbitcc perf all_reduce -b 1M -e 64M -f 4 --backend loco gloo`` (loco: 4 bits, the direct

@@ -6,7 +6,7 @@ so that both see the same machine; it prints the median time of each, and the me
 quartiles of the ratio of the two calls of each pair (adjacent in time, so they share the
 machine's state: steadier than the ratio of the medians on a noisy machine).
 
-    python tools/checksum_overhead.py [--calls 30]
+    python benchmarks/checksum_overhead.py [--calls 30]
 """
 
 from __future__ import annotations
