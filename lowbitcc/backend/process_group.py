@@ -208,8 +208,9 @@ class LocoProcessGroup(dist.ProcessGroup):
             single.reduceOp, single.timeout = opts.reduceOp, opts.timeout
         whole = self._exact(opts, tensors, tensors, all_reduce_of, (method, (tensors, opts)),
                             in_place=True, collective="all_reduce")
-        parts = [self._exact(single, [t], [t], all_reduce_of, ("allreduce", ([t], single)),
-                             in_place=True, collective="all_reduce") for t in tensors]
+        parts = [whole] if len(tensors) == 1 and single is opts else [
+            self._exact(single, [t], [t], all_reduce_of, ("allreduce", ([t], single)),
+                        in_place=True, collective="all_reduce") for t in tensors]
         return self._reduce(issuer, "all_reduce", whole, parts, lambda: (tensors, tensors), opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
