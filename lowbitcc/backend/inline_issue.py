@@ -31,8 +31,8 @@ class InlineIssuer:
         self._direct = direct
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
-        if call.issue is None:
-            return self.run(list(parts), parts, [], call.outputs, False)
+        if call.issue is None:  # no one gloo operation: its parts, one after the other
+            return self.run([p.on(self._direct) for p in parts], parts, [], call.outputs, False)
         return start_now(call.on(self._direct))
 
     def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:

@@ -201,9 +201,10 @@ def _compare_all(rank, world, gloo):
     return report
 
 
+@pytest.mark.parametrize("issuer", ["auto", "inline"])  # LOCO_ISSUER: worker, calling thread
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
-def test_exact_collectives_equal_gloo_bitwise(world):
-    for rank_report in run_ranks(_compare_all, world):
+def test_exact_collectives_equal_gloo_bitwise(world, issuer):
+    for rank_report in run_ranks(_compare_all, world, env={"LOCO_ISSUER": issuer}):
         bad = [(name, a) for name, a, same in rank_report if not same]
         assert not bad, f"differs from gloo: {bad}"
         assert len(rank_report) == 2 * len(CASES)
