@@ -27,7 +27,8 @@ from lowbitcc.codec.reference import ROUNDINGS
 
 ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
-BITS = (2, 4, 8)
+BITS = tuple(sorted({b for f in formats.TABLE for b in f.bits}))
+"""Every code width some format takes (`lowbitcc.codec.formats`): 2, 4, 8."""
 FORMAT_CHOICES = ("auto", *FORMATS)
 SCHEDULES = (*schedules.NAMES, "auto")
 TRANSPORTS = ("auto", *transports.NAMES)

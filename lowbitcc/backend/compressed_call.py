@@ -119,10 +119,10 @@ class CompressedCall:
 
     ``output``: where the result goes; ``op``: the c10d reduction; ``exact``: the exact
     fallback after an exchange (a job on the group's worker, or on an inline route an exact
-    call issued in the calling thread); ``wants``:
-    whether this rank would compress it (its policy said so); ``ticket``: the call's lease
-    decision if the issuing thread already began it (`CompressedCalls.ticket`), else begun
-    here; ``leased``: what runs when the call takes a lease on the worker (default ``exact``).
+    call issued in the calling thread); ``wants``: whether this rank would compress it (its
+    policy said so); ``ticket``: the call's lease decision if the issuing thread already began
+    it (`CompressedCalls.ticket`), else begun here; ``leased``: what runs when the call takes
+    a lease on the worker (default ``exact``).
     """
 
     collective: ClassVar[str]

@@ -75,9 +75,6 @@ class CompressedCalls:
     def group_name(self, name: str) -> None:
         self.agreement.group_name = name
 
-    def serves(self, device: torch.device) -> bool:
-        return device.type in self._routes
-
     def agrees_on(self, numels: list[int], inline: bool = False) -> bool:
         """Whether a reduction that this rank will not compress must still exchange descriptors
         (with ``wants=False``): another rank may be about to compress the same call, or to

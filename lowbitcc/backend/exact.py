@@ -58,6 +58,11 @@ class Reduction:
             return cls(ReduceOp.SUM, factor=factor)
         return cls(kind)
 
+    @property
+    def plain(self) -> bool:
+        """Whether gloo runs the reduction as it is (no input factor, no divisor)."""
+        return self.factor is None and self.divisor is None
+
     @staticmethod
     def folded_kind(op: ReduceOp | Any) -> Any:
         """The element-wise op a reduction by ``op`` folds with: SUM for AVG and PREMUL_SUM
@@ -111,7 +116,7 @@ class ExactReduction:
         count_exact(self.collective, sum(t.numel() * t.element_size() for t in self.inputs),
                     self.world)
         red = Reduction.of(self.opts.reduceOp, self.world)
-        if red.factor is None and red.divisor is None:  # gloo's own op: the caller's options
+        if red.plain:  # gloo's own op: the caller's options
             work = self.issue(self.group, self.inputs, self.opts)
             return InnerWork(work, lambda: self.outputs)
         sum_opts = type(self.opts)()
@@ -224,8 +229,7 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
     flat reduce-scatter): those are finished by ``complete(inner_work)`` (the caller's worker),
     or without it waited for here, and are not timed."""
     inner = call()
-    red = Reduction.of(call.opts.reduceOp, call.world)
-    plain = red.factor is None and red.divisor is None
+    plain = Reduction.of(call.opts.reduceOp, call.world).plain
     if plain and on_done is None:
         return inner.work
     try:

@@ -171,8 +171,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         part's output and flat source from ``pairs()``)."""
         like, op = parts[0].outputs[0], op_type(opts.reduceOp)
         compress = (self.config.policy != "never"
-                    and all(policy.eligible(t, op) and self._compressed.serves(t.device)
-                            for p in parts for t in p.outputs)
+                    and all(policy.eligible(t, op) for p in parts for t in p.outputs)
                     and policy.wants_compression(self.config.policy))
         numels = [sum(t.numel() for t in p.inputs) for p in parts]
         if not compress and not self._compressed.agrees_on(numels, issuer.inline):
