@@ -2,11 +2,11 @@
 
 Each rank makes a "loco" group compressing every call the policy allows (``policy="always"``,
 the cost model on) whose model has already seen exact calls of every size far faster than
-compressed ones, so that after its warm-up (2 compressed, 2 exact, one exchanged with the
-lease) every call is leased: since issue 35 the calling thread issues it at once on the group's
-direct gloo group and returns gloo's Work. It then times synchronous all-reduces on that group
-and on a plain gloo group, alternating them and which goes first, after a barrier, and prints
-the medians and gloo's time over loco's per size (2 local ranks).
+compressed ones, so that after its warm-up (``warmup`` compressed and exact calls each, one
+exchanged with the lease) every call is leased: since issue 35 the calling thread issues it at
+once on the group's direct gloo group and returns gloo's Work. It then times synchronous
+all-reduces on that group and on a plain gloo group, alternating them and which goes first,
+after a barrier, and prints the medians and gloo's time over loco's per size (2 local ranks).
 
     python benchmarks/leased_exact.py [--calls 40] [--sizes 65536 1048576 16777216]
 """
@@ -24,8 +24,6 @@ import lowbitcc
 from lowbitcc.cost_model import CostModel
 from lowbitcc.tools import spawn
 
-WARMUP = 5
-
 
 def _rank(rank: int, world: int, sizes: list[int], calls: int) -> dict[int, tuple[float, float]]:
     gloo = dist.new_group(backend="gloo")
@@ -39,7 +37,8 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int) -> dict[int, tupl
             loco.cost_model.record(size_class, False, 10.0, n * 4)
         x = torch.randn(n)
         times: dict[str, list[float]] = {"loco": [], "gloo": []}
-        for i in range(WARMUP + calls):
+        warmup = 2 * loco.cost_model.warmup + 1
+        for i in range(warmup + calls):
             pair = [("loco", loco), ("gloo", gloo)]
             for name, group in pair if i % 2 else pair[::-1]:
                 y = x.clone()
@@ -47,8 +46,8 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int) -> dict[int, tupl
                 start = time.perf_counter()
                 dist.all_reduce(y, group=group)
                 times[name].append(time.perf_counter() - start)
-        out[n] = (statistics.median(times["loco"][WARMUP:]),
-                  statistics.median(times["gloo"][WARMUP:]))
+        out[n] = (statistics.median(times["loco"][warmup:]),
+                  statistics.median(times["gloo"][warmup:]))
     return out
 
 

@@ -5,9 +5,12 @@ compressed only where that has been faster than the exact call of the same *size
 (collective, device type and ``floor(log2(bytes))``) on this group:
 
 1. the first ``warmup`` calls of a class run compressed and the next ``warmup`` exact (the
-   first of each is not timed: one-time costs such as buffer growth would count);
+   first of each is not timed: one-time costs such as buffer growth would count; of the
+   others the fastest counts, so that one call slowed by something else on the machine does
+   not decide the choice);
 2. from then on the path with the lower mean seconds per byte (an exponential moving average
-   with weight ``ALPHA``; compressed must beat exact by ``MARGIN``) is taken, and the other is
+   with weight ``ALPHA``, from the warm-up's fastest; compressed must beat exact by
+   ``MARGIN``) is taken, and the other is
    retried now and then (an *exploration* call), so a change of conditions (link, load) is
    noticed. The gap between explorations is at least ``explore_every`` calls, and long enough
    that exploring costs at most ``EXPLORE_COST`` of the class's time: where a compressed call
@@ -72,7 +75,7 @@ class Suggestion:
 class CostModel:
     """The choice between exact and compressed per size class (see the module docstring)."""
 
-    def __init__(self, warmup: int = 2, explore_every: int = 64) -> None:
+    def __init__(self, warmup: int = 3, explore_every: int = 64) -> None:
         if warmup < 1 or not 2 <= explore_every <= MAX_GAP:
             raise ValueError(f"CostModel needs warmup >= 1 and 2 <= explore_every <= {MAX_GAP}")
         self.warmup = warmup
@@ -89,7 +92,7 @@ class CostModel:
         tensors (counts it; call it once per call, in issue order)."""
         key = self.size_class(collective, nbytes, device)
         with self._lock:
-            c = self._classes.setdefault(key, _Class())
+            c = self._class(key)
             n = c.calls
             c.calls += 1
             if n < self.warmup:
@@ -108,6 +111,13 @@ class CostModel:
                 return Suggestion(not best_exact, key)
             return Suggestion(best_exact, key, lease=c.explore_at - n - 1 if best_exact else 0)
 
+    def _class(self, key: SizeClass) -> _Class:
+        """Under the lock: the class ``key``, created on first use."""
+        c = self._classes.get(key)
+        if c is None:
+            c = self._classes[key] = _Class()
+        return c
+
     def _gap(self, c: _Class, best_exact: bool) -> int:
         """Calls from one exploration to the next: ``explore_every``, or more where the other
         path is so much slower that exploring would cost over ``EXPLORE_COST``."""
@@ -120,19 +130,22 @@ class CostModel:
     def count(self, size_class: SizeClass) -> None:
         """Count a call of ``size_class`` that did not ask for a suggestion (a lease's)."""
         with self._lock:
-            self._classes.setdefault(size_class, _Class()).calls += 1
+            self._class(size_class).calls += 1
 
     def record(self, size_class: SizeClass, exact: bool, seconds: float,
                nbytes: int) -> None:
         """A call of ``size_class`` took ``seconds`` for ``nbytes`` input bytes on a path."""
         with self._lock:
-            c = self._classes.setdefault(size_class, _Class())
+            c = self._class(size_class)
             c.timed[exact] += 1
             if c.timed[exact] == 1:
                 return  # the first call of a path pays one-time costs
             value = seconds / max(nbytes, 1)
             old = c.per_byte[exact]
-            c.per_byte[exact] = value if old is None else (1 - ALPHA) * old + ALPHA * value
+            if old is None or c.timed[exact] <= self.warmup:
+                c.per_byte[exact] = value if old is None else min(old, value)
+            else:
+                c.per_byte[exact] = (1 - ALPHA) * old + ALPHA * value
 
     def table(self) -> list[dict[str, object]]:
         """Every size class: calls, and the mean seconds per GB of each path (None: untimed)."""

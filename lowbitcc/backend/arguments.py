@@ -47,6 +47,28 @@ def holds_problem(output: torch.Tensor, source: torch.Tensor, size: int) -> str 
             f"of {source.numel()} {source.dtype}")
 
 
+def scatter_list_problem(output: torch.Tensor, inputs: list[torch.Tensor],
+                         size: int) -> str | None:
+    """What is wrong with a list reduce-scatter of ``inputs`` into ``output`` on ``size``
+    ranks (None: nothing)."""
+    if len(inputs) != size:
+        return f"lowbitcc: reduce_scatter needs {size} input tensors, got {len(inputs)}"
+    if any(t.shape != output.shape or t.dtype != output.dtype for t in inputs):
+        return "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype"
+    return None
+
+
+def scatter_flat_problem(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                         size: int) -> str | None:
+    """What is wrong with flat reduce-scatters of ``inputs`` into ``outputs`` (pairwise) on
+    ``size`` ranks (None: nothing)."""
+    for out, inp in zip(outputs, inputs):
+        if inp.numel() != out.numel() * size or inp.dtype != out.dtype:
+            return (f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements "
+                    f"does not hold {size} outputs of {out.numel()} {out.dtype} elements")
+    return None
+
+
 def list_problem(name: str, lists: list[list[torch.Tensor]], like: list[torch.Tensor],
                   size: int) -> str | None:
     """What is wrong with ``lists`` (one list of ``size`` tensors per tensor of ``like``, each

@@ -107,9 +107,8 @@ class CallGroup(Protocol):
     def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]: ...
     def leasable(self, numel: int) -> bool: ...
     def harvest_timings(self) -> None: ...
-    def clock(self, route: Route, size_class: SizeClass, exact: bool,
-              nbytes: int) -> Callable[[], None]: ...
-    def timed_exact(self, exact: Job, route: Route, size_class: SizeClass, nbytes: int) -> Any: ...
+    def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]: ...
+    def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any: ...
     def schedule_for(self, source: Source, route: Route) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
 
@@ -171,8 +170,7 @@ class CompressedCall:
 
     def run(self) -> Any:
         if self.take_lease():
-            return self.group.timed_exact(self.leased, self.route, self.ticket.size_class,
-                                          self.nbytes)
+            return self.group.timed_exact(self.leased, self.ticket.size_class, self.nbytes)
         suggestion = self.suggest()
         try:
             leader, inputs = self.agree(suggestion)
@@ -225,7 +223,7 @@ class CompressedCall:
         state.STATS.add("exact", model_exact=1)
         if leader.lease and self.ticket is not None:
             self.ticket.settle(leader.lease)
-        return self.group.timed_exact(self.exact, self.route, suggestion.size_class, self.nbytes)
+        return self.group.timed_exact(self.exact, suggestion.size_class, self.nbytes)
 
     def reduce_framed(self, inputs: torch.Tensor) -> None:
         """Reduce the call from every rank's frame (``inputs``, uint8, a row per rank)."""
@@ -237,8 +235,8 @@ class CompressedCall:
     def compress(self, suggestion: Suggestion | None) -> None:
         """Run the compressed schedule, then store the call's new error states."""
         group = self.group
-        stop = None if suggestion is None else group.clock(self.route, suggestion.size_class,
-                                                           False, self.nbytes)
+        stop = None if suggestion is None else group.clock(suggestion.size_class, False,
+                                                           self.nbytes)
         n = group.size
         m = -(-self.numel // n)
         itemsize = self.source.element_size()

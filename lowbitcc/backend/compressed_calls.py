@@ -30,6 +30,7 @@ from lowbitcc.backend.call_agreement import (
 )
 from lowbitcc.backend.compressed_call import CALLS, GatherCall, Route, choose_schedule
 from lowbitcc.backend.cuda_issue import StreamTimings
+from lowbitcc.backend.exact import PLAIN_OPS, op_type
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.codec import kernels, wire
@@ -154,16 +155,22 @@ class CompressedCalls:
         explicit = policy.explicit_key()
         if explicit is not None:
             return f"{self.group_name}|{explicit}", False
+        ordinal = self._ordinal(collective, tensor.dtype, numel)
+        dtype = str(tensor.dtype).replace("torch.", "")
+        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
+
+    def _ordinal(self, collective: str, dtype: torch.dtype, numel: int) -> int:
+        """The position of this call among the calls of its signature in the current epoch
+        (`policy.epoch`), counted."""
         epoch = policy.epoch()
-        signature = (collective, tensor.dtype, numel)
+        signature = (collective, dtype, numel)
         with self._lock:
             if epoch != self._epoch:
                 self._epoch = epoch
                 self._ordinals.clear()
             ordinal = self._ordinals.get(signature, 0)
             self._ordinals[signature] = ordinal + 1
-        dtype = str(tensor.dtype).replace("torch.", "")
-        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
+        return ordinal
 
     def ticket(self, collective: str, like: torch.Tensor, numel: int,
                wants: bool) -> Ticket | None:
@@ -180,10 +187,44 @@ class CompressedCalls:
         ticket = self.leases.begin(CostModel.size_class(
             collective, numel * like.element_size(), like.device.type))
         if ticket.leased:
-            self.agreement.next_seq()  # as its job would: the ranks' call numbers stay in step
-            if wants:
-                self.key(collective, like, numel)
+            self._count_leased(collective, like, numel, wants)
         return ticket
+
+    def wants(self, op: Any, outputs: list[torch.Tensor]) -> bool:
+        """Whether this rank would compress a reduction by ``op`` (a ``RedOpType``) into
+        ``outputs``, issued now (the policy, and the op and dtypes: `policy.eligible`)."""
+        cfg = self.config
+        return (cfg.policy != "never" and all(policy.eligible(t, op) for t in outputs)
+                and policy.wants_compression(cfg.policy))
+
+    def lease_at_issue(self, collective: str, tensor: torch.Tensor,
+                       op: Any) -> SizeClass | None:
+        """`ticket`'s decision at once, for a reduction of one dense ``tensor`` in place by
+        one of gloo's own ops (``op``; not AVG or PREMUL_SUM), which the caller can issue
+        itself only when leased (`Leases.take_at_issue`): its size class, the lease taken and
+        the call counted as `ticket` counts it; None: not such a call, or no lease now;
+        nothing taken or counted (ask `ticket`)."""
+        kind = op_type(op)
+        if (kind not in PLAIN_OPS or type(tensor) is not torch.Tensor
+                or tensor.layout != torch.strided):
+            return None
+        numel = tensor.numel()
+        if not self.leasable(numel):
+            return None
+        size_class = CostModel.size_class(collective, numel * tensor.element_size(),
+                                          tensor.device.type)
+        if not self.leases.take_at_issue(size_class):
+            return None
+        self._count_leased(collective, tensor, numel, self.wants(kind, [tensor]))
+        return size_class
+
+    def _count_leased(self, collective: str, like: torch.Tensor, numel: int,
+                      wants: bool) -> None:
+        """Count a call leased at issue as its job would: its call number (the ranks' numbers
+        stay in step) and, where it ``wants`` compression, its feedback key's ordinal."""
+        self.agreement.next_seq()
+        if wants and policy.explicit_key() is None:  # counted as `key` counts it
+            self._ordinal(collective, like.dtype, numel)
 
     def goes_exact(self, collective: str, like: torch.Tensor, numel: int, wants: bool,
                    inline: bool) -> tuple[bool, Ticket | None]:
@@ -223,12 +264,12 @@ class CompressedCalls:
         """Hand the cost model the CUDA calls' timings that the GPU has passed."""
         self._stream_timings.harvest(self.cost_model)
 
-    def clock(self, route: Route, size_class: SizeClass, exact: bool,
-               nbytes: int) -> Callable[[], None]:
+    def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]:
         """Start timing a call of ``size_class`` on one path; the returned function ends it,
-        and its time goes to the cost model: wall time on the worker, or for ``route.inline``
-        (CUDA) GPU time on the current stream, reported once the GPU has passed it."""
-        if route.inline:
+        and its time goes to the cost model: wall time for CPU calls (on the worker, or on the
+        calling thread under ``LOCO_ISSUER=inline``), GPU time on the current stream for CUDA
+        calls, reported once the GPU has passed it."""
+        if size_class[1] != "cpu":
             timings = self._stream_timings
             begun = timings.start()
             return lambda: timings.stop(begun, size_class, exact, nbytes)
@@ -236,9 +277,9 @@ class CompressedCalls:
         return lambda: self.cost_model.record(size_class, exact, time.perf_counter() - start,
                                               nbytes)
 
-    def timed_exact(self, exact: Job, route: Route, size_class: SizeClass, nbytes: int) -> Any:
+    def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any:
         """Start ``exact``; its time, until the inner work completes, goes to the cost model."""
-        stop = self.clock(route, size_class, True, nbytes)
+        stop = self.clock(size_class, True, nbytes)
         result = exact()
         if not isinstance(result, InnerWork):
             stop()

@@ -101,19 +101,30 @@ class CudaIssuer:
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
         """`Issuer.exact`: the call as c10d asked for it, on NCCL."""
+        call.count()
         method, args = call.native
         return self.native(method, call.outputs, *args)
 
     def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+        call.count()
         method, args = call.native
         return self.native(method, call.outputs, *args)
+
+    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+                      size_class: Any, nbytes: int) -> dist.Work:
+        return self.native(method, outputs, *args)
 
     def fallback(self, part: ExactReduction, leased: bool = False) -> Callable[[], Any]:
         """One tensor's exact call on NCCL, synchronous (enqueued on the current stream)."""
         method, args = part.native
         issue = getattr(self.nccl, method)
         single = sync_options(args[-1])
-        return lambda: issue(*args[:-1], single)
+
+        def run() -> Any:
+            part.count()
+            return issue(*args[:-1], single)
+
+        return run
 
     def run(self, jobs: list[Callable[[], Any]], parts: list[ExactReduction],
             tensors: list[torch.Tensor], outputs: list[torch.Tensor],

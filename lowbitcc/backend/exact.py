@@ -111,10 +111,14 @@ class ExactReduction:
     def on(self, group: dist.ProcessGroup) -> ExactReduction:
         return dataclasses.replace(self, group=group)
 
-    def __call__(self) -> InnerWork:
-        """Start the gloo op (on the worker thread); the returned work finishes the call."""
+    def count(self) -> None:
+        """Count the call in the statistics (`count_exact`)."""
         count_exact(self.collective, sum(t.numel() * t.element_size() for t in self.inputs),
                     self.world)
+
+    def __call__(self) -> InnerWork:
+        """Start the gloo op (on the worker thread); the returned work finishes the call."""
+        self.count()
         red = Reduction.of(self.opts.reduceOp, self.world)
         if red.plain:  # gloo's own op: the caller's options
             work = self.issue(self.group, self.inputs, self.opts)
@@ -149,6 +153,8 @@ _ELEMENTWISE = {
     ReduceOp.BXOR: torch.Tensor.bitwise_xor_,
 }
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+PLAIN_OPS = frozenset(_ELEMENTWISE)
+"""The ops gloo runs as they are (`Reduction.plain`): not AVG, not PREMUL_SUM."""
 _GLOO_REDUCES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
                            torch.int8, torch.uint8, torch.int32, torch.int64})
 """The real and integer dtypes gloo reduces (it refuses int16, the unsigned types past uint8

@@ -38,6 +38,10 @@ class InlineIssuer:
     def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
         return start_now(call.on(self._direct))
 
+    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+                      size_class: Any, nbytes: int) -> dist.Work:
+        return getattr(self._direct, method)(*args)
+
     def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
         return part.on(self._direct)
 

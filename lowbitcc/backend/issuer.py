@@ -46,6 +46,14 @@ class Issuer(Protocol):
         under ``min_size``), in the calling thread now."""
         ...
 
+    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+                      size_class: Any, nbytes: int) -> dist.Work:
+        """Issue ``inner.<method>(*args)``, a reduction of one tensor by one of the inner
+        backend's own ops exactly as c10d asked for it (the caller's options included), which
+        the cost model leased to the exact path (``size_class``; ``nbytes`` input bytes), in
+        the calling thread now; ``outputs``: what it writes. The caller has counted it."""
+        ...
+
     def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
         """The exact job of one tensor of a compressed call: after an exchange, or (``leased``)
         when the job itself takes a lease."""

@@ -64,17 +64,31 @@ class Leases:
     def begin(self, size_class: SizeClass, now: bool = True) -> Ticket:
         """The `Ticket` of the next call of ``size_class`` in issue order; decided at once (a
         lease taken) only if ``now`` and no earlier call of its device type is undecided."""
-        device = size_class[1]
         with self._lock:
-            if now and not self._undecided.get(device) and self._left.get(size_class, 0) > 0:
-                self._left[size_class] -= 1
-                leased = True
-            else:
+            leased = now and self._take_free(size_class)
+            if not leased:
+                device = size_class[1]
                 self._undecided[device] = self._undecided.get(device, 0) + 1
-                leased = False
         if leased:
             self._counted(size_class)
         return Ticket(self, size_class, leased)
+
+    def take_at_issue(self, size_class: SizeClass) -> bool:
+        """`begin`'s decision at once without a ticket: True, a lease taken and the call
+        counted; False, nothing taken or counted (the caller then asks `begin`)."""
+        with self._lock:
+            leased = self._take_free(size_class)
+        if leased:
+            self._counted(size_class)
+        return leased
+
+    def _take_free(self, size_class: SizeClass) -> bool:
+        """Under the lock: take a lease of ``size_class`` if one is left and no earlier call
+        of its device type is undecided."""
+        if self._undecided.get(size_class[1]) or self._left.get(size_class, 0) <= 0:
+            return False
+        self._left[size_class] -= 1
+        return True
 
     def held(self) -> int:
         """Leased calls left, over every class."""

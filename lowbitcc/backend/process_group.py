@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from lowbitcc import policy
 from lowbitcc.backend import BACKEND_NAME
-from lowbitcc.backend.arguments import op_problem
+from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter_list_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_calls import CompressedCalls, cpu_route, cuda_route
 from lowbitcc.backend.cuda_issue import CudaIssuer, cuda_usable, inner_nccl
@@ -39,6 +38,7 @@ from lowbitcc.backend.data_movement import DataMovements
 from lowbitcc.backend.exact import (
     ExactReduction,
     all_reduce_of,
+    count_exact,
     op_type,
     reduce_of,
     reduce_scatter_flat_into,
@@ -65,6 +65,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         """``global_ranks[i]`` is the default group's rank of this group's rank ``i`` (None:
         this is the default group); ``group_id`` c10d's name of the group."""
         super().__init__(rank, size)
+        self._world = size
         self.config = config
         self.timeout = timeout
         self._group_name = ""
@@ -95,7 +96,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
                                            on_worker=self._on_worker)
         self._issuers: dict[str, Issuer] = {"cpu": InlineIssuer(self._direct) if inline else (
-            WorkerIssuer(self._queue, self._direct, self._leased_clock))}
+            WorkerIssuer(self._queue, self._direct, self._compressed.clock))}
         if self._cuda is not None:
             self._issuers["cuda"] = self._cuda
         self._moves = DataMovements(rank, size, self._inner, self._queue, self._compressed,
@@ -150,10 +151,6 @@ class LocoProcessGroup(dist.ProcessGroup):
         """Run ``fn`` on the worker thread, after the CPU calls queued before, and wait."""
         self._queue.submit(lambda: fn() or []).wait()
 
-    def _leased_clock(self, size_class: Any, nbytes: int) -> Any:
-        return self._compressed.clock(self._compressed.route(torch.device("cpu")), size_class,
-                                      True, nbytes)
-
     def _issuer(self, what: str, tensors: list[Any]) -> Issuer:
         """The issuer of the call's tensors (checked: one device type, served)."""
         return self._issuers["cuda" if self._moves.on_cuda(what, tensors) else "cpu"]
@@ -161,7 +158,7 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _exact(self, opts: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                issue: Any, native: tuple[str, tuple], *, in_place: bool,
                collective: str) -> ExactReduction:
-        return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self.size(),
+        return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self._world,
                               group=self._inner, collective=collective, native=native)
 
     def _reduce(self, issuer: Issuer, collective: str, whole: ExactReduction,
@@ -169,10 +166,9 @@ class LocoProcessGroup(dist.ProcessGroup):
         """Issue a reduction: ``whole`` exact where no rank may compress it and no descriptor
         is exchanged, or at once where it is leased; else one compressed job per part (each
         part's output and flat source from ``pairs()``)."""
-        like, op = parts[0].outputs[0], op_type(opts.reduceOp)
-        compress = (self.config.policy != "never"
-                    and all(policy.eligible(t, op) for p in parts for t in p.outputs)
-                    and policy.wants_compression(self.config.policy))
+        like = parts[0].outputs[0]
+        compress = self._compressed.wants(op_type(opts.reduceOp),
+                                          [t for p in parts for t in p.outputs])
         numels = [sum(t.numel() for t in p.inputs) for p in parts]
         if not compress and not self._compressed.agrees_on(numels, issuer.inline):
             return issuer.exact(whole, parts)
@@ -189,6 +185,20 @@ class LocoProcessGroup(dist.ProcessGroup):
         return issuer.run(jobs, parts, [*whole.outputs, *sources, *whole.inputs], outputs,
                           opts.asyncOp)
 
+    def _leased_at_issue(self, collective: str, tensor: torch.Tensor, op: Any, method: str,
+                         args: tuple) -> Any:
+        """Training's commonest call at its cheapest: one tensor that a lease sends exact
+        (`CompressedCalls.lease_at_issue`), started now as c10d asked for it (``method``,
+        ``args``) by `Issuer.leased_native` and counted as `_reduce` counts a leased call.
+        None: not such a call, nothing counted (`_reduce` issues it; ranks agree either way)."""
+        issuer = self._issuers.get(tensor.device.type)
+        size_class = issuer and self._compressed.lease_at_issue(collective, tensor, op)
+        if not size_class:
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        count_exact(collective, nbytes, self._world)
+        return issuer.leased_native(method, args, [tensor], size_class, nbytes)
+
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -199,6 +209,11 @@ class LocoProcessGroup(dist.ProcessGroup):
         return self._all_reduce("allreduce_coalesced", tensors, opts)
 
     def _all_reduce(self, method: str, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if len(tensors) == 1 and type(opts) is dist.AllreduceOptions:
+            work = self._leased_at_issue("all_reduce", tensors[0], opts.reduceOp, method,
+                                         (tensors, opts))
+            if work is not None:
+                return work
         issuer = self._issuer(method, tensors)
         self._moves.refuse_invalid_op(opts.reduceOp, issuer.inline, tensors, "all_reduce")
         single = opts
@@ -219,14 +234,9 @@ class LocoProcessGroup(dist.ProcessGroup):
             raise ValueError("lowbitcc: reduce_scatter takes one output and one input list")
         output, inputs = output_tensors[0], input_tensors[0]
         issuer = self._issuer("reduce_scatter", [output, *inputs])
-        if len(inputs) != self.size():
-            self._moves.refuse_reduction(ValueError(
-                f"lowbitcc: reduce_scatter needs {self.size()} input tensors, got {len(inputs)}"),
-                issuer.inline, [output])
-        if any(t.shape != output.shape or t.dtype != output.dtype for t in inputs):
-            self._moves.refuse_reduction(ValueError(
-                "lowbitcc: reduce_scatter inputs must all match the output's shape and dtype"),
-                issuer.inline, [output])
+        wrong = scatter_list_problem(output, inputs, self._world)
+        if wrong is not None:
+            self._moves.refuse_reduction(ValueError(wrong), issuer.inline, [output])
         self._moves.refuse_invalid_op(opts.reduceOp, issuer.inline, [output])
         whole = self._exact(opts, inputs, [output], reduce_scatter_into(output),
                             ("reduce_scatter", (output_tensors, input_tensors, opts)),
@@ -248,12 +258,9 @@ class LocoProcessGroup(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError("lowbitcc: reduce_scatter needs as many outputs as inputs")
         issuer = self._issuer("reduce_scatter", [*outputs, *inputs])
-        for out, inp in zip(outputs, inputs):
-            if inp.numel() != out.numel() * self.size() or inp.dtype != out.dtype:
-                self._moves.refuse_reduction(ValueError(
-                    f"lowbitcc: reduce_scatter input of {inp.numel()} {inp.dtype} elements does not "
-                    f"hold {self.size()} outputs of {out.numel()} {out.dtype} elements"),
-                    issuer.inline, outputs)
+        wrong = scatter_flat_problem(outputs, inputs, self._world)
+        if wrong is not None:
+            self._moves.refuse_reduction(ValueError(wrong), issuer.inline, outputs)
         self._moves.refuse_invalid_op(opts.reduceOp, issuer.inline, outputs)
         parts = [self._exact(opts, [i], [o], reduce_scatter_flat_into(o),
                              ("_reduce_scatter_base", (o, i, opts)), in_place=False,

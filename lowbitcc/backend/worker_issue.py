@@ -24,8 +24,9 @@ from lowbitcc.transports.gloo import GlooTransport
 LEASED_TIMED = 8
 """One in this many exact calls issued at once under a lease is timed for the cost model."""
 
-Clock = Callable[[Any, int], Callable[[], None]]
-"""``clock(size_class, nbytes)`` starts timing an exact call; calling the result ends it."""
+Clock = Callable[[Any, bool, int], Callable[[], None]]
+"""``clock(size_class, exact, nbytes)`` starts timing a call on a path (`CompressedCalls.clock`);
+calling the result ends it."""
 
 
 class WorkerIssuer:
@@ -47,17 +48,35 @@ class WorkerIssuer:
         return self._queue.submit(call)
 
     def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
-        self._leased += 1
         direct = call.on(self._direct)
-        if self._leased % LEASED_TIMED:
+        if not self._times_next():
             return start_now(direct, complete=self._complete)
-        stop = self._clock(size_class, sum(t.numel() * t.element_size() for t in call.inputs))
+        stop = self._clock(size_class, True, sum(t.numel() * t.element_size() for t in call.inputs))
+        return start_now(direct, lambda work: self._timed(stop, work), self._complete)
 
-        def done(work: Any) -> None:
-            stop()
-            self._retired.retire(work)
+    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+                      size_class: Any, nbytes: int) -> dist.Work:
+        issue = getattr(self._direct, method)
+        if not self._times_next():
+            return issue(*args)
+        stop = self._clock(size_class, True, nbytes)
+        work = issue(*args)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's op has no future: untimed
+            return work
+        future.add_done_callback(lambda _: self._timed(stop, work))
+        return work
 
-        return start_now(direct, done, self._complete)
+    def _times_next(self) -> bool:
+        """Whether the next leased call is one of the `LEASED_TIMED` that are timed."""
+        self._leased += 1
+        return self._leased % LEASED_TIMED == 0
+
+    def _timed(self, stop: Callable[[], None], work: dist.Work) -> None:
+        """A timed leased call's gloo ``work`` is done (on gloo's thread): end its timing."""
+        stop()
+        self._retired.retire(work)
 
     def _complete(self, inner: InnerWork) -> LocoWork:
         """The Work of a call started at once whose gloo op has no future: the worker's waiter

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model with DDP over loco and gloo, side by side")
     demo.add_argument("--np", type=int, default=2, help="local ranks to start (default 2)")
-    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    demo.add_argument("--steps", type=int, default=40,
+                      help="training steps (default 40; about 20 of them printed)")
     demo.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     demo.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
     demo.add_argument("--link", default="1gbit",

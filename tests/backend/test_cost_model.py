@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -161,10 +162,12 @@ def _in_backward(issue: Callable[[], None], times: int) -> None:
     w.sum().backward()
 
 
-def _seeded_run(rank: int, gloo, exact_fast: bool) -> tuple[int, int, bool]:
-    """8 all-reduces from a backward hook on a group whose model has seen, on rank 0, exact
-    calls fast if ``exact_fast`` else compressed ones fast (rank 1 the opposite)."""
-    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=True))
+def _seeded_run(rank: int, gloo, exact_fast: bool, issuer: str) -> tuple[int, int, bool]:
+    """8 all-reduces from a backward hook on a group (of ``issuer``) whose model has seen, on
+    rank 0, exact calls fast if ``exact_fast`` else compressed ones fast (rank 1 the
+    opposite)."""
+    group = dist.new_group(backend="loco",
+                           pg_options=lowbitcc.LocoConfig(cost_model=True, issuer=issuer))
     cls = CostModel.size_class("all_reduce", NBYTES)
     fast_exact = exact_fast == (rank == 0)
     for _ in range(3):
@@ -183,27 +186,32 @@ def _seeded_run(rank: int, gloo, exact_fast: bool) -> tuple[int, int, bool]:
     expected = values.clone()
     dist.all_reduce(expected, group=gloo)
     stats = lowbitcc.stats()
-    exact_after_warmup = all(torch.equal(t, expected) for t in results[2:])
+    exact_after_warmup = all(torch.equal(t, expected) for t in results[group.cost_model.warmup:])
     return stats["compressed"]["calls"], stats["exact"]["model_exact"], exact_after_warmup
 
 
-def _rank_zero_prefers_compressed(rank, world, gloo):
-    return _seeded_run(rank, gloo, exact_fast=False)
+def _rank_zero_prefers_compressed(rank, world, gloo, issuer):
+    return _seeded_run(rank, gloo, False, issuer)
 
 
-def test_warm_up_exact_calls_do_not_hold_the_exact_choice():
-    # 2 compressed, 2 exact (warm-up), then rank 0's choice, compressed, for the other 4
-    assert [r[:2] for r in run_ranks(_rank_zero_prefers_compressed, 2)] == [(6, 2), (6, 2)]
+@pytest.mark.parametrize("issuer", ["auto", "inline"])  # LOCO_ISSUER: worker, calling thread
+def test_warm_up_exact_calls_do_not_hold_the_exact_choice(issuer):
+    # w compressed, w exact (warm-up), then rank 0's choice, compressed, for the other 8 - 2w
+    w = CostModel().warmup
+    results = run_ranks(_rank_zero_prefers_compressed, 2, issuer)
+    assert [r[:2] for r in results] == [(8 - w, w)] * 2
 
 
-def _ranks_follow_rank_zero(rank, world, gloo):
-    return _seeded_run(rank, gloo, exact_fast=True)
+def _ranks_follow_rank_zero(rank, world, gloo, issuer):
+    return _seeded_run(rank, gloo, True, issuer)
 
 
-def test_every_rank_follows_rank_zeros_suggestion():
-    # warm-up: 2 compressed, 2 exact; then rank 0 suggests exact and rank 1 compressed, and
-    # both run the 4 remaining calls exact (bit for bit gloo's sum)
-    assert run_ranks(_ranks_follow_rank_zero, 2) == [(2, 6, True), (2, 6, True)]
+@pytest.mark.parametrize("issuer", ["auto", "inline"])
+def test_every_rank_follows_rank_zeros_suggestion(issuer):
+    # warm-up: w compressed, w exact; then rank 0 suggests exact and rank 1 compressed, and
+    # both run the 8 - 2w remaining calls exact (bit for bit gloo's sum)
+    w = CostModel().warmup
+    assert run_ranks(_ranks_follow_rank_zero, 2, issuer) == [(w, 8 - w, True)] * 2
 
 
 def _forced_and_off(rank, world, gloo):

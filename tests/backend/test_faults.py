@@ -983,7 +983,7 @@ def _forced_on_one_rank_during_a_lease(rank, world, gloo):
     x = torch.randn(BIG, generator=torch.Generator().manual_seed(rank))
 
     def in_backward(grad):
-        for _ in range(5):  # warm-up, then rank 0's exact suggestion with a lease
+        for _ in range(2 * group.cost_model.warmup + 1):  # warm-up, then the lease granted
             dist.all_reduce(x.clone(), group=group)
 
     w = torch.zeros(1, requires_grad=True)

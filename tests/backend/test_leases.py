@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -70,8 +71,10 @@ def _leased_calls_equal_gloo(rank, world, gloo):
     group = _leased_group(rank, {N * world: True})
     x = torch.randn(N * world, generator=torch.Generator().manual_seed(rank))
     kinds, equal = [], []
-    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.SUM):
-        for _ in range(5):  # 2 compressed, 2 exact (warm-up), the lease granted, leased
+    first = 2 * group.cost_model.warmup + 1  # the warm-up's compressed and exact calls, the grant
+    sum_, avg = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    for op, calls in ((sum_, first), (avg, 5), (sum_, 5)):  # then 10 leased calls
+        for _ in range(calls):
             y, expected = x.clone(), x.clone()
             work = dist.all_reduce(y, op=op, group=group, async_op=True)
             work.wait()
@@ -82,13 +85,12 @@ def _leased_calls_equal_gloo(rank, world, gloo):
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # gloo's flat reduce-scatter: no future
         expected = torch.empty(N)
         dist.reduce_scatter_single(expected, x, op=op, group=gloo)
-        for _ in range(7 if op == dist.ReduceOp.SUM else 9):  # as above; 9: a timed one too
+        for _ in range(first + 2 if op == dist.ReduceOp.SUM else 9):  # 9: a timed one too
             out = torch.empty(N)
             work = dist.reduce_scatter_single(out, x, op=op, group=group, async_op=True)
             work.wait()
-            rs.append((isinstance(work, LocoWork), torch.equal(out, expected)))
-    rs = [equal for _, equal in rs[5:7]] + [equal for _, equal in rs[7:]]
-    return kinds[5:], equal[5:], rs, lowbitcc.stats()["exact"]["model_exact"]
+            rs.append(torch.equal(out, expected))
+    return kinds[first:], equal[first:], rs[first:], lowbitcc.stats()["exact"]["model_exact"]
 
 
 def test_leased_calls_are_issued_at_once_and_equal_gloo_bitwise():
@@ -138,3 +140,29 @@ def test_lease_decisions_agree_when_one_ranks_worker_lags():
     queued = [r[0] for r in results]
     assert any(map(any, queued))  # some leased calls were decided on a worker
     assert not all(map(all, queued))  # and some at issue
+
+
+def _leased_call_statistics(rank, world, gloo):
+    """The exact statistics of leased all-reduces: SUMs (issued by the process group's
+    shortest path, `_leased_at_issue`) and AVGs (through `_reduce`), each counted once."""
+    group = _leased_group(rank, {N: True})
+    x = torch.randn(N)
+    for _ in range(2 * group.cost_model.warmup + 1):  # the warm-up, the lease granted
+        dist.all_reduce(x.clone(), group=group)
+    held = group._compressed.leases.held()
+    lowbitcc.reset_stats()
+    for op in [dist.ReduceOp.SUM] * 5 + [dist.ReduceOp.AVG] * 3:
+        dist.all_reduce(x.clone(), op=op, group=group)
+    return held, lowbitcc.stats()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_leased_calls_count_their_ring_volume_once(world):
+    ring = 2 * (world - 1) / world * 4 * N  # bytes one rank sends in a ring all-reduce
+    for held, stats in run_ranks(_leased_call_statistics, world):
+        assert held >= 8
+        exact, total = stats["exact"], stats["total"]
+        assert exact["calls"] == 8 and exact["model_exact"] == 8, exact
+        assert exact["tensor_bytes"] == 8 * 4 * N
+        assert exact["logical_bytes"] == exact["wire_bytes"] == 8 * round(ring), exact
+        assert stats["compressed"]["calls"] == 0 and total["ratio"] == 1.0, stats
