@@ -91,3 +91,28 @@ def test_ruff_is_clean():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+MODULE_LINES = 400
+"""The most lines of a library module (C++ and CUDA sources aside)."""
+PROCESS_GROUP_LINES = 350
+BACKEND_FUNCTION_LINES = 60
+
+
+def test_modules_and_backend_functions_stay_readable():
+    import ast
+
+    long_modules, long_functions = [], []
+    for path in sorted((ROOT / "lowbitcc").rglob("*.py")):
+        text = path.read_text()
+        limit = PROCESS_GROUP_LINES if path.name == "process_group.py" else MODULE_LINES
+        if text.count("\n") > limit:
+            long_modules.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} > {limit}")
+        if path.parent.name != "backend":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > BACKEND_FUNCTION_LINES:
+                    long_functions.append(f"{path.name}:{node.lineno} {node.name} {lines}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)
