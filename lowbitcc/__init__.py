@@ -42,6 +42,16 @@ def reset_stats() -> None:
     state.STATS.reset()
 
 
+def end_step() -> None:
+    """Mark the end of a training step in a loop that takes no ``torch.optim`` step (whose
+    steps lowbitcc counts itself). Calls issued outside a backward pass count their places
+    within a step: the error-feedback keys' ordinals (docs/architecture.md) and, on CUDA, the call
+    schedule that spares steady-state calls their descriptor exchange (docs/gpu.md). Without
+    steps, every such call is a new place: it gets a new error state and exchanges a
+    descriptor."""
+    state.end_step()
+
+
 def state_dict() -> dict[str, Any]:
     """The error-feedback state of this process (every "loco" group), tensors cloned, with
     this process's rank in the default group (None before ``init_process_group``)."""
@@ -82,6 +92,7 @@ __all__ = [
     "BACKEND_NAME",
     "LocoConfig",
     "compressed",
+    "end_step",
     "exact",
     "feedback_key",
     "hybrid_mesh",

@@ -36,6 +36,13 @@ from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 
 
+def mark_deviated(messages: torch.Tensor, signature: int) -> None:
+    """Flag ``messages`` (uint8 ``[rows, P]``) `wire.FLAG_DEVIATED`, naming ``signature``."""
+    messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_DEVIATED
+    named = torch.tensor(list(signature.to_bytes(4, "little")), dtype=torch.uint8)
+    messages[:, wire.SIGNATURE_OFFSET:wire.SIGNATURE_OFFSET + 4] = named.to(messages.device)
+
+
 class Scratch:
     """One reusable fp32 buffer per device, grown to the largest request and kept.
 
@@ -93,6 +100,10 @@ class CallCompressor:
         self._sums: torch.Tensor | None = None
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
         self.wire_error: wire.WireFormatError | None = None
+        self.deviated: int | None = None
+        """The `wire.call_signature` of this rank's own call where this compressor runs another
+        (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
+        encodes is flagged `wire.FLAG_DEVIATED` and names the rank's own call."""
 
     def encode(self, stage: str, source: Source, shard_ids: list[int]) -> torch.Tensor:
         """Messages ``uint8 [rows, P]`` for the rows of ``source``."""
@@ -117,6 +128,8 @@ class CallCompressor:
             self._new_states[key] = (result.error, uses + 1)
         if self.wire_error is not None:
             result.messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_PEER_ERROR
+        if self.deviated is not None:
+            mark_deviated(result.messages, self.deviated)
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return result.messages
 
@@ -134,10 +147,11 @@ class CallCompressor:
 
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given."""
+        """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given (``messages``
+        may be a strided view: made contiguous here, as part of the decode)."""
         start = time.perf_counter()
         try:
-            total, nonfinite = self.codec.decode_sum(messages, m, shard, out)
+            total, nonfinite = self.codec.decode_sum(messages.contiguous(), m, shard, out)
         except wire.WireFormatError as exc:
             total = out if out is not None else torch.empty(m, device=messages.device)
             nonfinite = self._deferred(exc, total)
@@ -169,6 +183,8 @@ class CallCompressor:
         exc = self.wire_error
         if exc is None:
             return
+        if isinstance(exc, wire.DeviatedCallError):
+            raise wire.DeviatedCallError(f"lowbitcc: rank {self.rank}: {exc}", exc.signatures)
         if isinstance(exc, wire.PeerWireFormatError):
             raise wire.PeerWireFormatError(
                 f"lowbitcc: rank {self.rank}: another rank received a corrupt or foreign message "

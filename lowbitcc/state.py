@@ -39,6 +39,11 @@ def _count_optimizer_step(*_args: object) -> None:
         _optimizer_steps += 1
 
 
+def end_step() -> None:
+    """A training step ended without a torch optimizer step (`lowbitcc.end_step`)."""
+    _count_optimizer_step()
+
+
 def install_step_hook() -> None:
     """Install the optimizer step post-hook (idempotent; called by each new "loco" group)."""
     global _step_hook

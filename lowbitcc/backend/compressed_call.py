@@ -5,8 +5,11 @@ number and error-feedback key (`CompressedCalls.key`), builds its `wire.CallDesc
 its lease `Ticket` (`lowbitcc.backend.leases`). Calling it runs it, as the call's job on the
 group's worker (or in the issuing thread, on an inline route), phase by phase:
 
-1. `decide`: a lease left for its size class means the exact call, without an exchange;
-   otherwise rank 0's cost model may suggest a path (`lowbitcc.cost_model`);
+1. `take_lease`: a lease left for its size class means the exact call, without an exchange;
+   on an inline route, `planned`: a call that its place in the sequence of calls has agreed
+   on before runs compressed without an exchange (`run_planned`), and one that differs from
+   it `deviate`s (`lowbitcc.backend.call_schedule`); otherwise rank 0's cost model may
+   `suggest` a path (`lowbitcc.cost_model`);
 2. `agree`: the descriptor exchange (`call_agreement.CallAgreement`), whose outcome decides the
    lease ticket: the call is compressed only if every rank would compress it and rank 0's model
    did not choose exact;
@@ -15,8 +18,8 @@ group's worker (or in the issuing thread, on an inline route), phase by phase:
    `compress`: the call's `ShardCodec` and `CallCompressor`, the schedule (`schedules`), and the
    compressor's `finish` (new error states stored).
 
-Subclasses say which schedule runs and where results go: `AllReduceCall`, `ReduceScatterCall`
-and `GatherCall` (the ``param_bits`` all-gather, one row of codes per rank, no feedback).
+Subclasses say which schedule runs and where results go: `AllReduceCall` and
+`ReduceScatterCall` (the ``param_bits`` all-gather is `gather_call.GatherCall`).
 
 A `Route` is the device-specific part: which codec kernels and which links (transports) serve
 tensors of one device type, whether its jobs run in the calling thread (``inline``: CUDA, see
@@ -34,7 +37,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import policy, schedules, state
-from lowbitcc.backend.call_agreement import CallAgreement, CorruptFrameError
+from lowbitcc.backend.call_agreement import (
+    CallAgreement,
+    CollectiveMismatchError,
+    CorruptFrameError,
+)
+from lowbitcc.backend.call_schedule import CallSchedule, Deviation, Entry, Position
 from lowbitcc.backend.exact import (
     Reduction,
     count_exact,
@@ -111,6 +119,8 @@ class CallGroup(Protocol):
     def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any: ...
     def schedule_for(self, source: Source, route: Route) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
+    def position(self, device_type: str) -> Position | None: ...
+    def call_schedule(self, device_type: str) -> CallSchedule: ...
 
 
 class CompressedCall:
@@ -145,6 +155,7 @@ class CompressedCall:
                        and source.layout == torch.strided
                        and reduces_in_rank_order(op, source.dtype))
         self.desc = self.descriptor(wants)
+        self.position = group.position(source.device.type)
         self.reduction = Reduction.of(op, group.size)
         if leasable and ticket is None:
             ticket = group.leases.begin(CostModel.size_class(
@@ -171,6 +182,11 @@ class CompressedCall:
     def run(self) -> Any:
         if self.take_lease():
             return self.group.timed_exact(self.leased, self.ticket.size_class, self.nbytes)
+        planned = self.planned()
+        if planned is not None:
+            if planned.matches(self.desc):
+                return self.run_planned(planned)
+            self.deviate(planned)  # raises, unless every rank deviated to this call
         suggestion = self.suggest()
         try:
             leader, inputs = self.agree(suggestion)
@@ -182,7 +198,49 @@ class CompressedCall:
             return self.run_exact(leader, suggestion)
         if self.ticket is not None:  # decided: later calls need not wait for the schedule
             self.ticket.settle()
+        if self.position is not None and self.schedule_name() == "direct":
+            self.group.call_schedule(self.source.device.type).agreed(self.position, self.desc)
         return self.compress(suggestion)
+
+    def planned(self) -> Entry | None:
+        """The agreed call this one's position runs as without an exchange (inline routes,
+        `call_schedule`); None: exchange."""
+        if self.position is None:
+            return None
+        return self.group.call_schedule(self.source.device.type).entry(self.position)
+
+    def run_planned(self, entry: Entry) -> None:
+        """Run the call as its position's agreed ``entry``: compressed, no exchange (counted
+        by the cost model as a call of its class, and timed)."""
+        self.group.call_schedule(self.source.device.type).ran(entry)
+        suggestion = None
+        if self.modelled:
+            size_class = CostModel.size_class(self.collective, self.nbytes,
+                                              self.source.device.type)
+            self.group.cost_model.count(size_class)
+            suggestion = Suggestion(False, size_class)
+        if self.ticket is not None:
+            self.ticket.settle()
+        self.compress(suggestion)
+
+    def deviate(self, entry: Entry) -> None:
+        """This rank's call is not its position's ``entry``: run the entry in its place
+        (`call_schedule.Deviation`), forget the schedule, and raise unless every rank
+        deviated to this call (then the caller agrees on it as on a new call)."""
+        alike = Deviation(self, entry).run()
+        self.group.call_schedule(self.source.device.type).forget()
+        if not alike:
+            expected = entry.desc
+            raise CollectiveMismatchError(
+                f"lowbitcc: rank {self.group.rank} issued a {self.collective} of {self.numel} "
+                f"{self.source.dtype} elements where the ranks had agreed on a "
+                f"{expected.collective} of {expected.numel} {expected.dtype} elements (this "
+                "call's place in the sequence of calls); every rank raises")
+
+    def schedule_name(self) -> str:
+        """The compressed schedule this call runs on."""
+        n = self.group.size
+        return self.group.schedule_for(Source(self.source, n, -(-self.numel // n)), self.route)
 
     def take_lease(self) -> bool:
         """Whether a lease is left for the call's size class (then it runs exact, without an
@@ -247,7 +305,12 @@ class CompressedCall:
         flat = self.source.detach().reshape(-1).contiguous()
         self.schedule(Source(flat, n, m, self.reduction.input_factor()), comp)
         comp.finish()
-        comp.raise_deferred()
+        try:
+            comp.raise_deferred()
+        except wire.DeviatedCallError as exc:
+            self.group.call_schedule(self.source.device.type).forget()
+            raise CollectiveMismatchError(
+                f"{exc}: another rank issued a different call here; every rank raises") from exc
         if stop is not None:
             stop()
 
@@ -313,57 +376,3 @@ CALLS: dict[str, type[CompressedCall]] = {
     "all_reduce": AllReduceCall, "reduce_scatter": ReduceScatterCall}
 """The compressed reductions by collective (`lowbitcc.collectives`): a new one is a row here,
 a subclass, and its schedule function."""
-
-
-class GatherCall:
-    """An all-gather of flat ``source`` (``m`` elements per rank) into ``output`` (``size *
-    m`` elements, same dtype) as ``config.param_bits``-bit codes (`LocoConfig.param_bits`;
-    `schedules.gather`). No error feedback (parameters are not accumulated) and nearest
-    rounding, so ``output`` is bitwise the same on every rank, its own slot included;
-    ``source`` is not modified. Ranks exchange descriptors first (``config.check``) and gather
-    exact unless every rank would compress (``wants``: this rank's policy allows it;
-    ``exact``: the fallback)."""
-
-    collective = "all_gather"
-
-    def __init__(self, group: CallGroup, output: torch.Tensor, source: torch.Tensor,
-                 exact: Job, wants: bool) -> None:
-        cfg = group.config
-        self.group, self.output, self.source, self.exact = group, output, source, exact
-        self.route = group.route(source.device)
-        self.desc = wire.CallDescriptor(
-            collective=self.collective, dtype=source.dtype, op=0, numel=source.numel(),
-            seq=group.agreement.next_seq(), bits=cfg.param_bits,
-            group_size=cfg.group_for("int"), compressed=wants, parent=callback_parent())
-
-    def __call__(self) -> Any:
-        group = self.group
-        try:
-            agreed = not group.config.check or group.agreement.agree(self.desc).compressed
-        except CorruptFrameError as exc:
-            return group.agreement.then_raise(exc, self.exact)
-        if not agreed:
-            return self.exact()
-        self.compress()
-        return None
-
-    def compress(self) -> None:
-        group, cfg, source, output = self.group, self.group.config, self.source, self.output
-        n, numel, itemsize = group.size, source.numel(), source.element_size()
-        state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
-                        logical_bytes=COLLECTIVES[self.collective].logical_bytes(
-                            n * numel * itemsize, n))
-        codec = ShardCodec(
-            bits=cfg.param_bits, group_size=cfg.group_for("int"),
-            dtype_code=wire.DTYPE_CODES[source.dtype], seq=self.desc.seq, world=n,
-            signature=wire.call_signature(self.collective, numel, source.dtype),
-            kernels=self.route.kernels, checksum=cfg.checksum_for(source.device.type))
-        # no feedback, and no residual sums: the statistics' error is the gradients'
-        comp = CallCompressor(codec, state.FEEDBACK, "", state.STATS, error_dtype=None, beta=0.0,
-                              reset_interval=0, rank=group.rank)
-        out = output.view(-1) if output.is_contiguous() else torch.empty_like(output).view(-1)
-        flat = source.detach().reshape(-1).contiguous()
-        schedules.all_gather(Source(flat, 1, numel), out, comp, self.route.links)
-        comp.raise_deferred()
-        if out.data_ptr() != output.data_ptr():
-            output.copy_(out.view(output.shape))

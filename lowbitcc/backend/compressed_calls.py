@@ -28,9 +28,11 @@ from lowbitcc.backend.call_agreement import (
     CorruptFrameError,
     InvalidPeerCallError,
 )
-from lowbitcc.backend.compressed_call import CALLS, GatherCall, Route, choose_schedule
+from lowbitcc.backend.call_schedule import CallSchedule, Position
+from lowbitcc.backend.compressed_call import CALLS, Route, choose_schedule
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import PLAIN_OPS, op_type
+from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.codec import kernels, wire
@@ -64,6 +66,8 @@ class CompressedCalls:
         self.scratch = Scratch()  # the worker thread's decode buffer
         self._routes = routes
         self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
+        self._call_schedules = {device: CallSchedule() for device, route in routes.items()
+                                if route.inline and config.check}
         self._lock = threading.Lock()
         self._epoch: tuple[str, int] | None = None
         self._ordinals: dict[tuple, int] = {}
@@ -223,6 +227,7 @@ class CompressedCalls:
         """Count a call leased at issue as its job would: its call number (the ranks' numbers
         stay in step) and, where it ``wants`` compression, its feedback key's ordinal."""
         self.agreement.next_seq()
+        self.position(like.device.type)
         if wants and policy.explicit_key() is None:  # counted as `key` counts it
             self._ordinal(collective, like.dtype, numel)
 
@@ -236,6 +241,15 @@ class CompressedCalls:
             return True, None
         ticket = self.ticket(collective, like, numel, wants)
         return ticket is not None and ticket.leased, ticket
+
+    def position(self, device_type: str) -> Position | None:
+        """The call's position in its route's `call_schedule.CallSchedule` (inline routes that
+        exchange descriptors; None elsewhere), counted; call once per call, in issue order."""
+        schedule = self._call_schedules.get(device_type)
+        return None if schedule is None else schedule.advance()
+
+    def call_schedule(self, device_type: str) -> CallSchedule:
+        return self._call_schedules[device_type]
 
     def leasable(self, numel: int) -> bool:
         """Whether a reduction of ``numel`` elements counts against the cost model's leases.
@@ -257,7 +271,7 @@ class CompressedCalls:
     def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
                    wants: bool = True) -> Job:
         """The job of a ``param_bits`` all-gather of flat ``source`` into ``output``
-        (`compressed_call.GatherCall`)."""
+        (`gather_call.GatherCall`)."""
         return GatherCall(self, output, source, exact, wants)
 
     def harvest_timings(self) -> None:

@@ -83,6 +83,9 @@ class ShardCodec:
     zeros there and checks nothing (every rank of a call must agree)."""
     fmt: str = "int"
     """The code format (`wire.FORMATS`): "int" codes with fp32 scales, or "mxfp4"."""
+    host_check: bool = False
+    """Check CUDA messages on the host too (`check_on_host`: a synchronisation, and errors
+    raised rather than turned into NaN), as CPU messages always are."""
 
     def __post_init__(self) -> None:
         if self.rounding not in reference.ROUNDINGS:
@@ -213,8 +216,9 @@ class ShardCodec:
         return self._check_after(messages, m, shard_ids, out, nonfinite)
 
     def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
-        """CPU: the whole check, before any kernel reads the messages; CUDA: sizes only."""
-        if messages.device.type == "cpu":
+        """CPU (or ``host_check``): the whole check, before any kernel reads the messages;
+        CUDA: sizes only."""
+        if messages.device.type == "cpu" or self.host_check:
             return self.check_on_host(messages, m, shard_ids)
         self.check_size(messages, m, shard_ids)
         return False
@@ -222,7 +226,7 @@ class ShardCodec:
     def _check_after(self, messages: torch.Tensor, m: int, shard_ids: list[int],
                      out: torch.Tensor, nonfinite: bool) -> Flag:
         """CUDA: the header check on the device; a foreign message's values become NaN."""
-        if messages.device.type == "cpu":
+        if messages.device.type == "cpu" or self.host_check:
             return nonfinite
         flagged, foreign = self.check_on_device(messages, m, shard_ids)
         out.masked_fill_(foreign, float("nan"))
@@ -266,8 +270,12 @@ class ShardCodec:
         self.check_size(messages, m, shard_ids)
         nonfinite = False
         raw = messages[:, :wire.HEADER_BYTES].cpu().numpy().tobytes()
+        deviated: list[int | None] = [None] * len(shard_ids)
         for i, shard in enumerate(shard_ids):
             h = wire.ShardHeader.unpack(raw[i * wire.HEADER_BYTES:(i + 1) * wire.HEADER_BYTES])
+            if h.flags & wire.FLAG_DEVIATED:
+                deviated[i] = h.signature
+                continue
             problems = [
                 f"{name} {got} != {want}"
                 for name, got, want in (
@@ -292,6 +300,11 @@ class ShardCodec:
                     f"message {i} (shard {shard}) comes from a rank that received a corrupt or "
                     "foreign message earlier in this call")
             nonfinite |= bool(h.flags & wire.FLAG_NONFINITE)
+        if any(s is not None for s in deviated):
+            rows = [i for i, s in enumerate(deviated) if s is not None]
+            raise wire.DeviatedCallError(
+                f"message(s) {rows} come from ranks whose call differs from the one the ranks "
+                "agreed on at this point", deviated)
         if self.checksum:
             computed = self.kernels.checksum(messages)
             if not torch.equal(messages[:, -wire.TRAILER_BYTES:],

@@ -57,6 +57,10 @@ FLAG_NONFINITE = 1
 FLAG_PEER_ERROR = 2
 """The sender received a corrupt or foreign message earlier in this call: its result, and so
 this message's values, are incomplete (see `lowbitcc.compressor.CallCompressor`)."""
+FLAG_DEVIATED = 4
+"""The sender's call is not the one the ranks agreed on at this point of their schedule
+(`lowbitcc.backend.call_schedule`): the message has the agreed call's size and carries no
+values, and its header's ``signature`` is `call_signature` of the sender's own call."""
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16"}
@@ -71,6 +75,16 @@ DESCRIPTOR_DTYPES = (
 
 class WireFormatError(RuntimeError):
     """A received message is truncated, corrupt or belongs to another call."""
+
+
+class DeviatedCallError(WireFormatError):
+    """Messages flagged `FLAG_DEVIATED` arrived: their senders issued another call than the
+    agreed one. ``signatures[i]``: the `call_signature` of message row ``i``'s sender's call
+    (None: the row was the agreed call's)."""
+
+    def __init__(self, message: str, signatures: list[int | None]) -> None:
+        super().__init__(message)
+        self.signatures = signatures
 
 
 class PeerWireFormatError(WireFormatError):
@@ -130,6 +144,8 @@ def split_width_byte(value: int) -> tuple[int, str | None]:
 _SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes
 FLAGS_OFFSET = struct.calcsize("<4sBBB")
 """Byte offset of ``flags`` in a shard header (the one byte an encode writes after the fact)."""
+SIGNATURE_OFFSET = struct.calcsize("<4sBBBBIQIHH")
+"""Byte offset of ``signature`` (uint32, little-endian) in a shard header."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,7 +159,7 @@ def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
             return
         gathered = gathered.view(n, rows, -1)
         for r in range(rows):
-            place(r, a, b, gathered[:, r].contiguous())
+            place(r, a, b, gathered[:, r])
 
     if len(ranges) == 1:
         messages = encode_columns(comp, prefix + "gather", source, 0, m)

@@ -23,7 +23,7 @@ class _MeteredPending:
 
 class MeteredTransport:
     """Wraps a `Transport`, adding the bytes this rank sends and the time spent to `stats`
-    (for background transfers, the time spent waiting for them)."""
+    (for background transfers, the time spent starting them and waiting for them)."""
 
     def __init__(self, inner: Transport, stats: Stats, category: str = "compressed") -> None:
         self.inner = inner
@@ -39,19 +39,22 @@ class MeteredTransport:
         return self._metered(self.inner.all_gather, send, send.numel())
 
     def all_to_all_async(self, send: torch.Tensor) -> Pending:
-        self.stats.add(self.category, wire_bytes=(self.size - 1) * send.shape[1])
-        return _MeteredPending(self.inner.all_to_all_async(send), self.stats, self.category)
+        return self._started(self.inner.all_to_all_async, (send,), (self.size - 1) * send.shape[1])
 
     def all_gather_async(self, send: torch.Tensor) -> Pending:
-        self.stats.add(self.category, wire_bytes=(self.size - 1) * send.numel())
-        return _MeteredPending(self.inner.all_gather_async(send), self.stats, self.category)
+        return self._started(self.inner.all_gather_async, (send,), (self.size - 1) * send.numel())
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
-        self.stats.add(self.category, wire_bytes=send.numel())
-        return _MeteredPending(self.inner.send_async(send, peer, tag), self.stats, self.category)
+        return self._started(self.inner.send_async, (send, peer, tag), send.numel())
 
     def recv_async(self, nbytes: int, peer: int, tag: int) -> Pending:
-        return _MeteredPending(self.inner.recv_async(nbytes, peer, tag), self.stats, self.category)
+        return self._started(self.inner.recv_async, (nbytes, peer, tag), 0)
+
+    def _started(self, fn, args: tuple, sent: int) -> Pending:
+        start = time.perf_counter()
+        pending = fn(*args)
+        self.stats.add(self.category, wire_s=time.perf_counter() - start, wire_bytes=sent)
+        return _MeteredPending(pending, self.stats, self.category)
 
     def _metered(self, fn, send: torch.Tensor, row_bytes: int) -> torch.Tensor:
         start = time.perf_counter()

@@ -55,9 +55,16 @@ def test_table_columns_factors_and_errors(collective, world, tmp_path):
         assert 4.25 / 32 <= loco4["ratio"] < 4.6 / 32
         assert 0 < by["gloo-bf16", size]["oop_error"] < 2 ** -8
         assert by["gloo-bf16", size]["ratio"] == 0.5
+    for r in rows:  # the calling thread's time besides codec and wire: loco's counted only
+        if r["backend"].startswith("loco"):
+            assert 0 < r["host"] < r["ip_time"], r
+        else:
+            assert math.isnan(r["host"]), r
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["nranks"] == world and result["collective"] == collective
     assert len(result["rows"]) == len(rows)
+    for row in result["rows"]:
+        assert (row["host_us"] is None) == (not row["backend"].startswith("loco")), row
     assert set(result["avg_busbw"]) == {"loco4", "loco8", "gloo", "gloo-bf16"}
 
 

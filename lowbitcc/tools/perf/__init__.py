@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table, plot, write_json
+from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table
+from lowbitcc.tools.perf.outputs import plot, write_json
 from lowbitcc.tools.spawn import launch
 
 __all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]

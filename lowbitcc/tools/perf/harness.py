@@ -3,9 +3,14 @@
 For each size (``-b`` to ``-e``, times ``-f`` or plus ``-i``) and each backend, out-of-place then
 in-place: ``-w`` untimed calls, a barrier, ``-n`` timed calls (their mean is the time, averaged
 over ranks as ``-a`` says), then one more call on fresh data whose result is compared with the
-exact one (relative L2 error, worst rank) and whose bytes on the wire are counted. Loco's calls
-use one error-feedback key per (size, placement) and a fresh key for the checked call, so the
-error column is that of one call, not of a chain of calls.
+exact one (relative L2 error, worst rank) and whose bytes on the wire are counted. Each timed
+call is one training step (`Backend.end_step`; for loco `lowbitcc.end_step`, so that its
+calls repeat as training's do) and runs under its own context: loco's calls use one
+error-feedback key per (size, placement), the same at every step as training's, and a fresh
+key for the checked call, so the error column is that of one call, not of a chain of calls.
+``host_us`` (loco rows; the ``host`` column, in-place) is the calling thread's time per timed
+call that is neither codec nor wire (`lowbitcc.stats`' ``codec_s`` and ``wire_s``, averaged
+over ranks as the time is): issuing, agreement, bookkeeping and waits for the worker.
 
 algbw = size / time and busbw = algbw * factor (nccl-tests' definitions, on logical bytes);
 ``ratio`` is wire bytes over the bytes the same call would send with fp32 (or the given
@@ -15,8 +20,6 @@ dtype) on a ring.
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import math
 import os
 import socket
@@ -29,9 +32,6 @@ import torch.distributed as dist
 
 from lowbitcc.tools.perf import targets as backends_mod
 from lowbitcc.tools.perf.collectives import COLLECTIVES, Collective, fill
-from lowbitcc.tools.plotting import pyplot
-
-log = logging.getLogger("lowbitcc.tools.perf")
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"float32": "float", "fp32": "float", "float16": "half", "fp16": "half",
@@ -109,31 +109,43 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: to
     bufs = coll.buffers(count, n, rank, data.dtype, in_place, device)
     bufs.inp.copy_(data)
 
-    def call() -> None:
+    def launch() -> None:
         coll.launch(backend, bufs.out, bufs.inp, opts.op)
 
-    with backend.context(f"{coll.name}|{count}|{place}"):
-        for _ in range(opts.warmup):
-            call()
-        _synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(opts.iters):
-            call()
-        _synchronize(device)
-        elapsed = (time.perf_counter() - start) / opts.iters
+    def call() -> float:
+        """One training step's call: its calling-thread seconds."""
+        with backend.context(f"{coll.name}|{count}|{place}"):
+            begun = time.perf_counter()
+            launch()
+            took = time.perf_counter() - begun
+        backend.end_step()
+        return took
+
+    for _ in range(opts.warmup):
+        call()
+    _synchronize(device)
+    dist.barrier()
+    busy = backend.busy_seconds()
+    start = time.perf_counter()
+    calling = sum(call() for _ in range(opts.iters))
+    _synchronize(device)
+    elapsed = (time.perf_counter() - start) / opts.iters
+    host = None if busy is None else (calling - (backend.busy_seconds() - busy)) / opts.iters
     elapsed = _across_ranks(elapsed, opts.average)
+    if host is not None:
+        host = _across_ranks(host, opts.average)
 
     bufs.inp.copy_(data)
     with backend.context(f"{coll.name}|{count}|{place}|check"):
-        wire = backend.measured_wire_bytes(call)
+        wire = backend.measured_wire_bytes(launch)
     error = math.nan
     if expected is not None:
         diff = (bufs.out.cpu().double() - expected.double()).norm()
         norm = expected.double().norm()
         error = float(diff / norm) if norm > 0 else float(diff)
         error = _across_ranks(error, 3)
-    return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire}
+    return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire,
+            "host_us": None if host is None else host * 1e6}
 
 
 def device_of(opts: PerfOptions) -> torch.device:
@@ -224,7 +236,8 @@ def _row(coll: Collective, backend: backends_mod.Backend, nbytes: int, count: in
     for place, r in results.items():
         algbw = nbytes / (r["time_us"] * 1e-6) / 1e9
         row[place] = {"time_us": r["time_us"], "algbw": algbw, "busbw": algbw * factor,
-                      "error": r["error"]}
+                      "error": r["error"], "host_us": r["host_us"]}
+    row["host_us"] = results["in_place"]["host_us"]
     return row
 
 
@@ -261,14 +274,15 @@ _COLS = [("size", 12, "(B)"), ("count", 12, "(elements)"), ("type", 9, ""), ("re
          ("root", 5, ""), ("backend", 10, "")]
 _PLACE_COLS = [("time", 10, "(us)"), ("algbw", 7, "(GB/s)"), ("busbw", 7, "(GB/s)"),
                ("error", 9, "")]
-_TAIL_COLS = [("wire", 12, "(B)"), ("ratio", 6, "")]
+_TAIL_COLS = [("wire", 12, "(B)"), ("ratio", 6, ""), ("host", 8, "(us)")]
 
 
 class TablePrinter:
     """Prints nccl-tests' table: '#'-prefixed header and footer, one line per size and backend.
 
     ``error`` replaces nccl-tests' ``#wrong``: the relative L2 error against the exact result
-    (``0`` when bitwise exact, ``N/A`` with ``-c 0``); ``wire``/``ratio`` are appended.
+    (``0`` when bitwise exact, ``N/A`` with ``-c 0``); ``wire``/``ratio``/``host`` are
+    appended (``host``: ``N/A`` for backends that do not count their codec and wire time).
     """
 
     def __init__(self, opts: PerfOptions, nranks: int) -> None:
@@ -304,7 +318,9 @@ class TablePrinter:
             r = row[place]
             cells += [f"{r['time_us']:>10.1f}", f"{r['algbw']:>7.3f}", f"{r['busbw']:>7.3f}",
                       f"{_error_text(r['error']):>9}"]
-        cells += [f"{row['wire_bytes']:>12d}", f"{row['ratio']:>6.3f}"]
+        host = row["host_us"]
+        cells += [f"{row['wire_bytes']:>12d}", f"{row['ratio']:>6.3f}",
+                  f"{'N/A' if host is None else format(host, '.1f'):>8}"]
         bar.write(" ".join(cells))
 
     def footer(self, result: dict[str, Any]) -> None:
@@ -348,33 +364,3 @@ def parse_table(text: str) -> list[dict[str, Any]]:
                 row[name] = math.nan if value == "N/A" else value
         rows.append(row)
     return rows
-
-
-# -- outputs (rank 0) -----------------------------------------------------------------------------
-def write_json(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, allow_nan=True)
-    log.info("wrote %s", path)
-
-
-def plot(results: list[dict[str, Any]], path: str, title: str = "") -> None:
-    """busbw against size, one line per backend (and per result, e.g. per link), log-log."""
-    plt = pyplot("lowbitcc perf --plot", required=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for result in results:
-        label = result.get("label", "")
-        for name in result["backends"]:
-            rows = [r for r in result["rows"] if r["backend"] == name]
-            ax.plot([r["size"] for r in rows], [r["out_of_place"]["busbw"] for r in rows],
-                    marker="o", ms=3, label=f"{name} {label}".strip())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("size (bytes)")
-    ax.set_ylabel("busbw (GB/s, logical bytes)")
-    ax.set_title(title or f"{results[0]['collective']}, {results[0]['nranks']} ranks")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    log.info("wrote %s", path)

@@ -46,7 +46,15 @@ class Backend:
         self.group = group
 
     def context(self, key: str) -> contextlib.AbstractContextManager:
+        """What each call runs in (``key``: the same for every timed call of one size)."""
         return contextlib.nullcontext()
+
+    def end_step(self) -> None:
+        """One timed call is one training step."""
+
+    def busy_seconds(self) -> float | None:
+        """Codec and wire seconds counted so far (None: the backend does not count them)."""
+        return None
 
     def all_reduce(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         if out.data_ptr() != inp.data_ptr():
@@ -94,6 +102,13 @@ class LocoBackend(Backend):
         if not self.forced:
             return lowbitcc.feedback_key(f"perf|{self.name}|{key}")
         return _loco_context(f"perf|{self.name}|{key}")
+
+    def end_step(self) -> None:
+        lowbitcc.end_step()
+
+    def busy_seconds(self) -> float | None:
+        s = lowbitcc.stats()["compressed"]
+        return s["codec_s"] + s["wire_s"]
 
     def measured_wire_bytes(self, run: Callable[[], None]) -> int | None:
         """The bytes the call counted (`lowbitcc.stats`' ``total``: compressed calls their own,

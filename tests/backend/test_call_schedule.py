@@ -1,0 +1,129 @@
+"""The call schedule of inline routes (`lowbitcc.backend.call_schedule`): calls agreed once run
+without a descriptor exchange, the same as with one; a rank whose call deviates makes every
+rank raise, never hang; ranks that all deviate alike agree again and go on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc.backend import call_schedule
+from lowbitcc.backend.call_agreement import CallAgreement, CollectiveMismatchError
+from tests.support.ranks import run_ranks
+
+SIZES = [65536, 3 * 65536 + 5, 100_000]
+
+
+def _backward_pass(issue) -> None:
+    """Run ``issue()`` from a hook inside a backward pass (one epoch of positions)."""
+    w = torch.zeros(1, requires_grad=True)
+    w.register_hook(lambda grad: issue())
+    w.sum().backward()
+
+
+def _counting_agreements() -> list[int]:
+    """Count this process's descriptor agreements from now on (one entry per agreement)."""
+    seen: list[int] = []
+    agree = CallAgreement.agree
+
+    def counted(self, call):
+        seen.append(call.numel)
+        return agree(self, call)
+
+    CallAgreement.agree = counted
+    return seen
+
+
+def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
+    """Backward passes on a loco group of ``issuer``, each all-reducing tensors of the sizes
+    ``plan(rank, p)`` gives for pass ``p`` (None: stop); returns every result, the agreements
+    per pass and the errors raised (by pass)."""
+    if reagree_every:
+        call_schedule.REAGREE_EVERY = reagree_every
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        cost_model=False, issuer=issuer))
+    seen = _counting_agreements()
+    gen = torch.Generator().manual_seed(rank)
+    results, agreements, errors = [], [], {}
+    p = 0
+    while (sizes := plan(rank, p)) is not None:
+        before = len(seen)
+        inputs = [torch.randn(n, generator=gen) for n in sizes]
+
+        def issue(inputs=inputs):
+            for x in inputs:
+                dist.all_reduce(x, group=group)
+
+        try:
+            _backward_pass(issue)
+        except CollectiveMismatchError as exc:
+            errors[p] = str(exc)
+        results.append([x.clone() for x in inputs])
+        agreements.append(len(seen) - before)
+        p += 1
+    return results, agreements, errors
+
+
+def _steady(rank, p):
+    return SIZES if p < 6 else None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_agreed_calls_run_without_an_exchange_and_equal_the_workers(world):
+    inline = run_ranks(_passes, world, "inline", _steady)
+    worker = run_ranks(_passes, world, "auto", _steady)
+    for (results, agreements, errors), (ref, _, _) in zip(inline, worker):
+        assert not errors
+        assert agreements == [len(SIZES)] + [0] * 5, agreements  # the first pass only
+        for got, want in zip(results, ref):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    first = inline[0][0]
+    for results, _, _ in inline[1:]:  # bitwise the same on every rank
+        assert all(torch.equal(a, b) for pa, pb in zip(results, first) for a, b in zip(pa, pb))
+
+
+def test_positions_agree_again_every_reagree_every_runs():
+    for _, agreements, errors in run_ranks(_passes, 2, "inline", _steady, 2):
+        assert not errors
+        assert agreements == [3, 0, 3, 0, 3, 0], agreements
+
+
+def _one_rank_deviates(rank, p):
+    if p >= 5:
+        return None
+    if p == 2 and rank == 1:
+        return [SIZES[0], SIZES[1] + 64, SIZES[2]]  # the second call differs on rank 1
+    return SIZES
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goes_on(world):
+    results = run_ranks(_passes, world, "inline", _one_rank_deviates, timeout=120)
+    for _, agreements, errors in results:
+        assert list(errors) == [2], errors
+        assert agreements[3] == len(SIZES)  # forgotten: the next pass agrees again
+        assert agreements[4] == 0
+    later = [r[0][4] for r in results]  # pass 4 is the same call everywhere again
+    for other in later[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(later[0], other))
+
+
+def _every_rank_deviates(rank, p):
+    if p >= 5:
+        return None
+    return SIZES if p < 2 else [SIZES[1], SIZES[0], SIZES[2]]  # a new bucket order from pass 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_all_deviate_alike_agree_again_without_an_error(world):
+    results = run_ranks(_passes, world, "inline", _every_rank_deviates)
+    reference = run_ranks(_passes, world, "auto", _every_rank_deviates)
+    for (got, agreements, errors), (want, _, _) in zip(results, reference):
+        assert not errors
+        # pass 2: the first call deviates (probe, then agreed); the entries are forgotten, so
+        # its other two calls agree too; pass 3 runs them all as agreed
+        assert agreements[2] == 3 and agreements[3:] == [0, 0], agreements
+        for pa, pb in zip(got, want):
+            assert all(torch.equal(a, b) for a, b in zip(pa, pb))
