@@ -120,6 +120,7 @@ class CallGroup(Protocol):
     def schedule_for(self, source: Source, route: Route) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
     def position(self, device_type: str) -> Position | None: ...
+    def codec(self, collective: str, source: torch.Tensor, route: Route) -> ShardCodec: ...
     def call_schedule(self, device_type: str) -> CallSchedule: ...
 
 
@@ -316,13 +317,8 @@ class CompressedCall:
 
     def compressor(self) -> CallCompressor:
         """The call's codec and compressor (error feedback under its key)."""
-        group, cfg, device = self.group, self.group.config, self.source.device.type
-        codec = ShardCodec(
-            bits=cfg.bits, group_size=cfg.wire_group_size,
-            dtype_code=wire.DTYPE_CODES[self.source.dtype], seq=self.seq, world=group.size,
-            signature=wire.call_signature(self.collective, self.numel, self.source.dtype),
-            kernels=self.route.kernels, rounding=cfg.rounding, seed=cfg.seed,
-            checksum=cfg.checksum_for(device), fmt=cfg.wire_format)
+        group, cfg = self.group, self.group.config
+        codec = group.codec(self.collective, self.source, self.route).with_seq(self.seq)
         return CallCompressor(
             codec, state.FEEDBACK, self.key, state.STATS,
             error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,

@@ -36,6 +36,7 @@ from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.codec import kernels, wire
+from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
@@ -43,6 +44,9 @@ from lowbitcc.schedules.chunking import chunk_width
 from lowbitcc.transports import open_links, open_nccl_links
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.nccl import SCHEDULES as NCCL_SCHEDULES
+
+CODECS_KEPT = 1024
+"""Codec templates kept per group (`CompressedCalls.codec`), the oldest dropped first."""
 
 
 class CompressedCalls:
@@ -68,6 +72,7 @@ class CompressedCalls:
         self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
         self._call_schedules = {device: CallSchedule() for device, route in routes.items()
                                 if route.inline and config.check}
+        self._codecs: dict[tuple, ShardCodec] = {}
         self._lock = threading.Lock()
         self._epoch: tuple[str, int] | None = None
         self._ordinals: dict[tuple, int] = {}
@@ -208,6 +213,8 @@ class CompressedCalls:
         itself only when leased (`Leases.take_at_issue`): its size class, the lease taken and
         the call counted as `ticket` counts it; None: not such a call, or no lease now;
         nothing taken or counted (ask `ticket`)."""
+        if self.leases.none_held():
+            return None
         kind = op_type(op)
         if (kind not in PLAIN_OPS or type(tensor) is not torch.Tensor
                 or tensor.layout != torch.strided):
@@ -247,6 +254,26 @@ class CompressedCalls:
         exchange descriptors; None elsewhere), counted; call once per call, in issue order."""
         schedule = self._call_schedules.get(device_type)
         return None if schedule is None else schedule.advance()
+
+    def codec(self, collective: str, source: torch.Tensor, route: Route) -> ShardCodec:
+        """The `ShardCodec` of compressed calls of ``collective`` on tensors like ``source``
+        (built once per collective, dtype, size and device type; `ShardCodec.with_seq` gives
+        a call's own)."""
+        shape = (collective, source.dtype, source.numel(), source.device.type)
+        codec = self._codecs.get(shape)
+        if codec is None:
+            cfg = self.config
+            codec = ShardCodec(
+                bits=cfg.bits, group_size=cfg.wire_group_size,
+                dtype_code=wire.DTYPE_CODES[source.dtype], seq=0, world=self.size,
+                signature=wire.call_signature(collective, source.numel(), source.dtype),
+                kernels=route.kernels, rounding=cfg.rounding, seed=cfg.seed,
+                checksum=cfg.checksum_for(source.device.type), fmt=cfg.wire_format)
+            with self._lock:  # the worker and the issuing threads both build calls
+                self._codecs[shape] = codec
+                if len(self._codecs) > CODECS_KEPT:
+                    self._codecs.pop(next(iter(self._codecs)))
+        return codec
 
     def call_schedule(self, device_type: str) -> CallSchedule:
         return self._call_schedules[device_type]

@@ -87,8 +87,22 @@ class Leases:
         of its device type is undecided."""
         if self._undecided.get(size_class[1]) or self._left.get(size_class, 0) <= 0:
             return False
-        self._left[size_class] -= 1
+        self._use(size_class)
         return True
+
+    def none_held(self) -> bool:
+        """Whether no class holds a lease now (read without the lock: a hint, exact only when
+        no other thread decides leases meanwhile, as for calls issued in issue order)."""
+        return not self._left
+
+    def _use(self, size_class: SizeClass) -> None:
+        """Under the lock: one call of ``size_class`` takes its lease (a class whose lease is
+        used up leaves the table)."""
+        left = self._left[size_class] - 1
+        if left:
+            self._left[size_class] = left
+        else:
+            del self._left[size_class]
 
     def held(self) -> int:
         """Leased calls left, over every class."""
@@ -99,7 +113,7 @@ class Leases:
         with self._lock:
             if self._left.get(size_class, 0) <= 0:
                 return False
-            self._left[size_class] -= 1
+            self._use(size_class)
         self._counted(size_class)
         return True
 

@@ -92,6 +92,13 @@ class ShardCodec:
             raise ValueError(f"rounding must be one of {reference.ROUNDINGS}, got {self.rounding!r}")
         reference.check_format(self.fmt, self.bits, self.rounding == "stochastic")
 
+    def with_seq(self, seq: int) -> ShardCodec:
+        """This codec for another call number (its fields are already checked)."""
+        other = object.__new__(ShardCodec)
+        other.__dict__.update(self.__dict__)
+        other.__dict__["seq"] = seq
+        return other
+
     def keys(self, stream: int) -> tuple[int, int] | None:
         """Random-stream keys of an encode by ``stream`` in this call (None: nearest rounding)."""
         if self.rounding == "nearest":

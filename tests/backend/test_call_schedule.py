@@ -4,6 +4,8 @@ rank raise, never hang; ranks that all deviate alike agree again and go on."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,9 +39,9 @@ def _counting_agreements() -> list[int]:
 
 
 def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
-    """Backward passes on a loco group of ``issuer``, each all-reducing tensors of the sizes
-    ``plan(rank, p)`` gives for pass ``p`` (None: stop); returns every result, the agreements
-    per pass and the errors raised (by pass)."""
+    """Backward passes on a loco group of ``issuer``, each all-reducing the tensors
+    ``plan(rank, p)`` gives for pass ``p`` (sizes, or (size, dtype, op); None: stop); returns
+    every result, the agreements per pass and the errors raised (by pass)."""
     if reagree_every:
         call_schedule.REAGREE_EVERY = reagree_every
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
@@ -50,11 +52,13 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
     p = 0
     while (sizes := plan(rank, p)) is not None:
         before = len(seen)
-        inputs = [torch.randn(n, generator=gen) for n in sizes]
+        calls = [c if isinstance(c, tuple) else (c, torch.float32, dist.ReduceOp.SUM)
+                 for c in sizes]
+        inputs = [torch.randn(n, generator=gen).to(dtype) for n, dtype, _ in calls]
 
-        def issue(inputs=inputs):
-            for x in inputs:
-                dist.all_reduce(x, group=group)
+        def issue(inputs=inputs, calls=calls):
+            for x, (_, _, op) in zip(inputs, calls):
+                dist.all_reduce(x, op=op, group=group)
 
         try:
             _backward_pass(issue)
@@ -90,17 +94,26 @@ def test_positions_agree_again_every_reagree_every_runs():
         assert agreements == [3, 0, 3, 0, 3, 0], agreements
 
 
-def _one_rank_deviates(rank, p):
+DEVIATIONS = {  # what rank 1 issues as the second call of pass 2
+    "size": SIZES[1] + 64,
+    "dtype": (SIZES[1], torch.bfloat16, dist.ReduceOp.SUM),
+    "op": (SIZES[1], torch.float32, dist.ReduceOp.AVG),
+}
+
+
+def _one_rank_deviates(how, rank, p):
     if p >= 5:
         return None
     if p == 2 and rank == 1:
-        return [SIZES[0], SIZES[1] + 64, SIZES[2]]  # the second call differs on rank 1
+        return [SIZES[0], DEVIATIONS[how], SIZES[2]]
     return SIZES
 
 
+@pytest.mark.parametrize("how", list(DEVIATIONS))
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goes_on(world):
-    results = run_ranks(_passes, world, "inline", _one_rank_deviates, timeout=120)
+def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goes_on(world, how):
+    plan = functools.partial(_one_rank_deviates, how)
+    results = run_ranks(_passes, world, "inline", plan, timeout=120)
     for _, agreements, errors in results:
         assert list(errors) == [2], errors
         assert agreements[3] == len(SIZES)  # forgotten: the next pass agrees again
@@ -127,3 +140,19 @@ def test_ranks_that_all_deviate_alike_agree_again_without_an_error(world):
         assert agreements[2] == 3 and agreements[3:] == [0, 0], agreements
         for pa, pb in zip(got, want):
             assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def _one_rank_calls_once_more(rank, p):
+    if p >= 4:
+        return None
+    if p == 2 and rank == 0:
+        return [SIZES[0], SIZES[0], SIZES[1], SIZES[2]]  # an extra call on rank 0 only
+    return SIZES
+
+
+def test_a_call_on_one_rank_only_raises_on_every_rank_never_hangs():
+    results = run_ranks(_passes, 2, "inline", _one_rank_calls_once_more, timeout=120)
+    for _, _, errors in results:
+        # the extra call deviates from the agreed second call: both ranks raise there, which
+        # ends the pass on both; the next pass agrees again and is in step
+        assert 2 in errors and 3 not in errors, errors
