@@ -120,6 +120,12 @@ class LocoConfig:
             (in the calling thread, as CUDA calls always are: a test and measurement mode that
             runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
             reductions are issued inline either way.
+        call_schedule: on inline routes (CUDA tensors; CPU under ``issuer="inline"``), run a
+            compressed call that its place in the backward pass (or step) agreed on before
+            without a descriptor exchange (`lowbitcc.backend.call_schedule`). Off by default:
+            it has not run on a GPU, DDP's ``Join`` (uneven inputs) needs the per-call
+            exchange (the joined rank's calls take other places), and on CUDA a rank that did
+            not deviate learns of another's deviation only as NaN (docs/gpu.md).
     """
 
     bits: int = 4
@@ -149,6 +155,7 @@ class LocoConfig:
     auto_tree_ranks: int = 4
     auto_ring_ranks: int = 0
     issuer: str = "auto"
+    call_schedule: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -245,6 +252,8 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
+        if not isinstance(self.call_schedule, bool):
+            raise bad("call_schedule", "a bool")
         if self.issuer not in ISSUERS:
             raise bad("issuer", "one of " + ", ".join(ISSUERS))
         if self.transport not in TRANSPORTS:

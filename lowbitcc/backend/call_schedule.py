@@ -1,5 +1,7 @@
 """`CallSchedule`: the calls of an inline route as the ranks agreed on them, checked locally after.
 
+Used where ``LocoConfig.call_schedule`` is on (off by default: see its docstring).
+
 Training issues the same calls in the same order step after step. On an inline route (CUDA
 tensors, or CPU ones under ``LOCO_ISSUER=inline``) the descriptor exchange of a compressed
 call is a blocking host round trip: the calling thread waits while the group's worker

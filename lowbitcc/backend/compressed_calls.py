@@ -71,7 +71,7 @@ class CompressedCalls:
         self._routes = routes
         self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
         self._call_schedules = {device: CallSchedule() for device, route in routes.items()
-                                if route.inline and config.check}
+                                if route.inline and config.check and config.call_schedule}
         self._codecs: dict[tuple, ShardCodec] = {}
         self._lock = threading.Lock()
         self._epoch: tuple[str, int] | None = None

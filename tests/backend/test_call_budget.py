@@ -37,7 +37,8 @@ class _Counted(TorchDispatchMode):
 
 
 def _planned_call_ops(rank, world, gloo):
-    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer="inline"))
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        issuer="inline", call_schedule=True))
     x = torch.randn(1 << 18)
 
     def step() -> None:

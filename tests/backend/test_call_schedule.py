@@ -45,7 +45,7 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
     if reagree_every:
         call_schedule.REAGREE_EVERY = reagree_every
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, issuer=issuer))
+        cost_model=False, issuer=issuer, call_schedule=True))
     seen = _counting_agreements()
     gen = torch.Generator().manual_seed(rank)
     results, agreements, errors = [], [], {}
