@@ -27,7 +27,7 @@ def _codec_bench(args: argparse.Namespace) -> int:
 def _selftest(args: argparse.Namespace) -> int:
     from lowbitcc.tools import selftest
 
-    return selftest.run(count=args.cases, gpu=not args.no_gpu)
+    return selftest.run(count=args.cases, gpu=not args.no_gpu, ranks=args.ranks)
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -296,6 +296,9 @@ def _add_perf(sub: Any) -> None:
                                          "against the reference; run it first")
     se.add_argument("--cases", type=int, default=400, help="codec cases per implementation")
     se.add_argument("--no-gpu", action="store_true", help="skip the GPU checks")
+    se.add_argument("--ranks", type=int, default=0,
+                    help="also run the multi-rank GPU checks on this many local ranks (ranks "
+                         "sharing a GPU get their own NCCL_HOSTID)")
     se.set_defaults(func=_selftest)
     _add_torch_suite(sub)
 

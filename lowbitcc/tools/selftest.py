@@ -322,8 +322,9 @@ def async_ordering(x: torch.Tensor, busy_products: int = 20) -> Outcome:
                    "" if same else "the result differs from the synchronous call's")
 
 
-def run(count: int = 400, gpu: bool = True) -> int:
-    """Print the environment and every check; 0 when nothing failed."""
+def run(count: int = 400, gpu: bool = True, ranks: int = 0) -> int:
+    """Print the environment and every check (``ranks`` > 0: also the multi-rank checks on
+    that many ranks, `selftest_ranks`); 0 when nothing failed."""
     for name, value in environment():
         print(f"{name:>16}: {value}")
     print()
@@ -346,6 +347,10 @@ def run(count: int = 400, gpu: bool = True) -> int:
         if cuda_usable():
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             outcomes.extend(world_one_all_reduce())
+            if ranks:
+                from lowbitcc.tools import selftest_ranks
+
+                outcomes.extend(Outcome(*row) for row in selftest_ranks.check(ranks))
         else:
             outcomes.append(Outcome("world-1 group", "skipped", "torch has no NCCL"))
     for o in outcomes:

@@ -36,6 +36,33 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 """The tools' log format (the `lowbitcc` command's, and its ranks')."""
 
 
+def gpu_rank_env(nprocs: int, devices: int) -> list[dict[str, str]]:
+    """Per-rank environment that lets ``nprocs`` local ranks share ``devices`` GPUs under NCCL
+    (rank ``r`` uses device ``r % devices``, `gpu_device`).
+
+    NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected", its
+    ``init.cc``) only when their host hashes match, and the host hash honours
+    ``NCCL_HOSTID``: where ranks share a GPU, each gets its own ``NCCL_HOSTID`` (NCCL then
+    takes them for separate nodes and connects them over its socket transport) and
+    ``NCCL_SOCKET_IFNAME=lo``. Timings mean nothing there (the ranks share the GPU, the wire
+    is a socket); correctness does. With a GPU per rank, nothing is set."""
+    if devices < 1:
+        raise ValueError(f"lowbitcc: {nprocs} GPU ranks need a GPU, found {devices}")
+    if nprocs <= devices:
+        return [{} for _ in range(nprocs)]
+    return [{"NCCL_HOSTID": f"lowbitcc-rank{r}", "NCCL_SOCKET_IFNAME": "lo"}
+            for r in range(nprocs)]
+
+
+def gpu_device(rank: int) -> Any:
+    """Make ``rank``'s GPU (``rank % device_count``, as `gpu_rank_env` places it) current."""
+    import torch
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def threads_per_rank(local_ranks: int) -> int:
     """torch threads for each of ``local_ranks`` ranks sharing this machine's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))

@@ -46,7 +46,7 @@ def _with_gloo(fn: Callable[..., Any], rank: int, world: int, *args: Any) -> Any
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
               env: dict[str, str] | None = None, pg_timeout_s: float = 60.0,
-              pg_options: Any = None) -> list[Any]:
+              pg_options: Any = None, rank_env: list[dict[str, str]] | None = None) -> list[Any]:
     return spawn.run_ranks(functools.partial(_with_gloo, fn), world, *args, backend="loco",
                            timeout_s=timeout, pg_timeout_s=pg_timeout_s, env=env, threads=1,
-                           pg_options=pg_options)
+                           pg_options=pg_options, rank_env=rank_env)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from lowbitcc.tools import spawn
 
 VARIABLE = "LOWBITCC_TEST_SPAWN_PROBE"
@@ -39,3 +41,13 @@ def test_ranks_see_the_callers_environment_as_of_the_call(monkeypatch):
     assert [r["probe"] for r in third] == [None, None]
     pids = {r["pid"] for r in first + second + third}
     assert len(pids) == 6 and os.getpid() not in pids
+
+
+def test_gpu_ranks_that_share_a_gpu_get_their_own_nccl_host_id():
+    shared = spawn.gpu_rank_env(4, 1)
+    assert len({env["NCCL_HOSTID"] for env in shared}) == 4
+    assert all(env["NCCL_SOCKET_IFNAME"] == "lo" for env in shared)
+    assert all(env == {} for env in spawn.gpu_rank_env(2, 2))  # a GPU each: nothing to change
+    assert len(spawn.gpu_rank_env(3, 2)) == 3 and "NCCL_HOSTID" in spawn.gpu_rank_env(3, 2)[0]
+    with pytest.raises(ValueError, match="need a GPU"):
+        spawn.gpu_rank_env(2, 0)
