@@ -121,11 +121,10 @@ class LocoConfig:
             runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
             reductions are issued inline either way.
         call_schedule: on inline routes (CUDA tensors; CPU under ``issuer="inline"``), run a
-            compressed call that its place in the backward pass (or step) agreed on before
-            without a descriptor exchange (`lowbitcc.backend.call_schedule`). Off by default:
-            it has not run on a GPU, DDP's ``Join`` (uneven inputs) needs the per-call
-            exchange (the joined rank's calls take other places), and on CUDA a rank that did
-            not deviate learns of another's deviation only as NaN (docs/gpu.md).
+            compressed call that its place in the cycle of calls agreed on before without a
+            descriptor exchange (`lowbitcc.backend.call_schedule`). Off by default: it has not
+            run on a GPU, and there a rank that did not deviate from the agreed call sees
+            another's deviation only as NaN (docs/gpu.md).
     """
 
     bits: int = 4

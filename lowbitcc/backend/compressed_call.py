@@ -42,7 +42,7 @@ from lowbitcc.backend.call_agreement import (
     CollectiveMismatchError,
     CorruptFrameError,
 )
-from lowbitcc.backend.call_schedule import CallSchedule, Deviation, Entry, Position
+from lowbitcc.backend.call_schedule import CallSchedule, Deviation, Entry
 from lowbitcc.backend.exact import (
     Reduction,
     count_exact,
@@ -119,7 +119,7 @@ class CallGroup(Protocol):
     def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any: ...
     def schedule_for(self, source: Source, route: Route) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
-    def position(self, device_type: str) -> Position | None: ...
+    def position(self, device_type: str) -> int | None: ...
     def codec(self, collective: str, source: torch.Tensor, route: Route) -> ShardCodec: ...
     def call_schedule(self, device_type: str) -> CallSchedule: ...
 
@@ -212,8 +212,13 @@ class CompressedCall:
 
     def run_planned(self, entry: Entry) -> None:
         """Run the call as its position's agreed ``entry``: compressed, no exchange (counted
-        by the cost model as a call of its class, and timed)."""
+        by the cost model as a call of its class, and timed), also where this rank alone would
+        not have compressed it (the agreement at its place decided for every rank)."""
         self.group.call_schedule(self.source.device.type).ran(entry)
+        if not self.key:
+            self.key, derived = self.group.key(self.collective, self.source, self.numel)
+            if derived:
+                self.buffer = StorageWeakRef(self.source.untyped_storage())
         suggestion = None
         if self.modelled:
             size_class = CostModel.size_class(self.collective, self.nbytes,
@@ -226,11 +231,14 @@ class CompressedCall:
 
     def deviate(self, entry: Entry) -> None:
         """This rank's call is not its position's ``entry``: run the entry in its place
-        (`call_schedule.Deviation`), forget the schedule, and raise unless every rank
-        deviated to this call (then the caller agrees on it as on a new call)."""
+        (`call_schedule.Deviation`) and raise; unless every rank deviated to this call: then
+        every rank restarts its schedule with this call, which the caller agrees on as on a
+        new one. (A schedule is kept where ranks raise: on CUDA the ranks that did not deviate
+        see only NaN, and every rank must keep counting alike.)"""
         alike = Deviation(self, entry).run()
-        self.group.call_schedule(self.source.device.type).forget()
-        if not alike:
+        if alike:
+            self.position = self.group.call_schedule(self.source.device.type).restart()
+        else:
             expected = entry.desc
             raise CollectiveMismatchError(
                 f"lowbitcc: rank {self.group.rank} issued a {self.collective} of {self.numel} "
@@ -309,7 +317,6 @@ class CompressedCall:
         try:
             comp.raise_deferred()
         except wire.DeviatedCallError as exc:
-            self.group.call_schedule(self.source.device.type).forget()
             raise CollectiveMismatchError(
                 f"{exc}: another rank issued a different call here; every rank raises") from exc
         if stop is not None:

@@ -28,7 +28,7 @@ from lowbitcc.backend.call_agreement import (
     CorruptFrameError,
     InvalidPeerCallError,
 )
-from lowbitcc.backend.call_schedule import CallSchedule, Position
+from lowbitcc.backend.call_schedule import CallSchedule
 from lowbitcc.backend.compressed_call import CALLS, Route, choose_schedule
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import PLAIN_OPS, op_type
@@ -249,7 +249,7 @@ class CompressedCalls:
         ticket = self.ticket(collective, like, numel, wants)
         return ticket is not None and ticket.leased, ticket
 
-    def position(self, device_type: str) -> Position | None:
+    def position(self, device_type: str) -> int | None:
         """The call's position in its route's `call_schedule.CallSchedule` (inline routes that
         exchange descriptors; None elsewhere), counted; call once per call, in issue order."""
         schedule = self._call_schedules.get(device_type)
