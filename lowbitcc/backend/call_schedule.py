@@ -46,7 +46,6 @@ import torch
 
 from lowbitcc import policy, schedules, state
 from lowbitcc.codec import wire
-from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Source
 
 REAGREE_EVERY = 64
@@ -87,6 +86,9 @@ class CallSchedule:
     agreements, the same on every rank."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._entries: dict[int, Entry] = {}
         self._starts: list[int] = []  # while learning: the index of each epoch's first call
         self._period: int | None = None
@@ -125,7 +127,7 @@ class CallSchedule:
 
     def restart(self) -> int:
         """Forget everything (every rank deviated alike): the call issued now is index 0."""
-        self.__init__()
+        self._reset()
         return self.advance()
 
     def _place(self, index: int) -> int:
@@ -161,15 +163,14 @@ class Deviation:
     def run(self) -> bool:
         call, expected = self.call, self.entry.desc
         group = call.group
-        cfg, n = group.config, group.size
+        n = group.size
         device = call.source.device
         m = -(-expected.numel // n)
-        codec = ShardCodec(
-            bits=expected.bits, group_size=expected.group_size,
-            dtype_code=wire.DTYPE_CODES[expected.dtype], seq=call.seq, world=n,
-            signature=wire.call_signature(expected.collective, expected.numel, expected.dtype),
-            kernels=call.route.kernels, checksum=cfg.checksum_for(device.type),
-            fmt=expected.fmt or "int", host_check=True)
+        # the agreed call's codec (the group's settings are agreed too), its headers read on
+        # the host even on CUDA: the verdict needs every rank's
+        codec = dataclasses.replace(
+            group.codec(expected.collective, expected.dtype, expected.numel, device.type,
+                        call.route), seq=call.seq, host_check=True)
         comp = CallCompressor(codec, state.FEEDBACK, "", state.STATS, error_dtype=None, beta=0.0,
                               reset_interval=0, rank=group.rank)
         own = wire.call_signature(call.collective, call.numel, call.source.dtype)

@@ -120,7 +120,8 @@ class CallGroup(Protocol):
     def schedule_for(self, source: Source, route: Route) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
     def position(self, device_type: str) -> int | None: ...
-    def codec(self, collective: str, source: torch.Tensor, route: Route) -> ShardCodec: ...
+    def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
+              route: Route) -> ShardCodec: ...
     def call_schedule(self, device_type: str) -> CallSchedule: ...
 
 
@@ -325,7 +326,8 @@ class CompressedCall:
     def compressor(self) -> CallCompressor:
         """The call's codec and compressor (error feedback under its key)."""
         group, cfg = self.group, self.group.config
-        codec = group.codec(self.collective, self.source, self.route).with_seq(self.seq)
+        codec = group.codec(self.collective, self.source.dtype, self.numel,
+                            self.source.device.type, self.route).with_seq(self.seq)
         return CallCompressor(
             codec, state.FEEDBACK, self.key, state.STATS,
             error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,

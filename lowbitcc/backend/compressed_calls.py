@@ -255,20 +255,21 @@ class CompressedCalls:
         schedule = self._call_schedules.get(device_type)
         return None if schedule is None else schedule.advance()
 
-    def codec(self, collective: str, source: torch.Tensor, route: Route) -> ShardCodec:
-        """The `ShardCodec` of compressed calls of ``collective`` on tensors like ``source``
-        (built once per collective, dtype, size and device type; `ShardCodec.with_seq` gives
-        a call's own)."""
-        shape = (collective, source.dtype, source.numel(), source.device.type)
+    def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
+              route: Route) -> ShardCodec:
+        """The `ShardCodec` of compressed calls of ``collective`` on ``numel`` elements of
+        ``dtype`` on ``device_type`` tensors (built once per such shape; `ShardCodec.with_seq`
+        gives a call's own)."""
+        shape = (collective, dtype, numel, device_type)
         codec = self._codecs.get(shape)
         if codec is None:
             cfg = self.config
             codec = ShardCodec(
                 bits=cfg.bits, group_size=cfg.wire_group_size,
-                dtype_code=wire.DTYPE_CODES[source.dtype], seq=0, world=self.size,
-                signature=wire.call_signature(collective, source.numel(), source.dtype),
+                dtype_code=wire.DTYPE_CODES[dtype], seq=0, world=self.size,
+                signature=wire.call_signature(collective, numel, dtype),
                 kernels=route.kernels, rounding=cfg.rounding, seed=cfg.seed,
-                checksum=cfg.checksum_for(source.device.type), fmt=cfg.wire_format)
+                checksum=cfg.checksum_for(device_type), fmt=cfg.wire_format)
             with self._lock:  # the worker and the issuing threads both build calls
                 self._codecs[shape] = codec
                 if len(self._codecs) > CODECS_KEPT:
