@@ -70,6 +70,11 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
     return results, agreements, errors
 
 
+def _same_passes(got, want) -> bool:
+    """Whether two runs' results (per pass, per call) are the same bits."""
+    return all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
+
+
 def _steady(rank, p):
     return SIZES if p < 6 else None
 
@@ -83,11 +88,10 @@ def test_agreed_calls_run_without_an_exchange_and_equal_the_workers(world):
         # pass 0 agrees on every call; pass 1's first call, agreed equal to pass 0's, closes
         # the period; every later call runs as agreed
         assert agreements == [len(SIZES), 1, 0, 0, 0, 0], agreements
-        for got, want in zip(results, ref):
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert _same_passes(results, ref)
     first = inline[0][0]
     for results, _, _ in inline[1:]:  # bitwise the same on every rank
-        assert all(torch.equal(a, b) for pa, pb in zip(results, first) for a, b in zip(pa, pb))
+        assert _same_passes(results, first)
 
 
 def test_positions_agree_again_every_reagree_every_runs():
@@ -143,8 +147,7 @@ def test_ranks_that_all_deviate_alike_agree_again_without_an_error(world):
         # pass 2: the first call deviates alike (probe, then agreed), the schedule starts
         # again, so its other two calls agree too; pass 3 closes the period on its first call
         assert agreements[2] == 3 and agreements[3:] == [1, 0], agreements
-        for pa, pb in zip(got, want):
-            assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+        assert _same_passes(got, want)
 
 
 def _one_rank_calls_once_more(rank, p):
