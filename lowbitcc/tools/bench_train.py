@@ -37,6 +37,7 @@ from torch import nn
 
 import lowbitcc
 from lowbitcc.tools import netem, side_by_side
+from lowbitcc.tools.link_spec import Link
 from lowbitcc.tools.spawn import launch
 from lowbitcc.tools.study.model import TinyGPT, lm_loss, sample_batch, split_corpus
 from lowbitcc.tools.study.training import ring_bytes_per_step
@@ -252,7 +253,7 @@ def _print(rows: list[dict[str, Any]], opts: BenchOptions, cfg: StudyConfig, wor
           "compressed calls (lowbitcc.stats), run beside the backward pass")
 
 
-def main(opts: BenchOptions, nprocs: int | None, link: str | None, argv: Sequence[str],
+def main(opts: BenchOptions, nprocs: int | None, link: Link | None, argv: Sequence[str],
          timeout_s: float = 3600.0) -> int:
     """Run under whatever started us; ``argv`` is the command line, for ``--link``."""
     opts.validate()

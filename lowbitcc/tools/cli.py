@@ -7,6 +7,8 @@ import logging
 import sys
 from typing import Any
 
+from lowbitcc.tools import link_spec
+
 
 def _demo(args: argparse.Namespace) -> int:
     from lowbitcc.tools import demo
@@ -65,7 +67,7 @@ def _perf(args: argparse.Namespace) -> int:
         device=args.device,
     )
     try:
-        return perf.main(opts, args.np, args.link, args.argv)
+        return perf.main(opts, args.np, link_spec.from_arguments(args), args.argv)
     except (ValueError, RuntimeError) as exc:
         logging.getLogger("lowbitcc").error("%s", exc)
         return 2
@@ -77,7 +79,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     opts = bench_train.BenchOptions(config=args.config, schemes=tuple(args.schemes),
                                     steps=args.steps, warmup=args.warmup, json_path=args.json)
     try:
-        return bench_train.main(opts, args.np, args.link, args.argv)
+        return bench_train.main(opts, args.np, link_spec.from_arguments(args), args.argv)
     except (ValueError, RuntimeError) as exc:
         logging.getLogger("lowbitcc").error("%s", exc)
         return 2
@@ -107,7 +109,12 @@ def _netem(args: argparse.Namespace) -> int:
     if not command:
         logging.getLogger("lowbitcc").error("lowbitcc netem: give a command after --")
         return 2
-    return netem.main_run(None if args.link == "none" else args.link, args.np, command)
+    try:
+        link = link_spec.from_arguments(args, default_rate="1gbit")
+    except ValueError as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+    return netem.main_run(link, args.np, command)
 
 
 def _torch_suite(args: argparse.Namespace) -> int:
@@ -185,14 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_train(sub)
     _add_hybrid(sub)
     ne = sub.add_parser(
-        "netem", help="run a command on N ranks, each in a network namespace behind a "
-        "rate-limited link (root)",
+        "netem", help="run a command on N ranks, each in a network namespace behind an "
+        "emulated link: rate, and delay, jitter, loss (root)",
         description="Runs COMMAND once per rank, each in its own network namespace joined to a "
-        "switch by a veth pair rate-limited with tc tbf (198.18.0.0/15 addresses), with "
-        "torchrun's variables set (RANK, WORLD_SIZE, MASTER_ADDR, ...). Needs root, ip and tc. "
-        "Example: lowbitcc netem --np 2 --link 1gbit -- python train.py")
+        "switch by a link rate-limited with tc tbf (198.18.0.0/15 addresses), with torchrun's "
+        "variables set (RANK, WORLD_SIZE, MASTER_ADDR, ...); with --delay, --jitter, --loss or "
+        "--wan the switch is a user-space one that delays and drops packets (docs/wan.md). "
+        "Needs root, ip and tc. Examples: lowbitcc netem --np 2 --link 1gbit -- python "
+        "train.py; lowbitcc netem --np 2 --link 100mbit --delay 40ms --jitter 2ms --loss 0.01% "
+        "-- python train.py")
     ne.add_argument("--np", type=int, default=2, help="ranks (default 2)")
-    ne.add_argument("--link", default="1gbit", help="link rate in tc units, or none (default 1gbit)")
+    link_spec.add_arguments(ne, default_rate="1gbit")
     ne.add_argument("--cleanup", action="store_true",
                     help="delete namespaces left by killed runs (names starting with lbcc)")
     ne.add_argument("command_args", nargs=argparse.REMAINDER, help="-- command ...")
@@ -218,7 +228,7 @@ def _add_bench_train(sub: Any) -> None:
     bt.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     bt.add_argument("--np", type=int, help="local ranks to start when not under a launcher "
                     "(default 2)")
-    bt.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
+    link_spec.add_arguments(bt)
     bt.add_argument("--json", help="write the rows to this JSON file")
     bt.set_defaults(func=_bench_train)
 
@@ -290,7 +300,7 @@ def _add_perf(sub: Any) -> None:
     pe.add_argument("--json", help="write results to this JSON file")
     pe.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
     pe.add_argument("--np", type=int, help="local ranks to start when not under a launcher (default 2)")
-    pe.add_argument("--link", help="emulate links of this rate (tc units, e.g. 1gbit; root)")
+    link_spec.add_arguments(pe)
     pe.set_defaults(func=_perf)
     se = sub.add_parser("selftest", help="environment, and the codecs (CPU, and CUDA on a GPU) "
                                          "against the reference; run it first")

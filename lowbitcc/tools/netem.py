@@ -1,23 +1,34 @@
-"""Network emulation on one machine: each local rank in its own network namespace, rate-limited.
+"""Network emulation on one machine: each local rank in its own network namespace, behind an
+emulated link (rate, and for wide-area links delay, jitter and loss).
 
-`EmulatedNetwork(nranks, rate)` builds, as root, this topology (names from ``prefix``)::
+`EmulatedNetwork(nranks, link)` builds, as root, this topology (names from ``prefix``)::
 
     {prefix}-r0: veth0 198.18.0.1/24 ─┐
     {prefix}-r1: veth0 198.18.0.2/24 ─┼── {prefix}-sw: bridge sw0 (ports p0, p1, ...)
     ...                              ─┘
 
 Every veth end, the node's side and the switch's side, gets a ``tc tbf`` rate limit, so each
-node has a full-duplex link of ``rate`` to a switch, as a NIC on a top-of-rack switch does. A
-node is one namespace and holds ``ranks_per_node`` consecutive ranks (default 1): ranks of one
+node has a full-duplex link of ``link.rate`` to a switch, as a NIC on a top-of-rack switch does.
+A node is one namespace and holds ``ranks_per_node`` consecutive ranks (default 1): ranks of one
 node reach each other through the namespace's own address, which the kernel routes over its
 loopback device (unshaped, counted on ``lo``), as the GPUs of one server talk over NVLink.
-The kernel here has tbf but no netem: delay and loss cannot be emulated, only bandwidth.
-Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
-namespaces this module creates; nothing is added to the caller's namespace. Leaving the
-context (normally, on an exception, on Ctrl-C or SIGTERM) deletes the namespaces, which deletes
-their links and qdiscs with them; `cleanup(prefix)` removes what a killed run left behind.
 
-`run_ranks(command, nranks, rate)` starts ``command`` once per rank inside the network, with
+A `Link` with a delay, jitter or loss is a wide-area link. This machine's kernel has tbf but no
+``netem`` qdisc, so those links are TUN devices (``wan0``, same addresses, MTU 9000) joined by
+`lowbitcc.tools.delay_switch.DelaySwitch`, a thread of the process that owns the network, in
+place of the bridge: the kernel's tbf still shapes each node's uplink; the switch shapes the
+downlinks, delays each packet by ``delay`` one way (plus uniform jitter, without reordering)
+and drops it with probability ``loss``. What the emulation does not model (docs/wan.md):
+per-packet loss at jumbo-frame size (one lost 9000-byte packet is six lost 1500-byte ones),
+correlated loss or reordering, and queues in the path beyond the node's own links.
+
+Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
+namespaces this module creates; nothing stays in the caller's namespace (a wide-area link's TUN
+device is created there and moved at once). Leaving the context (normally, on an exception, on
+Ctrl-C or SIGTERM) deletes the namespaces, which deletes their links and qdiscs with them;
+`cleanup(prefix)` removes what a killed run left behind.
+
+`run_ranks(command, nranks, link)` starts ``command`` once per rank inside the network, with
 the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) plus GLOO_SOCKET_IFNAME, and returns the first non-zero exit code.
 
@@ -38,28 +49,15 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 
+from lowbitcc.tools.delay_switch import MTU, DelaySwitch, tun_device
+from lowbitcc.tools.link_spec import Link, parse_rate
+
 log = logging.getLogger("lowbitcc.tools.netem")
 
 SUBNET = "198.18.0"
 RANK_IFNAME = "veth0"
+WAN_IFNAME = "wan0"
 DEFAULT_PORT = 29517
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
-_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_rate(text: str) -> int:
-    """``"1gbit"``, ``"10Gbit"``, ``"500mbit"``, ``"1g"`` -> bits per second (tc's units:
-    ``bit`` is bits per second, ``bps`` bytes per second)."""
-    match = _RATE.match(text)
-    if not match:
-        raise ValueError(f"lowbitcc netem: cannot parse link rate {text!r}; use e.g. 1gbit, 10gbit")
-    value, scale, unit = match.groups()
-    bits = float(value) * _SCALE[scale.lower()] * (8 if (unit or "").lower() == "bps" else 1)
-    if bits < 1e5:
-        raise ValueError(f"lowbitcc netem: link rate {text!r} is below 100 kbit/s")
-    return int(bits)
-
-
 def tbf_burst_bytes(rate_bits: int) -> int:
     """Bucket size for ``rate_bits``: 2 ms of traffic, at least 256 KiB (a GSO super-packet of
     64 KiB must fit, and a small bucket makes tbf undershoot its rate at 10 Gbit/s)."""
@@ -79,15 +77,20 @@ def missing_requirements() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class EmulatedNetwork:
-    """A switch and ``nranks`` namespaces with links of ``rate`` (tc syntax, or None: unshaped).
+    """A switch and ``nranks`` namespaces with links ``link`` (a `Link`, a tc rate, or None:
+    unshaped).
 
-    Use as a context manager: entering runs `setup_commands`, leaving runs `teardown_commands`.
+    Use as a context manager: entering runs `setup_commands` (and, for a wide-area link, opens
+    the TUN devices and starts the `DelaySwitch`), leaving undoes it.
     """
 
     nranks: int
-    rate: str | None = "1gbit"
+    link: Link | str | None = "1gbit"
     prefix: str = dataclasses.field(default_factory=lambda: f"lbcc{os.getpid()}")
     ranks_per_node: int = 1
+    _devices: list[int] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    _switch: list[DelaySwitch] = dataclasses.field(default_factory=list, repr=False,
+                                                   compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nranks <= 250:
@@ -95,12 +98,25 @@ class EmulatedNetwork:
         if self.ranks_per_node < 1 or self.nranks % self.ranks_per_node:
             raise ValueError(f"lowbitcc netem: {self.nranks} ranks do not fill nodes of "
                              f"{self.ranks_per_node}")
-        if self.rate is not None:
-            parse_rate(self.rate)
+        object.__setattr__(self, "link", Link.of(self.link))
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", self.prefix):
             raise ValueError(f"lowbitcc netem: invalid namespace prefix {self.prefix!r}")
 
     # -- names --------------------------------------------------------------------------------
+    @property
+    def spec(self) -> Link:
+        assert isinstance(self.link, Link)
+        return self.link
+
+    @property
+    def rate(self) -> str | None:
+        return self.spec.rate
+
+    @property
+    def interface(self) -> str:
+        """Each node's device on the emulated link (``GLOO_SOCKET_IFNAME``)."""
+        return WAN_IFNAME if self.spec.wide_area else RANK_IFNAME
+
     @property
     def switch(self) -> str:
         return f"{self.prefix}-sw"
@@ -118,12 +134,20 @@ class EmulatedNetwork:
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
 
+    def tun_name(self, node: int) -> str:
+        """The name node ``node``'s TUN device has in the caller's namespace before it moves."""
+        return f"lt{os.getpid()}_{node}"
+
     def exec_prefix(self, rank: int) -> list[str]:
         """Argv prefix that runs a command inside the namespace of rank ``rank``'s node."""
         return ["ip", "netns", "exec", self.namespace(self.node_of(rank))]
 
     # -- commands -----------------------------------------------------------------------------
     def setup_commands(self) -> list[list[str]]:
+        """The commands that build the network (a wide-area link's TUN devices must exist,
+        named `tun_name`, before the commands that move them run)."""
+        if self.spec.wide_area:
+            return self._wide_area_commands()
         cmds = [["ip", "netns", "add", self.switch],
                 ["ip", "-n", self.switch, "link", "add", "sw0", "type", "bridge"],
                 ["ip", "-n", self.switch, "link", "set", "sw0", "up"]]
@@ -143,9 +167,25 @@ class EmulatedNetwork:
                 cmds += [self._tbf(ns, RANK_IFNAME), self._tbf(self.switch, port)]
         return cmds
 
+    def _wide_area_commands(self) -> list[list[str]]:
+        cmds = []
+        for r in range(self.nodes):
+            ns = self.namespace(r)
+            cmds += [
+                ["ip", "netns", "add", ns],
+                ["ip", "link", "set", "dev", self.tun_name(r), "netns", ns],
+                ["ip", "-n", ns, "link", "set", "dev", self.tun_name(r), "name", WAN_IFNAME],
+                ["ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", WAN_IFNAME],
+                ["ip", "-n", ns, "link", "set", WAN_IFNAME, "mtu", str(MTU), "up"],
+                ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ]
+            if self.rate is not None:
+                cmds.append(self._tbf(ns, WAN_IFNAME))
+        return cmds
+
     def teardown_commands(self) -> list[list[str]]:
-        return [["ip", "netns", "del", self.namespace(r)] for r in range(self.nodes)] + [
-            ["ip", "netns", "del", self.switch]]
+        switch = [] if self.spec.wide_area else [["ip", "netns", "del", self.switch]]
+        return [["ip", "netns", "del", self.namespace(r)] for r in range(self.nodes)] + switch
 
     def _tbf(self, ns: str, dev: str) -> list[str]:
         burst = tbf_burst_bytes(parse_rate(self.rate or ""))
@@ -158,18 +198,29 @@ class EmulatedNetwork:
         if missing:
             raise RuntimeError("lowbitcc netem needs " + "; ".join(missing))
         try:
+            if self.spec.wide_area:
+                self._devices.extend(tun_device(self.tun_name(r)) for r in range(self.nodes))
             for cmd in self.setup_commands():
                 _check_call(cmd)
+            if self.spec.wide_area:
+                self._switch.append(DelaySwitch(self._devices, self.spec.model()))
+                self._switch[0].start()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         log.info("emulated network %s: %d ranks on %d nodes, links %s", self.prefix,
-                 self.nranks, self.nodes, self.rate or "unshaped")
+                 self.nranks, self.nodes, self.spec.describe())
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for switch in self._switch:
+            switch.stop()
+        self._switch.clear()
         for cmd in self.teardown_commands():
             subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        for fd in self._devices:
+            os.close(fd)
+        self._devices.clear()
 
 
 def _check_call(cmd: list[str]) -> None:
@@ -232,11 +283,11 @@ def rank_environment(net: EmulatedNetwork, rank: int, port: int = DEFAULT_PORT) 
     return {
         "RANK": str(rank), "WORLD_SIZE": str(net.nranks), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(net.nranks), "MASTER_ADDR": net.address(0),
-        "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": RANK_IFNAME,
+        "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.interface,
     }
 
 
-def run_ranks(command: Sequence[str], nranks: int, rate: str | None,
+def run_ranks(command: Sequence[str], nranks: int, link: Link | str | None,
               env: dict[str, str] | None = None, timeout_s: float | None = None,
               ranks_per_node: int = 1) -> int:
     """Run ``command`` on ``nranks`` ranks in the namespaces of an `EmulatedNetwork` (one per
@@ -247,7 +298,7 @@ def run_ranks(command: Sequence[str], nranks: int, rate: str | None,
     """
     if not command:
         raise ValueError("lowbitcc netem: no command to run")
-    with _terminate_as_exit(), EmulatedNetwork(nranks, rate,
+    with _terminate_as_exit(), EmulatedNetwork(nranks, link,
                                                ranks_per_node=ranks_per_node) as net:
         procs: list[subprocess.Popen] = []
         try:
@@ -283,10 +334,10 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float | None) -> int:
         time.sleep(0.05)
 
 
-def main_run(rate: str | None, nranks: int, command: Sequence[str]) -> int:
-    """`lowbitcc netem --np N --link RATE -- command ...`."""
+def main_run(link: Link | str | None, nranks: int, command: Sequence[str]) -> int:
+    """`lowbitcc netem --np N --link RATE [--delay ...] -- command ...`."""
     try:
-        return run_ranks(command, nranks, rate)
+        return run_ranks(command, nranks, link)
     except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
         return 2

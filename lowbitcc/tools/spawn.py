@@ -28,9 +28,12 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from lowbitcc.tools.link_spec import Link
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 """The tools' log format (the `lowbitcc` command's, and its ranks')."""
@@ -169,12 +172,12 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
     return [values[r] for r in range(nprocs)]
 
 
-def launch(rank_main: Callable[..., Any], nprocs: int | None, link: str | None,
+def launch(rank_main: Callable[..., Any], nprocs: int | None, link: Link | str | None,
            argv: Sequence[str], *args: Any, timeout_s: float = 1800.0,
            ranks_per_node: int = 1) -> int:
     """Run a tool's ``rank_main(rank, world, *args)`` on the ranks of whatever started us:
     under a launcher (torchrun, mpiexec, srun: this process is one rank, on a gloo default
-    group), on ``nprocs`` ranks behind emulated links of rate ``link`` (``argv``, the
+    group), on ``nprocs`` ranks behind emulated links ``link`` (a `Link` or a rate; ``argv``, the
     command line, is run again in each node's network namespace, ``ranks_per_node`` ranks a
     node; root), or on ``nprocs`` local processes (default 2). Returns the exit status."""
     import logging

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lowbitcc.tools import netem
+from lowbitcc.tools import delay_switch, link_spec, netem
 
 NEEDS_ROOT = pytest.mark.skipif(
     bool(netem.missing_requirements()),
@@ -142,3 +142,159 @@ def test_missing_requirements_are_named(monkeypatch):
     assert "root" in missing and "`ip`" in missing and "`tc`" in missing
     with pytest.raises(RuntimeError, match="root"), netem.EmulatedNetwork(2, "1gbit", prefix="lbcctest"):
         pass
+
+
+def test_links_parse_and_refuse_in_tc_units():
+    link = netem.Link("100mbit", "40ms", "2ms", "0.1%")
+    model = link.model()
+    assert model.rate == 10**8 and model.delay == pytest.approx(0.04)
+    assert model.jitter == pytest.approx(0.002) and model.loss == pytest.approx(0.001)
+    assert link.wide_area and not netem.Link("1gbit").wide_area
+    assert link.describe() == "100mbit, 40ms +-2ms one way, 0.1% loss"
+    for bad, word in ((dict(delay="40"), "delay"), (dict(delay="1 week"), "delay"),
+                      (dict(delay="11s"), "delay"), (dict(loss="0.1"), "loss"),
+                      (dict(loss="60%"), "loss"), (dict(delay="1ms", jitter="2ms"), "jitter"),
+                      (dict(rate="slow"), "rate")):
+        with pytest.raises(ValueError, match=word):
+            netem.Link(**{"rate": "1gbit", **bad})
+
+
+def test_link_flags_and_presets():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    link_spec.add_arguments(parser)
+    parse = lambda *argv, **kw: link_spec.from_arguments(parser.parse_args(argv), **kw)  # noqa: E731
+    assert parse() is None
+    assert parse(default_rate="1gbit") == netem.Link("1gbit")
+    assert parse("--link", "none") == netem.Link(None)
+    assert parse("--wan", "cross-continent") == link_spec.PRESETS["cross-continent"]
+    assert parse("--wan", "cross-continent", "--link", "1gbit", "--loss", "0%") == netem.Link(
+        "1gbit", "40ms", "2ms", "0%")
+    assert parse("--link", "100mbit", "--delay", "40ms") == netem.Link("100mbit", "40ms")
+    with pytest.raises(ValueError, match="--delay"):
+        parse("--delay", "40ms")
+    for link in link_spec.PRESETS.values():
+        assert link.wide_area and link.model().rate
+
+
+def test_wide_area_networks_use_moved_tun_devices_and_no_bridge():
+    net = netem.EmulatedNetwork(2, netem.Link("100mbit", "40ms"), prefix="lbcctest")
+    flat = [" ".join(c) for c in net.setup_commands()]
+    assert not any("bridge" in c or "lbcctest-sw" in c for c in flat)
+    for r in range(2):
+        ns = f"lbcctest-r{r}"
+        assert f"ip link set dev {net.tun_name(r)} netns {ns}" in flat
+        assert f"ip -n {ns} link set dev {net.tun_name(r)} name wan0" in flat
+        assert f"ip -n {ns} link set wan0 mtu {delay_switch.MTU} up" in flat
+        assert any(c.startswith(f"ip netns exec {ns} tc qdisc add dev wan0 root tbf rate 100mbit")
+                   for c in flat)
+    assert len({net.tun_name(r) for r in range(2)}) == 2
+    assert all(len(net.tun_name(r)) < 16 for r in range(2))  # IFNAMSIZ
+    assert net.teardown_commands() == [["ip", "netns", "del", f"lbcctest-r{r}"] for r in range(2)]
+    assert netem.rank_environment(net, 1)["GLOO_SOCKET_IFNAME"] == "wan0"
+
+
+def _ipv4_to(node: int, size: int = 100) -> bytes:
+    header = bytes([0x45]) + bytes(11) + bytes((198, 18, 0, 1)) + bytes((198, 18, 0, node + 1))
+    return header + bytes(size - len(header))
+
+
+class _Pipes:
+    """The switch's node devices as pipes: what it writes for node i is read from ``read(i)``."""
+
+    def __init__(self, nodes: int) -> None:
+        self.pairs = [os.pipe() for _ in range(nodes)]
+        for r, _ in self.pairs:
+            os.set_blocking(r, False)
+
+    @property
+    def fds(self) -> list[int]:
+        return [w for _, w in self.pairs]
+
+    def read(self, node: int) -> bytes:
+        try:
+            return os.read(self.pairs[node][0], 1 << 20)
+        except BlockingIOError:
+            return b""
+
+
+def test_delay_switch_delays_paces_and_drops_as_its_model_says():
+    pipes = _Pipes(2)
+    rate = 8 * 10**6  # 1 MB/s: a 1000-byte packet takes 1 ms
+    switch = delay_switch.DelaySwitch(pipes.fds, delay_switch.LinkModel(rate, delay=0.010))
+    for _ in range(3):
+        switch.route(_ipv4_to(1, 1000), now=0.0)
+    switch.route(b"\x60" + bytes(99), now=0.0)  # IPv6: dropped
+    switch.route(_ipv4_to(7), now=0.0)  # no such node: dropped
+    switch.deliver(now=0.0109)
+    assert pipes.read(1) == b""
+    switch.deliver(now=0.0111)  # first packet: 1 ms on the downlink + 10 ms
+    assert len(pipes.read(1)) == 1000
+    switch.deliver(now=0.0131)  # the next two, 1 ms apart
+    assert len(pipes.read(1)) == 2000 and pipes.read(0) == b""
+    # more than QUEUE_LIMIT_S of backlog: drop-tail
+    backlog = int(delay_switch.QUEUE_LIMIT_S * rate / 8 / 1000) + 5
+    for _ in range(backlog):
+        switch.route(_ipv4_to(0, 1000), now=1.0)
+    assert switch.dropped >= 4
+    lossy = delay_switch.DelaySwitch(_Pipes(2).fds, delay_switch.LinkModel(None, loss=0.2), seed=1)
+    for _ in range(5000):
+        lossy.route(_ipv4_to(0), now=0.0)
+    assert 800 < lossy.dropped < 1200
+
+
+def test_delay_switch_jitter_never_reorders():
+    pipes = _Pipes(1)
+    switch = delay_switch.DelaySwitch(
+        pipes.fds, delay_switch.LinkModel(None, delay=0.010, jitter=0.009), seed=3)
+    for i in range(200):
+        packet = bytearray(_ipv4_to(0, 30))
+        packet[20:24] = i.to_bytes(4, "big")
+        switch.route(bytes(packet), now=i * 1e-4)
+    arrivals = [entry[0] for entry in sorted(switch._due)]
+    assert min(arrivals) >= 0.001 and max(arrivals) <= 0.0199 + 0.02
+    switch.deliver(now=1.0)
+    data = pipes.read(0)
+    order = [int.from_bytes(data[k + 20:k + 24], "big") for k in range(0, len(data), 30)]
+    assert order == list(range(200))
+
+
+PING = """
+import os, socket, time
+rank, addr, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], 29600
+if rank == 0:
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port)); s.listen(1); c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (d := c.recv(1 << 20)):
+        if d == b"p":
+            c.sendall(b"p")
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection((addr, port)); break
+        except OSError:
+            time.sleep(0.1)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(9):
+        t = time.perf_counter(); c.sendall(b"p"); c.recv(1); rtts.append(time.perf_counter() - t)
+    c.sendall(b"x" * (4 << 20)); c.shutdown(socket.SHUT_WR); c.recv(1)
+    print(f"RTT_MS {sorted(rtts)[4] * 1e3:.2f}", flush=True)
+"""
+
+
+@NEEDS_ROOT
+def test_a_wide_area_link_delays_and_loses_packets_and_nothing_is_left():
+    before = set(netem.leftover_namespaces())
+    done = subprocess.run([sys.executable, "-m", "lowbitcc", "netem", "--np", "2", "--link",
+                           "200mbit", "--delay", "15ms", "--jitter", "1ms", "--loss", "0.5%",
+                           "--", sys.executable, "-c", PING],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rtt = float(done.stdout.split("RTT_MS")[1].split()[0])
+    assert 29 < rtt < 45, done.stdout  # two one-way delays of 15 ms +- 1 ms
+    dropped = int(done.stderr.split("forwarded, ")[1].split()[0])
+    assert dropped > 0, done.stderr  # the 4 MiB crossed a lossy link all the same
+    assert set(netem.leftover_namespaces()) == before

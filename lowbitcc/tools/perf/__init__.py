@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lowbitcc.tools.link_spec import Link
 from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table
 from lowbitcc.tools.perf.outputs import plot, write_json
 from lowbitcc.tools.spawn import launch
@@ -42,7 +43,7 @@ def rank_main(rank: int, world: int, opts: PerfOptions) -> dict[str, Any]:
     return result
 
 
-def main(opts: PerfOptions, nprocs: int | None, link: str | None, argv: Sequence[str],
+def main(opts: PerfOptions, nprocs: int | None, link: Link | None, argv: Sequence[str],
          timeout_s: float = 1800.0) -> int:
     """Run the sweep under whatever started us; ``argv`` is the command line, for ``--link``."""
     opts.validate()
