@@ -3,12 +3,15 @@
 Public API (everything else is internal):
 
 - ``LocoConfig``: the configuration (also read from ``LOCO_*`` environment variables);
-- ``exact()``, ``compressed()``, ``feedback_key(name)``: per-call control (context managers);
+- ``exact()``, ``compressed()``, ``compressible()``, ``feedback_key(name)``: per-call control
+  (context managers);
 - ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups;
 - ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints, and
   ``rebuild_ddp_buckets()``: a resumed DDP's bucket layout made the saved one's (`lowbitcc.resume`);
 - ``hybrid_mesh()``: a DeviceMesh whose data-parallel dimension goes over "loco" and whose
   other dimensions stay exact (per-dimension `LocoConfig`s; `lowbitcc.mesh`);
+- ``OuterSync``: DiLoCo-style outer synchronisation of sites, its pseudo-gradients over "loco"
+  with LoCo feedback (`lowbitcc.outer_sync`, docs/wan.md);
 - ``monitored_barrier()``: gloo's debugging barrier on a "loco" group (torch's
   ``dist.monitored_barrier`` accepts only groups named "gloo").
 """
@@ -25,7 +28,8 @@ from lowbitcc.backend import BACKEND_NAME
 from lowbitcc.backend.registration import register
 from lowbitcc.config import LocoConfig
 from lowbitcc.mesh import hybrid_mesh
-from lowbitcc.policy import compressed, exact, feedback_key
+from lowbitcc.outer_sync import OuterSync
+from lowbitcc.policy import compressed, compressible, exact, feedback_key
 from lowbitcc.resume import rebuild_ddp_buckets
 
 __version__ = "0.1.0"
@@ -91,7 +95,9 @@ def monitored_barrier(group: Any = None, timeout: datetime.timedelta | float | N
 __all__ = [
     "BACKEND_NAME",
     "LocoConfig",
+    "OuterSync",
     "compressed",
+    "compressible",
     "end_step",
     "exact",
     "feedback_key",

@@ -2,9 +2,11 @@
 
 The decision is taken in the thread that issues the collective, at the moment it is issued:
 
-- `exact()` and `compressed()` are process-wide context managers (not thread-local: DDP and FSDP
-  issue their collectives from autograd's threads); the innermost active one wins, else the
-  group's ``policy`` ("backward", "always" or "never") decides.
+- `exact()`, `compressed()` and `compressible()` are process-wide context managers (not
+  thread-local: DDP and FSDP issue their collectives from autograd's threads); the innermost
+  active one wins, else the group's ``policy`` ("backward", "always" or "never") decides.
+  `compressed()` forces compression; `compressible()` makes a call outside backward eligible as
+  a gradient's is, and the cost model (where on) decides.
 - Under "backward", a call is compressed when it is issued while autograd runs a backward pass
   (``torch._C._current_graph_task_id() >= 0``): DDP's bucket all-reduces and FSDP's gradient
   reduce-scatters are; a loss or metric all-reduce in the training loop is not.
@@ -51,6 +53,14 @@ def compressed() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def compressible() -> Iterator[None]:
+    """Within this block every eligible call may be compressed, inside backward or not, where
+    the cost model (when on) finds that it pays, as for gradients in backward."""
+    with _pushed(_mode_stack, "auto"):
+        yield
+
+
+@contextlib.contextmanager
 def feedback_key(name: str) -> Iterator[None]:
     """Calls issued in this block use error-feedback keys ``name``, ``name#1``, ``name#2``, ...
 
@@ -89,7 +99,7 @@ def wants_compression(policy: str) -> bool:
     active = mode(policy)
     if active == "never":
         return False
-    return active == "always" or in_backward()
+    return active in ("always", "auto") or in_backward()
 
 
 def forced() -> bool:

@@ -1,0 +1,166 @@
+"""`lowbitcc.OuterSync`: DiLoCo-style outer synchronisation over "loco", on real ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lowbitcc
+from tests.support.ranks import run_ranks
+
+EVERY = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 2048), nn.Tanh(), nn.Linear(2048, 4))  # 75780 > min_size
+
+
+def _inner_steps(model: nn.Module, opt: torch.optim.Optimizer, sync: lowbitcc.OuterSync | None,
+                 rank: int, steps: int, start: int = 0) -> None:
+    """``steps`` local steps on this rank's own data (seeded by rank and step)."""
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(16, 32, generator=g)
+        loss = (model(x) - x[:, :4]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sync is not None:
+            sync.step()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _sites_meet(rank, world, gloo):
+    """Loco exact, gloo and compressed outer steps: every rank ends with the same parameters,
+    loco's exact ones bit for bit gloo's, the compressed ones close, under one feedback key
+    (one per phase of the call)."""
+    results = {}
+    for name, group, mode in (("gloo", gloo, "never"), ("exact", None, "never"),
+                              ("loco", None, "always")):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sync = lowbitcc.OuterSync(model.parameters(), group=group, every=EVERY, compress=mode)
+        _inner_steps(model, opt, sync, rank, 3 * EVERY)
+        assert sync.outer_steps == 3 and sync.inner_steps == 3 * EVERY
+        flat = _flat(model)
+        mine = flat.clone()
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=gloo)
+        assert torch.equal(mine, flat), f"{name}: ranks differ after the outer step"
+        results[name] = flat
+    assert torch.equal(results["gloo"], results["exact"])
+    rel = (results["loco"] - results["gloo"]).norm() / (results["gloo"] - _flat(_model())).norm()
+    assert 0 < rel < 0.25, rel  # 4-bit codes of the pseudo-gradient: measured 0.11
+    keys = [k for k in lowbitcc.state_dict()["states"] if "outer" in str(k)]
+    assert keys and {k.split("|")[1] for k in keys} == {"outer"}, keys  # the same key each time
+    return float(lowbitcc.stats()["compressed"]["calls"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sites_meet_in_one_call_per_outer_step(world):
+    calls = run_ranks(_sites_meet, world)
+    assert calls == [3.0] * world  # one compressed call per outer step
+
+
+def _auto(rank, world, gloo, expected):
+    """``compress="auto"``: the outer call is eligible outside backward and the group decides
+    (cost model off: compressed; policy "never": exact)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = lowbitcc.OuterSync(model.parameters(), every=EVERY)
+    _inner_steps(model, opt, sync, rank, 2 * EVERY)
+    assert lowbitcc.stats()["compressed"]["calls"] == expected
+
+
+@pytest.mark.parametrize("env,expected", [({"LOCO_COST_MODEL": "0"}, 2),
+                                          ({"LOCO_POLICY": "never"}, 0)])
+def test_auto_leaves_the_choice_to_the_group(env, expected):
+    run_ranks(_auto, 2, expected, env=env)
+
+
+def _resume(rank, world, gloo):
+    """A run that saves after the second outer step and resumes into fresh objects goes on
+    exactly as the run that did not stop: anchor, momentum and the LoCo feedback of the
+    pseudo-gradient all survive."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = lowbitcc.OuterSync(model.parameters(), every=EVERY, compress="always", key="run")
+    _inner_steps(model, opt, sync, rank, 2 * EVERY)
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(),
+             sync.state_dict(), lowbitcc.state_dict())
+    _inner_steps(model, opt, sync, rank, 2 * EVERY, start=2 * EVERY)
+    straight = _flat(model)
+
+    lowbitcc.load_state_dict({"version": saved[3]["version"], "rank": rank, "states": {}})
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    fresh = lowbitcc.OuterSync(model.parameters(), every=EVERY, compress="always", key="run")
+    fresh.load_state_dict(saved[2])
+    _inner_steps(model, opt, fresh, rank, 2 * EVERY, start=2 * EVERY)
+    without_feedback = _flat(model)
+    assert not torch.equal(without_feedback, straight)  # the feedback state matters here
+
+    lowbitcc.load_state_dict(saved[3])
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    fresh = lowbitcc.OuterSync(model.parameters(), every=EVERY, compress="always", key="run")
+    fresh.load_state_dict(saved[2])
+    _inner_steps(model, opt, fresh, rank, 2 * EVERY, start=2 * EVERY)
+    assert torch.equal(_flat(model), straight)
+    assert fresh.outer_steps == 4
+
+
+def test_state_dict_resumes_the_outer_optimizer_and_its_feedback():
+    run_ranks(_resume, 2)
+
+
+def _two_levels(rank, world, gloo):
+    """Sites of two ranks (DDP inside, then FSDP2 inside) on a ("outer", "inner") mesh: every
+    rank of every site ends with the same parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    site = mesh["inner"].get_local_rank() + 2 * mesh["outer"].get_local_rank()
+    for kind in ("ddp", "fsdp2"):
+        model = _model()
+        if kind == "ddp":
+            wrapped = DDP(model, process_group=mesh["inner"].get_group())
+        else:
+            wrapped = fully_shard(model, mesh=mesh["inner"])
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        sync = lowbitcc.OuterSync(wrapped.parameters(), group=mesh["outer"].get_group(),
+                                  every=EVERY, compress="always", key=kind)
+        _inner_steps(wrapped, opt, sync, site, 2 * EVERY)
+        flat = torch.cat([p.detach().full_tensor().reshape(-1) if hasattr(p, "full_tensor")
+                          else p.detach().reshape(-1) for p in wrapped.parameters()])
+        top = flat.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=gloo)
+        assert torch.equal(top, flat), f"{kind}: ranks differ"
+        assert not torch.equal(flat, _flat(_model())), f"{kind}: nothing trained"
+
+
+def test_sites_of_ddp_and_fsdp2_groups_on_a_mesh():
+    run_ranks(_two_levels, 4)
+
+
+def test_bad_arguments_name_the_problem():
+    model = _model()
+    with pytest.raises(ValueError, match="compress"):
+        lowbitcc.OuterSync(model.parameters(), compress="sometimes")
+    with pytest.raises(ValueError, match="every"):
+        lowbitcc.OuterSync(model.parameters(), every=0)
+    with pytest.raises(ValueError, match="no parameters"):
+        lowbitcc.OuterSync([])
+    sync = lowbitcc.OuterSync(model.parameters())
+    other = lowbitcc.OuterSync(nn.Linear(3, 3).parameters()).state_dict()
+    with pytest.raises(ValueError, match="anchor"):
+        sync.load_state_dict(other)
