@@ -36,6 +36,8 @@ def _study(args: argparse.Namespace) -> int:
     from lowbitcc.tools import study
 
     cfg = study.StudyConfig(steps=args.steps, world=args.np, **(study.QUICK if args.quick else {}))
+    if args.diloco:
+        return _study_diloco(args, cfg)
     try:
         result = study.run(args.variants or study.DEFAULT_VARIANTS,
                            args.seeds or study.DEFAULT_SEEDS, cfg, out_dir=args.out,
@@ -53,6 +55,21 @@ def _study(args: argparse.Namespace) -> int:
 
         print()
         print(tracking.format_table(result["tracking"]["summary"]))
+    return 0
+
+
+def _study_diloco(args: argparse.Namespace, cfg: Any) -> int:
+    from lowbitcc.tools.study import diloco
+
+    try:
+        link = link_spec.from_arguments(args) or diloco.DEFAULT_LINK
+        result = diloco.run(args.seeds or [0, 1, 2], cfg, link, out_dir=args.out,
+                            variants=args.variants)
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
+    print(diloco.format_report(result["diloco"], result["link"],
+                               result["link_seconds_per_step"] is not None))
     return 0
 
 
@@ -187,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
                     + " ".join(study_variants.DEFAULT_TRACKED) + "; none given: skip)")
     st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
     st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
+    st.add_argument("--diloco", action="store_true",
+                    help="the DiLoCo study instead (docs/wan.md): each rank a site, DDP against "
+                    "DiLoCo with fp32, int8, 4-bit and 4-bit LoCo outer sync at H 10 and 50, "
+                    "3 seeds each; then each variant timed behind an emulated link (default "
+                    "--wan cross-continent; root)")
+    link_spec.add_arguments(st)
     st.set_defaults(func=_study)
     _add_perf(sub)
     _add_bench_train(sub)

@@ -114,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_rate: str | None = No
     parser.add_argument("--loss", help="random packet loss, e.g. 0.1%%")
     parser.add_argument("--wan", choices=sorted(PRESETS),
                         help="a preset wide-area link: " + "; ".join(
-                            f"{name}: {link.describe()}" for name, link in PRESETS.items()) +
+                            f"{name}: {link.describe()}".replace("%", "%%")
+                            for name, link in PRESETS.items()) +
                         " (--link, --delay, --jitter, --loss override its parts)")
 
 

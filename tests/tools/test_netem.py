@@ -298,3 +298,11 @@ def test_a_wide_area_link_delays_and_loses_packets_and_nothing_is_left():
     dropped = int(done.stderr.split("forwarded, ")[1].split()[0])
     assert dropped > 0, done.stderr  # the 4 MiB crossed a lossy link all the same
     assert set(netem.leftover_namespaces()) == before
+
+
+@pytest.mark.parametrize("command", ["netem", "perf", "bench-train", "study"])
+def test_commands_with_link_flags_explain_them(command):
+    done = subprocess.run([sys.executable, "-m", "lowbitcc", command, "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--delay" in done.stdout and "cross-continent" in done.stdout

@@ -73,3 +73,35 @@ def test_across_seeds_pairs_each_variant_with_loco4_of_the_same_seed():
 def test_study_refuses_an_untrackable_variant_before_training():
     with pytest.raises(ValueError, match="cannot track.*fp16-hook"):
         study.run(["exact"], [0], study.StudyConfig(**study.QUICK), tracked=["fp16-hook"])
+
+
+def test_diloco_study_ranks_its_outer_syncs_and_times_them_at_the_link(tmp_path):
+    """The DiLoCo study's smoke run: DDP and DiLoCo (fp32 and 4-bit LoCo outer sync, H 10) on
+    2 sites, 2 seeds, timed behind an emulated wide-area link where root allows."""
+    from lowbitcc.tools import netem
+    from lowbitcc.tools.link_spec import Link
+    from lowbitcc.tools.study import diloco
+
+    cfg = study.StudyConfig(steps=20, world=2, **study.QUICK)
+    names = ["exact", "diloco-fp32-h10", "diloco-loco4-h10"]
+    result = diloco.run([0, 1], cfg, Link("200mbit", "5ms"), out_dir=str(tmp_path),
+                        variants=names)
+    rows = {r["variant"]: r for r in result["diloco"]["variants"]}
+    assert list(rows) == names and all(r["seeds"] == 2 for r in rows.values())
+    # an outer sync every 10 steps: a tenth of DDP's fp32 bytes, and 4-bit LoCo under a sixth
+    assert rows["diloco-fp32-h10"]["bytes_per_step"] == pytest.approx(
+        rows["exact"]["bytes_per_step"] / 10)
+    assert 0 < rows["diloco-loco4-h10"]["bytes_per_step"] < rows["diloco-fp32-h10"][
+        "bytes_per_step"] / 6
+    pairs = {(p["a"], p["b"]): p for p in result["diloco"]["pairs"]}
+    loco_vs_fp32 = pairs[("diloco-loco4-h10", "diloco-fp32-h10")]
+    assert loco_vs_fp32["seeds"] == [0, 1] and abs(loco_vs_fp32["mean"]) < 0.05
+    timed = result["link_seconds_per_step"]
+    if netem.missing_requirements():
+        assert timed is None
+    else:
+        assert set(timed) == set(names) and all(t > 0 for t in timed.values())
+        assert "link_s" in rows["exact"] and rows["exact"]["speedup"] == 1.0
+    text = diloco.format_report(result["diloco"], result["link"], timed is not None)
+    assert "diloco-loco4-h10 - diloco-fp32-h10" in text
+    assert (tmp_path / "diloco.json").exists()

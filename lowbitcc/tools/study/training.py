@@ -47,7 +47,7 @@ def ring_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float
     if variant.hook == "lab":
         return ring * LAB_VARIANTS[variant.name].bits_per_element / 8 * sum(
             p.numel() for p in model.parameters())
-    return ring * 4 * sum(p.numel() for p in model.parameters())
+    return ring * 4 * sum(p.numel() for p in model.parameters()) / max(1, variant.outer_every)
 
 
 def whole_shares(batches: int, world: int) -> int:
@@ -56,7 +56,10 @@ def whole_shares(batches: int, world: int) -> int:
 
 
 def wrap(model: nn.Module, variant: Variant, seed: int) -> nn.Module:
-    """``model`` under FSDP2 (``fully_shard`` per block) or DDP with the variant's hook."""
+    """``model`` under FSDP2 (``fully_shard`` per block) or DDP with the variant's hook; as it is
+    for a DiLoCo variant (each rank a site)."""
+    if variant.outer_every:
+        return model
     if variant.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -107,12 +110,16 @@ def evaluate(model: nn.Module, val: torch.Tensor, starts: list[torch.Tensor], cf
 def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
                seed: int) -> dict[str, Any] | None:
     """Train on the initialised default group (the variant's backend); rank 0 returns the
-    record (losses, time, wire bytes per step, final parameters), the others None."""
+    record (losses, time, wire bytes per step, final parameters), the others None. A DiLoCo
+    variant's evaluations before the last step average the sites' own replicas."""
     metrics = dist.new_group(backend="gloo")
     train, val = split_corpus(cfg)
     torch.manual_seed(seed)
     model = wrap(TinyGPT(cfg), variant, seed)
     opt, sched = optimizer(model.parameters(), cfg)
+    outer = lowbitcc.OuterSync(
+        model.parameters(), every=variant.outer_every,
+        compress="always" if variant.backend == "loco" else "never") if variant.outer_every else None
     val_gen = torch.Generator().manual_seed(12345)
     val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)
                   for _ in range(whole_shares(max(cfg.eval_batches, cfg.final_eval_batches),
@@ -132,6 +139,8 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
         loss.backward()
         opt.step()
         sched.step()
+        if outer is not None:
+            outer.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=metrics)
         train_loss.append(float(mean) / world)

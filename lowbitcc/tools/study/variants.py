@@ -9,7 +9,10 @@ from lowbitcc.tools.study.formats import LAB_VARIANTS
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One training run: backend, the ``LOCO_*`` settings of the "loco" group, DDP hook, FSDP.
+    """One training run: backend, the ``LOCO_*`` settings of the "loco" group, DDP hook, FSDP,
+    or DiLoCo-style training (``outer_every`` H > 0: no DDP, each rank a site with its own
+    inner optimizer, `lowbitcc.OuterSync` over the default group every H steps, compressed
+    always on "loco", exact on gloo).
 
     Every loco variant compresses every gradient call (``LOCO_COST_MODEL=0``): the study
     measures what compression does to training, not which calls a cost model would pick."""
@@ -19,6 +22,7 @@ class Variant:
     env: tuple[tuple[str, str], ...] = ()
     hook: str | None = None  # "fp16", "powersgd" or "lab" (`formats.lab_hook`)
     fsdp: bool = False
+    outer_every: int = 0
 
     def __post_init__(self) -> None:
         if self.backend == "loco" and not any(k == "LOCO_COST_MODEL" for k, _ in self.env):
@@ -29,6 +33,8 @@ INT = ("LOCO_FORMAT", "int")
 """The "loco*" variants keep int codes: they name what they measured before MXFP4 became the
 4-bit default (docs/convergence.md); the "mxfp4*" variants run the default's format."""
 MX = ("LOCO_FORMAT", "mxfp4")
+OUTER_EVERY = (10, 50)
+"""The H (inner steps per outer step) of the DiLoCo variants."""
 
 VARIANTS = {
     v.name: v for v in [
@@ -57,8 +63,20 @@ VARIANTS = {
         Variant("fsdp2-loco4", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
                 fsdp=True),
         *(Variant(name, hook="lab") for name in LAB_VARIANTS),
+        *(v for h in OUTER_EVERY for v in (
+            Variant(f"diloco-fp32-h{h}", outer_every=h),
+            Variant(f"diloco-int8-h{h}", "loco", (INT, ("LOCO_BITS", "8"),
+                                                  ("LOCO_FEEDBACK", "0")), outer_every=h),
+            Variant(f"diloco-4bit-h{h}", "loco", (MX, ("LOCO_BITS", "4"),
+                                                  ("LOCO_FEEDBACK", "0")), outer_every=h),
+            Variant(f"diloco-loco4-h{h}", "loco", (MX, ("LOCO_BITS", "4"),
+                                                   ("LOCO_BETA", "0.8")), outer_every=h))),
     ]
 }
+DILOCO_VARIANTS = ["exact", "mxfp4", *(n for n in VARIANTS if n.startswith("diloco-"))]
+"""`lowbitcc study --diloco` (`lowbitcc.tools.study.diloco`): DDP every step over gloo fp32
+(``exact``, the reference) and over loco (``mxfp4``), and DiLoCo with outer sync in fp32, int8
+without feedback (what INTELLECT-1 sends), 4-bit without feedback and 4-bit LoCo, at each H."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +118,7 @@ def check_trackable(names: list[str]) -> None:
     """Raise `ValueError` unless every name is a DDP-over-"loco" or format-lab variant (what
     tracking runs)."""
     trackable = [n for n, v in VARIANTS.items()
-                 if (v.backend == "loco" or v.hook == "lab") and not v.fsdp]
+                 if (v.backend == "loco" or v.hook == "lab") and not v.fsdp and not v.outer_every]
     bad = [n for n in names if n not in trackable]
     if bad:
         raise ValueError(f"lowbitcc study: cannot track {bad}; trackable: {trackable}")
