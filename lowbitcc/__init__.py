@@ -6,7 +6,9 @@ Public API (everything else is internal):
 - ``exact()``, ``compressed()``, ``compressible()``, ``feedback_key(name)``: per-call control
   (context managers);
 - ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups;
-- ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints, and
+- ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints;
+  ``FeedbackState``: the same for torch.distributed.checkpoint (a ``Stateful``), resumable on
+  another number of ranks (`lowbitcc.checkpoint`); and
   ``rebuild_ddp_buckets()``: a resumed DDP's bucket layout made the saved one's (`lowbitcc.resume`);
 - ``hybrid_mesh()``: a DeviceMesh whose data-parallel dimension goes over "loco" and whose
   other dimensions stay exact (per-dimension `LocoConfig`s; `lowbitcc.mesh`);
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from lowbitcc import state
 from lowbitcc.backend import BACKEND_NAME
 from lowbitcc.backend.registration import register
+from lowbitcc.checkpoint import FeedbackState
 from lowbitcc.config import LocoConfig
 from lowbitcc.mesh import hybrid_mesh
 from lowbitcc.outer_sync import OuterSync
@@ -94,6 +97,7 @@ def monitored_barrier(group: Any = None, timeout: datetime.timedelta | float | N
 
 __all__ = [
     "BACKEND_NAME",
+    "FeedbackState",
     "LocoConfig",
     "OuterSync",
     "compressed",
