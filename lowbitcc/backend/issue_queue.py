@@ -45,6 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbitcc.backend.eager import eager_methods
+
 Job = Callable[[], Any]
 """A call's work on the worker: returns the output tensors or an `InnerWork`."""
 
@@ -122,6 +124,7 @@ def _forward(done: torch.futures.Future, to: torch.futures.Future) -> None:
     to.set_result(value)
 
 
+@eager_methods
 class LocoWork(dist.Work):
     """A queued call; its future's value is the list of output tensors."""
 

@@ -16,8 +16,7 @@ device, chosen once when the group is created:
   thread, the caller's stream, the inner ``ProcessGroupNCCL``; docs/gpu.md).
 
 Data movements and the exact reduce are `data_movement.DataMovements`'. The inner gloo and NCCL
-groups are attached to this group, so ``_get_backend(device)`` answers as for NCCL and gloo.
-"""
+groups are attached, so ``_get_backend(device)`` answers as for NCCL and gloo."""
 
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_calls import CompressedCalls, cpu_route, cuda_route
 from lowbitcc.backend.cuda_issue import CudaIssuer, cuda_usable, inner_nccl
 from lowbitcc.backend.data_movement import DataMovements
+from lowbitcc.backend.eager import eager_methods
 from lowbitcc.backend.exact import (
     ExactReduction,
     all_reduce_of,
@@ -56,6 +56,7 @@ log = logging.getLogger("lowbitcc")
 __all__ = ["CollectiveMismatchError", "LocoProcessGroup", "LocoWork"]
 
 
+@eager_methods
 class LocoProcessGroup(dist.ProcessGroup):
     """The "loco" process group. Create it with ``init_process_group("loco")``."""
 
@@ -68,8 +69,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._world = size
         self.config = config
         self.timeout = timeout
-        self._group_name = ""
-        self._group_desc = ""
+        self._group_name = self._group_desc = ""
         self._inner = dist.ProcessGroupGloo(
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout)
         self._gloo = GlooTransport(self._inner)
