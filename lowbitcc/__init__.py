@@ -5,7 +5,8 @@ Public API (everything else is internal):
 - ``LocoConfig``: the configuration (also read from ``LOCO_*`` environment variables);
 - ``exact()``, ``compressed()``, ``compressible()``, ``feedback_key(name)``: per-call control
   (context managers);
-- ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups;
+- ``stats()`` / ``reset_stats()``: bytes, calls and time of this process's "loco" groups, and
+  ``StepMetrics``: their per-step changes as flat scalars for loggers (`lowbitcc.metrics`);
 - ``state_dict()`` / ``load_state_dict()``: the error-feedback state, for checkpoints;
   ``FeedbackState``: the same for torch.distributed.checkpoint (a ``Stateful``), resumable on
   another number of ranks (`lowbitcc.checkpoint`); and
@@ -31,6 +32,7 @@ from lowbitcc.backend.registration import register
 from lowbitcc.checkpoint import FeedbackState
 from lowbitcc.config import LocoConfig
 from lowbitcc.mesh import hybrid_mesh
+from lowbitcc.metrics import StepMetrics
 from lowbitcc.outer_sync import OuterSync
 from lowbitcc.policy import compressed, compressible, exact, feedback_key
 from lowbitcc.resume import rebuild_ddp_buckets
@@ -100,6 +102,7 @@ __all__ = [
     "FeedbackState",
     "LocoConfig",
     "OuterSync",
+    "StepMetrics",
     "compressed",
     "compressible",
     "end_step",
