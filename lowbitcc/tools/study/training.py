@@ -118,7 +118,8 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
     model = wrap(TinyGPT(cfg), variant, seed)
     opt, sched = optimizer(model.parameters(), cfg)
     outer = lowbitcc.OuterSync(
-        model.parameters(), every=variant.outer_every,
+        model.parameters(), every=variant.outer_every, lr=variant.outer_lr,
+        momentum=variant.outer_momentum,
         compress="always" if variant.backend == "loco" else "never") if variant.outer_every else None
     val_gen = torch.Generator().manual_seed(12345)
     val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)

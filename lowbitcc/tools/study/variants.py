@@ -23,6 +23,8 @@ class Variant:
     hook: str | None = None  # "fp16", "powersgd" or "lab" (`formats.lab_hook`)
     fsdp: bool = False
     outer_every: int = 0
+    outer_lr: float = 0.7  # DiLoCo's outer SGD: learning rate and Nesterov momentum
+    outer_momentum: float = 0.5  # DiLoCo uses 0.9 at H = 500; docs/wan.md
 
     def __post_init__(self) -> None:
         if self.backend == "loco" and not any(k == "LOCO_COST_MODEL" for k, _ in self.env):
