@@ -205,7 +205,10 @@ def test_dcp_checkpoints_resume_on_another_world_size(kind, old, new, tmp_path):
     new_sums, _, _ = loaded[0]
     if kind == "ddp":
         assert old_sums, "the saving run compressed nothing"
-    if old == new:  # each rank its own state, as saved
+    if old == new:  # each rank its own state, as saved (not one rank's for all)
+        first, second = (before["states"] for _, before in saved)
+        assert first and first.keys() == second.keys()
+        assert any(not torch.equal(first[k]["data"], second[k]["data"]) for k in first)
         for (_, before), (_, after, _) in zip(saved, loaded, strict=True):
             assert before["states"].keys() == after["states"].keys()
             for key, entry in before["states"].items():

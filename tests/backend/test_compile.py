@@ -70,7 +70,8 @@ def _both(rank, world, gloo, mode):
     torch._dynamo.config.compiled_autograd = mode == "compiled-autograd"
     loco_model = _compiled(mode, dist.group.WORLD)
     loco = _train(loco_model, rank)
-    compressed = lowbitcc.stats()["compressed"]["calls"]
+    stats = lowbitcc.stats()["compressed"]
+    compressed = (stats["calls"], stats["wire_bytes"] / max(1, stats["logical_bytes"]))
     params = _flat(loco_model)
     top = params.clone()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=gloo)
@@ -85,7 +86,8 @@ def _both(rank, world, gloo, mode):
 def test_compiled_models_train_over_loco_with_their_gradients_compressed(mode):
     results = run_ranks(_both, 2, mode, env={"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "4096"},
                         timeout=300)
-    for loco, reference, compressed in results:
+    for loco, reference, (compressed, ratio) in results:
         assert compressed >= STEPS, f"{mode}: {compressed} compressed calls in {STEPS} steps"
+        assert ratio < 1 / 6, f"{mode}: wire bytes {ratio:.3f} of the logical bytes"
         gap = abs(sum(loco[-2:]) - sum(reference[-2:])) / sum(reference[-2:])
         assert gap < LOSS_TOLERANCE, (mode, loco, reference)
