@@ -6,7 +6,8 @@ Each of ``cfg.world`` local ranks is a site. Two phases:
 1. **Loss**: every variant of `DILOCO_VARIANTS` trained for every seed with the study's
    training loop (`lowbitcc.tools.study.run`) on local ranks: DDP every step over gloo fp32
    (``exact``, the reference) and over loco (``mxfp4``); DiLoCo (`lowbitcc.OuterSync`, inner
-   AdamW as the study's, outer SGD with Nesterov momentum, lr 0.7, momentum 0.9) with outer
+   AdamW as the study's, outer SGD with Nesterov momentum, lr 0.7, momentum 0.5: DiLoCo's
+   0.9 is for H = 500 and long runs, and here ends 8-20 points worse; docs/wan.md) with outer
    sync in fp32, int8 without feedback, 4-bit without feedback and 4-bit LoCo, each at every H
    of `OUTER_EVERY`. A run's loss does not depend on the link, so this phase runs unshaped.
 2. **Time at the link** (root, `lowbitcc.tools.netem`): each variant trains a few steps
@@ -35,6 +36,7 @@ from typing import Any
 
 from lowbitcc.tools import netem, study
 from lowbitcc.tools.link_spec import PRESETS, Link
+from lowbitcc.tools.plotting import pyplot
 from lowbitcc.tools.study.variants import DILOCO_VARIANTS, OUTER_EVERY, StudyConfig
 
 log = logging.getLogger("lowbitcc.tools.study")
@@ -58,6 +60,7 @@ def run(seeds: list[int], cfg: StudyConfig, link: Link = DEFAULT_LINK,
         out = Path(out_dir)
         slim = {k: v for k, v in result.items() if k != "runs"}
         (out / "diloco.json").write_text(json.dumps(slim, indent=1))
+        plot(result["diloco"], result["link"], out / "diloco.png")
     return result
 
 
@@ -153,3 +156,30 @@ def format_report(diloco: dict[str, Any], link: str, timed: bool) -> str:
         lines.append(f"{p['a'] + ' - ' + p['b']:<44} {100 * p['mean']:>+7.2f}% "
                      f"{100 * p['se']:>6.2f}%  {each}")
     return "\n".join(lines)
+
+
+def plot(diloco: dict[str, Any], link: str, path: Path) -> None:
+    """Two panels: each variant's final validation loss (mean over seeds) against its time at
+    the link (or, untimed, its bytes), and the bytes each site sent in all (log scale)."""
+    plt = pyplot("DiLoCo study plot")
+    if plt is None:
+        return
+    rows = diloco["variants"]
+    timed = all("link_s" in r for r in rows)
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(14, 5))
+    for i, r in enumerate(rows):
+        x = r["link_s"] if timed else r["bytes_total"] / 2**20
+        ax_loss.errorbar(x, r["val_loss"], yerr=r["gap_se"] * r["val_loss"], fmt="o",
+                         color=f"C{i % 10}", label=r["variant"])
+        ax_bytes.barh(r["variant"], r["bytes_total"] / 2**20, color=f"C{i % 10}")
+    ax_loss.set(xlabel=f"wall time of the run at {link} (s)" if timed else "MiB sent per site",
+                ylabel="final validation loss (mean of seeds; bar: se of the gap)",
+                title="loss against time at the link")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    ax_bytes.set(xscale="log", xlabel="MiB each site sent in the run", title="bytes per site")
+    ax_bytes.invert_yaxis()
+    ax_bytes.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
