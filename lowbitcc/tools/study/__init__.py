@@ -27,7 +27,8 @@ and Q shapes). Results go to JSON, and to a PNG with matplotlib installed.
 
 The package: `variants` (what runs), `formats` (the format lab), `model` (data and model),
 `training` (one run on its ranks), `tracking` (the compressors on one gradient stream), `report`
-(summaries, tables, plot); `run` here runs a whole study.
+(summaries, tables, plot); `run` here runs a whole study. `diloco` (with `wan_timing`) is
+``lowbitcc study --diloco``: DiLoCo across emulated sites (docs/wan.md).
 """
 
 from __future__ import annotations
