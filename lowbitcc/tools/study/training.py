@@ -90,6 +90,16 @@ def wrap(model: nn.Module, variant: Variant, seed: int) -> nn.Module:
     return ddp
 
 
+def outer_sync(model: nn.Module, variant: Variant) -> lowbitcc.OuterSync | None:
+    """A DiLoCo variant's outer synchronisation over the default group (compressed always on
+    "loco", exact on gloo); None for the others."""
+    if not variant.outer_every:
+        return None
+    return lowbitcc.OuterSync(model.parameters(), every=variant.outer_every, lr=variant.outer_lr,
+                              momentum=variant.outer_momentum,
+                              compress="always" if variant.backend == "loco" else "never")
+
+
 def evaluate(model: nn.Module, val: torch.Tensor, starts: list[torch.Tensor], cfg: StudyConfig,
              batches: int, metrics: dist.ProcessGroup) -> float:
     """Mean validation loss over the first ``batches`` (rounded up to whole shares) of ``starts``.
@@ -117,10 +127,7 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
     torch.manual_seed(seed)
     model = wrap(TinyGPT(cfg), variant, seed)
     opt, sched = optimizer(model.parameters(), cfg)
-    outer = lowbitcc.OuterSync(
-        model.parameters(), every=variant.outer_every, lr=variant.outer_lr,
-        momentum=variant.outer_momentum,
-        compress="always" if variant.backend == "loco" else "never") if variant.outer_every else None
+    outer = outer_sync(model, variant)
     val_gen = torch.Generator().manual_seed(12345)
     val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)
                   for _ in range(whole_shares(max(cfg.eval_batches, cfg.final_eval_batches),
