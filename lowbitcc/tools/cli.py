@@ -38,6 +38,10 @@ def _study(args: argparse.Namespace) -> int:
     cfg = study.StudyConfig(steps=args.steps, world=args.np, **(study.QUICK if args.quick else {}))
     if args.diloco:
         return _study_diloco(args, cfg)
+    if any((args.link, args.delay, args.jitter, args.loss, args.wan)):
+        logging.getLogger("lowbitcc").error("lowbitcc study: --link, --delay, --jitter, --loss "
+                                            "and --wan apply to --diloco only")
+        return 2
     try:
         result = study.run(args.variants or study.DEFAULT_VARIANTS,
                            args.seeds or study.DEFAULT_SEEDS, cfg, out_dir=args.out,

@@ -306,3 +306,9 @@ def test_commands_with_link_flags_explain_them(command):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--delay" in done.stdout and "cross-continent" in done.stdout
+
+
+def test_the_convergence_study_refuses_link_flags_it_would_ignore():
+    done = subprocess.run([sys.executable, "-m", "lowbitcc", "study", "--wan", "cross-continent"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--diloco only" in done.stderr
