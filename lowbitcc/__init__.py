@@ -64,7 +64,7 @@ def end_step() -> None:
 def state_dict() -> dict[str, Any]:
     """The error-feedback state of this process (every "loco" group), tensors cloned, with
     this process's rank in the default group (None before ``init_process_group``)."""
-    return state.FEEDBACK.state_dict(_rank())
+    return state.FEEDBACK.state_dict(state.default_rank())
 
 
 def load_state_dict(saved: dict[str, Any]) -> None:
@@ -72,11 +72,7 @@ def load_state_dict(saved: dict[str, Any]) -> None:
     same rank). Raises ``ValueError`` naming the problem, and keeps the current state, if
     ``saved`` is not such a dict, was saved by another rank, or holds an unusable entry
     (shapes, dtypes, group sizes or scales that do not fit, non-finite values)."""
-    state.FEEDBACK.load_state_dict(saved, _rank())
-
-
-def _rank() -> int | None:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    state.FEEDBACK.load_state_dict(saved, state.default_rank())
 
 
 def monitored_barrier(group: Any = None, timeout: datetime.timedelta | float | None = None,

@@ -53,10 +53,6 @@ INPUT_STAGES = ("gather", "rs")
 REDUCED_STAGE = "ag"
 
 
-def _rank() -> int | None:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-
-
 class FeedbackState:
     """This process's error-feedback state as a DCP ``Stateful`` (module docstring).
 
@@ -64,8 +60,9 @@ class FeedbackState:
     call them on every rank, as ``dcp.save`` and ``dcp.load`` do."""
 
     def state_dict(self) -> dict[str, Any]:
-        mine = state.FEEDBACK.state_dict(_rank())
-        if _rank() is None:
+        rank = state.default_rank()
+        mine = state.FEEDBACK.state_dict(rank)
+        if rank is None:
             ranks = [mine]
         else:
             ranks = [None] * dist.get_world_size()
@@ -83,10 +80,9 @@ class FeedbackState:
             raise ValueError("lowbitcc.FeedbackState: expected the dict its state_dict() made "
                              "(a 'feedback' entry of bytes)")
         payload = torch.load(io.BytesIO(raw), weights_only=False)
-        rank = _rank() or 0
-        world = dist.get_world_size() if _rank() is not None else 1
-        mine = reshard(payload["ranks"], world, rank)
-        state.FEEDBACK.load_state_dict(mine, _rank())
+        rank = state.default_rank()
+        world = 1 if rank is None else dist.get_world_size()
+        state.FEEDBACK.load_state_dict(reshard(payload["ranks"], world, rank or 0), rank)
 
 
 def reshard(saved: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 
+import torch.distributed as dist
+
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 
@@ -26,6 +28,12 @@ _lock = threading.Lock()
 _optimizer_steps = 0
 _step_hook = None
 _key_bounds: list[int] = []
+
+
+def default_rank() -> int | None:
+    """This process's rank in the default group; None before ``init_process_group`` (what the
+    error-feedback state dicts record and check)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def optimizer_steps() -> int:

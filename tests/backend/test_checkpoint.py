@@ -14,6 +14,7 @@ import lowbitcc
 from lowbitcc.checkpoint import reshard
 from lowbitcc.codec.error_state import ErrorState
 from tests.support.ranks import run_ranks
+from tests.support.training import assert_replicas_equal, flat_parameters, mlp, regression_steps
 
 GROUP = 32
 
@@ -108,12 +109,6 @@ def test_reshard_refuses_what_is_not_every_ranks_state():
 # -- real ranks: DCP save on N, load on M ------------------------------------------------------
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
-                         nn.Linear(512, 8))
-
-
 def _wrap(kind: str, model: nn.Module) -> nn.Module:
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,18 +120,6 @@ def _wrap(kind: str, model: nn.Module) -> nn.Module:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     return fully_shard(model)
-
-
-def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> float:
-    loss = torch.zeros(())
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        x = torch.randn(16, 64, generator=g)
-        loss = (model(x) - x[:, :8]).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return float(loss)
 
 
 def _summed(world: int) -> dict[str, torch.Tensor]:
@@ -164,9 +147,9 @@ def _summed(world: int) -> dict[str, torch.Tensor]:
 def _save(rank, world, gloo, kind, path):
     from torch.distributed import checkpoint as dcp
 
-    model = _wrap(kind, _model())
+    model = _wrap(kind, mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    _steps(model, opt, rank, 3)
+    regression_steps(model, opt, rank, 3)
     dcp.save({"model": model.state_dict(), "loco": lowbitcc.FeedbackState()},
              checkpoint_id=path)
     return {k: v.cpu() for k, v in _summed(world).items()}, lowbitcc.state_dict()
@@ -175,19 +158,15 @@ def _save(rank, world, gloo, kind, path):
 def _load(rank, world, gloo, kind, path):
     from torch.distributed import checkpoint as dcp
 
-    model = _wrap(kind, _model())
+    model = _wrap(kind, mlp())
     state = {"model": model.state_dict(), "loco": lowbitcc.FeedbackState()}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     summed = {k: v.cpu() for k, v in _summed(world).items()}
     mine = lowbitcc.state_dict()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loss = _steps(model, opt, rank, 2)
-    params = torch.cat([p.detach().full_tensor().reshape(-1) if hasattr(p, "full_tensor")
-                        else p.detach().reshape(-1) for p in model.parameters()])
-    top = params.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=gloo)
-    assert torch.equal(top, params), "replicas differ after resuming"
+    loss = regression_steps(model, opt, rank, 2)[-1]
+    assert_replicas_equal(flat_parameters(model), gloo, "after resuming")
     return summed, mine, loss
 
 

@@ -17,21 +17,16 @@ from torch import nn
 
 import lowbitcc
 from tests.support.ranks import run_ranks
+from tests.support.training import assert_replicas_equal, flat_parameters, mlp, regression_steps
 
 STEPS = 5
 LOSS_TOLERANCE = 0.02
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
-                         nn.Linear(512, 8))
-
-
 def _compiled(mode: str, group: dist.ProcessGroup) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model()
+    model = mlp()
     if mode == "ddp-of-compiled":
         return DDP(torch.compile(model, backend="aot_eager"), process_group=group)
     if mode in ("compiled-ddp", "compiled-autograd"):
@@ -47,21 +42,7 @@ def _compiled(mode: str, group: dist.ProcessGroup) -> nn.Module:
 
 
 def _train(model: nn.Module, rank: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(STEPS):
-        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(10 * rank + step))
-        loss = (model(x) - x[:, :8]).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().full_tensor().reshape(-1) if hasattr(p, "full_tensor")
-                      else p.detach().reshape(-1) for p in model.parameters()])
+    return regression_steps(model, torch.optim.SGD(model.parameters(), lr=0.05), rank, STEPS)
 
 
 def _both(rank, world, gloo, mode):
@@ -72,10 +53,7 @@ def _both(rank, world, gloo, mode):
     loco = _train(loco_model, rank)
     stats = lowbitcc.stats()["compressed"]
     compressed = (stats["calls"], stats["wire_bytes"] / max(1, stats["logical_bytes"]))
-    params = _flat(loco_model)
-    top = params.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=gloo)
-    assert torch.equal(top, params), f"{mode}: replicas differ"
+    assert_replicas_equal(flat_parameters(loco_model), gloo, mode)
     torch._dynamo.reset()
     reference = _train(_compiled(mode, gloo), rank)
     return loco, reference, compressed
