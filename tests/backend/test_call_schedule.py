@@ -75,22 +75,28 @@ def _same_passes(got, want) -> bool:
     return all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
 
 
+def _inline_beside_worker(world, plan):
+    """``_passes`` of ``plan`` on the inline path (schedule on) and on the worker (the
+    reference): each rank's ``((results, agreements, errors), (reference results, _, _))``."""
+    inline = run_ranks(_passes, world, "inline", plan)
+    return list(zip(inline, run_ranks(_passes, world, "auto", plan), strict=True))
+
+
 def _steady(rank, p):
     return SIZES if p < 6 else None
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_agreed_calls_run_without_an_exchange_and_equal_the_workers(world):
-    inline = run_ranks(_passes, world, "inline", _steady)
-    worker = run_ranks(_passes, world, "auto", _steady)
-    for (results, agreements, errors), (ref, _, _) in zip(inline, worker):
+    ranks = _inline_beside_worker(world, _steady)
+    for (results, agreements, errors), (ref, _, _) in ranks:
         assert not errors
         # pass 0 agrees on every call; pass 1's first call, agreed equal to pass 0's, closes
         # the period; every later call runs as agreed
         assert agreements == [len(SIZES), 1, 0, 0, 0, 0], agreements
         assert _same_passes(results, ref)
-    first = inline[0][0]
-    for results, _, _ in inline[1:]:  # bitwise the same on every rank
+    first = ranks[0][0][0]
+    for (results, _, _), _ in ranks[1:]:  # bitwise the same on every rank
         assert _same_passes(results, first)
 
 
@@ -140,9 +146,8 @@ def _every_rank_deviates(rank, p):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_all_deviate_alike_agree_again_without_an_error(world):
-    results = run_ranks(_passes, world, "inline", _every_rank_deviates)
-    reference = run_ranks(_passes, world, "auto", _every_rank_deviates)
-    for (got, agreements, errors), (want, _, _) in zip(results, reference):
+    for (got, agreements, errors), (want, _, _) in _inline_beside_worker(world,
+                                                                         _every_rank_deviates):
         assert not errors
         # pass 2: the first call deviates alike (probe, then agreed), the schedule starts
         # again, so its other two calls agree too; pass 3 closes the period on its first call
