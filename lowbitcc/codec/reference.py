@@ -243,7 +243,10 @@ def checksum(messages: torch.Tensor) -> torch.Tensor:
     body = messages[:, wire.HEADER_BYTES:width - wire.TRAILER_BYTES]
     if body.shape[1] % 8:
         raise ValueError(f"checksum: message bodies of {body.shape[1]} bytes, not whole words")
-    words = body.contiguous().view(torch.int64)
+    body = body.contiguous()
+    if body.storage_offset() % 8:  # a view of int64 words must start on one
+        body = body.clone()
+    words = body.view(torch.int64)
     low = (1 << 32) - 1
     position = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=messages.device)
     y = words + position * as_int64(wire.CHECKSUM_STEP)

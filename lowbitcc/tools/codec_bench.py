@@ -30,8 +30,8 @@ import torch
 
 from lowbitcc.codec import cpu, kernels
 from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.shard_codec import ShardCodec
-from lowbitcc.config import DEFAULT_GROUP_SIZES
 
 
 def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50,
@@ -64,7 +64,7 @@ def _codec(impl: str, bits: int, group: int, device: str, fmt: str) -> ShardCode
 def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int | None = None,
             min_time: float = 0.3, device: str = "cpu", fmt: str = "mxfp4") -> dict[str, float]:
     torch.set_num_threads(threads)
-    group = group or DEFAULT_GROUP_SIZES[fmt]
+    group = group or FORMATS[fmt].default_group
     n = size_bytes // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)

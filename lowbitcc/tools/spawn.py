@@ -174,12 +174,13 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "l
 
 def launch(rank_main: Callable[..., Any], nprocs: int | None, link: Link | str | None,
            argv: Sequence[str], *args: Any, timeout_s: float = 1800.0,
-           ranks_per_node: int = 1) -> int:
+           ranks_per_node: int = 1, gpu: bool = False) -> int:
     """Run a tool's ``rank_main(rank, world, *args)`` on the ranks of whatever started us:
     under a launcher (torchrun, mpiexec, srun: this process is one rank, on a gloo default
     group), on ``nprocs`` ranks behind emulated links ``link`` (a `Link` or a rate; ``argv``, the
     command line, is run again in each node's network namespace, ``ranks_per_node`` ranks a
-    node; root), or on ``nprocs`` local processes (default 2). Returns the exit status."""
+    node; root), or on ``nprocs`` local processes (default 2; ``gpu``: placed on this machine's
+    GPUs by `gpu_rank_env`, sharing them where there are fewer). Returns the exit status."""
     import logging
 
     import torch
@@ -207,5 +208,7 @@ def launch(rank_main: Callable[..., Any], nprocs: int | None, link: Link | str |
         command = [sys.executable, "-m", "lowbitcc", *argv]
         return netem.run_ranks(command, nprocs or 2, None if link == "none" else link,
                                timeout_s=timeout_s, ranks_per_node=ranks_per_node)
-    run_ranks(rank_main, nprocs or 2, *args, timeout_s=timeout_s, backend="gloo")
+    nprocs = nprocs or 2
+    rank_env = gpu_rank_env(nprocs, torch.cuda.device_count()) if gpu else None
+    run_ranks(rank_main, nprocs, *args, timeout_s=timeout_s, backend="gloo", rank_env=rank_env)
     return 0

@@ -33,11 +33,16 @@ def _unsigned(t: torch.Tensor) -> list[int]:
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 4), words=st.integers(0, 3000), seed=st.integers(0, 2**31))
-def test_every_implementation_computes_the_defined_checksum(rows, words, seed):
+@given(rows=st.integers(1, 4), words=st.integers(0, 3000), seed=st.integers(0, 2**31),
+       misaligned=st.booleans())
+def test_every_implementation_computes_the_defined_checksum(rows, words, seed, misaligned):
+    """Also on messages that start 4 bytes into their storage (a received row of a larger
+    buffer): torch cannot view such bytes as int64 words in place."""
     gen = torch.Generator().manual_seed(seed)
     width = wire.HEADER_BYTES + 8 * words + wire.TRAILER_BYTES
-    messages = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+    skip = 4 if misaligned else 0
+    storage = torch.randint(0, 256, (skip + rows * width,), dtype=torch.uint8, generator=gen)
+    messages = storage[skip:].view(rows, width)
     want = _spec(messages)
     assert _unsigned(reference.checksum(messages)) == want
     if cpu.load() is not None:

@@ -30,7 +30,8 @@ __all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]
 
 def rank_main(rank: int, world: int, opts: PerfOptions) -> dict[str, Any]:
     """One rank's sweep on the initialised default group; rank 0 writes JSON and plot. With
-    ``--device cuda`` each rank takes GPU ``LOCAL_RANK`` (else its rank modulo the count)."""
+    ``--device cuda`` each rank takes GPU ``LOCAL_RANK`` (else its rank modulo the count, as
+    `spawn.gpu_rank_env` places local ranks, sharing GPUs where there are fewer)."""
     if opts.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local % torch.cuda.device_count())
@@ -47,4 +48,5 @@ def main(opts: PerfOptions, nprocs: int | None, link: Link | None, argv: Sequenc
          timeout_s: float = 1800.0) -> int:
     """Run the sweep under whatever started us; ``argv`` is the command line, for ``--link``."""
     opts.validate()
-    return launch(rank_main, nprocs, link, argv, opts, timeout_s=timeout_s)
+    return launch(rank_main, nprocs, link, argv, opts, timeout_s=timeout_s,
+                  gpu=opts.device == "cuda")

@@ -1,0 +1,97 @@
+"""Per compressed all-reduce on one GPU: host time, GPU kernels and copies (issue 36's table).
+
+One process, world size 1 ("loco" with its inner NCCL group on GPU 0), fp32 tensors of each
+size; each row times ``--iters`` calls on the host (enqueue only, then with the GPU's finish)
+and counts, with torch.profiler (CUPTI: every kernel, CuPy's included), the kernels, memsets
+and host<->device copies of ``--profiled`` calls. Rows: compressed (``lowbitcc.compressed()``),
+and the same call exact (``lowbitcc.exact()``, the inner NCCL all-reduce) as the baseline
+measured in the same run. ``LOCO_CALL_SCHEDULE=1`` in the environment measures the call
+schedule's path. At world size 1 nothing crosses a wire: a compressed call is two encodes and
+two decodes plus the bookkeeping, which is what this counts.
+
+    python benchmarks/cuda_launches.py [--sizes 65536 1048576 16777216] [--iters 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import lowbitcc
+
+
+def _device_events(prof: profile) -> dict[str, int]:
+    counts = {"kernels": 0, "memsets": 0, "copies": 0}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = "memsets" if "memset" in name else "copies" if "memcpy" in name else "kernels"
+        counts[kind] += 1
+    return counts
+
+
+def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, float]:
+    ctx = lowbitcc.compressed if mode == "compressed" else lowbitcc.exact
+
+    def call() -> None:
+        with ctx():
+            dist.all_reduce(x)
+        lowbitcc.end_step()
+
+    for _ in range(70):  # past the call schedule's learning and the descriptor's first uses
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            call()
+        torch.cuda.synchronize()
+    per_call = {k: v / profiled for k, v in _device_events(prof).items()}
+    return {"numel": x.numel(), "mode": mode, "host_us": (t1 - t0) / iters * 1e6,
+            "with_gpu_us": (t2 - t0) / iters * 1e6, **per_call}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[65536, 1 << 20, 1 << 24])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--profiled", type=int, default=10)
+    opts = parser.parse_args()
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+            pg_options=lowbitcc.LocoConfig(min_size=1, cost_model=False),
+            device_id=torch.device("cuda", 0))
+        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+              f"LOCO_CALL_SCHEDULE={os.environ.get('LOCO_CALL_SCHEDULE', '0')}")
+        print(f"{'elements':>10} {'mode':>10} {'host us':>9} {'+gpu us':>9} {'kernels':>8} "
+              f"{'memsets':>8} {'copies':>7}")
+        try:
+            for numel in opts.sizes:
+                x = torch.randn(numel, device="cuda")
+                for mode in ("compressed", "exact"):
+                    r = _row(x, mode, opts.iters, opts.profiled)
+                    print(f"{numel:>10} {mode:>10} {r['host_us']:>9.1f} {r['with_gpu_us']:>9.1f} "
+                          f"{r['kernels']:>8.1f} {r['memsets']:>8.1f} {r['copies']:>7.1f}",
+                          flush=True)
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

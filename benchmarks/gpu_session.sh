@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
+# phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
+#
+#   benchmarks/gpu_session.sh [phase ...]     phases: selftest pytest schedule launches perf codec
+#                                             (default: all; the environment is always printed)
+#
+# Runs with the machine's own python3 and packages (torch, CuPy, NCCL): lowbitcc is installed
+# into it without dependencies; where that fails, PYTHONPATH serves (then `import lowbitcc`, not
+# torch's autoload, registers "loco").
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=python3
+phases=${*:-selftest pytest schedule launches perf codec}
+
+{
+    date -u
+    nvidia-smi -L
+    $py -c 'import sys, torch, cupy, setuptools
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "nccl", torch.cuda.nccl.version(), "cupy", cupy.__version__, "setuptools", setuptools.__version__,
+      "gpus", torch.cuda.device_count())'
+    $py -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
+        { echo "pip install failed: using PYTHONPATH"; }
+    $py -c 'import lowbitcc' || export PYTHONPATH=$PWD
+    time $py -c 'from lowbitcc.codec import cpu; print("C++ codec:", cpu.load() is not None)'
+} 2>&1 | tee "$out/env.txt"
+$py -c 'import lowbitcc' 2>/dev/null || export PYTHONPATH=$PWD
+
+for phase in $phases; do
+    echo "=== $phase $(date -u +%T)"
+    case $phase in
+    selftest)
+        timeout "${SELFTEST_S:-240}" $py -m lowbitcc selftest --ranks 4 --cases "${CASES:-400}" 2>&1 | tee "$out/selftest.txt" ;;
+    pytest)
+        timeout "${PYTEST_S:-420}" $py -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 240 --durations 12 \
+            -n 4 --dist loadfile 2>&1 | tee "$out/pytest-gpu.txt" ;;
+    schedule)
+        LOCO_CALL_SCHEDULE=1 timeout 240 $py -m pytest -m gpu -q -p no:cacheprovider -rs \
+            --timeout 200 tests/gpu/test_multirank.py 2>&1 | tee "$out/pytest-schedule.txt" ;;
+    launches)
+        for schedule in 0 1; do
+            LOCO_CALL_SCHEDULE=$schedule timeout 150 $py benchmarks/cuda_launches.py
+        done 2>&1 | tee "$out/launches.txt" ;;
+    perf)
+        for np in 1 2; do
+            timeout 150 $py -m lowbitcc perf all_reduce --device cuda --np $np \
+                --backend loco4 loco-model nccl -b 256K -e 64M -f 4 -n 50 -w 10 \
+                --json "$out/perf-np$np.json"
+        done 2>&1 | tee "$out/perf.txt" ;;
+    codec)
+        timeout 150 $py -m lowbitcc codec-bench --device cuda -b 1M -e 256M -f 4 --min-time 0.2 \
+            2>&1 | tee "$out/codec.txt" ;;
+    *) echo "unknown phase $phase" ;;
+    esac
+done
+echo "=== done $(date -u +%T)"
