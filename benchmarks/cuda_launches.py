@@ -5,9 +5,11 @@ size; each row times ``--iters`` calls on the host (enqueue only, then with the 
 and counts, with torch.profiler (CUPTI: every kernel, CuPy's included), the kernels, memsets
 and host<->device copies of ``--profiled`` calls. Rows: compressed (``lowbitcc.compressed()``),
 and the same call exact (``lowbitcc.exact()``, the inner NCCL all-reduce) as the baseline
-measured in the same run. ``LOCO_CALL_SCHEDULE=1`` in the environment measures the call
-schedule's path. At world size 1 nothing crosses a wire: a compressed call is two encodes and
-two decodes plus the bookkeeping, which is what this counts.
+measured in the same run; ``exchanges`` counts the host-side descriptor agreements per call.
+The group's config is the environment's (``LOCO_CALL_SCHEDULE=1`` measures the call schedule's
+path) with ``min_size`` 1 and the cost model off. At world size 1 nothing crosses a wire: a
+compressed call is two encodes and two decodes plus the bookkeeping, which is what this
+counts.
 
     python benchmarks/cuda_launches.py [--sizes 65536 1048576 16777216] [--iters 50]
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
+import dataclasses
 import tempfile
 import time
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import lowbitcc
+from lowbitcc.backend.call_agreement import CallAgreement
 
 
 def _device_events(prof: profile) -> dict[str, int]:
@@ -38,6 +41,22 @@ def _device_events(prof: profile) -> dict[str, int]:
     return counts
 
 
+def _counting_agreements() -> list[int]:
+    """Count this process's descriptor agreements from now on."""
+    seen: list[int] = []
+    agree = CallAgreement.agree
+
+    def counted(self, call):
+        seen.append(1)
+        return agree(self, call)
+
+    CallAgreement.agree = counted
+    return seen
+
+
+AGREEMENTS = _counting_agreements()
+
+
 def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, float]:
     ctx = lowbitcc.compressed if mode == "compressed" else lowbitcc.exact
 
@@ -49,10 +68,12 @@ def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, flo
     for _ in range(70):  # past the call schedule's learning and the descriptor's first uses
         call()
     torch.cuda.synchronize()
+    before = len(AGREEMENTS)
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
     t1 = time.perf_counter()
+    exchanges = (len(AGREEMENTS) - before) / iters
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -61,7 +82,7 @@ def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, flo
         torch.cuda.synchronize()
     per_call = {k: v / profiled for k, v in _device_events(prof).items()}
     return {"numel": x.numel(), "mode": mode, "host_us": (t1 - t0) / iters * 1e6,
-            "with_gpu_us": (t2 - t0) / iters * 1e6, **per_call}
+            "with_gpu_us": (t2 - t0) / iters * 1e6, "exchanges": exchanges, **per_call}
 
 
 def main() -> None:
@@ -72,22 +93,23 @@ def main() -> None:
     opts = parser.parse_args()
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
+        config = dataclasses.replace(lowbitcc.LocoConfig.from_env(), min_size=1,
+                                     cost_model=False)
         dist.init_process_group(
             "loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
-            pg_options=lowbitcc.LocoConfig(min_size=1, cost_model=False),
-            device_id=torch.device("cuda", 0))
+            pg_options=config, device_id=torch.device("cuda", 0))
         print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-              f"LOCO_CALL_SCHEDULE={os.environ.get('LOCO_CALL_SCHEDULE', '0')}")
-        print(f"{'elements':>10} {'mode':>10} {'host us':>9} {'+gpu us':>9} {'kernels':>8} "
-              f"{'memsets':>8} {'copies':>7}")
+              f"call_schedule={config.call_schedule}")
+        print(f"{'elements':>10} {'mode':>10} {'host us':>9} {'+gpu us':>9} {'exchanges':>9} "
+              f"{'kernels':>8} {'memsets':>8} {'copies':>7}")
         try:
             for numel in opts.sizes:
                 x = torch.randn(numel, device="cuda")
                 for mode in ("compressed", "exact"):
                     r = _row(x, mode, opts.iters, opts.profiled)
                     print(f"{numel:>10} {mode:>10} {r['host_us']:>9.1f} {r['with_gpu_us']:>9.1f} "
-                          f"{r['kernels']:>8.1f} {r['memsets']:>8.1f} {r['copies']:>7.1f}",
-                          flush=True)
+                          f"{r['exchanges']:>9.2f} {r['kernels']:>8.1f} {r['memsets']:>8.1f} "
+                          f"{r['copies']:>7.1f}", flush=True)
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

@@ -2,7 +2,8 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: selftest pytest schedule launches perf codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: selftest pytest unfixed schedule launches perf
+#                                             codec
 #                                             (default: all; the environment is always printed)
 #
 # Runs with the machine's own python3 and packages (torch, CuPy, NCCL): lowbitcc is installed
@@ -13,7 +14,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-selftest pytest schedule launches perf codec}
+phases=${*:-selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -37,6 +38,17 @@ for phase in $phases; do
     pytest)
         timeout "${PYTEST_S:-420}" $py -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 240 --durations 12 \
             -n 4 --dist loadfile 2>&1 | tee "$out/pytest-gpu.txt" ;;
+    unfixed)  # the state-lifetime race test without ErrorState.record_stream: it must fail
+        timeout 120 $py - 2>&1 <<'EOF' | tee "$out/unfixed.txt"
+import sys
+import pytest
+from lowbitcc.codec import error_state
+error_state.ErrorState.record_stream = lambda self, stream: None
+code = pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "-k", "outlives",
+                    "tests/gpu/test_cuda_backend.py"])
+print("without record_stream the test", "FAILED, as it must" if code == 1 else f"exited {code}")
+EOF
+        ;;
     schedule)
         LOCO_CALL_SCHEDULE=1 timeout 240 $py -m pytest -m gpu -q -p no:cacheprovider -rs \
             --timeout 200 tests/gpu/test_multirank.py 2>&1 | tee "$out/pytest-schedule.txt" ;;

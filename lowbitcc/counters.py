@@ -67,6 +67,8 @@ class Stats:
         with self._lock:
             key = (category, sums.device)
             pending = self._device_sums.get(key)
+            if pending is not None:  # read on this stream, then dropped: keep it until read
+                pending.record_stream(torch.cuda.current_stream(sums.device))
             self._device_sums[key] = sums.clone() if pending is None else pending + sums
 
     def snapshot(self) -> dict[str, Any]:

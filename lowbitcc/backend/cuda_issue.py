@@ -10,12 +10,16 @@ a Work whose waiting is stream-ordered, as ProcessGroupNCCL's is (docs/gpu.md):
   returned, or, in synchronous mode where it returns none, a `StreamWork` ordered after the
   call on the caller's stream;
 - a compressed call runs its job (encode kernels, NCCL transfers, decode kernels, all enqueued
-  on one stream S) and returns a Work around a future completed on S. S is the caller's
+  on one stream S) and returns a `StreamWork` ordered after the job on S. S is the caller's
   current stream for synchronous calls, and a side stream per device that first waits on the
   current one for ``async_op=True`` (the inputs and outputs are then marked as used on S, so the
   caching allocator keeps them until S is done). Consecutive compressed calls of the group are
   chained with an event, so their error states and NCCL transfers are ordered on the GPU
   whatever streams the callers used.
+
+A lock makes each call's issue (its stream choice, its job, the chaining) one step when several
+threads call the group: the calls then chain in the order they took the lock. Ranks must still
+issue their calls in the same order, as with NCCL.
 
 While a CUDA graph is being captured, a compressed call takes its exact path (the compressed
 path reads Python-side state that a graph would freeze).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -48,24 +53,30 @@ def ready_work(outputs: list[torch.Tensor], device: torch.device) -> dist.Work:
 
 
 class StreamWork(dist.Work):
-    """The Work of an exact call that NCCL enqueued in synchronous mode on ``stream`` (the
-    caller's current stream), whose results are ``outputs``: they are ready in that stream's
-    order. `wait` makes the waiter's current stream wait for an event recorded after the call
-    (no host wait); `get_future` makes, on first use, a CUDA-aware future completed on
-    ``stream`` (so also after whatever was enqueued there since). What `ready_work` gives,
-    without building the future where the caller only waits (``dist.*(async_op=False)``)."""
+    """The Work of a call enqueued on ``stream`` (a compressed call's stream, or the caller's
+    current one for an exact call that NCCL ran in synchronous mode), whose results are
+    ``outputs``: they are ready in that stream's order. `wait` and `synchronize` make the
+    waiter's current stream wait for ``event``, recorded after the call (no host wait), as
+    ProcessGroupNCCL's Work does; `is_completed` asks the GPU whether it has passed it (no
+    wait); `get_future` makes, on first use, a CUDA-aware future completed on ``stream`` (so
+    also after whatever was enqueued there since). What `ready_work` gives, without building
+    the future where the caller only waits (``dist.*(async_op=False)``). `exception` is None:
+    what goes wrong on the GPU is not seen without a host synchronisation."""
 
     def __init__(self, outputs: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
         super().__init__()
         self._outputs = outputs
         self._stream = stream
-        self._event = torch.cuda.Event()
-        self._event.record(stream)
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
         self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: Any = None) -> bool:
-        torch.cuda.current_stream(self._stream.device).wait_event(self._event)
+        torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return True
+
+    def synchronize(self) -> None:
+        self.wait()
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
@@ -76,10 +87,10 @@ class StreamWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._event.query()
+        return self.event.query()
 
     def is_success(self) -> bool:
-        return self._event.query()
+        return self.event.query()
 
     def exception(self) -> BaseException | None:
         return None
@@ -90,12 +101,14 @@ class StreamWork(dist.Work):
 
 class CudaIssuer:
     """Issues the CUDA calls of one group (see the module docstring) on ``nccl``, its inner
-    ``ProcessGroupNCCL``. Used only from the threads that call the group."""
+    ``ProcessGroupNCCL``. Used only from the threads that call the group; one call at a time
+    (``_lock``)."""
 
     def __init__(self, nccl: Any) -> None:
         self.nccl = nccl
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._last: dict[torch.device, torch.cuda.Event] = {}
+        self._lock = threading.RLock()
 
     inline = True
 
@@ -150,7 +163,7 @@ class CudaIssuer:
         """Run ``job`` (``exact`` while a graph is captured) on the call's stream; ``tensors``
         are every tensor the call reads or writes, ``outputs`` the Work's value."""
         device = outputs[0].device
-        with torch.cuda.device(device):
+        with self._lock, torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             if torch.cuda.is_current_stream_capturing():
                 exact()
@@ -163,10 +176,8 @@ class CudaIssuer:
                 stream.wait_event(last)
             with torch.cuda.stream(stream), torch.no_grad():
                 job()
-                done = torch.cuda.Event()
-                done.record(stream)
-                self._last[device] = done
-                work = ready_work(outputs, device)
+            work = StreamWork(outputs, stream)
+            self._last[device] = work.event
             if stream != current:
                 for t in tensors:
                     t.record_stream(stream)

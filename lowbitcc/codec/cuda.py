@@ -25,7 +25,7 @@ from lowbitcc.codec.interface import EncodeArgs
 
 SOURCE = CSRC / "cuda_codec.cu"
 OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
-MAX_GROUP = 256  # one warp per group, 8 elements per lane
+MAX_GROUP = 256  # at most a warp per group, 8 elements per lane (`segment_lanes`)
 THREADS = 256
 ENCODE_BLOCKS = 1024
 """Most blocks an encode launches (its warps loop over the groups): about one full wave on an
@@ -188,6 +188,13 @@ def _p(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
 
 
+def segment_lanes(group_size: int) -> int:
+    """Lanes of a warp that encode one group (``segment_lanes`` in ``cuda_codec.cu``): G/8
+    where that is a power of two, so that a warp encodes 32/(G/8) groups at once, else 32."""
+    lanes = group_size // 8
+    return lanes if group_size % 8 == 0 and 0 < lanes <= 32 and lanes & (lanes - 1) == 0 else 32
+
+
 def pack_encode_args(args: EncodeArgs) -> np.void:
     """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses)."""
     dtype = encode_args_dtype()
@@ -214,9 +221,10 @@ class CudaKernels:
     writes_every_byte = False  # idle lanes of a group narrower than a warp write nothing
 
     def encode(self, args: EncodeArgs) -> None:
-        groups = args.rows * args.ng
+        per_warp = 32 // segment_lanes(args.group_size)
+        warps = -(-args.rows * args.ng // per_warp)
         name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
-        blocks = min(-(-groups * 32 // THREADS), ENCODE_BLOCKS)
+        blocks = min(-(-warps * 32 // THREADS), ENCODE_BLOCKS)
         _launch(name, args.source.device, blocks, (pack_encode_args(args),))
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,

@@ -96,6 +96,14 @@ class ErrorState:
         scales = None if self.scales is None else self.scales.to(device, copy=True)
         return ErrorState(self.dtype, self.data.to(device, copy=True), scales, self.group_size)
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark this (CUDA) state's tensors as used by the work queued on ``stream`` so far: the
+        caching allocator keeps their memory from other streams' allocations until that work is
+        done, whenever the host drops the state (a feedback store evicting or replacing it)."""
+        self.data.record_stream(stream)
+        if self.scales is not None:
+            self.scales.record_stream(stream)
+
     def clone(self) -> ErrorState:
         return ErrorState(self.dtype, self.data.clone(),
                           None if self.scales is None else self.scales.clone(), self.group_size)

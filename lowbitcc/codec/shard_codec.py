@@ -154,6 +154,9 @@ class ShardCodec:
             messages = out if self.kernels.writes_every_byte else out.zero_()
         messages[:, wire.used_bytes(m, self.bits, self.group_size, self.fmt):] = 0  # the row's padding
         state = error
+        if error is not None and device.type == "cuda":
+            # the kernel reads and updates it on this stream; it may come from another's call
+            error.record_stream(torch.cuda.current_stream(device))
         if state is None and error_dtype:
             state = ErrorState.zeros(rows * self.padded(m), error_dtype, self.group_size, device)
         ng = wire.ngroups(m, self.group_size)

@@ -38,10 +38,15 @@ def _counting_agreements() -> list[int]:
     return seen
 
 
-def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
+def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu"):
     """Backward passes on a loco group of ``issuer``, each all-reducing the tensors
     ``plan(rank, p)`` gives for pass ``p`` (sizes, or (size, dtype, op); None: stop); returns
-    every result, the agreements per pass and the errors raised (by pass)."""
+    every result (as CPU tensors), the agreements per pass and the errors raised (by pass).
+    ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py)."""
+    if device == "cuda":
+        from lowbitcc.tools import spawn
+
+        device = spawn.gpu_device(rank)
     if reagree_every:
         call_schedule.REAGREE_EVERY = reagree_every
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
@@ -54,7 +59,7 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
         before = len(seen)
         calls = [c if isinstance(c, tuple) else (c, torch.float32, dist.ReduceOp.SUM)
                  for c in sizes]
-        inputs = [torch.randn(n, generator=gen).to(dtype) for n, dtype, _ in calls]
+        inputs = [torch.randn(n, generator=gen).to(dtype).to(device) for n, dtype, _ in calls]
 
         def issue(inputs=inputs, calls=calls):
             for x, (_, _, op) in zip(inputs, calls):
@@ -64,7 +69,7 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None):
             _backward_pass(issue)
         except CollectiveMismatchError as exc:
             errors[p] = str(exc)
-        results.append([x.clone() for x in inputs])
+        results.append([x.to("cpu", copy=True) for x in inputs])
         agreements.append(len(seen) - before)
         p += 1
     return results, agreements, errors

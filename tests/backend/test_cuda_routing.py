@@ -98,18 +98,21 @@ def test_synchronous_call_runs_on_the_callers_stream(fake_cuda):
     issuer = cuda_issue.CudaIssuer(nccl=None)
     out = FakeTensor(log, "out")
     work = issuer.compressed(_job(log, state), _job(log, state, "exact"), [out], [out], False)
-    assert work == ("work", (out,))
-    assert log == [("job", "current"), ("ready", "current", ["out"])]
+    assert isinstance(work, cuda_issue.StreamWork) and work.result() == [out]
+    assert work.event.stream == "current"  # what waiting on the Work orders after
+    assert log == [("job", "current")]
 
 
 def test_async_call_runs_on_a_side_stream_that_waits_for_the_caller(fake_cuda):
     log, state = fake_cuda
     issuer = cuda_issue.CudaIssuer(nccl=None)
     inp, out = FakeTensor(log, "in"), FakeTensor(log, "out")
-    issuer.compressed(_job(log, state), _job(log, state, "exact"), [inp, out], [out], True)
+    work = issuer.compressed(_job(log, state), _job(log, state, "exact"), [inp, out], [out], True)
     assert log == [("wait_stream", "side1", "current"), ("job", "side1"),
-                   ("ready", "side1", ["out"]),
                    ("record_stream", "in", "side1"), ("record_stream", "out", "side1")]
+    assert work.event.stream == "side1"
+    work.synchronize()  # as NCCL's: the caller's stream waits for the call, the host does not
+    assert log[-1] == ("wait_event", "current", "side1")
     assert state["current"].name == "current"  # the caller's stream is current again
     log.clear()
     issuer.compressed(_job(log, state), _job(log, state, "exact"), [out], [out], True)
@@ -127,6 +130,39 @@ def test_calls_on_different_streams_are_chained_in_issue_order(fake_cuda):
     issuer.compressed(_job(log, state), _job(log, state), [out], [out], False)  # on current
     assert log[0] == ("wait_event", "current", "side1")
     assert log[1] == ("job", "current")
+
+
+def test_calls_from_two_threads_issue_one_at_a_time_and_chain(fake_cuda):
+    """A second thread's call waits until the first's job has been enqueued, then chains
+    after it; without the lock its job ran in the middle of the first's."""
+    import threading
+
+    log, state = fake_cuda
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    out = FakeTensor(log, "out")
+    second_started, second_ran = threading.Event(), threading.Event()
+
+    def first_job():
+        log.append(("first", "begins"))
+        second_started.wait(5)
+        second_ran.wait(0.3)  # long enough for the other thread's job, had it run
+        log.append(("first", "ends"))
+
+    def second_call():
+        second_started.set()
+        issuer.compressed(lambda: (log.append(("second", "runs")), second_ran.set()),
+                          lambda: None, [out], [out], False)
+
+    thread = threading.Thread(target=second_call)
+    first = threading.Thread(target=lambda: issuer.compressed(first_job, lambda: None, [out],
+                                                              [out], False))
+    first.start()
+    thread.start()
+    first.join(10)
+    thread.join(10)
+    jobs = [e for e in log if e[0] in ("first", "second")]
+    assert jobs == [("first", "begins"), ("first", "ends"), ("second", "runs")]
+    assert ("wait_event", "current", "current") in log  # the second chained after the first
 
 
 def test_graph_capture_takes_the_exact_path(fake_cuda):

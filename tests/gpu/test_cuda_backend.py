@@ -3,8 +3,8 @@
 World size 1 runs on one GPU: routing, exact calls on the inner NCCL group, the compressed
 path (CUDA kernels, NCCL transfers, decode) against the same call on CPU tensors, stream
 ordering with ``async_op=True``, no host synchronisation, CUDA graph capture, checkpoints.
-DDP and FSDP2 against ``nccl`` need two GPUs or more (one rank per GPU; NCCL refuses two ranks
-on one device).
+DDP and FSDP2 against ``nccl`` run on at least 2 ranks: one per GPU, or several on one GPU
+with their own ``NCCL_HOSTID`` (`lowbitcc.tools.spawn.gpu_rank_env`).
 """
 
 from __future__ import annotations
@@ -233,6 +233,58 @@ def test_side_stream_future_callbacks_see_the_result(group):
     assert torch.allclose(doubled.cpu(), torch.full((1 << 16,), 2.0), rtol=0.02)
 
 
+def _state_lifetime_calls(group, device: torch.device, inputs, hold_back) -> list[torch.Tensor]:
+    """Key K's error state made by a synchronous call (memory of the caller's stream), updated
+    in place by an asynchronous call on the side stream, dropped on the host by the next call
+    (``reset_interval`` 2); ``hold_back()`` runs after that drop. The three results."""
+    xs = [x.to(device) for x in inputs]
+    with lowbitcc.compressed(), lowbitcc.feedback_key(f"state-lifetime-{device.type}"):
+        dist.all_reduce(xs[0], group=group)
+        hold_back("before")
+        second = dist.all_reduce(xs[1], group=group, async_op=True)
+        third = dist.all_reduce(xs[2], group=group, async_op=True)  # drops the state on the host
+        hold_back("after")
+        second.wait()
+        third.wait()
+    return xs
+
+
+@needs_cupy
+def test_an_error_state_dropped_on_the_host_outlives_its_use_on_the_side_stream(group):
+    """The asynchronous call's kernels read and write the state on the side stream, held back
+    by a sleep; the host drops it at the next call, and the caller then allocates memory of the
+    same sizes on its own stream and fills it. Without the state marked as used on the side
+    stream (`ErrorState.record_stream`) the allocator hands the caller that memory at once:
+    the side stream's kernels then read the caller's values and write into the caller's
+    tensors. The results must equal the same calls on CPU tensors bit for bit, and the
+    caller's tensors must keep their values."""
+    device = torch.device("cuda", 0)
+    lifetimes = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=1, reset_interval=2, cost_model=False))
+    n = 1 << 16
+    gen = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(n, generator=gen) for _ in range(3)]
+    with lowbitcc.compressed(), lowbitcc.feedback_key("side-stream"):  # makes the side stream
+        dist.all_reduce(torch.ones(n, device=device), group=lifetimes, async_op=True).wait()
+    side = lifetimes._cuda._side[device]
+    caller_tensors: list[torch.Tensor] = []
+
+    def hold_back(when: str) -> None:
+        if when == "before":
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock
+            return
+        for _ in range(8):  # the sizes of an int8 state and its scales, and then some
+            caller_tensors.append(torch.full((n,), 77, dtype=torch.int8, device=device))
+            caller_tensors.append(torch.full((n // 32,), 3.0e30, device=device))
+
+    got = _state_lifetime_calls(lifetimes, device, inputs, hold_back)
+    torch.cuda.synchronize()
+    want = _state_lifetime_calls(lifetimes, torch.device("cpu"), inputs, lambda when: None)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+    assert all(bool((t == t.flatten()[0]).all()) for t in caller_tensors)
+
+
 @needs_cupy
 def test_graph_capture_takes_the_exact_path(group):
     x = torch.ones(1 << 16, device="cuda")
@@ -324,14 +376,14 @@ def _parity_rank(rank: int, world: int, gloo, kind: str, steps: int) -> dict[str
 
 
 @needs_cupy
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_training_on_loco_matches_nccl(kind):
-    """At least 2 ranks: one per GPU, or several on one GPU with their own ``NCCL_HOSTID``
+def test_training_on_loco_matches_nccl(kind, world):
+    """2 and 4 ranks: one per GPU, or several on one GPU with their own ``NCCL_HOSTID``
     (`spawn.gpu_rank_env`); every bucket goes through the compressed path."""
     from lowbitcc.tools import spawn
     from tests.support.ranks import run_ranks
 
-    world = max(2, torch.cuda.device_count())
     rank_env = spawn.gpu_rank_env(world, torch.cuda.device_count())
     # the cost model off: on fast GPU links it would (rightly) send most buckets exact
     for r in run_ranks(_parity_rank, world, kind, 30, env={"LOCO_COST_MODEL": "0"},

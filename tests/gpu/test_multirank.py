@@ -4,8 +4,9 @@ Ranks map to ``rank % device_count``; where they share a GPU, `spawn.gpu_rank_en
 its own ``NCCL_HOSTID`` (NCCL then takes them for separate nodes over its socket transport),
 and the test ids say so. Timings mean nothing there; results do: compressed all-reduce and
 reduce-scatter identical on every rank and equal to the same call on CPU tensors (the C++
-codec, gloo) bit for bit, a mismatched call raising on every rank, no host synchronisation.
-Written 2026-11-26 without a GPU: **these tests have not run yet** (docs/gpu.md).
+codec, gloo) bit for bit, a mismatched call raising on every rank, no host synchronisation,
+the call schedule's steady state and agreed re-learning (`LocoConfig.call_schedule`), and a
+rank's invalid arguments refused on every rank. Runs and results: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import lowbitcc
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.codec import cuda
 from lowbitcc.tools import spawn
+from tests.backend import test_call_schedule as schedule
+from tests.backend import test_faults as faults
 from tests.support.ranks import run_ranks
 
 pytestmark = [
@@ -39,9 +42,9 @@ def _placement(world: int) -> str:
 WORLDS = [pytest.param(w, id=_placement(w)) for w in (2, 4)]
 
 
-def _ranks(fn, world: int, *args, **kwargs):
+def _ranks(fn, world: int, *args, timeout: float = 300, pg_timeout_s: float = 60):
     env = spawn.gpu_rank_env(world, torch.cuda.device_count())
-    return run_ranks(fn, world, *args, rank_env=env, timeout=300, **kwargs)
+    return run_ranks(fn, world, *args, rank_env=env, timeout=timeout, pg_timeout_s=pg_timeout_s)
 
 
 def _same_on_every_rank(t: torch.Tensor, gloo) -> bool:
@@ -124,3 +127,81 @@ def _no_host_sync(rank, world, gloo):
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_compressed_call_enqueues_without_a_host_sync_and_orders_with_the_stream(world):
     assert all(_ranks(_no_host_sync, world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("plan", ["steady", "every rank deviates alike"])
+def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
+    """Backward passes of three compressed all-reduces under the call schedule: on CUDA the
+    same agreements as on CPU tensors (pass 0 agrees every call, pass 1 closes the period, then
+    none; a new bucket order agreed alike by every rank), and the same bits."""
+    plans = {"steady": schedule._steady, "every rank deviates alike": schedule._every_rank_deviates}
+    on_gpu = _ranks(schedule._passes, world, "inline", plans[plan], None, "cuda")
+    on_cpu = run_ranks(schedule._passes, world, "inline", plans[plan])
+    for (got, agreements, errors), (want, cpu_agreements, _) in zip(on_gpu, on_cpu):
+        assert not errors, errors
+        assert agreements == cpu_agreements, (agreements, cpu_agreements)
+        assert schedule._same_passes(got, want)
+
+
+def _invalid_on_one_rank(rank, world, gloo, case):
+    """Rank 0 calls a CUDA reduction with arguments it refuses; the others' are valid; then
+    an exact and a compressed all-reduce show whether the group is still in step."""
+    from lowbitcc.backend.call_agreement import InvalidPeerCallError
+
+    device = spawn.gpu_device(rank)
+    bad = rank == 0
+    try:
+        if case == "uneven tensor":
+            dist.reduce_scatter_tensor(torch.empty(4096, device=device),
+                                       torch.ones(world * 4096 + (3 if bad else 0), device=device))
+        else:  # a list of the wrong length
+            count = world + 1 if bad else world
+            dist.reduce_scatter(torch.empty(4096, device=device),
+                                [torch.ones(4096, device=device) for _ in range(count)])
+        raised = "nothing"
+    except InvalidPeerCallError as exc:
+        raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
+    except (ValueError, TypeError) as exc:
+        raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)
+    x = torch.linspace(-1, 1, N) * (rank + 1)
+    exact, compressed, theirs = x.to(device), x.to(device), x.clone()
+    dist.all_reduce(exact)
+    with lowbitcc.compressed():
+        dist.all_reduce(compressed)
+    dist.all_reduce(theirs, group=gloo)
+    return raised, torch.equal(exact.cpu(), theirs), faults._close(compressed.cpu(), theirs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", ["uneven tensor", "list of wrong length"])
+def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_goes_on(world, case):
+    """As on CPU (tests/backend/test_faults.py): rank 0 raises its own error, the others an
+    `InvalidPeerCallError` naming it, within the timeout, and the next calls work."""
+    results = _ranks(_invalid_on_one_rank, world, case, timeout=90, pg_timeout_s=30)
+    assert results == [("own", True, True)] + [("peer", True, True)] * (world - 1), results
+
+
+def _resume(rank, world, gloo):
+    device = spawn.gpu_device(rank)
+    x = torch.randn(N, generator=torch.Generator().manual_seed(rank)).to(device)
+    with lowbitcc.compressed(), lowbitcc.feedback_key("resume"):
+        dist.all_reduce(x.clone())
+    saved = lowbitcc.state_dict()
+    on_cpu = all(v["data"].device.type == "cpu" for v in saved["states"].values())
+    runs = []
+    for load in (False, True):
+        if load:
+            lowbitcc.load_state_dict(saved)
+        y = x.clone()
+        with lowbitcc.compressed(), lowbitcc.feedback_key("resume"):
+            dist.all_reduce(y)
+        runs.append(y.cpu())
+    return on_cpu, torch.equal(*runs), _same_on_every_rank(runs[1], gloo)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_error_states_checkpoint_to_the_cpu_and_resume_on_every_rank(world):
+    """Each rank's states are saved as CPU tensors; loaded back, the next call repeats the
+    call made from the saved states bit for bit, identical on every rank."""
+    assert _ranks(_resume, world) == [(True, True, True)] * world

@@ -7,12 +7,15 @@
 // (indices >= numel read as 0), ng = ceil(m / G) groups per row, messages are uint8 [rows, P]
 // (header bytes 0..31 written by the host), the error state holds rows * ng * G elements.
 //
-// encode: one warp per group, each warp taking groups in a grid-stride loop (the launcher caps
-//   the grid); lane l owns elements 8l .. 8l+7 of the group (G <= 256, a multiple of 8), held
-//   in registers from load to store: one read of the source and the error state, one write of
-//   the codes and the error state. Group maxima are warp reductions; the residual sums stay in
-//   each lane's registers across its warp's groups and reach `sums` with one atomic add per
-//   warp (one per group serialised the kernel on those two addresses).
+// encode: a group takes a *segment* of G/8 lanes where G/8 is a power of two (so a warp encodes
+//   32/(G/8) groups at once and every lane works: 8 groups of MXFP4's 32), else a whole warp;
+//   each warp takes its groups in a grid-stride loop (the launcher caps the grid). Lane l of a
+//   segment owns elements 8l .. 8l+7 of its group (G <= 256, a multiple of 8), held in
+//   registers from load to store: one read of the source and the error state, one write of the
+//   codes and the error state. Group maxima are shuffle reductions within the segment (every
+//   lane of the warp takes part, so none may leave early); the residual sums stay in each
+//   lane's registers across its warp's groups and reach `sums` with one atomic add per warp
+//   (one per group serialised the kernel on those two addresses).
 // decode_sum: one thread per element of the shard, rows summed in row order.
 // decode_into: one thread per element of the output, cast to its dtype.
 // checksum: the wire checksum of each message row (wire.py), by a grid of (blocks, rows): each
@@ -54,6 +57,18 @@ __device__ __forceinline__ unsigned warp_max_bits(unsigned bits) {
   return bits;
 }
 
+// the same over aligned segments of `width` lanes (a power of two <= 32); every lane calls it
+__device__ __forceinline__ unsigned segment_max_bits(unsigned bits, int width) {
+  for (int o = width >> 1; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(kFull, bits, o));
+  return bits;
+}
+
+// lanes per group (see encode above); cuda.py's `segment_lanes` is the same rule
+__device__ __forceinline__ int segment_lanes(int G) {
+  const int lanes = G / kChunk;
+  return (G % kChunk == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0) ? lanes : 32;
+}
+
 __device__ __forceinline__ float bits_to_amax(unsigned top) {
   return top >= 0x7f800000u ? loco::quiet_nan() : __uint_as_float(top);
 }
@@ -63,24 +78,27 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// One group `gi` by one whole warp; adds this lane's share of the group's residual and input
-// squares to rs_acc / is_acc (finite groups only). FMT: loco::Format (kMx: BITS 4, !SR).
+// One group `gi` by a segment of `width` lanes (`lane`: this one's index in it; `valid`: gi is
+// a group, else the lane only takes part in the segment's shuffles); adds this lane's share of
+// the group's residual and input squares to rs_acc / is_acc (finite groups only). FMT:
+// loco::Format (kMx: BITS 4, !SR).
 template <typename T, int BITS, int MODE, bool SR, int FMT>
 __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
-                                             double& rs_acc, double& is_acc) {
+                                             bool valid, int width, double& rs_acc,
+                                             double& is_acc) {
   const T* __restrict__ src = static_cast<const T*>(a.src);
   __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
   const int G = a.G;
   const long long row = gi / a.ng, gcol = gi % a.ng;
   const long long col0 = gcol * G;
   const int first = lane * kChunk;
-  const bool active = first < G;
+  const bool active = valid && first < G;
   const long long off = gi * G;
   const bool with_error = MODE != kNoError && a.has_error;
 
   float y[kChunk], e[kChunk];
   unsigned top = 0;
-  const float escale = (MODE == kInt8 && with_error) ? a.escales[gi] : 0.0f;
+  const float escale = (MODE == kInt8 && with_error && valid) ? a.escales[gi] : 0.0f;
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
     const long long col = col0 + first + t;
@@ -100,17 +118,18 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
     y[t] = v;
     top = max(top, __float_as_uint(v) & 0x7fffffffu);
   }
-  top = warp_max_bits(top);
+  top = segment_max_bits(top, width);
   unsigned char* row_msg = a.msgs + row * a.P;
+  const bool leader = valid && lane == 0;
   float scale, inv;
   bool finite;
   if (FMT == kMx) {
     const loco::MxScale s = loco::mx_scale(top);
-    if (lane == 0) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
+    if (leader) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
     scale = s.scale, inv = s.inv, finite = s.finite;
   } else {
     const loco::GroupScale s = loco::group_scale(bits_to_amax(top), loco::qmax(BITS));
-    if (lane == 0) {
+    if (leader) {
       const unsigned sb = __float_as_uint(s.scale);
       for (int b = 0; b < 4; ++b) row_msg[loco::kHeaderBytes + 4 * gcol + b] = (sb >> (8 * b)) & 0xff;
     }
@@ -152,26 +171,27 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 #pragma unroll
     for (int b = 0; b < BITS; ++b) packed[first * BITS / 8 + b] = (word >> (8 * b)) & 0xff;
   }
-  if (!finite) {
-    if (lane == 0) a.nonfinite[gi] = 1;
-    return;  // the call's error states are dropped, as on the CPU
+  // a non-finite group writes no error state (the call's states are dropped, as on the CPU);
+  // its lanes still take part in the segment's shuffle below
+  if (!finite && leader) a.nonfinite[gi] = 1;
+  if (finite) {
+    rs_acc += rs;
+    is_acc += is;
   }
-  rs_acc += rs;
-  is_acc += is;
   if (MODE == kInt8) {
-    etop = warp_max_bits(etop);
+    etop = segment_max_bits(etop, width);
     const loco::GroupScale es = loco::group_scale(bits_to_amax(etop), 127);
-    if (active) {
+    if (active && finite) {
 #pragma unroll
       for (int t = 0; t < kChunk; ++t)
         a.ecodes[off + first + t] =
             es.finite ? (signed char)loco::code_nearest(e[t], es.inv, 127.0f) : 0;
     }
-    if (lane == 0) a.escales[gi] = es.scale;
-  } else if (MODE == kFp32 && active) {
+    if (leader && finite) a.escales[gi] = es.scale;
+  } else if (MODE == kFp32 && active && finite) {
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) a.ef32[off + first + t] = e[t];
-  } else if (MODE == kBf16 && active) {
+  } else if (MODE == kBf16 && active && finite) {
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) ebf16[off + first + t] = __float2bfloat16_rn(e[t]);
   }
@@ -183,12 +203,17 @@ template <typename T, int BITS, int MODE, bool SR, int FMT>
 __global__ void encode(const loco::EncodeArgs a) {
   const long long groups = a.rows * a.ng;
   const int lane = threadIdx.x & 31;
+  const int width = segment_lanes(a.G), per_warp = 32 / width;
+  const long long tasks = (groups + per_warp - 1) / per_warp;
   const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
   double rs = 0.0, is = 0.0;
-  // gi is the same on every lane, so whole warps run (and leave) the loop together
-  for (long long gi = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; gi < groups;
-       gi += warps)
-    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane, rs, is);
+  // a task (per_warp consecutive groups) is the same on every lane, so whole warps run (and
+  // leave) the loop together
+  for (long long task = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; task < tasks;
+       task += warps) {
+    const long long gi = task * per_warp + lane / width;
+    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane % width, gi < groups, width, rs, is);
+  }
   rs = warp_sum(rs);
   is = warp_sum(is);
   if (lane == 0 && (rs != 0.0 || is != 0.0)) {
