@@ -63,7 +63,7 @@ EOF
                 --json "$out/perf-np$np.json"
         done 2>&1 | tee "$out/perf.txt" ;;
     codec)
-        timeout 150 $py -m lowbitcc codec-bench --device cuda -b 1M -e 256M -f 4 --min-time 0.2 \
+        timeout 150 $py -m lowbitcc codec-bench --device cuda -b "${CODEC_MIN:-1M}" -e 256M -f 4 --min-time 0.2 \
             2>&1 | tee "$out/codec.txt" ;;
     *) echo "unknown phase $phase" ;;
     esac
