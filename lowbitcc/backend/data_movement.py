@@ -66,13 +66,16 @@ class DataMovements:
     def refuse_reduction(self, error: Exception, inline: bool, outputs: list[torch.Tensor],
                          collective: str = "reduce_scatter") -> None:
         """Refuse a reduce-scatter (or all-reduce) of ``outputs``, one call per tensor, in the
-        descriptor exchange the valid call would make; calls issued ``inline`` raise without
-        one (their exchange depends on the policy and the leases)."""
+        descriptor exchange the valid call would make: through the worker, every such call
+        exchanges one; issued ``inline``, those of at least ``min_size`` elements (a leased
+        size class excepted, see `CompressedCalls.refused`). Under the call schedule, where the
+        valid call may run at its place without an exchange, an inline refusal raises without
+        one (the others then fail at that call or the next, or wait until the timeout)."""
         world = self.size if collective == "reduce_scatter" else 1
         numels = [o.numel() * world for o in outputs]
-        self.refuse(collective, error,
-                    exchanges=not inline and self._compressed.agrees_on(numels),
-                    numels=numels, like=outputs[0])
+        exchanges = self._compressed.agrees_on(numels, inline=inline) and not (
+            inline and self._compressed.config.call_schedule)
+        self.refuse(collective, error, exchanges=exchanges, numels=numels, like=outputs[0])
 
     def refuse_invalid_op(self, op: Any, inline: bool, outputs: list[torch.Tensor],
                           collective: str = "reduce_scatter") -> None:

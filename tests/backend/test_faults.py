@@ -699,6 +699,52 @@ def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_survive
     assert run_ranks(_invalid_arguments_on_one_rank, 3, case, timeout=60) == expected
 
 
+def invalid_inline_call_on_one_rank(rank, world, gloo, case, device="cpu"):
+    """Rank 0 calls a reduction of at least ``min_size`` elements with arguments it refuses, on
+    an inline route (CUDA tensors; CPU ones under ``LOCO_ISSUER=inline``); the others' are
+    valid. Then an exact and a compressed all-reduce show whether the group is in step."""
+    if device == "cuda":
+        from lowbitcc.tools import spawn
+
+        device = spawn.gpu_device(rank)
+    bad = rank == 0
+    try:
+        if case == "uneven tensor":
+            dist.reduce_scatter_tensor(torch.empty(BIG, device=device),
+                                       torch.ones(world * BIG + (3 if bad else 0), device=device))
+        else:  # a list of the wrong length
+            count = world + 1 if bad else world
+            dist.reduce_scatter(torch.empty(BIG, device=device),
+                                [torch.ones(BIG, device=device) for _ in range(count)])
+        raised = "nothing"
+    except lowbitcc.backend.call_agreement.InvalidPeerCallError as exc:
+        raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
+    except (ValueError, TypeError) as exc:
+        raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)
+    x = torch.linspace(-1, 1, BIG) * (rank + 1)
+    exact, compressed, theirs = x.to(device, copy=True), x.to(device, copy=True), x.clone()
+    dist.all_reduce(exact)
+    with lowbitcc.compressed():
+        dist.all_reduce(compressed)
+    dist.all_reduce(theirs, group=gloo)
+    return raised, torch.equal(exact.cpu(), theirs), _close(compressed.cpu(), theirs)
+
+
+INLINE_INVALID_CASES = ["uneven tensor", "list of wrong length"]
+
+
+@pytest.mark.parametrize("case", INLINE_INVALID_CASES)
+def test_invalid_arguments_on_one_rank_of_an_inline_route_raise_on_every_rank(case):
+    """The inline issuer (the CUDA path's logic, on CPU tensors): as through the worker, for
+    calls of at least ``min_size`` elements, which exchange a descriptor. (Calls under it go
+    to the inner group without one, docs/reliability.md: a rank's own refusal then leaves the
+    others in the call until the group's timeout.) tests/gpu/test_multirank.py runs this on
+    CUDA tensors."""
+    results = run_ranks(invalid_inline_call_on_one_rank, 2, case, timeout=60,
+                        env={"LOCO_ISSUER": "inline"})
+    assert results == [("own", True, True), ("peer", True, True)], results
+
+
 def _invalid_data_movement_on_one_rank(rank, world, gloo, case):
     """With ``LOCO_CHECK_ALL``, rank 0 (the root where there is one) calls a data movement
     with arguments gloo would refuse; the other ranks' are valid."""

@@ -144,41 +144,14 @@ def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
         assert schedule._same_passes(got, want)
 
 
-def _invalid_on_one_rank(rank, world, gloo, case):
-    """Rank 0 calls a CUDA reduction with arguments it refuses; the others' are valid; then
-    an exact and a compressed all-reduce show whether the group is still in step."""
-    from lowbitcc.backend.call_agreement import InvalidPeerCallError
-
-    device = spawn.gpu_device(rank)
-    bad = rank == 0
-    try:
-        if case == "uneven tensor":
-            dist.reduce_scatter_tensor(torch.empty(4096, device=device),
-                                       torch.ones(world * 4096 + (3 if bad else 0), device=device))
-        else:  # a list of the wrong length
-            count = world + 1 if bad else world
-            dist.reduce_scatter(torch.empty(4096, device=device),
-                                [torch.ones(4096, device=device) for _ in range(count)])
-        raised = "nothing"
-    except InvalidPeerCallError as exc:
-        raised = "peer" if "rank 0 of group" in str(exc) else str(exc)
-    except (ValueError, TypeError) as exc:
-        raised = "own" if str(exc).startswith("lowbitcc: ") else str(exc)
-    x = torch.linspace(-1, 1, N) * (rank + 1)
-    exact, compressed, theirs = x.to(device), x.to(device), x.clone()
-    dist.all_reduce(exact)
-    with lowbitcc.compressed():
-        dist.all_reduce(compressed)
-    dist.all_reduce(theirs, group=gloo)
-    return raised, torch.equal(exact.cpu(), theirs), faults._close(compressed.cpu(), theirs)
-
-
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", ["uneven tensor", "list of wrong length"])
+@pytest.mark.parametrize("case", faults.INLINE_INVALID_CASES)
 def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_goes_on(world, case):
-    """As on CPU (tests/backend/test_faults.py): rank 0 raises its own error, the others an
-    `InvalidPeerCallError` naming it, within the timeout, and the next calls work."""
-    results = _ranks(_invalid_on_one_rank, world, case, timeout=90, pg_timeout_s=30)
+    """As on CPU (tests/backend/test_faults.py), for calls of at least ``min_size`` elements:
+    rank 0 raises its own error, the others an `InvalidPeerCallError` naming it, and the next
+    calls work. (Calls under ``min_size`` skip the descriptor exchange: docs/reliability.md.)"""
+    results = _ranks(faults.invalid_inline_call_on_one_rank, world, case, "cuda", timeout=90,
+                     pg_timeout_s=30)
     assert results == [("own", True, True)] + [("peer", True, True)] * (world - 1), results
 
 
