@@ -8,13 +8,19 @@ timing), so the network and the machine's load treat every scheme alike:
 
 - ``local``: no communication at all (each rank trains its own copy): the ceiling;
 - ``gloo``, ``fp16``, ``powersgd``: DDP over a gloo group, with no hook, torch's fp16
-  compression hook, or PowerSGD (rank 2, from the third step);
+  compression hook, or PowerSGD (rank 2, from the third step); with ``--device cuda`` the
+  baseline is ``nccl`` (DDP over an NCCL group) and the hooks run on that group;
 - ``loco``: DDP over a "loco" group configured from ``LOCO_*`` (the cost model on by default);
 - ``fsdp2-exact``, ``fsdp2-loco``: FSDP2 (``fully_shard`` per block) over a "loco" group with
   policy "never" (every call exact, over gloo) and over one configured from ``LOCO_*``.
 
+With ``--device cuda`` each rank trains on GPU ``LOCAL_RANK`` (else its rank) modulo the
+GPUs there are; local ranks started with ``--np`` share GPUs where there are fewer
+(`spawn.gpu_rank_env`), and the table then says its timings mean nothing. Each phase ends
+with a ``torch.cuda.synchronize()``, so that its time is the GPU's too.
+
 Rank 0 prints per scheme the mean step time after the warm-up steps, steps/s and tokens/s (of
-all ranks), the speed relative to ``gloo`` (and to ``fsdp2-exact`` for FSDP2) and the step time
+all ranks), the speed relative to the baseline (and to ``fsdp2-exact`` for FSDP2) and the step time
 relative to ``local``, the bytes each rank sent per step, and the loss of the last steps.
 Under ``--link`` (emulated links, `lowbitcc.tools.netem`), or wherever ``GLOO_SOCKET_IFNAME``
 names the interface, the bytes are counted on the rank's network interface; otherwise they are
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -43,8 +50,15 @@ from lowbitcc.tools.study.model import TinyGPT, lm_loss, sample_batch, split_cor
 from lowbitcc.tools.study.training import ring_bytes_per_step
 from lowbitcc.tools.study.variants import StudyConfig, Variant
 
-SCHEMES = ("local", "gloo", "fp16", "powersgd", "loco", "fsdp2-exact", "fsdp2-loco")
+SCHEMES = ("local", "gloo", "nccl", "fp16", "powersgd", "loco", "fsdp2-exact", "fsdp2-loco")
 """Every scheme, in the order of the table."""
+BASELINES = {"cpu": "gloo", "cuda": "nccl"}
+"""Each device's exact DDP scheme, the speed column's reference (the other is refused)."""
+
+
+def default_schemes(device: str) -> tuple[str, ...]:
+    """Every scheme that runs on ``device``'s tensors."""
+    return tuple(s for s in SCHEMES if s not in BASELINES.values() or s == BASELINES[device])
 
 PHASES = ("forward", "backward", "optimizer", "codec", "wire")
 """The step's phases, timed per scheme (ms per step, mean of the ranks): forward (with
@@ -65,17 +79,29 @@ CONFIGS = {
 
 @dataclasses.dataclass(frozen=True)
 class BenchOptions:
-    """What `run` measures: ``schemes`` (from `SCHEMES`) on model configuration ``config``
-    (from `CONFIGS`), ``steps`` steps of which the first ``warmup`` are not timed."""
+    """What `run` measures: ``schemes`` (from `SCHEMES`, for ``device``'s tensors) on model
+    configuration ``config`` (from `CONFIGS`), ``steps`` steps of which the first ``warmup``
+    are not timed."""
 
     config: str = "comm"
-    schemes: tuple[str, ...] = SCHEMES
+    schemes: tuple[str, ...] = default_schemes("cpu")
     steps: int = 30
     warmup: int = 5
     lr: float = 1e-3
     json_path: str | None = None
+    device: str = "cpu"
 
     def validate(self) -> None:
+        if self.device not in BASELINES:
+            raise ValueError(f"lowbitcc bench-train: --device must be cpu or cuda, got "
+                             f"{self.device!r}")
+        foreign = [s for s in self.schemes if s in SCHEMES and s not in default_schemes(self.device)]
+        if foreign:
+            raise ValueError(f"lowbitcc bench-train: {', '.join(foreign)} does not run on "
+                             f"{self.device} tensors; the exact baseline there is "
+                             f"{BASELINES[self.device]}")
+        if self.device == "cuda" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("lowbitcc bench-train --device cuda: needs a GPU and torch with NCCL")
         if self.config not in CONFIGS:
             raise ValueError(f"lowbitcc bench-train: unknown config {self.config!r}; known: "
                              f"{', '.join(CONFIGS)}")
@@ -100,10 +126,12 @@ def _loco_bytes(s: dict[str, Any], world: int) -> float:
     return s["compressed"]["wire_bytes"] + 2 * (world - 1) / world * s["exact"]["tensor_bytes"]
 
 
-def _build(scheme: str, cfg: StudyConfig, groups: dict[str, Any]) -> nn.Module:
-    """The model of ``scheme``, wrapped for it (same initial parameters for every scheme)."""
+def _build(scheme: str, cfg: StudyConfig, groups: dict[str, Any],
+           device: torch.device) -> nn.Module:
+    """The model of ``scheme`` on ``device``, wrapped for it (same initial parameters for every
+    scheme)."""
     torch.manual_seed(0)
-    model = TinyGPT(cfg)
+    model = TinyGPT(cfg).to(device)
     if scheme == "local":
         return model
     if scheme.startswith("fsdp2"):
@@ -111,16 +139,17 @@ def _build(scheme: str, cfg: StudyConfig, groups: dict[str, Any]) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         group = groups["loco"] if scheme == "fsdp2-loco" else groups["exact"]
-        mesh = DeviceMesh.from_group(group, "cpu")
+        mesh = DeviceMesh.from_group(group, device.type)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    group = groups["loco"] if scheme == "loco" else groups["gloo"]
+    group = groups["loco"] if scheme == "loco" else groups["baseline"]
     # PowerSGD issues a bucket's later all-reduces from its first one's callbacks: one bucket
     # keeps one order on every rank (see lowbitcc.tools.study.training.wrap)
-    ddp = DDP(model, process_group=group, bucket_cap_mb=64 if scheme == "powersgd" else None)
+    ddp = DDP(model, process_group=group, bucket_cap_mb=64 if scheme == "powersgd" else None,
+              device_ids=None if device.type == "cpu" else [device.index])
     if scheme == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -151,16 +180,17 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     """Run the benchmark on the initialised default group; rank 0 prints the table and returns
     its rows, the others None."""
     cfg = CONFIGS[opts.config]
+    device = _device(rank, opts.device)
     # TinyGPT's head returns a reshaped matmul, which FSDP2 warns about on every step
     warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
     metrics = dist.new_group(backend="gloo")
-    groups = {"gloo": dist.new_group(backend="gloo")}
+    groups = {"baseline": dist.new_group(backend=BASELINES[opts.device])}
     if any(s in ("loco", "fsdp2-loco") for s in opts.schemes):
         groups["loco"] = dist.new_group(backend="loco")
     if "fsdp2-exact" in opts.schemes:
         groups["exact"] = dist.new_group(backend="loco",
                                          pg_options=lowbitcc.LocoConfig(policy="never"))
-    models = {s: _build(s, cfg, groups) for s in opts.schemes}
+    models = {s: _build(s, cfg, groups, device) for s in opts.schemes}
     optims = {s: torch.optim.AdamW(m.parameters(), lr=opts.lr, weight_decay=0.0)
               for s, m in models.items()}
     train, _ = split_corpus(cfg)
@@ -169,18 +199,24 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(len(train) - cfg.context - 1, (cfg.batch,), generator=order)
-        return sample_batch(train, starts, cfg.context)
+        x, y = sample_batch(train, starts, cfg.context)
+        return x.to(device), y.to(device)
+
+    def sync() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     def step(scheme: str, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        start = time.perf_counter()
+        start = sync()
         loss = lm_loss(models[scheme], x, y)
         optims[scheme].zero_grad(set_to_none=True)
-        forward = time.perf_counter()
+        forward = sync()
         loss.backward()
-        backward = time.perf_counter()
+        backward = sync()
         optims[scheme].step()
         return loss, {"forward": forward - start, "backward": backward - forward,
-                      "optimizer": time.perf_counter() - backward}
+                      "optimizer": sync() - backward}
 
     def meter() -> dict[str, float]:
         stats = lowbitcc.stats()
@@ -214,6 +250,11 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
                      "phases_ms": {name: float(v) / (world * timed) * 1e3
                                    for name, v in zip(PHASES, phase_sums[i], strict=True)}})
     _print(rows, opts, cfg, world, sum(p.numel() for p in models[opts.schemes[0]].parameters()))
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local > torch.cuda.device_count():
+            print(f"# {local} ranks share {torch.cuda.device_count()} GPU(s) (NCCL over "
+                  "sockets): these timings mean nothing, the losses and bytes do")
     if opts.json_path:
         with open(opts.json_path, "w") as f:
             json.dump({"options": dataclasses.asdict(opts), "world": world, "rows": rows}, f,
@@ -226,19 +267,21 @@ def _print(rows: list[dict[str, Any]], opts: BenchOptions, cfg: StudyConfig, wor
     by = {r["scheme"]: r for r in rows}
     print(f"# lowbitcc bench-train: config {opts.config} (GPT d_model {cfg.d_model}, "
           f"{cfg.layers} layers, {params / 1e6:.2f} M parameters; {cfg.batch} x {cfg.context} "
-          f"tokens per rank), {world} ranks, {opts.steps} steps ({opts.warmup} untimed), loco "
-          f"at {lowbitcc.LocoConfig.from_env().bits} bits")
+          f"tokens per rank), {world} ranks on {opts.device}, {opts.steps} steps ({opts.warmup} "
+          f"untimed), loco at {lowbitcc.LocoConfig.from_env().bits} bits")
     print(f"# {'scheme':<12} {'ms/step':>9} {'steps/s':>8} {'tokens/s':>9} {'speed':>7} "
           f"{'x local':>8} {'MB/step':>9} {'loss':>7}")
     for r in rows:
-        base = by.get("fsdp2-exact" if r["scheme"].startswith("fsdp2") else "gloo")
+        base = by.get("fsdp2-exact" if r["scheme"].startswith("fsdp2")
+                      else BASELINES[opts.device])
         speed = f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"
         local = f"{r['step_ms'] / by['local']['step_ms']:.2f}" if "local" in by else "-"
         mark = "~" if r["bytes"] == "estimate" else " "
         print(f"  {r['scheme']:<12} {r['step_ms']:>9.1f} {r['steps_per_s']:>8.2f} "
               f"{r['tokens_per_s']:>9.0f} {speed:>7} {local:>8} "
               f"{mark}{r['bytes_per_step'] / 1e6:>8.3f} {r['final_loss']:>7.3f}")
-    print("# speed: the baseline's step time over the scheme's (gloo; fsdp2-exact for FSDP2); "
+    print(f"# speed: the baseline's step time over the scheme's ({BASELINES[opts.device]}; "
+          "fsdp2-exact for FSDP2); "
           "x local: the step time over local's (no communication); MB/step: bytes one rank sent "
           + ("on its interface" if rows[0]["bytes"] == "measured"
              else "(~: estimates; loco: its compressed calls' bytes counted, its exact "
@@ -257,4 +300,16 @@ def main(opts: BenchOptions, nprocs: int | None, link: Link | None, argv: Sequen
          timeout_s: float = 3600.0) -> int:
     """Run under whatever started us; ``argv`` is the command line, for ``--link``."""
     opts.validate()
-    return launch(rank_main, nprocs, link, argv, opts, timeout_s=timeout_s)
+    return launch(rank_main, nprocs, link, argv, opts, timeout_s=timeout_s,
+                  gpu=opts.device == "cuda")
+
+
+def _device(rank: int, device: str) -> torch.device:
+    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` (else ``rank``) modulo the count,
+    made current."""
+    if device == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(cuda)
+    return cuda

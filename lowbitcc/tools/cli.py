@@ -97,8 +97,9 @@ def _perf(args: argparse.Namespace) -> int:
 def _bench_train(args: argparse.Namespace) -> int:
     from lowbitcc.tools import bench_train
 
-    opts = bench_train.BenchOptions(config=args.config, schemes=tuple(args.schemes),
-                                    steps=args.steps, warmup=args.warmup, json_path=args.json)
+    schemes = tuple(args.schemes or bench_train.default_schemes(args.device))
+    opts = bench_train.BenchOptions(config=args.config, schemes=schemes, steps=args.steps,
+                                    warmup=args.warmup, json_path=args.json, device=args.device)
     try:
         return bench_train.main(opts, args.np, link_spec.from_arguments(args), args.argv)
     except (ValueError, RuntimeError) as exc:
@@ -238,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_train(sub: Any) -> None:
-    from lowbitcc.tools.bench_train import CONFIGS, SCHEMES
+    from lowbitcc.tools.bench_train import BASELINES, CONFIGS, SCHEMES
 
     bt = sub.add_parser(
-        "bench-train", help="training steps/s of a GPT over loco, gloo, fp16, PowerSGD, FSDP2",
+        "bench-train", help="training steps/s of a GPT over loco, gloo or nccl, fp16, PowerSGD, "
+        "FSDP2",
         description="Trains one GPT per scheme side by side in the same ranks (interleaved "
         "steps, same batches) and prints steps/s, tokens/s, speed against gloo and against no "
         "communication, bytes per step and the final loss. Start with --np N, --np N --link "
@@ -249,8 +251,12 @@ def _add_bench_train(sub: Any) -> None:
     bt.add_argument("--config", default="comm", choices=list(CONFIGS),
                     help="comm: 3.3 M parameters, 4 x 64 tokens per rank (default); compute: "
                     "1.8 M parameters, 32 x 128 tokens; quick: a tiny smoke run")
-    bt.add_argument("--schemes", nargs="+", default=list(SCHEMES), metavar="NAME",
-                    help=f"schemes side by side (default all): {', '.join(SCHEMES)}")
+    bt.add_argument("--schemes", nargs="+", metavar="NAME",
+                    help=f"schemes side by side (default all of the device's): "
+                    f"{', '.join(SCHEMES)}")
+    bt.add_argument("--device", default="cpu", choices=list(BASELINES),
+                    help="where the models train (default cpu; cuda: a GPU per rank, or ranks "
+                    "sharing GPUs, DDP over nccl as the baseline)")
     bt.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     bt.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     bt.add_argument("--np", type=int, help="local ranks to start when not under a launcher "

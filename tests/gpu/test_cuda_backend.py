@@ -410,3 +410,20 @@ def test_codec_bench_and_perf_run_on_cuda():
                 "nccl", "-b", "1M", "-e", "4M", "-n", "3", "-w", "1")
     assert perf.returncode == 0, perf.stderr[-3000:]
     assert "loco4" in perf.stdout and "nccl" in perf.stdout
+
+
+@needs_cupy
+def test_bench_train_runs_on_cuda_against_nccl(tmp_path):
+    """`lowbitcc bench-train --device cuda` on 2 ranks (sharing a GPU where there is one):
+    every CUDA scheme trains and reports, from the same model and batches."""
+    import json
+
+    from lowbitcc.tools.bench_train import default_schemes
+
+    done = _cli("bench-train", "--device", "cuda", "--np", "2", "--config", "quick", "--steps",
+                "3", "--warmup", "1", "--json", str(tmp_path / "b.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    assert list(rows) == list(default_schemes("cuda"))
+    losses = [r["final_loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 0.1, losses

@@ -6,7 +6,9 @@ import math
 import subprocess
 import sys
 
-from lowbitcc.tools.bench_train import PHASES, SCHEMES
+import torch
+
+from lowbitcc.tools.bench_train import PHASES, default_schemes
 from tests.support.ranks import clean_env
 
 
@@ -21,7 +23,7 @@ def test_every_scheme_trains_and_is_reported(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "b.json").read_text())
     rows = {r["scheme"]: r for r in report["rows"]}
-    assert list(rows) == list(SCHEMES) and report["world"] == 2
+    assert list(rows) == list(default_schemes("cpu")) and report["world"] == 2
     for scheme, r in rows.items():
         assert scheme in done.stdout
         assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r
@@ -46,3 +48,14 @@ def test_unknown_schemes_and_configs_are_refused_by_name():
     assert bad.returncode == 2 and "nccl-magic" in bad.stderr
     steps = _bench("--steps", "2", "--warmup", "2")
     assert steps.returncode == 2 and "warmup < steps" in steps.stderr
+    nccl = _bench("--schemes", "nccl", "loco", "--steps", "2", "--warmup", "0")
+    assert nccl.returncode == 2 and "nccl does not run on cpu tensors" in nccl.stderr
+    if not torch.cuda.is_available():
+        gpu = _bench("--device", "cuda", "--steps", "2", "--warmup", "0")
+        assert gpu.returncode == 2 and "needs a GPU" in gpu.stderr
+
+
+def test_each_device_has_its_exact_baseline():
+    assert "gloo" in default_schemes("cpu") and "nccl" not in default_schemes("cpu")
+    assert "nccl" in default_schemes("cuda") and "gloo" not in default_schemes("cuda")
+    assert default_schemes("cpu")[2:] == default_schemes("cuda")[2:]
