@@ -17,6 +17,7 @@ counts.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import tempfile
@@ -30,15 +31,18 @@ import lowbitcc
 from lowbitcc.backend.call_agreement import CallAgreement
 
 
-def _device_events(prof: profile) -> dict[str, int]:
+def _device_events(prof: profile) -> tuple[dict[str, int], collections.Counter]:
+    """Kernels, memsets and copies the GPU ran, and how often each name ran."""
     counts = {"kernels": 0, "memsets": 0, "copies": 0}
+    names: collections.Counter = collections.Counter()
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = e.name.lower()
         kind = "memsets" if "memset" in name else "copies" if "memcpy" in name else "kernels"
         counts[kind] += 1
-    return counts
+        names[e.name[:90]] += 1
+    return counts, names
 
 
 def _counting_agreements() -> list[int]:
@@ -80,9 +84,11 @@ def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, flo
         for _ in range(profiled):
             call()
         torch.cuda.synchronize()
-    per_call = {k: v / profiled for k, v in _device_events(prof).items()}
+    counts, names = _device_events(prof)
+    per_call = {k: v / profiled for k, v in counts.items()}
     return {"numel": x.numel(), "mode": mode, "host_us": (t1 - t0) / iters * 1e6,
-            "with_gpu_us": (t2 - t0) / iters * 1e6, "exchanges": exchanges, **per_call}
+            "with_gpu_us": (t2 - t0) / iters * 1e6, "exchanges": exchanges, **per_call,
+            "names": {n: c / profiled for n, c in names.most_common()}}
 
 
 def main() -> None:
@@ -90,6 +96,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[65536, 1 << 20, 1 << 24])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--profiled", type=int, default=10)
+    parser.add_argument("--names", action="store_true",
+                        help="also list what the GPU ran per compressed call, by name")
     opts = parser.parse_args()
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,6 +118,9 @@ def main() -> None:
                     print(f"{numel:>10} {mode:>10} {r['host_us']:>9.1f} {r['with_gpu_us']:>9.1f} "
                           f"{r['exchanges']:>9.2f} {r['kernels']:>8.1f} {r['memsets']:>8.1f} "
                           f"{r['copies']:>7.1f}", flush=True)
+                    if opts.names and mode == "compressed":
+                        for name, per in r["names"].items():
+                            print(f"{'':>12}{per:>5.1f} x {name}")
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

@@ -55,7 +55,7 @@ EOF
             --timeout 200 tests/gpu/test_multirank.py 2>&1 | tee "$out/pytest-schedule.txt" ;;
     launches)
         for schedule in 0 1; do
-            LOCO_CALL_SCHEDULE=$schedule timeout 150 $py benchmarks/cuda_launches.py
+            LOCO_CALL_SCHEDULE=$schedule timeout 150 $py benchmarks/cuda_launches.py --names
         done 2>&1 | tee "$out/launches.txt" ;;
     perf)
         for np in 1 2; do
