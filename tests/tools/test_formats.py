@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from lowbitcc.codec import reference
-from lowbitcc.tools.study.formats import FP4_E2M1, LAB_VARIANTS, Format
+from lowbitcc.tools.study.formats import (
+    E4M3_MAX,
+    FP4_E2M1,
+    LAB_VARIANTS,
+    MXFP4,
+    NVFP4,
+    Format,
+    Stage,
+    hadamard,
+    round_up_e4m3,
+)
 
 
 def _groups(g: int, n: int = 64, seed: int = 0) -> torch.Tensor:
@@ -46,9 +56,51 @@ def test_values_lie_on_the_format_grid(fmt):
     assert ((d - y).abs() <= step / 2 * scale * (1 + 1e-6)).all()
 
 
+def test_e4m3_scales_round_up_to_fp8_values():
+    gen = torch.Generator().manual_seed(3)
+    s = torch.exp2(torch.rand(10_000, generator=gen) * 17.7 - 9)  # 2^-9 .. 448
+    r = round_up_e4m3(s)
+    assert torch.equal(r.to(torch.float8_e4m3fn).float(), r)  # representable
+    assert (r >= s).all() and (r <= E4M3_MAX).all()
+    below = (r.to(torch.float8_e4m3fn).view(torch.uint8) - 1).view(torch.float8_e4m3fn).float()
+    assert (below < s).all()  # the smallest such value: the one below is too small
+    assert torch.equal(round_up_e4m3(torch.tensor([0.0, 1.0, 1.01, 448.0, 3e-3])),
+                       torch.tensor([0.0, 1.0, 1.125, 448.0, 2 * 2.0 ** -9]))
+
+
+def test_nvfp4_values_lie_on_e2m1_codes_times_e4m3_scales():
+    y = _groups(16, n=256)
+    d = NVFP4.roundtrip(y)
+    scales = y.abs().amax(dim=1, keepdim=True) / 6
+    tensor_scale = scales.max() / E4M3_MAX
+    stored = round_up_e4m3(scales / tensor_scale)
+    assert torch.equal(stored.to(torch.float8_e4m3fn).float(), stored)
+    mags = (d / (stored * tensor_scale)).abs()
+    nearest = FP4_E2M1[(mags.unsqueeze(-1) - FP4_E2M1).abs().argmin(-1)]
+    assert torch.allclose(mags, nearest, atol=1e-5)  # E2M1 magnitudes
+    assert ((d - y).abs() <= stored * tensor_scale * (1 + 1e-5)).all()  # half the widest step
+
+
+def test_hadamard_rotation_is_orthonormal_and_spreads_an_outlier():
+    r = hadamard(32)
+    assert torch.allclose(r @ r.T, torch.eye(32), atol=1e-6)
+    assert torch.equal(hadamard(32), r)  # the same on every rank
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(64, 32, generator=gen) * 0.01
+    y[:, 5] = 10.0  # one outlier per group: every other element quantizes to zero unrotated
+    plain = Stage(MXFP4).roundtrip(y.reshape(-1), None)
+    rotated = Stage(MXFP4, rotate=32).roundtrip(y.reshape(-1), None)
+    assert (rotated - y.reshape(-1)).norm() < (plain - y.reshape(-1)).norm()
+    exact = Stage(Format(bits=8, group=32), rotate=32).roundtrip(y.reshape(-1), None)
+    assert torch.allclose(exact, y.reshape(-1), atol=0.1)  # rotated back
+
+
 def test_bits_per_element():
     assert LAB_VARIANTS["lab-int4-g128"].bits_per_element == 4.25
     assert LAB_VARIANTS["lab-mxfp4"].bits_per_element == 4.25
+    assert LAB_VARIANTS["lab-nvfp4"].bits_per_element == 4.5
+    assert LAB_VARIANTS["lab-mxfp4-had32"].bits_per_element == 4.25
+    assert LAB_VARIANTS["lab-mxfp4-ag8"].bits_per_element == (4.25 + 8.25) / 2
     assert LAB_VARIANTS["lab-asym4-g64-bf16"].bits_per_element == 4.5
     assert LAB_VARIANTS["lab-rs-only"].bits_per_element == (4.25 + 32) / 2
 

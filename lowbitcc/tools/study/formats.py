@@ -37,18 +37,49 @@ from lowbitcc.codec.error_state import ErrorState
 
 FP4_E2M1 = torch.tensor(reference.E2M1)
 CODES = ("int", "fp4", "asym")
-SCALES = ("fp32", "bf16", "e8m0")
+SCALES = ("fp32", "bf16", "e8m0", "e4m3")
+SCALE_BITS = {"fp32": 32, "bf16": 16, "e8m0": 8, "e4m3": 8}
+E4M3_MAX = 448.0
+"""The largest finite FP8 E4M3 value (OCP FP8: 1.75 x 2^8)."""
+
+
+def round_up_e4m3(s: torch.Tensor) -> torch.Tensor:
+    """Non-negative ``s`` rounded up to FP8 E4M3 values (3 mantissa bits; subnormals below
+    2^-6 in steps of 2^-9); at most `E4M3_MAX` for ``s <= E4M3_MAX``."""
+    e = torch.floor(torch.log2(s.clamp(min=2.0 ** -9))).clamp(min=-6)
+    step = torch.exp2(e - 3)
+    return torch.where(s > 0, torch.ceil(s / step) * step, s)
 
 
 def _round_scale(s: torch.Tensor, kind: str) -> torch.Tensor:
     """Scales as stored: fp32 as is, bf16 rounded up (no code overflows), E8M0 the next power
-    of two up."""
+    of two up, E4M3 the next FP8 E4M3 value up after dividing by one fp32 scale for all the
+    groups (NVFP4's second level, which brings the largest group scale to `E4M3_MAX`)."""
     if kind == "fp32":
         return s
     if kind == "bf16":  # round the fp32 bits up to the next bf16 (scales are >= 0)
         bits = s.contiguous().view(torch.int32)
         return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    if kind == "e4m3":
+        top = s.max()
+        if not bool(torch.isfinite(top)) or float(top) <= 0:
+            return s
+        tensor_scale = top / E4M3_MAX
+        return round_up_e4m3(s / tensor_scale) * tensor_scale
     return torch.where(s > 0, torch.exp2(torch.ceil(torch.log2(s))), s)
+
+
+def hadamard(n: int, seed: int = 0) -> torch.Tensor:
+    """``[n, n]`` fp32: an orthonormal Hadamard matrix (``n`` a power of two) with its rows'
+    signs drawn from ``seed``: ``x @ R`` rotates rows of ``x`` block by block, ``@ R.T`` back.
+    The same ``seed`` on every rank gives every rank the same rotation."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"format lab: a Hadamard block of {n} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (n, 1), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return signs * h / n ** 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +103,7 @@ class Format:
 
     @property
     def bits_per_element(self) -> float:
-        scale_bits = {"fp32": 32, "bf16": 16, "e8m0": 8}[self.scale]
-        return self.bits + scale_bits * (2 if self.codes == "asym" else 1) / self.group
+        return self.bits + SCALE_BITS[self.scale] * (2 if self.codes == "asym" else 1) / self.group
 
     def roundtrip(self, y: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         """``deQ(Q(y))`` of fp32 ``y`` ``[groups, group]``; ``gen`` draws stochastic rounding."""
@@ -113,11 +143,25 @@ class Format:
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage of the all-reduce: its format (None: exact) and its feedback (``beta`` None:
-    none), the error state stored as ``error_dtype`` in groups of the format's group size."""
+    none), the error state stored as ``error_dtype`` in groups of the format's group size;
+    ``rotate``: quantize each block of that many elements after a random-sign Hadamard
+    rotation (`hadamard`, the same on every rank) and rotate the dequantized values back
+    (THC, QuaRot: the rotation spreads a block's outliers; being linear, a codec could sum
+    rotated values and rotate once). The error state stays in the unrotated domain."""
 
     fmt: Format | None = Format()
     beta: float | None = 0.8
     error_dtype: str = "int8"
+    rotate: int | None = None
+
+    def roundtrip(self, y: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """``deQ(Q(y))`` of flat fp32 ``y`` (whole groups, and whole rotation blocks)."""
+        if self.rotate is None:
+            return self.fmt.roundtrip(y.view(-1, self.fmt.group), gen).reshape(-1)
+        r = hadamard(self.rotate)
+        turned = (y.view(-1, self.rotate) @ r).reshape(-1)
+        d = self.fmt.roundtrip(turned.view(-1, self.fmt.group), gen).reshape(-1)
+        return (d.view(-1, self.rotate) @ r.T).reshape(-1)
 
     @property
     def bits_per_element(self) -> float:
@@ -158,7 +202,7 @@ class LabState:
         stage: Stage = getattr(self.spec, name)
         if stage.fmt is None:
             return x
-        group = stage.fmt.group
+        group = max(stage.fmt.group, stage.rotate or 0)  # whole groups and rotation blocks
         n, rows = x.numel(), dist.get_world_size()
         m = -(-n // rows)
         width = -(-m // group) * group
@@ -170,13 +214,13 @@ class LabState:
         if stage.beta is not None:
             state = self.errors.get(key)
             if state is None or state.numel != padded:
-                state = ErrorState.zeros(padded, stage.error_dtype, group)
+                state = ErrorState.zeros(padded, stage.error_dtype, stage.fmt.group)
             e = state.decode()
             y = y + e
-        d = stage.fmt.roundtrip(y.view(-1, group), self.gens[name]).reshape(-1)
+        d = stage.roundtrip(y, self.gens[name])
         if stage.beta is not None:
             e = stage.beta * e + (1 - stage.beta) * (y - d)
-            self.errors[key] = ErrorState.encode(e, stage.error_dtype, group)
+            self.errors[key] = ErrorState.encode(e, stage.error_dtype, stage.fmt.group)
         return d.view(rows, width)[:, :m].reshape(-1)[:n]
 
 
@@ -209,6 +253,13 @@ def _spec(rs: Stage, ag: Stage | None = None) -> LabSpec:
     return LabSpec(rs, rs if ag is None else ag)
 
 
+MXFP4 = Format("fp4", group=32, scale="e8m0")
+"""The codec's default: FP4 E2M1 codes, a power-of-two scale per 32 (4.25 bits)."""
+NVFP4 = Format("fp4", group=16, scale="e4m3")
+"""NVIDIA's NVFP4 layout: FP4 E2M1 codes, an FP8 E4M3 scale per 16 under one fp32 scale for
+the whole call (4.5 bits)."""
+
+
 LAB_VARIANTS: dict[str, LabSpec] = {
     # loco's default, for fidelity, and the stage ablations
     "lab-int4-g128": _spec(Stage()),
@@ -239,4 +290,14 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-int2-g128-nofb": _spec(Stage(Format(bits=2), beta=None)),
     "lab-int4-g1024": _spec(Stage(Format(group=1024))),
     "lab-int4-g1024-nofb": _spec(Stage(Format(group=1024), beta=None)),
+    # issue 37's candidates at <= 4.5 bits per element, around MXFP4 (lab-mxfp4 above)
+    "lab-nvfp4": _spec(Stage(NVFP4)),
+    "lab-nvfp4-nofb": _spec(Stage(NVFP4, beta=None)),
+    "lab-mxfp4-had32": _spec(Stage(MXFP4, rotate=32)),
+    "lab-mxfp4-had32-nofb": _spec(Stage(MXFP4, beta=None, rotate=32)),
+    "lab-nvfp4-had32": _spec(Stage(NVFP4, rotate=32)),
+    "lab-mxfp4-bf16e": _spec(Stage(MXFP4, error_dtype="bf16")),
+    "lab-mxfp4-b5": _spec(Stage(MXFP4, beta=0.5)),
+    "lab-mxfp4-b9": _spec(Stage(MXFP4, beta=0.9)),
+    "lab-mxfp4-ag8": _spec(Stage(MXFP4), Stage(Format(bits=8))),
 }
