@@ -45,7 +45,7 @@ from torch import nn
 import lowbitcc
 from lowbitcc.tools import netem, side_by_side
 from lowbitcc.tools.link_spec import Link
-from lowbitcc.tools.spawn import launch
+from lowbitcc.tools.spawn import launch, local_gpu
 from lowbitcc.tools.study.model import TinyGPT, lm_loss, sample_batch, split_corpus
 from lowbitcc.tools.study.training import ring_bytes_per_step
 from lowbitcc.tools.study.variants import StudyConfig, Variant
@@ -180,7 +180,7 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     """Run the benchmark on the initialised default group; rank 0 prints the table and returns
     its rows, the others None."""
     cfg = CONFIGS[opts.config]
-    device = _device(rank, opts.device)
+    device = local_gpu(rank) if opts.device == "cuda" else torch.device("cpu")
     # TinyGPT's head returns a reshaped matmul, which FSDP2 warns about on every step
     warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
     metrics = dist.new_group(backend="gloo")
@@ -302,14 +302,3 @@ def main(opts: BenchOptions, nprocs: int | None, link: Link | None, argv: Sequen
     opts.validate()
     return launch(rank_main, nprocs, link, argv, opts, timeout_s=timeout_s,
                   gpu=opts.device == "cuda")
-
-
-def _device(rank: int, device: str) -> torch.device:
-    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` (else ``rank``) modulo the count,
-    made current."""
-    if device == "cpu":
-        return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    cuda = torch.device("cuda", local % torch.cuda.device_count())
-    torch.cuda.set_device(cuda)
-    return cuda

@@ -245,7 +245,8 @@ def _add_bench_train(sub: Any) -> None:
         "bench-train", help="training steps/s of a GPT over loco, gloo or nccl, fp16, PowerSGD, "
         "FSDP2",
         description="Trains one GPT per scheme side by side in the same ranks (interleaved "
-        "steps, same batches) and prints steps/s, tokens/s, speed against gloo and against no "
+        "steps, same batches) and prints steps/s, tokens/s, speed against DDP's exact baseline "
+        "(gloo; nccl with --device cuda) and against no "
         "communication, bytes per step and the final loss. Start with --np N, --np N --link "
         "RATE (emulated network, root), or under torchrun / mpiexec -n N.")
     bt.add_argument("--config", default="comm", choices=list(CONFIGS),

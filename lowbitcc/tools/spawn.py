@@ -66,6 +66,12 @@ def gpu_device(rank: int) -> Any:
     return device
 
 
+def local_gpu(rank: int) -> Any:
+    """`gpu_device` of this process's local rank: ``LOCAL_RANK`` under a launcher (torchrun,
+    and the others `rendezvous` knows set it), else ``rank`` (local ranks of `run_ranks`)."""
+    return gpu_device(int(os.environ.get("LOCAL_RANK", rank)))
+
+
 def threads_per_rank(local_ranks: int) -> int:
     """torch threads for each of ``local_ranks`` ranks sharing this machine's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))

@@ -14,16 +14,13 @@ collective), `backends` (what is compared).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from lowbitcc.tools.link_spec import Link
 from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table
 from lowbitcc.tools.perf.outputs import plot, write_json
-from lowbitcc.tools.spawn import launch
+from lowbitcc.tools.spawn import launch, local_gpu
 
 __all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]
 
@@ -33,8 +30,7 @@ def rank_main(rank: int, world: int, opts: PerfOptions) -> dict[str, Any]:
     ``--device cuda`` each rank takes GPU ``LOCAL_RANK`` (else its rank modulo the count, as
     `spawn.gpu_rank_env` places local ranks, sharing GPUs where there are fewer)."""
     if opts.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local % torch.cuda.device_count())
+        local_gpu(rank)
     result = measure(opts, progress=True)
     if rank == 0:
         if opts.json_path:

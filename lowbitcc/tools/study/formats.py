@@ -37,8 +37,9 @@ from lowbitcc.codec.error_state import ErrorState
 
 FP4_E2M1 = torch.tensor(reference.E2M1)
 CODES = ("int", "fp4", "asym")
-SCALES = ("fp32", "bf16", "e8m0", "e4m3")
 SCALE_BITS = {"fp32": 32, "bf16": 16, "e8m0": 8, "e4m3": 8}
+"""Bits a stored scale takes, by its kind."""
+SCALES = tuple(SCALE_BITS)
 E4M3_MAX = 448.0
 """The largest finite FP8 E4M3 value (OCP FP8: 1.75 x 2^8)."""
 
@@ -271,8 +272,8 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     # formats at 4.25 bits per element
     "lab-int4-g64-bf16": _spec(Stage(Format(group=64, scale="bf16"))),
     "lab-int4-g32-e8m0": _spec(Stage(Format(group=32, scale="e8m0"))),
-    "lab-mxfp4": _spec(Stage(Format("fp4", group=32, scale="e8m0"))),
-    "lab-mxfp4-nofb": _spec(Stage(Format("fp4", group=32, scale="e8m0"), beta=None)),
+    "lab-mxfp4": _spec(Stage(MXFP4)),
+    "lab-mxfp4-nofb": _spec(Stage(MXFP4, beta=None)),
     "lab-fp4-g64-bf16": _spec(Stage(Format("fp4", group=64, scale="bf16"))),
     "lab-fp4-g64-bf16-nofb": _spec(Stage(Format("fp4", group=64, scale="bf16"), beta=None)),
     # 4.5 bits per element
