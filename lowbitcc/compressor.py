@@ -100,6 +100,7 @@ class CallCompressor:
         self._sums: torch.Tensor | None = None
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
         self.wire_error: wire.WireFormatError | None = None
+        self._foreign: list[torch.Tensor] = []
         self.deviated: int | None = None
         """The `wire.call_signature` of this rank's own call where this compressor runs another
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
@@ -139,6 +140,14 @@ class CallCompressor:
             nonfinite = bool(nonfinite)
         self.nonfinite = self.nonfinite | nonfinite
 
+    def foreign(self) -> torch.Tensor | None:
+        """CUDA messages checked on the device: a 0-dim bool device tensor, set where a message
+        of this call did not belong to it (another rank deviated, or it arrived corrupt; its
+        values decoded as NaN); None where nothing was checked on the device."""
+        if not self._foreign:
+            return None
+        return torch.stack(self._foreign).any() if len(self._foreign) > 1 else self._foreign[0]
+
     def scratch(self, n: int, device: torch.device) -> torch.Tensor:
         """fp32 ``[n]`` to decode into, valid until the next `scratch` call of this group."""
         if self._scratch is None:
@@ -151,7 +160,8 @@ class CallCompressor:
         may be a strided view: made contiguous here, as part of the decode)."""
         start = time.perf_counter()
         try:
-            total, nonfinite = self.codec.decode_sum(messages.contiguous(), m, shard, out)
+            total, nonfinite = self.codec.decode_sum(messages.contiguous(), m, shard, out,
+                                                     self._foreign)
         except wire.WireFormatError as exc:
             total = out if out is not None else torch.empty(m, device=messages.device)
             nonfinite = self._deferred(exc, total)
@@ -164,7 +174,7 @@ class CallCompressor:
     ) -> None:
         start = time.perf_counter()
         try:
-            self._flag(self.codec.decode_into(messages, m, shard_ids, out))
+            self._flag(self.codec.decode_into(messages, m, shard_ids, out, self._foreign))
         except wire.WireFormatError as exc:
             self._flag(self._deferred(exc, out))
         self.stats.add("compressed", codec_s=time.perf_counter() - start)

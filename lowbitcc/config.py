@@ -120,11 +120,11 @@ class LocoConfig:
             (in the calling thread, as CUDA calls always are: a test and measurement mode that
             runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
             reductions are issued inline either way.
-        call_schedule: on inline routes (CUDA tensors; CPU under ``issuer="inline"``), run a
-            compressed call that its place in the cycle of calls agreed on before without a
-            descriptor exchange (`lowbitcc.backend.call_schedule`). Off by default: it has not
-            run on a GPU, and there a rank that did not deviate from the agreed call sees
-            another's deviation only as NaN (docs/gpu.md).
+        call_schedule: every reduction takes a place in the cycle of calls the ranks repeat;
+            a call that its place agreed on before runs without a descriptor exchange, exact
+            ones as the inner group's own call (`lowbitcc.backend.call_schedule`); a rank whose
+            call differs from its place's makes every rank raise, never hang. On by default
+            (``LOCO_CALL_SCHEDULE=0``: every call exchanges, as before).
     """
 
     bits: int = 4
@@ -154,7 +154,7 @@ class LocoConfig:
     auto_tree_ranks: int = 4
     auto_ring_ranks: int = 0
     issuer: str = "auto"
-    call_schedule: bool = False
+    call_schedule: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

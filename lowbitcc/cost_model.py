@@ -65,11 +65,14 @@ class Suggestion:
     """What the model suggests for one call: ``exact`` (else compressed), ``size_class`` to
     report the call's timing under, and for an exact suggestion that is not an exploration the
     ``lease``: how many calls of the class after this one stay exact before the next
-    exploration (0 during warm-up and explorations)."""
+    exploration (0 during warm-up and explorations); ``explore``: a warm-up or exploration
+    call."""
 
     exact: bool
     size_class: SizeClass
     lease: int = 0
+    explore: bool = False
+    """A warm-up or exploration call: the suggestion holds for this call only."""
 
 
 class CostModel:
@@ -96,9 +99,9 @@ class CostModel:
             n = c.calls
             c.calls += 1
             if n < self.warmup:
-                return Suggestion(False, key)
+                return Suggestion(False, key, explore=True)
             if n < 2 * self.warmup:
-                return Suggestion(True, key)
+                return Suggestion(True, key, explore=True)
             compressed, exact = c.per_byte[False], c.per_byte[True]
             if compressed is None or exact is None:
                 best_exact = exact is not None
@@ -108,7 +111,7 @@ class CostModel:
                 c.explore_at = n + self._gap(c, best_exact) - 1
             if n >= c.explore_at:
                 c.explore_at = n + self._gap(c, best_exact)
-                return Suggestion(not best_exact, key)
+                return Suggestion(not best_exact, key, explore=True)
             return Suggestion(best_exact, key, lease=c.explore_at - n - 1 if best_exact else 0)
 
     def _class(self, key: SizeClass) -> _Class:

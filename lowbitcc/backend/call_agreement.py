@@ -34,6 +34,13 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (shape, dtype, op or order) on the same group."""
 
 
+class DeviatedPeerError(CollectiveMismatchError):
+    """A rank's descriptor says it deviated from its call schedule since its last exchange
+    (`wire.DESC_DEVIATED`): it ran an agreed exact call on a NaN-filled buffer in place of its
+    own, so the other ranks' outputs of that call were NaN. Raised on every rank, in the
+    exchange; every rank then starts its call schedule again."""
+
+
 class InvalidPeerCallError(ValueError):
     """Another rank's arguments for this call were invalid: that rank raised its own error, this
     one raises this, no data moved, and the group stays in step."""
@@ -126,6 +133,14 @@ class CallAgreement:
                 f"lowbitcc: rank {int(refusing[0])} of group '{self.group_name}' called "
                 f"{desc.collective} (call #{desc.seq}) with invalid arguments and raised its own "
                 "error; this rank raises too, no data moved, and the group stays usable")
+        deviated = np.flatnonzero(intact & ((flags & wire.DESC_DEVIATED) != 0))
+        if deviated.size:
+            raise DeviatedPeerError(
+                f"lowbitcc: rank {int(deviated[0])} of group '{self.group_name}' issued a call "
+                "that differed from the one the ranks had agreed on at its place in their "
+                "sequence of calls, since the group's previous descriptor exchange: it raised "
+                "there, and the other ranks' outputs of that call are NaN. Every rank raises "
+                f"here (call #{desc.seq}); the ranks agree on their calls anew")
         self._check_match(rows, np.flatnonzero(intact))
         if not intact.all():
             # exact on every rank if any rank would not compress it (this one, or one whose
@@ -149,8 +164,9 @@ class CallAgreement:
         """Raise `CollectiveMismatchError` unless the frames ``rows[ranks]`` describe one call."""
         head, flags = rows[ranks, :wire.DESC_FLAGS_OFFSET], rows[ranks, wire.DESC_FLAGS_OFFSET]
         parent = rows[ranks, wire.DESC_PARENT_OFFSET:wire.DESCRIPTOR_BYTES]
+        compared = flags & (wire.DESC_FRAMED | wire.DESC_PART)
         if ((head == head[:1]).all() and (parent == parent[:1]).all()
-                and (flags & wire.DESC_FRAMED == flags[:1] & wire.DESC_FRAMED).all()):
+                and (compared == compared[:1]).all()):
             return
         descs = {int(r): wire.CallDescriptor.unpack(rows[r, :wire.DESCRIPTOR_BYTES].tobytes())
                  for r in ranks}

@@ -1,91 +1,157 @@
-"""`CallSchedule`: the calls of an inline route as the ranks agreed on them, checked locally after.
+"""`CallSchedule`: every reduction's place in the cycle of calls, as the ranks agreed on it once.
 
-Used where ``LocoConfig.call_schedule`` is on (off by default: see its docstring).
+On by default (``LocoConfig.call_schedule``), on every route of a group of more than one rank
+that exchanges descriptors (``check``, a policy that may compress).
 
-Training issues the same calls in the same order step after step. On an inline route (CUDA
-tensors, or CPU ones under ``LOCO_ISSUER=inline``) the descriptor exchange of a compressed
-call is a blocking host round trip: the calling thread waits while the group's worker
-all-gathers the descriptors. The schedule removes it from the steady state:
+Training issues the same calls in the same order step after step. Before each reduction the
+ranks would exchange a call descriptor (`call_agreement`): a host round trip that costs more
+than an exact call on a fast link. The schedule removes it from the steady state:
 
-- every reduction that would exchange a descriptor (`CompressedCalls.agrees_on`; leased ones
-  too) takes the next *index*, the same on every rank while ranks issue the same calls;
+- every reduction takes the next *index* (`advance`), in issue order, the same on every rank
+  while ranks issue the same calls;
 - while the *period* is not known every call exchanges; it becomes known when the first call
   of an epoch (`policy.epoch`: a backward pass, or the calls between optimizer steps) is
   agreed equal to the first call of an earlier epoch. From then on a call's *place* is its
   index modulo the period, and epochs no longer matter (DDP's ``Join``: the joined rank's
   shadow calls run outside backward, yet take the places of the calls they shadow);
-- where an agreement compresses a call on the direct schedule, its place keeps it (an
-  `Entry`) for ``REAGREE_EVERY - 1`` more runs, a count every rank holds alike, so the next
+- each agreement leaves its place an `Entry`: the agreed call and its outcome, for
+  ``REAGREE_EVERY - 1`` more runs where the outcome can run without an exchange (`runs_for`),
+  else for none; every rank derives the count from the agreed descriptors alike, so the next
   agreement (with rank 0's cost-model suggestion) falls on the same call everywhere;
 - a call whose place holds an entry with runs left, and which is the entry's call
-  (`Entry.matches`: collective, dtype, op, size, code format), runs compressed at once, also
-  on a rank that alone would not have compressed it: no exchange, no wait before data moves.
+  (`Entry.matches`: collective, dtype, op, size, form, parent), runs as the entry says without
+  an exchange: *compressed* entries (the direct schedule) run the compressed call at once,
+  *exact* ones (floating-point SUM, AVG and PREMUL_SUM of one tensor of at least 2 elements
+  per rank) are the inner group's own call, issued by the calling thread.
 
-A rank whose call is not its place's entry *deviates*, and knows it locally. It does not wait
-on a mismatched exchange: it runs the entry's call in place of its own (`Deviation`), on
-zeros, with every message flagged `wire.FLAG_DEVIATED` and naming its own call, so every
-transfer the others expect happens at the size they expect. The direct schedule's first phase
-hands every rank a message of every rank, so the deviating ranks (which read the headers on
-the host) all reach the same verdict: if every rank deviated to the same call (DDP rebuilding
-its buckets), every rank starts its schedule again (`restart`) and agrees on the call; else
-every rank raises `CollectiveMismatchError` (the ranks that did not deviate from their decode:
-on CUDA they see NaN and the call flagged non-finite instead, without a host synchronisation)
-and every rank keeps its schedule, so that all keep counting alike.
+A rank whose call is not its place's entry *deviates* and knows it locally
+(`lowbitcc.backend.deviation`). It never waits on a transfer of another size than the
+others': it runs the entry's call in place of its own. At a compressed entry it sends zeros in
+messages flagged `wire.FLAG_DEVIATED`, which every rank reads: where every rank deviated to
+the same call, every rank starts its schedule again (`restart`) and agrees on the call; else
+every rank raises `CollectiveMismatchError` at that call. At an exact entry it contributes a
+buffer of NaN with a few -0.0 elements: where every rank deviated, those elements come back
+-0.0 and every rank starts again; else this rank raises, the others' outputs of that call are
+NaN, and they raise at the next exchange, where this rank's descriptor carries
+`wire.DESC_DEVIATED` (`take_deviated`). Every rank exchanges again at the place's next run
+when the last output of its previous run there was NaN (its *canary*, read by the issuer; the
+same on every rank for an all-reduce), so that next exchange is at most a period away.
 
-Only the direct schedule keeps entries: the ring and the tree do not show every rank every
-rank's message, so the verdict could differ between ranks. Thread-safety: one issuing thread
-per device type, as for every inline call.
+Threads: the calling threads decide (`advance`, `entry`, `ran`); on the worker route the
+exchanges and compressed deviations run later on the group's worker, which records their
+outcomes (`agreed`, `restart`). A decision must see every earlier outcome on every rank alike,
+so a call that will record one *opens* it (`open`) and the next call waits until it is
+*settled* (`wait_settled`): the calling thread waits for the worker only behind exchanges, not
+in the steady state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import torch
 
-from lowbitcc import policy, schedules, state
+from lowbitcc import policy
+from lowbitcc.backend.exact import ReduceOp
 from lowbitcc.codec import wire
-from lowbitcc.compressor import CallCompressor, Source
 
 REAGREE_EVERY = 64
 """Runs of a place between two descriptor exchanges (the first of them exchanges)."""
 CAPACITY = 4096
 """Calls kept while the period is unknown; past it, learning starts again."""
+EXACT_OPS = frozenset({int(ReduceOp.SUM), int(ReduceOp.AVG), int(ReduceOp.PREMUL_SUM)})
+"""The ops of calls that may keep an exact entry: a NaN in one rank's input makes every
+output NaN (`deviation.ExactDeviation`)."""
+EXACT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
-def call_of(desc: wire.CallDescriptor) -> tuple:
+def call_key(desc: wire.CallDescriptor) -> tuple:
     """What must be the same on every rank for a call to run as its place's entry (not whether
     this rank would compress it: the agreement at the place decided that for every rank)."""
-    return (desc.collective, desc.dtype, desc.op, desc.numel, desc.bits, desc.group_size,
-            desc.fmt, desc.parent)
+    return (desc.collective, desc.dtype, desc.op, desc.numel, desc.part, desc.parent)
+
+
+def runs_for(leader: wire.CallDescriptor, compressed: bool, direct: bool, world: int) -> int:
+    """Runs without an exchange that the agreed call ``leader`` (rank 0's descriptor) keeps at
+    its place: none after a cost-model warm-up or exploration (``leader.explore``), for a
+    compressed call off the direct schedule, or for an exact call whose deviation cannot be made
+    visible (`EXACT_OPS`, `EXACT_DTYPES`, one tensor, at least 2 elements per rank)."""
+    if leader.explore:
+        return 0
+    if compressed:
+        return REAGREE_EVERY - 1 if direct else 0
+    per_rank = leader.numel // world if leader.collective == "reduce_scatter" else leader.numel
+    nan_capable = (leader.op in EXACT_OPS and leader.dtype in EXACT_DTYPES
+                   and not leader.part and per_rank >= 2)
+    return REAGREE_EVERY - 1 if nan_capable else 0
+
+
+EXCHANGE, PLANNED, DEVIATE = "exchange", "planned", "deviate"
+"""What a call does at its place (`Plan.kind`): exchange a descriptor (no entry, or none left),
+run as its place's entry, or deviate from it."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """A reduction's place in ``schedule`` (``index``) and what it does there (``kind``, with
+    the place's ``entry`` where it runs as it or deviates from it). A plan whose outcome is
+    recorded later is open in the schedule until `settle` (idempotent)."""
+
+    schedule: CallSchedule
+    index: int
+    kind: str
+    entry: Entry | None = None
+    opened: bool = False
+
+    def settle(self) -> None:
+        if self.opened:
+            self.opened = False
+            self.schedule.settle()
+
+
+class Poisoned:
+    """The canary of an exact place whose last run this rank ran on a NaN-filled buffer
+    (`deviation.ExactDeviation`): the others' outputs ended in NaN, and so would its own."""
+
+    @staticmethod
+    def nan() -> bool:
+        return True
 
 
 @dataclasses.dataclass
 class Entry:
-    """The call the ranks agreed on at one place (``desc``: this rank's descriptor then), and
-    how many more runs it may make without an exchange (``left``)."""
+    """The call the ranks agreed on at one place (``desc``: this rank's descriptor then), how
+    it ran (``exact``; ``by_model``: because rank 0's cost model chose it), and how many more
+    runs it may make without an exchange (``left``). ``canary``: for an exact all-reduce, the
+    issuer's view of its last run's output (`Issuer.canary`), whose ``nan()`` says whether
+    that output ended in NaN."""
 
     desc: wire.CallDescriptor
     left: int
+    exact: bool = False
+    by_model: bool = False
+    canary: Any = None
 
-    def matches(self, desc: wire.CallDescriptor) -> bool:
-        return call_of(desc) == call_of(self.desc)
+    def __post_init__(self) -> None:
+        self.key = call_key(self.desc)
+
+    def matches(self, key: tuple) -> bool:
+        return key == self.key
 
 
 class CallSchedule:
-    """The agreed calls of one group's inline route (see the module docstring).
+    """The places and entries of one group's route (see the module docstring). All of this
+    depends only on the calls and the agreements, the same on every rank."""
 
-    Every call that would exchange a descriptor takes the next *index* (`advance`). While the
-    *period* is unknown, every call exchanges, and the compressed ones are kept by index; the
-    period becomes known when the first call of an epoch (`policy.epoch`) is agreed equal to
-    the first call of an earlier epoch: the calls between repeat from then on, and a call's
-    *place* is its index modulo the period. Epochs are not consulted after that, so ranks whose
-    calls stay in step keep their places whatever their epochs (DDP's ``Join``: the joined
-    rank's shadow calls run outside backward). All of this depends only on the calls and the
-    agreements, the same on every rank."""
-
-    def __init__(self) -> None:
+    def __init__(self, settle_timeout_s: float = 1800.0) -> None:
+        self._settled = threading.Condition()
+        self._open = 0
+        self._timeout = settle_timeout_s
+        self.deviated = False
+        """This rank ran a place's exact entry in place of another call since its last
+        exchange (`take_deviated`)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -95,6 +161,44 @@ class CallSchedule:
         self._origin = 0
         self._epoch: tuple[str, int] | None = None
         self._next = 0
+
+    # -- in the calling thread -------------------------------------------------------------
+    def plan(self, key: tuple, wish: str | None = None, wait: bool = True) -> Plan:
+        """The next place and what the call of ``key`` (`call_key`) does there (see the module
+        docstring); ``wish``: "exact" where the caller demands the exact path
+        (`lowbitcc.exact`), "compressed" where it demands compression (`lowbitcc.compressed`),
+        so that an entry of the other path does not match. An exchange, and a deviation from
+        a compressed entry, open the plan. ``wait`` False: the call is a later tensor of one
+        call, whose places are all taken before any of its jobs runs (on every rank alike)."""
+        if wait:
+            self.wait_settled()
+        index = self.advance()
+        entry = self.entry(index)
+        if entry is None:
+            return self._opened(Plan(self, index, EXCHANGE))
+        self.ran(entry)  # a deviating call runs the entry's call in its place too
+        if entry.matches(key) and wish != ("compressed" if entry.exact else "exact"):
+            return Plan(self, index, PLANNED, entry)
+        plan = Plan(self, index, DEVIATE, entry)
+        return plan if entry.exact else self._opened(plan)
+
+    def planned_exact(self, key: tuple) -> Entry | None:
+        """Where the next place holds an exact entry that the call of ``key`` matches, take the
+        place and return the entry (it runs as it); else take nothing (`plan` takes it)."""
+        self.wait_settled()
+        if self._period is None:
+            return None
+        entry = self.entry(self._next)
+        if entry is None or not entry.exact or not entry.matches(key):
+            return None
+        self.advance()
+        self.ran(entry)
+        return entry
+
+    def _opened(self, plan: Plan) -> Plan:
+        self.open()
+        plan.opened = True
+        return plan
 
     def advance(self) -> int:
         """The index of the call issued now (counts it)."""
@@ -108,79 +212,95 @@ class CallSchedule:
         return index
 
     def entry(self, index: int) -> Entry | None:
-        """The entry a call at ``index`` runs as, if it has runs left (None: exchange)."""
+        """The entry a call at ``index`` runs as, if it has runs left and, for an exact one,
+        its last run did not end in NaN (None: exchange; a NaN canary ends the entry)."""
         if self._period is None:
             return None
-        entry = self._entries.get(self._place(index))
-        return entry if entry is not None and entry.left > 0 else None
+        place = self._place(index)
+        entry = self._entries.get(place)
+        if entry is None or entry.left <= 0:
+            return None
+        if entry.canary is not None and entry.canary.nan():
+            del self._entries[place]
+            return None
+        return entry
 
-    def ran(self, entry: Entry) -> None:
-        """A call ran as ``entry`` without an exchange."""
+    @staticmethod
+    def ran(entry: Entry) -> None:
+        """A call runs as ``entry`` without an exchange."""
         entry.left -= 1
 
-    def agreed(self, index: int, desc: wire.CallDescriptor) -> None:
-        """The ranks agreed at ``index`` to compress ``desc``'s call on the direct schedule."""
-        if self._period is None:
-            self._learn(index, desc)
-        if self._period is not None:
-            self._entries[self._place(index)] = Entry(desc, REAGREE_EVERY - 1)
+    def take_deviated(self) -> bool:
+        """Whether this rank deviated since its last exchange (`wire.DESC_DEVIATED`); the call
+        that exchanges now reports it, so it is cleared."""
+        deviated, self.deviated = self.deviated, False
+        return deviated
 
-    def restart(self) -> int:
-        """Forget everything (every rank deviated alike): the call issued now is index 0."""
+    def open(self) -> None:
+        """A call that will record an outcome later (on the worker) was issued."""
+        with self._settled:
+            self._open += 1
+
+    def wait_settled(self) -> None:
+        """Wait until every opened outcome is recorded (`settle`); at once when none is open."""
+        if not self._open:
+            return
+        with self._settled:
+            if not self._settled.wait_for(lambda: self._open == 0, self._timeout):
+                raise RuntimeError(
+                    "lowbitcc: an earlier call's descriptor exchange did not complete within the "
+                    f"group's timeout ({self._timeout:g} s); a peer may be stalled or dead")
+
+    # -- where the outcome is known (the worker, or the calling thread inline) ---------------
+    def settle(self) -> None:
+        """An opened outcome is recorded (or its call ended without one)."""
+        with self._settled:
+            self._open -= 1
+            self._settled.notify_all()
+
+    def agreed(self, index: int, desc: wire.CallDescriptor, runs: int, exact: bool,
+               by_model: bool = False) -> None:
+        """The ranks agreed at ``index`` on ``desc``'s call, ``exact`` (``by_model``) or
+        compressed, which keeps ``runs`` runs without an exchange (`runs_for`)."""
+        entry = Entry(desc, runs, exact, by_model)
+        if self._period is None:
+            self._learn(index, entry)
+        elif index < self._next:
+            self._entries[self._place(index)] = entry
+
+    def forget(self) -> None:
+        """Forget everything (every rank raised at the same exchange): the next call issued is
+        index 0."""
         self._reset()
-        return self.advance()
+
+    def restart(self, plan: Plan | None = None) -> int:
+        """Forget everything (every rank deviated alike): the call issued now is index 0, and
+        ``plan``, its plan, becomes an exchange there (open)."""
+        self._reset()
+        index = self.advance()
+        if plan is not None:
+            plan.index, plan.kind, plan.entry = index, EXCHANGE, None
+            if not plan.opened:
+                self._opened(plan)
+        return index
 
     def _place(self, index: int) -> int:
         assert self._period is not None
         return self._origin + (index - self._origin) % self._period
 
-    def _learn(self, index: int, desc: wire.CallDescriptor) -> None:
+    def _learn(self, index: int, entry: Entry) -> None:
         """Keep the call agreed at ``index``; close the period where it repeats the first call
         of an earlier epoch."""
         if self._starts and index == self._starts[-1]:
             for start in self._starts[:-1]:
                 first = self._entries.get(start)
-                if first is not None and first.matches(desc):
+                if first is not None and first.matches(entry.key):
                     self._period, self._origin = index - start, start
                     self._entries = {i: e for i, e in self._entries.items() if i >= start}
                     self._starts = []
+                    self._entries[self._place(index)] = entry
                     return
         if self._starts and index - self._starts[0] >= CAPACITY:
             self._entries.clear()
             self._starts = [index]
-        self._entries[index] = Entry(desc, REAGREE_EVERY - 1)
-
-
-class Deviation:
-    """A rank's call that is not its position's entry, run as the entry's call on zeros with
-    flagged messages (see the module docstring). ``call`` is the deviating `CompressedCall`
-    (its group, route, call number and own signature); `run` returns whether every rank
-    deviated to this rank's call."""
-
-    def __init__(self, call: Any, entry: Entry) -> None:
-        self.call, self.entry = call, entry
-
-    def run(self) -> bool:
-        call, expected = self.call, self.entry.desc
-        group = call.group
-        n = group.size
-        device = call.source.device
-        m = -(-expected.numel // n)
-        # the agreed call's codec (the group's settings are agreed too), its headers read on
-        # the host even on CUDA: the verdict needs every rank's
-        codec = dataclasses.replace(
-            group.codec(expected.collective, expected.dtype, expected.numel, device.type,
-                        call.route), seq=call.seq, host_check=True)
-        comp = CallCompressor(codec, state.FEEDBACK, "", state.STATS, error_dtype=None, beta=0.0,
-                              reset_interval=0, rank=group.rank)
-        own = wire.call_signature(call.collective, call.numel, call.source.dtype)
-        comp.deviated = own
-        source = Source(torch.zeros(n * m, dtype=expected.dtype, device=device), n, m)
-        if expected.collective == "all_reduce":
-            schedules.all_reduce("direct", source, torch.empty_like(source.tensor), comp,
-                                 call.route.links, 0)
-        else:
-            schedules.reduce_scatter("direct", source, comp, call.route.links, 0)
-        seen = comp.wire_error
-        return (isinstance(seen, wire.DeviatedCallError)
-                and all(s == own for s in seen.signatures))
+        self._entries[index] = entry

@@ -5,18 +5,20 @@ number and error-feedback key (`CompressedCalls.key`), builds its `wire.CallDesc
 its lease `Ticket` (`lowbitcc.backend.leases`). Calling it runs it, as the call's job on the
 group's worker (or in the issuing thread, on an inline route), phase by phase:
 
-1. `take_lease`: a lease left for its size class means the exact call, without an exchange;
-   on an inline route, `planned`: a call that its place in the sequence of calls has agreed
-   on before runs compressed without an exchange (`run_planned`), and one that differs from
-   it `deviate`s (`lowbitcc.backend.call_schedule`); otherwise rank 0's cost model may
-   `suggest` a path (`lowbitcc.cost_model`);
+1. under the call schedule (`lowbitcc.backend.call_schedule`), its ``plan``, taken when it was
+   issued: a call that its place agreed on before to compress runs compressed without an
+   exchange (`run_planned`), and one that differs from its place's compressed entry
+   `deviate`s; without the schedule, `take_lease`: a lease left for its size class means the
+   exact call, without an exchange; otherwise rank 0's cost model may `suggest` a path
+   (`lowbitcc.cost_model`);
 2. `agree`: the descriptor exchange (`call_agreement.CallAgreement`), whose outcome decides the
    lease ticket: the call is compressed only if every rank would compress it and rank 0's model
    did not choose exact;
-3. then one of `run_exact` (the caller's exact fallback, timed for the cost model where it
-   chose), `reduce_framed` (a small exact reduction carried in the frames themselves) and
-   `compress`: the call's `ShardCodec` and `CallCompressor`, the schedule (`schedules`), and the
-   compressor's `finish` (new error states stored).
+3. `record`: the outcome becomes its place's entry; then one of `run_exact` (the caller's exact
+   fallback, timed for the cost model where it chose), `reduce_framed` (a small exact
+   reduction carried in the frames themselves) and `compress`: the call's `ShardCodec` and
+   `CallCompressor`, the schedule (`schedules`), and the compressor's `finish` (new error
+   states stored).
 
 Subclasses say which schedule runs and where results go: `AllReduceCall` and
 `ReduceScatterCall` (the ``param_bits`` all-gather is `gather_call.GatherCall`).
@@ -41,8 +43,17 @@ from lowbitcc.backend.call_agreement import (
     CallAgreement,
     CollectiveMismatchError,
     CorruptFrameError,
+    DeviatedPeerError,
 )
-from lowbitcc.backend.call_schedule import CallSchedule, Deviation, Entry
+from lowbitcc.backend.call_schedule import (
+    DEVIATE,
+    EXCHANGE,
+    PLANNED,
+    Plan,
+    Poisoned,
+    runs_for,
+)
+from lowbitcc.backend.deviation import Deviation
 from lowbitcc.backend.exact import (
     Reduction,
     count_exact,
@@ -52,50 +63,13 @@ from lowbitcc.backend.exact import (
 )
 from lowbitcc.backend.issue_queue import Job, callback_parent
 from lowbitcc.backend.leases import Leases, Ticket
+from lowbitcc.backend.routes import Route
 from lowbitcc.codec import wire
-from lowbitcc.codec.interface import Kernels
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass, Suggestion
-from lowbitcc.transports.links import Links
-from lowbitcc.transports.topology import NodeLayout
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """The codec kernels and the links that compressed calls on one device type use.
-
-    ``inline``: the jobs run in the calling thread, not on the worker (the descriptor exchange,
-    which uses the inner gloo group, is then handed to the worker), and are not cut into
-    chunks (``chunk_size``): chunks let a CPU rank code one while the network moves another,
-    but work enqueued on one CUDA stream gains nothing from them and pays each step's launch
-    overhead once per chunk; ``schedules``: the ones the links can run (None: all)."""
-
-    kernels: Kernels
-    links: Links
-    inline: bool = False
-    schedules: tuple[str, ...] | None = None
-
-
-def choose_schedule(config: LocoConfig, nbytes: int, world: int, layout: NodeLayout) -> str:
-    """The schedule for a call of ``nbytes`` input bytes per rank on ``world`` ranks.
-
-    ``config.schedule`` unless it is "auto"; auto takes hierarchical when the group spans
-    several nodes of several ranks each, else tree below ``config.auto_tree_bytes`` from
-    ``config.auto_tree_ranks`` ranks on, else ring from ``config.auto_ring_ranks`` ranks on,
-    else direct. Every input is the same on every rank, so every rank chooses the same.
-    """
-    if config.schedule != "auto":
-        return config.schedule
-    if layout.regular and layout.nodes > 1 and layout.node_size > 1:
-        return "hierarchical"
-    if nbytes < config.auto_tree_bytes and world >= config.auto_tree_ranks:
-        return "tree"
-    if config.auto_ring_ranks and world >= config.auto_ring_ranks:
-        return "ring"
-    return "direct"
 
 
 class CallGroup(Protocol):
@@ -114,15 +88,14 @@ class CallGroup(Protocol):
     def route(self, device: torch.device) -> Route: ...
     def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]: ...
     def leasable(self, numel: int) -> bool: ...
+    def modelled(self, numel: int) -> bool: ...
     def harvest_timings(self) -> None: ...
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]: ...
     def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any: ...
     def schedule_for(self, source: Source, route: Route) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
-    def position(self, device_type: str) -> int | None: ...
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
               route: Route) -> ShardCodec: ...
-    def call_schedule(self, device_type: str) -> CallSchedule: ...
 
 
 class CompressedCall:
@@ -133,14 +106,18 @@ class CompressedCall:
     call issued in the calling thread); ``wants``: whether this rank would compress it (its
     policy said so); ``ticket``: the call's lease decision if the issuing thread already began
     it (`CompressedCalls.ticket`), else begun here; ``leased``: what runs when the call takes
-    a lease on the worker (default ``exact``).
+    a lease on the worker (default ``exact``); ``plan``: its place in the call schedule and
+    what it does there (`call_schedule.Plan`; None: no schedule), taken by the issuing
+    thread: an exchange, a compressed entry's call, or a deviation from a compressed entry
+    (exact entries never reach a job); ``part``: one tensor of a call of several.
     """
 
     collective: ClassVar[str]
 
     def __init__(self, group: CallGroup, output: torch.Tensor, source: torch.Tensor, op: Any,
                  exact: Job, wants: bool, ticket: Ticket | None = None,
-                 leased: Job | None = None) -> None:
+                 leased: Job | None = None, plan: Plan | None = None,
+                 part: bool = False) -> None:
         cfg = group.config
         self.group, self.output, self.source, self.op = group, output, source, op
         self.exact, self.leased = exact, leased or exact
@@ -152,12 +129,16 @@ class CompressedCall:
         # a derived key's layout is checked by the buffer it reduces; an explicit one is trusted
         self.buffer = StorageWeakRef(source.untyped_storage()) if derived else None
         leasable = group.leasable(self.numel)
-        self.modelled = leasable and not policy.forced()
+        self.modelled = group.modelled(self.numel) and not policy.forced()
         self.framed = (cfg.check and not self.route.inline and self.nbytes <= wire.FRAME_PAYLOAD
                        and source.layout == torch.strided
                        and reduces_in_rank_order(op, source.dtype))
+        self.plan = plan
+        self.part = part
+        self.verdict: torch.Tensor | None = None
+        """After a compressed run on CUDA: the device flag of a foreign message received
+        (`CallCompressor.foreign`), which the issuer turns into the Work's verdict word."""
         self.desc = self.descriptor(wants)
-        self.position = group.position(source.device.type)
         self.reduction = Reduction.of(op, group.size)
         if leasable and ticket is None:
             ticket = group.leases.begin(CostModel.size_class(
@@ -171,51 +152,71 @@ class CompressedCall:
             collective=self.collective, dtype=self.source.dtype, op=int(op_type(self.op)),
             numel=self.numel, seq=self.seq, bits=cfg.bits, group_size=cfg.wire_group_size,
             compressed=wants and self.numel >= cfg.min_size, fmt=cfg.wire_format,
-            framed=self.framed, parent=callback_parent())
+            framed=self.framed, parent=callback_parent(), part=self.part,
+            deviated=self.plan is not None and self.plan.kind == EXCHANGE
+            and self.plan.schedule.take_deviated())
 
     def __call__(self) -> Any:
         """Run the call (its job); its value is the job's (None, or inner work in flight)."""
         try:
             return self.run()
         finally:
-            if self.ticket is not None:
-                self.ticket.settle()
+            self.close()
+
+    def close(self) -> None:
+        """The call ran, or will not run (an earlier call of its sequence raised): settle its
+        lease ticket and its place's plan (both idempotent)."""
+        if self.ticket is not None:
+            self.ticket.settle()
+        if self.plan is not None:
+            self.plan.settle()
 
     def run(self) -> Any:
         if self.take_lease():
             return self.group.timed_exact(self.leased, self.ticket.size_class, self.nbytes)
-        planned = self.planned()
-        if planned is not None:
-            if planned.matches(self.desc):
-                return self.run_planned(planned)
-            self.deviate(planned)  # raises, unless every rank deviated to this call
+        plan = self.plan
+        if plan is not None and plan.kind == PLANNED:
+            return self.run_planned()
+        if plan is not None and plan.kind == DEVIATE:
+            self.deviate(plan)  # raises, unless every rank deviated to this call
         suggestion = self.suggest()
         try:
             leader, inputs = self.agree(suggestion)
         except CorruptFrameError as exc:
             return self.group.agreement.then_raise(exc, self.exact)
+        except DeviatedPeerError:
+            if plan is not None:  # every rank raises here: every rank starts again
+                plan.schedule.forget()
+            raise
         if not leader.compressed:  # some rank would not compress it (or it is too small)
+            self.record(compressed=False)
             return self.exact() if inputs is None else self.reduce_framed(inputs)
         if suggestion is not None and leader.prefer_exact:
+            self.record(compressed=False, by_model=True, explore=leader.explore)
             return self.run_exact(leader, suggestion)
         if self.ticket is not None:  # decided: later calls need not wait for the schedule
             self.ticket.settle()
-        if self.position is not None and self.schedule_name() == "direct":
-            self.group.call_schedule(self.source.device.type).agreed(self.position, self.desc)
+        self.record(compressed=True, explore=suggestion is not None and leader.explore)
         return self.compress(suggestion)
 
-    def planned(self) -> Entry | None:
-        """The agreed call this one's position runs as without an exchange (inline routes,
-        `call_schedule`); None: exchange."""
-        if self.position is None:
-            return None
-        return self.group.call_schedule(self.source.device.type).entry(self.position)
+    def record(self, compressed: bool, by_model: bool = False, explore: bool = False) -> None:
+        """Leave the call's place the agreed outcome (`call_schedule.runs_for`; ``by_model``:
+        rank 0's cost model chose the exact path; ``explore``: its choice was a warm-up or an
+        exploration) and settle it."""
+        plan = self.plan
+        if plan is None:
+            return
+        direct = compressed and self.schedule_name() == "direct"
+        runs = runs_for(dataclasses.replace(self.desc, explore=explore), compressed, direct,
+                        self.group.size)
+        plan.schedule.agreed(plan.index, self.desc, runs, exact=not compressed,
+                             by_model=by_model)
+        plan.settle()
 
-    def run_planned(self, entry: Entry) -> None:
-        """Run the call as its position's agreed ``entry``: compressed, no exchange (counted
-        by the cost model as a call of its class, and timed), also where this rank alone would
+    def run_planned(self) -> None:
+        """Run the call as its place's agreed compressed entry, without an exchange (counted by
+        the cost model as a call of its class, and timed), also where this rank alone would
         not have compressed it (the agreement at its place decided for every rank)."""
-        self.group.call_schedule(self.source.device.type).ran(entry)
         if not self.key:
             self.key, derived = self.group.key(self.collective, self.source, self.numel)
             if derived:
@@ -230,22 +231,34 @@ class CompressedCall:
             self.ticket.settle()
         self.compress(suggestion)
 
-    def deviate(self, entry: Entry) -> None:
-        """This rank's call is not its position's ``entry``: run the entry in its place
-        (`call_schedule.Deviation`) and raise; unless every rank deviated to this call: then
+    def deviate(self, plan: Plan) -> None:
+        """This rank's call is not its place's compressed entry: run the entry in its place
+        (`deviation.Deviation`) and raise; unless every rank deviated to this call: then
         every rank restarts its schedule with this call, which the caller agrees on as on a
         new one. (A schedule is kept where ranks raise: on CUDA the ranks that did not deviate
         see only NaN, and every rank must keep counting alike.)"""
-        alike = Deviation(self, entry).run()
+        assert plan.entry is not None
+        signature = wire.call_signature(self.collective, self.numel, self.source.dtype)
+        alike = Deviation(self.group, self.route, self.seq, self.source.device, plan.entry,
+                          signature).run()
         if alike:
-            self.position = self.group.call_schedule(self.source.device.type).restart()
+            plan.schedule.restart(plan)
         else:
-            expected = entry.desc
+            # the others see it at this call from the headers on CPU; on CUDA only as NaN and
+            # a verdict word: every rank exchanges at the place's next run and raises there
+            if self.source.device.type != "cpu":
+                plan.schedule.deviated = True
+                plan.entry.canary = Poisoned()
+            expected = plan.entry.desc
             raise CollectiveMismatchError(
                 f"lowbitcc: rank {self.group.rank} issued a {self.collective} of {self.numel} "
                 f"{self.source.dtype} elements where the ranks had agreed on a "
                 f"{expected.collective} of {expected.numel} {expected.dtype} elements (this "
                 "call's place in the sequence of calls); every rank raises")
+
+    def describe(self) -> str:
+        """The call, for messages."""
+        return f"{self.collective} of {self.numel} {self.source.dtype} elements (call #{self.seq})"
 
     def schedule_name(self) -> str:
         """The compressed schedule this call runs on."""
@@ -274,9 +287,10 @@ class CompressedCall:
         """The descriptor exchange: rank 0's descriptor as agreed, and for a framed call every
         rank's frame (`CallAgreement.exchange`); without ``check``, this rank's own."""
         call = self.desc if suggestion is None else dataclasses.replace(
-            self.desc, prefer_exact=suggestion.exact, lease=suggestion.lease)
+            self.desc, prefer_exact=suggestion.exact, lease=suggestion.lease,
+            explore=suggestion.explore)
         group = self.group
-        if not group.config.check:
+        if not group.config.check or group.size == 1:
             return call, None
         if self.route.inline and group.on_worker is not None:
             agreed: list[wire.CallDescriptor] = []
@@ -314,6 +328,7 @@ class CompressedCall:
         comp = self.compressor()
         flat = self.source.detach().reshape(-1).contiguous()
         self.schedule(Source(flat, n, m, self.reduction.input_factor()), comp)
+        self.verdict = comp.foreign()
         comp.finish()
         try:
             comp.raise_deferred()

@@ -12,14 +12,12 @@ ordinals, the worker's decode buffer, and the CUDA calls' stream timings.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import (
@@ -28,23 +26,24 @@ from lowbitcc.backend.call_agreement import (
     CorruptFrameError,
     InvalidPeerCallError,
 )
-from lowbitcc.backend.call_schedule import CallSchedule
-from lowbitcc.backend.compressed_call import CALLS, Route, choose_schedule
+from lowbitcc.backend.call_places import CallPlaces
+from lowbitcc.backend.call_schedule import CallSchedule, Entry, Plan
+from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import PLAIN_OPS, op_type
 from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import InnerWork, Job
 from lowbitcc.backend.leases import Leases, Ticket
-from lowbitcc.codec import kernels, wire
+from lowbitcc.backend.routes import Route, choose_schedule
+from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.schedules.chunking import chunk_width
-from lowbitcc.transports import open_links, open_nccl_links
 from lowbitcc.transports.gloo import GlooTransport
-from lowbitcc.transports.nccl import SCHEDULES as NCCL_SCHEDULES
 
+_MAIN_THREAD = threading.main_thread().ident
 CODECS_KEPT = 1024
 """Codec templates kept per group (`CompressedCalls.codec`), the oldest dropped first."""
 
@@ -59,7 +58,8 @@ class CompressedCalls:
 
     def __init__(self, rank: int, size: int, config: LocoConfig, agreement: GlooTransport,
                  routes: dict[str, Route],
-                 on_worker: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 on_worker: Callable[[Callable[[], None]], None] | None = None,
+                 timeout_s: float = 1800.0) -> None:
         self.rank = rank
         self.size = size
         self.config = config
@@ -70,8 +70,10 @@ class CompressedCalls:
         self.scratch = Scratch()  # the worker thread's decode buffer
         self._routes = routes
         self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
-        self._call_schedules = {device: CallSchedule() for device, route in routes.items()
-                                if route.inline and config.check and config.call_schedule}
+        scheduled = self.exchanges() and config.call_schedule
+        self._call_schedules = {device: CallSchedule(timeout_s) for device in routes
+                                if scheduled}
+        self.places = CallPlaces(self._call_schedules, config)
         self._codecs: dict[tuple, ShardCodec] = {}
         self._lock = threading.Lock()
         self._epoch: tuple[str, int] | None = None
@@ -92,11 +94,19 @@ class CompressedCalls:
         calls have ``numels`` elements (the whole input of each). Issued by the worker, every
         such call exchanges (``check``, and a policy that may compress); the small ones carry
         their input in the frame (`wire.FRAME_PAYLOAD`) and need no second exchange. Issued
-        ``inline`` (CUDA, or ``LOCO_ISSUER=inline``), calls under ``min_size`` go straight to
-        the inner group without it (docs/reliability.md)."""
+        ``inline`` (CUDA, or ``LOCO_ISSUER=inline``) without the call schedule, calls under
+        ``min_size`` go straight to the inner group without it (docs/reliability.md); with it,
+        every call takes a place and exchanges until its place holds an entry."""
+        if not self.exchanges() or not numels:
+            return False
+        return not inline or bool(self._call_schedules) or all(
+            n >= self.config.min_size for n in numels)
+
+    def exchanges(self) -> bool:
+        """Whether the group's reductions exchange descriptors at all: ``check``, a policy that
+        may compress, and more than one rank (a group of one agrees with itself)."""
         cfg = self.config
-        return (cfg.check and cfg.policy != "never" and bool(numels)
-                and (not inline or all(n >= cfg.min_size for n in numels)))
+        return cfg.check and cfg.policy != "never" and self.size > 1
 
     def checks_data_movement(self) -> bool:
         """Whether exact data movements of CPU tensors (broadcast, all-gather, gather, scatter,
@@ -104,8 +114,7 @@ class CompressedCalls:
         ``check_all`` with a policy that may compress (where CPU reductions exchange one too),
         so that a broadcast on one rank against an all-reduce on another raises instead of
         hanging (docs/reliability.md)."""
-        cfg = self.config
-        return cfg.check and cfg.check_all and cfg.policy != "never"
+        return self.exchanges() and self.config.check_all
 
     def checked(self, collective: str, dtype: torch.dtype, numel: int, job: Job, *,
                 op: int = 0, root: int = 0) -> Job:
@@ -113,7 +122,7 @@ class CompressedCalls:
         return self.agreement.checked(collective, dtype, numel, job, op=op, root=root)
 
     def refused(self, collective: str, error: Exception, numels: list[int],
-                like: torch.Tensor | None) -> Job:
+                like: torch.Tensor | None, plan: Plan | None = None) -> Job:
         """The job of a call whose arguments this rank found invalid (``error``), where a
         valid call would exchange a descriptor: it exchanges one flagged `wire.DESC_INVALID`,
         so that every other rank raises `InvalidPeerCallError` for the same call instead of
@@ -123,11 +132,13 @@ class CompressedCalls:
         model has leased the first one's size class to the exact path, the valid ranks skip the
         exchange: this rank takes the lease and raises without one (the others then wait in
         gloo until the group's timeout, as on gloo). Data movements pass ``[0]`` and None (one
-        call, never leased)."""
+        call, never leased). ``plan``: the first call's place, an exchange (under the call
+        schedule)."""
         seqs = [self.agreement.next_seq() for _ in numels]
         desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
                                    seq=seqs[0], bits=0, group_size=0, compressed=False,
-                                   invalid=True)
+                                   invalid=True,
+                                   deviated=plan is not None and plan.schedule.take_deviated())
         ticket = None
         if like is not None and self.leasable(numels[0]):
             ticket = self.leases.begin(CostModel.size_class(
@@ -234,7 +245,6 @@ class CompressedCalls:
         """Count a call leased at issue as its job would: its call number (the ranks' numbers
         stay in step) and, where it ``wants`` compression, its feedback key's ordinal."""
         self.agreement.next_seq()
-        self.position(like.device.type)
         if wants and policy.explicit_key() is None:  # counted as `key` counts it
             self._ordinal(collective, like.dtype, numel)
 
@@ -244,16 +254,25 @@ class CompressedCalls:
         call itself (``inline``: calls under ``min_size``, exact on every rank whatever the
         policy, see `agrees_on`; and calls leased at once, see `ticket`), and the call's
         ticket otherwise."""
-        if inline and numel < self.config.min_size:
+        if inline and numel < self.config.min_size and not self._call_schedules:
             return True, None
         ticket = self.ticket(collective, like, numel, wants)
         return ticket is not None and ticket.leased, ticket
 
-    def position(self, device_type: str) -> int | None:
-        """The call's position in its route's `call_schedule.CallSchedule` (inline routes that
-        exchange descriptors; None elsewhere), counted; call once per call, in issue order."""
-        schedule = self._call_schedules.get(device_type)
-        return None if schedule is None else schedule.advance()
+    def count_planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
+                      entry: Entry) -> SizeClass | None:
+        """Count a call that runs as its place's exact ``entry`` as its job would count it
+        (`_count_leased`; the cost model's count, and its statistics where the model chose
+        the entry); its size class where the cost model times it, else None."""
+        self._count_leased(collective, like, numel, self.wants(op_type(op), [like]))
+        if not self.modelled(numel) or policy.forced():
+            return None
+        size_class = CostModel.size_class(collective, numel * like.element_size(),
+                                          like.device.type)
+        self.cost_model.count(size_class)
+        if entry.by_model:
+            state.STATS.add("exact", model_exact=1)
+        return size_class
 
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
               route: Route) -> ShardCodec:
@@ -276,25 +295,36 @@ class CompressedCalls:
                     self._codecs.pop(next(iter(self._codecs)))
         return codec
 
-    def call_schedule(self, device_type: str) -> CallSchedule:
-        return self._call_schedules[device_type]
+    def modelled(self, numel: int) -> bool:
+        """Whether the cost model may choose the path of a reduction of ``numel`` elements
+        (with the policy's consent: not under `lowbitcc.compressed`, which forces it)."""
+        cfg = self.config
+        return cfg.cost_model and self.exchanges() and numel >= cfg.min_size
 
     def leasable(self, numel: int) -> bool:
         """Whether a reduction of ``numel`` elements counts against the cost model's leases.
         Every rank counts the same calls, whatever its policy says (in a `compressed()` block
-        too: the ranks holding the lease skip the exchange, so a rank that did not would hang)."""
-        cfg = self.config
-        return cfg.cost_model and cfg.check and numel >= cfg.min_size
+        too: the ranks holding the lease skip the exchange, so a rank that did not would hang).
+        Under the call schedule nothing is leased: a place's exact entry does what a lease
+        did."""
+        return self.modelled(numel) and not self._call_schedules
 
     def call(self, collective: str, output: torch.Tensor, source: torch.Tensor, op: Any,
              exact: Job, wants: bool = True, ticket: Ticket | None = None,
-             leased: Job | None = None) -> Job:
+             leased: Job | None = None, plan: Plan | None = None, part: bool = False) -> Job:
         """The job of a compressed ``collective`` (`compressed_call.CALLS`) of flat or in-place
         ``source`` into ``output`` (``exact``: the fallback after an exchange; ``wants``:
         whether this rank would compress it, see `agrees_on`; ``ticket``: the call's undecided
         lease decision from `ticket`, None: taken here; ``leased``: what runs when the job
-        takes a lease, default ``exact``)."""
-        return CALLS[collective](self, output, source, op, exact, wants, ticket, leased)
+        takes a lease, default ``exact``; ``plan``: its place (`plan`); ``part``: one tensor
+        of several)."""
+        try:
+            return CALLS[collective](self, output, source, op, exact, wants, ticket, leased,
+                                     plan, part)
+        except BaseException:
+            if plan is not None:
+                plan.settle()
+            raise
 
     def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
                    wants: bool = True) -> Job:
@@ -351,23 +381,3 @@ class CompressedCalls:
         raise ValueError(
             f"lowbitcc: LOCO_SCHEDULE={name} cannot run on {source.tensor.device.type} tensors; "
             f"their transport runs {', '.join(route.schedules)} (or auto)")
-
-
-def cpu_route(config: LocoConfig, world: GlooTransport, store: dist.Store,
-              global_ranks: list[int], rank: int, timeout: datetime.timedelta) -> Route:
-    """The `Route` of CPU tensors: the C++ kernels and ``LOCO_TRANSPORT``'s links with
-    ``world`` as the gloo world link; ``inline`` under ``LOCO_ISSUER=inline``."""
-    return Route(
-        kernels=kernels.select(config.codec, "cpu", config.wire_group_size),
-        links=open_links(config.transport, world=world, store=store, global_ranks=global_ranks,
-                         rank=rank, timeout=timeout, node_size=config.node_size,
-                         stats=state.STATS),
-        inline=config.issuer == "inline")
-
-
-def cuda_route(config: LocoConfig, nccl: Any) -> Route:
-    """The `Route` of CUDA tensors: the CUDA kernels and the links over ``nccl``, the group's
-    inner ``ProcessGroupNCCL``; inline, the schedules NCCL's links can run."""
-    return Route(kernels=kernels.select(config.codec, "cuda", config.wire_group_size),
-                 links=open_nccl_links(nccl, state.STATS), inline=True,
-                 schedules=NCCL_SCHEDULES)

@@ -41,7 +41,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from lowbitcc.backend.cuda_verdicts import DeviceCanary, keep_canaries, verdict_word
 from lowbitcc.backend.exact import ExactReduction
+from lowbitcc.backend.issue_queue import closing
+from lowbitcc.backend.watchdog import Watchdog
+
+WAIT_POLL_S = 0.0005
+"""Seconds between two looks at the GPU in ``StreamWork.wait(timeout)``."""
 
 
 def ready_work(outputs: list[torch.Tensor], device: torch.device) -> dist.Work:
@@ -53,25 +60,43 @@ def ready_work(outputs: list[torch.Tensor], device: torch.device) -> dist.Work:
 
 
 class StreamWork(dist.Work):
-    """The Work of a call enqueued on ``stream`` (a compressed call's stream, or the caller's
+    r"""The Work of a call enqueued on ``stream`` (a compressed call's stream, or the caller's
     current one for an exact call that NCCL ran in synchronous mode), whose results are
     ``outputs``: they are ready in that stream's order. `wait` and `synchronize` make the
     waiter's current stream wait for ``event``, recorded after the call (no host wait), as
-    ProcessGroupNCCL's Work does; `is_completed` asks the GPU whether it has passed it (no
-    wait); `get_future` makes, on first use, a CUDA-aware future completed on ``stream`` (so
+    ProcessGroupNCCL's Work does; ``wait(timeout)`` first waits on the host until the GPU has
+    passed the event, at most ``timeout``; `is_completed` asks the GPU whether it has passed it
+    (no wait); `get_future` makes, on first use, a CUDA-aware future completed on ``stream`` (so
     also after whatever was enqueued there since). What `ready_work` gives, without building
-    the future where the caller only waits (``dist.*(async_op=False)``). `exception` is None:
-    what goes wrong on the GPU is not seen without a host synchronisation."""
+    the future where the caller only waits (``dist.*(async_op=False)``). The group's
+    `watchdog.Watchdog` watches it (``name``: the call, for messages): where the GPU wrote
+    ``verdict_word`` (pinned host memory, before the event) non-zero, or the call outlived the
+    group's timeout, it `fail`\ s the Work: `exception` returns the error and `wait` raises it."""
 
-    def __init__(self, outputs: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    def __init__(self, outputs: list[torch.Tensor], stream: torch.cuda.Stream, name: str = "",
+                 verdict_word: torch.Tensor | None = None) -> None:
         super().__init__()
         self._outputs = outputs
         self._stream = stream
+        self.name = name or "a CUDA call"
+        self._verdict_word = verdict_word
+        self._error: BaseException | None = None
         self.event = torch.cuda.Event()
         self.event.record(stream)
         self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 0)
+        if seconds > 0:
+            deadline = time.monotonic() + seconds
+            while self._error is None and not self.event.query():
+                if time.monotonic() > deadline:
+                    raise dist.DistBackendError(
+                        f"lowbitcc: Work.wait timed out after {seconds:g} s: {self.name} has "
+                        "not completed on the GPU (a peer may be stalled)")
+                time.sleep(WAIT_POLL_S)
+        if self._error is not None:
+            raise self._error
         torch.cuda.current_stream(self._stream.device).wait_event(self.event)
         return True
 
@@ -87,30 +112,51 @@ class StreamWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self.event.query()
+        return self._error is not None or self.event.query()
 
     def is_success(self) -> bool:
-        return self.event.query()
+        return self._error is None and self.event.query()
 
     def exception(self) -> BaseException | None:
-        return None
+        return self._error
 
     def result(self) -> list[torch.Tensor]:
         return self._outputs
+
+    # -- what the watchdog asks ------------------------------------------------------------
+    def done(self) -> bool:
+        return self.event.query()
+
+    def verdict(self) -> BaseException | None:
+        """Once `done`: the error the GPU reported in the verdict word, if any."""
+        if self._verdict_word is None or not int(self._verdict_word.item()):
+            return None
+        return CollectiveMismatchError(
+            f"lowbitcc: {self.name} received a message that does not belong to it (another "
+            "rank issued a call other than the one the ranks agreed on at its place, or a "
+            "message was corrupted in transit): its outputs are NaN")
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
 
 
 class CudaIssuer:
     """Issues the CUDA calls of one group (see the module docstring) on ``nccl``, its inner
     ``ProcessGroupNCCL``. Used only from the threads that call the group; one call at a time
-    (``_lock``)."""
+    (``_lock``). ``watchdog``: the group's (`watchdog.Watchdog`), which watches every
+    compressed call's `StreamWork` and aborts ``nccl`` when one outlives the group's timeout;
+    every call first raises the error that ended the group, if one did."""
 
-    def __init__(self, nccl: Any) -> None:
+    def __init__(self, nccl: Any, watchdog: Watchdog | None = None) -> None:
         self.nccl = nccl
+        self.watchdog = watchdog or Watchdog(1800.0, lambda: nccl.abort())
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._last: dict[torch.device, torch.cuda.Event] = {}
         self._lock = threading.RLock()
 
     inline = True
+    native_ops = frozenset(dist.ReduceOp.RedOpType.__members__.values())
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
         """`Issuer.exact`: the call as c10d asked for it, on NCCL."""
@@ -126,6 +172,9 @@ class CudaIssuer:
     def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
                       size_class: Any, nbytes: int) -> dist.Work:
         return self.native(method, outputs, *args)
+
+    def canary(self, output: torch.Tensor, work: dist.Work) -> DeviceCanary:
+        return DeviceCanary(output, work)
 
     def fallback(self, part: ExactReduction, leased: bool = False) -> Callable[[], Any]:
         """One tensor's exact call on NCCL, synchronous (enqueued on the current stream)."""
@@ -143,12 +192,19 @@ class CudaIssuer:
             tensors: list[torch.Tensor], outputs: list[torch.Tensor],
             async_op: bool) -> dist.Work:
         fallbacks = [self.fallback(p) for p in parts]
-        return self.compressed(lambda: [job() for job in jobs], lambda: [f() for f in fallbacks],
-                               tensors, outputs, async_op)
+
+        def run_jobs() -> None:
+            with closing(jobs):
+                for job in jobs:
+                    job()
+
+        return self.compressed(run_jobs, lambda: [f() for f in fallbacks], tensors, outputs,
+                               async_op, jobs)
 
     def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
         """``nccl.<method>(*args)`` (the caller's options included); its Work, or a
         `StreamWork` (`ready_work` while a graph is captured)."""
+        self.watchdog.check()
         work = getattr(self.nccl, method)(*args)
         if work is not None:
             return work
@@ -159,9 +215,12 @@ class CudaIssuer:
 
     def compressed(self, job: Callable[[], Any], exact: Callable[[], Any],
                    tensors: list[torch.Tensor], outputs: list[torch.Tensor],
-                   async_op: bool) -> dist.Work:
+                   async_op: bool, calls: list[Any] = ()) -> dist.Work:
         """Run ``job`` (``exact`` while a graph is captured) on the call's stream; ``tensors``
-        are every tensor the call reads or writes, ``outputs`` the Work's value."""
+        are every tensor the call reads or writes, ``outputs`` the Work's value; ``calls``:
+        the compressed calls ``job`` runs (their ``verdict``, a device flag, after it ran: a
+        foreign message; their ``describe()`` names them)."""
+        self.watchdog.check()
         device = outputs[0].device
         with self._lock, torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
@@ -176,7 +235,11 @@ class CudaIssuer:
                 stream.wait_event(last)
             with torch.cuda.stream(stream), torch.no_grad():
                 job()
-            work = StreamWork(outputs, stream)
+                word = verdict_word(calls)
+                keep_canaries(calls)
+            name = " and ".join(c.describe() for c in calls if hasattr(c, "describe"))
+            work = StreamWork(outputs, stream, name, word)
+            self.watchdog.watch(work)
             self._last[device] = work.event
             if stream != current:
                 for t in tensors:

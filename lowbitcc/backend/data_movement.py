@@ -27,7 +27,6 @@ from lowbitcc.backend.arguments import (
     holds_problem,
     list_problem,
     nbytes,
-    op_problem,
 )
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.cuda_issue import CudaIssuer
@@ -62,27 +61,6 @@ class DataMovements:
             job = self._compressed.refused(collective, error, numels or [0], like)
             self._queue.submit(job).wait()  # raises error
         raise error
-
-    def refuse_reduction(self, error: Exception, inline: bool, outputs: list[torch.Tensor],
-                         collective: str = "reduce_scatter") -> None:
-        """Refuse a reduce-scatter (or all-reduce) of ``outputs``, one call per tensor, in the
-        descriptor exchange the valid call would make: through the worker, every such call
-        exchanges one; issued ``inline``, those of at least ``min_size`` elements (a leased
-        size class excepted, see `CompressedCalls.refused`). Under the call schedule, where the
-        valid call may run at its place without an exchange, an inline refusal raises without
-        one (the others then fail at that call or the next, or wait until the timeout)."""
-        world = self.size if collective == "reduce_scatter" else 1
-        numels = [o.numel() * world for o in outputs]
-        exchanges = self._compressed.agrees_on(numels, inline=inline) and not (
-            inline and self._compressed.config.call_schedule)
-        self.refuse(collective, error, exchanges=exchanges, numels=numels, like=outputs[0])
-
-    def refuse_invalid_op(self, op: Any, inline: bool, outputs: list[torch.Tensor],
-                          collective: str = "reduce_scatter") -> None:
-        """`refuse_reduction` if ``op`` cannot reduce ``outputs`` (`arguments.op_problem`)."""
-        wrong = op_problem(op, outputs)
-        if wrong is not None:
-            self.refuse_reduction(wrong, inline, outputs, collective)
 
     def _refuse_if(self, kind: str, problem: Callable[[], str | None]) -> None:
         """Where the group checks data movements (`CompressedCalls.checks_data_movement`),

@@ -12,6 +12,7 @@ inputs already gathered (the small calls that travel in a descriptor frame).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -271,6 +272,28 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
                 on_done(inner.work)
 
     return _create_work_from_future(future.then(finish))
+
+
+class HostCanary:
+    """The last element of a CPU all-reduce's ``output``, read once its ``work`` completed
+    (waiting for it if needed: `call_schedule` reads a place's canary at the place's next run).
+    A work that failed reads as NaN (the place then exchanges again)."""
+
+    __slots__ = ("_work", "_last")
+
+    def __init__(self, output: torch.Tensor, work: Any) -> None:
+        self._work = work
+        self._last = output[(-1,) * output.dim()] if output.numel() else None
+
+    def nan(self) -> bool:
+        if self._last is None:
+            return False
+        try:
+            if not self._work.is_completed():
+                self._work.wait()
+        except Exception:  # noqa: BLE001 (the call raised to its caller already)
+            return True
+        return math.isnan(self._last.item())
 
 
 def _divide_(t: torch.Tensor, divisor: int) -> None:

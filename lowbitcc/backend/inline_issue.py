@@ -16,19 +16,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
-from lowbitcc.backend.exact import ExactReduction, start_now
-from lowbitcc.backend.issue_queue import InnerWork, Job
+from lowbitcc.backend.exact import PLAIN_OPS, ExactReduction, HostCanary, start_now
+from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, closing
 
 
 class InlineIssuer:
     """Issues CPU reductions in the calling thread over ``direct`` (see the module docstring)."""
 
     inline = True
+    native_ops = PLAIN_OPS
 
-    def __init__(self, direct: dist.ProcessGroup) -> None:
+    def __init__(self, direct: dist.ProcessGroup, queue: IssueQueue) -> None:
         self._direct = direct
+        self._queue = queue
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
         if call.issue is None:  # no one gloo operation: its parts, one after the other
@@ -42,17 +43,18 @@ class InlineIssuer:
                       size_class: Any, nbytes: int) -> dist.Work:
         return getattr(self._direct, method)(*args)
 
+    def canary(self, output: torch.Tensor, work: Any) -> HostCanary:
+        return HostCanary(output, work)
+
     def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
         return part.on(self._direct)
 
     def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],
             outputs: list[torch.Tensor], async_op: bool) -> dist.Work:
-        with torch.no_grad():  # outputs are written in place, as the worker's jobs write them
+        with torch.no_grad(), closing(jobs):  # outputs written in place, as the worker's jobs
             for job in jobs:
                 result = job()
                 if isinstance(result, InnerWork):
                     result.work.wait()
                     result.finish()
-        future = torch.futures.Future()
-        future.set_result(outputs)
-        return _create_work_from_future(future)
+        return self._queue.completed(outputs)

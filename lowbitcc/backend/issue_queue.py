@@ -62,6 +62,24 @@ class InnerWork:
     finish: Callable[[], list[torch.Tensor]]
 
 
+class closing:  # noqa: N801 (used as a context manager, like contextlib.closing)
+    """Around running a call's ``jobs`` in order: whatever happens, ``close()`` each job that
+    has one (`compressed_call.CompressedCall.close`, idempotent), so that jobs left unrun after
+    an earlier one raised still settle their lease tickets and call-schedule places."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+
+    def __enter__(self) -> list[Job]:
+        return self.jobs
+
+    def __exit__(self, *exc: object) -> None:
+        for job in self.jobs:
+            close = getattr(job, "close", None)
+            if close is not None:
+                close()
+
+
 class _AllOf:
     """The inner works of a sequence, waited in order (each retired)."""
 
@@ -209,11 +227,7 @@ class IssueQueue:
     def submit(self, job: Job, source_rank: Callable[[], int] | None = None) -> LocoWork:
         """Queue ``job`` (run on the worker, in issue order) and return its Work
         (``source_rank``: see `LocoWork`)."""
-        with self._lock:
-            self._issued += 1
-            ordinal = self._issued
-        # the group's tag and the call's ordinal: the same call has the same tag on every rank
-        future = LocoFuture(self._group_tag | ordinal & 0xFFFFFFFF)
+        future = self._tagged()
         # The Work (and its done callback) first: once queued, the worker takes the GIL for
         # the job, and the caller would wait for it to come back (0.1 ms a call, measured).
         work = LocoWork(future, source_rank)
@@ -222,6 +236,22 @@ class IssueQueue:
                 raise RuntimeError("lowbitcc: this process group has been shut down")
             self._jobs.put((job, future))
         return work
+
+    def completed(self, outputs: list[torch.Tensor]) -> LocoWork:
+        """The Work of a call the calling thread has run itself (`inline_issue`): complete with
+        ``outputs``, and tagged as `submit` tags its calls, so the calls its callbacks issue
+        name it (`callback_parent`)."""
+        future = self._tagged()
+        future.set_result(outputs)
+        return LocoWork(future)
+
+    def _tagged(self) -> LocoFuture:
+        """The future of the next call: the group's tag and the call's ordinal, the same call
+        having the same tag on every rank."""
+        with self._lock:
+            self._issued += 1
+            ordinal = self._issued
+        return LocoFuture(self._group_tag | ordinal & 0xFFFFFFFF)
 
     def complete(self, inner: InnerWork) -> list[torch.Tensor]:
         """Wait for ``inner``'s gloo work, retire it, and finish the call (without autograd)."""
@@ -236,7 +266,8 @@ class IssueQueue:
         next call meanwhile (completing it here serialised DDP's buckets behind each other)."""
 
         def run_all() -> list[torch.Tensor] | InnerWork:
-            started = [r for r in (job() for job in jobs) if isinstance(r, InnerWork)]
+            with closing(jobs):
+                started = [r for r in (job() for job in jobs) if isinstance(r, InnerWork)]
             if not started:
                 return outputs
 

@@ -35,6 +35,9 @@ class Issuer(Protocol):
     raised without one)."""
 
     inline: bool
+    native_ops: frozenset
+    """The reduction ops (``RedOpType``) the inner backend runs itself (gloo: not AVG or
+    PREMUL_SUM)."""
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
         """Issue ``call`` now with the caller's options, without an exchange (``parts``: the
@@ -51,7 +54,14 @@ class Issuer(Protocol):
         """Issue ``inner.<method>(*args)``, a reduction of one tensor by one of the inner
         backend's own ops exactly as c10d asked for it (the caller's options included), which
         the cost model leased to the exact path (``size_class``; ``nbytes`` input bytes), in
-        the calling thread now; ``outputs``: what it writes. The caller has counted it."""
+        the calling thread now; ``outputs``: what it writes. The caller has counted it.
+        ``size_class`` None: not timed for the cost model (a place's deviation)."""
+        ...
+
+    def canary(self, output: torch.Tensor, work: dist.Work) -> Any:
+        """What tells, one period later, whether an exact all-reduce issued now (its ``work``)
+        left NaN in the last element of ``output``: an object whose ``nan()`` reads it
+        (`call_schedule`; waiting for the call if it has not completed)."""
         ...
 
     def fallback(self, part: ExactReduction, leased: bool = False) -> Job:

@@ -31,14 +31,13 @@ from torch._C._distributed_c10d import AllgatherOptions
 from lowbitcc.backend import BACKEND_NAME
 from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter_list_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
-from lowbitcc.backend.compressed_calls import CompressedCalls, cpu_route, cuda_route
+from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.cuda_issue import CudaIssuer, cuda_usable, inner_nccl
 from lowbitcc.backend.data_movement import DataMovements
 from lowbitcc.backend.eager import eager_methods
 from lowbitcc.backend.exact import (
     ExactReduction,
     all_reduce_of,
-    count_exact,
     op_type,
     reduce_of,
     reduce_scatter_flat_into,
@@ -47,6 +46,9 @@ from lowbitcc.backend.exact import (
 from lowbitcc.backend.inline_issue import InlineIssuer
 from lowbitcc.backend.issue_queue import IssueQueue, LocoWork
 from lowbitcc.backend.issuer import Issuer
+from lowbitcc.backend.reductions import Reductions
+from lowbitcc.backend.routes import cpu_route, cuda_route
+from lowbitcc.backend.watchdog import Watchdog
 from lowbitcc.backend.worker_issue import WorkerIssuer
 from lowbitcc.config import LocoConfig
 from lowbitcc.transports.gloo import GlooTransport
@@ -74,11 +76,12 @@ class LocoProcessGroup(dist.ProcessGroup):
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout)
         self._gloo = GlooTransport(self._inner)
         inline = config.issuer == "inline"
-        # leased exact reductions (and, inline, every CPU reduction), issued in issue order
-        leases = config.cost_model and config.check and config.policy != "never"
+        # exact reductions issued by the calling thread (a place's exact entry, a lease; and,
+        # inline, every CPU reduction), in issue order, apart from the worker's inner group
+        exchanges = config.check and config.policy != "never" and size > 1
         self._direct = dist.ProcessGroupGloo(
             dist.PrefixStore("lowbitcc/gloo-direct", store), rank, size, timeout
-        ) if leases or inline else self._inner
+        ) if inline or (exchanges and (config.cost_model or config.call_schedule)) else self._inner
         world = GlooTransport(self._direct) if inline else self._gloo
         routes = {"cpu": cpu_route(config, world, store, global_ranks or list(range(size)),
                                    rank, timeout)}
@@ -88,19 +91,22 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._cuda: CudaIssuer | None = None
         if cuda_usable():
             self._nccl = inner_nccl(store, rank, size, timeout, global_ranks, group_id)
-            self._cuda = CudaIssuer(self._nccl)
+            self._cuda = CudaIssuer(self._nccl, Watchdog(timeout.total_seconds(),
+                                                         self._nccl.abort))
             routes["cuda"] = cuda_route(config, self._nccl)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                    self._nccl)
         self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
         self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
-                                           on_worker=self._on_worker)
-        self._issuers: dict[str, Issuer] = {"cpu": InlineIssuer(self._direct) if inline else (
+                                           on_worker=self._on_worker,
+                                           timeout_s=timeout.total_seconds())
+        self._issuers: dict[str, Issuer] = {"cpu": InlineIssuer(self._direct, self._queue) if inline else (
             WorkerIssuer(self._queue, self._direct, self._compressed.clock))}
         if self._cuda is not None:
             self._issuers["cuda"] = self._cuda
         self._moves = DataMovements(rank, size, self._inner, self._queue, self._compressed,
                                     self._cuda, timeout)
+        self._reductions = Reductions(size, self._compressed, self._issuers, self._queue)
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -116,6 +122,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._group_name = name
         self._compressed.group_name = name
         self._queue.name_group(name)
+        if self._cuda is not None:
+            self._cuda.watchdog.group = name
 
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
@@ -151,6 +159,13 @@ class LocoProcessGroup(dist.ProcessGroup):
         """Run ``fn`` on the worker thread, after the CPU calls queued before, and wait."""
         self._queue.submit(lambda: fn() or []).wait()
 
+    def _refuse_invalid_op(self, op: Any, issuer: Issuer, outputs: list[torch.Tensor],
+                           collective: str = "reduce_scatter") -> None:
+        """`Reductions.refuse` if ``op`` cannot reduce ``outputs`` (`arguments.op_problem`)."""
+        wrong = op_problem(op, outputs)
+        if wrong is not None:
+            self._reductions.refuse(wrong, issuer, outputs, collective)
+
     def _issuer(self, what: str, tensors: list[Any]) -> Issuer:
         """The issuer of the call's tensors (checked: one device type, served)."""
         return self._issuers["cuda" if self._moves.on_cuda(what, tensors) else "cpu"]
@@ -160,44 +175,6 @@ class LocoProcessGroup(dist.ProcessGroup):
                collective: str) -> ExactReduction:
         return ExactReduction(opts, inputs, outputs, issue, in_place=in_place, world=self._world,
                               group=self._inner, collective=collective, native=native)
-
-    def _reduce(self, issuer: Issuer, collective: str, whole: ExactReduction,
-                parts: list[ExactReduction], pairs: Any, opts: Any) -> Any:
-        """Issue a reduction: ``whole`` exact where no rank may compress it and no descriptor
-        is exchanged, or at once where it is leased; else one compressed job per part (each
-        part's output and flat source from ``pairs()``)."""
-        like = parts[0].outputs[0]
-        compress = self._compressed.wants(op_type(opts.reduceOp),
-                                          [t for p in parts for t in p.outputs])
-        numels = [sum(t.numel() for t in p.inputs) for p in parts]
-        if not compress and not self._compressed.agrees_on(numels, issuer.inline):
-            return issuer.exact(whole, parts)
-        ticket = None
-        if len(parts) == 1:
-            now, ticket = self._compressed.goes_exact(collective, like, numels[0], compress,
-                                                      issuer.inline)
-            if now:
-                return issuer.leased(whole, ticket and ticket.size_class)
-        outputs, sources = pairs()
-        jobs = [self._compressed.call(collective, out, src, opts.reduceOp, issuer.fallback(p),
-                                      compress, ticket, issuer.fallback(p, leased=True))
-                for out, src, p in zip(outputs, sources, parts)]
-        return issuer.run(jobs, parts, [*whole.outputs, *sources, *whole.inputs], outputs,
-                          opts.asyncOp)
-
-    def _leased_at_issue(self, collective: str, tensor: torch.Tensor, op: Any, method: str,
-                         args: tuple) -> Any:
-        """Training's commonest call at its cheapest: one tensor that a lease sends exact
-        (`CompressedCalls.lease_at_issue`), started now as c10d asked for it (``method``,
-        ``args``) by `Issuer.leased_native` and counted as `_reduce` counts a leased call.
-        None: not such a call, nothing counted (`_reduce` issues it; ranks agree either way)."""
-        issuer = self._issuers.get(tensor.device.type)
-        size_class = issuer and self._compressed.lease_at_issue(collective, tensor, op)
-        if not size_class:
-            return None
-        nbytes = tensor.numel() * tensor.element_size()
-        count_exact(collective, nbytes, self._world)
-        return issuer.leased_native(method, args, [tensor], size_class, nbytes)
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -210,12 +187,13 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def _all_reduce(self, method: str, tensors: list[torch.Tensor], opts: Any) -> Any:
         if len(tensors) == 1 and type(opts) is dist.AllreduceOptions:
-            work = self._leased_at_issue("all_reduce", tensors[0], opts.reduceOp, method,
-                                         (tensors, opts))
+            t = tensors[0]
+            work = self._reductions.at_issue("all_reduce", t, t, t.numel(), opts.reduceOp,
+                                             method, (tensors, opts))
             if work is not None:
                 return work
         issuer = self._issuer(method, tensors)
-        self._moves.refuse_invalid_op(opts.reduceOp, issuer.inline, tensors, "all_reduce")
+        self._refuse_invalid_op(opts.reduceOp, issuer, tensors, "all_reduce")
         single = opts
         if not isinstance(opts, dist.AllreduceOptions):
             single = dist.AllreduceOptions()
@@ -225,7 +203,8 @@ class LocoProcessGroup(dist.ProcessGroup):
         parts = [whole] if len(tensors) == 1 and single is opts else [
             self._exact(single, [t], [t], all_reduce_of, ("allreduce", ([t], single)),
                         in_place=True, collective="all_reduce") for t in tensors]
-        return self._reduce(issuer, "all_reduce", whole, parts, lambda: (tensors, tensors), opts)
+        return self._reductions.reduce(issuer, "all_reduce", whole, parts,
+                                       lambda: (tensors, tensors), opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
@@ -236,14 +215,14 @@ class LocoProcessGroup(dist.ProcessGroup):
         issuer = self._issuer("reduce_scatter", [output, *inputs])
         wrong = scatter_list_problem(output, inputs, self._world)
         if wrong is not None:
-            self._moves.refuse_reduction(ValueError(wrong), issuer.inline, [output])
-        self._moves.refuse_invalid_op(opts.reduceOp, issuer.inline, [output])
+            self._reductions.refuse(ValueError(wrong), issuer, [output])
+        self._refuse_invalid_op(opts.reduceOp, issuer, [output])
         whole = self._exact(opts, inputs, [output], reduce_scatter_into(output),
                             ("reduce_scatter", (output_tensors, input_tensors, opts)),
                             in_place=False, collective="reduce_scatter")
-        return self._reduce(issuer, "reduce_scatter", whole, [whole],
-                            lambda: ([output], [torch.stack([t.reshape(-1) for t in inputs])]),
-                            opts)
+        return self._reductions.reduce(
+            issuer, "reduce_scatter", whole, [whole],
+            lambda: ([output], [torch.stack([t.reshape(-1) for t in inputs])]), opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> Any:
@@ -257,11 +236,18 @@ class LocoProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if len(outputs) != len(inputs):
             raise ValueError("lowbitcc: reduce_scatter needs as many outputs as inputs")
+        if (len(outputs) == 1 and outputs[0].numel() * self._world == inputs[0].numel()
+                and outputs[0].dtype == inputs[0].dtype):
+            work = self._reductions.at_issue(
+                "reduce_scatter", inputs[0], outputs[0], inputs[0].numel(), opts.reduceOp,
+                "_reduce_scatter_base", (outputs[0], inputs[0], opts))
+            if work is not None:
+                return work
         issuer = self._issuer("reduce_scatter", [*outputs, *inputs])
         wrong = scatter_flat_problem(outputs, inputs, self._world)
         if wrong is not None:
-            self._moves.refuse_reduction(ValueError(wrong), issuer.inline, outputs)
-        self._moves.refuse_invalid_op(opts.reduceOp, issuer.inline, outputs)
+            self._reductions.refuse(ValueError(wrong), issuer, outputs)
+        self._refuse_invalid_op(opts.reduceOp, issuer, outputs)
         parts = [self._exact(opts, [i], [o], reduce_scatter_flat_into(o),
                              ("_reduce_scatter_base", (o, i, opts)), in_place=False,
                              collective="reduce_scatter") for o, i in zip(outputs, inputs)]
@@ -269,8 +255,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             opts, inputs, outputs, None,
             ("reduce_scatter_tensor_coalesced", (outputs, inputs, opts)), in_place=False,
             collective="reduce_scatter")
-        return self._reduce(issuer, "reduce_scatter", whole, parts, lambda: (outputs, inputs),
-                            opts)
+        return self._reductions.reduce(issuer, "reduce_scatter", whole, parts,
+                                       lambda: (outputs, inputs), opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

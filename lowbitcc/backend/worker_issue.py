@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowbitcc.backend.exact import ExactReduction, start_now
+from lowbitcc.backend.exact import PLAIN_OPS, ExactReduction, HostCanary, start_now
 from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, LocoWork
 from lowbitcc.transports.gloo import GlooTransport
 
@@ -34,6 +34,7 @@ class WorkerIssuer:
     direct gloo group, ``clock`` times a leased call for the cost model."""
 
     inline = False
+    native_ops = PLAIN_OPS
 
     def __init__(self, queue: IssueQueue, direct: dist.ProcessGroup, clock: Clock) -> None:
         self._queue = queue
@@ -49,7 +50,7 @@ class WorkerIssuer:
 
     def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
         direct = call.on(self._direct)
-        if not self._times_next():
+        if size_class is None or not self._times_next():
             return start_now(direct, complete=self._complete)
         stop = self._clock(size_class, True, sum(t.numel() * t.element_size() for t in call.inputs))
         return start_now(direct, lambda work: self._timed(stop, work), self._complete)
@@ -57,7 +58,7 @@ class WorkerIssuer:
     def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
                       size_class: Any, nbytes: int) -> dist.Work:
         issue = getattr(self._direct, method)
-        if not self._times_next():
+        if size_class is None or not self._times_next():
             return issue(*args)
         stop = self._clock(size_class, True, nbytes)
         work = issue(*args)
@@ -82,6 +83,9 @@ class WorkerIssuer:
         """The Work of a call started at once whose gloo op has no future: the worker's waiter
         finishes it, in issue order."""
         return self._queue.submit(lambda: inner)
+
+    def canary(self, output: torch.Tensor, work: Any) -> HostCanary:
+        return HostCanary(output, work)
 
     def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
         return part.on(self._direct) if leased else part

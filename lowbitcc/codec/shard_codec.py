@@ -195,12 +195,15 @@ class ShardCodec:
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, Flag]:
+                   out: torch.Tensor | None = None,
+                   foreign: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Flag]:
         """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``.
 
         ``out`` (fp32 ``[m]``, contiguous, on the messages' device), when given, receives the
         sum and is returned; otherwise a new tensor is allocated. ``nonfinite`` is a bool for
-        CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`)."""
+        CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`); for CUDA
+        messages checked on the device, ``foreign`` (if given) receives the 0-dim flag of a
+        message that does not belong to the call (also in ``nonfinite``)."""
         shards = [shard] * messages.shape[0]
         nonfinite = self._check_before(messages, m, shards)
         if out is None:
@@ -211,19 +214,19 @@ class ShardCodec:
                              f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}")
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1))
-        return out, self._check_after(messages, m, shards, out, nonfinite)
+        return out, self._check_after(messages, m, shards, out, nonfinite, foreign)
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                    out: torch.Tensor) -> Flag:
+                    out: torch.Tensor, foreign: list[torch.Tensor] | None = None) -> Flag:
         """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite
-        (as `decode_sum`)."""
+        (as `decode_sum`, and ``foreign`` likewise)."""
         nonfinite = self._check_before(messages, m, shard_ids)
         if out.numel() > messages.shape[0] * m or not out.is_contiguous():
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
         if out.device != messages.device:
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
         self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out)
-        return self._check_after(messages, m, shard_ids, out, nonfinite)
+        return self._check_after(messages, m, shard_ids, out, nonfinite, foreign)
 
     def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
         """CPU (or ``host_check``): the whole check, before any kernel reads the messages;
@@ -234,12 +237,16 @@ class ShardCodec:
         return False
 
     def _check_after(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                     out: torch.Tensor, nonfinite: bool) -> Flag:
-        """CUDA: the header check on the device; a foreign message's values become NaN."""
+                     out: torch.Tensor, nonfinite: bool,
+                     foreign_out: list[torch.Tensor] | None = None) -> Flag:
+        """CUDA: the header check on the device; a foreign message's values become NaN (and its
+        flag goes to ``foreign_out``)."""
         if messages.device.type == "cpu" or self.host_check:
             return nonfinite
         flagged, foreign = self.check_on_device(messages, m, shard_ids)
         out.masked_fill_(foreign, float("nan"))
+        if foreign_out is not None:
+            foreign_out.append(foreign)
         return flagged | foreign
 
     def check_on_device(self, messages: torch.Tensor, m: int,

@@ -48,10 +48,11 @@ from lowbitcc.collectives import COLLECTIVES
 HEADER_BYTES = 32
 SHARD_MAGIC = b"LBCS"
 CALL_MAGIC = b"LBCD"
-VERSION = 4
+VERSION = 5
 """1: no checksum trailer (padding to 4 bytes); 2: the trailer held a sum of MurmurHash3
 finalizers (about 4 GB/s per core, too slow to be on by default); 3: call descriptors of 32
-bytes, without ``parent``."""
+bytes, without ``parent``; 4: descriptors without the flags `DESC_DEVIATED`, `DESC_EXPLORE`
+and `DESC_PART` (every call place's schedule entry, exact ones included)."""
 
 FLAG_NONFINITE = 1
 FLAG_PEER_ERROR = 2
@@ -274,6 +275,18 @@ DESC_INVALID = 8
 """Descriptor flag: this rank's arguments for the call are invalid. It takes part in the
 exchange only so that every rank raises for this call (this rank its own error, the others one
 naming it) and the group stays in step; its other fields are a placeholder and are not compared."""
+DESC_DEVIATED = 16
+"""Descriptor flag, advisory: since its last exchange this rank issued a call that was not the
+one its place in the call schedule agreed on, and ran the agreed exact call in its place on a
+NaN-filled buffer (`lowbitcc.backend.deviation.ExactDeviation`): every rank raises
+`CollectiveMismatchError` in this exchange."""
+DESC_EXPLORE = 32
+"""Descriptor flag, advisory, with a cost-model suggestion: the suggestion is a warm-up or an
+exploration call (`lowbitcc.cost_model`), so the outcome holds for this call only (its place
+in the call schedule agrees again at its next run)."""
+DESC_PART = 64
+"""Descriptor flag: the call is one tensor of a call of several (coalesced). Part of the call:
+a place in the call schedule keeps an exact entry only for calls of one tensor."""
 DESC_LEASE_SHIFT = 8
 """The flags word's bits from here up hold the descriptor's ``lease`` (24 bits)."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
@@ -308,6 +321,14 @@ class CallDescriptor:
     0: issued outside such a callback). Part of the call: callbacks of different calls that
     run at once issue their calls in either order, and ranks whose orders differ must not pair
     one bucket's call with another's."""
+    deviated: bool = False
+    """Advisory: this rank deviated from its call schedule since its last exchange
+    (`DESC_DEVIATED`)."""
+    explore: bool = False
+    """Advisory, with ``prefer_exact`` or a compressed suggestion: the cost model's suggestion
+    holds for this call only (`DESC_EXPLORE`)."""
+    part: bool = False
+    """The call is one tensor of a coalesced call (`DESC_PART`)."""
 
     def pack(self) -> bytes:
         dtype_code = (DESCRIPTOR_DTYPES.index(self.dtype) if self.dtype in DESCRIPTOR_DTYPES
@@ -317,7 +338,8 @@ class CallDescriptor:
         flags = (DESC_COMPRESSED if self.compressed else 0) | (
             DESC_PREFER_EXACT if self.prefer_exact else 0) | (
             DESC_FRAMED if self.framed else 0) | (DESC_INVALID if self.invalid else 0) | (
-            self.lease << DESC_LEASE_SHIFT)
+            DESC_DEVIATED if self.deviated else 0) | (DESC_EXPLORE if self.explore else 0) | (
+            DESC_PART if self.part else 0) | (self.lease << DESC_LEASE_SHIFT)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
             self.numel, self.seq & 0xFFFFFFFF, width_byte(self.bits, self.fmt), self.group_size,
@@ -327,7 +349,8 @@ class CallDescriptor:
     def call(self) -> CallDescriptor:
         """The call itself, without the advisory fields (what must match across ranks):
         whether this rank would compress it is not compared, the ranks settle it together."""
-        return dataclasses.replace(self, compressed=False, prefer_exact=False, lease=0)
+        return dataclasses.replace(self, compressed=False, prefer_exact=False, lease=0,
+                                   deviated=False, explore=False)
 
     @classmethod
     def unpack(cls, raw: bytes) -> CallDescriptor:
@@ -341,7 +364,9 @@ class CallDescriptor:
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
                    bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
                    flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None,
-                   bool(flags & DESC_FRAMED), bool(flags & DESC_INVALID), parent)
+                   bool(flags & DESC_FRAMED), bool(flags & DESC_INVALID), parent,
+                   bool(flags & DESC_DEVIATED), bool(flags & DESC_EXPLORE),
+                   bool(flags & DESC_PART))
 
     def describe(self) -> str:
         kind = "compressed" if self.compressed else "exact"
@@ -354,7 +379,8 @@ class CallDescriptor:
         return (
             f"{kind} {self.collective}(numel={self.numel}, dtype={dtype}, op={self.op}, "
             f"bits={self.bits}, format={self.fmt}, group_size={self.group_size}"
-            f"{', input in frame' if self.framed else ''}) as call #{self.seq}{self._issuer()}"
+            f"{', input in frame' if self.framed else ''}"
+            f"{', one of several tensors' if self.part else ''}) as call #{self.seq}{self._issuer()}"
         )
 
     def _issuer(self) -> str:

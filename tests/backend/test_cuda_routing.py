@@ -45,6 +45,9 @@ class FakeEvent:
     def record(self, stream: FakeStream) -> None:
         self.stream = stream.name
 
+    def query(self) -> bool:
+        return True
+
 
 class FakeTensor:
     def __init__(self, log: list, name: str) -> None:

@@ -7,6 +7,7 @@ docs/reliability.md lists the scenarios with loco's and gloo's behaviour.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
@@ -197,8 +198,43 @@ def _wait_with_timeout(rank, world, gloo):
     return outcome, waited < 3
 
 
+INLINE = os.environ.get("LOCO_ISSUER") == "inline"
+"""The suite runs under ``LOCO_ISSUER=inline`` too: the CUDA path's issuing logic on CPU."""
+
+
+@pytest.mark.skipif(INLINE, reason=(
+    "an inline route (CUDA; CPU under LOCO_ISSUER=inline) waits for its peers in the calling "
+    "thread while a call's place agrees (its first run, then one in 64): the call returns "
+    "once the exchange is done, so wait(timeout) bounds only what comes after. CUDA users "
+    "get the group's timeout (the watchdog) there, and wait(timeout) on every steady-state "
+    "call: test_work_wait_honours_its_timeout_in_steady_state"))
 def test_work_wait_honours_its_timeout():
     assert run_ranks(_wait_with_timeout, 2)[0] == ("timed out", True)
+
+
+def _wait_with_timeout_in_steady_state(rank, world, gloo):
+    group = dist.new_group(backend="loco")
+    for _ in range(3):  # the call's place agrees, then runs as agreed: no exchange
+        dist.all_reduce(torch.ones(10), group=group)
+        lowbitcc.end_step()
+    if rank == 1:
+        time.sleep(4)
+    work = dist.all_reduce(torch.ones(10), group=group, async_op=True)
+    started = time.monotonic()
+    try:
+        work.wait(datetime.timedelta(seconds=1))
+        outcome = "completed"
+    except RuntimeError as exc:
+        outcome = "timed out" if "time" in str(exc).lower() else str(exc)
+    waited = time.monotonic() - started
+    dist.barrier(group=gloo)
+    return outcome, waited < 3
+
+
+def test_work_wait_honours_its_timeout_in_steady_state():
+    """On every route, also where a call runs as its place agreed (the inner group's own call
+    and Work): rank 1 calls 4 s late, rank 0's wait(1 s) raises in time."""
+    assert run_ranks(_wait_with_timeout_in_steady_state, 2)[0] == ("timed out", True)
 
 
 def _state_of_another_group_size(rank, world, gloo):
@@ -562,7 +598,9 @@ def test_a_corrupt_descriptor_frame_raises_on_the_rank_that_received_it(offset, 
     for 3 floats it travels in the frames, so the raising rank has no result. For 1000 floats
     the raising rank's own descriptor says the call is exact on every rank: it takes part in
     the exact all-reduce, then raises, with the sum in its tensor. The group stays in step."""
-    rank1 = ("raised", numel > 3, True)
+    # through the worker 3 floats travel in the frames, so the raising rank has no result;
+    # an inline route sends no call in its frames: that rank takes the exact path
+    rank1 = ("raised", numel > 3 or INLINE, True)
     assert run_ranks(_corrupt_frame_on_one_rank, 3, offset, numel, timeout=60) == [
         ("nothing", True, True), rank1, ("nothing", True, True)]
 
@@ -1021,7 +1059,9 @@ def test_exact_reductions_that_differ_raise_on_every_rank(kind):
 
 
 def _forced_on_one_rank_during_a_lease(rank, world, gloo):
-    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(cost_model=True))
+    # leases: the cost model's exact path without the call schedule
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        cost_model=True, call_schedule=False))
     size_class = lowbitcc.cost_model.CostModel.size_class("all_reduce", BIG * 4)
     for _ in range(3):  # exact calls have been far faster on every rank
         group.cost_model.record(size_class, True, 1e-9, BIG * 4)

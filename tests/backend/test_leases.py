@@ -1,7 +1,9 @@
 """Leases (`lowbitcc.backend.leases`): the calls the cost model leased to the exact path are
 decided in issue order, by the issuing thread where the worker has nothing undecided (then
 issued at once on the group's direct gloo group, gloo's own Work returned) and by the worker
-otherwise; every rank leases the same calls and the results are gloo's, bit for bit."""
+otherwise; every rank leases the same calls and the results are gloo's, bit for bit. Leases
+are what the cost model grants without the call schedule (``LOCO_CALL_SCHEDULE=0``); under it,
+a place's exact entry does their work, so these groups turn the schedule off."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _leased_group(rank: int, exact_fast: dict) -> dist.ProcessGroup:
     """A loco group compressing every call, whose cost model has seen exact calls of each
     size (numel) in ``exact_fast`` far faster than compressed ones, or the opposite."""
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        policy="always", cost_model=True))
+        policy="always", cost_model=True, call_schedule=False))
     for numel, fast in exact_fast.items():
         for collective in ("all_reduce", "reduce_scatter"):
             cls = CostModel.size_class(collective, 4 * numel)

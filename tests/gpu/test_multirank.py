@@ -11,6 +11,8 @@ rank's invalid arguments refused on every rank. Runs and results: docs/gpu.md.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.codec import cuda
 from lowbitcc.tools import spawn
 from tests.backend import test_call_schedule as schedule
+from tests.backend import test_exact_places as places
 from tests.backend import test_faults as faults
 from tests.support.ranks import run_ranks
 
@@ -178,3 +181,78 @@ def test_error_states_checkpoint_to_the_cpu_and_resume_on_every_rank(world):
     """Each rank's states are saved as CPU tensors; loaded back, the next call repeats the
     call made from the saved states bit for bit, identical on every rank."""
     assert _ranks(_resume, world) == [(True, True, True)] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_exact_cuda_calls_run_as_their_places_agreed_without_an_exchange(world):
+    """Issue 46: in steady state an exact CUDA call is NCCL's own call, no descriptor exchange."""
+    for exchanges, outcomes, same in _ranks(places._steps, world, "auto", places._steady,
+                                            False, (), "cuda"):
+        assert exchanges == [len(places.STEADY), 1, 0, 0, 0, 0], exchanges
+        assert all(set(row) == {"ok"} for row in outcomes) and all(same), (outcomes, same)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_exact_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world):
+    """Rank 1 raises at once; the others' outputs are NaN and they raise at the place's next
+    run (its canary copied to pinned memory behind an event); then the ranks agree anew."""
+    plan = functools.partial(places._one_rank_deviates, "size")
+    for rank, (exchanges, outcomes, same) in enumerate(
+            _ranks(places._steps, world, "auto", plan, False, (3,), "cuda")):
+        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+        assert outcomes[4][1] == "mismatch", outcomes
+        assert same[6] and same[7] and exchanges[7] == 0, (same, exchanges)
+
+
+def _compressed_deviation(rank, world, gloo):
+    return schedule._passes(rank, world, gloo, "auto",
+                            functools.partial(schedule._one_rank_deviates, "size"),
+                            device="cuda")[2]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_compressed_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world):
+    """The deviating rank raises at once; on CUDA the others see the flagged messages as NaN
+    and a set verdict word, and raise at the place's next run (pass 3), never hang."""
+    for rank, errors in enumerate(_ranks(_compressed_deviation, world)):
+        assert 2 in errors if rank == 1 else (2 in errors or 3 in errors), errors
+
+
+def _stalled_peer(rank, world, gloo):
+    import datetime
+    import time
+
+    group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=6))
+    x = torch.ones(N, device=spawn.gpu_device(rank))
+    for _ in range(3):  # places agreed, then compressed without an exchange
+        with lowbitcc.compressed():
+            dist.all_reduce(x, group=group)
+        lowbitcc.end_step()
+    torch.cuda.synchronize()
+    if rank != 0:
+        time.sleep(20)  # alive, not calling: rank 0's NCCL kernels wait for it
+        return "slept"
+    with lowbitcc.compressed():
+        work = dist.all_reduce(x, group=group, async_op=True)
+    try:
+        work.wait(datetime.timedelta(seconds=1))
+        first = "completed"
+    except dist.DistBackendError:
+        first = "timed out"
+    deadline = time.monotonic() + 15
+    while work.exception() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        dist.all_reduce(torch.ones(8, device=x.device), group=group)
+        later = "completed"
+    except dist.DistBackendError as exc:
+        later = "raised" if "watchdog" in str(exc) else str(exc)
+    return first, type(work.exception()).__name__, later
+
+
+def test_a_stalled_peer_fails_the_call_by_the_watchdog_and_the_group_reports_dead():
+    """Issue 46's watchdog: rank 0's compressed call waits in NCCL for a peer that does not
+    call; wait(1 s) raises; after the group's timeout (6 s) the watchdog fails the Work, aborts
+    the communicator, and rank 0's next call raises naming it."""
+    results = _ranks(_stalled_peer, 2, timeout=120)
+    assert results[0] == ("timed out", "DistBackendError", "raised"), results

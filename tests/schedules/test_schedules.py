@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from lowbitcc.backend.compressed_call import choose_schedule
+from lowbitcc.backend.routes import choose_schedule
 from lowbitcc.transports import topology
 from tests.support.ranks import clean_env, run_ranks
 from tests.support.schedule_checks import check_schedules, failures

@@ -7,6 +7,9 @@ in-place variants). Names:
 - ``loco4``, ``loco8``, ``loco2`` (``loco`` expands to the ``--bits`` given): a "loco" group
   whose eligible calls are all compressed (policy "always"), the rest of its config from
   ``LOCO_*``;
+- ``loco-exact``: a "loco" group with the environment's config (by default: policy
+  "backward", call schedule on), whose calls, issued outside backward, stay exact: what a
+  user pays for a call that "loco" does not compress (descriptor agreement, schedule);
 - ``gloo``: torch's gloo group, exact;
 - ``gloo-bf16``: each tensor cast to bf16, reduced by gloo, cast back (what a bf16 compression
   hook does; the error column shows its rounding);
@@ -88,9 +91,10 @@ class LocoBackend(Backend):
 
     exact = False
 
-    def __init__(self, name: str, group: Any, forced: bool = True) -> None:
+    def __init__(self, name: str, group: Any, forced: bool = True, exact: bool = False) -> None:
         super().__init__(name, group)
         self.forced = forced
+        self.exact = exact
 
     def _op(self, op: str) -> dist.ReduceOp:
         return dist.ReduceOp.AVG if op == "avg" else _OPS[op]
@@ -225,9 +229,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-KNOWN = ("loco", "loco2", "loco4", "loco8", "loco-model", "gloo", "gloo-bf16", "mpi", "nccl")
+KNOWN = ("loco", "loco2", "loco4", "loco8", "loco-model", "loco-exact", "gloo", "gloo-bf16",
+         "mpi", "nccl")
 """Backend names; "loco" expands to one ``loco{b}`` per ``--bits``, "loco-model" to
-``loco{b}-model`` (the cost model decides per call which calls are compressed)."""
+``loco{b}-model`` (the cost model decides per call which calls are compressed); "loco-exact"
+is a "loco" group whose calls stay exact."""
 
 
 def expand(names: list[str], bits: list[int], schedules: list[str] | None = None) -> list[str]:
@@ -245,7 +251,7 @@ def expand(names: list[str], bits: list[int], schedules: list[str] | None = None
         locos = [f"loco{b}" for b in bits] if name == "loco" else [name]
         if name == "loco-model":
             locos = [f"loco{b}-model" for b in bits]
-        elif name.startswith("loco") and len(schedules) > 1:
+        elif name.startswith("loco") and name != "loco-exact" and len(schedules) > 1:
             locos = [f"{loco}-{s}" for loco in locos for s in schedules]
         for full in locos:
             if full not in out:
@@ -263,6 +269,9 @@ def create(name: str, schedule: str, device: str = "cpu") -> Backend:
     ``loco{b}-{s}`` names its schedule, a bare ``loco{b}`` runs ``schedule``. ``device`` is
     where the buffers live: on "cuda", nccl runs on them directly (on "cpu" it copies them to
     the GPU inside the timing)."""
+    if name == "loco-exact":
+        return LocoBackend(name, dist.new_group(backend="loco", pg_options=LocoConfig.from_env()),
+                           forced=False, exact=True)
     if name.startswith("loco"):
         bits, _, named = name[4:].partition("-")
         model = named == "model"

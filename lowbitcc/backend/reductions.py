@@ -1,0 +1,214 @@
+"""`Reductions`: how a "loco" group issues a reduction the process group has checked and built.
+
+The process group writes each c10d reduction once (`process_group`): it checks the call and
+builds its exact forms (`exact.ExactReduction`: the whole call, and one per tensor). Here, in
+the calling thread, each tensor of the call takes its place in the route's call schedule
+(`call_schedule`, on by default) and does what the place says:
+
+- a place whose *exact* entry the call matches runs the inner group's own call at once, counted
+  as its job would count it (call number, feedback-key ordinal, statistics, the cost model's
+  count and one timing in `worker_issue.LEASED_TIMED`); for an all-reduce the issuer keeps a
+  view of the output's last element, the place's *canary*. `at_issue` serves the commonest such
+  call (one dense tensor by one of the inner group's own ops) before the process group builds
+  anything, with the arguments c10d passed;
+- a call that differs from its place's exact entry runs `deviation.ExactDeviation` at once:
+  every rank deviated alike (the schedule starts again and the call exchanges as a new one), or
+  this rank raises `CollectiveMismatchError` and reports it at its next exchange;
+- everything else becomes one compressed job per tensor (`compressed_call.CompressedCall`),
+  which exchanges a descriptor, runs its place's compressed entry, or deviates from it, issued
+  by the device's `issuer.Issuer`.
+
+Without the schedule, the cost model's leases (`leases`) send calls exact at issue instead. A
+call this rank refuses (its own arguments are invalid) takes its place too (`refuse`), so that
+the others do not wait on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from lowbitcc.backend.call_schedule import DEVIATE, EXCHANGE, PLANNED, Entry, Plan, Poisoned
+from lowbitcc.backend.compressed_calls import CompressedCalls
+from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviation
+from lowbitcc.backend.exact import ExactReduction, count_exact, op_type
+from lowbitcc.backend.issue_queue import IssueQueue
+from lowbitcc.backend.issuer import Issuer
+
+Pairs = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
+"""``pairs()``: each tensor's output and flat source, made only when jobs are built."""
+
+
+class Reductions:
+    """The reductions of one group of ``world`` ranks (see the module docstring): ``compressed``
+    its compressed calls and schedules, ``issuers`` by device type, ``queue`` its worker."""
+
+    def __init__(self, world: int, compressed: CompressedCalls, issuers: dict[str, Issuer],
+                 queue: IssueQueue) -> None:
+        self._world, self._compressed, self._issuers, self._queue = (
+            world, compressed, issuers, queue)
+
+    # -- the short path --------------------------------------------------------------------
+    def at_issue(self, collective: str, tensor: torch.Tensor, output: torch.Tensor,
+                 numel: int, op: Any, method: str, args: tuple) -> Any:
+        """The commonest call at its cheapest: a reduction of one dense ``tensor`` (``numel``
+        elements in all, into ``output``) that its place's exact entry, or (without the call
+        schedule) a lease, sends exact, by an op the inner group runs itself; started now as
+        c10d asked for it (``method``, ``args``). None: not such a call, nothing taken (the
+        process group builds it and calls `reduce`)."""
+        issuer = self._issuers.get(tensor.device.type)
+        if issuer is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return None
+        if op_type(op) not in issuer.native_ops:
+            return None
+        entry = self._compressed.places.planned_exact(collective, tensor, numel, op)
+        if entry is not None:
+            return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
+                                   lambda size_class, nbytes: issuer.leased_native(
+                                       method, args, [output], size_class, nbytes))
+        size_class = self._compressed.lease_at_issue(collective, tensor, op)
+        if not size_class:
+            return None
+        nbytes = numel * tensor.element_size()
+        count_exact(collective, nbytes, self._world)
+        return issuer.leased_native(method, args, [output], size_class, nbytes)
+
+    def _run_exact(self, issuer: Issuer, entry: Entry, collective: str, like: torch.Tensor,
+                   output: torch.Tensor, numel: int, op: Any,
+                   start: Callable[[Any, int], Any]) -> Any:
+        """Run a call as its place's exact ``entry``: counted, started by ``start(size_class,
+        nbytes)``, and (all-reduce) its output's canary kept at the place."""
+        nbytes = numel * like.element_size()
+        size_class = self._compressed.count_planned(collective, like, numel, op, entry)
+        count_exact(collective, nbytes, self._world)
+        work = start(size_class, nbytes)
+        if collective == "all_reduce":
+            entry.canary = issuer.canary(output, work)
+        return work
+
+    # -- the general path ------------------------------------------------------------------
+    def reduce(self, issuer: Issuer, collective: str, whole: ExactReduction,
+               parts: list[ExactReduction], pairs: Pairs, opts: Any) -> Any:
+        """Issue a reduction: ``whole`` exact where no rank may compress it and no descriptor
+        is exchanged, as its places say, or at once where it is leased; else one compressed
+        job per part (each part's output and flat source from ``pairs()``)."""
+        like = parts[0].outputs[0]
+        op = opts.reduceOp
+        compress = self._compressed.wants(op_type(op), [t for p in parts for t in p.outputs])
+        numels = [sum(t.numel() for t in p.inputs) for p in parts]
+        if not compress and not self._compressed.agrees_on(numels, issuer.inline):
+            return issuer.exact(whole, parts)
+        plans = self._plans(issuer, collective, like, numels, op)
+        ticket = None
+        if plans is not None and plans[0].kind == PLANNED and plans[0].entry.exact:
+            return self._run_exact(issuer, plans[0].entry, collective, like, like, numels[0],
+                                   op, lambda size_class, _: issuer.leased(whole, size_class))
+        if plans is None and len(parts) == 1:
+            now, ticket = self._compressed.goes_exact(collective, like, numels[0], compress,
+                                                      issuer.inline)
+            if now:
+                return issuer.leased(whole, ticket and ticket.size_class)
+        outputs, sources = pairs()
+        several = len(parts) > 1
+        jobs = [self._compressed.call(collective, out, src, op, issuer.fallback(p), compress,
+                                      ticket, issuer.fallback(p, leased=True),
+                                      plan=plans and plans[i], part=several)
+                for i, (out, src, p) in enumerate(zip(outputs, sources, parts))]
+        return issuer.run(jobs, parts, [*whole.outputs, *sources, *whole.inputs], outputs,
+                          opts.asyncOp)
+
+    def _plans(self, issuer: Issuer, collective: str, like: torch.Tensor, numels: list[int],
+               op: Any) -> list[Plan] | None:
+        """Each tensor's place (None: no call schedule). A deviation from an exact entry runs
+        here, at once (`deviate_exact`)."""
+        several = len(numels) > 1
+        plans = []
+        for numel in numels:
+            plan = self._compressed.places.plan(collective, like, numel, op, part=several,
+                                         first=not plans)
+            if plan is None:
+                return None
+            if plan.kind == DEVIATE and plan.entry.exact:
+                try:
+                    self.deviate_exact(issuer, plan, like.device)
+                except BaseException:
+                    for taken in plans:
+                        taken.settle()
+                    for _ in numels:  # the call numbers the others' calls take
+                        self._compressed.agreement.next_seq()
+                    raise
+            plans.append(plan)
+        return plans
+
+    def deviate_exact(self, issuer: Issuer, plan: Plan, device: torch.device,
+                      refused: bool = False) -> None:
+        """This rank's call is not its place's exact entry (``refused``: this rank refused its
+        own arguments): run `ExactDeviation`; where every rank deviated alike (and none
+        refused), start the schedule again, ``plan`` becoming an exchange at its first place;
+        else raise `CollectiveMismatchError`, to be reported at the next exchange."""
+        entry = plan.entry
+        assert entry is not None
+        alike = ExactDeviation(entry, self._world, device,
+                               lambda method, args, outputs: issuer.leased_native(
+                                   method, args, outputs, None, 0)).run()
+        if alike and not refused:
+            plan.schedule.restart(plan)
+            return
+        if not alike:
+            plan.schedule.deviated = True
+        if entry.desc.collective == "all_reduce":  # its next run exchanges, as the others'
+            entry.canary = Poisoned()
+        if refused:
+            return
+        expected = entry.desc
+        raise CollectiveMismatchError(
+            f"lowbitcc: rank {self._compressed.rank} issued a call that is not the "
+            f"{expected.collective} of {expected.numel} {expected.dtype} elements the ranks had "
+            "agreed on at this place in their sequence of calls (an exact call); it ran that "
+            "call on a NaN-filled buffer instead, so the other ranks' outputs are NaN, and "
+            "every rank raises at its next descriptor exchange")
+
+    # -- refusals --------------------------------------------------------------------------
+    def refuse(self, error: Exception, issuer: Issuer, outputs: list[torch.Tensor],
+               collective: str = "reduce_scatter") -> NoReturn:
+        """Raise ``error``, this rank's verdict on a reduction of ``outputs`` (one call per
+        tensor), after taking part in what the valid call does: the descriptor exchange it
+        would make, flagged invalid (`CompressedCalls.refused`); under the call schedule, at a
+        place with an entry, the entry's call run as a deviation (so that the others raise at
+        this call, or, at an exact entry, at their next exchange). Without the schedule, issued
+        ``inline``, only calls of at least ``min_size`` elements exchange."""
+        world = self._world if collective == "reduce_scatter" else 1
+        numels = [o.numel() * world for o in outputs]
+        if not self._compressed.agrees_on(numels, inline=issuer.inline):
+            raise error
+        plans = self._compressed.places.refusal_plans(collective, outputs[0], numels)
+        first = plans[0] if plans else None
+        try:
+            if first is not None and first.kind != EXCHANGE:
+                self._deviate_refused(issuer, first, len(numels), outputs[0])
+            else:
+                job = self._compressed.refused(collective, error, numels, outputs[0], first)
+                self._queue.submit(job).wait()  # raises error
+        finally:
+            for plan in plans or []:
+                plan.settle()
+        raise error
+
+    def _deviate_refused(self, issuer: Issuer, plan: Plan, count: int,
+                         like: torch.Tensor) -> None:
+        """Run a refused call's place's entry as a deviation (see `refuse`), taking the call
+        numbers of its ``count`` tensors."""
+        group = self._compressed
+        seq = [group.agreement.next_seq() for _ in range(count)][0]
+        if plan.entry.exact:
+            self.deviate_exact(issuer, plan, like.device, refused=True)
+            return
+        deviation = Deviation(group, group.route(like.device), seq, like.device, plan.entry,
+                              INVALID_SIGNATURE)
+        if issuer.inline:
+            deviation.run()
+        else:
+            self._queue.submit(lambda: deviation.run() and []).wait()

@@ -1,0 +1,242 @@
+"""Every reduction has a place in the call schedule, exact ones included (issue 46): in steady
+state no call exchanges a descriptor, through the worker or inline; a rank whose exact call
+deviates makes every rank raise, never hang, and the group goes on; ranks that all deviate
+alike go on without an error. Calls outside backward are exact (the policy), so these are
+the calls a user who keeps "loco" exact pays for."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc.backend.call_agreement import CallAgreement, CollectiveMismatchError
+from lowbitcc.backend.deviation import PROBE
+from tests.support.ranks import run_ranks
+
+ISSUERS = ["auto", "inline"]
+F32, SUM = torch.float32, dist.ReduceOp.SUM
+STEADY = [(100_000, F32, SUM), (3000, F32, SUM), (1000, F32, dist.ReduceOp.AVG), (10, F32, SUM)]
+"""A step's calls: (elements, dtype, op); 10 floats travel in the descriptor frame through the
+worker while the place agrees."""
+
+
+def counting_exchanges() -> list[int]:
+    """Count this process's descriptor exchanges from now on (one entry per exchange)."""
+    seen: list[int] = []
+    exchange = CallAgreement.exchange
+
+    def counted(self, call, own=None):
+        seen.append(call.numel)
+        return exchange(self, call, own)
+
+    CallAgreement.exchange = counted
+    return seen
+
+
+def _steps(rank, world, gloo, issuer, plan, compressed=False, uneven=(), device="cpu"):
+    """Steps of exact calls (``compressed``: forced compression) on a loco group of ``issuer``:
+    ``plan(rank, step)`` gives the step's calls (None: stop). Returns per step the exchanges,
+    per call its outcome ("ok", "mismatch", "nan": NaN but the first `PROBE` elements, "some
+    nan"), and the results of the steps without an error against gloo's (bitwise, or close for
+    compressed calls); steps in ``uneven`` (where ranks' calls differ) have no reference.
+    ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py)."""
+    if device == "cuda":
+        from lowbitcc.tools import spawn
+
+        device = spawn.gpu_device(rank)
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer=issuer))
+    seen = counting_exchanges()
+    gen = torch.Generator().manual_seed(rank)
+    exchanges, outcomes, same = [], [], []
+    step = 0
+    while (calls := plan(rank, step)) is not None:
+        before = len(seen)
+        got, want, row = [], [], []
+        for numel, dtype, op in calls:
+            ref = torch.randn(numel, generator=gen).to(dtype)
+            x = ref.to(device, copy=True)
+            try:
+                if compressed:
+                    with lowbitcc.compressed():
+                        dist.all_reduce(x, op=op, group=group)
+                else:
+                    dist.all_reduce(x, op=op, group=group)
+                # a deviation's buffer is NaN but for its first few (probed) elements
+                nans = int(torch.isnan(x).sum())
+                row.append("ok" if not nans else "nan" if nans >= numel - PROBE else "some nan")
+            except CollectiveMismatchError:
+                row.append("mismatch")
+            if step not in uneven:
+                dist.all_reduce(ref, op=op, group=gloo)
+            got.append(x.cpu())
+            want.append(ref)
+        lowbitcc.end_step()
+        exchanges.append(len(seen) - before)
+        outcomes.append(row)
+        close = (lambda a, b: float((a - b).norm() / b.norm()) < 0.2) if compressed else (
+            lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5))
+        same.append(all(close(a, b) for a, b in zip(got, want)) if set(row) == {"ok"} else None)
+        step += 1
+    return exchanges, outcomes, same
+
+
+def _steady(rank, step):
+    return STEADY if step < 6 else None
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_calls_exchange_no_descriptor_in_steady_state(world, issuer):
+    for exchanges, outcomes, same in run_ranks(_steps, world, issuer, _steady, timeout=120):
+        # step 0 agrees on every call; step 1's first call, agreed equal to step 0's, closes
+        # the period; from then on every call runs as its place's exact entry
+        assert exchanges == [len(STEADY), 1, 0, 0, 0, 0], exchanges
+        assert all(set(row) == {"ok"} for row in outcomes) and all(same), (outcomes, same)
+
+
+COMPRESSED = [(100_000, F32, SUM), (70_000, F32, SUM)]
+
+
+def _compressed_steps(rank, step):
+    return COMPRESSED if step < 5 else None
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_compressed_calls_exchange_no_descriptor_in_steady_state(issuer):
+    results = run_ranks(_steps, 3, issuer, _compressed_steps, True, timeout=120)
+    for exchanges, _, same in results:
+        assert exchanges == [2, 1, 0, 0, 0], exchanges
+        assert all(same), same
+
+
+def _reagree_every_two(rank, world, gloo, issuer):
+    from lowbitcc.backend import call_schedule
+
+    call_schedule.REAGREE_EVERY = 2
+    return _steps(rank, world, gloo, issuer, _steady)[0]
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_exact_places_agree_again_every_reagree_every_runs(issuer):
+    for exchanges in run_ranks(_reagree_every_two, 2, issuer):
+        assert exchanges == [4, 1, 3, 1, 3, 1], exchanges
+
+
+def _one_group_of_one(rank, world, gloo, issuer):
+    groups = [dist.new_group(backend="loco", ranks=[r], pg_options=lowbitcc.LocoConfig(
+        issuer=issuer)) for r in range(world)]
+    group = groups[rank]
+    seen = counting_exchanges()
+    x = torch.randn(100_000)
+    want = x.clone()
+    for _ in range(3):
+        dist.all_reduce(x, group=group)
+        dist.all_reduce(torch.ones(10), group=group)
+        with lowbitcc.compressed():
+            dist.all_reduce(torch.randn(100_000), group=group)
+        lowbitcc.end_step()
+    return len(seen), torch.equal(x, want)
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_a_group_of_one_rank_never_exchanges(issuer):
+    assert run_ranks(_one_group_of_one, 2, issuer) == [(0, True)] * 2
+
+
+DEVIATIONS = {  # what rank 1 issues in place of step 3's second call
+    "size": (3000 + 64, F32, SUM),
+    "dtype": (3000, torch.float64, SUM),
+    "op": (3000, F32, dist.ReduceOp.MAX),
+}
+
+
+def _one_rank_deviates(how, rank, step):
+    if step >= 8:
+        return None
+    if step == 3 and rank == 1:
+        return [STEADY[0], DEVIATIONS[how], *STEADY[2:]]
+    return STEADY
+
+
+@pytest.mark.parametrize("how", list(DEVIATIONS))
+@pytest.mark.parametrize("issuer", ISSUERS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, issuer, how):
+    """Rank 1 raises at once; the others' outputs of that call are NaN, and at the place's next
+    run (its canary NaN) every rank exchanges, sees rank 1's report and raises; then the ranks
+    agree anew and their results are gloo's again."""
+    results = run_ranks(_steps, world, issuer, functools.partial(_one_rank_deviates, how),
+                        False, (3,), timeout=120)
+    for rank, (exchanges, outcomes, same) in enumerate(results):
+        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+        assert outcomes[4][1] == "mismatch", outcomes
+        assert [o for s in (0, 1, 2, 5, 6, 7) for o in outcomes[s]] == ["ok"] * 6 * len(STEADY)
+        assert same[5] and same[6] and same[7], same
+        assert exchanges[6:] == [1, 0], exchanges  # learned again
+
+
+def _one_rank_calls_once_more(rank, step):
+    if step >= 6:
+        return None
+    if step == 3 and rank == 0:
+        return [STEADY[0], (500, F32, SUM), *STEADY[1:]]
+    return STEADY
+
+
+def _until_an_error(rank, world, gloo, issuer, plan):
+    """Issue ``plan``'s steps until a call raises, as a program would; the error's kind
+    ("mismatch": `CollectiveMismatchError`; "timeout": a peer stopped calling) and step. A rank
+    that raised stays alive past the others' timeout without calling (its exit would end
+    their calls at once)."""
+    import datetime
+    import time
+
+    group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=5),
+                           pg_options=lowbitcc.LocoConfig(issuer=issuer))
+    step = 0
+    while (calls := plan(rank, step)) is not None:
+        for numel, dtype, op in calls:
+            try:
+                dist.all_reduce(torch.ones(numel, dtype=dtype), op=op, group=group)
+            except CollectiveMismatchError:
+                time.sleep(8)
+                return "mismatch", step
+            except RuntimeError as exc:
+                time.sleep(8)
+                timed_out = any(w in str(exc).lower() for w in ("timed out", "timeout"))
+                return ("timeout" if timed_out else str(exc)), step
+        lowbitcc.end_step()
+        step += 1
+    return "nothing", step
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_an_exact_call_on_one_rank_only_raises_on_every_rank_never_hangs(issuer):
+    """Rank 0 issues one call more at step 3 and raises there (then stops calling, as a
+    program would); rank 1's outputs of that step's calls are NaN, and its next call that
+    needs rank 0 raises within the group's timeout (5 s here), as over gloo."""
+    results = run_ranks(_until_an_error, 2, issuer, _one_rank_calls_once_more, timeout=60)
+    assert results[0] == ("mismatch", 3), results
+    assert results[1] in (("timeout", 3), ("mismatch", 4)), results
+
+
+def _every_rank_calls_once_more(rank, step):
+    if step >= 7:
+        return None
+    return [STEADY[0], (500, F32, SUM), *STEADY[1:]] if step == 3 else STEADY
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_all_deviate_alike_at_an_exact_place_go_on_without_an_error(world, issuer):
+    """Every rank adds a call at step 3 (a metric logged now and then): each deviates, finds
+    that every rank did (the probed elements came back -0.0), and the ranks agree anew."""
+    for exchanges, outcomes, same in run_ranks(_steps, world, issuer,
+                                               _every_rank_calls_once_more, timeout=120):
+        assert all(set(row) == {"ok"} for row in outcomes), outcomes
+        assert all(same), same
+        assert exchanges[5:] == [1, 0], exchanges
