@@ -4,11 +4,12 @@ Issue 46: every call place has a schedule entry, so a call that stays exact (her
 outside backward, so the policy leaves it exact) exchanges its descriptor on its place's first
 runs only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`). Each
 rank makes a "loco" group with the environment's config and a plain gloo group, then times
-synchronous all-reduces on both, alternating them and which goes first, each after a barrier,
-each call one step (``lowbitcc.end_step``), and prints per size the medians after the warm-up
-and loco's time over gloo's (2 local ranks unless ``--np``).
+synchronous all-reduces on both in blocks of ``--block`` calls back to back (each call one
+step, ``lowbitcc.end_step``), alternating the two and which goes first, a barrier before each
+block, and prints per size the median time per call and loco's over gloo's (2 local ranks
+unless ``--np``).
 
-    python benchmarks/exact_calls.py [--calls 60] [--sizes 262144 4194304] [--np 2]
+    python benchmarks/exact_calls.py [--calls 200] [--sizes 262144 4194304] [--np 2]
 """
 
 from __future__ import annotations
@@ -24,38 +25,44 @@ import lowbitcc
 from lowbitcc.tools import spawn
 
 WARMUP = 4
-"""Calls per size left out of the medians: the place agrees (and the period closes) there."""
+"""Untimed calls per size first: the place agrees (and the period closes) there."""
 
 
-def _rank(rank: int, world: int, sizes: list[int], calls: int) -> dict[int, tuple[float, float]]:
+def _rank(rank: int, world: int, sizes: list[int], calls: int,
+          block: int) -> dict[int, tuple[float, float]]:
     gloo = dist.new_group(backend="gloo")
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig.from_env())
     out = {}
     for n in sizes:
         x = torch.randn(n)
+        for _ in range(WARMUP):
+            dist.all_reduce(x.clone(), group=loco)
+            lowbitcc.end_step()
         times: dict[str, list[float]] = {"loco": [], "gloo": []}
-        for i in range(WARMUP + calls):
+        for i in range(calls // block):
             pair = [("loco", loco), ("gloo", gloo)]
             for name, group in pair if i % 2 else pair[::-1]:
                 y = x.clone()
                 dist.barrier(gloo)
                 start = time.perf_counter()
-                dist.all_reduce(y, group=group)
-                times[name].append(time.perf_counter() - start)
-            lowbitcc.end_step()
-        out[n] = (statistics.median(times["loco"][WARMUP:]),
-                  statistics.median(times["gloo"][WARMUP:]))
+                for _ in range(block):  # back to back, as training's calls and perf's
+                    dist.all_reduce(y, group=group)
+                    lowbitcc.end_step()
+                times[name].append((time.perf_counter() - start) / block)
+        out[n] = (statistics.median(times["loco"]), statistics.median(times["gloo"]))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 18, 1 << 22],
                         help="elements (fp32): 1 MiB and 16 MiB by default")
+    parser.add_argument("--block", type=int, default=10,
+                        help="calls timed back to back, alternating loco's and gloo's blocks")
     parser.add_argument("--np", type=int, default=2)
     args = parser.parse_args()
-    result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls)[0]
+    result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls, args.block)[0]
     print(f"{'bytes':>10} {'loco ms':>9} {'gloo ms':>9} {'loco/gloo':>9}")
     for n, (loco_s, gloo_s) in result.items():
         print(f"{n * 4:>10} {loco_s * 1e3:>9.3f} {gloo_s * 1e3:>9.3f} {loco_s / gloo_s:>9.3f}")

@@ -2,9 +2,11 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: selftest pytest unfixed schedule launches perf
-#                                             codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: issue46 exactperf selftest pytest unfixed
+#                                             schedule launches perf codec
 #                                             (default: all; the environment is always printed)
+#
+# Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
 #
 # Runs with the machine's own python3 and packages (torch, CuPy, NCCL): lowbitcc is installed
 # into it without dependencies; where that fails, PYTHONPATH serves (then `import lowbitcc`, not
@@ -14,7 +16,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-selftest pytest unfixed schedule launches perf codec}
+phases=${*:-issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -48,6 +50,26 @@ error_state.ErrorState.record_stream = lambda self, stream: None
 code = pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "-k", "outlives",
                     "tests/gpu/test_cuda_backend.py"])
 print("without record_stream the test", "failed" if code == 1 else f"exited {code}")
+EOF
+        ;;
+    issue46)  # exact places, deviations seen on the GPU, the watchdog (2 and 4 ranks)
+        timeout "${ISSUE46_S:-300}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 200 \
+            tests/gpu/test_multirank.py -k "exact_cuda or deviates_on_one_rank or stalled_peer" \
+            2>&1 | tee "$out/issue46.txt"
+        if grep -q " passed" "$out/issue46.txt" && ! grep -qE " (failed|error)" "$out/issue46.txt"; then
+            echo "PASS issue46 $(grep -E ' passed' "$out/issue46.txt" | tail -1)"
+        else
+            echo "FAIL issue46 $(grep -E 'passed|failed|error' "$out/issue46.txt" | tail -1)"
+        fi ;;
+    exactperf)  # an exact 1 MiB all-reduce through loco against NCCL's own, 2 ranks: <= 1.2x
+        timeout 200 $py -m lowbitcc perf all_reduce --device cuda --np 2 --backend loco-exact nccl \
+            -b 1M -e 1M -n 100 -w 20 --json "$out/exactperf.json" 2>&1 | tee "$out/exactperf.txt"
+        $py - "$out/exactperf.json" <<'EOF' | tee -a "$out/exactperf.txt"
+import json, sys
+rows = {r["backend"]: r for r in json.load(open(sys.argv[1]))["rows"]}
+loco, nccl = (rows[b]["in_place"]["time_us"] for b in ("loco-exact", "nccl"))
+print(f"{'PASS' if loco <= 1.2 * nccl else 'FAIL'} exactperf loco-exact/nccl {loco / nccl:.3f} "
+      f"({loco:.1f} vs {nccl:.1f} us, in place, 1 MiB, 2 ranks)")
 EOF
         ;;
     schedule)

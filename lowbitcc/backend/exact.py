@@ -279,21 +279,21 @@ class HostCanary:
     (waiting for it if needed: `call_schedule` reads a place's canary at the place's next run).
     A work that failed reads as NaN (the place then exchanges again)."""
 
-    __slots__ = ("_work", "_last")
+    __slots__ = ("_work", "_output")
 
     def __init__(self, output: torch.Tensor, work: Any) -> None:
-        self._work = work
-        self._last = output[(-1,) * output.dim()] if output.numel() else None
+        self._work, self._output = work, output
 
     def nan(self) -> bool:
-        if self._last is None:
+        out = self._output
+        if not out.numel():
             return False
         try:
             if not self._work.is_completed():
                 self._work.wait()
         except Exception:  # noqa: BLE001 (the call raised to its caller already)
             return True
-        return math.isnan(self._last.item())
+        return math.isnan((out if out.dim() == 1 else out.reshape(-1))[-1].item())
 
 
 def _divide_(t: torch.Tensor, divisor: int) -> None:

@@ -43,6 +43,9 @@ class InlineIssuer:
                       size_class: Any, nbytes: int) -> dist.Work:
         return getattr(self._direct, method)(*args)
 
+    def planned(self, work: dist.Work, outputs: list[torch.Tensor]) -> dist.Work:
+        return self._queue.follow(work, outputs)
+
     def canary(self, output: torch.Tensor, work: Any) -> HostCanary:
         return HostCanary(output, work)
 

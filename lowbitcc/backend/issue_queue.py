@@ -197,6 +197,53 @@ class LocoWork(dist.Work):
         return self._source()
 
 
+@eager_methods
+class FollowedWork(LocoWork):
+    """The Work of a gloo ``work`` that the calling thread started itself (`IssueQueue.follow`)
+    and that writes ``outputs``: waiting (and ``is_completed``, ``exception``) is gloo's own,
+    without a thread hop. Its future is made on first use (DDP asks for it; a synchronous
+    ``dist.all_reduce`` does not), tagged ``tag``, and ``queue``'s waiter completes it once
+    the work is done; it runs the callbacks added to it."""
+
+    def __init__(self, queue: IssueQueue, tag: int, work: Any,
+                 outputs: list[torch.Tensor]) -> None:
+        dist.Work.__init__(self)
+        self._source, self._work, self._outputs = None, work, outputs
+        self._queue, self._tag = queue, tag
+        self._future: LocoFuture | None = None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = LocoFuture(self._tag)
+            self._queue.complete_later(InnerWork(self._work, lambda: self._outputs),
+                                       self._future)
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0:
+            return self._work.wait(timeout)
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_completed() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._work.is_completed():
+            return None
+        try:
+            self._work.wait()
+        except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
+            return exc
+        return None
+
+
 class IssueQueue:
     """The worker and waiter threads of one group (see the module docstring).
 
@@ -245,13 +292,33 @@ class IssueQueue:
         future.set_result(outputs)
         return LocoWork(future)
 
+    def follow(self, work: Any, outputs: list[torch.Tensor]) -> LocoWork:
+        """The Work of a gloo ``work`` the calling thread started itself (a place's exact entry,
+        `reductions`): tagged as `submit` tags its calls, and completed by the waiter, in order,
+        once ``work`` is done, with ``outputs``. Not gloo's own Work: a callback added to
+        gloo's future runs on gloo's thread, or in the caller's if the call already completed,
+        and a call it issues must not look like the calling thread's (`call_places`)."""
+        return FollowedWork(self, self._next_tag(), work, outputs)
+
+    def complete_later(self, inner: InnerWork, future: torch.futures.Future) -> None:
+        """Complete ``future`` with ``inner``'s outputs once its work is done (the waiter, in
+        order with the worker's calls)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("lowbitcc: this process group has been shut down")
+            self._in_flight.put((inner, future))
+
     def _tagged(self) -> LocoFuture:
-        """The future of the next call: the group's tag and the call's ordinal, the same call
-        having the same tag on every rank."""
+        """The future of the next call (`_next_tag`)."""
+        return LocoFuture(self._next_tag())
+
+    def _next_tag(self) -> int:
+        """The next call's tag: the group's and the call's ordinal, the same call having the
+        same tag on every rank."""
         with self._lock:
             self._issued += 1
             ordinal = self._issued
-        return LocoFuture(self._group_tag | ordinal & 0xFFFFFFFF)
+        return self._group_tag | ordinal & 0xFFFFFFFF
 
     def complete(self, inner: InnerWork) -> list[torch.Tensor]:
         """Wait for ``inner``'s gloo work, retire it, and finish the call (without autograd)."""

@@ -58,6 +58,13 @@ class Issuer(Protocol):
         ``size_class`` None: not timed for the cost model (a place's deviation)."""
         ...
 
+    def planned(self, work: dist.Work, outputs: list[torch.Tensor]) -> dist.Work:
+        """The Work to return for ``work``, a place's exact entry's call issued now that writes
+        ``outputs``: where the inner backend completes futures on its own threads (gloo), one
+        whose callbacks are tagged as the group's other Works' (`issue_queue.IssueQueue.follow`);
+        else ``work``."""
+        ...
+
     def canary(self, output: torch.Tensor, work: dist.Work) -> Any:
         """What tells, one period later, whether an exact all-reduce issued now (its ``work``)
         left NaN in the last element of ``output``: an object whose ``nan()`` reads it

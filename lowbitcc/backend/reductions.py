@@ -87,7 +87,7 @@ class Reductions:
         work = start(size_class, nbytes)
         if collective == "all_reduce":
             entry.canary = issuer.canary(output, work)
-        return work
+        return issuer.planned(work, [output])
 
     # -- the general path ------------------------------------------------------------------
     def reduce(self, issuer: Issuer, collective: str, whole: ExactReduction,

@@ -84,6 +84,9 @@ class WorkerIssuer:
         finishes it, in issue order."""
         return self._queue.submit(lambda: inner)
 
+    def planned(self, work: dist.Work, outputs: list[torch.Tensor]) -> dist.Work:
+        return self._queue.follow(work, outputs)
+
     def canary(self, output: torch.Tensor, work: Any) -> HostCanary:
         return HostCanary(output, work)
 
