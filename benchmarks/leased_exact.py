@@ -28,7 +28,7 @@ from lowbitcc.tools import spawn
 def _rank(rank: int, world: int, sizes: list[int], calls: int) -> dict[int, tuple[float, float]]:
     gloo = dist.new_group(backend="gloo")
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        policy="always", cost_model=True))
+        policy="always", cost_model=True, call_schedule=False))
     out = {}
     for n in sizes:
         size_class = CostModel.size_class("all_reduce", n * 4)

@@ -5,7 +5,7 @@ group is created), `process_group` (the c10d face; its reductions), `data_moveme
 data movements), `arguments` (argument checks), `issuer` (how a device's reductions are issued:
 `worker_issue` for CPU through the worker thread, `inline_issue` for CPU in the calling thread
 under ``LOCO_ISSUER=inline``, `cuda_issue` for CUDA: streams and Works), `issue_queue` (the
-worker: CPU issue order, Works), `exact` (exact reductions on gloo), `reductions` (how a
+worker: CPU issue order), `works` (its Works and futures), `exact` (exact reductions on gloo), `reductions` (how a
 reduction is issued: its place, exact entries at once, deviations, jobs), `call_schedule` and
 `call_places` (every reduction's place in the cycle of calls, agreed once), `deviation` (what a
 rank whose call differs from its place's runs), `leases` (which calls the cost model leased to

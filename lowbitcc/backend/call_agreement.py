@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lowbitcc.backend.issue_queue import InnerWork, Job, callback_parent
+from lowbitcc.backend.issue_queue import Job
+from lowbitcc.backend.works import InnerWork, callback_parent
 from lowbitcc.codec import wire
 from lowbitcc.transports.gloo import GlooTransport
 

@@ -18,7 +18,7 @@ import torch
 from lowbitcc import policy
 from lowbitcc.backend.call_schedule import CallSchedule, Entry, Plan
 from lowbitcc.backend.exact import op_type
-from lowbitcc.backend.issue_queue import callback_parent
+from lowbitcc.backend.works import callback_parent
 from lowbitcc.config import LocoConfig
 
 _MAIN_THREAD = threading.main_thread().ident

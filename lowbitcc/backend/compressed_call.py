@@ -61,9 +61,10 @@ from lowbitcc.backend.exact import (
     reduce_in_rank_order,
     reduces_in_rank_order,
 )
-from lowbitcc.backend.issue_queue import Job, callback_parent
+from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.backend.routes import Route
+from lowbitcc.backend.works import callback_parent
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.collectives import COLLECTIVES

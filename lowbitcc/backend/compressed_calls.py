@@ -32,9 +32,10 @@ from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import PLAIN_OPS, op_type
 from lowbitcc.backend.gather_call import GatherCall
-from lowbitcc.backend.issue_queue import InnerWork, Job
+from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.backend.routes import Route, choose_schedule
+from lowbitcc.backend.works import InnerWork
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import Scratch, Source

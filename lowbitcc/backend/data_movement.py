@@ -31,7 +31,8 @@ from lowbitcc.backend.arguments import (
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.cuda_issue import CudaIssuer
 from lowbitcc.backend.exact import ExactReduction
-from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, LocoWork
+from lowbitcc.backend.issue_queue import IssueQueue, Job
+from lowbitcc.backend.works import InnerWork, LocoWork
 
 Check = tuple[str, list[torch.Tensor], int]
 """A data movement as its descriptor names it: ``(collective, tensors, root)`` (wire

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from lowbitcc import state
-from lowbitcc.backend.issue_queue import InnerWork
+from lowbitcc.backend.works import InnerWork
 from lowbitcc.collectives import COLLECTIVES
 
 ReduceOp = dist.ReduceOp

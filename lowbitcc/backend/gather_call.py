@@ -14,7 +14,8 @@ import torch
 from lowbitcc import schedules, state
 from lowbitcc.backend.call_agreement import CorruptFrameError
 from lowbitcc.backend.compressed_call import CallGroup
-from lowbitcc.backend.issue_queue import Job, callback_parent
+from lowbitcc.backend.issue_queue import Job
+from lowbitcc.backend.works import callback_parent
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.collectives import COLLECTIVES

@@ -8,33 +8,22 @@ call), which the waiter thread completes in issue order. Gloo progresses its ope
 own threads, so waiting in order only orders completion notices, never the operations: a send
 and a recv posted in either order cannot deadlock.
 
-Each call returns a `LocoWork`: its future's value is the list of output tensors (DDP's reducer
-reads it); ``wait()`` re-raises any error of the call, and ``wait(timeout)`` raises
-`torch.distributed.DistBackendError` when the call has not completed in time, as gloo does.
+Each call returns a `works.LocoWork` (the Works and futures: `lowbitcc.backend.works`).
 
 Jobs and finishes run without autograd (``torch.no_grad()``; the worker and waiter are this
 module's threads, whose grad mode is their own): a collective writes its outputs in place, as
-gloo's C++ does, also into a parameter that requires grad. Futures are completed on a third
-kind of thread, a pool of completers, never by the worker or the waiter: a future's callbacks
-(``.then()``) run where it is completed, and a callback may issue a collective and wait for it
-(torch's PowerSGD hook does), which needs the worker and the waiter free. The pool starts one
-completer and adds one whenever all are busy (completing a future, or blocked in a
-callback), up to `COMPLETERS`; so callbacks of different calls may run at once, as on gloo.
-
-A call's future is a `LocoFuture` tagged with the call (group and issue ordinal): a callback
-added with ``then`` or ``add_done_callback`` (and the callbacks chained after it) runs with that
-tag as its context, wherever it runs (inline, if the future was already complete, or on a
-completer), and the calls it issues name it as their parent (`callback_parent`) in their
-descriptors. Callbacks of two calls that run at once may issue their calls in either order, and
-in different orders on different ranks (torch's PowerSGD hook with several buckets does): the
-descriptors then differ in their parents and every rank raises `CollectiveMismatchError`,
-instead of reducing one bucket's tensor with another's.
+gloo's C++ does, also into a parameter that requires grad. Futures with Python callbacks are
+completed on a third kind of thread, a pool of completers, never by the worker or the waiter
+(futures whose only callbacks are C++ ones, DDP's reducer's, are completed where they are
+done): a future's callbacks (``.then()``) run where it is completed, and a callback may issue
+a collective and wait for it (torch's PowerSGD hook does), which needs the worker and the
+waiter free. The pool starts one completer and adds one whenever all are busy (completing a
+future, or blocked in a callback), up to `COMPLETERS`; so callbacks of different calls may run
+at once, as on gloo.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import queue
 import threading
 import zlib
@@ -43,23 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lowbitcc.backend.eager import eager_methods
+from lowbitcc.backend.works import FollowedWork, InnerWork, LocoFuture, LocoWork
 
 Job = Callable[[], Any]
 """A call's work on the worker: returns the output tensors or an `InnerWork`."""
 
 COMPLETERS = 64
 """Most completer threads of one group: as many callbacks may block in a wait at once."""
-
-
-@dataclasses.dataclass
-class InnerWork:
-    """An inner gloo operation in flight, and how to finish the call once it has completed."""
-
-    work: Any
-    finish: Callable[[], list[torch.Tensor]]
 
 
 class closing:  # noqa: N801 (used as a context manager, like contextlib.closing)
@@ -90,158 +70,6 @@ class _AllOf:
         for inner in self.inners:
             inner.work.wait()
             self.retire(inner.work)
-
-
-_context = threading.local()
-
-
-def callback_parent() -> int:
-    """The tag of the call whose future's callback this thread is running (0: none)."""
-    return getattr(_context, "parent", 0)
-
-
-def _within(tag: int, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``callback``, run with ``tag`` as this thread's `callback_parent`."""
-
-    def run(future: Any) -> Any:
-        outer = callback_parent()
-        _context.parent = tag
-        try:
-            return callback(future)
-        finally:
-            _context.parent = outer
-
-    return run
-
-
-class LocoFuture(torch.futures.Future):
-    """The future of a call tagged ``tag``: its callbacks, and the callbacks chained after them
-    with ``then``, run with the tag as their `callback_parent`."""
-
-    def __init__(self, tag: int) -> None:
-        super().__init__()
-        self.tag = tag
-
-    def then(self, callback: Callable[[Any], Any]) -> LocoFuture:  # type: ignore[override]
-        child = super().then(_within(self.tag, callback))
-        chained = LocoFuture(self.tag)
-        child.add_done_callback(lambda done: _forward(done, chained))
-        return chained
-
-    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        super().add_done_callback(_within(self.tag, callback))
-
-
-def _forward(done: torch.futures.Future, to: torch.futures.Future) -> None:
-    """Complete ``to`` as ``done`` completed."""
-    try:
-        value = done.value()
-    except Exception as exc:  # noqa: BLE001 (handed on to the chained future)
-        to.set_exception(exc)
-        return
-    to.set_result(value)
-
-
-@eager_methods
-class LocoWork(dist.Work):
-    """A queued call; its future's value is the list of output tensors."""
-
-    def __init__(self, future: torch.futures.Future,
-                 source_rank: Callable[[], int] | None = None) -> None:
-        """``source_rank`` (receives only) names the sender once the call has completed."""
-        super().__init__()
-        self._future = future
-        self._source = source_rank
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Block until the call completed and re-raise its error. A positive ``timeout`` bounds
-        the wait (c10d's default, zero, means no bound)."""
-        seconds = 0.0 if timeout is None else timeout.total_seconds()
-        if seconds > 0 and not self._done.wait(seconds):
-            raise dist.DistBackendError(
-                f"lowbitcc: Work.wait timed out after {seconds:g} s (the call is still queued or "
-                "in flight; a peer may be stalled)"
-            )
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        return self._future.done() and self.exception() is None
-
-    def exception(self) -> BaseException | None:
-        if not self._future.done():
-            return None
-        try:
-            self._future.value()
-        except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
-            return exc
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        return self._future.wait()
-
-    def _source_rank(self) -> int:
-        """The sender's rank of a completed receive (``dist.recv`` without ``src`` reads it)."""
-        if self._source is None:
-            raise ValueError("lowbitcc: sourceRank() may only be called on work objects that "
-                             "correspond to a recv or recv-from-any call")
-        self._future.wait()
-        return self._source()
-
-
-@eager_methods
-class FollowedWork(LocoWork):
-    """The Work of a gloo ``work`` that the calling thread started itself (`IssueQueue.follow`)
-    and that writes ``outputs``: waiting (and ``is_completed``, ``exception``) is gloo's own,
-    without a thread hop. Its future is made on first use (DDP asks for it; a synchronous
-    ``dist.all_reduce`` does not), tagged ``tag``, and ``queue``'s waiter completes it once
-    the work is done; it runs the callbacks added to it."""
-
-    def __init__(self, queue: IssueQueue, tag: int, work: Any,
-                 outputs: list[torch.Tensor]) -> None:
-        dist.Work.__init__(self)
-        self._source, self._work, self._outputs = None, work, outputs
-        self._queue, self._tag = queue, tag
-        self._future: LocoFuture | None = None
-
-    def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            self._future = LocoFuture(self._tag)
-            self._queue.complete_later(InnerWork(self._work, lambda: self._outputs),
-                                       self._future)
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._outputs
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if timeout is not None and timeout.total_seconds() > 0:
-            return self._work.wait(timeout)
-        return self._work.wait()
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def is_success(self) -> bool:
-        return self._work.is_completed() and self.exception() is None
-
-    def exception(self) -> BaseException | None:
-        if not self._work.is_completed():
-            return None
-        try:
-            self._work.wait()
-        except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
-            return exc
-        return None
 
 
 class IssueQueue:
@@ -361,7 +189,10 @@ class IssueQueue:
 
     def _settle(self, future: torch.futures.Future, result: Any = None,
                 error: BaseException | None = None) -> None:
-        """Complete ``future`` on a completer thread (its callbacks run there)."""
+        """Complete ``future``: here where only C++ callbacks wait on it, else on a completer
+        thread (its Python callbacks run there)."""
+        if isinstance(future, LocoFuture) and future.complete_unless_called_back(result, error):
+            return
         if error is not None:
             self._completers.submit(future.set_exception, error)
         else:

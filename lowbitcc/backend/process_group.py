@@ -44,12 +44,13 @@ from lowbitcc.backend.exact import (
     reduce_scatter_into,
 )
 from lowbitcc.backend.inline_issue import InlineIssuer
-from lowbitcc.backend.issue_queue import IssueQueue, LocoWork
+from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
 from lowbitcc.backend.reductions import Reductions
 from lowbitcc.backend.routes import cpu_route, cuda_route
 from lowbitcc.backend.watchdog import Watchdog
 from lowbitcc.backend.worker_issue import WorkerIssuer
+from lowbitcc.backend.works import LocoWork
 from lowbitcc.config import LocoConfig
 from lowbitcc.transports.gloo import GlooTransport
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from lowbitcc.backend.exact import PLAIN_OPS, ExactReduction, HostCanary, start_now
-from lowbitcc.backend.issue_queue import InnerWork, IssueQueue, Job, LocoWork
+from lowbitcc.backend.issue_queue import IssueQueue, Job
+from lowbitcc.backend.works import InnerWork, LocoWork
 from lowbitcc.transports.gloo import GlooTransport
 
 LEASED_TIMED = 8

@@ -8,7 +8,8 @@ import threading
 
 import torch
 
-from lowbitcc.backend.issue_queue import InnerWork, IssueQueue
+from lowbitcc.backend.issue_queue import IssueQueue
+from lowbitcc.backend.works import InnerWork
 
 
 class _Gate:

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from lowbitcc.backend.issue_queue import LocoWork
 from lowbitcc.backend.leases import Leases
+from lowbitcc.backend.works import LocoWork
 from lowbitcc.cost_model import CostModel
 from tests.support.ranks import run_ranks
 

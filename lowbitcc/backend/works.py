@@ -1,0 +1,223 @@
+"""The Works and futures a "loco" group returns for calls on CPU tensors.
+
+Each call returns a `LocoWork` (its job queued on the group's worker, `issue_queue`) or a
+`FollowedWork` (a gloo call the calling thread started itself: a place's exact entry,
+`reductions`): its future's value is the list of output tensors (DDP's reducer reads it);
+``wait()`` re-raises any error of the call, and ``wait(timeout)`` raises
+`torch.distributed.DistBackendError` when the call has not completed in time, as gloo does.
+`InnerWork` is an inner gloo operation in flight and how to finish the call.
+
+A call's future is a `LocoFuture` tagged with the call (group and issue ordinal): a callback
+added with ``then`` or ``add_done_callback`` (and the callbacks chained after it) runs with that
+tag as its context, wherever it runs (inline, if the future was already complete, or on a
+completer), and the calls it issues name it as their parent (`callback_parent`) in their
+descriptors. Callbacks of two calls that run at once may issue their calls in either order, and
+in different orders on different ranks (torch's PowerSGD hook with several buckets does): the
+descriptors then differ in their parents and every rank raises `CollectiveMismatchError`,
+instead of reducing one bucket's tensor with another's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc.backend.eager import eager_methods
+
+
+@dataclasses.dataclass
+class InnerWork:
+    """An inner gloo operation in flight, and how to finish the call once it has completed."""
+
+    work: Any
+    finish: Callable[[], list[torch.Tensor]]
+
+
+
+_context = threading.local()
+
+
+def callback_parent() -> int:
+    """The tag of the call whose future's callback this thread is running (0: none)."""
+    return getattr(_context, "parent", 0)
+
+
+def _within(tag: int, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``callback``, run with ``tag`` as this thread's `callback_parent`."""
+
+    def run(future: Any) -> Any:
+        outer = callback_parent()
+        _context.parent = tag
+        try:
+            return callback(future)
+        finally:
+            _context.parent = outer
+
+    return run
+
+
+class LocoFuture(torch.futures.Future):
+    """The future of a call tagged ``tag``: its callbacks, and the callbacks chained after them
+    with ``then``, run with the tag as their `callback_parent`.
+
+    `complete_unless_called_back` completes it where it is, unless a Python callback was added
+    (``then``, ``add_done_callback``): C++ callbacks (DDP's reducer, ``wait_all``) never block,
+    but a Python one may issue a call and wait for it, so those futures are completed on a
+    completer thread instead (`IssueQueue`)."""
+
+    def __init__(self, tag: int) -> None:
+        super().__init__()
+        self.tag = tag
+        self._lock = threading.Lock()
+        self._called_back = False
+
+    def then(self, callback: Callable[[Any], Any]) -> LocoFuture:  # type: ignore[override]
+        self._mark_called_back()
+        child = super().then(_within(self.tag, callback))
+        chained = LocoFuture(self.tag)
+        child.add_done_callback(lambda done: _forward(done, chained))
+        return chained
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._mark_called_back()
+        super().add_done_callback(_within(self.tag, callback))
+
+    def on_done(self, callback: Callable[[Any], None]) -> None:
+        """Add ``callback``, which never blocks, without moving the completion elsewhere."""
+        super().add_done_callback(callback)
+
+    def _mark_called_back(self) -> None:
+        with self._lock:  # waits for a completion in progress: the callback then runs here
+            self._called_back = True
+
+    def complete_unless_called_back(self, result: Any = None,
+                                    error: BaseException | None = None) -> bool:
+        """Complete the future now, in this thread, where no Python callback was added (True);
+        else do nothing (False)."""
+        with self._lock:
+            if self._called_back:
+                return False
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(result)
+            return True
+
+
+def _forward(done: torch.futures.Future, to: torch.futures.Future) -> None:
+    """Complete ``to`` as ``done`` completed."""
+    try:
+        value = done.value()
+    except Exception as exc:  # noqa: BLE001 (handed on to the chained future)
+        to.set_exception(exc)
+        return
+    to.set_result(value)
+
+
+@eager_methods
+class LocoWork(dist.Work):
+    """A queued call; its future's value is the list of output tensors."""
+
+    def __init__(self, future: torch.futures.Future,
+                 source_rank: Callable[[], int] | None = None) -> None:
+        """``source_rank`` (receives only) names the sender once the call has completed."""
+        super().__init__()
+        self._future = future
+        self._source = source_rank
+        self._done = threading.Event()
+        add = future.on_done if isinstance(future, LocoFuture) else future.add_done_callback
+        add(lambda _: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until the call completed and re-raise its error. A positive ``timeout`` bounds
+        the wait (c10d's default, zero, means no bound)."""
+        seconds = 0.0 if timeout is None else timeout.total_seconds()
+        if seconds > 0 and not self._done.wait(seconds):
+            raise dist.DistBackendError(
+                f"lowbitcc: Work.wait timed out after {seconds:g} s (the call is still queued or "
+                "in flight; a peer may be stalled)"
+            )
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
+            return exc
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._future.wait()
+
+    def _source_rank(self) -> int:
+        """The sender's rank of a completed receive (``dist.recv`` without ``src`` reads it)."""
+        if self._source is None:
+            raise ValueError("lowbitcc: sourceRank() may only be called on work objects that "
+                             "correspond to a recv or recv-from-any call")
+        self._future.wait()
+        return self._source()
+
+
+@eager_methods
+class FollowedWork(LocoWork):
+    """The Work of a gloo ``work`` that the calling thread started itself (`IssueQueue.follow`)
+    and that writes ``outputs``: waiting (and ``is_completed``, ``exception``) is gloo's own,
+    without a thread hop. Its future is made on first use (DDP asks for it; a synchronous
+    ``dist.all_reduce`` does not), tagged ``tag``, and ``queue``'s waiter completes it once
+    the work is done; it runs the callbacks added to it."""
+
+    def __init__(self, queue: Any, tag: int, work: Any,
+                 outputs: list[torch.Tensor]) -> None:
+        dist.Work.__init__(self)
+        self._source, self._work, self._outputs = None, work, outputs
+        self._queue, self._tag = queue, tag
+        self._future: LocoFuture | None = None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = LocoFuture(self._tag)
+            self._queue.complete_later(InnerWork(self._work, lambda: self._outputs),
+                                       self._future)
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0:
+            return self._work.wait(timeout)
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_completed() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._work.is_completed():
+            return None
+        try:
+            self._work.wait()
+        except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
+            return exc
+        return None
