@@ -1,5 +1,6 @@
-"""The call schedule of inline routes (`lowbitcc.backend.call_schedule`): calls agreed once run
-without a descriptor exchange, the same as with one; a rank whose call deviates makes every
+"""The call schedule (`lowbitcc.backend.call_schedule`) at compressed places, inline (the CUDA
+path's logic) and through the worker: calls agreed once run without a descriptor exchange,
+the same as with one; a rank whose call deviates makes every
 rank raise, never hang; ranks that all deviate alike agree again and go on."""
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ def _backward_pass(issue) -> None:
 def _counting_agreements() -> list[int]:
     """Count this process's descriptor agreements from now on (one entry per agreement)."""
     seen: list[int] = []
-    agree = CallAgreement.agree
+    exchange = CallAgreement.exchange
 
-    def counted(self, call):
+    def counted(self, call, own=None):
         seen.append(call.numel)
-        return agree(self, call)
+        return exchange(self, call, own)
 
-    CallAgreement.agree = counted
+    CallAgreement.exchange = counted
     return seen
 
 
@@ -128,11 +129,13 @@ def _one_rank_deviates(how, rank, p):
     return SIZES
 
 
+@pytest.mark.parametrize("issuer", ["inline", "auto"])
 @pytest.mark.parametrize("how", list(DEVIATIONS))
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goes_on(world, how):
+def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goes_on(world, how,
+                                                                                    issuer):
     plan = functools.partial(_one_rank_deviates, how)
-    results = run_ranks(_passes, world, "inline", plan, timeout=120)
+    results = run_ranks(_passes, world, issuer, plan, timeout=120)
     for _, agreements, errors in results:
         assert list(errors) == [2], errors
         # pass 2 ended at its second call on every rank, so pass 3 starts a place late on
@@ -168,8 +171,9 @@ def _one_rank_calls_once_more(rank, p):
     return SIZES
 
 
-def test_a_call_on_one_rank_only_raises_on_every_rank_never_hangs():
-    results = run_ranks(_passes, 2, "inline", _one_rank_calls_once_more, timeout=120)
+@pytest.mark.parametrize("issuer", ["inline", "auto"])
+def test_a_call_on_one_rank_only_raises_on_every_rank_never_hangs(issuer):
+    results = run_ranks(_passes, 2, issuer, _one_rank_calls_once_more, timeout=120)
     for _, _, errors in results:
         # the extra call deviates from the agreed second call: both ranks raise there, which
         # ends the pass on both; the next pass agrees again and is in step
