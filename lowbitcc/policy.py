@@ -85,9 +85,12 @@ def _pushed(stack: list, item: object) -> Iterator[None]:
 
 
 def mode(default: str) -> str:
-    """The policy in force now: the innermost context's, else ``default``."""
-    with _lock:
-        return _mode_stack[-1] if _mode_stack else default
+    """The policy in force now: the innermost context's, else ``default``. Read without the
+    lock (every call reads it): indexing a list is atomic, and the stack may empty meanwhile."""
+    try:
+        return _mode_stack[-1]
+    except IndexError:
+        return default
 
 
 def in_backward() -> bool:
@@ -105,8 +108,7 @@ def wants_compression(policy: str) -> bool:
 def forced() -> bool:
     """Whether a `compressed()` block is the innermost active one: compression is then forced
     and the cost model not consulted."""
-    with _lock:
-        return bool(_mode_stack) and _mode_stack[-1] == "always"
+    return mode("") == "always"
 
 
 def eligible(tensor: torch.Tensor, op: dist.ReduceOp) -> bool:

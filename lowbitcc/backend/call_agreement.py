@@ -16,8 +16,8 @@ frame arrived corrupt in every copy (`CorruptFrameError`); otherwise every rank 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-import threading
 from typing import Any
 
 import numpy as np
@@ -68,14 +68,11 @@ class CallAgreement:
         self.rank = rank
         self.group_name = ""
         self._transport = transport
-        self._lock = threading.Lock()
-        self._seq = 0
+        self._seq = itertools.count(1)
 
     def next_seq(self) -> int:
         """The next call number (the same call has the same number on every rank)."""
-        with self._lock:
-            self._seq += 1
-            return self._seq
+        return next(self._seq)  # holds the GIL throughout: no lock needed
 
     def checked(self, collective: str, dtype: torch.dtype, numel: int, job: Job, *,
                 op: int = 0, root: int = 0) -> Job:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lowbitcc import policy, state
+from lowbitcc import policy
 from lowbitcc.backend.call_agreement import (
     CallAgreement,
     CollectiveMismatchError,
@@ -263,16 +263,15 @@ class CompressedCalls:
     def count_planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
                       entry: Entry) -> SizeClass | None:
         """Count a call that runs as its place's exact ``entry`` as its job would count it
-        (`_count_leased`; the cost model's count, and its statistics where the model chose
-        the entry); its size class where the cost model times it, else None."""
+        (`_count_leased`; the cost model's count); its size class where the cost model times
+        it, else None (the caller counts it in the statistics, ``model_exact`` where the model
+        chose the entry and times it: `exact.count_exact`)."""
         self._count_leased(collective, like, numel, self.wants(op_type(op), [like]))
         if not self.modelled(numel) or policy.forced():
             return None
         size_class = CostModel.size_class(collective, numel * like.element_size(),
                                           like.device.type)
         self.cost_model.count(size_class)
-        if entry.by_model:
-            state.STATS.add("exact", model_exact=1)
         return size_class
 
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,

@@ -195,11 +195,13 @@ def reduce_in_rank_order(rows: list[torch.Tensor], op: ReduceOp | Any,
     return acc
 
 
-def count_exact(collective: str, size_bytes: int, world: int) -> None:
+def count_exact(collective: str, size_bytes: int, world: int, model_exact: bool = False) -> None:
     """Count an exact call of ``collective`` with ``size_bytes`` (its size as
-    `lowbitcc.collectives` defines it) in the statistics: its logical bytes are its wire bytes."""
+    `lowbitcc.collectives` defines it) in the statistics: its logical bytes are its wire bytes;
+    ``model_exact``: the cost model sent it exact."""
     sent = COLLECTIVES[collective].logical_bytes(size_bytes, world)
-    state.STATS.add("exact", calls=1, tensor_bytes=size_bytes, logical_bytes=sent, wire_bytes=sent)
+    state.STATS.add("exact", calls=1, tensor_bytes=size_bytes, logical_bytes=sent, wire_bytes=sent,
+                    model_exact=int(model_exact))
 
 
 def all_reduce_of(group: dist.ProcessGroup, buffers: list[torch.Tensor], opts: Any) -> dist.Work:

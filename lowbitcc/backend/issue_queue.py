@@ -24,6 +24,7 @@ at once, as on gloo.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import zlib
@@ -82,7 +83,7 @@ class IssueQueue:
     def __init__(self, name: str, retire: Callable[[Any], None]) -> None:
         self._retire = retire
         self._group_tag = 0
-        self._issued = 0
+        self._issued = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,10 +144,7 @@ class IssueQueue:
     def _next_tag(self) -> int:
         """The next call's tag: the group's and the call's ordinal, the same call having the
         same tag on every rank."""
-        with self._lock:
-            self._issued += 1
-            ordinal = self._issued
-        return self._group_tag | ordinal & 0xFFFFFFFF
+        return self._group_tag | next(self._issued) & 0xFFFFFFFF  # next() holds the GIL throughout
 
     def complete(self, inner: InnerWork) -> list[torch.Tensor]:
         """Wait for ``inner``'s gloo work, retire it, and finish the call (without autograd)."""

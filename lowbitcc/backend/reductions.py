@@ -83,7 +83,8 @@ class Reductions:
         nbytes)``, and (all-reduce) its output's canary kept at the place."""
         nbytes = numel * like.element_size()
         size_class = self._compressed.count_planned(collective, like, numel, op, entry)
-        count_exact(collective, nbytes, self._world)
+        count_exact(collective, nbytes, self._world,
+                    model_exact=entry.by_model and size_class is not None)
         work = start(size_class, nbytes)
         if collective == "all_reduce":
             entry.canary = issuer.canary(output, work)
