@@ -14,6 +14,11 @@ counted call, what switching to "loco" saved. ``compressed`` also has
 ``residual_sq`` and ``input_sq``, the squared norms of the quantization residual and of the
 compensated input, and ``relative_error = sqrt(residual_sq / input_sq)``. ``exact`` also has
 ``model_exact``: compressible calls that the cost model sent exact (`lowbitcc.cost_model`).
+``intra_node_bytes`` and ``inter_node_bytes`` split the wire bytes of lowbitcc's own schedules
+(the compressed calls, and the hierarchical schedule's exact node steps) by the link they take:
+to a rank of this rank's node or to another node (`transports.topology`: ``LOCO_NODE_SIZE``
+or the launcher's ``LOCAL_WORLD_SIZE``; unknown, every rank counts as one node). Exact calls
+that gloo or NCCL run themselves are not split (their schedule is theirs).
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ class Counters:
     residual_sq: float = 0.0
     input_sq: float = 0.0
     model_exact: int = 0
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
 
 
-_SUMMED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "codec_s", "wire_s")
+_SUMMED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "codec_s", "wire_s",
+           "intra_node_bytes", "inter_node_bytes")
 """The `Counters` fields that ``total`` sums."""
 
 

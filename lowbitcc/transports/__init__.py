@@ -41,6 +41,12 @@ def open_nccl_links(group: object, stats: Stats) -> Links:
     return Links.of(MeteredTransport(NcclTransport(group), stats))
 
 
+def _sub_same_node(name: str, key: int, size: int) -> list[bool]:
+    """`MeteredTransport`'s ``same_node`` of a `Links` sub-transport where this rank is ``key``
+    of ``size``: a node link's ranks share its node, a rail link's are one per node."""
+    return [True] * size if name == "node" else [i == key for i in range(size)]
+
+
 def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ranks: Sequence[int],
                rank: int, timeout: datetime.timedelta, node_size: int, stats: Stats) -> Links:
     """The `Links` for CPU tensors of a group whose rank ``i`` is global rank ``global_ranks[i]``.
@@ -51,14 +57,17 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
     "mpi".
     """
     kind = cpu_kind(kind)
-    layout = topology.layout(global_ranks, rank, topology.node_size_from(node_size))
+    node_size = topology.node_size_from(node_size)
+    layout = topology.layout(global_ranks, rank, node_size)
+    same_node = topology.same_node(global_ranks, rank, node_size)
     if kind == "gloo":
         def gloo_group(name: str, color: int, key: int, size: int) -> Transport:
             prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", store)
             return MeteredTransport(
-                GlooTransport(dist.ProcessGroupGloo(prefixed, key, size, timeout)), stats)
+                GlooTransport(dist.ProcessGroupGloo(prefixed, key, size, timeout)), stats,
+                same_node=_sub_same_node(name, key, size))
 
-        return Links(MeteredTransport(world, stats), layout, gloo_group)
+        return Links(MeteredTransport(world, stats, same_node=same_node), layout, gloo_group)
     if kind == "mpi":
         from lowbitcc.transports import mpi
 
@@ -66,9 +75,11 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
         timeout_s = timeout.total_seconds()
 
         def mpi_split(name: str, color: int, key: int, size: int) -> Transport:
-            return MeteredTransport(mpi.MpiTransport(comm.Split(color, key), timeout_s), stats)
+            return MeteredTransport(mpi.MpiTransport(comm.Split(color, key), timeout_s), stats,
+                                    same_node=_sub_same_node(name, key, size))
 
-        return Links(MeteredTransport(mpi.MpiTransport(comm, timeout_s), stats), layout, mpi_split)
+        return Links(MeteredTransport(mpi.MpiTransport(comm, timeout_s), stats,
+                                      same_node=same_node), layout, mpi_split)
     raise ValueError(f"lowbitcc: LOCO_TRANSPORT={kind} is not one of {', '.join(NAMES)}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -23,14 +24,25 @@ class _MeteredPending:
 
 class MeteredTransport:
     """Wraps a `Transport`, adding the bytes this rank sends and the time spent to `stats`
-    (for background transfers, the time spent starting them and waiting for them)."""
+    (for background transfers, the time spent starting them and waiting for them).
 
-    def __init__(self, inner: Transport, stats: Stats, category: str = "compressed") -> None:
+    ``same_node[i]``: whether the transport's rank ``i`` is on this rank's node
+    (`topology.same_node`; None: every rank is): the bytes sent to it count as
+    ``intra_node_bytes``, else as ``inter_node_bytes`` (`counters`)."""
+
+    def __init__(self, inner: Transport, stats: Stats, category: str = "compressed",
+                 same_node: Sequence[bool] | None = None) -> None:
         self.inner = inner
         self.rank = inner.rank
         self.size = inner.size
         self.stats = stats
         self.category = category
+        if same_node is not None and len(same_node) != inner.size:
+            raise ValueError(f"lowbitcc: same_node names {len(same_node)} ranks for a "
+                             f"transport of {inner.size}")
+        self._same_node = list(same_node) if same_node is not None else [True] * inner.size
+        inside = sum(self._same_node) - int(self._same_node[self.rank])
+        self._peers = (inside, inner.size - 1 - inside)  # (on this node, on others)
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         return self._metered(self.inner.all_to_all, send, send.shape[1])
@@ -39,28 +51,36 @@ class MeteredTransport:
         return self._metered(self.inner.all_gather, send, send.numel())
 
     def all_to_all_async(self, send: torch.Tensor) -> Pending:
-        return self._started(self.inner.all_to_all_async, (send,), (self.size - 1) * send.shape[1])
+        return self._started(self.inner.all_to_all_async, (send,), self._to_peers(send.shape[1]))
 
     def all_gather_async(self, send: torch.Tensor) -> Pending:
-        return self._started(self.inner.all_gather_async, (send,), (self.size - 1) * send.numel())
+        return self._started(self.inner.all_gather_async, (send,), self._to_peers(send.numel()))
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
-        return self._started(self.inner.send_async, (send, peer, tag), send.numel())
+        n = send.numel()
+        return self._started(self.inner.send_async, (send, peer, tag),
+                             (n, 0) if self._same_node[peer] else (0, n))
 
     def recv_async(self, nbytes: int, peer: int, tag: int) -> Pending:
-        return self._started(self.inner.recv_async, (nbytes, peer, tag), 0)
+        return self._started(self.inner.recv_async, (nbytes, peer, tag), (0, 0))
 
-    def _started(self, fn, args: tuple, sent: int) -> Pending:
+    def _to_peers(self, row_bytes: int) -> tuple[int, int]:
+        """The bytes of one row sent to every other rank: (inside the node, across nodes)."""
+        return self._peers[0] * row_bytes, self._peers[1] * row_bytes
+
+    def _started(self, fn, args: tuple, sent: tuple[int, int]) -> Pending:
         start = time.perf_counter()
         pending = fn(*args)
-        self.stats.add(self.category, wire_s=time.perf_counter() - start, wire_bytes=sent)
+        self.stats.add(self.category, wire_s=time.perf_counter() - start,
+                       wire_bytes=sent[0] + sent[1], intra_node_bytes=sent[0],
+                       inter_node_bytes=sent[1])
         return _MeteredPending(pending, self.stats, self.category)
 
     def _metered(self, fn, send: torch.Tensor, row_bytes: int) -> torch.Tensor:
         start = time.perf_counter()
         out = fn(send)
-        self.stats.add(
-            self.category, wire_s=time.perf_counter() - start,
-            wire_bytes=(self.size - 1) * row_bytes,
-        )
+        inside, across = self._to_peers(row_bytes)
+        self.stats.add(self.category, wire_s=time.perf_counter() - start,
+                       wire_bytes=inside + across, intra_node_bytes=inside,
+                       inter_node_bytes=across)
         return out

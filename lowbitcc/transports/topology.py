@@ -41,6 +41,16 @@ def node_size_from(config_value: int, environ: Mapping[str, str] | None = None) 
         return 0
 
 
+def same_node(global_ranks: Sequence[int], group_rank: int, node_size: int) -> list[bool]:
+    """For each rank of a group whose rank ``i`` is global rank ``global_ranks[i]``: whether it
+    is on group rank ``group_rank``'s node (nodes of ``node_size`` consecutive global ranks; 0:
+    unknown, every rank on one node)."""
+    if node_size <= 0:
+        return [True] * len(global_ranks)
+    mine = global_ranks[group_rank] // node_size
+    return [g // node_size == mine for g in global_ranks]
+
+
 def layout(global_ranks: Sequence[int], group_rank: int, node_size: int) -> NodeLayout:
     """The layout of a group whose rank ``i`` is global rank ``global_ranks[i]``."""
     size = len(global_ranks)

@@ -165,6 +165,9 @@ def test_node_layout():
     assert topology.node_size_from(0, {"LOCAL_WORLD_SIZE": "8"}) == 8
     assert topology.node_size_from(2, {"LOCAL_WORLD_SIZE": "8"}) == 2
     assert topology.node_size_from(0, {}) == 0
+    assert topology.same_node([2, 3, 6, 7], 1, 2) == [True, True, False, False]
+    assert topology.same_node([2, 3, 6, 7], 2, 4) == [False, False, True, True]
+    assert topology.same_node(range(3), 0, 0) == [True] * 3
 
 
 def _irregular(rank, world, gloo):

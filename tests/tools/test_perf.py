@@ -65,6 +65,14 @@ def test_table_columns_factors_and_errors(collective, world, tmp_path):
     assert len(result["rows"]) == len(rows)
     for row in result["rows"]:
         assert (row["host_us"] is None) == (not row["backend"].startswith("loco")), row
+        if row["backend"].startswith("loco") and row["ratio"] < 1:  # compressed: split by link
+            # no node layout (LOCO_NODE_SIZE, LOCAL_WORLD_SIZE): every rank is on one node
+            assert row["intra_node_bytes"] == row["wire_bytes"] > 0, row
+            assert row["inter_node_bytes"] == 0, row
+        elif not row["backend"].startswith("loco"):  # gloo's own calls are not split
+            assert row["intra_node_bytes"] is None and row["inter_node_bytes"] is None, row
+    for r in rows:
+        assert math.isnan(r["across"]) or r["across"] == 0, r
     assert set(result["avg_busbw"]) == {"loco4", "loco8", "gloo", "gloo-bf16"}
 
 

@@ -11,6 +11,9 @@ key for the checked call, so the error column is that of one call, not of a chai
 ``host_us`` (loco rows; the ``host`` column, in-place) is the calling thread's time per timed
 call that is neither codec nor wire (`lowbitcc.stats`' ``codec_s`` and ``wire_s``, averaged
 over ranks as the time is): issuing, agreement, bookkeeping and waits for the worker.
+``across`` (``inter_node_bytes`` in JSON, beside ``intra_node_bytes``) is what the checked call
+of this rank sent to ranks of other nodes (``LOCO_NODE_SIZE`` or ``LOCAL_WORLD_SIZE``), where
+the backend splits its bytes by link (`lowbitcc.counters`).
 
 algbw = size / time and busbw = algbw * factor (nccl-tests' definitions, on logical bytes);
 ``ratio`` is wire bytes over the bytes the same call would send with fp32 (or the given
@@ -144,7 +147,8 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: to
         norm = expected.double().norm()
         error = float(diff / norm) if norm > 0 else float(diff)
         error = _across_ranks(error, 3)
-    return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire,
+    return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire.total,
+            "intra_node_bytes": wire.intra_node, "inter_node_bytes": wire.inter_node,
             "host_us": None if host is None else host * 1e6}
 
 
@@ -232,7 +236,9 @@ def _row(coll: Collective, backend: backends_mod.Backend, nbytes: int, count: in
     row: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype_name(opts.dtype),
                            "redop": opts.op if coll.reduces else "none", "root": -1,
                            "backend": backend.name, "wire_bytes": int(wire),
-                           "ratio": wire / logical if logical else 1.0}
+                           "ratio": wire / logical if logical else 1.0,
+                           "intra_node_bytes": results["in_place"]["intra_node_bytes"],
+                           "inter_node_bytes": results["in_place"]["inter_node_bytes"]}
     for place, r in results.items():
         algbw = nbytes / (r["time_us"] * 1e-6) / 1e9
         row[place] = {"time_us": r["time_us"], "algbw": algbw, "busbw": algbw * factor,
@@ -274,15 +280,17 @@ _COLS = [("size", 12, "(B)"), ("count", 12, "(elements)"), ("type", 9, ""), ("re
          ("root", 5, ""), ("backend", 10, "")]
 _PLACE_COLS = [("time", 10, "(us)"), ("algbw", 7, "(GB/s)"), ("busbw", 7, "(GB/s)"),
                ("error", 9, "")]
-_TAIL_COLS = [("wire", 12, "(B)"), ("ratio", 6, ""), ("host", 8, "(us)")]
+_TAIL_COLS = [("wire", 12, "(B)"), ("ratio", 6, ""), ("host", 8, "(us)"), ("across", 12, "(B)")]
 
 
 class TablePrinter:
     """Prints nccl-tests' table: '#'-prefixed header and footer, one line per size and backend.
 
     ``error`` replaces nccl-tests' ``#wrong``: the relative L2 error against the exact result
-    (``0`` when bitwise exact, ``N/A`` with ``-c 0``); ``wire``/``ratio``/``host`` are
-    appended (``host``: ``N/A`` for backends that do not count their codec and wire time).
+    (``0`` when bitwise exact, ``N/A`` with ``-c 0``); ``wire``/``ratio``/``host``/``across``
+    are appended (``host``: ``N/A`` for backends that do not count their codec and wire time;
+    ``across``: the bytes this rank sent to other nodes, ``N/A`` where the backend does not
+    split its bytes by link, as for gloo's own calls).
     """
 
     def __init__(self, opts: PerfOptions, nranks: int) -> None:
@@ -319,8 +327,10 @@ class TablePrinter:
             cells += [f"{r['time_us']:>10.1f}", f"{r['algbw']:>7.3f}", f"{r['busbw']:>7.3f}",
                       f"{_error_text(r['error']):>9}"]
         host = row["host_us"]
+        across = row["inter_node_bytes"]
         cells += [f"{row['wire_bytes']:>12d}", f"{row['ratio']:>6.3f}",
-                  f"{'N/A' if host is None else format(host, '.1f'):>8}"]
+                  f"{'N/A' if host is None else format(host, '.1f'):>8}",
+                  f"{'N/A' if across is None else across:>12}"]
         bar.write(" ".join(cells))
 
     def footer(self, result: dict[str, Any]) -> None:

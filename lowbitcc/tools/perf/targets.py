@@ -25,6 +25,7 @@ the wire dtype for every exact call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,17 @@ import lowbitcc
 from lowbitcc.config import SCHEDULES, LocoConfig
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclasses.dataclass(frozen=True)
+class WireBytes:
+    """The bytes one call of this rank sent, as its backend counts them: ``total``, and
+    ``intra_node``/``inter_node`` to ranks of its node and of other nodes (`lowbitcc.counters`);
+    None where the backend does not count them."""
+
+    total: int | None = None
+    intra_node: int | None = None
+    inter_node: int | None = None
 
 
 class Backend:
@@ -79,10 +91,10 @@ class Backend:
         if op == "avg":  # gloo has no AVG; c10d users divide, as DDP does
             out.div_(dist.get_world_size(self.group))
 
-    def measured_wire_bytes(self, run: Callable[[], None]) -> int | None:
-        """Run one call; return the bytes this rank sent if the backend counts them, else None."""
+    def measured_wire_bytes(self, run: Callable[[], None]) -> WireBytes:
+        """Run one call; return the bytes this rank sent, where the backend counts them."""
         run()
-        return None
+        return WireBytes()
 
 
 class LocoBackend(Backend):
@@ -114,16 +126,21 @@ class LocoBackend(Backend):
         s = lowbitcc.stats()["compressed"]
         return s["codec_s"] + s["wire_s"]
 
-    def measured_wire_bytes(self, run: Callable[[], None]) -> int | None:
+    def measured_wire_bytes(self, run: Callable[[], None]) -> WireBytes:
         """The bytes the call counted (`lowbitcc.stats`' ``total``: compressed calls their own,
-        exact reductions their ring volume); None where it counted none (an exact data
-        movement), so the harness uses the ring volume as for gloo."""
+        exact reductions their ring volume); ``total`` None where it counted none (an exact
+        data movement), so the harness uses the ring volume as for gloo; the split by link
+        class None where the call split none (an exact call that gloo runs)."""
         before = lowbitcc.stats()["total"]
         run()
         after = lowbitcc.stats()["total"]
-        if after["wire_bytes"] == before["wire_bytes"]:
-            return None
-        return int(after["wire_bytes"] - before["wire_bytes"])
+        sent = {k: int(after[k] - before[k])
+                for k in ("wire_bytes", "intra_node_bytes", "inter_node_bytes")}
+        if not sent["wire_bytes"]:
+            return WireBytes()
+        if not sent["intra_node_bytes"] + sent["inter_node_bytes"]:
+            return WireBytes(sent["wire_bytes"])
+        return WireBytes(sent["wire_bytes"], sent["intra_node_bytes"], sent["inter_node_bytes"])
 
 
 @contextlib.contextmanager
