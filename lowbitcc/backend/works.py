@@ -153,7 +153,7 @@ class LocoWork(dist.Work):
         return self._future.done()
 
     def is_success(self) -> bool:
-        return self._future.done() and self.exception() is None
+        return self.is_completed() and self.exception() is None
 
     def exception(self) -> BaseException | None:
         if not self._future.done():
@@ -209,9 +209,6 @@ class FollowedWork(LocoWork):
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
-
-    def is_success(self) -> bool:
-        return self._work.is_completed() and self.exception() is None
 
     def exception(self) -> BaseException | None:
         if not self._work.is_completed():

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc.backend import call_schedule
-from lowbitcc.backend.call_agreement import CallAgreement, CollectiveMismatchError
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from tests.support.exchanges import counting_exchanges
 from tests.support.ranks import run_ranks
 
 SIZES = [65536, 3 * 65536 + 5, 100_000]
@@ -24,19 +25,6 @@ def _backward_pass(issue) -> None:
     w = torch.zeros(1, requires_grad=True)
     w.register_hook(lambda grad: issue())
     w.sum().backward()
-
-
-def _counting_agreements() -> list[int]:
-    """Count this process's descriptor agreements from now on (one entry per agreement)."""
-    seen: list[int] = []
-    exchange = CallAgreement.exchange
-
-    def counted(self, call, own=None):
-        seen.append(call.numel)
-        return exchange(self, call, own)
-
-    CallAgreement.exchange = counted
-    return seen
 
 
 def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu"):
@@ -52,7 +40,7 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu"):
         call_schedule.REAGREE_EVERY = reagree_every
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
         cost_model=False, issuer=issuer, call_schedule=True))
-    seen = _counting_agreements()
+    seen = counting_exchanges()
     gen = torch.Generator().manual_seed(rank)
     results, agreements, errors = [], [], {}
     p = 0

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from lowbitcc.backend.call_agreement import CallAgreement, CollectiveMismatchError
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.deviation import PROBE
+from tests.support.exchanges import counting_exchanges
 from tests.support.ranks import run_ranks
 
 ISSUERS = ["auto", "inline"]
@@ -22,19 +23,6 @@ F32, SUM = torch.float32, dist.ReduceOp.SUM
 STEADY = [(100_000, F32, SUM), (3000, F32, SUM), (1000, F32, dist.ReduceOp.AVG), (10, F32, SUM)]
 """A step's calls: (elements, dtype, op); 10 floats travel in the descriptor frame through the
 worker while the place agrees."""
-
-
-def counting_exchanges() -> list[int]:
-    """Count this process's descriptor exchanges from now on (one entry per exchange)."""
-    seen: list[int] = []
-    exchange = CallAgreement.exchange
-
-    def counted(self, call, own=None):
-        seen.append(call.numel)
-        return exchange(self, call, own)
-
-    CallAgreement.exchange = counted
-    return seen
 
 
 def _steps(rank, world, gloo, issuer, plan, compressed=False, uneven=(), device="cpu"):
