@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lowbitcc.tools.perf.collectives import COLLECTIVES
-from lowbitcc.tools.perf.harness import parse_table
+from lowbitcc.tools.perf.harness import _finite_calls, parse_table
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}
@@ -119,3 +120,19 @@ def test_several_schedules_run_side_by_side():
     rows = {r["backend"]: r for r in parse_table(done.stdout)}
     assert set(rows) == {"loco4-ring", "loco4-tree"}
     assert all(0 < r["oop_error"] < 0.3 for r in rows.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_in_place_sums_are_restored_before_they_overflow(dtype, world):
+    """The timed loop's in-place sums: the input (|x| <= 8) summed over ``world`` ranks that
+    many calls in a row stays finite (a few more would not); calls that do not grow their
+    buffer are never restored."""
+    calls = _finite_calls(COLLECTIVES["all_reduce"], dtype, world, "sum")
+    x = torch.full((1,), 8.0, dtype=dtype)
+    for _ in range(calls):
+        x = x * world
+    assert calls >= 1 and bool(torch.isfinite(x).all())
+    assert bool(torch.isinf(x * world ** 5).all())  # and not needlessly often
+    assert _finite_calls(COLLECTIVES["all_reduce"], dtype, world, "avg") == 0
+    assert _finite_calls(COLLECTIVES["all_gather"], dtype, world, "sum") == 0

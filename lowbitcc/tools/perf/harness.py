@@ -8,6 +8,9 @@ call is one training step (`Backend.end_step`; for loco `lowbitcc.end_step`, so 
 calls repeat as training's do) and runs under its own context: loco's calls use one
 error-feedback key per (size, placement), the same at every step as training's, and a fresh
 key for the checked call, so the error column is that of one call, not of a chain of calls.
+In-place sums grow the buffer up to ``n``-fold per call; the timed loop restores the input
+(outside the calling-thread time) before it could overflow (`_finite_calls`), since a
+compressed call that meets Inf drops its error state and is not the call being measured.
 ``host_us`` (loco rows; the ``host`` column, in-place) is the calling thread's time per timed
 call that is neither codec nor wire (`lowbitcc.stats`' ``codec_s`` and ``wire_s``, averaged
 over ranks as the time is): issuing, agreement, bookkeeping and waits for the worker.
@@ -23,6 +26,7 @@ dtype) on a ring.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import socket
@@ -115,8 +119,14 @@ def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: to
     def launch() -> None:
         coll.launch(backend, bufs.out, bufs.inp, opts.op)
 
+    finite_for = _finite_calls(coll, data.dtype, n, opts.op) if in_place else 0
+    calls = itertools.count()
+
     def call() -> float:
-        """One training step's call: its calling-thread seconds."""
+        """One training step's call: its calling-thread seconds (the input restored first where
+        its in-place sums would soon overflow, outside those seconds)."""
+        if finite_for and next(calls) % finite_for == finite_for - 1:
+            bufs.inp.copy_(data)
         with backend.context(f"{coll.name}|{count}|{place}"):
             begun = time.perf_counter()
             launch()
@@ -157,6 +167,17 @@ def device_of(opts: PerfOptions) -> torch.device:
     if opts.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _finite_calls(coll: Collective, dtype: torch.dtype, n: int, op: str) -> int:
+    """In-place calls of ``coll`` in a row that keep `fill`'s data (|x| <= 8) finite in
+    ``dtype`` (0: any number): a sum of ``n`` ranks grows it up to ``n``-fold per call, and a
+    compressed call that meets Inf takes another path (its error state dropped), so the timed
+    loop restores the input that often."""
+    if op != "sum" or n < 2 or not coll.reduces:
+        return 0
+    headroom = torch.finfo(dtype).max / (8 * 16)
+    return max(1, int(math.log(headroom) / math.log(n)))
 
 
 def _synchronize(device: torch.device) -> None:
