@@ -123,7 +123,7 @@ class CallCompressor:
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream,
         )
-        self._flag(result.nonfinite_rows.any())
+        self._flag(result.any_nonfinite)
         self._sums = result.sums if self._sums is None else self._sums + result.sums
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
@@ -156,12 +156,11 @@ class CallCompressor:
 
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given (``messages``
-        may be a strided view: made contiguous here, as part of the decode)."""
+        """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given (``messages``:
+        rows contiguous, at any distance, e.g. a column of gathered messages)."""
         start = time.perf_counter()
         try:
-            total, nonfinite = self.codec.decode_sum(messages.contiguous(), m, shard, out,
-                                                     self._foreign)
+            total, nonfinite = self.codec.decode_sum(messages, m, shard, out, self._foreign)
         except wire.WireFormatError as exc:
             total = out if out is not None else torch.empty(m, device=messages.device)
             nonfinite = self._deferred(exc, total)

@@ -3,6 +3,8 @@
 - `ERROR_MODES`: error-state storage name (None: feedback off) -> ``loco::ErrorMode`` value.
 - `FORMAT_CODES`: code format name -> ``loco::Format`` value (the names are
   `wire.FORMATS`, checked here).
+- the shard header's layout (``kFlagsOffset``, ``kShardOffset``, ...) equals `wire`'s, checked
+  at import;
 - `encode_args_dtype()`: a NumPy structured dtype with the byte layout of ``loco::EncodeArgs``
   (host ABI, x86-64 and aarch64 alike, which CUDA's device ABI matches for such structs), so the
   CUDA launcher passes one struct by value, as CuPy does for structured scalars
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lowbitcc.codec import wire
 from lowbitcc.codec.wire import FORMATS
 
 CSRC = Path(__file__).parent / "csrc"
@@ -61,6 +64,21 @@ FORMAT_CODES = format_codes()
 if tuple(FORMAT_CODES) != FORMATS:
     raise RuntimeError(f"lowbitcc: {HEADER} defines formats {tuple(FORMAT_CODES)}, "
                        f"wire.py {FORMATS}")
+
+
+def _constant(name: str) -> int:
+    match = re.search(rf"constexpr \w+ {name} = (\d+);", HEADER.read_text())
+    if match is None:
+        raise RuntimeError(f"lowbitcc: {HEADER} defines no constant {name}")
+    return int(match.group(1))
+
+
+_HEADER_FIELDS = {"kHeaderBytes": wire.HEADER_BYTES, "kFlagsOffset": wire.FLAGS_OFFSET,
+                  "kShardOffset": wire.SHARD_OFFSET, "kFlagNonfinite": wire.FLAG_NONFINITE}
+"""The shard header's layout as the kernels frame and verify messages, and wire.py's own."""
+if any(_constant(name) != value for name, value in _HEADER_FIELDS.items()):
+    raise RuntimeError(f"lowbitcc: {HEADER}'s shard header constants differ from wire.py's "
+                       f"{_HEADER_FIELDS}")
 
 
 @functools.cache

@@ -33,7 +33,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module (``encode``, ``decode_sum``, ``decode_into``, ``checksum``,
-    ``vector_path``, ``encode_args_layout``), or None when it cannot be built."""
+    ``frame``, ``verify``, ``vector_path``, ``encode_args_layout``), or None when it cannot be built."""
     try:
         from torch.utils import cpp_extension
 
@@ -93,6 +93,16 @@ class CpuKernels:
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         return load().checksum(messages, reference.as_int64(wire.CHECKSUM_STEP),
                                torch.get_num_threads())
+
+    def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> bool:
+        return load().frame(messages, header, shards, nonfinite, used, flags, checksum,
+                            reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
+
+    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
+               checksum: bool) -> int:
+        return load().verify(messages, header, shards, checksum,
+                             reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
 
 
 KERNELS = CpuKernels()

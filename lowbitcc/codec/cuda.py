@@ -21,7 +21,8 @@ import torch
 
 from lowbitcc.codec import formats, reference, wire
 from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
-from lowbitcc.codec.interface import EncodeArgs
+from lowbitcc.codec.framing import frame_with_torch, verify_with_torch
+from lowbitcc.codec.interface import EncodeArgs, Flag
 
 SOURCE = CSRC / "cuda_codec.cu"
 OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
@@ -229,6 +230,7 @@ class CudaKernels:
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor) -> None:
+        messages = messages.contiguous()  # the kernels read rows P bytes apart
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
                 (_p(messages), np.int64(messages.shape[0]), np.int64(messages.shape[1]),
                  np.int64(m), np.int32(group_size), _p(out)))
@@ -236,6 +238,7 @@ class CudaKernels:
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor) -> None:
         n = out.numel()
+        messages = messages.contiguous()
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
                 (_p(messages), np.int64(messages.shape[1]), np.int64(m), np.int32(group_size),
@@ -258,6 +261,14 @@ class CudaKernels:
         _launch(CHECKSUM_FOLD, messages.device, -(-rows // THREADS),
                 (_p(sums), np.int64(rows), _p(out)))
         return out
+
+    def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
+        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum)
+
+    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
+               checksum: bool) -> int:
+        return verify_with_torch(self, messages, header, shards, checksum)
 
 
 KERNELS = CudaKernels()

@@ -13,6 +13,10 @@ from lowbitcc.codec import wire
 from lowbitcc.codec.abi import ERROR_MODES, FORMAT_CODES
 from lowbitcc.codec.error_state import ErrorState
 
+Flag = bool | torch.Tensor
+"""A yes/no answer: a bool on the host, or a 0-dim bool tensor where reading it would
+synchronise with a GPU."""
+
 
 @dataclasses.dataclass
 class EncodeArgs:
@@ -93,7 +97,19 @@ class Kernels(Protocol):
     """One implementation of the codec's arithmetic (see the module docstring).
 
     ``writes_every_byte``: encode writes every payload byte (else the caller zeroes messages).
-    Decoders read messages of ``bits``-bit codes in format ``fmt`` in groups of ``group_size``.
+    ``frame`` completes the messages an encode wrote (uint8 ``[rows, P]``, contiguous; the
+    encode wrote bytes ``wire.HEADER_BYTES`` to ``used``): row ``r``'s header is ``header``
+    (`wire.ShardHeader.pack`, shard 0 and flags 0) with shard ``shards[r]`` and flags ``flags``,
+    plus `wire.FLAG_NONFINITE` where any of the row's bytes of ``nonfinite`` (uint8
+    ``[rows * ng]``, from the encode) is set; bytes ``used`` to ``P - 8`` become zeros and the
+    last 8 the checksum (zeros without ``checksum``); it returns whether any row is non-finite
+    (a bool, or a 0-dim bool tensor on the device). ``verify`` says whether received messages
+    (sizes already checked) belong to the call whose header is ``header``, row ``r`` to shard
+    ``shards[r]``: -1 where a header differs outside its flags, carries a flag other than
+    `wire.FLAG_NONFINITE` or (``checksum``) fails its checksum; else 1 if any row is flagged
+    non-finite, 0 if none (a host synchronisation on a GPU).
+    Decoders read messages of ``bits``-bit codes in format ``fmt`` in groups of ``group_size``;
+    each row contiguous, rows at any distance (a column of gathered messages).
     ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
     ``uint8 [k, P]``; ``decode_into`` writes row ``r`` of the messages, cast to ``out``'s dtype,
     to ``out[r*m ...]`` (``out`` flat, at most ``k * m`` elements). Sizes are already validated.
@@ -113,3 +129,9 @@ class Kernels(Protocol):
                     out: torch.Tensor) -> None: ...
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor: ...
+
+    def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag: ...
+
+    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
+               checksum: bool) -> int: ...

@@ -19,7 +19,8 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.interface import EncodeArgs, Kernels
+from lowbitcc.codec.framing import frame_with_torch, verify_with_torch
+from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
 
 CHOICES = ("auto", "reference", "cpu")
 """Values of ``LocoConfig.codec``: the kernels for CPU tensors ("auto": C++ if it builds)."""
@@ -76,6 +77,14 @@ class ReferenceKernels:
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         return reference.checksum(messages)
+
+    def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
+        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum)
+
+    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
+               checksum: bool) -> int:
+        return verify_with_torch(self, messages, header, shards, checksum)
 
 
 def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int,

@@ -28,12 +28,11 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.interface import EncodeArgs, Kernels
+from lowbitcc.codec.framing import header_rows
+from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
 from lowbitcc.codec.kernels import REFERENCE
 
-Flag = bool | torch.Tensor
-"""A yes/no answer: a bool on the host, or a 0-dim bool tensor where reading it would
-synchronise with a GPU."""
+__all__ = ["EncodeResult", "Flag", "ShardCodec"]
 
 
 @dataclasses.dataclass
@@ -41,19 +40,21 @@ class EncodeResult:
     """What one `ShardCodec.encode` produced.
 
     ``messages`` is ``uint8 [rows, P]``; ``error`` the new error state (None when feedback is
-    off); ``nonfinite_rows`` bool ``[rows]`` and ``sums`` float64 ``[2]`` (the squared L2 norms
-    of the quantization residual and of the compensated input over finite groups, for
-    statistics) stay on the source's device. The properties read them on the host.
+    off); ``any_nonfinite`` whether a row is flagged non-finite (a 0-dim bool tensor on a GPU)
+    and ``sums`` float64 ``[2]`` (the squared L2 norms of the quantization residual and of the
+    compensated input over finite groups, for statistics) stay on the source's device. The
+    properties read them on the host.
     """
 
     messages: torch.Tensor
     error: ErrorState | None
-    nonfinite_rows: torch.Tensor
+    any_nonfinite: Flag
     sums: torch.Tensor
 
     @property
     def nonfinite(self) -> list[bool]:
-        return self.nonfinite_rows.tolist()
+        """Each row's non-finite flag, as its header carries it."""
+        return ((self.messages[:, wire.FLAGS_OFFSET] & wire.FLAG_NONFINITE) != 0).tolist()
 
     @property
     def residual_sq(self) -> float:
@@ -152,7 +153,6 @@ class ShardCodec:
                              f"{out.device}")
         else:
             messages = out if self.kernels.writes_every_byte else out.zero_()
-        messages[:, wire.used_bytes(m, self.bits, self.group_size, self.fmt):] = 0  # the row's padding
         state = error
         if error is not None and device.type == "cuda":
             # the kernel reads and updates it on this stream; it may come from another's call
@@ -169,29 +169,24 @@ class ShardCodec:
             threads=torch.get_num_threads(), fmt=self.fmt,
         )
         self.kernels.encode(args)
-        nonfinite = (args.nonfinite.view(rows, ng) != 0).any(dim=1)
-        messages[:, :wire.HEADER_BYTES] = self.headers(m, shard_ids, device)
-        messages[:, wire.FLAGS_OFFSET] = nonfinite.to(torch.uint8) * wire.FLAG_NONFINITE
-        if self.checksum:
-            messages[:, -wire.TRAILER_BYTES:] = self.kernels.checksum(messages).view(
-                torch.uint8).view(rows, wire.TRAILER_BYTES)
+        nonfinite = self.kernels.frame(
+            messages, self.header(m), shard_ids, args.nonfinite,
+            wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum)
         return EncodeResult(messages, state, nonfinite, args.sums)
+
+    def header(self, m: int) -> bytes:
+        """The header of this call's messages of ``m`` elements, with shard 0 and flags 0 (the
+        kernels write each row's own: `interface.Kernels.frame`)."""
+        return wire.ShardHeader(
+            bits=self.bits, dtype_code=self.dtype_code, flags=0, group_size=self.group_size,
+            numel=m, seq=self.seq, shard=0, world=self.world, signature=self.signature,
+            fmt=self.fmt,
+        ).pack()
 
     def headers(self, m: int, shard_ids: list[int], device: torch.device) -> torch.Tensor:
         """``uint8 [len(shard_ids), HEADER_BYTES]`` on ``device``: the headers of this call's
         messages of ``m`` elements with flags 0 (copied without synchronising on CUDA)."""
-        raw = b"".join(
-            wire.ShardHeader(
-                bits=self.bits, dtype_code=self.dtype_code, flags=0, group_size=self.group_size,
-                numel=m, seq=self.seq, shard=shard, world=self.world, signature=self.signature,
-                fmt=self.fmt,
-            ).pack()
-            for shard in shard_ids
-        )
-        host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(shard_ids), -1)
-        if device.type == "cpu":
-            return host
-        return host.pin_memory().to(device, non_blocking=True)
+        return header_rows(self.header(m), shard_ids, device)
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
@@ -205,6 +200,8 @@ class ShardCodec:
         messages checked on the device, ``foreign`` (if given) receives the 0-dim flag of a
         message that does not belong to the call (also in ``nonfinite``)."""
         shards = [shard] * messages.shape[0]
+        if messages.device.type != "cpu":
+            messages = messages.contiguous()  # the CUDA kernels read rows P bytes apart
         nonfinite = self._check_before(messages, m, shards)
         if out is None:
             out = torch.empty(m, dtype=torch.float32, device=messages.device)
@@ -270,10 +267,13 @@ class ShardCodec:
         return messages[:, -wire.TRAILER_BYTES:].contiguous().view(torch.int64).view(-1)
 
     def check_size(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> None:
-        """Raise `wire.WireFormatError` unless ``messages`` is ``uint8 [len(shard_ids), P]``."""
+        """Raise `wire.WireFormatError` unless ``messages`` is ``uint8 [len(shard_ids), P]``
+        with contiguous rows (rows may lie apart: a column of gathered messages)."""
         expected_bytes = self.message_bytes(m)
-        if messages.dtype != torch.uint8 or messages.dim() != 2 or not messages.is_contiguous():
-            raise wire.WireFormatError("messages must be a contiguous 2-D uint8 tensor")
+        if messages.dtype != torch.uint8 or messages.dim() != 2 or not (
+                (messages.shape[1] <= 1 or messages.stride(1) == 1)
+                and (messages.shape[0] <= 1 or messages.stride(0) >= messages.shape[1])):
+            raise wire.WireFormatError("messages must be a 2-D uint8 tensor of contiguous rows")
         if messages.shape[1] != expected_bytes or messages.shape[0] != len(shard_ids):
             raise wire.WireFormatError(
                 f"expected {len(shard_ids)} messages of {expected_bytes} bytes, "
@@ -283,8 +283,12 @@ class ShardCodec:
     def check_on_host(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
         """Validate size, header and checksum of each row against this call; True if any row is
         flagged non-finite. Raises `wire.WireFormatError` naming the first difference (reads the
-        headers on the host: a synchronisation for CUDA messages)."""
+        headers on the host: a synchronisation for CUDA messages). The kernels' `verify` settles
+        messages that belong to the call; the rest are read here, field by field."""
         self.check_size(messages, m, shard_ids)
+        verdict = self.kernels.verify(messages, self.header(m), shard_ids, self.checksum)
+        if verdict >= 0:
+            return bool(verdict)
         nonfinite = False
         raw = messages[:, :wire.HEADER_BYTES].cpu().numpy().tobytes()
         deviated: list[int | None] = [None] * len(shard_ids)
@@ -323,7 +327,7 @@ class ShardCodec:
                 f"message(s) {rows} come from ranks whose call differs from the one the ranks "
                 "agreed on at this point", deviated)
         if self.checksum:
-            computed = self.kernels.checksum(messages)
+            computed = self.kernels.checksum(messages.contiguous())
             if not torch.equal(messages[:, -wire.TRAILER_BYTES:],
                                computed.view(torch.uint8).view(-1, wire.TRAILER_BYTES)):
                 carried = self._trailers(messages)

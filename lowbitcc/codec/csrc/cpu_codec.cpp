@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <omp.h>
 #include <type_traits>
 #include <vector>
@@ -1019,10 +1020,17 @@ inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits,
   else decode_group_bits<2>(msg, ng, gcol, G, v);
 }
 
+// Messages may be rows of a larger buffer (a column of gathered messages): each row
+// contiguous, rows `stride(0)` bytes apart.
+bool rows_contiguous(const torch::Tensor& messages) {
+  return messages.dim() == 2 && messages.scalar_type() == at::kByte &&
+         messages.device().is_cpu() && (messages.size(1) <= 1 || messages.stride(1) == 1) &&
+         (messages.size(0) <= 1 || messages.stride(0) >= messages.size(1));
+}
+
 void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t fmt,
                     int64_t G) {
-  TORCH_CHECK(messages.dim() == 2 && messages.scalar_type() == at::kByte &&
-                  messages.is_contiguous(), "messages must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(rows_contiguous(messages), "messages must be a 2-D uint8 CPU tensor of contiguous rows");
   TORCH_CHECK(fmt == kInt || (fmt == kMx && bits == 4), "unknown code format ", fmt, " for ",
               bits, " bits");
   TORCH_CHECK(G > 0 && G % 8 == 0, "group size must be a positive multiple of 8");
@@ -1036,7 +1044,7 @@ void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int6
 torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
                          int64_t fmt, int64_t threads, torch::Tensor out) {
   check_messages(messages, m, bits, fmt, G);
-  const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
+  const int64_t k = messages.size(0), P = messages.stride(0), ng = (m + G - 1) / G;
   if (out.numel() == 0) out = torch::empty({m}, torch::kFloat);
   TORCH_CHECK(out.numel() == m && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.device().is_cpu(), "decode_sum: out must be a contiguous fp32 CPU tensor of ", m,
@@ -1078,7 +1086,7 @@ torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits,
 template <typename T>
 void decode_into_typed(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t G,
                        int64_t fmt, torch::Tensor& out, int threads) {
-  const int64_t k = messages.size(0), P = messages.size(1), ng = (m + G - 1) / G;
+  const int64_t k = messages.size(0), P = messages.stride(0), ng = (m + G - 1) / G;
   const int64_t numel = out.numel();
   T* o = out.data_ptr<T>();
   const uint8_t* msgs = messages.data_ptr<uint8_t>();
@@ -1154,33 +1162,22 @@ ChecksumSums checksum_words(const uint8_t* w, int64_t first, int64_t last, uint6
   return out;
 }
 
-// The checksum of each row of `messages` (uint8 [rows, P]) over bytes kHeaderBytes .. P - 8, as
-// lowbitcc.codec.wire defines it; `step` is its key step K (the bits of a uint64). Returns int64
-// [rows] holding the checksums' bits.
-torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t threads) {
-  TORCH_CHECK(messages.dim() == 2 && messages.scalar_type() == at::kByte &&
-                  messages.is_contiguous() && messages.device().is_cpu(),
-              "checksum: messages must be a contiguous 2-D uint8 CPU tensor");
-  const int64_t rows = messages.size(0), P = messages.size(1);
-  const int64_t body = P - loco::kHeaderBytes - 8;
-  TORCH_CHECK(body >= 0 && body % 8 == 0, "checksum: message bodies of ", body,
-              " bytes, not whole words");
-  const uint64_t k = (uint64_t)step;
-  const int64_t words = body / 8;
-  // One parallel loop over every row's chunks of kChunk words; small messages stay on the
-  // calling thread, where waking OpenMP's team would cost more than the hashing.
+// The checksum of each of `rows` messages of P bytes, `stride` bytes apart, over bytes
+// kHeaderBytes .. P - 8, as lowbitcc.codec.wire defines it, into out[rows]; `k` is its key
+// step K. One parallel loop over every row's chunks of kChunk words; small messages stay on
+// the calling thread, where waking OpenMP's team would cost more than the hashing.
+void checksum_rows(const uint8_t* msgs, int64_t rows, int64_t P, int64_t stride, uint64_t k,
+                   int threads, uint64_t* out) {
+  const int64_t words = (P - loco::kHeaderBytes - 8) / 8;
   constexpr int64_t kChunk = 1 << 15;
   const int64_t chunks = std::max<int64_t>(1, (words + kChunk - 1) / kChunk);
   std::vector<ChecksumSums> partial(rows * chunks);
-  const uint8_t* msgs = messages.data_ptr<uint8_t>();
-#pragma omp parallel for num_threads((int)threads) schedule(static) if (rows * words > 4 * kChunk)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * words > 4 * kChunk)
   for (int64_t job = 0; job < rows * chunks; ++job) {
     const int64_t r = job / chunks, first = (job % chunks) * kChunk;
-    partial[job] = checksum_words(msgs + r * P + loco::kHeaderBytes, first,
+    partial[job] = checksum_words(msgs + r * stride + loco::kHeaderBytes, first,
                                   std::min(words, first + kChunk), k);
   }
-  torch::Tensor out = torch::empty({rows}, torch::kLong);
-  int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     ChecksumSums sum;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -1188,9 +1185,102 @@ torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t thre
       sum.s += partial[r * chunks + c].s;
     }
     const uint32_t folded = (uint32_t)sum.n ^ (uint32_t)(sum.n >> 32);
-    o[r] = (int64_t)((uint64_t)sum.s | (uint64_t)folded << 32);
+    out[r] = (uint64_t)sum.s | (uint64_t)folded << 32;
   }
+}
+
+void check_body(const torch::Tensor& messages, const char* what) {
+  TORCH_CHECK(rows_contiguous(messages), what,
+              ": messages must be a 2-D uint8 CPU tensor of contiguous rows");
+  const int64_t body = messages.size(1) - loco::kHeaderBytes - 8;
+  TORCH_CHECK(body >= 0 && body % 8 == 0, what, ": message bodies of ", body,
+              " bytes, not whole words");
+}
+
+// The checksum of each row of `messages` (uint8 [rows, P], rows contiguous), as int64 [rows]
+// holding the checksums' bits; `step` is the key step K (the bits of a uint64).
+torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t threads) {
+  check_body(messages, "checksum");
+  torch::Tensor out = torch::empty({messages.size(0)}, torch::kLong);
+  checksum_rows(messages.data_ptr<uint8_t>(), messages.size(0), messages.size(1),
+                messages.stride(0), (uint64_t)step, (int)threads,
+                reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>()));
   return out;
+}
+
+// The header of row r: `header` (kHeaderBytes, flags 0) with shard `shard` and flags `flags`.
+void write_header(uint8_t* row, const std::string& header, int64_t shard, uint32_t flags) {
+  std::memcpy(row, header.data(), loco::kHeaderBytes);
+  row[loco::kFlagsOffset] = (uint8_t)flags;
+  const uint16_t s = (uint16_t)shard;
+  std::memcpy(row + loco::kShardOffset, &s, sizeof(s));
+}
+
+// Completes the messages an encode wrote (uint8 [rows, P], contiguous; the kernel wrote bytes
+// kHeaderBytes .. used): row r's header is `header` with shard shards[r] and flags `flags`,
+// plus kFlagNonfinite where any of its ng groups' `nonfinite` bytes is set; bytes used .. P - 8
+// become zeros, and the last 8 the checksum (zeros without `with_checksum`). Returns whether
+// any row is flagged non-finite.
+bool frame(torch::Tensor messages, const std::string& header, const std::vector<int64_t>& shards,
+           const torch::Tensor& nonfinite, int64_t used, int64_t flags, bool with_checksum,
+           int64_t step, int64_t threads) {
+  check_body(messages, "frame");
+  const int64_t rows = messages.size(0), P = messages.size(1);
+  TORCH_CHECK(messages.is_contiguous() && (int64_t)header.size() == loco::kHeaderBytes &&
+                  (int64_t)shards.size() == rows && used >= loco::kHeaderBytes &&
+                  used <= P - 8 && nonfinite.is_contiguous() &&
+                  nonfinite.scalar_type() == at::kByte && nonfinite.numel() % std::max<int64_t>(rows, 1) == 0,
+              "frame: inconsistent arguments");
+  const int64_t ng = rows ? nonfinite.numel() / rows : 0;
+  uint8_t* msgs = messages.data_ptr<uint8_t>();
+  const uint8_t* bad = nonfinite.data_ptr<uint8_t>();
+  bool any = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* row = msgs + r * P;
+    bool row_bad = false;
+    for (int64_t g = 0; g < ng; ++g) row_bad |= bad[r * ng + g] != 0;
+    any |= row_bad;
+    write_header(row, header, shards[r], (uint32_t)flags | (row_bad ? loco::kFlagNonfinite : 0u));
+    std::memset(row + used, 0, P - used);
+  }
+  if (with_checksum && rows) {
+    std::vector<uint64_t> sums(rows);
+    checksum_rows(msgs, rows, P, P, (uint64_t)step, (int)threads, sums.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(msgs + r * P + P - 8, &sums[r], 8);
+  }
+  return any;
+}
+
+// Whether received messages (uint8 [rows, P], rows contiguous, sizes already checked) belong
+// to the call whose header is `header`, row r to shard shards[r]: -1 where a row's header
+// differs from it outside the flags, carries a flag other than kFlagNonfinite, or (with
+// `with_checksum`) fails its checksum (the caller then finds out which, and why); else 1 if a
+// row is flagged non-finite, 0 if none.
+int64_t verify(const torch::Tensor& messages, const std::string& header,
+               const std::vector<int64_t>& shards, bool with_checksum, int64_t step,
+               int64_t threads) {
+  check_body(messages, "verify");
+  const int64_t rows = messages.size(0), P = messages.size(1), stride = messages.stride(0);
+  TORCH_CHECK((int64_t)header.size() == loco::kHeaderBytes && (int64_t)shards.size() == rows,
+              "verify: inconsistent arguments");
+  const uint8_t* msgs = messages.data_ptr<uint8_t>();
+  int64_t nonfinite = 0;
+  uint8_t want[loco::kHeaderBytes];
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = msgs + r * stride;
+    const uint8_t flags = row[loco::kFlagsOffset];
+    if (flags & ~loco::kFlagNonfinite) return -1;
+    nonfinite |= flags & loco::kFlagNonfinite;
+    write_header(want, header, shards[r], flags);
+    if (std::memcmp(want, row, loco::kHeaderBytes) != 0) return -1;
+  }
+  if (with_checksum && rows) {
+    std::vector<uint64_t> sums(rows);
+    checksum_rows(msgs, rows, P, stride, (uint64_t)step, (int)threads, sums.data());
+    for (int64_t r = 0; r < rows; ++r)
+      if (std::memcmp(msgs + r * stride + P - 8, &sums[r], 8) != 0) return -1;
+  }
+  return nonfinite;
 }
 
 }  // namespace
@@ -1217,5 +1307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_sum", &decode_sum, "decode k messages of one shard, sum in row order");
   module.def("decode_into", &decode_into, "decode k messages into a flat output, cast");
   module.def("checksum", &checksum, "checksum of each message's body (lowbitcc.codec.wire)");
+  module.def("frame", &frame, "header, flags, padding and checksum of encoded messages");
+  module.def("verify", &verify, "whether received messages belong to the call (-1: no)");
   module.attr("vector_path") = kVectorPath;
 }

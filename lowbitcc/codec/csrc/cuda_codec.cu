@@ -5,7 +5,7 @@
 //
 // Layouts are those of cpu_codec.cpp: the source is `numel` elements seen as `rows` rows of `m`
 // (indices >= numel read as 0), ng = ceil(m / G) groups per row, messages are uint8 [rows, P]
-// (header bytes 0..31 written by the host), the error state holds rows * ng * G elements.
+// (header, padding and trailer written by Kernels.frame), the error state holds rows * ng * G elements.
 //
 // encode: a group takes a *segment* of G/8 lanes where G/8 is a power of two (so a warp encodes
 //   32/(G/8) groups at once and every lane works: 8 groups of MXFP4's 32), else a whole warp;

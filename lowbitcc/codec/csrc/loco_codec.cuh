@@ -27,6 +27,12 @@ typedef long long int64_t;
 namespace loco {
 
 constexpr int kHeaderBytes = 32;
+// Where a shard header (lowbitcc/codec/wire.py, ShardHeader) holds the fields that differ
+// between the rows of one encode: the flags byte and the shard (uint16, little-endian);
+// lowbitcc/codec/abi.py checks them against wire.py.
+constexpr int kFlagsOffset = 7;
+constexpr int kShardOffset = 24;
+constexpr uint8_t kFlagNonfinite = 1;
 
 // Storage of the error state. lowbitcc/codec/abi.py reads the names and values from this
 // enum (kError<Name> -> "<name>", kErrorNone -> feedback off): it is the only definition.
@@ -53,8 +59,9 @@ enum Format : int32_t {
 // every field's offset and the tests compare the two layouts.
 //
 // The source holds `numel` elements seen as `rows` rows of `m` (indices >= numel read as 0);
-// ng = ceil(m / G) groups per row; messages are uint8 [rows, P] (the host writes the header
-// bytes 0..31); the error state holds rows * ng * G elements, used per `mode`.
+// ng = ceil(m / G) groups per row; messages are uint8 [rows, P] (header, padding and trailer
+// are written after the encode: Kernels.frame); the error state holds rows * ng * G elements,
+// used per `mode`.
 struct EncodeArgs {
   const void* src;     // [numel] float, bfloat16 or half (the kernel's T)
   uint8_t* msgs;       // [rows, P]

@@ -1,0 +1,61 @@
+"""Framing shard messages with torch operations: `interface.Kernels.frame` and ``verify`` for
+the kernels that do not fuse them (the reference everywhere; the CUDA kernels, whose frame is
+these operations on the device, without a host synchronisation). The C++ kernels do the same
+in ``csrc/cpu_codec.cpp`` (``frame``, ``verify``), byte for byte (``tests/codec/test_framing.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbitcc.codec import wire
+from lowbitcc.codec.interface import Flag, Kernels
+
+
+def header_rows(header: bytes, shards: list[int], device: torch.device) -> torch.Tensor:
+    """uint8 ``[len(shards), HEADER_BYTES]`` on ``device``: ``header`` with each row's shard
+    (copied without synchronising on CUDA)."""
+    rows = bytearray(header * len(shards))
+    for r, shard in enumerate(shards):
+        at = r * wire.HEADER_BYTES + wire.SHARD_OFFSET
+        rows[at:at + 2] = shard.to_bytes(2, "little")
+    host = torch.frombuffer(rows, dtype=torch.uint8).view(len(shards), wire.HEADER_BYTES)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def frame_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes, shards: list[int],
+                     nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
+    """`interface.Kernels.frame` with torch operations on the messages' device (no host
+    synchronisation), ``kernels.checksum`` for the trailer."""
+    rows = messages.shape[0]
+    bad = (nonfinite.view(rows, -1) != 0).any(dim=1)
+    messages[:, used:] = 0
+    messages[:, :wire.HEADER_BYTES] = header_rows(header, shards, messages.device)
+    messages[:, wire.FLAGS_OFFSET] = bad.to(torch.uint8) * wire.FLAG_NONFINITE | flags
+    if checksum:
+        messages[:, -wire.TRAILER_BYTES:] = kernels.checksum(messages).view(torch.uint8).view(
+            rows, wire.TRAILER_BYTES)
+    return bad.any() if messages.device.type != "cpu" else bool(bad.any())
+
+
+def verify_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
+                      shards: list[int], checksum: bool) -> int:
+    """`interface.Kernels.verify` with torch operations (reads the verdict on the host)."""
+    got = messages[:, :wire.HEADER_BYTES]
+    flags = got[:, wire.FLAGS_OFFSET]
+    if bool(((flags & (0xFF ^ wire.FLAG_NONFINITE)) != 0).any()):
+        return -1
+    want = header_rows(header, shards, messages.device).clone()
+    want[:, wire.FLAGS_OFFSET] = flags
+    if not torch.equal(got, want):
+        return -1
+    if checksum:
+        carried = messages[:, -wire.TRAILER_BYTES:]
+        computed = kernels.checksum(messages.contiguous()).view(torch.uint8).view(
+            -1, wire.TRAILER_BYTES)
+        if not torch.equal(carried, computed):
+            return -1
+    return int(bool(((flags & wire.FLAG_NONFINITE) != 0).any()))
+
