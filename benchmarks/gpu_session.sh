@@ -2,8 +2,8 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: issue46 exactperf selftest pytest unfixed
-#                                             schedule launches perf codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame issue46 exactperf selftest pytest
+#                                             unfixed schedule launches perf codec
 #                                             (default: all; the environment is always printed)
 #
 # Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
@@ -16,7 +16,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -35,6 +35,15 @@ $py -c 'import lowbitcc' 2>/dev/null || export PYTHONPATH=$PWD
 for phase in $phases; do
     echo "=== $phase $(date -u +%T)"
     case $phase in
+    frame)  # the frame kernels (written without a GPU, 8a6fda8+): reference bytes, then selftest
+        timeout "${FRAME_S:-150}" $py -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 120 \
+            tests/codec/test_cuda_kernels.py -k "frame_kernels or fused_checksum or bitwise" \
+            2>&1 | tee "$out/frame.txt"
+        if grep -q " passed" "$out/frame.txt" && ! grep -qE " (failed|error)" "$out/frame.txt"; then
+            echo "PASS frame $(grep -E ' passed' "$out/frame.txt" | tail -1)"
+        else
+            echo "FAIL frame $(tail -1 "$out/frame.txt")"
+        fi ;;
     selftest)
         timeout "${SELFTEST_S:-240}" $py -m lowbitcc selftest --ranks 4 --cases "${CASES:-400}" 2>&1 | tee "$out/selftest.txt" ;;
     pytest)

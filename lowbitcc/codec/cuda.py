@@ -58,11 +58,15 @@ CHECKSUM = "loco_cuda::checksum"
 CHECKSUM_FOLD = "loco_cuda::checksum_fold"
 CHECKSUM_BLOCKS = 256
 """Most blocks per message row of a checksum launch (each thread then loops over the words)."""
+FRAME_BODY = "loco_cuda::frame_body"
+FRAME_FOLD = "loco_cuda::frame_fold"
+HEADER_WORDS = np.dtype([(f"w{k}", np.uint32) for k in range(wire.HEADER_BYTES // 4)])
+"""``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
 
 
 def name_expressions() -> list[str]:
     """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
-    names = [CHECKSUM, CHECKSUM_FOLD]
+    names = [CHECKSUM, CHECKSUM_FOLD, FRAME_BODY, FRAME_FOLD]
     names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
              for mode in ERROR_MODES.values() for sr in (False, True)
              if not (sr and fmt == "mxfp4")]
@@ -264,7 +268,30 @@ class CudaKernels:
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
               nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
-        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum)
+        """Two launches and one zero-fill on the current stream: `FRAME_BODY` clears the padding,
+        sums the checksum and ORs each row's non-finite flags into ``acc``; `FRAME_FOLD` writes
+        headers and trailers and the answer, a 0-dim bool view of ``acc``'s last word. Rows
+        that do not start 8-byte aligned, more rows than a grid's second dimension holds, or
+        shards that are not consecutive take `framing.frame_with_torch`."""
+        rows, width = messages.shape
+        if (width % 8 or messages.data_ptr() % 8 or not messages.is_contiguous()
+                or not 0 < rows <= MAX_GRID_Y or not nonfinite.is_contiguous()
+                or shards != list(range(shards[0], shards[0] + rows))):
+            return frame_with_torch(self, messages, header, shards, nonfinite, used, flags,
+                                    checksum)
+        device = messages.device
+        acc = torch.zeros(3 * rows + 1, dtype=torch.int64, device=device)
+        answer = acc[-1:].view(torch.bool)[0]
+        body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
+        blocks = max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
+        _launch(FRAME_BODY, device, (blocks, rows),
+                (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
+                 np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP), _p(acc)))
+        _launch(FRAME_FOLD, device, -(-rows // THREADS),
+                (_p(messages), np.int64(width), np.int64(rows), _p(acc),
+                 np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
+                 np.uint32(flags), np.int32(checksum), _p(answer)))
+        return answer
 
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int:

@@ -198,3 +198,32 @@ def test_cuda_fused_checksum_matches_reference(rows, words, seed, misaligned):
     else:
         messages = host.cuda()
     assert torch.equal(cuda.KERNELS.checksum(messages).cpu(), reference.checksum(host))
+
+
+@pytest.mark.gpu
+@given(rows=st.integers(1, 6), m=st.integers(1, 40000), seed=st.integers(0, 2**31 - 1),
+       checksum=st.booleans(), data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_cuda_frame_kernels_write_the_reference_bytes(rows, m, seed, checksum, data):
+    """`CudaKernels.frame` (frame_body, frame_fold) on random bytes: the padding cleared, the
+    headers with each row's shard and flags, the trailer and the answer as the reference's,
+    with rows that need several blocks."""
+    from lowbitcc.codec import wire
+    from lowbitcc.codec.kernels import REFERENCE
+
+    _cupy_or_skip()
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=seed, world=7, signature=seed,
+                       fmt="mxfp4", kernels=cuda.KERNELS)
+    used, ng = wire.used_bytes(m, 4, 32, "mxfp4"), wire.ngroups(m, 32)
+    gen = torch.Generator().manual_seed(seed)
+    host = torch.randint(0, 256, (rows, codec.message_bytes(m)), dtype=torch.uint8, generator=gen)
+    nonfinite = (torch.rand(rows * ng, generator=gen) < 0.5 / ng).to(torch.uint8)
+    shard0 = data.draw(st.integers(0, 100))
+    shards = list(range(shard0, shard0 + rows))
+    flags = data.draw(st.sampled_from([0, wire.FLAG_PEER_ERROR]))
+    messages = host.cuda()
+    answer = cuda.KERNELS.frame(messages, codec.header(m), shards, nonfinite.cuda(), used, flags,
+                                checksum)
+    want = REFERENCE.frame(host, codec.header(m), shards, nonfinite, used, flags, checksum)
+    assert torch.equal(messages.cpu(), host)
+    assert bool(answer) == want

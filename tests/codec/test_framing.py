@@ -4,12 +4,15 @@ refuses every message that the field-by-field check (`ShardCodec.check_on_host`)
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbitcc.codec import cpu, wire
+from lowbitcc.codec import cpu, cuda, wire
 from lowbitcc.codec.framing import header_rows
 from lowbitcc.codec.kernels import REFERENCE
 from lowbitcc.codec.shard_codec import ShardCodec
@@ -120,3 +123,80 @@ def test_a_column_of_gathered_messages_is_verified_and_decoded_where_it_lies():
         assert torch.equal(in_place, copied)
     assert torch.equal(header_rows(codec.header(m), [0, 1], torch.device("cpu")),
                        gathered[0, :, :wire.HEADER_BYTES])
+
+
+def _memory(address: int, n: int, dtype) -> np.ndarray:
+    """``n`` elements of ``dtype`` at a host address (what a kernel argument points to)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * (n * np.dtype(dtype).itemsize)).from_address(
+        int(address))).view(dtype)
+
+
+def _run_frame_body(grid, args) -> None:
+    """``loco_cuda::frame_body``'s contract (cuda_codec.cu), one row per ``grid[1]``."""
+    msgs, P, used, nonfinite, ng, step, acc = (int(a) for a in args)
+    rows = grid[1]
+    rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
+    flags = _memory(nonfinite, rows * ng, np.uint8).reshape(rows, ng)
+    sums = _memory(acc, 3 * rows, np.uint64).reshape(rows, 3)
+    for r in range(rows):
+        body = rows_bytes[r, wire.HEADER_BYTES:P - wire.TRAILER_BYTES]
+        body[max(0, used - wire.HEADER_BYTES):] = 0
+        words = [int(w) for w in body.view("<u8")]
+        n = sum(((w + (i + 1) * step) % 2**64 & 0xFFFFFFFF) * ((w + (i + 1) * step) % 2**64 >> 32)
+                for i, w in enumerate(words))
+        s = sum((w & 0xFFFFFFFF) + (w >> 32) for w in words)
+        sums[r] = (n % 2**64, s % 2**64, int(flags[r].any()))
+
+
+def _run_frame_fold(grid, args) -> None:
+    """``loco_cuda::frame_fold``'s contract: headers, trailers and the answer byte."""
+    msgs, P, rows, acc = (int(a) for a in args[:4])
+    header, shard0, flags, with_checksum, answer = args[4:]
+    rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
+    sums = _memory(acc, 3 * rows, np.uint64).reshape(rows, 3)
+    for r in range(rows):
+        n, s, bad = (int(v) for v in sums[r])
+        head = bytearray(header.tobytes())
+        head[wire.FLAGS_OFFSET] = int(flags) | (wire.FLAG_NONFINITE if bad else 0)
+        head[wire.SHARD_OFFSET:wire.SHARD_OFFSET + 2] = (int(shard0) + r).to_bytes(2, "little")
+        rows_bytes[r, :wire.HEADER_BYTES] = np.frombuffer(bytes(head), np.uint8)
+        trailer = (s & 0xFFFFFFFF) | ((n ^ (n >> 32)) & 0xFFFFFFFF) << 32 if with_checksum else 0
+        rows_bytes[r, P - wire.TRAILER_BYTES:] = np.frombuffer(trailer.to_bytes(8, "little"),
+                                                               np.uint8)
+        if bad:
+            _memory(answer, 1, np.uint8)[0] = 1
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_cuda_frame_launches_two_kernels_that_write_the_reference_bytes(monkeypatch, rows,
+                                                                           checksum):
+    """The CUDA launcher's side of `Kernels.frame`, on CPU memory: two launches whose arguments
+    (pointers, sizes, the header passed by value, the answer's byte), run through the kernels'
+    contracts, give the reference's messages and answer; shards that are not consecutive take
+    the torch operations (and the checksum kernels, no frame kernel)."""
+    launches = []
+    monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launches.append(
+        (name, grid if isinstance(grid, tuple) else (grid,), args)))
+    codec = ShardCodec(kernels=cpu.KERNELS, **CODEC)
+    m = 100
+    used, ng = wire.used_bytes(m, 4, 32, "mxfp4"), wire.ngroups(m, 32)
+    garbage = torch.randint(0, 256, (rows, codec.message_bytes(m)), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(rows))
+    nonfinite = torch.zeros(rows * ng, dtype=torch.uint8)
+    nonfinite[-1] = 1
+    messages, expected = garbage.clone(), garbage.clone()
+    shards = list(range(5, 5 + rows))
+    answer = cuda.KERNELS.frame(messages, codec.header(m), shards, nonfinite, used,
+                                wire.FLAG_PEER_ERROR, checksum)
+    assert [name for name, _, _ in launches] == [cuda.FRAME_BODY, cuda.FRAME_FOLD]
+    assert launches[0][1][1] == rows and launches[1][1] == (1,)
+    _run_frame_body(*launches[0][1:])
+    _run_frame_fold(*launches[1][1:])
+    want = REFERENCE.frame(expected, codec.header(m), shards, nonfinite, used,
+                           wire.FLAG_PEER_ERROR, checksum)
+    assert torch.equal(messages, expected)
+    assert answer.dtype == torch.bool and answer.dim() == 0 and bool(answer) == want
+    launches.clear()
+    cuda.KERNELS.frame(garbage.clone(), codec.header(m), shards[::-1], nonfinite, used, 0, True)
+    assert cuda.FRAME_BODY not in [name for name, _, _ in launches] or rows == 1

@@ -1208,12 +1208,15 @@ torch::Tensor checksum(const torch::Tensor& messages, int64_t step, int64_t thre
   return out;
 }
 
-// The header of row r: `header` (kHeaderBytes, flags 0) with shard `shard` and flags `flags`.
+// The header of a row: `header` (kHeaderBytes, shard 0, flags 0) with shard `shard` and flags
+// `flags` (loco::header_word, as the CUDA frame writes it).
 void write_header(uint8_t* row, const std::string& header, int64_t shard, uint32_t flags) {
-  std::memcpy(row, header.data(), loco::kHeaderBytes);
-  row[loco::kFlagsOffset] = (uint8_t)flags;
-  const uint16_t s = (uint16_t)shard;
-  std::memcpy(row + loco::kShardOffset, &s, sizeof(s));
+  uint32_t words[loco::kHeaderBytes / 4];
+  std::memcpy(words, header.data(), loco::kHeaderBytes);
+  for (int k = 0; k < loco::kHeaderBytes / 4; ++k) {
+    const uint32_t w = loco::header_word(words, k, (uint32_t)shard, flags);
+    std::memcpy(row + 4 * k, &w, 4);
+  }
 }
 
 // Completes the messages an encode wrote (uint8 [rows, P], contiguous; the kernel wrote bytes
@@ -1241,7 +1244,13 @@ bool frame(torch::Tensor messages, const std::string& header, const std::vector<
     for (int64_t g = 0; g < ng; ++g) row_bad |= bad[r * ng + g] != 0;
     any |= row_bad;
     write_header(row, header, shards[r], (uint32_t)flags | (row_bad ? loco::kFlagNonfinite : 0u));
-    std::memset(row + used, 0, P - used);
+    for (int64_t at = used / 8 * 8; at < P - 8; at += 8) {  // the padding (loco::padded_word)
+      uint64_t x;
+      std::memcpy(&x, row + at, 8);
+      x = loco::padded_word(x, at, used);
+      std::memcpy(row + at, &x, 8);
+    }
+    std::memset(row + P - 8, 0, 8);  // the trailer, until its checksum is written
   }
   if (with_checksum && rows) {
     std::vector<uint64_t> sums(rows);

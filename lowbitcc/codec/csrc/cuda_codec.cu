@@ -23,6 +23,10 @@
 //   one atomic add per block and sum reaches the row's two accumulators; checksum_fold makes
 //   the trailer. The sums are mod 2^64 and integer additions commute, so the result does not
 //   depend on the order.
+// frame_body, frame_fold: Kernels.frame after an encode, as checksum and checksum_fold with the
+//   padding cleared in the same pass, the rows' non-finite flags OR-ed alongside, and the fold
+//   writing each row's header (loco::header_word) and trailer in place; the C++ frame shares
+//   loco::padded_word and loco::header_word.
 #include "loco_codec.cuh"
 
 #include <cuda_bf16.h>
@@ -312,6 +316,77 @@ __global__ void checksum_fold(const unsigned long long* __restrict__ sums, long 
   if (r >= rows) return;
   const unsigned long long n = sums[2 * r], s = sums[2 * r + 1];
   out[r] = (long long)((s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32));
+}
+
+// frame_body: the body pass of Kernels.frame (grid (blocks, rows), as checksum): every body word
+// of row blockIdx.y is read with its padding bytes (from `used` on) cleared, written back where
+// it holds padding, and summed into acc[3 * row] and acc[3 * row + 1] as checksum does; the row's
+// `ng` non-finite bytes are OR-ed into acc[3 * row + 2]. `acc` [rows, 3] starts at zero.
+__global__ void frame_body(unsigned char* __restrict__ msgs, long long P, long long used,
+                           const unsigned char* __restrict__ nonfinite, long long ng,
+                           unsigned long long step, unsigned long long* __restrict__ acc) {
+  const long long row = blockIdx.y;
+  const long long words = (P - loco::kHeaderBytes - kTrailerBytes) / 8;
+  unsigned long long* w = reinterpret_cast<unsigned long long*>(msgs + row * P + loco::kHeaderBytes);
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  unsigned long long n = 0, s = 0;
+  for (long long i = first; i < words; i += stride) {
+    const long long at = loco::kHeaderBytes + 8 * i;
+    const unsigned long long x = loco::padded_word(w[i], at, used);
+    if (at + 8 > used) w[i] = x;
+    const unsigned long long y = x + (unsigned long long)(i + 1) * step;
+    n += (y & 0xffffffffull) * (y >> 32);
+    s += (x & 0xffffffffull) + (x >> 32);
+  }
+  int bad = 0;
+  for (long long j = first; j < ng; j += stride) bad |= nonfinite[row * ng + j] != 0;
+  for (int offset = 16; offset > 0; offset /= 2) {
+    n += __shfl_down_sync(kFull, n, offset);
+    s += __shfl_down_sync(kFull, s, offset);
+  }
+  __shared__ unsigned long long warp_n[kMaxWarps], warp_s[kMaxWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_n[warp] = n;
+    warp_s[warp] = s;
+  }
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < (int)(blockDim.x / 32); ++k) {
+      n += warp_n[k];
+      s += warp_s[k];
+    }
+    atomicAdd(acc + 3 * row, n);
+    atomicAdd(acc + 3 * row + 1, s);
+    if (bad) atomicOr(acc + 3 * row + 2, 1ull);
+  }
+}
+
+// The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
+struct Header {
+  unsigned int w[8];
+};
+
+// frame_fold: one thread per row after frame_body: the row's header (`header` with shard
+// shard0 + r and flags `flags`, plus kFlagNonfinite where acc[3 * r + 2] is set) and its
+// trailer (the checksum from acc, or zeros without `with_checksum`); any_bad (one byte, zero
+// before) becomes 1 where a row is non-finite. Rows start 8-byte aligned (the launcher checks).
+__global__ void frame_fold(unsigned char* __restrict__ msgs, long long P, long long rows,
+                           const unsigned long long* __restrict__ acc, const Header header,
+                           long long shard0, unsigned int flags, int with_checksum,
+                           unsigned char* __restrict__ any_bad) {
+  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const bool bad = acc[3 * r + 2] != 0;
+  const unsigned int row_flags = flags | (bad ? loco::kFlagNonfinite : 0u);
+  unsigned int* h = reinterpret_cast<unsigned int*>(msgs + r * P);
+  for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
+    h[k] = loco::header_word(header.w, k, (unsigned int)(shard0 + r), row_flags);
+  const unsigned long long n = acc[3 * r], s = acc[3 * r + 1];
+  *reinterpret_cast<unsigned long long*>(msgs + r * P + P - kTrailerBytes) =
+      with_checksum ? ((s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32)) : 0ull;
+  if (bad) *any_bad = 1;
 }
 
 }  // namespace loco_cuda

@@ -13,6 +13,7 @@ typedef unsigned short uint16_t;
 typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
+typedef unsigned long long uint64_t;
 #else
 #include <stdint.h>
 #endif
@@ -289,6 +290,25 @@ LOCO_HD float update_error(float e, float r, float beta, float one_minus_beta, b
   float a = e * beta;
   float b = r * one_minus_beta;
   return a + b;
+}
+
+// A body word of a message with its bytes from `used` on cleared (the padding before the
+// trailer): `x` is the little-endian 64-bit word at byte offset `at` of its row.
+LOCO_HD uint64_t padded_word(uint64_t x, int64_t at, int64_t used) {
+  if (at + 8 <= used) return x;
+  if (at >= used) return 0;
+  return x & ((1ull << (8 * (used - at))) - 1ull);
+}
+
+// Word k (bytes 4k .. 4k+3, little-endian) of a row's header: the call's header `header`
+// (shard 0, flags 0) with the row's shard and flags (kFlagsOffset and kShardOffset are the
+// high byte of word 1 and the low half of word 6).
+static_assert(kFlagsOffset % 4 == 3 && kShardOffset % 4 == 0, "header_word's layout");
+LOCO_HD uint32_t header_word(const uint32_t* header, int k, uint32_t shard, uint32_t flags) {
+  uint32_t w = header[k];
+  if (k == kFlagsOffset / 4) w = (w & 0x00ffffffu) | (flags & 0xffu) << 24;
+  if (k == kShardOffset / 4) w = (w & 0xffff0000u) | (shard & 0xffffu);
+  return w;
 }
 
 }  // namespace loco
