@@ -23,6 +23,7 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.abi import CSRC, FORMAT_CODES, HEADER
+from lowbitcc.codec.framing import check_with_torch
 from lowbitcc.codec.interface import EncodeArgs
 
 SOURCES = [CSRC / "cpu_codec.cpp"]
@@ -103,6 +104,10 @@ class CpuKernels:
                checksum: bool) -> int:
         return load().verify(messages, header, shards, checksum,
                              reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
+
+    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return check_with_torch(self, messages, header, shards, checksum)
 
 
 KERNELS = CpuKernels()

@@ -21,7 +21,7 @@ import torch
 
 from lowbitcc.codec import formats, reference, wire
 from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
-from lowbitcc.codec.framing import frame_with_torch, verify_with_torch
+from lowbitcc.codec.framing import check_with_torch, frame_with_torch, verify_with_torch
 from lowbitcc.codec.interface import EncodeArgs, Flag
 
 SOURCE = CSRC / "cuda_codec.cu"
@@ -60,13 +60,14 @@ CHECKSUM_BLOCKS = 256
 """Most blocks per message row of a checksum launch (each thread then loops over the words)."""
 FRAME_BODY = "loco_cuda::frame_body"
 FRAME_FOLD = "loco_cuda::frame_fold"
+CHECK_FOLD = "loco_cuda::check_fold"
 HEADER_WORDS = np.dtype([(f"w{k}", np.uint32) for k in range(wire.HEADER_BYTES // 4)])
 """``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
 
 
 def name_expressions() -> list[str]:
     """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
-    names = [CHECKSUM, CHECKSUM_FOLD, FRAME_BODY, FRAME_FOLD]
+    names = [CHECKSUM, CHECKSUM_FOLD, FRAME_BODY, FRAME_FOLD, CHECK_FOLD]
     names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
              for mode in ERROR_MODES.values() for sr in (False, True)
              if not (sr and fmt == "mxfp4")]
@@ -223,7 +224,9 @@ class CudaKernels:
     on torch's current stream, with no host synchronisation."""
 
     name = "cuda"
-    writes_every_byte = False  # idle lanes of a group narrower than a warp write nothing
+    writes_every_byte = True
+    """Every group's scale and codes by the encode (each lane of a group's segment stores its
+    8 codes, the leader the scale), the header, padding and trailer by `frame`."""
 
     def encode(self, args: EncodeArgs) -> None:
         per_warp = 32 // segment_lanes(args.group_size)
@@ -296,6 +299,32 @@ class CudaKernels:
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int:
         return verify_with_torch(self, messages, header, shards, checksum)
+
+    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One zero-fill and, with checksums, `CHECKSUM` into it, then `CHECK_FOLD`: the two
+        answers are 0-dim bool views of the zero-filled buffer's last word. Rows that do not
+        start 8-byte aligned, more rows than a grid's second dimension holds, or shards other
+        than ``s0 + r * step`` (step 0 or 1) take `framing.check_with_torch`."""
+        rows, width = messages.shape
+        step = shards[1] - shards[0] if rows > 1 else 0
+        if (width % 8 or messages.data_ptr() % 8 or not messages.is_contiguous()
+                or not 0 < rows <= MAX_GRID_Y or step not in (0, 1)
+                or shards != [shards[0] + r * step for r in range(rows)]):
+            return check_with_torch(self, messages, header, shards, checksum)
+        device = messages.device
+        acc = torch.zeros(2 * rows + 1, dtype=torch.int64, device=device)
+        verdict = acc[-1:].view(torch.bool)
+        body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
+        if checksum:
+            blocks = max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
+            _launch(CHECKSUM, device, (blocks, rows),
+                    (_p(messages), np.int64(width), np.uint64(wire.CHECKSUM_STEP), _p(acc)))
+        _launch(CHECK_FOLD, device, -(-rows // THREADS),
+                (_p(messages), np.int64(width), np.int64(rows), _p(acc),
+                 np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
+                 np.int64(step), np.int32(checksum), _p(verdict)))
+        return verdict[1], verdict[0]
 
 
 KERNELS = CudaKernels()

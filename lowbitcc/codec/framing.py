@@ -1,5 +1,5 @@
-"""Framing shard messages with torch operations: `interface.Kernels.frame` and ``verify`` for
-the kernels that do not fuse them (the reference everywhere; the CUDA kernels, whose frame is
+"""Framing shard messages with torch operations: `interface.Kernels.frame`, ``verify`` and
+``check`` for the kernels that do not fuse them (the reference everywhere; the CUDA kernels, whose frame is
 these operations on the device, without a host synchronisation). The C++ kernels do the same
 in ``csrc/cpu_codec.cpp`` (``frame``, ``verify``), byte for byte (``tests/codec/test_framing.py``).
 """
@@ -59,3 +59,18 @@ def verify_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
             return -1
     return int(bool(((flags & wire.FLAG_NONFINITE) != 0).any()))
 
+
+
+def check_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
+                     shards: list[int], checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`interface.Kernels.check` with torch operations on the messages' device (no host
+    synchronisation), ``kernels.checksum`` for the trailers."""
+    got = messages[:, :wire.HEADER_BYTES]
+    flags = got[:, wire.FLAGS_OFFSET]
+    diff = got != header_rows(header, shards, messages.device)
+    diff[:, wire.FLAGS_OFFSET] = (flags & (0xFF ^ wire.FLAG_NONFINITE)) != 0
+    foreign = diff.any()
+    if checksum:
+        carried = messages[:, -wire.TRAILER_BYTES:].contiguous().view(torch.int64).view(-1)
+        foreign = foreign | (carried != kernels.checksum(messages)).any()
+    return ((flags & wire.FLAG_NONFINITE) != 0).any(), foreign

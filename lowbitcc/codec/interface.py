@@ -107,7 +107,10 @@ class Kernels(Protocol):
     (sizes already checked) belong to the call whose header is ``header``, row ``r`` to shard
     ``shards[r]``: -1 where a header differs outside its flags, carries a flag other than
     `wire.FLAG_NONFINITE` or (``checksum``) fails its checksum; else 1 if any row is flagged
-    non-finite, 0 if none (a host synchronisation on a GPU).
+    non-finite, 0 if none (a host synchronisation on a GPU). ``check`` is ``verify`` without
+    a synchronisation: ``(nonfinite, foreign)``, 0-dim bool tensors on the messages' device,
+    whether a row is flagged non-finite and whether one is not the call's (a header differs
+    outside the non-finite flag, or a checksum).
     Decoders read messages of ``bits``-bit codes in format ``fmt`` in groups of ``group_size``;
     each row contiguous, rows at any distance (a column of gathered messages).
     ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
@@ -135,3 +138,6 @@ class Kernels(Protocol):
 
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int: ...
+
+    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]: ...

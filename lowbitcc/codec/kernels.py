@@ -19,7 +19,7 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.framing import frame_with_torch, verify_with_torch
+from lowbitcc.codec.framing import check_with_torch, frame_with_torch, verify_with_torch
 from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
 
 CHOICES = ("auto", "reference", "cpu")
@@ -85,6 +85,10 @@ class ReferenceKernels:
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int:
         return verify_with_torch(self, messages, header, shards, checksum)
+
+    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return check_with_torch(self, messages, header, shards, checksum)
 
 
 def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int,

@@ -28,7 +28,6 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.framing import header_rows
 from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
 from lowbitcc.codec.kernels import REFERENCE
 
@@ -183,11 +182,6 @@ class ShardCodec:
             fmt=self.fmt,
         ).pack()
 
-    def headers(self, m: int, shard_ids: list[int], device: torch.device) -> torch.Tensor:
-        """``uint8 [len(shard_ids), HEADER_BYTES]`` on ``device``: the headers of this call's
-        messages of ``m`` elements with flags 0 (copied without synchronising on CUDA)."""
-        return header_rows(self.header(m), shard_ids, device)
-
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
                    out: torch.Tensor | None = None,
@@ -252,14 +246,7 @@ class ShardCodec:
         synchronisation: whether a row is flagged non-finite, and whether a header differs
         from this call's or a checksum from the payload's (sizes are checked by `check_size`
         first)."""
-        got = messages[:, :wire.HEADER_BYTES]
-        flags = got[:, wire.FLAGS_OFFSET]
-        diff = got != self.headers(m, shard_ids, messages.device)
-        diff[:, wire.FLAGS_OFFSET] = (flags & (0xFF ^ wire.FLAG_NONFINITE)) != 0
-        foreign = diff.any()
-        if self.checksum:
-            foreign = foreign | (self._trailers(messages) != self.kernels.checksum(messages)).any()
-        return ((flags & wire.FLAG_NONFINITE) != 0).any(), foreign
+        return self.kernels.check(messages, self.header(m), shard_ids, self.checksum)
 
     @staticmethod
     def _trailers(messages: torch.Tensor) -> torch.Tensor:

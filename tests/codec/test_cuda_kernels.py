@@ -227,3 +227,29 @@ def test_cuda_frame_kernels_write_the_reference_bytes(rows, m, seed, checksum, d
     want = REFERENCE.frame(host, codec.header(m), shards, nonfinite, used, flags, checksum)
     assert torch.equal(messages.cpu(), host)
     assert bool(answer) == want
+
+
+@pytest.mark.gpu
+@given(rows=st.integers(1, 6), m=st.integers(1, 40000), seed=st.integers(0, 2**31 - 1),
+       checksum=st.booleans(), same_shard=st.booleans(), data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_cuda_check_kernels_give_the_torch_verdict(rows, m, seed, checksum, same_shard, data):
+    """`CudaKernels.check` (checksum, check_fold) on encoded messages with one byte changed
+    anywhere (or none): the (non-finite, foreign) answers of `framing.check_with_torch`."""
+    from lowbitcc.codec.framing import check_with_torch
+    from lowbitcc.codec.kernels import REFERENCE
+
+    _cupy_or_skip()
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=seed, world=7, signature=seed,
+                       fmt="mxfp4", kernels=REFERENCE)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows * m, generator=gen)
+    shards = [3] * rows if same_shard else list(range(3, 3 + rows))
+    host = codec.encode(x, rows, m, 1.0, None, 0.0, shards, None).messages
+    if data.draw(st.booleans()):
+        r = data.draw(st.integers(0, rows - 1))
+        at = data.draw(st.integers(0, host.shape[1] - 1))
+        host[r, at] ^= data.draw(st.sampled_from([1, 2, 4, 128]))
+    want = check_with_torch(REFERENCE, host, codec.header(m), shards, checksum)
+    got = cuda.KERNELS.check(host.cuda(), codec.header(m), shards, checksum)
+    assert (bool(got[0]), bool(got[1])) == (bool(want[0]), bool(want[1]))

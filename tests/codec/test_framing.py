@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbitcc.codec import cpu, cuda, wire
-from lowbitcc.codec.framing import header_rows
+from lowbitcc.codec.framing import check_with_torch, header_rows
 from lowbitcc.codec.kernels import REFERENCE
 from lowbitcc.codec.shard_codec import ShardCodec
 
@@ -200,3 +200,85 @@ def test_the_cuda_frame_launches_two_kernels_that_write_the_reference_bytes(monk
     launches.clear()
     cuda.KERNELS.frame(garbage.clone(), codec.header(m), shards[::-1], nonfinite, used, 0, True)
     assert cuda.FRAME_BODY not in [name for name, _, _ in launches] or rows == 1
+
+
+def _run_checksum(grid, args) -> None:
+    """``loco_cuda::checksum``'s contract: each row's sums N and S added into ``sums``."""
+    msgs, P, step, sums = (int(a) for a in args)
+    rows = grid[1]
+    rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
+    out = _memory(sums, 2 * rows, np.uint64).reshape(rows, 2)
+    for r in range(rows):
+        words = [int(w) for w in rows_bytes[r, wire.HEADER_BYTES:P - wire.TRAILER_BYTES].view("<u8")]
+        ys = [(w + (i + 1) * step) % 2**64 for i, w in enumerate(words)]
+        out[r] = (sum((y & 0xFFFFFFFF) * (y >> 32) for y in ys) % 2**64,
+                  sum((w & 0xFFFFFFFF) + (w >> 32) for w in words) % 2**64)
+
+
+def _run_check_fold(grid, args) -> None:
+    """``loco_cuda::check_fold``'s contract: the verdict's foreign and non-finite bytes."""
+    msgs, P, rows, sums = (int(a) for a in args[:4])
+    header, shard0, shard_step, with_checksum, verdict = args[4:]
+    rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
+    folded = _memory(sums, 2 * rows, np.uint64).reshape(rows, 2)
+    out = _memory(verdict, 2, np.uint8)
+    for r in range(rows):
+        flags = int(rows_bytes[r, wire.FLAGS_OFFSET])
+        want = bytearray(header.tobytes())
+        want[wire.FLAGS_OFFSET] = flags & wire.FLAG_NONFINITE
+        want[wire.SHARD_OFFSET:wire.SHARD_OFFSET + 2] = (int(shard0) + r * int(shard_step)).to_bytes(
+            2, "little")
+        foreign = rows_bytes[r, :wire.HEADER_BYTES].tobytes() != bytes(want)
+        if with_checksum:
+            n, s = (int(v) for v in folded[r])
+            trailer = (s & 0xFFFFFFFF) | ((n ^ (n >> 32)) & 0xFFFFFFFF) << 32
+            foreign |= rows_bytes[r, P - wire.TRAILER_BYTES:].tobytes() != trailer.to_bytes(8, "little")
+        if foreign:
+            out[0] = 1
+        if flags & wire.FLAG_NONFINITE:
+            out[1] = 1
+
+
+_CORRUPTIONS = {
+    "none": lambda b: None,
+    "magic": lambda b: b[1].__setitem__(0, b[1, 0] ^ 1),
+    "seq": lambda b: b[0].__setitem__(20, b[0, 20] ^ 1),
+    "shard": lambda b: b[1].__setitem__(wire.SHARD_OFFSET, b[1, wire.SHARD_OFFSET] ^ 1),
+    "peer flag": lambda b: b[0].__setitem__(wire.FLAGS_OFFSET, wire.FLAG_PEER_ERROR),
+    "non-finite flag": lambda b: b[1].__setitem__(wire.FLAGS_OFFSET, wire.FLAG_NONFINITE),
+    "body": lambda b: b[1].__setitem__(wire.HEADER_BYTES + 3, b[1, wire.HEADER_BYTES + 3] ^ 8),
+    "trailer": lambda b: b[0].__setitem__(-1, b[0, -1] ^ 1),
+}
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("same_shard", [True, False])
+@pytest.mark.parametrize("corruption", _CORRUPTIONS)
+def test_the_cuda_check_launches_kernels_that_give_the_torch_verdict(monkeypatch, corruption,
+                                                                    same_shard, checksum):
+    """The CUDA launcher's side of `Kernels.check`, on CPU memory: the checksum and check_fold
+    launches, run through their contracts, give `framing.check_with_torch`'s (non-finite,
+    foreign) for received rows of one shard (a decode-sum) or of consecutive shards (a
+    decode-into), whatever is corrupted."""
+    launches = []
+    monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launches.append(
+        (name, grid if isinstance(grid, tuple) else (grid,), args)))
+    codec, messages = _encoded(2, 100, 4, cpu.KERNELS)
+    shards = [1, 1] if same_shard else [0, 1]
+    if same_shard:
+        messages[:, wire.SHARD_OFFSET:wire.SHARD_OFFSET + 2] = torch.tensor([1, 0],
+                                                                            dtype=torch.uint8)
+        messages = messages.clone()
+    _CORRUPTIONS[corruption](messages)
+    want = check_with_torch(cpu.KERNELS, messages, codec.header(100), shards, checksum)
+    nonfinite, foreign = cuda.KERNELS.check(messages, codec.header(100), shards, checksum)
+    names = [name for name, _, _ in launches]
+    assert names == ([cuda.CHECKSUM] if checksum else []) + [cuda.CHECK_FOLD]
+    for name, grid, args in launches:
+        (_run_checksum if name == cuda.CHECKSUM else _run_check_fold)(grid, args)
+    assert (bool(nonfinite), bool(foreign)) == (bool(want[0]), bool(want[1]))
+    if corruption in ("none", "non-finite flag") or (corruption in ("body", "trailer")
+                                                   and not checksum):
+        assert not bool(foreign)
+    else:
+        assert bool(foreign)

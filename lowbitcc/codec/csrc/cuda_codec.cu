@@ -27,6 +27,8 @@
 //   padding cleared in the same pass, the rows' non-finite flags OR-ed alongside, and the fold
 //   writing each row's header (loco::header_word) and trailer in place; the C++ frame shares
 //   loco::padded_word and loco::header_word.
+// check_fold: Kernels.check after checksum: each received row's header words against the call's
+//   (loco::header_word) and its trailer against its sums, OR-ed into a two-byte verdict.
 #include "loco_codec.cuh"
 
 #include <cuda_bf16.h>
@@ -387,6 +389,33 @@ __global__ void frame_fold(unsigned char* __restrict__ msgs, long long P, long l
   *reinterpret_cast<unsigned long long*>(msgs + r * P + P - kTrailerBytes) =
       with_checksum ? ((s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32)) : 0ull;
   if (bad) *any_bad = 1;
+}
+
+// check_fold: one thread per received row after checksum (sums [rows, 2]): the row is foreign
+// where a header word differs from `header` with shard shard0 + r * shard_step and the row's
+// own non-finite flag (any other flag differs), or, with `with_checksum`, where its trailer
+// differs from its sums' fold; verdict[0] (foreign) and verdict[1] (non-finite), bytes zero
+// before, become 1 where any row is. Rows start 8-byte aligned (the launcher checks).
+__global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, long long rows,
+                           const unsigned long long* __restrict__ sums, const Header header,
+                           long long shard0, long long shard_step, int with_checksum,
+                           unsigned char* __restrict__ verdict) {
+  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const unsigned int* h = reinterpret_cast<const unsigned int*>(msgs + r * P);
+  const unsigned int flags = msgs[r * P + loco::kFlagsOffset];
+  const unsigned int nonfinite = flags & loco::kFlagNonfinite;
+  bool foreign = false;
+  for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
+    foreign |= h[k] != loco::header_word(header.w, k, (unsigned int)(shard0 + r * shard_step),
+                                         nonfinite);
+  if (with_checksum) {
+    const unsigned long long n = sums[2 * r], s = sums[2 * r + 1];
+    const unsigned long long fold = (s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32);
+    foreign |= *reinterpret_cast<const unsigned long long*>(msgs + r * P + P - kTrailerBytes) != fold;
+  }
+  if (foreign) verdict[0] = 1;
+  if (nonfinite) verdict[1] = 1;
 }
 
 }  // namespace loco_cuda

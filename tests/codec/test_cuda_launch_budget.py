@@ -1,0 +1,145 @@
+"""The GPU work one steady-state compressed all-reduce issues on CUDA, counted without a GPU.
+
+The CUDA code branch of the direct schedule runs on ``device="meta"`` tensors (shapes and
+dtypes, no data) with the CUDA kernels' launcher and the NCCL transport's process group
+replaced by recorders; a `TorchDispatchMode` classifies every torch operation as GPU work
+(a kernel), a host-to-device copy, a host synchronisation, an allocation or a view (free).
+The budgets below are today's (2026-11-27: 25 kernels at 2 ranks, 34 at 4; before the frame
+and check kernels 43 and 58, with header uploads); issue 47 asks for 3 launches of lowbitcc's
+own, no copy and no allocation per call: lower them as the path gets there, never raise them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowbitcc.codec import cuda
+from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.compressor import CallCompressor, Scratch, Source
+from lowbitcc.counters import Stats
+from lowbitcc.feedback import FeedbackStore
+from lowbitcc.schedules import direct
+from lowbitcc.transports.links import Links
+from lowbitcc.transports.nccl import NcclTransport
+
+FREE = ("view", "_unsafe_view", "select", "slice", "detach", "alias", "as_strided", "split",
+        "_reshape_alias", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute",
+        "lift_fresh", "reshape")
+"""Operations that only make a new view of memory: no GPU work."""
+ALLOCATING = ("empty", "empty_like", "empty_strided", "new_empty")
+SYNCHRONISING = ("_local_scalar_dense", "equal", "nonzero", "item")
+ALLOCATING_KERNELS = ("zeros", "zeros_like", "new_zeros", "clone", "full", "ones")
+"""An allocation and a kernel (a fill or a copy)."""
+
+
+@dataclasses.dataclass
+class GpuWork:
+    kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    launches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    allocations: int = 0
+    host_to_device: int = 0
+    synchronisations: int = 0
+    nccl: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def total_kernels(self) -> int:
+        """Kernels of lowbitcc's own: torch's and the CUDA codec's (NCCL's not included)."""
+        return sum(self.kernels.values()) + sum(self.launches.values())
+
+
+class _Classified(TorchDispatchMode):
+    def __init__(self, work: GpuWork) -> None:
+        super().__init__()
+        self.work = work
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        out = func(*args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name in FREE:
+            pass
+        elif name in ALLOCATING:
+            self.work.allocations += 1
+        elif name in SYNCHRONISING:
+            self.work.synchronisations += 1
+        elif any(t.device.type == "cpu" for t in tensors) and isinstance(out, torch.Tensor) \
+                and out.device.type == "meta" or (name == "copy_" and tensors[1].device.type == "cpu"):
+            self.work.host_to_device += 1
+        else:
+            self.work.allocations += name in ALLOCATING_KERNELS or (
+                name != "copy_" and not name.endswith("_") and isinstance(out, torch.Tensor))
+            self.work.kernels[name] += 1
+        return out
+
+
+class _RecordingGroup:
+    """The inner NCCL group: records each collective (on a GPU, NCCL's own kernel)."""
+
+    def __init__(self, work: GpuWork, rank: int, size: int) -> None:
+        self.work, self._rank, self._size = work, rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def alltoall_base(self, recv, send, *args):
+        self.work.nccl["all_to_all"] += 1
+
+    def _allgather_base(self, recv, send, *args):
+        self.work.nccl["all_gather"] += 1
+
+
+def _steady_state_call(world: int, numel: int, monkeypatch) -> GpuWork:
+    """The GPU work of the third all-reduce of one key (its error state kept), rank 0."""
+    work = GpuWork()
+    monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
+        [name.split("<")[0].removeprefix("loco_cuda::")]))
+    store, scratch = FeedbackStore(), Scratch()
+    links = Links.of(NcclTransport(_RecordingGroup(work, 0, world)))
+    x = torch.empty(numel, device="meta")
+    out = torch.empty(numel, device="meta")
+    m = -(-numel // world)
+    for seq in range(3):
+        codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=seq, world=world,
+                           signature=1, fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+        comp = CallCompressor(codec, store, "bucket", Stats(), error_dtype="int8", beta=0.8,
+                              reset_interval=1024, rank=0, scratch=scratch)
+        if seq < 2:
+            direct.all_reduce(Source(x, world, m), out, comp, links)
+            comp.finish()
+            continue
+        work.launches.clear()
+        work.nccl.clear()
+        with _Classified(work):
+            direct.all_reduce(Source(x, world, m), out, comp, links)
+            comp.finish()
+    return work
+
+
+BUDGET = {2: dict(kernels=25, allocations=15, host_to_device=0, synchronisations=0),
+          4: dict(kernels=34, allocations=20, host_to_device=0, synchronisations=0)}
+"""Per steady-state compressed all-reduce of 1 Mi fp32 elements (MXFP4, int8 error state,
+checksums off as on CUDA by default): today's counts, the most a change may leave."""
+
+
+@pytest.mark.parametrize("world", sorted(BUDGET))
+def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, monkeypatch):
+    work = _steady_state_call(world, 1 << 20, monkeypatch)
+    budget = BUDGET[world]
+    summary = (f"{work.total_kernels} kernels: torch {dict(work.kernels)}, codec "
+               f"{dict(work.launches)}; {work.allocations} allocations, {work.host_to_device} uploads, "
+               f"{work.synchronisations} synchronisations; NCCL {dict(work.nccl)}")
+    assert work.total_kernels <= budget["kernels"], summary
+    assert work.allocations <= budget["allocations"], summary
+    assert work.host_to_device <= budget["host_to_device"], summary
+    assert work.synchronisations <= budget["synchronisations"], summary
+    assert work.launches["encode"] == (1 if world == 2 else 2), summary
+    assert sum(work.nccl.values()) == (1 if world == 2 else 2), summary
