@@ -14,8 +14,9 @@ ranks that receive them fail their decode in turn), and `raise_deferred` raises 
 schedule has finished. So every rank completes the same transfers, the group stays in step for
 its next call, and each rank that received a bad message, or a message built from one, raises.
 
-On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag and its
-residual sums stay 0-dim/[2] device tensors, and `finish` zeroes the new error states on the
+On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag stays a
+0-dim device tensor, the encodes add their residual sums into the statistics' device
+accumulator (`Stats.accumulator`), and `finish` zeroes the new error states on the
 device where the call was non-finite (a zero state compensates exactly like a dropped one)
 instead of dropping them, so a call is enqueued without waiting for the GPU.
 """
@@ -119,12 +120,16 @@ class CallCompressor:
                                           self.buffer)
         # stochastic rounding: each rank and stage of a call draws its own random bits
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
+        device = source.tensor.device
+        on_device = device.type != "cpu"
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream,
+            sums=self.stats.accumulator("compressed", device) if on_device else None,
         )
         self._flag(result.any_nonfinite)
-        self._sums = result.sums if self._sums is None else self._sums + result.sums
+        if not on_device:
+            self._sums = result.sums if self._sums is None else self._sums + result.sums
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
         if self.wire_error is not None:

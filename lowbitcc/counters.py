@@ -57,7 +57,9 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters = {"compressed": Counters(), "exact": Counters()}
-        self._device_sums: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._accumulators: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._read: dict[tuple[str, torch.device], list[float]] = {}
+        self._retired: list[torch.Tensor] = []
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -66,26 +68,32 @@ class Stats:
                 setattr(c, name, getattr(c, name) + delta)
 
     def add_sums(self, category: str, sums: torch.Tensor) -> None:
-        """Add float64 ``[residual_sq, input_sq]``. CPU sums are added now; device sums are
-        accumulated on their device (no synchronisation) and read by `snapshot`."""
-        if sums.device.type == "cpu":
-            residual_sq, input_sq = sums.tolist()
-            self.add(category, residual_sq=residual_sq, input_sq=input_sq)
-            return
-        with self._lock:
-            key = (category, sums.device)
-            pending = self._device_sums.get(key)
-            if pending is not None:  # read on this stream, then dropped: keep it until read
-                pending.record_stream(torch.cuda.current_stream(sums.device))
-            self._device_sums[key] = sums.clone() if pending is None else pending + sums
+        """Add float64 ``[residual_sq, input_sq]`` held on the CPU (kernels on a device add
+        theirs into `accumulator`)."""
+        residual_sq, input_sq = sums.tolist()
+        self.add(category, residual_sq=residual_sq, input_sq=input_sq)
+
+    def accumulator(self, category: str, device: torch.device) -> torch.Tensor:
+        """float64 ``[residual_sq, input_sq]`` on ``device`` (not the CPU) that kernels add a
+        category's sums into, on any stream, without a launch of their own: made once and kept
+        for the process (`snapshot` reads what was added since its last read)."""
+        key = (category, device)
+        acc = self._accumulators.get(key)
+        if acc is None:
+            with self._lock:
+                acc = self._accumulators.setdefault(
+                    key, torch.zeros(2, dtype=torch.float64, device=device))
+        return acc
 
     def snapshot(self) -> dict[str, Any]:
-        """The counters (waits for the device sums still being computed)."""
+        """The counters (waits for the device sums still being computed on this stream)."""
         with self._lock:
-            device_sums, self._device_sums = self._device_sums, {}
-        for (category, _), sums in device_sums.items():
-            residual_sq, input_sq = sums.tolist()
-            self.add(category, residual_sq=residual_sq, input_sq=input_sq)
+            accumulators = dict(self._accumulators)
+        for key, acc in accumulators.items():
+            now = acc.tolist()
+            before = self._read.get(key, [0.0, 0.0])
+            self._read[key] = now
+            self.add(key[0], residual_sq=now[0] - before[0], input_sq=now[1] - before[1])
         with self._lock:
             out = {k: dataclasses.asdict(v) for k, v in self._counters.items()}
         comp = out["compressed"]
@@ -101,6 +109,8 @@ class Stats:
     def reset(self) -> None:
         with self._lock:
             self._counters = {"compressed": Counters(), "exact": Counters()}
-            self._device_sums = {}
+            # kernels may still add into the accumulators: kept alive, new ones from now on
+            self._retired.extend(self._accumulators.values())
+            self._accumulators, self._read = {}, {}
 
 

@@ -26,8 +26,9 @@ class EncodeArgs:
     ``wire.HEADER_BYTES`` to ``wire.used_bytes`` the kernels write (the header and the padding
     are the caller's); ``state`` (None: feedback off) is read and then updated in place, and
     ``has_error`` says whether it holds an error to apply (False: it starts at zero);
-    ``nonfinite`` ``uint8 [rows * ng]`` and ``sums`` ``float64 [2]`` (residual^2, input^2) come
-    zeroed and are written. All tensors are contiguous and on the source's device.
+    ``nonfinite`` ``uint8 [rows * ng]`` comes zeroed and is written; the encode adds its
+    residual^2 and input^2 into ``sums`` ``float64 [2]`` (a call's encodes, or every call's, may
+    share one). All tensors are contiguous and on the source's device.
     """
 
     source: torch.Tensor

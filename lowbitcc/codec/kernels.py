@@ -56,8 +56,8 @@ class ReferenceKernels:
         finite = torch.isfinite(scales)
         args.nonfinite.copy_((~finite).to(torch.uint8))
         compensated = groups if e is None else groups + e
-        args.sums[0] = residual[finite].double().square().sum()
-        args.sums[1] = compensated[finite].double().square().sum()
+        args.sums[0] += residual[finite].double().square().sum()
+        args.sums[1] += compensated[finite].double().square().sum()
         if args.state is not None:
             new = ErrorState.encode(new_e.reshape(-1), args.state.dtype, G)
             args.state.data.copy_(new.data)

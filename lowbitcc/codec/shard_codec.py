@@ -124,6 +124,7 @@ class ShardCodec:
         error_dtype: str | None,
         stream: int = 0,
         out: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
@@ -133,7 +134,9 @@ class ShardCodec:
         selects the random bits of stochastic rounding: encodes of one call that must draw
         independent bits (other ranks, other stages) pass different streams. ``out`` (uint8
         ``[rows, message_bytes(m)]``, contiguous, on the source's device), when given, receives
-        the messages: every byte of it is written.
+        the messages: every byte of it is written. ``sums`` (float64 ``[2]`` on the source's
+        device), when given, receives this encode's residual and input squares added to what it
+        holds (and is the result's ``sums``); otherwise a new zeroed one does.
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
@@ -164,7 +167,7 @@ class ShardCodec:
             has_error=error is not None, beta=float(beta), bits=self.bits,
             group_size=self.group_size, keys=self.keys(stream),
             nonfinite=torch.zeros(rows * ng, dtype=torch.uint8, device=device),
-            sums=torch.zeros(2, dtype=torch.float64, device=device),
+            sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,
         )
         self.kernels.encode(args)

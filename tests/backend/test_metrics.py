@@ -42,3 +42,23 @@ def test_step_metrics_count_each_step_once():
         for r in rows[3:]:
             assert r["loco/compressed_calls"] == 0 and r["loco/wire_mib"] == 0
             assert r["loco/compression"] == 1.0 and r["loco/relative_error"] == 0.0
+
+
+def test_a_device_accumulator_is_read_as_what_was_added_since_the_last_read():
+    """`Stats.accumulator`: kernels add into one tensor per device for the process; each
+    snapshot adds what arrived since the previous one, and a reset starts a new tensor."""
+    from lowbitcc.counters import Stats
+
+    stats = Stats()
+    acc = stats.accumulator("compressed", torch.device("cpu"))
+    assert stats.accumulator("compressed", torch.device("cpu")) is acc
+    acc += torch.tensor([4.0, 16.0], dtype=torch.float64)
+    comp = stats.snapshot()["compressed"]
+    assert (comp["residual_sq"], comp["input_sq"], comp["relative_error"]) == (4.0, 16.0, 0.5)
+    acc += torch.tensor([5.0, 9.0], dtype=torch.float64)
+    comp = stats.snapshot()["compressed"]
+    assert (comp["residual_sq"], comp["input_sq"]) == (9.0, 25.0)
+    assert stats.snapshot()["compressed"]["residual_sq"] == 9.0
+    stats.reset()
+    assert stats.accumulator("compressed", torch.device("cpu")) is not acc
+    assert stats.snapshot()["compressed"]["residual_sq"] == 0.0

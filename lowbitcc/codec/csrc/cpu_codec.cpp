@@ -807,8 +807,8 @@ void encode_typed(const EncodeArgs& a, int64_t bits, int threads) {
   else if (bits == 2) encode_bits<T, 2>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else if (bits == 4) encode_bits<T, 4>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else encode_bits<T, 8>(src, a, a.mode, a.nonfinite, rs, is, threads);
-  a.sums[0] = rs;
-  a.sums[1] = is;
+  a.sums[0] += rs;
+  a.sums[1] += is;
 }
 
 // A tensor attribute of the Python EncodeArgs (None -> undefined tensor).

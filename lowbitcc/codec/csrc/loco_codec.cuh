@@ -71,7 +71,7 @@ struct EncodeArgs {
   float* ef32;         // kErrorFp32: [rows * ng * G], updated in place
   uint16_t* ebf16;     // kErrorBf16: [rows * ng * G] bfloat16 bits, updated in place
   uint8_t* nonfinite;  // [rows * ng] out: 1 where a group held NaN or Inf (zeroed by the host)
-  double* sums;        // [2] out: residual^2 and compensated input^2 over finite groups
+  double* sums;        // [2] in/out: residual^2 and compensated input^2 over finite groups, added
   int64_t numel;
   int64_t rows;
   int64_t m;
