@@ -219,6 +219,25 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
     return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)[()]
 
 
+def _aligned_stride(messages: torch.Tensor) -> int | None:
+    """The distance in bytes between rows of ``messages`` (uint8 ``[rows, P]``, rows
+    contiguous) where the checksum kernels can read them: whole words of body, every row
+    starting 8-byte aligned, at most a grid's second dimension of rows; else None."""
+    rows, width = messages.shape
+    stride = messages.stride(0) if rows > 1 else width
+    if ((width - wire.HEADER_BYTES - wire.TRAILER_BYTES) % 8 or width % 8 or stride % 8
+            or messages.data_ptr() % 8 or (width > 1 and messages.stride(1) != 1)
+            or stride < width or not 0 < rows <= MAX_GRID_Y):
+        return None
+    return stride
+
+
+def _checksum_blocks(width: int) -> int:
+    """Blocks per row of a checksum pass over messages of ``width`` bytes."""
+    body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
+    return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
+
+
 class CudaKernels:
     """`kernels.Kernels` on CuPy's NVRTC build of ``cuda_codec.cu``; CUDA tensors only, launched
     on torch's current stream, with no host synchronisation."""
@@ -237,34 +256,31 @@ class CudaKernels:
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor) -> None:
-        messages = messages.contiguous()  # the kernels read rows P bytes apart
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
-                (_p(messages), np.int64(messages.shape[0]), np.int64(messages.shape[1]),
+                (_p(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
                  np.int64(m), np.int32(group_size), _p(out)))
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor) -> None:
         n = out.numel()
-        messages = messages.contiguous()
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
-                (_p(messages), np.int64(messages.shape[1]), np.int64(m), np.int32(group_size),
+                (_p(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
                  np.int64(n), _p(out)))
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64
-        per row), on the current stream. Rows that do not start 8-byte aligned, or more rows
-        than a grid's second dimension holds, take `reference.checksum` (torch's kernels)."""
+        per row), on the current stream. Rows that `_aligned_stride` refuses take
+        `reference.checksum` (torch's kernels)."""
         rows, width = messages.shape
-        body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
-        if (body % 8 or width % 8 or messages.data_ptr() % 8 or not messages.is_contiguous()
-                or not 0 < rows <= MAX_GRID_Y):
+        stride = _aligned_stride(messages)
+        if stride is None:
             return reference.checksum(messages)
         sums = torch.zeros(rows, 2, dtype=torch.int64, device=messages.device)
         out = torch.empty(rows, dtype=torch.int64, device=messages.device)
-        blocks = max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
-        _launch(CHECKSUM, messages.device, (blocks, rows),
-                (_p(messages), np.int64(width), np.uint64(wire.CHECKSUM_STEP), _p(sums)))
+        _launch(CHECKSUM, messages.device, (_checksum_blocks(width), rows),
+                (_p(messages), np.int64(width), np.int64(stride), np.uint64(wire.CHECKSUM_STEP),
+                 _p(sums)))
         _launch(CHECKSUM_FOLD, messages.device, -(-rows // THREADS),
                 (_p(sums), np.int64(rows), _p(out)))
         return out
@@ -277,17 +293,14 @@ class CudaKernels:
         that do not start 8-byte aligned, more rows than a grid's second dimension holds, or
         shards that are not consecutive take `framing.frame_with_torch`."""
         rows, width = messages.shape
-        if (width % 8 or messages.data_ptr() % 8 or not messages.is_contiguous()
-                or not 0 < rows <= MAX_GRID_Y or not nonfinite.is_contiguous()
+        if (_aligned_stride(messages) != width or not nonfinite.is_contiguous()
                 or shards != list(range(shards[0], shards[0] + rows))):
             return frame_with_torch(self, messages, header, shards, nonfinite, used, flags,
                                     checksum)
         device = messages.device
         acc = torch.zeros(3 * rows + 1, dtype=torch.int64, device=device)
         answer = acc[-1:].view(torch.bool)[0]
-        body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
-        blocks = max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
-        _launch(FRAME_BODY, device, (blocks, rows),
+        _launch(FRAME_BODY, device, (_checksum_blocks(width), rows),
                 (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
                  np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP), _p(acc)))
         _launch(FRAME_FOLD, device, -(-rows // THREADS),
@@ -305,23 +318,23 @@ class CudaKernels:
         """One zero-fill and, with checksums, `CHECKSUM` into it, then `CHECK_FOLD`: the two
         answers are 0-dim bool views of the zero-filled buffer's last word. Rows that do not
         start 8-byte aligned, more rows than a grid's second dimension holds, or shards other
-        than ``s0 + r * step`` (step 0 or 1) take `framing.check_with_torch`."""
+        than ``s0 + r * step`` (step 0 or 1) take `framing.check_with_torch`. Rows may lie
+        apart (a column of gathered messages)."""
         rows, width = messages.shape
         step = shards[1] - shards[0] if rows > 1 else 0
-        if (width % 8 or messages.data_ptr() % 8 or not messages.is_contiguous()
-                or not 0 < rows <= MAX_GRID_Y or step not in (0, 1)
+        stride = _aligned_stride(messages)
+        if (stride is None or step not in (0, 1)
                 or shards != [shards[0] + r * step for r in range(rows)]):
             return check_with_torch(self, messages, header, shards, checksum)
         device = messages.device
         acc = torch.zeros(2 * rows + 1, dtype=torch.int64, device=device)
         verdict = acc[-1:].view(torch.bool)
-        body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
         if checksum:
-            blocks = max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
-            _launch(CHECKSUM, device, (blocks, rows),
-                    (_p(messages), np.int64(width), np.uint64(wire.CHECKSUM_STEP), _p(acc)))
+            _launch(CHECKSUM, device, (_checksum_blocks(width), rows),
+                    (_p(messages), np.int64(width), np.int64(stride),
+                     np.uint64(wire.CHECKSUM_STEP), _p(acc)))
         _launch(CHECK_FOLD, device, -(-rows // THREADS),
-                (_p(messages), np.int64(width), np.int64(rows), _p(acc),
+                (_p(messages), np.int64(width), np.int64(stride), np.int64(rows), _p(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
                  np.int64(step), np.int32(checksum), _p(verdict)))
         return verdict[1], verdict[0]

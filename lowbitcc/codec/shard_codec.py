@@ -197,8 +197,6 @@ class ShardCodec:
         messages checked on the device, ``foreign`` (if given) receives the 0-dim flag of a
         message that does not belong to the call (also in ``nonfinite``)."""
         shards = [shard] * messages.shape[0]
-        if messages.device.type != "cpu":
-            messages = messages.contiguous()  # the CUDA kernels read rows P bytes apart
         nonfinite = self._check_before(messages, m, shards)
         if out is None:
             out = torch.empty(m, dtype=torch.float32, device=messages.device)

@@ -235,7 +235,8 @@ def test_cuda_frame_kernels_write_the_reference_bytes(rows, m, seed, checksum, d
 @settings(max_examples=100, deadline=None)
 def test_cuda_check_kernels_give_the_torch_verdict(rows, m, seed, checksum, same_shard, data):
     """`CudaKernels.check` (checksum, check_fold) on encoded messages with one byte changed
-    anywhere (or none): the (non-finite, foreign) answers of `framing.check_with_torch`."""
+    anywhere (or none), contiguous or rows apart: the (non-finite, foreign) answers of
+    `framing.check_with_torch`."""
     from lowbitcc.codec.framing import check_with_torch
     from lowbitcc.codec.kernels import REFERENCE
 
@@ -251,5 +252,10 @@ def test_cuda_check_kernels_give_the_torch_verdict(rows, m, seed, checksum, same
         at = data.draw(st.integers(0, host.shape[1] - 1))
         host[r, at] ^= data.draw(st.sampled_from([1, 2, 4, 128]))
     want = check_with_torch(REFERENCE, host, codec.header(m), shards, checksum)
-    got = cuda.KERNELS.check(host.cuda(), codec.header(m), shards, checksum)
+    messages = host.cuda()
+    if data.draw(st.booleans()):  # rows apart, as a column of gathered messages
+        room = torch.zeros(rows, 3 * host.shape[1], dtype=torch.uint8, device="cuda")
+        messages = room[:, :host.shape[1]]
+        messages.copy_(host)
+    got = cuda.KERNELS.check(messages, codec.header(m), shards, checksum)
     assert (bool(got[0]), bool(got[1])) == (bool(want[0]), bool(want[1]))

@@ -131,6 +131,12 @@ def _memory(address: int, n: int, dtype) -> np.ndarray:
         int(address))).view(dtype)
 
 
+def _rows(address: int, rows: int, P: int, stride: int) -> np.ndarray:
+    """uint8 ``[rows, P]`` at a host address, rows ``stride`` bytes apart."""
+    return np.lib.stride_tricks.as_strided(_memory(address, (rows - 1) * stride + P, np.uint8),
+                                           (rows, P), (stride, 1))
+
+
 def _run_frame_body(grid, args) -> None:
     """``loco_cuda::frame_body``'s contract (cuda_codec.cu), one row per ``grid[1]``."""
     msgs, P, used, nonfinite, ng, step, acc = (int(a) for a in args)
@@ -204,9 +210,9 @@ def test_the_cuda_frame_launches_two_kernels_that_write_the_reference_bytes(monk
 
 def _run_checksum(grid, args) -> None:
     """``loco_cuda::checksum``'s contract: each row's sums N and S added into ``sums``."""
-    msgs, P, step, sums = (int(a) for a in args)
+    msgs, P, stride, step, sums = (int(a) for a in args)
     rows = grid[1]
-    rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
+    rows_bytes = _rows(msgs, rows, P, stride)
     out = _memory(sums, 2 * rows, np.uint64).reshape(rows, 2)
     for r in range(rows):
         words = [int(w) for w in rows_bytes[r, wire.HEADER_BYTES:P - wire.TRAILER_BYTES].view("<u8")]
@@ -217,9 +223,9 @@ def _run_checksum(grid, args) -> None:
 
 def _run_check_fold(grid, args) -> None:
     """``loco_cuda::check_fold``'s contract: the verdict's foreign and non-finite bytes."""
-    msgs, P, rows, sums = (int(a) for a in args[:4])
-    header, shard0, shard_step, with_checksum, verdict = args[4:]
-    rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
+    msgs, P, stride, rows, sums = (int(a) for a in args[:5])
+    header, shard0, shard_step, with_checksum, verdict = args[5:]
+    rows_bytes = _rows(msgs, rows, P, stride)
     folded = _memory(sums, 2 * rows, np.uint64).reshape(rows, 2)
     out = _memory(verdict, 2, np.uint8)
     for r in range(rows):
@@ -258,8 +264,8 @@ def test_the_cuda_check_launches_kernels_that_give_the_torch_verdict(monkeypatch
                                                                     same_shard, checksum):
     """The CUDA launcher's side of `Kernels.check`, on CPU memory: the checksum and check_fold
     launches, run through their contracts, give `framing.check_with_torch`'s (non-finite,
-    foreign) for received rows of one shard (a decode-sum) or of consecutive shards (a
-    decode-into), whatever is corrupted."""
+    foreign) for received rows of one shard (a decode-sum: a column of gathered messages,
+    rows apart) or of consecutive shards (a decode-into), whatever is corrupted."""
     launches = []
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launches.append(
         (name, grid if isinstance(grid, tuple) else (grid,), args)))
@@ -268,7 +274,9 @@ def test_the_cuda_check_launches_kernels_that_give_the_torch_verdict(monkeypatch
     if same_shard:
         messages[:, wire.SHARD_OFFSET:wire.SHARD_OFFSET + 2] = torch.tensor([1, 0],
                                                                             dtype=torch.uint8)
-        messages = messages.clone()
+        gathered = torch.stack([messages, messages.flip(0)], dim=1)  # [ranks, rows, P]
+        messages = gathered[:, 0]
+        assert messages.stride(0) == 2 * messages.shape[1]
     _CORRUPTIONS[corruption](messages)
     want = check_with_torch(cpu.KERNELS, messages, codec.header(100), shards, checksum)
     nonfinite, foreign = cuda.KERNELS.check(messages, codec.header(100), shards, checksum)

@@ -246,6 +246,7 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
 
 // out[j] = sum over rows r (in order) of message r's element j, for j < m.
 template <int BITS, int FMT>
+// (P: the distance between rows, at least their length: a column of gathered messages too)
 __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
                            long long m, int G, float* __restrict__ out) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -274,13 +275,14 @@ constexpr int kMaxWarps = 32;  // warps in the largest block CUDA allows (1024 t
 // sums[2 * r] += N and sums[2 * r + 1] += S of row r's body (bytes kHeaderBytes ..
 // P - kTrailerBytes, as 64-bit words w_i, i from 0): N = sum of lo32(y_i) * hi32(y_i) with
 // y_i = w_i + (i + 1) * step, S = sum of the 32-bit halves of every w_i (both mod 2^64). Row r
-// is blockIdx.y; rows start 8-byte aligned (the launcher checks). `sums` starts at zero.
-__global__ void checksum(const unsigned char* __restrict__ msgs, long long P,
+// is blockIdx.y, `stride` bytes after row r - 1; rows start 8-byte aligned (the launcher
+// checks). `sums` starts at zero.
+__global__ void checksum(const unsigned char* __restrict__ msgs, long long P, long long stride,
                          unsigned long long step, unsigned long long* __restrict__ sums) {
   const long long row = blockIdx.y;
   const long long words = (P - loco::kHeaderBytes - kTrailerBytes) / 8;
   const unsigned long long* w =
-      reinterpret_cast<const unsigned long long*>(msgs + row * P + loco::kHeaderBytes);
+      reinterpret_cast<const unsigned long long*>(msgs + row * stride + loco::kHeaderBytes);
   unsigned long long n = 0, s = 0;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words;
        i += (long long)gridDim.x * blockDim.x) {
@@ -395,15 +397,18 @@ __global__ void frame_fold(unsigned char* __restrict__ msgs, long long P, long l
 // where a header word differs from `header` with shard shard0 + r * shard_step and the row's
 // own non-finite flag (any other flag differs), or, with `with_checksum`, where its trailer
 // differs from its sums' fold; verdict[0] (foreign) and verdict[1] (non-finite), bytes zero
-// before, become 1 where any row is. Rows start 8-byte aligned (the launcher checks).
-__global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, long long rows,
+// before, become 1 where any row is. Rows of P bytes lie `stride` bytes apart and start 8-byte
+// aligned (the launcher checks).
+__global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, long long stride,
+                           long long rows,
                            const unsigned long long* __restrict__ sums, const Header header,
                            long long shard0, long long shard_step, int with_checksum,
                            unsigned char* __restrict__ verdict) {
   const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  const unsigned int* h = reinterpret_cast<const unsigned int*>(msgs + r * P);
-  const unsigned int flags = msgs[r * P + loco::kFlagsOffset];
+  const unsigned char* row = msgs + r * stride;
+  const unsigned int* h = reinterpret_cast<const unsigned int*>(row);
+  const unsigned int flags = row[loco::kFlagsOffset];
   const unsigned int nonfinite = flags & loco::kFlagNonfinite;
   bool foreign = false;
   for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
@@ -412,7 +417,7 @@ __global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, 
   if (with_checksum) {
     const unsigned long long n = sums[2 * r], s = sums[2 * r + 1];
     const unsigned long long fold = (s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32);
-    foreign |= *reinterpret_cast<const unsigned long long*>(msgs + r * P + P - kTrailerBytes) != fold;
+    foreign |= *reinterpret_cast<const unsigned long long*>(row + P - kTrailerBytes) != fold;
   }
   if (foreign) verdict[0] = 1;
   if (nonfinite) verdict[1] = 1;
