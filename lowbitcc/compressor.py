@@ -30,7 +30,7 @@ import zlib
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lowbitcc.codec import wire
+from lowbitcc.codec import framing, wire
 from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.shard_codec import Flag, ShardCodec
 from lowbitcc.counters import Stats
@@ -101,7 +101,10 @@ class CallCompressor:
         self._sums: torch.Tensor | None = None
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
         self.wire_error: wire.WireFormatError | None = None
-        self._foreign: list[torch.Tensor] = []
+        self._verdict: torch.Tensor | None = None
+        """The call's verdict on its device (`framing.new_verdict`), made by its first encode
+        or decode of device tensors: the kernels set its bytes, so the call's flags cost no
+        launch of their own."""
         self.deviated: int | None = None
         """The `wire.call_signature` of this rank's own call where this compressor runs another
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
@@ -126,6 +129,7 @@ class CallCompressor:
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream,
             sums=self.stats.accumulator("compressed", device) if on_device else None,
+            verdict=self._device_verdict(device),
         )
         self._flag(result.any_nonfinite)
         if not on_device:
@@ -140,18 +144,29 @@ class CallCompressor:
         return result.messages
 
     def _flag(self, nonfinite: Flag) -> None:
-        """OR ``nonfinite`` into the call's flag (a device tensor stays on its device)."""
-        if isinstance(nonfinite, torch.Tensor) and nonfinite.device.type == "cpu":
+        """OR a host ``nonfinite`` into the call's flag (a device flag is already in the call's
+        verdict)."""
+        if isinstance(nonfinite, torch.Tensor):
+            if nonfinite.device.type != "cpu":
+                return
             nonfinite = bool(nonfinite)
-        self.nonfinite = self.nonfinite | nonfinite
+        self.nonfinite = self.nonfinite or nonfinite
+
+    def _device_verdict(self, device: torch.device) -> torch.Tensor | None:
+        """The call's verdict where ``device`` is not the CPU (made on first use), else None."""
+        if device.type == "cpu":
+            return None
+        if self._verdict is None:
+            self._verdict = framing.new_verdict(device)
+        return self._verdict
 
     def foreign(self) -> torch.Tensor | None:
-        """CUDA messages checked on the device: a 0-dim bool device tensor, set where a message
-        of this call did not belong to it (another rank deviated, or it arrived corrupt; its
-        values decoded as NaN); None where nothing was checked on the device."""
-        if not self._foreign:
+        """Calls on a device: a 0-dim bool device tensor (a view of the call's verdict), set
+        where a message of this call did not belong to it (another rank deviated, or it
+        arrived corrupt; its values decoded as NaN); None for calls on the CPU."""
+        if self._verdict is None:
             return None
-        return torch.stack(self._foreign).any() if len(self._foreign) > 1 else self._foreign[0]
+        return framing.verdict_flag(self._verdict, framing.VERDICT_FOREIGN)
 
     def scratch(self, n: int, device: torch.device) -> torch.Tensor:
         """fp32 ``[n]`` to decode into, valid until the next `scratch` call of this group."""
@@ -165,7 +180,8 @@ class CallCompressor:
         rows contiguous, at any distance, e.g. a column of gathered messages)."""
         start = time.perf_counter()
         try:
-            total, nonfinite = self.codec.decode_sum(messages, m, shard, out, self._foreign)
+            total, nonfinite = self.codec.decode_sum(messages, m, shard, out,
+                                                     self._device_verdict(messages.device))
         except wire.WireFormatError as exc:
             total = out if out is not None else torch.empty(m, device=messages.device)
             nonfinite = self._deferred(exc, total)
@@ -178,7 +194,8 @@ class CallCompressor:
     ) -> None:
         start = time.perf_counter()
         try:
-            self._flag(self.codec.decode_into(messages, m, shard_ids, out, self._foreign))
+            self._flag(self.codec.decode_into(messages, m, shard_ids, out,
+                                              self._device_verdict(messages.device)))
         except wire.WireFormatError as exc:
             self._flag(self._deferred(exc, out))
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
@@ -210,9 +227,13 @@ class CallCompressor:
         ) from exc
 
     def finish(self) -> None:
-        """Store the new error states, or drop them all if the call saw a non-finite value (on
-        CUDA: zero them on the device), and add the residual sums to the statistics."""
-        bad = self.nonfinite
+        """Store the new error states, or drop them all if the call saw a non-finite value or
+        a foreign message (on a device, unless the host knows already: zero them on the
+        device, where the call's verdict has a byte set), and add host residual sums to the
+        statistics."""
+        bad: Flag = self.nonfinite
+        if not bad and self._verdict is not None:
+            bad = self._verdict.view(torch.int64)[0] != 0
         for key, (state, uses) in self._new_states.items():
             if isinstance(bad, torch.Tensor) and state is not None:
                 state.data.masked_fill_(bad, 0)

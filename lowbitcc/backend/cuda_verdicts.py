@@ -34,7 +34,8 @@ def verdict_word(calls: list[Any]) -> torch.Tensor | None:
     if not flags:
         return None
     word = torch.empty((), dtype=torch.uint8, pin_memory=True)
-    word.copy_(torch.stack(flags).any().to(torch.uint8), non_blocking=True)
+    flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+    word.copy_(flag.view(torch.uint8), non_blocking=True)  # a bool's byte: no kernel
     return word
 
 
@@ -57,7 +58,7 @@ class FlagCanary:
 
     def __init__(self, flag: torch.Tensor) -> None:
         self._host = torch.empty((), dtype=torch.uint8, pin_memory=True)
-        self._host.copy_(flag.to(torch.uint8), non_blocking=True)
+        self._host.copy_(flag.view(torch.uint8), non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
 

@@ -96,7 +96,9 @@ class CpuKernels:
                                torch.get_num_threads())
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> bool:
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+              verdict: torch.Tensor | None = None) -> bool:
+        """The answer is a host bool (``verdict`` is for calls on a device)."""
         return load().frame(messages, header, shards, nonfinite, used, flags, checksum,
                             reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
 
@@ -106,8 +108,9 @@ class CpuKernels:
                              reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return check_with_torch(self, messages, header, shards, checksum)
+              checksum: bool, verdict: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return check_with_torch(self, messages, header, shards, checksum, verdict)
 
 
 KERNELS = CpuKernels()

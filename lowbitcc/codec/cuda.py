@@ -21,7 +21,14 @@ import torch
 
 from lowbitcc.codec import formats, reference, wire
 from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
-from lowbitcc.codec.framing import check_with_torch, frame_with_torch, verify_with_torch
+from lowbitcc.codec.framing import (
+    VERDICT_FOREIGN,
+    VERDICT_NONFINITE,
+    check_with_torch,
+    frame_with_torch,
+    verdict_flag,
+    verify_with_torch,
+)
 from lowbitcc.codec.interface import EncodeArgs, Flag
 
 SOURCE = CSRC / "cuda_codec.cu"
@@ -286,20 +293,23 @@ class CudaKernels:
         return out
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+              verdict: torch.Tensor | None = None) -> Flag:
         """Two launches and one zero-fill on the current stream: `FRAME_BODY` clears the padding,
         sums the checksum and ORs each row's non-finite flags into ``acc``; `FRAME_FOLD` writes
-        headers and trailers and the answer, a 0-dim bool view of ``acc``'s last word. Rows
+        headers and trailers and the answer, a 0-dim bool view of ``acc``'s last word (of the
+        call's ``verdict`` where given: then ``acc`` has no such word). Rows
         that do not start 8-byte aligned, more rows than a grid's second dimension holds, or
         shards that are not consecutive take `framing.frame_with_torch`."""
         rows, width = messages.shape
         if (_aligned_stride(messages) != width or not nonfinite.is_contiguous()
                 or shards != list(range(shards[0], shards[0] + rows))):
             return frame_with_torch(self, messages, header, shards, nonfinite, used, flags,
-                                    checksum)
+                                    checksum, verdict)
         device = messages.device
-        acc = torch.zeros(3 * rows + 1, dtype=torch.int64, device=device)
-        answer = acc[-1:].view(torch.bool)[0]
+        acc = torch.zeros(3 * rows + (verdict is None), dtype=torch.int64, device=device)
+        answer = (verdict_flag(verdict, VERDICT_NONFINITE) if verdict is not None
+                  else acc[-1:].view(torch.bool)[0])
         _launch(FRAME_BODY, device, (_checksum_blocks(width), rows),
                 (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
                  np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP), _p(acc)))
@@ -314,9 +324,11 @@ class CudaKernels:
         return verify_with_torch(self, messages, header, shards, checksum)
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              checksum: bool, verdict: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One zero-fill and, with checksums, `CHECKSUM` into it, then `CHECK_FOLD`: the two
-        answers are 0-dim bool views of the zero-filled buffer's last word. Rows that do not
+        answers are 0-dim bool views of the zero-filled buffer's last word (of the call's
+        ``verdict`` where given: then no zero-fill without checksums). Rows that do not
         start 8-byte aligned, more rows than a grid's second dimension holds, or shards other
         than ``s0 + r * step`` (step 0 or 1) take `framing.check_with_torch`. Rows may lie
         apart (a column of gathered messages)."""
@@ -325,10 +337,12 @@ class CudaKernels:
         stride = _aligned_stride(messages)
         if (stride is None or step not in (0, 1)
                 or shards != [shards[0] + r * step for r in range(rows)]):
-            return check_with_torch(self, messages, header, shards, checksum)
+            return check_with_torch(self, messages, header, shards, checksum, verdict)
         device = messages.device
-        acc = torch.zeros(2 * rows + 1, dtype=torch.int64, device=device)
-        verdict = acc[-1:].view(torch.bool)
+        words = 2 * rows * checksum + (verdict is None)
+        acc = torch.zeros(words, dtype=torch.int64, device=device) if words else None
+        if verdict is None:
+            verdict = acc[-1:].view(torch.uint8)
         if checksum:
             _launch(CHECKSUM, device, (_checksum_blocks(width), rows),
                     (_p(messages), np.int64(width), np.int64(stride),
@@ -337,7 +351,7 @@ class CudaKernels:
                 (_p(messages), np.int64(width), np.int64(stride), np.int64(rows), _p(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
                  np.int64(step), np.int32(checksum), _p(verdict)))
-        return verdict[1], verdict[0]
+        return verdict_flag(verdict, VERDICT_NONFINITE), verdict_flag(verdict, VERDICT_FOREIGN)
 
 
 KERNELS = CudaKernels()

@@ -11,6 +11,20 @@ import torch
 from lowbitcc.codec import wire
 from lowbitcc.codec.interface import Flag, Kernels
 
+VERDICT_FOREIGN, VERDICT_NONFINITE = 0, 1
+"""Bytes of a call's *verdict* (uint8 ``[8]`` on its device, zero at first; `new_verdict`) that
+the kernels set to 1: a received message did not belong to the call; a row is non-finite."""
+
+
+def new_verdict(device: torch.device) -> torch.Tensor:
+    """A call's verdict: uint8 ``[8]``, zeros, one word of ``device`` memory (one fill)."""
+    return torch.zeros(1, dtype=torch.int64, device=device).view(torch.uint8)
+
+
+def verdict_flag(verdict: torch.Tensor, byte: int) -> torch.Tensor:
+    """Byte ``byte`` of ``verdict`` as a 0-dim bool view (no copy)."""
+    return verdict[byte:byte + 1].view(torch.bool)[0]
+
 
 def header_rows(header: bytes, shards: list[int], device: torch.device) -> torch.Tensor:
     """uint8 ``[len(shards), HEADER_BYTES]`` on ``device``: ``header`` with each row's shard
@@ -26,7 +40,8 @@ def header_rows(header: bytes, shards: list[int], device: torch.device) -> torch
 
 
 def frame_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes, shards: list[int],
-                     nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
+                     nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+                     verdict: torch.Tensor | None = None) -> Flag:
     """`interface.Kernels.frame` with torch operations on the messages' device (no host
     synchronisation), ``kernels.checksum`` for the trailer."""
     rows = messages.shape[0]
@@ -37,6 +52,9 @@ def frame_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes, sh
     if checksum:
         messages[:, -wire.TRAILER_BYTES:] = kernels.checksum(messages).view(torch.uint8).view(
             rows, wire.TRAILER_BYTES)
+    if verdict is not None:
+        answer = verdict_flag(verdict, VERDICT_NONFINITE)
+        return answer.logical_or_(bad.any())
     return bad.any() if messages.device.type != "cpu" else bool(bad.any())
 
 
@@ -62,7 +80,8 @@ def verify_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
 
 
 def check_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
-                     shards: list[int], checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     shards: list[int], checksum: bool,
+                     verdict: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`interface.Kernels.check` with torch operations on the messages' device (no host
     synchronisation), ``kernels.checksum`` for the trailers."""
     got = messages[:, :wire.HEADER_BYTES]
@@ -73,4 +92,8 @@ def check_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
     if checksum:
         carried = messages[:, -wire.TRAILER_BYTES:].contiguous().view(torch.int64).view(-1)
         foreign = foreign | (carried != kernels.checksum(messages)).any()
-    return ((flags & wire.FLAG_NONFINITE) != 0).any(), foreign
+    nonfinite = ((flags & wire.FLAG_NONFINITE) != 0).any()
+    if verdict is not None:
+        return (verdict_flag(verdict, VERDICT_NONFINITE).logical_or_(nonfinite),
+                verdict_flag(verdict, VERDICT_FOREIGN).logical_or_(foreign))
+    return nonfinite, foreign

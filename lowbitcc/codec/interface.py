@@ -111,7 +111,9 @@ class Kernels(Protocol):
     non-finite, 0 if none (a host synchronisation on a GPU). ``check`` is ``verify`` without
     a synchronisation: ``(nonfinite, foreign)``, 0-dim bool tensors on the messages' device,
     whether a row is flagged non-finite and whether one is not the call's (a header differs
-    outside the non-finite flag, or a checksum).
+    outside the non-finite flag, or a checksum). Given a call's ``verdict``
+    (`framing.new_verdict`), ``frame`` and ``check`` set its bytes instead (never clear them)
+    and return views of it: what the call's messages showed so far.
     Decoders read messages of ``bits``-bit codes in format ``fmt`` in groups of ``group_size``;
     each row contiguous, rows at any distance (a column of gathered messages).
     ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
@@ -135,10 +137,12 @@ class Kernels(Protocol):
     def checksum(self, messages: torch.Tensor) -> torch.Tensor: ...
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag: ...
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+              verdict: torch.Tensor | None = None) -> Flag: ...
 
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int: ...
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+              checksum: bool, verdict: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...

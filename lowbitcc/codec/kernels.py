@@ -79,16 +79,19 @@ class ReferenceKernels:
         return reference.checksum(messages)
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool) -> Flag:
-        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum)
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+              verdict: torch.Tensor | None = None) -> Flag:
+        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum,
+                                verdict)
 
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int:
         return verify_with_torch(self, messages, header, shards, checksum)
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return check_with_torch(self, messages, header, shards, checksum)
+              checksum: bool, verdict: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return check_with_torch(self, messages, header, shards, checksum, verdict)
 
 
 def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int,

@@ -125,6 +125,7 @@ class ShardCodec:
         stream: int = 0,
         out: torch.Tensor | None = None,
         sums: torch.Tensor | None = None,
+        verdict: torch.Tensor | None = None,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
@@ -136,7 +137,8 @@ class ShardCodec:
         ``[rows, message_bytes(m)]``, contiguous, on the source's device), when given, receives
         the messages: every byte of it is written. ``sums`` (float64 ``[2]`` on the source's
         device), when given, receives this encode's residual and input squares added to what it
-        holds (and is the result's ``sums``); otherwise a new zeroed one does.
+        holds (and is the result's ``sums``); otherwise a new zeroed one does. ``verdict``:
+        the call's, on a device (`interface.Kernels.frame`).
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
@@ -173,7 +175,7 @@ class ShardCodec:
         self.kernels.encode(args)
         nonfinite = self.kernels.frame(
             messages, self.header(m), shard_ids, args.nonfinite,
-            wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum)
+            wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum, verdict)
         return EncodeResult(messages, state, nonfinite, args.sums)
 
     def header(self, m: int) -> bytes:
@@ -188,14 +190,16 @@ class ShardCodec:
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
                    out: torch.Tensor | None = None,
-                   foreign: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Flag]:
+                   verdict: torch.Tensor | None = None) -> tuple[torch.Tensor, Flag]:
         """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``.
 
         ``out`` (fp32 ``[m]``, contiguous, on the messages' device), when given, receives the
         sum and is returned; otherwise a new tensor is allocated. ``nonfinite`` is a bool for
-        CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`); for CUDA
-        messages checked on the device, ``foreign`` (if given) receives the 0-dim flag of a
-        message that does not belong to the call (also in ``nonfinite``)."""
+        CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`, where a
+        message that does not belong to the call turns the sum into NaN and counts as
+        non-finite). ``verdict``: the call's (`framing.new_verdict`), which CUDA checks set
+        (``nonfinite`` is then its non-finite byte, and the NaN follows any foreign message
+        of the call so far)."""
         shards = [shard] * messages.shape[0]
         nonfinite = self._check_before(messages, m, shards)
         if out is None:
@@ -206,19 +210,19 @@ class ShardCodec:
                              f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}")
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1))
-        return out, self._check_after(messages, m, shards, out, nonfinite, foreign)
+        return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                    out: torch.Tensor, foreign: list[torch.Tensor] | None = None) -> Flag:
+                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> Flag:
         """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite
-        (as `decode_sum`, and ``foreign`` likewise)."""
+        (as `decode_sum`, and ``verdict`` likewise)."""
         nonfinite = self._check_before(messages, m, shard_ids)
         if out.numel() > messages.shape[0] * m or not out.is_contiguous():
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
         if out.device != messages.device:
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
         self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out)
-        return self._check_after(messages, m, shard_ids, out, nonfinite, foreign)
+        return self._check_after(messages, m, shard_ids, out, nonfinite, verdict)
 
     def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
         """CPU (or ``host_check``): the whole check, before any kernel reads the messages;
@@ -230,24 +234,23 @@ class ShardCodec:
 
     def _check_after(self, messages: torch.Tensor, m: int, shard_ids: list[int],
                      out: torch.Tensor, nonfinite: bool,
-                     foreign_out: list[torch.Tensor] | None = None) -> Flag:
-        """CUDA: the header check on the device; a foreign message's values become NaN (and its
-        flag goes to ``foreign_out``)."""
+                     verdict: torch.Tensor | None = None) -> Flag:
+        """CUDA: the header check on the device; a foreign message's values become NaN (with a
+        ``verdict``, those of any foreign message of the call so far)."""
         if messages.device.type == "cpu" or self.host_check:
             return nonfinite
-        flagged, foreign = self.check_on_device(messages, m, shard_ids)
+        flagged, foreign = self.check_on_device(messages, m, shard_ids, verdict)
         out.masked_fill_(foreign, float("nan"))
-        if foreign_out is not None:
-            foreign_out.append(foreign)
-        return flagged | foreign
+        return flagged if verdict is not None else flagged | foreign
 
-    def check_on_device(self, messages: torch.Tensor, m: int,
-                        shard_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def check_on_device(self, messages: torch.Tensor, m: int, shard_ids: list[int],
+                        verdict: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(nonfinite, foreign)``, 0-dim bool tensors on the messages' device, without a host
         synchronisation: whether a row is flagged non-finite, and whether a header differs
         from this call's or a checksum from the payload's (sizes are checked by `check_size`
-        first)."""
-        return self.kernels.check(messages, self.header(m), shard_ids, self.checksum)
+        first); views of ``verdict`` where given (`interface.Kernels.check`)."""
+        return self.kernels.check(messages, self.header(m), shard_ids, self.checksum, verdict)
 
     @staticmethod
     def _trailers(messages: torch.Tensor) -> torch.Tensor:

@@ -290,3 +290,45 @@ def test_the_cuda_check_launches_kernels_that_give_the_torch_verdict(monkeypatch
         assert not bool(foreign)
     else:
         assert bool(foreign)
+
+
+def test_a_calls_verdict_gathers_what_its_frames_and_checks_saw(monkeypatch):
+    """With the call's verdict (`framing.new_verdict`), the CUDA frame and checks write into
+    it, allocate no answer of their own, and what they return are views of it; the torch
+    forms (the reference's) set the same bytes. Bytes are only ever set, never cleared."""
+    from lowbitcc.codec import framing
+
+    runs = {cuda.FRAME_BODY: _run_frame_body, cuda.FRAME_FOLD: _run_frame_fold,
+            cuda.CHECKSUM: _run_checksum, cuda.CHECK_FOLD: _run_check_fold}
+    launched = []
+
+    def launch(name, device, grid, args):  # run at once: the kernel's buffers live until then
+        launched.append(name)
+        runs[name](grid if isinstance(grid, tuple) else (grid,), args)
+
+    monkeypatch.setattr(cuda, "_launch", launch)
+    codec, clean = _encoded(2, 64, 5, cpu.KERNELS)
+    _, flagged = _encoded(2, 64, 5, cpu.KERNELS, nan_rows=[0])
+    foreign = clean.clone()
+    foreign[1, 20] ^= 1
+    used, ng = wire.used_bytes(64, 4, 32, "mxfp4"), wire.ngroups(64, 32)
+    verdicts = {}
+    for name, kernels in (("cuda", cuda.KERNELS), ("reference", REFERENCE)):
+        verdict = framing.new_verdict(torch.device("cpu"))
+        answers = [kernels.check(clean, codec.header(64), [0, 1], True, verdict)]
+        assert verdict.tolist() == [0] * 8
+        answers.append(kernels.check(flagged, codec.header(64), [0, 1], True, verdict))
+        answers.append(kernels.check(foreign, codec.header(64), [0, 1], True, verdict))
+        answers.append(kernels.check(clean, codec.header(64), [0, 1], True, verdict))
+        nonfinite = torch.zeros(2 * ng, dtype=torch.uint8)
+        framed = kernels.frame(torch.zeros(2, codec.message_bytes(64), dtype=torch.uint8),
+                               codec.header(64), [0, 1], nonfinite, used, 0, True, verdict)
+        verdicts[name] = verdict.tolist()
+        assert verdicts[name][:2] == [1, 1] and verdicts[name][2:] == [0] * 6
+        for got in [framed, *(flag for pair in answers for flag in pair)]:
+            assert got.dtype == torch.bool and got.dim() == 0 and bool(got)
+        if name == "cuda":
+            assert all(got.untyped_storage().data_ptr() == verdict.untyped_storage().data_ptr()
+                       for got in [framed, *answers[0]])
+    assert verdicts["cuda"] == verdicts["reference"]
+    assert launched == [cuda.CHECKSUM, cuda.CHECK_FOLD] * 4 + [cuda.FRAME_BODY, cuda.FRAME_FOLD]
