@@ -82,12 +82,13 @@ class CpuKernels:
         load().encode(args)
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
+        """(CPU messages are checked on the host before: ``verdict`` is for device calls.)"""
         load().decode_sum(messages, m, bits, group_size, FORMAT_CODES[fmt],
                           torch.get_num_threads(), out)
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
         load().decode_into(messages, m, bits, group_size, FORMAT_CODES[fmt], out,
                            torch.get_num_threads())
 

@@ -262,18 +262,18 @@ class CudaKernels:
         _launch(name, args.source.device, blocks, (pack_encode_args(args),))
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
                 (_p(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
-                 np.int64(m), np.int32(group_size), _p(out)))
+                 np.int64(m), np.int32(group_size), _p(out), _p(verdict)))
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
         n = out.numel()
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
                 (_p(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
-                 np.int64(n), _p(out)))
+                 np.int64(n), _p(out), _p(verdict)))
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64

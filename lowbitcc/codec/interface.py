@@ -119,6 +119,8 @@ class Kernels(Protocol):
     ``decode_sum`` writes into ``out`` fp32 ``[m]`` the sum in row order of ``messages``
     ``uint8 [k, P]``; ``decode_into`` writes row ``r`` of the messages, cast to ``out``'s dtype,
     to ``out[r*m ...]`` (``out`` flat, at most ``k * m`` elements). Sizes are already validated.
+    Given a call's ``verdict`` (on a device, after ``check``), both write NaN instead where its
+    foreign byte is set (read on the device).
     ``checksum`` returns int64 ``[k]`` on the messages' device: each row's checksum as
     `reference.checksum` defines it (without a host synchronisation on CUDA).
     """
@@ -129,10 +131,10 @@ class Kernels(Protocol):
     def encode(self, args: EncodeArgs) -> None: ...
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                   out: torch.Tensor) -> None: ...
+                   out: torch.Tensor, verdict: torch.Tensor | None = None) -> None: ...
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                    out: torch.Tensor) -> None: ...
+                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> None: ...
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor: ...
 

@@ -19,7 +19,13 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.framing import check_with_torch, frame_with_torch, verify_with_torch
+from lowbitcc.codec.framing import (
+    VERDICT_FOREIGN,
+    check_with_torch,
+    frame_with_torch,
+    verdict_flag,
+    verify_with_torch,
+)
 from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
 
 CHOICES = ("auto", "reference", "cpu")
@@ -65,15 +71,17 @@ class ReferenceKernels:
                 args.state.scales.copy_(new.scales)
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
         values = _decode_rows(messages, m, bits, group_size, fmt)
         out.copy_(values[0])
         for row in values[1:]:
             out += row
+        _foreign_nan(out, verdict)
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
         out.copy_(_decode_rows(messages, m, bits, group_size, fmt).reshape(-1)[:out.numel()])
+        _foreign_nan(out, verdict)
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         return reference.checksum(messages)
@@ -92,6 +100,12 @@ class ReferenceKernels:
               checksum: bool, verdict: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         return check_with_torch(self, messages, header, shards, checksum, verdict)
+
+
+def _foreign_nan(out: torch.Tensor, verdict: torch.Tensor | None) -> None:
+    """NaN into ``out`` where the call's ``verdict`` says a message was foreign (on its device)."""
+    if verdict is not None:
+        out.masked_fill_(verdict_flag(verdict, VERDICT_FOREIGN), float("nan"))
 
 
 def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int,

@@ -201,7 +201,7 @@ class ShardCodec:
         (``nonfinite`` is then its non-finite byte, and the NaN follows any foreign message
         of the call so far)."""
         shards = [shard] * messages.shape[0]
-        nonfinite = self._check_before(messages, m, shards)
+        nonfinite = self._check_before(messages, m, shards, verdict)
         if out is None:
             out = torch.empty(m, dtype=torch.float32, device=messages.device)
         elif (out.numel() != m or out.dtype != torch.float32 or not out.is_contiguous()
@@ -209,39 +209,51 @@ class ShardCodec:
             raise ValueError(f"decode_sum: out must be a contiguous float32 tensor of {m} elements "
                              f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}")
-        self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1))
+        self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1),
+                                self._first(messages, verdict))
         return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
                     out: torch.Tensor, verdict: torch.Tensor | None = None) -> Flag:
         """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite
         (as `decode_sum`, and ``verdict`` likewise)."""
-        nonfinite = self._check_before(messages, m, shard_ids)
+        nonfinite = self._check_before(messages, m, shard_ids, verdict)
         if out.numel() > messages.shape[0] * m or not out.is_contiguous():
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
         if out.device != messages.device:
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
-        self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out)
+        self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
+                                 self._first(messages, verdict))
         return self._check_after(messages, m, shard_ids, out, nonfinite, verdict)
 
-    def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
+    def _first(self, messages: torch.Tensor, verdict: torch.Tensor | None) -> torch.Tensor | None:
+        """The call's ``verdict`` where the device check runs before the decode (which then
+        writes NaN itself where a message was foreign), else None."""
+        if verdict is None or messages.device.type == "cpu" or self.host_check:
+            return None
+        return verdict
+
+    def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int],
+                      verdict: torch.Tensor | None = None) -> Flag:
         """CPU (or ``host_check``): the whole check, before any kernel reads the messages;
-        CUDA: sizes only."""
+        CUDA: sizes, and with the call's ``verdict`` the device check (`_first`)."""
         if messages.device.type == "cpu" or self.host_check:
             return self.check_on_host(messages, m, shard_ids)
         self.check_size(messages, m, shard_ids)
+        if verdict is not None:
+            return self.check_on_device(messages, m, shard_ids, verdict)[0]
         return False
 
     def _check_after(self, messages: torch.Tensor, m: int, shard_ids: list[int],
                      out: torch.Tensor, nonfinite: bool,
                      verdict: torch.Tensor | None = None) -> Flag:
-        """CUDA: the header check on the device; a foreign message's values become NaN (with a
-        ``verdict``, those of any foreign message of the call so far)."""
-        if messages.device.type == "cpu" or self.host_check:
+        """CUDA without the call's verdict: the header check on the device after the decode; a
+        foreign message's values become NaN."""
+        if messages.device.type == "cpu" or self.host_check or verdict is not None:
             return nonfinite
-        flagged, foreign = self.check_on_device(messages, m, shard_ids, verdict)
+        flagged, foreign = self.check_on_device(messages, m, shard_ids)
         out.masked_fill_(foreign, float("nan"))
-        return flagged if verdict is not None else flagged | foreign
+        return flagged | foreign
 
     def check_on_device(self, messages: torch.Tensor, m: int, shard_ids: list[int],
                         verdict: torch.Tensor | None = None

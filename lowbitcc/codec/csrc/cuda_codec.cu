@@ -246,27 +246,32 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
 
 // out[j] = sum over rows r (in order) of message r's element j, for j < m.
 template <int BITS, int FMT>
-// (P: the distance between rows, at least their length: a column of gathered messages too)
+// (P: the distance between rows, at least their length: a column of gathered messages too);
+// NaN where the call's verdict (when given) says a message was foreign (Kernels.check ran first)
 __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
-                           long long m, int G, float* __restrict__ out) {
+                           long long m, int G, float* __restrict__ out,
+                           const unsigned char* __restrict__ verdict) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= m) return;
   const long long ng = (m + G - 1) / G;
   float acc = decode_one<BITS, FMT>(msgs, ng, G, j);
   for (long long r = 1; r < k; ++r)
     acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
-  out[j] = acc;
+  out[j] = (verdict != nullptr && verdict[0]) ? loco::quiet_nan() : acc;
 }
 
-// out[r * m + j] = message r's element j, cast, for r * m + j < numel.
+// out[r * m + j] = message r's element j, cast, for r * m + j < numel (NaN as decode_sum).
 template <typename T, int BITS, int FMT>
 __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
-                            int G, long long numel, T* __restrict__ out) {
+                            int G, long long numel, T* __restrict__ out,
+                            const unsigned char* __restrict__ verdict) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= numel) return;
   const long long r = i / m, j = i % m;
   const long long ng = (m + G - 1) / G;
-  out[i] = from_float<T>(decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
+  const float v = (verdict != nullptr && verdict[0]) ? loco::quiet_nan()
+                                                     : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
+  out[i] = from_float<T>(v);
 }
 
 constexpr int kTrailerBytes = 8;
@@ -443,10 +448,10 @@ LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
 LOCO_ENC_MX(__nv_bfloat16)
 LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8) LOCO_ENC_MX(__half)
 #define LOCO_DSUM(B, F) \
-  template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*);
+  template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*, const unsigned char*);
 LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1)
 #define LOCO_DEC1(T, B, F) \
-  template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*);
+  template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*, const unsigned char*);
 #define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1)
 LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
 }  // namespace loco_cuda
