@@ -59,7 +59,6 @@ class Stats:
         self._counters = {"compressed": Counters(), "exact": Counters()}
         self._accumulators: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._read: dict[tuple[str, torch.device], list[float]] = {}
-        self._retired: list[torch.Tensor] = []
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -76,7 +75,8 @@ class Stats:
     def accumulator(self, category: str, device: torch.device) -> torch.Tensor:
         """float64 ``[residual_sq, input_sq]`` on ``device`` (not the CPU) that kernels add a
         category's sums into, on any stream, without a launch of their own: made once and kept
-        for the process (`snapshot` reads what was added since its last read)."""
+        for the process (`snapshot` reads what was added since its last read; `reset` zeroes
+        it)."""
         key = (category, device)
         acc = self._accumulators.get(key)
         if acc is None:
@@ -109,8 +109,10 @@ class Stats:
     def reset(self) -> None:
         with self._lock:
             self._counters = {"compressed": Counters(), "exact": Counters()}
-            # kernels may still add into the accumulators: kept alive, new ones from now on
-            self._retired.extend(self._accumulators.values())
-            self._accumulators, self._read = {}, {}
+            # zeroed on the current stream: sums of kernels still running elsewhere may count in
+            # the new period (statistics only), and the tensors kernels may use stay alive
+            for acc in self._accumulators.values():
+                acc.zero_()
+            self._read = {}
 
 
