@@ -68,7 +68,7 @@ CHECKSUM_BLOCKS = 256
 FRAME_BODY = "loco_cuda::frame_body"
 FRAME_FOLD = "loco_cuda::frame_fold"
 CHECK_FOLD = "loco_cuda::check_fold"
-HEADER_WORDS = np.dtype([(f"w{k}", np.uint32) for k in range(wire.HEADER_BYTES // 4)])
+HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
 """``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
 
 
@@ -312,7 +312,8 @@ class CudaKernels:
                   else acc[-1:].view(torch.bool)[0])
         _launch(FRAME_BODY, device, (_checksum_blocks(width), rows),
                 (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
-                 np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP), _p(acc)))
+                 np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP),
+                 np.int32(checksum), _p(acc)))
         _launch(FRAME_FOLD, device, -(-rows // THREADS),
                 (_p(messages), np.int64(width), np.int64(rows), _p(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),

@@ -197,9 +197,10 @@ class ShardCodec:
         sum and is returned; otherwise a new tensor is allocated. ``nonfinite`` is a bool for
         CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`, where a
         message that does not belong to the call turns the sum into NaN and counts as
-        non-finite). ``verdict``: the call's (`framing.new_verdict`), which CUDA checks set
-        (``nonfinite`` is then its non-finite byte, and the NaN follows any foreign message
-        of the call so far)."""
+        non-finite). ``verdict``: the call's (`framing.new_verdict`), which CUDA checks set:
+        ``nonfinite`` is then its non-finite byte only (a foreign message shows in its foreign
+        byte, which the caller reads with it), and the NaN follows any foreign message of the
+        call so far."""
         shards = [shard] * messages.shape[0]
         nonfinite = self._check_before(messages, m, shards, verdict)
         if out is None:

@@ -259,3 +259,41 @@ def test_cuda_check_kernels_give_the_torch_verdict(rows, m, seed, checksum, same
         messages.copy_(host)
     got = cuda.KERNELS.check(messages, codec.header(m), shards, checksum)
     assert (bool(got[0]), bool(got[1])) == (bool(want[0]), bool(want[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_decodes_read_columns_in_place_and_write_nan_from_the_verdict(dtype):
+    """The decodes read a column of gathered messages where it lies (the row stride) with the
+    values of its contiguous copy; with the call's verdict, they write NaN where its foreign
+    byte is set; encode's frame and a check write the verdict's bytes on the device."""
+    from lowbitcc.codec import framing
+
+    _cupy_or_skip()
+    m, rows = 1000, 3
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt="mxfp4", kernels=cuda.KERNELS)
+    x = torch.randn(rows * m, device="cuda")
+    messages = codec.encode(x, rows, m, 1.0, None, 0.0, list(range(rows)), None).messages
+    column = torch.stack([messages, messages])[:, 1]  # row 1 of two ranks, 3 rows apart
+    verdict = framing.new_verdict(torch.device("cuda"))
+    in_place, copied = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
+    cuda.KERNELS.decode_sum(column, m, 4, 32, "mxfp4", in_place, verdict)
+    cuda.KERNELS.decode_sum(column.contiguous(), m, 4, 32, "mxfp4", copied)
+    assert torch.equal(in_place, copied) and bool(torch.isfinite(in_place).all())
+    nonfinite, foreign = codec.check_on_device(column, m, [1, 1], verdict)
+    assert not bool(nonfinite) and not bool(foreign)
+    bad = column.contiguous()
+    bad[0, 3] ^= 1  # the magic
+    codec.check_on_device(bad, m, [1, 1], verdict)
+    assert verdict.tolist()[:2] == [1, 0]
+    out = torch.empty(m, device="cuda")
+    cuda.KERNELS.decode_sum(column, m, 4, 32, "mxfp4", out, verdict)
+    into = torch.empty(rows * m, dtype=dtype, device="cuda")
+    cuda.KERNELS.decode_into(messages, m, 4, 32, "mxfp4", into, verdict)
+    assert bool(out.isnan().all()) and bool(into.isnan().all())
+    poisoned = x.clone()
+    poisoned[5] = float("nan")
+    fresh = framing.new_verdict(torch.device("cuda"))
+    codec.encode(poisoned, rows, m, 1.0, None, 0.0, list(range(rows)), None, verdict=fresh)
+    assert fresh.tolist()[:2] == [0, 1]

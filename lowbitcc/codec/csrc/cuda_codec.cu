@@ -330,17 +330,20 @@ __global__ void checksum_fold(const unsigned long long* __restrict__ sums, long 
 // frame_body: the body pass of Kernels.frame (grid (blocks, rows), as checksum): every body word
 // of row blockIdx.y is read with its padding bytes (from `used` on) cleared, written back where
 // it holds padding, and summed into acc[3 * row] and acc[3 * row + 1] as checksum does; the row's
-// `ng` non-finite bytes are OR-ed into acc[3 * row + 2]. `acc` [rows, 3] starts at zero.
+// `ng` non-finite bytes are OR-ed into acc[3 * row + 2]. `acc` [rows, 3] starts at zero. Without
+// `with_checksum` only the words that hold padding are read (the sums are then not used).
 __global__ void frame_body(unsigned char* __restrict__ msgs, long long P, long long used,
                            const unsigned char* __restrict__ nonfinite, long long ng,
-                           unsigned long long step, unsigned long long* __restrict__ acc) {
+                           unsigned long long step, int with_checksum,
+                           unsigned long long* __restrict__ acc) {
   const long long row = blockIdx.y;
   const long long words = (P - loco::kHeaderBytes - kTrailerBytes) / 8;
   unsigned long long* w = reinterpret_cast<unsigned long long*>(msgs + row * P + loco::kHeaderBytes);
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long start = with_checksum ? 0 : (used - loco::kHeaderBytes) / 8;
   unsigned long long n = 0, s = 0;
-  for (long long i = first; i < words; i += stride) {
+  for (long long i = start + first; i < words; i += stride) {
     const long long at = loco::kHeaderBytes + 8 * i;
     const unsigned long long x = loco::padded_word(w[i], at, used);
     if (at + 8 > used) w[i] = x;
