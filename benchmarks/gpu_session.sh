@@ -32,6 +32,15 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
 } 2>&1 | tee "$out/env.txt"
 $py -c 'import lowbitcc' 2>/dev/null || export PYTHONPATH=$PWD
 
+# PASS/FAIL line of a pytest phase from its log: pass where something passed and nothing failed
+verdict() {
+    if grep -q " passed" "$2" && ! grep -qE " (failed|error)" "$2"; then
+        echo "PASS $1 $(grep -E ' passed' "$2" | tail -1)"
+    else
+        echo "FAIL $1 $(grep -E 'passed|failed|error' "$2" | tail -1)"
+    fi
+}
+
 for phase in $phases; do
     echo "=== $phase $(date -u +%T)"
     case $phase in
@@ -39,11 +48,7 @@ for phase in $phases; do
         timeout "${FRAME_S:-150}" $py -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 120 \
             tests/codec/test_cuda_kernels.py -k "frame_kernels or check_kernels or from_the_verdict or fused_checksum or bitwise" \
             2>&1 | tee "$out/frame.txt"
-        if grep -q " passed" "$out/frame.txt" && ! grep -qE " (failed|error)" "$out/frame.txt"; then
-            echo "PASS frame $(grep -E ' passed' "$out/frame.txt" | tail -1)"
-        else
-            echo "FAIL frame $(tail -1 "$out/frame.txt")"
-        fi ;;
+        verdict frame "$out/frame.txt" ;;
     selftest)
         timeout "${SELFTEST_S:-240}" $py -m lowbitcc selftest --ranks 4 --cases "${CASES:-400}" 2>&1 | tee "$out/selftest.txt" ;;
     pytest)
@@ -65,11 +70,7 @@ EOF
         timeout "${ISSUE46_S:-300}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 200 \
             tests/gpu/test_multirank.py -k "exact_cuda or deviates_on_one_rank or stalled_peer" \
             2>&1 | tee "$out/issue46.txt"
-        if grep -q " passed" "$out/issue46.txt" && ! grep -qE " (failed|error)" "$out/issue46.txt"; then
-            echo "PASS issue46 $(grep -E ' passed' "$out/issue46.txt" | tail -1)"
-        else
-            echo "FAIL issue46 $(grep -E 'passed|failed|error' "$out/issue46.txt" | tail -1)"
-        fi ;;
+        verdict issue46 "$out/issue46.txt" ;;
     exactperf)  # an exact 1 MiB all-reduce through loco against NCCL's own, 2 ranks: <= 1.2x
         timeout 200 $py -m lowbitcc perf all_reduce --device cuda --np 2 --backend loco-exact nccl \
             -b 1M -e 1M -n 100 -w 20 --json "$out/exactperf.json" 2>&1 | tee "$out/exactperf.txt"

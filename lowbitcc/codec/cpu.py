@@ -23,7 +23,7 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.abi import CSRC, FORMAT_CODES, HEADER
-from lowbitcc.codec.framing import check_with_torch
+from lowbitcc.codec.framing import TorchFraming
 from lowbitcc.codec.interface import EncodeArgs
 
 SOURCES = [CSRC / "cpu_codec.cpp"]
@@ -72,7 +72,7 @@ def _build_digest() -> str:
     return h.hexdigest()[:12]
 
 
-class CpuKernels:
+class CpuKernels(TorchFraming):
     """`kernels.Kernels` on the C++ module; CPU tensors only."""
 
     name = "cpu"
@@ -107,11 +107,6 @@ class CpuKernels:
                checksum: bool) -> int:
         return load().verify(messages, header, shards, checksum,
                              reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
-
-    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              checksum: bool, verdict: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return check_with_torch(self, messages, header, shards, checksum, verdict)
 
 
 KERNELS = CpuKernels()

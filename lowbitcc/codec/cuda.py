@@ -24,10 +24,10 @@ from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtyp
 from lowbitcc.codec.framing import (
     VERDICT_FOREIGN,
     VERDICT_NONFINITE,
+    TorchFraming,
     check_with_torch,
     frame_with_torch,
     verdict_flag,
-    verify_with_torch,
 )
 from lowbitcc.codec.interface import EncodeArgs, Flag
 
@@ -245,7 +245,7 @@ def _checksum_blocks(width: int) -> int:
     return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
 
 
-class CudaKernels:
+class CudaKernels(TorchFraming):
     """`kernels.Kernels` on CuPy's NVRTC build of ``cuda_codec.cu``; CUDA tensors only, launched
     on torch's current stream, with no host synchronisation."""
 
@@ -319,10 +319,6 @@ class CudaKernels:
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
                  np.uint32(flags), np.int32(checksum), _p(answer)))
         return answer
-
-    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
-               checksum: bool) -> int:
-        return verify_with_torch(self, messages, header, shards, checksum)
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
               checksum: bool, verdict: torch.Tensor | None = None

@@ -97,3 +97,23 @@ def check_with_torch(kernels: Kernels, messages: torch.Tensor, header: bytes,
         return (verdict_flag(verdict, VERDICT_NONFINITE).logical_or_(nonfinite),
                 verdict_flag(verdict, VERDICT_FOREIGN).logical_or_(foreign))
     return nonfinite, foreign
+
+
+class TorchFraming:
+    """`interface.Kernels.frame`, ``verify`` and ``check`` by the torch forms above: what a
+    kernels class takes for those it does not fuse (it provides ``checksum``)."""
+
+    def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+              verdict: torch.Tensor | None = None) -> Flag:
+        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum,
+                                verdict)
+
+    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
+               checksum: bool) -> int:
+        return verify_with_torch(self, messages, header, shards, checksum)
+
+    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
+              checksum: bool, verdict: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return check_with_torch(self, messages, header, shards, checksum, verdict)

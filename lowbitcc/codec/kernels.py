@@ -19,20 +19,14 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.framing import (
-    VERDICT_FOREIGN,
-    check_with_torch,
-    frame_with_torch,
-    verdict_flag,
-    verify_with_torch,
-)
-from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
+from lowbitcc.codec.framing import VERDICT_FOREIGN, TorchFraming, verdict_flag
+from lowbitcc.codec.interface import EncodeArgs, Kernels
 
 CHOICES = ("auto", "reference", "cpu")
 """Values of ``LocoConfig.codec``: the kernels for CPU tensors ("auto": C++ if it builds)."""
 
 
-class ReferenceKernels:
+class ReferenceKernels(TorchFraming):
     """The pure-torch implementation, built from `reference` (any device)."""
 
     name = "reference"
@@ -85,21 +79,6 @@ class ReferenceKernels:
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         return reference.checksum(messages)
-
-    def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
-              verdict: torch.Tensor | None = None) -> Flag:
-        return frame_with_torch(self, messages, header, shards, nonfinite, used, flags, checksum,
-                                verdict)
-
-    def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
-               checksum: bool) -> int:
-        return verify_with_torch(self, messages, header, shards, checksum)
-
-    def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
-              checksum: bool, verdict: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return check_with_torch(self, messages, header, shards, checksum, verdict)
 
 
 def _foreign_nan(out: torch.Tensor, verdict: torch.Tensor | None) -> None:

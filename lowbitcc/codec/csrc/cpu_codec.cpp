@@ -1184,8 +1184,7 @@ void checksum_rows(const uint8_t* msgs, int64_t rows, int64_t P, int64_t stride,
       sum.n += partial[r * chunks + c].n;
       sum.s += partial[r * chunks + c].s;
     }
-    const uint32_t folded = (uint32_t)sum.n ^ (uint32_t)(sum.n >> 32);
-    out[r] = (uint64_t)sum.s | (uint64_t)folded << 32;
+    out[r] = loco::checksum_trailer(sum.n, sum.s);
   }
 }
 

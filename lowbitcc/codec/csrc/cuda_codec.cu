@@ -277,25 +277,19 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
 constexpr int kTrailerBytes = 8;
 constexpr int kMaxWarps = 32;  // warps in the largest block CUDA allows (1024 threads)
 
-// sums[2 * r] += N and sums[2 * r + 1] += S of row r's body (bytes kHeaderBytes ..
-// P - kTrailerBytes, as 64-bit words w_i, i from 0): N = sum of lo32(y_i) * hi32(y_i) with
-// y_i = w_i + (i + 1) * step, S = sum of the 32-bit halves of every w_i (both mod 2^64). Row r
-// is blockIdx.y, `stride` bytes after row r - 1; rows start 8-byte aligned (the launcher
-// checks). `sums` starts at zero.
-__global__ void checksum(const unsigned char* __restrict__ msgs, long long P, long long stride,
-                         unsigned long long step, unsigned long long* __restrict__ sums) {
-  const long long row = blockIdx.y;
-  const long long words = (P - loco::kHeaderBytes - kTrailerBytes) / 8;
-  const unsigned long long* w =
-      reinterpret_cast<const unsigned long long*>(msgs + row * stride + loco::kHeaderBytes);
-  unsigned long long n = 0, s = 0;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words;
-       i += (long long)gridDim.x * blockDim.x) {
-    const unsigned long long x = w[i];
-    const unsigned long long y = x + (unsigned long long)(i + 1) * step;
-    n += (y & 0xffffffffull) * (y >> 32);
-    s += (x & 0xffffffffull) + (x >> 32);
-  }
+// Word i of a message body (x) into a thread's checksum sums N and S (wire.py).
+__device__ __forceinline__ void checksum_add(unsigned long long x, long long i,
+                                             unsigned long long step, unsigned long long& n,
+                                             unsigned long long& s) {
+  const unsigned long long y = x + (unsigned long long)(i + 1) * step;
+  n += (y & 0xffffffffull) * (y >> 32);
+  s += (x & 0xffffffffull) + (x >> 32);
+}
+
+// The block's sums N and S, added atomically into dst[0] and dst[1] by thread 0 (warp shuffles,
+// then shared memory: every thread of the block calls it, none having left).
+__device__ __forceinline__ void block_add_sums(unsigned long long n, unsigned long long s,
+                                               unsigned long long* dst) {
   for (int offset = 16; offset > 0; offset /= 2) {
     n += __shfl_down_sync(kFull, n, offset);
     s += __shfl_down_sync(kFull, s, offset);
@@ -312,9 +306,27 @@ __global__ void checksum(const unsigned char* __restrict__ msgs, long long P, lo
       n += warp_n[k];
       s += warp_s[k];
     }
-    atomicAdd(sums + 2 * row, n);
-    atomicAdd(sums + 2 * row + 1, s);
+    atomicAdd(dst, n);
+    atomicAdd(dst + 1, s);
   }
+}
+
+// sums[2 * r] += N and sums[2 * r + 1] += S of row r's body (bytes kHeaderBytes ..
+// P - kTrailerBytes, as 64-bit words w_i, i from 0): N = sum of lo32(y_i) * hi32(y_i) with
+// y_i = w_i + (i + 1) * step, S = sum of the 32-bit halves of every w_i (both mod 2^64). Row r
+// is blockIdx.y, `stride` bytes after row r - 1; rows start 8-byte aligned (the launcher
+// checks). `sums` starts at zero.
+__global__ void checksum(const unsigned char* __restrict__ msgs, long long P, long long stride,
+                         unsigned long long step, unsigned long long* __restrict__ sums) {
+  const long long row = blockIdx.y;
+  const long long words = (P - loco::kHeaderBytes - kTrailerBytes) / 8;
+  const unsigned long long* w =
+      reinterpret_cast<const unsigned long long*>(msgs + row * stride + loco::kHeaderBytes);
+  unsigned long long n = 0, s = 0;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words;
+       i += (long long)gridDim.x * blockDim.x)
+    checksum_add(w[i], i, step, n, s);
+  block_add_sums(n, s, sums + 2 * row);
 }
 
 // out[r] = the trailer of row r from its sums: S mod 2^32 in the low half, lo32(N) ^ hi32(N) in
@@ -323,8 +335,7 @@ __global__ void checksum_fold(const unsigned long long* __restrict__ sums, long 
                               long long* __restrict__ out) {
   const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  const unsigned long long n = sums[2 * r], s = sums[2 * r + 1];
-  out[r] = (long long)((s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32));
+  out[r] = (long long)loco::checksum_trailer(sums[2 * r], sums[2 * r + 1]);
 }
 
 // frame_body: the body pass of Kernels.frame (grid (blocks, rows), as checksum): every body word
@@ -347,32 +358,13 @@ __global__ void frame_body(unsigned char* __restrict__ msgs, long long P, long l
     const long long at = loco::kHeaderBytes + 8 * i;
     const unsigned long long x = loco::padded_word(w[i], at, used);
     if (at + 8 > used) w[i] = x;
-    const unsigned long long y = x + (unsigned long long)(i + 1) * step;
-    n += (y & 0xffffffffull) * (y >> 32);
-    s += (x & 0xffffffffull) + (x >> 32);
+    checksum_add(x, i, step, n, s);
   }
   int bad = 0;
   for (long long j = first; j < ng; j += stride) bad |= nonfinite[row * ng + j] != 0;
-  for (int offset = 16; offset > 0; offset /= 2) {
-    n += __shfl_down_sync(kFull, n, offset);
-    s += __shfl_down_sync(kFull, s, offset);
-  }
-  __shared__ unsigned long long warp_n[kMaxWarps], warp_s[kMaxWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    warp_n[warp] = n;
-    warp_s[warp] = s;
-  }
   bad = __syncthreads_or(bad);
-  if (threadIdx.x == 0) {
-    for (int k = 1; k < (int)(blockDim.x / 32); ++k) {
-      n += warp_n[k];
-      s += warp_s[k];
-    }
-    atomicAdd(acc + 3 * row, n);
-    atomicAdd(acc + 3 * row + 1, s);
-    if (bad) atomicOr(acc + 3 * row + 2, 1ull);
-  }
+  if (threadIdx.x == 0 && bad) atomicOr(acc + 3 * row + 2, 1ull);
+  block_add_sums(n, s, acc + 3 * row);
 }
 
 // The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
@@ -395,9 +387,8 @@ __global__ void frame_fold(unsigned char* __restrict__ msgs, long long P, long l
   unsigned int* h = reinterpret_cast<unsigned int*>(msgs + r * P);
   for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
     h[k] = loco::header_word(header.w, k, (unsigned int)(shard0 + r), row_flags);
-  const unsigned long long n = acc[3 * r], s = acc[3 * r + 1];
   *reinterpret_cast<unsigned long long*>(msgs + r * P + P - kTrailerBytes) =
-      with_checksum ? ((s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32)) : 0ull;
+      with_checksum ? loco::checksum_trailer(acc[3 * r], acc[3 * r + 1]) : 0ull;
   if (bad) *any_bad = 1;
 }
 
@@ -422,11 +413,9 @@ __global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, 
   for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
     foreign |= h[k] != loco::header_word(header.w, k, (unsigned int)(shard0 + r * shard_step),
                                          nonfinite);
-  if (with_checksum) {
-    const unsigned long long n = sums[2 * r], s = sums[2 * r + 1];
-    const unsigned long long fold = (s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32);
-    foreign |= *reinterpret_cast<const unsigned long long*>(row + P - kTrailerBytes) != fold;
-  }
+  if (with_checksum)
+    foreign |= *reinterpret_cast<const unsigned long long*>(row + P - kTrailerBytes) !=
+               loco::checksum_trailer(sums[2 * r], sums[2 * r + 1]);
   if (foreign) verdict[0] = 1;
   if (nonfinite) verdict[1] = 1;
 }

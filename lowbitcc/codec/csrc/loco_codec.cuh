@@ -292,6 +292,12 @@ LOCO_HD float update_error(float e, float r, float beta, float one_minus_beta, b
   return a + b;
 }
 
+// The checksum trailer from a message body's sums (lowbitcc/codec/wire.py): S mod 2^32 in the
+// low half, lo32(N) ^ hi32(N) in the high half.
+LOCO_HD uint64_t checksum_trailer(uint64_t n, uint64_t s) {
+  return (s & 0xffffffffull) | (((n ^ (n >> 32)) & 0xffffffffull) << 32);
+}
+
 // A body word of a message with its bytes from `used` on cleared (the padding before the
 // trailer): `x` is the little-endian 64-bit word at byte offset `at` of its row.
 LOCO_HD uint64_t padded_word(uint64_t x, int64_t at, int64_t used) {
