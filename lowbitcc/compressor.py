@@ -88,18 +88,26 @@ class CallCompressor:
         scratch: Scratch | None = None, buffer: StorageWeakRef | None = None,
     ) -> None:
         self.rank = rank
-        self.buffer = buffer
         self._scratch = scratch
-        self.codec = codec
         self.error_dtype = error_dtype
         self.beta = beta
         self.reset_interval = reset_interval
         self.store = store
-        self.key = key
         self.stats = stats
+        self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
+        self.restart(codec, key, buffer)
+
+    def restart(self, codec: ShardCodec, key: str, buffer: StorageWeakRef | None) -> None:
+        """Bind this compressor to a new call (``codec`` with its call number, ``key``,
+        ``buffer``), forgetting the last one's flags, errors and sums: a call place's
+        `call_plan.CallPlan` keeps one compressor for every call it runs. The last call must
+        have finished (`finish`)."""
+        self.codec = codec
+        self.key = key
+        self.buffer = buffer
         self.nonfinite: Flag = False
         self._sums: torch.Tensor | None = None
-        self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
+        self._new_states.clear()
         self.wire_error: wire.WireFormatError | None = None
         self._verdict: torch.Tensor | None = None
         """The call's verdict on its device (`framing.new_verdict`), made by its first encode
@@ -209,13 +217,19 @@ class CallCompressor:
         out.fill_(float("nan"))
         return True
 
-    def raise_deferred(self) -> None:
-        """Raise the `wire.WireFormatError` a decode of this call met, naming this rank."""
+    def raise_deferred(self, mismatch: type[Exception] | None = None) -> None:
+        """Raise the `wire.WireFormatError` a decode of this call met, naming this rank; a
+        message of another rank's different call as ``mismatch`` where given (from the
+        `wire.DeviatedCallError`)."""
         exc = self.wire_error
         if exc is None:
             return
         if isinstance(exc, wire.DeviatedCallError):
-            raise wire.DeviatedCallError(f"lowbitcc: rank {self.rank}: {exc}", exc.signatures)
+            deviated = wire.DeviatedCallError(f"lowbitcc: rank {self.rank}: {exc}", exc.signatures)
+            if mismatch is None:
+                raise deviated
+            raise mismatch(f"{deviated}: another rank issued a different call here; every rank "
+                           "raises") from deviated
         if isinstance(exc, wire.PeerWireFormatError):
             raise wire.PeerWireFormatError(
                 f"lowbitcc: rank {self.rank}: another rank received a corrupt or foreign message "

@@ -125,6 +125,10 @@ class LocoConfig:
             ones as the inner group's own call (`lowbitcc.backend.call_schedule`); a rank whose
             call differs from its place's makes every rank raise, never hang. On by default
             (``LOCO_CALL_SCHEDULE=0``: every call exchanges, as before).
+        call_plans: a place whose agreed call is a compressed all-reduce of one tensor keeps
+            what its runs share and runs the call in one method (`lowbitcc.backend.call_plan`;
+            issued inline on CPU; not yet CUDA); the same bytes as without. On by default
+            (``LOCO_CALL_PLANS=0``: every call runs through its job, as before).
     """
 
     bits: int = 4
@@ -155,6 +159,7 @@ class LocoConfig:
     auto_ring_ranks: int = 0
     issuer: str = "auto"
     call_schedule: bool = True
+    call_plans: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -251,8 +256,9 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
-        if not isinstance(self.call_schedule, bool):
-            raise bad("call_schedule", "a bool")
+        for field in ("call_schedule", "call_plans"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "a bool")
         if self.issuer not in ISSUERS:
             raise bad("issuer", "one of " + ", ".join(ISSUERS))
         if self.transport not in TRANSPORTS:

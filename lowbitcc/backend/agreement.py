@@ -8,8 +8,9 @@ operations for the same call: a hang or an abort inside gloo. So each rank publi
 ``ValueError`` that names the setting and each rank's value (or the rank whose configuration was
 invalid), within the group's timeout.
 
-Two settings are each rank's own: ``codec`` (every implementation gives the same bytes) and
-``max_keys`` (a local memory bound). Each rank also publishes its build's `PROTOCOL` (the wire
+Three settings are each rank's own: ``codec`` (every implementation gives the same bytes),
+``max_keys`` (a local memory bound) and ``call_plans`` (a plan issues its call's transfers).
+Each rank also publishes its build's `PROTOCOL` (the wire
 format version and the size of a descriptor exchange): ranks running lowbitcc builds that speak
 different protocols raise a ``ValueError`` naming them, instead of exchanging frames of
 different sizes at the first call (gloo aborts the process there).
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from lowbitcc.codec import wire
 from lowbitcc.config import LocoConfig
 
-LOCAL_SETTINGS = ("codec", "max_keys")
+LOCAL_SETTINGS = ("codec", "max_keys", "call_plans")
 """`LocoConfig` fields that may differ between the ranks of a group."""
 
 _KEY = "lowbitcc/config/{}"

@@ -2,7 +2,7 @@
 
 The calling thread asks here, for each tensor of a reduction, for its `call_schedule.Plan`:
 its place and what it does there (`plan`), or, for the short path, whether the next place's
-exact entry takes it (`planned_exact`). A call issued by a future's callback, or (CPU tensors)
+entry takes it (`planned`). A call issued by a future's callback, or (CPU tensors)
 by another thread than the main one, takes no place and exchanges a descriptor every time, as
 without the schedule: gloo completes its futures on its own threads, and callbacks issue their
 calls in orders that differ between ranks.
@@ -42,14 +42,19 @@ class CallPlaces:
         return schedule.plan(self.call_key(collective, like.dtype, op, numel, part),
                              self._wish(like, op, numel), wait=first)
 
-    def planned_exact(self, collective: str, like: torch.Tensor, numel: int,
-                      op: Any) -> Entry | None:
-        """`CallSchedule.planned_exact` for a reduction of one tensor issued now: its place's
-        exact entry where it runs as it (the place taken), else None (nothing taken)."""
+    def planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
+                exact: bool) -> Entry | None:
+        """`CallSchedule.planned` for a reduction of one tensor issued now: its place's
+        ``exact`` (else compressed) entry where it runs as it (the place taken), else None
+        (nothing taken)."""
         schedule = self._schedule_for(like)
-        if schedule is None or self._wish(like, op, numel) == "compressed":
+        if schedule is None:
             return None
-        return schedule.planned_exact(self.call_key(collective, like.dtype, op, numel, False))
+        if exact and self._wish(like, op, numel) == "compressed":
+            return None
+        if not exact and policy.mode(self._config.policy) == "never":  # `_wish`'s "exact"
+            return None
+        return schedule.planned(self.call_key(collective, like.dtype, op, numel, False), exact)
 
     def refusal_plans(self, collective: str, like: torch.Tensor,
                       numels: list[int]) -> list[Plan] | None:

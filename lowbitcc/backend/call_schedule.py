@@ -126,13 +126,16 @@ class Entry:
     it ran (``exact``; ``by_model``: because rank 0's cost model chose it), and how many more
     runs it may make without an exchange (``left``). ``canary``: for an exact all-reduce, the
     issuer's view of its last run's output (`Issuer.canary`), whose ``nan()`` says whether
-    that output ended in NaN."""
+    that output ended in NaN. ``plan``: for a compressed entry, what its runs keep
+    (`call_plan.CallPlan`, made by the first; passed on to the place's next entry of the
+    same call)."""
 
     desc: wire.CallDescriptor
     left: int
     exact: bool = False
     by_model: bool = False
     canary: Any = None
+    plan: Any = None
 
     def __post_init__(self) -> None:
         self.key = call_key(self.desc)
@@ -182,14 +185,15 @@ class CallSchedule:
         plan = Plan(self, index, DEVIATE, entry)
         return plan if entry.exact else self._opened(plan)
 
-    def planned_exact(self, key: tuple) -> Entry | None:
-        """Where the next place holds an exact entry that the call of ``key`` matches, take the
-        place and return the entry (it runs as it); else take nothing (`plan` takes it)."""
+    def planned(self, key: tuple, exact: bool) -> Entry | None:
+        """Where the next place holds an ``exact`` (else compressed) entry that the call of
+        ``key`` matches, take the place and return the entry (it runs as it); else take
+        nothing (`plan` takes it)."""
         self.wait_settled()
         if self._period is None:
             return None
         entry = self.entry(self._next)
-        if entry is None or not entry.exact or not entry.matches(key):
+        if entry is None or entry.exact != exact or not entry.matches(key):
             return None
         self.advance()
         self.ran(entry)
@@ -266,7 +270,11 @@ class CallSchedule:
         if self._period is None:
             self._learn(index, entry)
         elif index < self._next:
-            self._entries[self._place(index)] = entry
+            place = self._place(index)
+            last = self._entries.get(place)
+            if last is not None and not exact and not last.exact and last.matches(entry.key):
+                entry.plan = last.plan
+            self._entries[place] = entry
 
     def forget(self) -> None:
         """Forget everything (every rank raised at the same exchange): the next call issued is

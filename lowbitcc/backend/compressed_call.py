@@ -331,11 +331,7 @@ class CompressedCall:
         self.schedule(Source(flat, n, m, self.reduction.input_factor()), comp)
         self.verdict = comp.foreign()
         comp.finish()
-        try:
-            comp.raise_deferred()
-        except wire.DeviatedCallError as exc:
-            raise CollectiveMismatchError(
-                f"{exc}: another rank issued a different call here; every rank raises") from exc
+        comp.raise_deferred(CollectiveMismatchError)
         if stop is not None:
             stop()
 

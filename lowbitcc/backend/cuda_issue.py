@@ -156,6 +156,7 @@ class CudaIssuer:
         self._lock = threading.RLock()
 
     inline = True
+    plans = False
     native_ops = frozenset(dist.ReduceOp.RedOpType.__members__.values())
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:

@@ -12,6 +12,7 @@ CUDA), which only the calling thread uses; a compressed call's Work is complete 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ class InlineIssuer:
     """Issues CPU reductions in the calling thread over ``direct`` (see the module docstring)."""
 
     inline = True
+    plans = True
     native_ops = PLAIN_OPS
 
     def __init__(self, direct: dist.ProcessGroup, queue: IssueQueue) -> None:
@@ -61,4 +63,12 @@ class InlineIssuer:
                 if isinstance(result, InnerWork):
                     result.work.wait()
                     result.finish()
+        return self._queue.completed(outputs)
+
+    def run_plan(self, run: Callable[[], None], outputs: list[torch.Tensor]) -> dist.Work:
+        if any(t.requires_grad for t in outputs):
+            with torch.no_grad():  # outputs written in place, as by `run`'s jobs
+                run()
+        else:
+            run()
         return self._queue.completed(outputs)

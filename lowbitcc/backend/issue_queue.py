@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lowbitcc.backend.works import FollowedWork, InnerWork, LocoFuture, LocoWork
+from lowbitcc.backend.works import DoneWork, FollowedWork, InnerWork, LocoFuture, LocoWork
 
 Job = Callable[[], Any]
 """A call's work on the worker: returns the output tensors or an `InnerWork`."""
@@ -113,13 +113,11 @@ class IssueQueue:
             self._jobs.put((job, future))
         return work
 
-    def completed(self, outputs: list[torch.Tensor]) -> LocoWork:
+    def completed(self, outputs: list[torch.Tensor]) -> DoneWork:
         """The Work of a call the calling thread has run itself (`inline_issue`): complete with
         ``outputs``, and tagged as `submit` tags its calls, so the calls its callbacks issue
         name it (`callback_parent`)."""
-        future = self._tagged()
-        future.set_result(outputs)
-        return LocoWork(future)
+        return DoneWork(self._next_tag(), outputs)
 
     def follow(self, work: Any, outputs: list[torch.Tensor]) -> LocoWork:
         """The Work of a gloo ``work`` the calling thread started itself (a place's exact entry,

@@ -18,6 +18,7 @@ neither imports the other:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +36,8 @@ class Issuer(Protocol):
     raised without one)."""
 
     inline: bool
+    plans: bool
+    """Whether a place's compressed all-reduce runs by its `call_plan.CallPlan` (`run_plan`)."""
     native_ops: frozenset
     """The reduction ops (``RedOpType``) the inner backend runs itself (gloo: not AVG or
     PREMUL_SUM)."""
@@ -80,4 +83,9 @@ class Issuer(Protocol):
             outputs: list[torch.Tensor], async_op: bool) -> dist.Work:
         """Issue a call's compressed ``jobs`` (one per tensor; ``parts`` their exact forms);
         ``tensors``: every tensor the call reads or writes; ``outputs`` the Work's value."""
+        ...
+
+    def run_plan(self, run: Callable[[], None], outputs: list[torch.Tensor]) -> dist.Work:
+        """Issue a place's compressed all-reduce by its plan (``run()``, which writes
+        ``outputs``); only where `plans`."""
         ...

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import torch
 
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from lowbitcc.backend.call_plan import CallPlan
 from lowbitcc.backend.call_schedule import DEVIATE, EXCHANGE, PLANNED, Entry, Plan, Poisoned
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviation
@@ -62,9 +63,13 @@ class Reductions:
         issuer = self._issuers.get(tensor.device.type)
         if issuer is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return None
+        if collective == "all_reduce" and issuer.plans and self._compressed.config.call_plans:
+            work = self._run_plan(issuer, tensor, numel, op)
+            if work is not None:
+                return work
         if op_type(op) not in issuer.native_ops:
             return None
-        entry = self._compressed.places.planned_exact(collective, tensor, numel, op)
+        entry = self._compressed.places.planned(collective, tensor, numel, op, exact=True)
         if entry is not None:
             return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
                                    lambda size_class, nbytes: issuer.leased_native(
@@ -75,6 +80,21 @@ class Reductions:
         nbytes = numel * tensor.element_size()
         count_exact(collective, nbytes, self._world)
         return issuer.leased_native(method, args, [output], size_class, nbytes)
+
+    def _run_plan(self, issuer: Issuer, tensor: torch.Tensor, numel: int, op: Any) -> Any:
+        """Run an all-reduce of ``tensor`` as its place's compressed entry, by the place's
+        `call_plan.CallPlan` (made on the first such run), where the place holds such an entry
+        that the call matches (its dtype floating point: no op is refused); None: nothing
+        taken."""
+        if not tensor.is_contiguous():
+            return None
+        entry = self._compressed.places.planned("all_reduce", tensor, numel, op, exact=False)
+        if entry is None:
+            return None
+        if entry.plan is None:
+            entry.plan = CallPlan(self._compressed, self._compressed.route(tensor.device),
+                                  tensor)
+        return issuer.run_plan(lambda: entry.plan.run(tensor, op), [tensor])
 
     def _run_exact(self, issuer: Issuer, entry: Entry, collective: str, like: torch.Tensor,
                    output: torch.Tensor, numel: int, op: Any,

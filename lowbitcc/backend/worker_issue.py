@@ -35,6 +35,7 @@ class WorkerIssuer:
     direct gloo group, ``clock`` times a leased call for the cost model."""
 
     inline = False
+    plans = False
     native_ops = PLAIN_OPS
 
     def __init__(self, queue: IssueQueue, direct: dist.ProcessGroup, clock: Clock) -> None:

@@ -1,8 +1,9 @@
 """The Works and futures a "loco" group returns for calls on CPU tensors.
 
-Each call returns a `LocoWork` (its job queued on the group's worker, `issue_queue`) or a
+Each call returns a `LocoWork` (its job queued on the group's worker, `issue_queue`), a
 `FollowedWork` (a gloo call the calling thread started itself: a place's exact entry,
-`reductions`): its future's value is the list of output tensors (DDP's reducer reads it);
+`reductions`) or a `DoneWork` (a call the calling thread ran to its end, `inline_issue`): its
+future's value is the list of output tensors (DDP's reducer reads it);
 ``wait()`` re-raises any error of the call, and ``wait(timeout)`` raises
 `torch.distributed.DistBackendError` when the call has not completed in time, as gloo does.
 `InnerWork` is an inner gloo operation in flight and how to finish the call.
@@ -217,4 +218,35 @@ class FollowedWork(LocoWork):
             self._work.wait()
         except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
             return exc
+        return None
+
+
+@eager_methods
+class DoneWork(LocoWork):
+    """The Work of a call the calling thread has run to its end itself (`IssueQueue.completed`:
+    the inline issuer's calls, whose errors raise from the call): complete, with ``outputs``.
+    Its future, tagged ``tag``, is made (complete) on first use: DDP asks for it, a synchronous
+    ``dist.all_reduce`` does not."""
+
+    def __init__(self, tag: int, outputs: list[torch.Tensor]) -> None:
+        dist.Work.__init__(self)
+        self._source, self._outputs, self._tag = None, outputs, tag
+        self._future: LocoFuture | None = None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = LocoFuture(self._tag)
+            self._future.set_result(self._outputs)
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
         return None

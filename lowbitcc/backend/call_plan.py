@@ -1,0 +1,123 @@
+"""`CallPlan`: one call place's steady-state compressed all-reduce, read and run in one method.
+
+Under the call schedule (`call_schedule`) a place whose entry is compressed runs the same call
+step after step, without a descriptor exchange, for 63 runs out of 64. Everything such a call
+needs that does not change between its runs is made once, by the place's first planned run,
+and kept with the place's entry (`call_schedule.Entry.plan`; carried to the next entry the
+ranks agree on at the place while its call stays the same): the call's codec, one
+`CallCompressor` bound to each run in turn (`CallCompressor.restart`), the decode buffer, the
+statistics' byte counts and the cost model's size class. `CallPlan.run` is then the whole
+call: call number, feedback key, encode, transfers, decodes, new error states, deferred
+errors; the same arithmetic, transfers, keys and error states as the direct schedule
+(`schedules.direct`) run through `compressed_call.AllReduceCall`, so that ranks may differ in
+which of the two runs a call (`tests/backend/test_call_plans.py` holds them equal bit for bit).
+
+Served (`Reductions.at_issue`): an all-reduce of one contiguous dense tensor on an issuer with
+``plans`` (`LOCO_ISSUER=inline` on CPU), ``LocoConfig.call_plans`` on. A place's compressed
+entry always runs the direct schedule (`call_schedule.runs_for`), and inline routes never cut
+rows into chunks. Not yet served: reduce-scatter, several tensors, CUDA tensors (whose issuer
+also keeps streams and a verdict word per call: `cuda_issue`); those run as before.
+
+Threads: the calling thread only (the issuer's), one call at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lowbitcc import policy, state
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from lowbitcc.backend.compressed_call import CallGroup
+from lowbitcc.backend.exact import ReduceOp, Reduction, op_type
+from lowbitcc.backend.routes import Route
+from lowbitcc.collectives import COLLECTIVES
+from lowbitcc.compressor import CallCompressor, Source
+from lowbitcc.cost_model import CostModel
+
+COLLECTIVE = "all_reduce"
+
+
+class CallPlan:
+    """The steady-state compressed all-reduce of one place of ``group``, on ``route``, of
+    tensors like ``like`` (dtype, device, number of elements; see the module docstring)."""
+
+    def __init__(self, group: CallGroup, route: Route, like: torch.Tensor) -> None:
+        cfg = group.config
+        n = group.size
+        self.group, self.route = group, route
+        self.numel = like.numel()
+        self.m = m = -(-self.numel // n)
+        self.nbytes = self.numel * like.element_size()
+        self.logical_bytes = COLLECTIVES[COLLECTIVE].logical_bytes(n * m * like.element_size(), n)
+        self.size_class = CostModel.size_class(COLLECTIVE, self.nbytes, like.device.type)
+        self.codec = group.codec(COLLECTIVE, like.dtype, self.numel, like.device.type, route)
+        self.comp = CallCompressor(
+            self.codec, state.FEEDBACK, "", state.STATS,
+            error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
+            reset_interval=cfg.reset_interval, rank=group.rank)
+        self.transport = route.links.world
+        self.decoded = torch.empty(m, dtype=torch.float32, device=like.device)
+        """fp32 ``[m]``: the reduced own row (more than two ranks), or a row decoded before
+        its cast into the output (two ranks)."""
+        self.shards = list(range(n))
+        self._source: Source | None = None  # the last call's, while its tensor and factor stay
+
+    def run(self, tensor: torch.Tensor, op: Any) -> None:
+        """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, compressed;
+        raises what the call met (a peer's deviation, a corrupt message) once every transfer
+        of the call is done, as `compressed_call.CompressedCall` does."""
+        group, comp = self.group, self.comp
+        seq = group.agreement.next_seq()
+        key, derived = group.key(COLLECTIVE, tensor, self.numel)
+        buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
+        stop = None
+        if group.modelled(self.numel) and not policy.forced():
+            group.cost_model.count(self.size_class)
+            stop = group.clock(self.size_class, False, self.nbytes)
+        state.STATS.add("compressed", calls=1, tensor_bytes=self.nbytes,
+                        logical_bytes=self.logical_bytes)
+        comp.restart(self.codec.with_seq(seq), key, buffer)
+        out = tensor if tensor.dim() == 1 else tensor.view(-1)
+        factor = 1.0 if op_type(op) == ReduceOp.SUM else Reduction.of(op, group.size).input_factor()
+        source = self._source
+        if source is None or source.tensor is not out or source.factor != factor:
+            source = self._source = Source(out, group.size, self.m, factor)
+        if group.size == 2:
+            self._gather(source, out)
+        else:
+            self._scatter_gather(source, out)
+        comp.finish()
+        comp.raise_deferred(CollectiveMismatchError)
+        if stop is not None:
+            stop()
+
+    def _gather(self, source: Source, out: torch.Tensor) -> None:
+        """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
+        messages decoded and summed in rank order into its place in ``out``."""
+        comp, n, m = self.comp, self.group.size, self.m
+        messages = comp.encode("gather", source, self.shards)
+        gathered = self.transport.all_gather_async(messages).wait().view(n, n, -1)
+        fp32 = out.dtype == torch.float32
+        for r in range(n):
+            lo, hi = min(r * m, self.numel), min((r + 1) * m, self.numel)
+            if lo == hi:
+                continue
+            if fp32 and hi - lo == m:
+                comp.decode_sum(gathered[:, r], m, r, out[lo:hi])
+            else:
+                out[lo:hi].copy_(comp.decode_sum(gathered[:, r], m, r, self.decoded)[:hi - lo])
+
+    def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
+        """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's
+        messages summed in rank order, re-encoded (stage "ag"), all-gathered and decoded into
+        ``out``."""
+        comp, m, rank = self.comp, self.m, self.group.rank
+        messages = comp.encode("rs", source, self.shards)
+        received = self.transport.all_to_all_async(messages).wait()
+        reduced = comp.decode_sum(received, m, rank, self.decoded)
+        mine = comp.encode("ag", Source(reduced, 1, m), [rank])
+        gathered = self.transport.all_gather_async(mine[0]).wait()
+        comp.decode_into(gathered, m, self.shards, out)

@@ -1,0 +1,125 @@
+"""Call plans (`lowbitcc.backend.call_plan`): a place's compressed all-reduce run by its plan,
+on 2 and 3 real ranks under ``LOCO_ISSUER=inline``, gives the bytes and error states of the
+same call run through its job (``call_plans`` off), one plan per place, kept across the
+place's agreements, and used for every planned run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc.backend import call_plan, call_schedule
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from tests.support.ranks import run_ranks
+
+CALLS = [  # (elements, dtype, op): not a multiple of 3 ranks, a cast, an input factor
+    (65536, torch.float32, dist.ReduceOp.SUM),
+    (100_003, torch.float32, dist.ReduceOp.AVG),
+    (70_000, torch.bfloat16, dist.ReduceOp.SUM),
+]
+PASSES = 7
+
+
+def _passes(rank, world, gloo, plans, deviate_at=None):
+    """``PASSES`` backward passes of compressed all-reduces of `CALLS` on a group with
+    ``call_plans`` = ``plans`` (a list: each rank's; the schedule agrees again every 3 runs of
+    a place): every result, the error states after, how many calls ran by a plan and how many plans were
+    made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
+    longer (then also: the passes that raised `CollectiveMismatchError`, and each pass's plan
+    runs)."""
+    call_schedule.REAGREE_EVERY = 3
+    runs, made = [0], [0]
+    run, init = call_plan.CallPlan.run, call_plan.CallPlan.__init__
+
+    def counted_run(self, *args):
+        runs[0] += 1
+        return run(self, *args)
+
+    def counted_init(self, *args):
+        made[0] += 1
+        init(self, *args)
+
+    call_plan.CallPlan.run, call_plan.CallPlan.__init__ = counted_run, counted_init
+    if isinstance(plans, list):
+        plans = plans[rank]
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        cost_model=False, issuer="inline", call_plans=plans))
+    gen = torch.Generator().manual_seed(rank)
+    results, raised, per_pass = [], [], []
+    for p in range(PASSES):
+        sizes = [n + 64 * (p == deviate_at and rank == world - 1 and i == 1)
+                 for i, (n, _, _) in enumerate(CALLS)]
+        inputs = [torch.randn(n, generator=gen).to(dtype) for n, (_, dtype, _) in zip(sizes, CALLS)]
+        w = torch.zeros(1, requires_grad=True)
+
+        def issue(grad, inputs=inputs):
+            with lowbitcc.compressed():
+                for x, (_, _, op) in zip(inputs, CALLS):
+                    dist.all_reduce(x, op=op, group=group)
+            return grad
+
+        w.register_hook(issue)
+        before = runs[0]
+        try:
+            w.sum().backward()
+        except CollectiveMismatchError:
+            raised.append(p)
+        per_pass.append(runs[0] - before)
+        results.append(inputs)
+    states = lowbitcc.state.FEEDBACK.state_dict()["states"]
+    if deviate_at is not None:
+        return raised, per_pass
+    return results, states, runs[0], made[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_planned_calls_equal_their_jobs_bit_for_bit(world):
+    planned = run_ranks(_passes, world, True, timeout=180)
+    jobs = run_ranks(_passes, world, False, timeout=180)
+    for (got, got_states, runs, made), (want, want_states, no_runs, none_made) in zip(planned,
+                                                                                    jobs):
+        assert no_runs == none_made == 0
+        # pass 0 agrees on every call, pass 1's first call closes the period; from then on
+        # each place agrees on one run in 3 and its plan runs the other two
+        assert made == len(CALLS) and runs > PASSES, (made, runs)
+        for pass_got, pass_want in zip(got, want):
+            for a, b in zip(pass_got, pass_want):
+                assert torch.equal(a, b)
+        assert got_states.keys() == want_states.keys() and got_states
+        for key, state in got_states.items():
+            other = want_states[key]
+            assert state["uses"] == other["uses"], key
+            assert torch.equal(state["data"], other["data"]), key
+            assert (state["scales"] is None) == (other["scales"] is None), key
+            if state["scales"] is not None:
+                assert torch.equal(state["scales"], other["scales"]), key
+    first = planned[0][0]
+    for got, *_ in planned[1:]:  # every rank ends with the same bits
+        assert all(torch.equal(a, b) for pa, pb in zip(got, first) for a, b in zip(pa, pb))
+
+
+def test_ranks_may_differ_in_call_plans():
+    mixed = run_ranks(_passes, 2, [True, False], timeout=180)
+    jobs = run_ranks(_passes, 2, False, timeout=180)
+    assert mixed[0][2] > 0 and mixed[1][2] == 0  # rank 0 ran plans, rank 1 jobs
+    for (got, _, _, _), (want, _, _, _) in zip(mixed, jobs):
+        assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_that_deviates_while_plans_run_makes_every_rank_raise(world):
+    for raised, per_pass in run_ranks(_passes, world, True, 3, timeout=180):
+        # pass 3's second call: the others run it by its place's plan, the last rank runs the
+        # agreed call in its place on flagged messages; every rank raises at that call, and
+        # the passes after it run (agreed anew)
+        assert raised == [3], (raised, per_pass)
+        assert per_pass[2] > 0 and per_pass[3] > 0, per_pass
+
+
+def test_call_plans_setting():
+    assert lowbitcc.LocoConfig.from_env({"LOCO_CALL_PLANS": "0"}).call_plans is False
+    assert lowbitcc.LocoConfig().call_plans is True
+    with pytest.raises(ValueError, match="call_plans"):
+        lowbitcc.LocoConfig(call_plans="yes")
