@@ -2,8 +2,8 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: frame issue46 exactperf selftest pytest
-#                                             unfixed schedule launches perf codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans issue46 exactperf selftest
+#                                             pytest unfixed schedule launches perf codec
 #                                             (default: all; the environment is always printed)
 #
 # Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
@@ -16,7 +16,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-frame issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame plans issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -49,6 +49,22 @@ for phase in $phases; do
             tests/codec/test_cuda_kernels.py -k "frame_kernels or check_kernels or from_the_verdict or fused_checksum or bitwise" \
             2>&1 | tee "$out/frame.txt"
         verdict frame "$out/frame.txt" ;;
+    plans)  # call plans on CUDA (written without a GPU, 83b502f+): bits, then host time
+        timeout "${PLANS_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
+            tests/gpu/test_multirank.py -k "call_plans or compressed_cuda_call_that_deviates" \
+            2>&1 | tee "$out/plans.txt"
+        verdict plans "$out/plans.txt"
+        for plans in 1 0; do
+            LOCO_CALL_PLANS=$plans timeout 100 $py -m lowbitcc perf all_reduce --device cuda --np 2 \
+                --backend loco4 -b 1M -e 1M -n 100 -w 20 --json "$out/plans-perf-$plans.json"
+        done 2>&1 | tee "$out/plans-perf.txt"
+        $py - "$out" <<'EOF' | tee -a "$out/plans-perf.txt"
+import json, sys
+host = {p: json.load(open(f"{sys.argv[1]}/plans-perf-{p}.json"))["rows"][0]["host_us"] for p in "10"}
+print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} plans-host {host['1'] / host['0']:.3f} "
+      f"({host['1']:.0f} vs {host['0']:.0f} us host per compressed call, 1 MiB, 2 ranks)")
+EOF
+        ;;
     selftest)
         timeout "${SELFTEST_S:-240}" $py -m lowbitcc selftest --ranks 4 --cases "${CASES:-400}" 2>&1 | tee "$out/selftest.txt" ;;
     pytest)

@@ -127,7 +127,7 @@ class LocoConfig:
             (``LOCO_CALL_SCHEDULE=0``: every call exchanges, as before).
         call_plans: a place whose agreed call is a compressed all-reduce of one tensor keeps
             what its runs share and runs the call in one method (`lowbitcc.backend.call_plan`;
-            issued inline on CPU; not yet CUDA); the same bytes as without. On by default
+            CUDA, and CPU issued inline); the same bytes as without. On by default
             (``LOCO_CALL_PLANS=0``: every call runs through its job, as before).
     """
 

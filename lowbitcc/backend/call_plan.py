@@ -13,10 +13,11 @@ errors; the same arithmetic, transfers, keys and error states as the direct sche
 which of the two runs a call (`tests/backend/test_call_plans.py` holds them equal bit for bit).
 
 Served (`Reductions.at_issue`): an all-reduce of one contiguous dense tensor on an issuer with
-``plans`` (`LOCO_ISSUER=inline` on CPU), ``LocoConfig.call_plans`` on. A place's compressed
-entry always runs the direct schedule (`call_schedule.runs_for`), and inline routes never cut
-rows into chunks. Not yet served: reduce-scatter, several tensors, CUDA tensors (whose issuer
-also keeps streams and a verdict word per call: `cuda_issue`); those run as before.
+``plans`` (`LOCO_ISSUER=inline` on CPU, and CUDA, whose issuer runs `run` on the call's
+stream, `cuda_issue.CudaIssuer.compressed`), ``LocoConfig.call_plans`` on. A place's
+compressed entry always runs the direct schedule (`call_schedule.runs_for`), and inline routes
+never cut rows into chunks. Not yet served: reduce-scatter and calls of several tensors; those
+run their jobs as before.
 
 Threads: the calling thread only (the issuer's), one call at a time.
 """
@@ -51,6 +52,7 @@ class CallPlan:
         self.numel = like.numel()
         self.m = m = -(-self.numel // n)
         self.nbytes = self.numel * like.element_size()
+        self.codec_dtype = like.dtype
         self.logical_bytes = COLLECTIVES[COLLECTIVE].logical_bytes(n * m * like.element_size(), n)
         self.size_class = CostModel.size_class(COLLECTIVE, self.nbytes, like.device.type)
         self.codec = group.codec(COLLECTIVE, like.dtype, self.numel, like.device.type, route)
@@ -64,14 +66,20 @@ class CallPlan:
         its cast into the output (two ranks)."""
         self.shards = list(range(n))
         self._source: Source | None = None  # the last call's, while its tensor and factor stay
+        self.canary_entry: Any = None
+        """The place's entry the next run runs as (set by the caller): on CUDA its verdict
+        becomes the entry's canary (`cuda_verdicts.keep_canaries`)."""
+        self.verdict: torch.Tensor | None = None
+        """After a run on a device: the call's flag of a foreign message received
+        (`CallCompressor.foreign`), which the CUDA issuer turns into the Work's verdict word."""
+        self.seq = 0
 
     def run(self, tensor: torch.Tensor, op: Any) -> None:
         """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, compressed;
         raises what the call met (a peer's deviation, a corrupt message) once every transfer
         of the call is done, as `compressed_call.CompressedCall` does."""
         group, comp = self.group, self.comp
-        seq = group.agreement.next_seq()
-        key, derived = group.key(COLLECTIVE, tensor, self.numel)
+        key, derived = self.count(tensor)
         buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
         stop = None
         if group.modelled(self.numel) and not policy.forced():
@@ -79,7 +87,7 @@ class CallPlan:
             stop = group.clock(self.size_class, False, self.nbytes)
         state.STATS.add("compressed", calls=1, tensor_bytes=self.nbytes,
                         logical_bytes=self.logical_bytes)
-        comp.restart(self.codec.with_seq(seq), key, buffer)
+        comp.restart(self.codec.with_seq(self.seq), key, buffer)
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
         factor = 1.0 if op_type(op) == ReduceOp.SUM else Reduction.of(op, group.size).input_factor()
         source = self._source
@@ -89,10 +97,22 @@ class CallPlan:
             self._gather(source, out)
         else:
             self._scatter_gather(source, out)
+        self.verdict = comp.foreign()
         comp.finish()
         comp.raise_deferred(CollectiveMismatchError)
         if stop is not None:
             stop()
+
+    def count(self, tensor: torch.Tensor) -> tuple[str, bool]:
+        """Take the call's number and its feedback key (`CompressedCalls.key`; counted) for a
+        run, or for a call of the place that runs exact instead (a CUDA graph capture), so that
+        the ranks' numbers stay in step."""
+        self.seq = self.group.agreement.next_seq()
+        return self.group.key(COLLECTIVE, tensor, self.numel)
+
+    def describe(self) -> str:
+        """The last run's call, for messages."""
+        return f"{COLLECTIVE} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
 
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two

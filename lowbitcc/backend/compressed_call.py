@@ -134,8 +134,7 @@ class CompressedCall:
         self.framed = (cfg.check and not self.route.inline and self.nbytes <= wire.FRAME_PAYLOAD
                        and source.layout == torch.strided
                        and reduces_in_rank_order(op, source.dtype))
-        self.plan = plan
-        self.part = part
+        self.plan, self.part = plan, part
         self.verdict: torch.Tensor | None = None
         """After a compressed run on CUDA: the device flag of a foreign message received
         (`CallCompressor.foreign`), which the issuer turns into the Work's verdict word."""
@@ -256,6 +255,11 @@ class CompressedCall:
                 f"{self.source.dtype} elements where the ranks had agreed on a "
                 f"{expected.collective} of {expected.numel} {expected.dtype} elements (this "
                 "call's place in the sequence of calls); every rank raises")
+
+    @property
+    def canary_entry(self) -> Any:
+        """The place's entry this call ran as (`run_planned`), else None."""
+        return self.plan.entry if self.plan is not None and self.plan.kind == PLANNED else None
 
     def describe(self) -> str:
         """The call, for messages."""

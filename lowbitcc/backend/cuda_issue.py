@@ -156,7 +156,7 @@ class CudaIssuer:
         self._lock = threading.RLock()
 
     inline = True
-    plans = False
+    plans = True
     native_ops = frozenset(dist.ReduceOp.RedOpType.__members__.values())
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
@@ -204,6 +204,20 @@ class CudaIssuer:
 
         return self.compressed(run_jobs, lambda: [f() for f in fallbacks], tensors, outputs,
                                async_op, jobs)
+
+    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
+                 native: tuple[str, tuple]) -> dist.Work:
+        """`Issuer.run_plan`: the plan's run on the call's stream, as a compressed job's
+        (`compressed`), c10d's own call on NCCL while a graph is captured."""
+        method, args = native
+        issue = getattr(self.nccl, method)
+
+        def exact() -> Any:
+            plan.count(tensor)
+            return issue(*args[:-1], sync_options(args[-1]))
+
+        return self.compressed(lambda: plan.run(tensor, op), exact, [tensor], [tensor],
+                               args[-1].asyncOp, [plan])
 
     def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
         """``nccl.<method>(*args)`` (the caller's options included); its Work, or a

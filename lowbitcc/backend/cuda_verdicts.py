@@ -22,8 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowbitcc.backend.call_schedule import PLANNED
-
 
 def verdict_word(calls: list[Any]) -> torch.Tensor | None:
     """Pinned host memory the current stream sets non-zero where one of ``calls`` received a
@@ -40,13 +38,13 @@ def verdict_word(calls: list[Any]) -> torch.Tensor | None:
 
 
 def keep_canaries(calls: list[Any]) -> None:
-    """Each of ``calls`` that ran as its place's compressed entry leaves its verdict flag as
-    the place's canary (`FlagCanary`): a deviation another rank made there shows at every rank's
-    next run of the place, which then exchanges (`call_schedule`)."""
+    """Each of ``calls`` that ran as its place's compressed entry (its ``canary_entry``) leaves
+    its verdict flag as the place's canary (`FlagCanary`): a deviation another rank made there
+    shows at every rank's next run of the place, which then exchanges (`call_schedule`)."""
     for call in calls:
-        plan, flag = getattr(call, "plan", None), getattr(call, "verdict", None)
-        if plan is not None and plan.kind == PLANNED and isinstance(flag, torch.Tensor):
-            plan.entry.canary = FlagCanary(flag)
+        entry, flag = getattr(call, "canary_entry", None), getattr(call, "verdict", None)
+        if entry is not None and isinstance(flag, torch.Tensor):
+            entry.canary = FlagCanary(flag)
 
 
 class FlagCanary:

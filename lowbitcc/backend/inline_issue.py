@@ -12,7 +12,6 @@ CUDA), which only the calling thread uses; a compressed call's Work is complete 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,10 +64,11 @@ class InlineIssuer:
                     result.finish()
         return self._queue.completed(outputs)
 
-    def run_plan(self, run: Callable[[], None], outputs: list[torch.Tensor]) -> dist.Work:
-        if any(t.requires_grad for t in outputs):
-            with torch.no_grad():  # outputs written in place, as by `run`'s jobs
-                run()
+    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
+                 native: tuple[str, tuple]) -> dist.Work:
+        if tensor.requires_grad:
+            with torch.no_grad():  # written in place, as by `run`'s jobs
+                plan.run(tensor, op)
         else:
-            run()
-        return self._queue.completed(outputs)
+            plan.run(tensor, op)
+        return self._queue.completed([tensor])

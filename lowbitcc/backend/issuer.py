@@ -18,7 +18,6 @@ neither imports the other:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -85,7 +84,9 @@ class Issuer(Protocol):
         ``tensors``: every tensor the call reads or writes; ``outputs`` the Work's value."""
         ...
 
-    def run_plan(self, run: Callable[[], None], outputs: list[torch.Tensor]) -> dist.Work:
-        """Issue a place's compressed all-reduce by its plan (``run()``, which writes
-        ``outputs``); only where `plans`."""
+    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
+                 native: tuple[str, tuple]) -> dist.Work:
+        """Issue a place's compressed all-reduce of ``tensor`` by ``op`` by the place's
+        `call_plan.CallPlan` (``plan.run(tensor, op)``; ``native``: c10d's method and arguments,
+        for where the call must run exact); only where `plans`."""
         ...

@@ -64,7 +64,7 @@ class Reductions:
         if issuer is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return None
         if collective == "all_reduce" and issuer.plans and self._compressed.config.call_plans:
-            work = self._run_plan(issuer, tensor, numel, op)
+            work = self._run_plan(issuer, tensor, numel, op, (method, args))
             if work is not None:
                 return work
         if op_type(op) not in issuer.native_ops:
@@ -81,20 +81,24 @@ class Reductions:
         count_exact(collective, nbytes, self._world)
         return issuer.leased_native(method, args, [output], size_class, nbytes)
 
-    def _run_plan(self, issuer: Issuer, tensor: torch.Tensor, numel: int, op: Any) -> Any:
+    def _run_plan(self, issuer: Issuer, tensor: torch.Tensor, numel: int, op: Any,
+                  native: tuple[str, tuple]) -> Any:
         """Run an all-reduce of ``tensor`` as its place's compressed entry, by the place's
         `call_plan.CallPlan` (made on the first such run), where the place holds such an entry
         that the call matches (its dtype floating point: no op is refused); None: nothing
-        taken."""
+        taken. ``native``: c10d's method and arguments (the exact call where a graph is being
+        captured, on CUDA)."""
         if not tensor.is_contiguous():
             return None
         entry = self._compressed.places.planned("all_reduce", tensor, numel, op, exact=False)
         if entry is None:
             return None
-        if entry.plan is None:
-            entry.plan = CallPlan(self._compressed, self._compressed.route(tensor.device),
-                                  tensor)
-        return issuer.run_plan(lambda: entry.plan.run(tensor, op), [tensor])
+        plan = entry.plan
+        if plan is None:
+            plan = entry.plan = CallPlan(self._compressed, self._compressed.route(tensor.device),
+                                         tensor)
+        plan.canary_entry = entry
+        return issuer.run_plan(plan, tensor, op, native)
 
     def _run_exact(self, issuer: Issuer, entry: Entry, collective: str, like: torch.Tensor,
                    output: torch.Tensor, numel: int, op: Any,

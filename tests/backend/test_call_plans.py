@@ -22,13 +22,13 @@ CALLS = [  # (elements, dtype, op): not a multiple of 3 ranks, a cast, an input 
 PASSES = 7
 
 
-def _passes(rank, world, gloo, plans, deviate_at=None):
+def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu"):
     """``PASSES`` backward passes of compressed all-reduces of `CALLS` on a group with
     ``call_plans`` = ``plans`` (a list: each rank's; the schedule agrees again every 3 runs of
     a place): every result, the error states after, how many calls ran by a plan and how many plans were
     made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
     longer (then also: the passes that raised `CollectiveMismatchError`, and each pass's plan
-    runs)."""
+    runs). ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py)."""
     call_schedule.REAGREE_EVERY = 3
     runs, made = [0], [0]
     run, init = call_plan.CallPlan.run, call_plan.CallPlan.__init__
@@ -46,12 +46,17 @@ def _passes(rank, world, gloo, plans, deviate_at=None):
         plans = plans[rank]
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
         cost_model=False, issuer="inline", call_plans=plans))
+    if device == "cuda":
+        from lowbitcc.tools import spawn
+
+        device = spawn.gpu_device(rank)
     gen = torch.Generator().manual_seed(rank)
     results, raised, per_pass = [], [], []
     for p in range(PASSES):
         sizes = [n + 64 * (p == deviate_at and rank == world - 1 and i == 1)
                  for i, (n, _, _) in enumerate(CALLS)]
-        inputs = [torch.randn(n, generator=gen).to(dtype) for n, (_, dtype, _) in zip(sizes, CALLS)]
+        inputs = [torch.randn(n, generator=gen).to(dtype).to(device)
+                  for n, (_, dtype, _) in zip(sizes, CALLS)]
         w = torch.zeros(1, requires_grad=True)
 
         def issue(grad, inputs=inputs):
@@ -67,7 +72,7 @@ def _passes(rank, world, gloo, plans, deviate_at=None):
         except CollectiveMismatchError:
             raised.append(p)
         per_pass.append(runs[0] - before)
-        results.append(inputs)
+        results.append([x.to("cpu", copy=True) for x in inputs])
     states = lowbitcc.state.FEEDBACK.state_dict()["states"]
     if deviate_at is not None:
         return raised, per_pass

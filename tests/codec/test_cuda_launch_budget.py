@@ -1,6 +1,7 @@
 """The GPU work one steady-state compressed all-reduce issues on CUDA, counted without a GPU.
 
-The CUDA code branch of the direct schedule runs on ``device="meta"`` tensors (shapes and
+The CUDA code branch of the direct schedule (a call's job, and a place's `CallPlan`) runs on
+``device="meta"`` tensors (shapes and
 dtypes, no data) with the CUDA kernels' launcher and the NCCL transport's process group
 replaced by recorders; a `TorchDispatchMode` classifies every torch operation as GPU work
 (a kernel), a host-to-device copy, a host synchronisation, an allocation or a view (free).
@@ -15,14 +16,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lowbitcc import state
+from lowbitcc.backend.call_plan import CallPlan
 from lowbitcc.codec import cuda
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
+from lowbitcc.config import LocoConfig
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 from lowbitcc.schedules import direct
@@ -126,15 +133,56 @@ def _steady_state_call(world: int, numel: int, monkeypatch) -> GpuWork:
     return work
 
 
+class _Group:
+    """What a `call_plan.CallPlan` asks of its group (`compressed_call.CallGroup`), for rank 0
+    of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket"."""
+
+    def __init__(self, world: int, codec: ShardCodec) -> None:
+        self.rank, self.size, self.config, self._codec = 0, world, LocoConfig(), codec
+        self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
+
+    def codec(self, *args) -> ShardCodec:
+        return self._codec
+
+    def key(self, *args) -> tuple[str, bool]:
+        return "bucket", False
+
+    def modelled(self, numel: int) -> bool:
+        return False
+
+
+def _planned_call(world: int, numel: int, monkeypatch) -> GpuWork:
+    """The GPU work of the third run of a place's `CallPlan` (its error state kept), rank 0."""
+    work = GpuWork()
+    monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
+        [name.split("<")[0].removeprefix("loco_cuda::")]))
+    monkeypatch.setattr(state, "FEEDBACK", FeedbackStore())
+    monkeypatch.setattr(state, "STATS", Stats())
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=0, world=world, signature=1,
+                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    route = types.SimpleNamespace(links=Links.of(NcclTransport(_RecordingGroup(work, 0, world))))
+    x = torch.empty(numel, device="meta")
+    plan = CallPlan(_Group(world, codec), route, x)
+    for _ in range(2):
+        plan.run(x, dist.ReduceOp.SUM)
+    work.launches.clear()
+    work.nccl.clear()
+    with _Classified(work):
+        plan.run(x, dist.ReduceOp.SUM)
+    return work
+
+
 BUDGET = {2: dict(kernels=13, allocations=6, host_to_device=0, synchronisations=0),
           4: dict(kernels=20, allocations=10, host_to_device=0, synchronisations=0)}
 """Per steady-state compressed all-reduce of 1 Mi fp32 elements (MXFP4, int8 error state,
 checksums off as on CUDA by default): today's counts, the most a change may leave."""
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["job", "plan"])
 @pytest.mark.parametrize("world", sorted(BUDGET))
-def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, monkeypatch):
-    work = _steady_state_call(world, 1 << 20, monkeypatch)
+def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, planned,
+                                                                      monkeypatch):
+    work = (_planned_call if planned else _steady_state_call)(world, 1 << 20, monkeypatch)
     budget = BUDGET[world]
     summary = (f"{work.total_kernels} kernels: torch {dict(work.kernels)}, codec "
                f"{dict(work.launches)}; {work.allocations} allocations, {work.host_to_device} uploads, "

@@ -21,6 +21,7 @@ import lowbitcc
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.codec import cuda
 from lowbitcc.tools import spawn
+from tests.backend import test_call_plans as call_plans
 from tests.backend import test_call_schedule as schedule
 from tests.backend import test_exact_places as places
 from tests.backend import test_faults as faults
@@ -145,6 +146,19 @@ def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
         assert not errors, errors
         assert agreements == cpu_agreements, (agreements, cpu_agreements)
         assert schedule._same_passes(got, want)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world):
+    """A place's `CallPlan` on CUDA (on by default) against the same calls run by their jobs
+    (``call_plans`` off): the same results and error states on every rank."""
+    planned = _ranks(call_plans._passes, world, True, None, "cuda")
+    jobs = _ranks(call_plans._passes, world, False, None, "cuda")
+    for (got, got_states, runs, made), (want, want_states, _, _) in zip(planned, jobs):
+        assert made == len(call_plans.CALLS) and runs > call_plans.PASSES, (made, runs)
+        assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
+        for key, state in got_states.items():
+            assert torch.equal(state["data"], want_states[key]["data"]), key
 
 
 @pytest.mark.parametrize("world", WORLDS)
