@@ -107,6 +107,19 @@ def _bench_train(args: argparse.Namespace) -> int:
         return 2
 
 
+def _add_project(sub: Any) -> None:
+    from lowbitcc.tools import project
+
+    pr = sub.add_parser(
+        "project", help="a training step's gradient all-reduce on a GPU cluster, on paper: "
+                        "NCCL vs loco direct vs hierarchical",
+        description="Projects the gradient all-reduce of one data-parallel step from measured "
+        "parts (host and kernel times per compressed call on a GPU, docs/gpu.md) and a link "
+        "model; every input is an option (docs/scaling.md).")
+    project.add_arguments(pr)
+    pr.set_defaults(func=project.command)
+
+
 def _hybrid(args: argparse.Namespace) -> int:
     from lowbitcc.tools import hybrid
 
@@ -217,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     link_spec.add_arguments(st)
     st.set_defaults(func=_study)
     _add_perf(sub)
+    _add_project(sub)
     _add_bench_train(sub)
     _add_hybrid(sub)
     ne = sub.add_parser(
