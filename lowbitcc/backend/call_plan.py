@@ -13,11 +13,11 @@ errors; the same arithmetic, transfers, keys and error states as the direct sche
 which of the two runs a call (`tests/backend/test_call_plans.py` holds them equal bit for bit).
 
 Served (`Reductions.at_issue`): an all-reduce of one contiguous dense tensor on an issuer with
-``plans`` (`LOCO_ISSUER=inline` on CPU, and CUDA, whose issuer runs `run` on the call's
-stream, `cuda_issue.CudaIssuer.compressed`), ``LocoConfig.call_plans`` on. A place's
-compressed entry always runs the direct schedule (`call_schedule.runs_for`), and inline routes
-never cut rows into chunks. Not yet served: reduce-scatter and calls of several tensors; those
-run their jobs as before.
+``plans`` (`LOCO_ISSUER=inline` on CPU, and CUDA outside a graph capture, whose issuer runs
+`run` on the call's stream, `cuda_issue.CudaIssuer.compressed`), ``LocoConfig.call_plans``
+on. A place's compressed entry always runs the direct schedule (`call_schedule.runs_for`),
+and inline routes never cut rows into chunks. Not yet served: reduce-scatter and calls of
+several tensors; those run their jobs as before.
 
 Threads: the calling thread only (the issuer's), one call at a time.
 """
@@ -61,13 +61,10 @@ class CallPlan:
             error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
             reset_interval=cfg.reset_interval, rank=group.rank)
         self.transport = route.links.world
-        self.decoded = torch.empty(m, dtype=torch.float32, device=like.device)
-        """fp32 ``[m]``: the reduced own row (more than two ranks), or a row decoded before
-        its cast into the output (two ranks)."""
+        self._decoded: torch.Tensor | None = None  # `decoded`, made by the first run
         self.shards = list(range(n))
-        self._source: Source | None = None  # the last call's, while its tensor and factor stay
         self.canary_entry: Any = None
-        """The place's entry the next run runs as (set by the caller): on CUDA its verdict
+        """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
         becomes the entry's canary (`cuda_verdicts.keep_canaries`)."""
         self.verdict: torch.Tensor | None = None
         """After a run on a device: the call's flag of a foreign message received
@@ -79,7 +76,8 @@ class CallPlan:
         raises what the call met (a peer's deviation, a corrupt message) once every transfer
         of the call is done, as `compressed_call.CompressedCall` does."""
         group, comp = self.group, self.comp
-        key, derived = self.count(tensor)
+        self.seq = group.agreement.next_seq()
+        key, derived = group.key(COLLECTIVE, tensor, self.numel)
         buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
         stop = None
         if group.modelled(self.numel) and not policy.forced():
@@ -90,9 +88,7 @@ class CallPlan:
         comp.restart(self.codec.with_seq(self.seq), key, buffer)
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
         factor = 1.0 if op_type(op) == ReduceOp.SUM else Reduction.of(op, group.size).input_factor()
-        source = self._source
-        if source is None or source.tensor is not out or source.factor != factor:
-            source = self._source = Source(out, group.size, self.m, factor)
+        source = Source(out, group.size, self.m, factor)
         if group.size == 2:
             self._gather(source, out)
         else:
@@ -103,16 +99,21 @@ class CallPlan:
         if stop is not None:
             stop()
 
-    def count(self, tensor: torch.Tensor) -> tuple[str, bool]:
-        """Take the call's number and its feedback key (`CompressedCalls.key`; counted) for a
-        run, or for a call of the place that runs exact instead (a CUDA graph capture), so that
-        the ranks' numbers stay in step."""
-        self.seq = self.group.agreement.next_seq()
-        return self.group.key(COLLECTIVE, tensor, self.numel)
-
     def describe(self) -> str:
         """The last run's call, for messages."""
         return f"{COLLECTIVE} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
+
+    def decoded(self, device: torch.device) -> torch.Tensor:
+        """fp32 ``[m]`` on ``device`` for the reduced own row (more than two ranks) or a row
+        decoded before its cast into the output (two ranks), kept for every run. On CUDA each
+        run marks it used by its stream (a side stream for ``async_op``), so that the caching
+        allocator hands it on only after every stream that used it, once the plan is gone;
+        runs of a place are ordered by the issuer."""
+        if self._decoded is None:
+            self._decoded = torch.empty(self.m, dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            self._decoded.record_stream(torch.cuda.current_stream(device))
+        return self._decoded
 
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
@@ -128,7 +129,8 @@ class CallPlan:
             if fp32 and hi - lo == m:
                 comp.decode_sum(gathered[:, r], m, r, out[lo:hi])
             else:
-                out[lo:hi].copy_(comp.decode_sum(gathered[:, r], m, r, self.decoded)[:hi - lo])
+                decoded = comp.decode_sum(gathered[:, r], m, r, self.decoded(out.device))
+                out[lo:hi].copy_(decoded[:hi - lo])
 
     def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
         """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's
@@ -137,7 +139,7 @@ class CallPlan:
         comp, m, rank = self.comp, self.m, self.group.rank
         messages = comp.encode("rs", source, self.shards)
         received = self.transport.all_to_all_async(messages).wait()
-        reduced = comp.decode_sum(received, m, rank, self.decoded)
+        reduced = comp.decode_sum(received, m, rank, self.decoded(out.device))
         mine = comp.encode("ag", Source(reduced, 1, m), [rank])
         gathered = self.transport.all_gather_async(mine[0]).wait()
         comp.decode_into(gathered, m, self.shards, out)

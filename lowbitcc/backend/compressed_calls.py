@@ -70,7 +70,7 @@ class CompressedCalls:
         self.leases = Leases(self.cost_model)
         self.scratch = Scratch()  # the worker thread's decode buffer
         self._routes = routes
-        self._stream_timings = StreamTimings()  # the CUDA calls' (the issuing thread's)
+        self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
         scheduled = self.exchanges() and config.call_schedule
         self._call_schedules = {device: CallSchedule(timeout_s) for device in routes
                                 if scheduled}

@@ -156,7 +156,6 @@ class CudaIssuer:
         self._lock = threading.RLock()
 
     inline = True
-    plans = True
     native_ops = frozenset(dist.ReduceOp.RedOpType.__members__.values())
 
     def exact(self, call: ExactReduction, parts: list[ExactReduction]) -> dist.Work:
@@ -205,19 +204,18 @@ class CudaIssuer:
         return self.compressed(run_jobs, lambda: [f() for f in fallbacks], tensors, outputs,
                                async_op, jobs)
 
+    @property
+    def plans(self) -> bool:
+        """`Issuer.plans`: not while a graph is captured (the call's job then counts the call
+        and runs c10d's own call, as every captured compressed call does)."""
+        return not torch.cuda.is_current_stream_capturing()
+
     def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
                  native: tuple[str, tuple]) -> dist.Work:
         """`Issuer.run_plan`: the plan's run on the call's stream, as a compressed job's
-        (`compressed`), c10d's own call on NCCL while a graph is captured."""
-        method, args = native
-        issue = getattr(self.nccl, method)
-
-        def exact() -> Any:
-            plan.count(tensor)
-            return issue(*args[:-1], sync_options(args[-1]))
-
-        return self.compressed(lambda: plan.run(tensor, op), exact, [tensor], [tensor],
-                               args[-1].asyncOp, [plan])
+        (`compressed`)."""
+        return self.compressed(lambda: plan.run(tensor, op), None, [tensor], [tensor],
+                               native[1][-1].asyncOp, [plan])
 
     def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
         """``nccl.<method>(*args)`` (the caller's options included); its Work, or a
@@ -231,10 +229,11 @@ class CudaIssuer:
             return ready_work(outputs, device)
         return StreamWork(outputs, torch.cuda.current_stream(device))
 
-    def compressed(self, job: Callable[[], Any], exact: Callable[[], Any],
+    def compressed(self, job: Callable[[], Any], exact: Callable[[], Any] | None,
                    tensors: list[torch.Tensor], outputs: list[torch.Tensor],
                    async_op: bool, calls: list[Any] = ()) -> dist.Work:
-        """Run ``job`` (``exact`` while a graph is captured) on the call's stream; ``tensors``
+        """Run ``job`` (``exact`` while a graph is captured; None: never issued then) on the
+        call's stream; ``tensors``
         are every tensor the call reads or writes, ``outputs`` the Work's value; ``calls``:
         the compressed calls ``job`` runs (their ``verdict``, a device flag, after it ran: a
         foreign message; their ``describe()`` names them)."""
@@ -243,6 +242,8 @@ class CudaIssuer:
         with self._lock, torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             if torch.cuda.is_current_stream_capturing():
+                if exact is None:
+                    raise RuntimeError("lowbitcc: a call plan was run during a graph capture")
                 exact()
                 return ready_work(outputs, device)
             stream = self._side_stream(device) if async_op else current
@@ -315,15 +316,21 @@ class StreamTimings:
     peers in NCCL) and its host time: a call whose stream was busy shows only the GPU time of
     its kernels, but the issuing thread still spent the host time on it. Used from the threads
     that issue the group's CUDA calls; ``event`` makes the events (``torch.cuda.Event``; tests
-    pass a fake)."""
+    pass a fake). With ``model``, each `start` first harvests into it, so that what is kept
+    stays bounded wherever calls are timed (under the call schedule no lease decision, which
+    harvests too, is ever made)."""
 
-    def __init__(self, event: Callable[..., Any] | None = None) -> None:
+    def __init__(self, event: Callable[..., Any] | None = None,
+                 model: _Model | None = None) -> None:
         self._event = event or torch.cuda.Event
+        self._model = model
         self._pending: collections.deque[tuple[Any, Any, float, Any, bool, int]] = (
             collections.deque())
 
     def start(self) -> tuple[Any, float]:
         """Record the start event of a call on the current stream; it and the host clock."""
+        if self._model is not None:
+            self.harvest(self._model)
         event = self._event(enable_timing=True)
         event.record()
         return event, time.perf_counter()

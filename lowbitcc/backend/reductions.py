@@ -98,7 +98,10 @@ class Reductions:
             plan = entry.plan = CallPlan(self._compressed, self._compressed.route(tensor.device),
                                          tensor)
         plan.canary_entry = entry
-        return issuer.run_plan(plan, tensor, op, native)
+        try:
+            return issuer.run_plan(plan, tensor, op, native)
+        finally:
+            plan.canary_entry = None  # the entry holds the plan: no cycle left behind
 
     def _run_exact(self, issuer: Issuer, entry: Entry, collective: str, like: torch.Tensor,
                    output: torch.Tensor, numel: int, op: Any,

@@ -14,11 +14,14 @@ from lowbitcc.backend import call_plan, call_schedule
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from tests.support.ranks import run_ranks
 
-CALLS = [  # (elements, dtype, op): not a multiple of 3 ranks, a cast, an input factor
-    (65536, torch.float32, dist.ReduceOp.SUM),
-    (100_003, torch.float32, dist.ReduceOp.AVG),
-    (70_000, torch.bfloat16, dist.ReduceOp.SUM),
+CALLS = [  # (shape, dtype, op): not a multiple of 3 ranks, a cast, 2-D, an input factor
+    ((65536,), torch.float32, dist.ReduceOp.SUM),
+    ((100_003,), torch.float32, dist.ReduceOp.AVG),
+    ((350, 200), torch.bfloat16, dist.ReduceOp.SUM),
 ]
+COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "intra_node_bytes",
+           "inter_node_bytes")
+"""`lowbitcc.stats()` counters of compressed calls that plans and jobs count alike."""
 PASSES = 7
 
 
@@ -53,10 +56,10 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu"):
     gen = torch.Generator().manual_seed(rank)
     results, raised, per_pass = [], [], []
     for p in range(PASSES):
-        sizes = [n + 64 * (p == deviate_at and rank == world - 1 and i == 1)
-                 for i, (n, _, _) in enumerate(CALLS)]
-        inputs = [torch.randn(n, generator=gen).to(dtype).to(device)
-                  for n, (_, dtype, _) in zip(sizes, CALLS)]
+        shapes = [(shape[0] + 64 * (p == deviate_at and rank == world - 1 and i == 1),
+                   *shape[1:]) for i, (shape, _, _) in enumerate(CALLS)]
+        inputs = [torch.randn(*shape, generator=gen).to(dtype).to(device)
+                  for shape, (_, dtype, _) in zip(shapes, CALLS)]
         w = torch.zeros(1, requires_grad=True)
 
         def issue(grad, inputs=inputs):
@@ -76,7 +79,8 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu"):
     states = lowbitcc.state.FEEDBACK.state_dict()["states"]
     if deviate_at is not None:
         return raised, per_pass
-    return results, states, runs[0], made[0]
+    counted = lowbitcc.stats()["compressed"]
+    return results, (states, {k: counted[k] for k in COUNTED}), runs[0], made[0]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -92,6 +96,9 @@ def test_planned_calls_equal_their_jobs_bit_for_bit(world):
         for pass_got, pass_want in zip(got, want):
             for a, b in zip(pass_got, pass_want):
                 assert torch.equal(a, b)
+        (got_states, got_counted), (want_states, want_counted) = got_states, want_states
+        assert got_counted == want_counted and got_counted["calls"] == PASSES * len(CALLS)
+        # the same keys: the same feedback-key ordinals and stages
         assert got_states.keys() == want_states.keys() and got_states
         for key, state in got_states.items():
             other = want_states[key]

@@ -127,6 +127,21 @@ def test_stream_timings_report_finished_calls_in_order_and_never_wait():
     assert len(timings) == 0
 
 
+def test_stream_timings_with_a_model_hand_it_finished_calls_at_each_start():
+    """Under the call schedule nothing asks for a lease decision, which harvested before: the
+    next timed call's start hands over what the GPU has passed, so nothing piles up."""
+    model = _Recorder()
+    timings = StreamTimings(event=_FakeEvent, model=model)
+    _FakeEvent.gpu_ms = _FakeEvent.host_ms = 0.0
+    for i in range(100):
+        _FakeEvent.host_ms = float(i)
+        start = timings.start()
+        _FakeEvent.host_ms = i + 0.5
+        timings.stop(start, ("all_reduce", "cuda", 20), False, 1 << 20)
+        _FakeEvent.gpu_ms = i + 1.0  # the GPU keeps up
+    assert len(timings) == 1 and len(model.rows) == 99
+
+
 def test_a_call_costs_at_least_its_host_time():
     """A call queued behind busy work shows only its kernels' GPU time; the issuing thread
     still spent the host time enqueueing it."""

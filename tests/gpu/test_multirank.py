@@ -157,6 +157,8 @@ def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world):
     for (got, got_states, runs, made), (want, want_states, _, _) in zip(planned, jobs):
         assert made == len(call_plans.CALLS) and runs > call_plans.PASSES, (made, runs)
         assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
+        (got_states, got_counted), (want_states, want_counted) = got_states, want_states
+        assert got_counted == want_counted
         for key, state in got_states.items():
             assert torch.equal(state["data"], want_states[key]["data"]), key
 
