@@ -2,8 +2,8 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans issue46 exactperf selftest
-#                                             pytest unfixed schedule launches perf codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans hier issue46 exactperf
+#                                             selftest pytest unfixed schedule launches perf codec
 #                                             (default: all; the environment is always printed)
 #
 # Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
@@ -16,7 +16,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-frame plans issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame plans hier issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -65,6 +65,10 @@ print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} plans-host {host['1'] / ho
       f"({host['1']:.0f} vs {host['0']:.0f} us host per compressed call, 1 MiB, 2 ranks)")
 EOF
         ;;
+    hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
+        timeout "${HIER_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 180 \
+            tests/gpu/test_multirank.py -k "hierarchical" 2>&1 | tee "$out/hier.txt"
+        verdict hier "$out/hier.txt" ;;
     selftest)
         timeout "${SELFTEST_S:-240}" $py -m lowbitcc selftest --ranks 4 --cases "${CASES:-400}" 2>&1 | tee "$out/selftest.txt" ;;
     pytest)

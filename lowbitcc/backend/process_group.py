@@ -94,7 +94,8 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._nccl = inner_nccl(store, rank, size, timeout, global_ranks, group_id)
             self._cuda = CudaIssuer(self._nccl, Watchdog(timeout.total_seconds(),
                                                          self._nccl.abort))
-            routes["cuda"] = cuda_route(config, self._nccl)
+            routes["cuda"] = cuda_route(config, self._nccl, store,
+                                        global_ranks or list(range(size)), rank, timeout)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                    self._nccl)
         self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)

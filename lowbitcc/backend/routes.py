@@ -73,9 +73,12 @@ def cpu_route(config: LocoConfig, world: GlooTransport, store: dist.Store,
         inline=config.issuer == "inline")
 
 
-def cuda_route(config: LocoConfig, nccl: Any) -> Route:
+def cuda_route(config: LocoConfig, nccl: Any, store: dist.Store, global_ranks: list[int],
+               rank: int, timeout: datetime.timedelta) -> Route:
     """The `Route` of CUDA tensors: the CUDA kernels and the links over ``nccl``, the group's
-    inner ``ProcessGroupNCCL``; inline, the schedules NCCL's links can run."""
+    inner ``ProcessGroupNCCL`` (node and rail NCCL groups on ``store`` where the hierarchical
+    schedule asks); inline, the schedules NCCL's links can run."""
     return Route(kernels=kernels.select(config.codec, "cuda", config.wire_group_size),
-                 links=open_nccl_links(nccl, state.STATS), inline=True,
-                 schedules=NCCL_SCHEDULES)
+                 links=open_nccl_links(nccl, state.STATS, store=store, global_ranks=global_ranks,
+                                       rank=rank, timeout=timeout, node_size=config.node_size),
+                 inline=True, schedules=NCCL_SCHEDULES)

@@ -33,12 +33,25 @@ def cpu_kind(kind: str) -> str:
     return "gloo" if kind in ("auto", *CUDA_NAMES) else kind
 
 
-def open_nccl_links(group: object, stats: Stats) -> Links:
-    """The `Links` for CUDA tensors: the world link over ``group`` (a ``ProcessGroupNCCL``),
-    metered into ``stats``; no node or rail links (see `nccl.SCHEDULES`)."""
-    from lowbitcc.transports.nccl import NcclTransport
+def open_nccl_links(group: object, stats: Stats, *, store: dist.Store,
+                    global_ranks: Sequence[int], rank: int, timeout: datetime.timedelta,
+                    node_size: int) -> Links:
+    """The `Links` for CUDA tensors of a group whose rank ``i`` is global rank
+    ``global_ranks[i]``: the world link over ``group`` (a ``ProcessGroupNCCL``), node and rail
+    links over NCCL groups on ``store`` made on first use (`nccl.sub_group`); every link
+    metered into ``stats`` by link class, as `open_links`' are."""
+    from lowbitcc.transports.nccl import NcclTransport, sub_group
 
-    return Links.of(MeteredTransport(NcclTransport(group), stats))
+    node_size = topology.node_size_from(node_size)
+    layout = topology.layout(global_ranks, rank, node_size)
+    same_node = topology.same_node(global_ranks, rank, node_size)
+
+    def nccl_group(name: str, color: int, key: int, size: int) -> Transport:
+        return MeteredTransport(NcclTransport(sub_group(store, name, color, key, size, timeout)),
+                                stats, same_node=_sub_same_node(name, key, size))
+
+    return Links(MeteredTransport(NcclTransport(group), stats, same_node=same_node), layout,
+                 nccl_group)
 
 
 def _sub_same_node(name: str, key: int, size: int) -> list[bool]:

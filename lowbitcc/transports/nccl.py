@@ -9,20 +9,35 @@ synchronisation; "waiting" for it returns at once.
 
 Only the collective methods exist: point-to-point transfers issued one by one from one thread
 can deadlock on the GPU (a rank's send kernel waits for its peer's receive, enqueued behind
-the peer's own send), so the schedules that need them (ring, tree, hierarchical) are refused
-for CUDA tensors; `SCHEDULES` names the ones that run.
+the peer's own send), so the schedules that need them (ring, tree) are refused for CUDA
+tensors; `SCHEDULES` names the ones that run. The hierarchical schedule needs only
+collectives, on the node's ranks and on the rail's: `sub_group` makes those communicators, on
+first use, each its own ``ProcessGroupNCCL`` on the group's store.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-SCHEDULES = ("direct",)
+SCHEDULES = ("direct", "hierarchical")
 """The compressed schedules that run over this transport."""
+
+
+def sub_group(store: dist.Store, name: str, color: int, key: int, size: int,
+              timeout: datetime.timedelta) -> Any:
+    """A ``ProcessGroupNCCL`` over the ranks of a group that passed the same ``name`` ("node" or
+    "rail") and ``color`` (`links.SubTransport`), this rank being ``key`` of ``size``, on its
+    own prefix of the group's ``store``. NCCL makes its communicator at the first transfer."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    prefixed = dist.PrefixStore(f"lowbitcc/nccl-{name}{color}", store)
+    return dist.ProcessGroupNCCL(prefixed, key, size, options)
 
 
 def _sync(options: Any) -> Any:

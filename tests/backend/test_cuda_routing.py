@@ -278,9 +278,9 @@ def test_nccl_transport_issues_synchronous_calls_and_returns_their_buffers():
     assert torch.equal(transport.all_to_all_async(send).wait(), send)
     assert torch.equal(transport.all_gather(send[0]), send)
     assert [o.asyncOp for o in group.options] == [False, False]
-    with pytest.raises(NotImplementedError, match="direct"):
+    with pytest.raises(NotImplementedError, match="direct, hierarchical"):
         transport.send_async(send, 0, 0)
-    assert SCHEDULES == ("direct",)
+    assert SCHEDULES == ("direct", "hierarchical")  # collectives only: no ring, no tree
 
 
 def test_device_header_check_finds_foreign_and_flagged_messages_on_any_device():
@@ -300,6 +300,50 @@ def test_device_header_check_finds_foreign_and_flagged_messages_on_any_device():
         assert bool(foreign), offset
     _, foreign = codec.check_on_device(messages, 100, [1, 0])  # shards swapped
     assert bool(foreign)
+
+
+def test_nccl_links_make_node_and_rail_groups_on_first_use(monkeypatch):
+    """The hierarchical schedule's links on CUDA (issue 49): NCCL groups of the node's ranks
+    and of the rail's, each on its own store prefix, made when first used, metered by link
+    class."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lowbitcc.counters import Stats
+    from lowbitcc.transports import open_nccl_links
+
+    made = []
+
+    class FakeNccl:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, options=None) -> None:
+            self._rank, self._size = rank, size
+            made.append((store, rank, size, getattr(options, "_timeout", None)))
+
+        def rank(self) -> int:
+            return self._rank
+
+        def size(self) -> int:
+            return self._size
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNccl, raising=False)
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: prefix)
+    timeout = datetime.timedelta(seconds=7)
+    links = open_nccl_links(FakeNccl("world", 5, 8), Stats(), store=None,
+                            global_ranks=list(range(8)), rank=5, timeout=timeout, node_size=4)
+    assert made == [("world", 5, 8, None)]  # nothing more until a schedule asks
+    assert (links.layout.nodes, links.layout.node_size, links.layout.node,
+            links.layout.local) == (2, 4, 1, 1)
+    node, rail = links.node(), links.rail()
+    assert made[1:] == [("lowbitcc/nccl-node1", 1, 4, timeout),
+                        ("lowbitcc/nccl-rail1", 1, 2, timeout)]
+    assert (node.size, rail.size) == (4, 2) and links.node() is node
+    assert node._same_node == [True] * 4 and rail._same_node == [False, True]
+    assert links.world._same_node == [False] * 4 + [True] * 4
+    assert "hierarchical" in SCHEDULES
 
 
 def test_transport_choice_applies_to_cpu_tensors():

@@ -25,6 +25,7 @@ from tests.backend import test_call_plans as call_plans
 from tests.backend import test_call_schedule as schedule
 from tests.backend import test_exact_places as places
 from tests.backend import test_faults as faults
+from tests.schedules import test_hierarchical_inline as hierarchical
 from tests.support.ranks import run_ranks
 
 pytestmark = [
@@ -146,6 +147,15 @@ def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
         assert not errors, errors
         assert agreements == cpu_agreements, (agreements, cpu_agreements)
         assert schedule._same_passes(got, want)
+
+
+def test_hierarchical_on_nccl_equals_the_cpu_calls_bit_for_bit():
+    """4 ranks as 2 nodes of 2 (``node_size=2``; each rank its own ``NCCL_HOSTID``): node and
+    rail NCCL groups, the same bits as the CPU worker path on every rank (issue 49)."""
+    on_gpu = _ranks(hierarchical._hierarchical, 4, "inline", 2, "cuda")
+    on_cpu = run_ranks(hierarchical._hierarchical, 4, "auto", 2, timeout=240)
+    for got, want in zip(on_gpu, on_cpu, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("world", WORLDS)
