@@ -2,7 +2,7 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans hier issue46 exactperf
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans hier demo issue46 exactperf
 #                                             selftest pytest unfixed schedule launches perf codec
 #                                             (default: all; the environment is always printed)
 #
@@ -16,7 +16,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-frame plans hier issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame plans hier demo issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -65,6 +65,13 @@ print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} plans-host {host['1'] / ho
       f"({host['1']:.0f} vs {host['0']:.0f} us host per compressed call, 1 MiB, 2 ranks)")
 EOF
         ;;
+    demo)  # the README's demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
+        timeout 200 $py -m lowbitcc demo --steps 40 --link none 2>&1 | tee "$out/demo.txt"
+        if grep -q "x nccl's speed" "$out/demo.txt"; then
+            echo "PASS demo $(grep "x nccl's speed" "$out/demo.txt")"
+        else
+            echo "FAIL demo $(tail -1 "$out/demo.txt")"
+        fi ;;
     hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
         timeout "${HIER_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 180 \
             tests/gpu/test_multirank.py -k "hierarchical" 2>&1 | tee "$out/hier.txt"

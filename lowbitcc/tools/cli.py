@@ -10,13 +10,6 @@ from typing import Any
 from lowbitcc.tools import link_spec
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from lowbitcc.tools import demo
-
-    return demo.run(nprocs=args.np, steps=args.steps, width=args.width, depth=args.depth,
-                    link=None if args.link == "none" else args.link)
-
-
 def _codec_bench(args: argparse.Namespace) -> int:
     from lowbitcc.tools import codec_bench
 
@@ -179,16 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small model with DDP over loco and gloo, side by side")
-    demo.add_argument("--np", type=int, default=2, help="local ranks to start (default 2)")
-    demo.add_argument("--steps", type=int, default=40,
-                      help="training steps (default 40; about 20 of them printed)")
-    demo.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
-    demo.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
-    demo.add_argument("--link", default="1gbit",
-                      help="after loopback, run again behind emulated links of this rate where "
-                      "the machine allows it (root, ip, tc); none: loopback only (default 1gbit)")
-    demo.set_defaults(func=_demo)
+    from lowbitcc.tools import demo
+
+    demo.add_arguments(sub.add_parser(
+        "demo", help="train a small model with DDP over loco and gloo (nccl on GPUs), side by side"))
     bench = sub.add_parser("codec-bench", help="codec encode/decode throughput vs copy bandwidth")
     bench.add_argument("-b", type=_size, default=64 << 10, help="smallest size (default 64K)")
     bench.add_argument("-e", type=_size, default=256 << 20, help="largest size (default 256M)")

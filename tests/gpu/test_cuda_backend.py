@@ -427,3 +427,17 @@ def test_bench_train_runs_on_cuda_against_nccl(tmp_path):
     assert list(rows) == list(default_schemes("cuda"))
     losses = [r["final_loss"] for r in rows.values()]
     assert max(losses) - min(losses) < 0.1, losses
+
+
+@needs_cupy
+def test_the_demo_trains_on_gpus_against_nccl():
+    """`lowbitcc demo` where a GPU is visible: DDP over loco beside DDP over nccl, 2 ranks
+    (sharing the GPU where there is one), the same lines as on the CPU."""
+    from tests.support.ranks import clean_env
+
+    done = subprocess.run([sys.executable, "-m", "lowbitcc", "demo", "--steps", "6", "--width",
+                           "64", "--depth", "1", "--link", "none"], capture_output=True,
+                          text=True, timeout=300, env=clean_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("ranks on GPUs", "loss nccl", "loss loco", "cost model:", "x nccl's speed"):
+        assert line in done.stdout, done.stdout

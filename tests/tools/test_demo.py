@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from lowbitcc.tools import netem
+from lowbitcc.tools import demo, netem
 from tests.support.ranks import clean_env
 
 
@@ -26,6 +27,13 @@ def test_demo_on_loopback_reports_both_groups_and_the_cost_models_choice():
     assert _runs(done.stdout) == 1 and "emulated" not in done.stdout
     for line in ("loss gloo", "cost model:", "wire bytes per rank", "x gloo's speed"):
         assert line in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the demo uses it")
+def test_demo_on_gpus_without_one_says_so():
+    done = _demo("--link", "none", "--device", "cuda")
+    assert done.returncode == 2 and "needs a GPU and torch with NCCL" in done.stderr
+    assert not demo.uses_gpu("auto") and not demo.uses_gpu("cpu")
 
 
 @pytest.mark.slow
