@@ -13,14 +13,20 @@ A node is one namespace and holds ``ranks_per_node`` consecutive ranks (default 
 node reach each other through the namespace's own address, which the kernel routes over its
 loopback device (unshaped, counted on ``lo``), as the GPUs of one server talk over NVLink.
 
-A `Link` with a delay, jitter or loss is a wide-area link. This machine's kernel has tbf but no
-``netem`` qdisc, so those links are TUN devices (``wan0``, same addresses, MTU 9000) joined by
+A `Link` with a delay, jitter or loss is a wide-area link. Where the kernel has the ``netem``
+qdisc (`kernel_netem_available`, probed once in a scratch namespace) it is the bridge above
+with, on each node's uplink, ``netem`` (delay one way, jitter, loss; ``limit`` large enough
+for any bandwidth-delay product here) over the link's tbf as its child, and tbf alone on the
+switch's port. Where it has not (this development machine's kernel has tbf but no netem),
+those links are TUN devices (``wan0``, same addresses, MTU 9000) joined by
 `lowbitcc.tools.delay_switch.DelaySwitch`, a thread of the process that owns the network, in
 place of the bridge: the kernel's tbf still shapes each node's uplink; the switch shapes the
 downlinks, delays each packet by ``delay`` one way (plus uniform jitter, without reordering)
-and drops it with probability ``loss``. What the emulation does not model (docs/wan.md):
-per-packet loss at jumbo-frame size (one lost 9000-byte packet is six lost 1500-byte ones),
-correlated loss or reordering, and queues in the path beyond the node's own links.
+and drops it with probability ``loss``. The log says which one ran. What the emulation does not
+model (docs/wan.md): with the switch, per-packet loss at jumbo-frame size (one lost 9000-byte
+packet is six lost 1500-byte ones); with netem, jitter reorders packets (netem sends each at
+its own delayed time); either way correlated loss, and queues in the path beyond the node's
+own links.
 
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
 namespaces this module creates; nothing stays in the caller's namespace (a wide-area link's TUN
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -58,6 +65,8 @@ SUBNET = "198.18.0"
 RANK_IFNAME = "veth0"
 WAN_IFNAME = "wan0"
 DEFAULT_PORT = 29517
+NETEM_LIMIT = 100_000
+"""Packets netem holds (its default, 1000, drops what a 1 Gbit/s link with 40 ms holds)."""
 def tbf_burst_bytes(rate_bits: int) -> int:
     """Bucket size for ``rate_bits``: 2 ms of traffic, at least 256 KiB (a GSO super-packet of
     64 KiB must fit, and a small bucket makes tbf undershoot its rate at 10 Gbit/s)."""
@@ -88,6 +97,9 @@ class EmulatedNetwork:
     link: Link | str | None = "1gbit"
     prefix: str = dataclasses.field(default_factory=lambda: f"lbcc{os.getpid()}")
     ranks_per_node: int = 1
+    kernel_netem: bool | None = None
+    """A wide-area link by the kernel's netem qdisc (True) or the user-space switch (False);
+    None: netem where `kernel_netem_available` (decided on entering; the switch until then)."""
     _devices: list[int] = dataclasses.field(default_factory=list, repr=False, compare=False)
     _switch: list[DelaySwitch] = dataclasses.field(default_factory=list, repr=False,
                                                    compare=False)
@@ -113,9 +125,14 @@ class EmulatedNetwork:
         return self.spec.rate
 
     @property
+    def delay_switch(self) -> bool:
+        """Whether the links are TUN devices joined by the user-space `DelaySwitch`."""
+        return self.spec.wide_area and not self.kernel_netem
+
+    @property
     def interface(self) -> str:
         """Each node's device on the emulated link (``GLOO_SOCKET_IFNAME``)."""
-        return WAN_IFNAME if self.spec.wide_area else RANK_IFNAME
+        return WAN_IFNAME if self.delay_switch else RANK_IFNAME
 
     @property
     def switch(self) -> str:
@@ -146,7 +163,7 @@ class EmulatedNetwork:
     def setup_commands(self) -> list[list[str]]:
         """The commands that build the network (a wide-area link's TUN devices must exist,
         named `tun_name`, before the commands that move them run)."""
-        if self.spec.wide_area:
+        if self.delay_switch:
             return self._wide_area_commands()
         cmds = [["ip", "netns", "add", self.switch],
                 ["ip", "-n", self.switch, "link", "add", "sw0", "type", "bridge"],
@@ -163,9 +180,23 @@ class EmulatedNetwork:
                 ["ip", "-n", ns, "link", "set", RANK_IFNAME, "up"],
                 ["ip", "-n", ns, "link", "set", "lo", "up"],
             ]
+            if self.spec.wide_area:
+                cmds += self._netem(ns, RANK_IFNAME)
             if self.rate is not None:
-                cmds += [self._tbf(ns, RANK_IFNAME), self._tbf(self.switch, port)]
+                cmds += [self._tbf(ns, RANK_IFNAME, self.spec.wide_area),
+                         self._tbf(self.switch, port)]
         return cmds
+
+    def _netem(self, ns: str, dev: str) -> list[list[str]]:
+        """The kernel's netem on ``dev``'s egress (the root; the link's tbf its child)."""
+        spec = self.spec
+        cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle",
+               "1:", "netem", "limit", str(NETEM_LIMIT)]
+        if spec.delay or spec.jitter:
+            cmd += ["delay", spec.delay or "0ms"] + ([spec.jitter] if spec.jitter else [])
+        if spec.loss:
+            cmd += ["loss", spec.loss]
+        return [cmd]
 
     def _wide_area_commands(self) -> list[list[str]]:
         cmds = []
@@ -184,12 +215,13 @@ class EmulatedNetwork:
         return cmds
 
     def teardown_commands(self) -> list[list[str]]:
-        switch = [] if self.spec.wide_area else [["ip", "netns", "del", self.switch]]
+        switch = [] if self.delay_switch else [["ip", "netns", "del", self.switch]]
         return [["ip", "netns", "del", self.namespace(r)] for r in range(self.nodes)] + switch
 
-    def _tbf(self, ns: str, dev: str) -> list[str]:
+    def _tbf(self, ns: str, dev: str, under_netem: bool = False) -> list[str]:
         burst = tbf_burst_bytes(parse_rate(self.rate or ""))
-        return ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        where = ["parent", "1:1", "handle", "10:"] if under_netem else ["root"]
+        return ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *where, "tbf",
                 "rate", self.rate or "", "burst", str(burst), "latency", "50ms"]
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -197,19 +229,23 @@ class EmulatedNetwork:
         missing = missing_requirements()
         if missing:
             raise RuntimeError("lowbitcc netem needs " + "; ".join(missing))
+        if self.spec.wide_area and self.kernel_netem is None:
+            object.__setattr__(self, "kernel_netem", kernel_netem_available())
         try:
-            if self.spec.wide_area:
+            if self.delay_switch:
                 self._devices.extend(tun_device(self.tun_name(r)) for r in range(self.nodes))
             for cmd in self.setup_commands():
                 _check_call(cmd)
-            if self.spec.wide_area:
+            if self.delay_switch:
                 self._switch.append(DelaySwitch(self._devices, self.spec.model()))
                 self._switch[0].start()
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        log.info("emulated network %s: %d ranks on %d nodes, links %s", self.prefix,
-                 self.nranks, self.nodes, self.spec.describe())
+        how = ("" if not self.spec.wide_area else " by the user-space delay switch (the kernel has "
+               "no netem qdisc)" if self.delay_switch else " by the kernel's netem qdisc")
+        log.info("emulated network %s: %d ranks on %d nodes, links %s%s", self.prefix,
+                 self.nranks, self.nodes, self.spec.describe(), how)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -221,6 +257,26 @@ class EmulatedNetwork:
         for fd in self._devices:
             os.close(fd)
         self._devices.clear()
+
+
+@functools.cache
+def kernel_netem_available() -> bool:
+    """Whether this kernel has the netem qdisc: one is added to the loopback device of a
+    scratch namespace (root; False without it, or without ``ip`` and ``tc``)."""
+    if missing_requirements():
+        return False
+    probe = f"lbccprobe{os.getpid()}"
+    try:
+        _check_call(["ip", "netns", "add", probe])
+    except RuntimeError:
+        return False
+    try:
+        done = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
+                               "root", "netem", "delay", "1ms"],
+                              capture_output=True, text=True, check=False)
+        return done.returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
 
 
 def _check_call(cmd: list[str]) -> None:

@@ -312,3 +312,44 @@ def test_the_convergence_study_refuses_link_flags_it_would_ignore():
     done = subprocess.run([sys.executable, "-m", "lowbitcc", "study", "--wan", "cross-continent"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--diloco only" in done.stderr
+
+
+def test_wide_area_links_use_the_kernels_netem_where_it_exists():
+    link = netem.Link("100mbit", "40ms", "2ms", "0.01%")
+    net = netem.EmulatedNetwork(2, link, prefix="lbcctest", kernel_netem=True)
+    flat = [" ".join(c) for c in net.setup_commands()]
+    assert not net.delay_switch and net.interface == "veth0"
+    assert not any("tun" in c or "wan0" in c for c in flat)
+    assert "ip -n lbcctest-sw link add sw0 type bridge" in flat
+    for r in range(2):
+        ns = net.namespace(r)
+        netem_at = flat.index(f"ip netns exec {ns} tc qdisc add dev veth0 root handle 1: netem "
+                              f"limit {netem.NETEM_LIMIT} delay 40ms 2ms loss 0.01%")
+        tbf = [i for i, c in enumerate(flat) if c.startswith(
+            f"ip netns exec {ns} tc qdisc add dev veth0 parent 1:1 handle 10: tbf rate 100mbit")]
+        assert tbf and tbf[0] > netem_at  # the rate limit under the delay, on the uplink
+        assert any(c.startswith(f"ip netns exec lbcctest-sw tc qdisc add dev p{r} root tbf")
+                   for c in flat)  # the downlink: its rate only
+    assert ["ip", "netns", "del", "lbcctest-sw"] in net.teardown_commands()
+    switch = netem.EmulatedNetwork(2, link, prefix="lbcctest", kernel_netem=False)
+    assert switch.delay_switch and switch.interface == "wan0"
+
+
+def test_the_netem_probe_asks_the_kernel_once(monkeypatch):
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        unknown = "netem" in cmd
+        return subprocess.CompletedProcess(cmd, 2 if unknown else 0, "",
+                                           "Error: Specified qdisc kind is unknown." * unknown)
+
+    monkeypatch.setattr(netem, "missing_requirements", lambda: [])
+    monkeypatch.setattr(netem.subprocess, "run", run)
+    netem.kernel_netem_available.cache_clear()
+    try:
+        assert netem.kernel_netem_available() is False
+        assert netem.kernel_netem_available() is False and len(calls) == 3  # add, try, del
+        assert calls[-1][:3] == ["ip", "netns", "del"]
+    finally:
+        netem.kernel_netem_available.cache_clear()
