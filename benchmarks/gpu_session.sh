@@ -2,8 +2,9 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans hier demo issue46 exactperf
-#                                             selftest pytest unfixed schedule launches perf codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans hier demo train issue46
+#                                             exactperf selftest pytest unfixed schedule launches
+#                                             perf codec
 #                                             (default: all; the environment is always printed)
 #
 # Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
@@ -16,7 +17,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-frame plans hier demo issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame plans hier demo train issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -72,6 +73,29 @@ EOF
         else
             echo "FAIL demo $(tail -1 "$out/demo.txt")"
         fi ;;
+    train)  # issue 49's end-to-end number: DDP over loco against DDP over nccl, fp32 and bf16
+        $py -c "from lowbitcc.tools import netem
+print('emulated links:', '; '.join(netem.missing_requirements()) or 'possible',
+      '| kernel netem qdisc:', netem.kernel_netem_available())" 2>&1 | tee "$out/train.txt"
+        for dtype in fp32 bf16; do
+            timeout "${TRAIN_S:-120}" $py -m lowbitcc bench-train --device cuda --np 2 --dtype $dtype \
+                --schemes nccl loco --steps 30 --json "$out/train-$dtype.json"
+        done 2>&1 | tee -a "$out/train.txt"
+        if [ -n "${TRAIN_LINK:-}" ]; then  # e.g. TRAIN_LINK=10gbit (root, ip, tc)
+            timeout 200 $py -m lowbitcc bench-train --device cuda --np 2 --schemes nccl loco \
+                --steps 20 --link "$TRAIN_LINK" --json "$out/train-link.json" 2>&1 | tee -a "$out/train.txt"
+        fi
+        $py - "$out" <<'EOF' | tee -a "$out/train.txt"
+import glob, json, math, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/train-*.json")):
+    rows = {r["scheme"]: r for r in json.load(open(path))["rows"]}
+    loco, nccl = rows["loco"], rows["nccl"]
+    ok = all(math.isfinite(r["final_loss"]) for r in (loco, nccl))
+    print(f"{'PASS' if ok else 'FAIL'} train {path.rsplit('/', 1)[1]} loco/nccl speed "
+          f"{nccl['step_ms'] / loco['step_ms']:.2f}x, bytes {loco['bytes_per_step'] / nccl['bytes_per_step']:.3f}, "
+          f"loss {loco['final_loss']:.4f} vs {nccl['final_loss']:.4f} (2 ranks sharing the GPU: timings of both)")
+EOF
+        ;;
     hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
         timeout "${HIER_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 180 \
             tests/gpu/test_multirank.py -k "hierarchical" 2>&1 | tee "$out/hier.txt"

@@ -52,6 +52,8 @@ from lowbitcc.tools.study.variants import StudyConfig, Variant
 
 SCHEMES = ("local", "gloo", "nccl", "fp16", "powersgd", "loco", "fsdp2-exact", "fsdp2-loco")
 """Every scheme, in the order of the table."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The models' dtypes (``--dtype``)."""
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 """Each device's exact DDP scheme, the speed column's reference (the other is refused)."""
 
@@ -90,6 +92,9 @@ class BenchOptions:
     lr: float = 1e-3
     json_path: str | None = None
     device: str = "cpu"
+    dtype: str = "fp32"
+    """The models' parameters and gradients: "fp32", or "bf16" (as GPU training runs: DDP's
+    buckets, and what it all-reduces, in bf16; AdamW on bf16 parameters)."""
 
     def validate(self) -> None:
         if self.device not in BASELINES:
@@ -111,6 +116,9 @@ class BenchOptions:
                              f"{', '.join(SCHEMES)}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError("lowbitcc bench-train: needs 0 <= warmup < steps")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"lowbitcc bench-train: --dtype must be one of {', '.join(DTYPES)}, "
+                             f"got {self.dtype!r}")
 
 
 def _tx_bytes() -> int | None:
@@ -127,11 +135,11 @@ def _loco_bytes(s: dict[str, Any], world: int) -> float:
 
 
 def _build(scheme: str, cfg: StudyConfig, groups: dict[str, Any],
-           device: torch.device) -> nn.Module:
-    """The model of ``scheme`` on ``device``, wrapped for it (same initial parameters for every
-    scheme)."""
+           device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of ``scheme`` on ``device`` in ``dtype``, wrapped for it (same initial
+    parameters for every scheme)."""
     torch.manual_seed(0)
-    model = TinyGPT(cfg).to(device)
+    model = TinyGPT(cfg).to(device=device, dtype=dtype)
     if scheme == "local":
         return model
     if scheme.startswith("fsdp2"):
@@ -169,11 +177,13 @@ def _estimated_bytes(scheme: str, model: nn.Module, world: int) -> float:
     if scheme == "local":
         return 0.0
     inner = model.module if hasattr(model, "module") else model
+    scale = next(inner.parameters()).element_size() / 4  # the estimates are fp32's
     if scheme.startswith("fsdp2"):
         params = sum(p.numel() for p in inner.parameters())
-        return 3 * (world - 1) / world * 4 * params
+        return 3 * (world - 1) / world * 4 * params * scale
     hook = {"fp16": "fp16", "powersgd": "powersgd"}.get(scheme)
-    return ring_bytes_per_step(inner, Variant(scheme, hook=hook), world)
+    return ring_bytes_per_step(inner, Variant(scheme, hook=hook), world) * (
+        1.0 if hook == "fp16" else scale)
 
 
 def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]] | None:
@@ -190,7 +200,7 @@ def rank_main(rank: int, world: int, opts: BenchOptions) -> list[dict[str, Any]]
     if "fsdp2-exact" in opts.schemes:
         groups["exact"] = dist.new_group(backend="loco",
                                          pg_options=lowbitcc.LocoConfig(policy="never"))
-    models = {s: _build(s, cfg, groups, device) for s in opts.schemes}
+    models = {s: _build(s, cfg, groups, device, DTYPES[opts.dtype]) for s in opts.schemes}
     optims = {s: torch.optim.AdamW(m.parameters(), lr=opts.lr, weight_decay=0.0)
               for s, m in models.items()}
     train, _ = split_corpus(cfg)
@@ -266,9 +276,9 @@ def _print(rows: list[dict[str, Any]], opts: BenchOptions, cfg: StudyConfig, wor
            params: int) -> None:
     by = {r["scheme"]: r for r in rows}
     print(f"# lowbitcc bench-train: config {opts.config} (GPT d_model {cfg.d_model}, "
-          f"{cfg.layers} layers, {params / 1e6:.2f} M parameters; {cfg.batch} x {cfg.context} "
-          f"tokens per rank), {world} ranks on {opts.device}, {opts.steps} steps ({opts.warmup} "
-          f"untimed), loco at {lowbitcc.LocoConfig.from_env().bits} bits")
+          f"{cfg.layers} layers, {params / 1e6:.2f} M parameters in {opts.dtype}; {cfg.batch} x "
+          f"{cfg.context} tokens per rank), {world} ranks on {opts.device}, {opts.steps} steps "
+          f"({opts.warmup} untimed), loco at {lowbitcc.LocoConfig.from_env().bits} bits")
     print(f"# {'scheme':<12} {'ms/step':>9} {'steps/s':>8} {'tokens/s':>9} {'speed':>7} "
           f"{'x local':>8} {'MB/step':>9} {'loss':>7}")
     for r in rows:

@@ -92,7 +92,8 @@ def _bench_train(args: argparse.Namespace) -> int:
 
     schemes = tuple(args.schemes or bench_train.default_schemes(args.device))
     opts = bench_train.BenchOptions(config=args.config, schemes=schemes, steps=args.steps,
-                                    warmup=args.warmup, json_path=args.json, device=args.device)
+                                    warmup=args.warmup, json_path=args.json, device=args.device,
+                                    dtype=args.dtype)
     try:
         return bench_train.main(opts, args.np, link_spec.from_arguments(args), args.argv)
     except (ValueError, RuntimeError) as exc:
@@ -259,6 +260,8 @@ def _add_bench_train(sub: Any) -> None:
     bt.add_argument("--device", default="cpu", choices=list(BASELINES),
                     help="where the models train (default cpu; cuda: a GPU per rank, or ranks "
                     "sharing GPUs, DDP over nccl as the baseline)")
+    bt.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="the models' parameters and gradients (bf16: as GPU training runs)")
     bt.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     bt.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     bt.add_argument("--np", type=int, help="local ranks to start when not under a launcher "

@@ -335,11 +335,15 @@ def sent_bytes() -> dict[str, int] | None:
 
 def rank_environment(net: EmulatedNetwork, rank: int, port: int = DEFAULT_PORT) -> dict[str, str]:
     """The variables a rank started by `run_ranks` sees (torchrun's names; LOCAL_* count every
-    rank on this machine, whose cores they share, whatever its emulated node)."""
+    rank on this machine, whose cores they share, whatever its emulated node). For NCCL (GPU
+    ranks), each rank is a host of its own (``NCCL_HOSTID``: ranks may share a GPU, as
+    `spawn.gpu_rank_env` lets them, and NCCL then reaches every peer over its socket transport)
+    on the emulated link's device (``NCCL_SOCKET_IFNAME``), so NCCL's bytes cross the link."""
     return {
         "RANK": str(rank), "WORLD_SIZE": str(net.nranks), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(net.nranks), "MASTER_ADDR": net.address(0),
         "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.interface,
+        "NCCL_HOSTID": f"{net.prefix}-rank{rank}", "NCCL_SOCKET_IFNAME": net.interface,
     }
 
 

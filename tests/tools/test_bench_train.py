@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from lowbitcc.tools.bench_train import PHASES, default_schemes
+from lowbitcc.tools.bench_train import CONFIGS, PHASES, default_schemes
+from lowbitcc.tools.study.model import TinyGPT
 from tests.support.ranks import clean_env
 
 
@@ -41,6 +42,20 @@ def test_every_scheme_trains_and_is_reported(tmp_path):
     # the same initial model and batches: three small steps leave every scheme near the rest
     losses = [r["final_loss"] for r in rows.values()]
     assert max(losses) - min(losses) < 0.1, losses
+
+
+def test_bf16_models_train_and_their_exact_bytes_are_halved(tmp_path):
+    done = _bench("--config", "quick", "--steps", "3", "--warmup", "1", "--dtype", "bf16",
+                  "--schemes", "gloo", "loco", "--json", str(tmp_path / "b.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["options"]["dtype"] == "bf16" and "bf16" in done.stdout
+    rows = {r["scheme"]: r for r in report["rows"]}
+    assert all(math.isfinite(r["final_loss"]) for r in rows.values()), rows
+    params = sum(p.numel() for p in TinyGPT(CONFIGS["quick"]).parameters())
+    assert rows["gloo"]["bytes_per_step"] == 2 * (2 - 1) / 2 * 2 * params  # a bf16 ring's
+    bad = _bench("--dtype", "fp8", "--steps", "2", "--warmup", "0")
+    assert bad.returncode == 2 and "fp8" in bad.stderr
 
 
 def test_unknown_schemes_and_configs_are_refused_by_name():

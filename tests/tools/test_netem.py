@@ -63,6 +63,9 @@ def test_environment_of_a_rank():
     env = netem.rank_environment(net, 2)
     assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "2"
     assert env["MASTER_ADDR"] == net.address(0) and env["GLOO_SOCKET_IFNAME"] == "veth0"
+    # NCCL's ranks: each a host of its own, on the emulated link's device
+    assert env["NCCL_SOCKET_IFNAME"] == "veth0" and env["NCCL_HOSTID"] == "lbcctest-rank2"
+    assert netem.rank_environment(net, 1)["NCCL_HOSTID"] != env["NCCL_HOSTID"]
     assert net.exec_prefix(2) == ["ip", "netns", "exec", "lbcctest-r2"]
 
 
