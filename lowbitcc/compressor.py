@@ -118,8 +118,10 @@ class CallCompressor:
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
         encodes is flagged `wire.FLAG_DEVIATED` and names the rank's own call."""
 
-    def encode(self, stage: str, source: Source, shard_ids: list[int]) -> torch.Tensor:
-        """Messages ``uint8 [rows, P]`` for the rows of ``source``."""
+    def encode(self, stage: str, source: Source, shard_ids: list[int],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Messages ``uint8 [rows, P]`` for the rows of ``source`` (in ``out`` where given:
+        `ShardCodec.encode`'s)."""
         start = time.perf_counter()
         key = f"{self.key}|{stage}"
         error_dtype = self.error_dtype
@@ -135,7 +137,7 @@ class CallCompressor:
         on_device = device.type != "cpu"
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
-            error_dtype, stream,
+            error_dtype, stream, out,
             sums=self.stats.accumulator("compressed", device) if on_device else None,
             verdict=self._device_verdict(device),
         )

@@ -62,6 +62,7 @@ class CallPlan:
             reset_interval=cfg.reset_interval, rank=group.rank)
         self.transport = route.links.world
         self._decoded: torch.Tensor | None = None  # `decoded`, made by the first run
+        self._sent: torch.Tensor | None = None  # `sent`, likewise
         self.shards = list(range(n))
         self.canary_entry: Any = None
         """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
@@ -115,11 +116,23 @@ class CallPlan:
             self._decoded.record_stream(torch.cuda.current_stream(device))
         return self._decoded
 
+    def sent(self, device: torch.device, rows: int) -> torch.Tensor:
+        """uint8 ``[rows, P]``: the messages a run encodes for every row, kept for every run
+        (marked used by each run's stream on CUDA, as `decoded`). A run's transfers of them
+        have ended before the next run encodes: inline calls wait for them; on CUDA the next
+        run is ordered after them on its stream."""
+        if self._sent is None:
+            self._sent = torch.empty(rows, self.codec.message_bytes(self.m), dtype=torch.uint8,
+                                     device=device)
+        if device.type == "cuda":
+            self._sent.record_stream(torch.cuda.current_stream(device))
+        return self._sent
+
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
         messages decoded and summed in rank order into its place in ``out``."""
         comp, n, m = self.comp, self.group.size, self.m
-        messages = comp.encode("gather", source, self.shards)
+        messages = comp.encode("gather", source, self.shards, self.sent(out.device, n))
         gathered = self.transport.all_gather_async(messages).wait().view(n, n, -1)
         fp32 = out.dtype == torch.float32
         for r in range(n):
@@ -137,7 +150,7 @@ class CallPlan:
         messages summed in rank order, re-encoded (stage "ag"), all-gathered and decoded into
         ``out``."""
         comp, m, rank = self.comp, self.m, self.group.rank
-        messages = comp.encode("rs", source, self.shards)
+        messages = comp.encode("rs", source, self.shards, self.sent(out.device, len(self.shards)))
         received = self.transport.all_to_all_async(messages).wait()
         reduced = comp.decode_sum(received, m, rank, self.decoded(out.device))
         mine = comp.encode("ag", Source(reduced, 1, m), [rank])

@@ -188,7 +188,7 @@ def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, pl
                f"{dict(work.launches)}; {work.allocations} allocations, {work.host_to_device} uploads, "
                f"{work.synchronisations} synchronisations; NCCL {dict(work.nccl)}")
     assert work.total_kernels <= budget["kernels"], summary
-    assert work.allocations <= budget["allocations"], summary
+    assert work.allocations <= budget["allocations"] - planned, summary  # a plan keeps its messages
     assert work.host_to_device <= budget["host_to_device"], summary
     assert work.synchronisations <= budget["synchronisations"], summary
     assert work.launches["encode"] == (1 if world == 2 else 2), summary
