@@ -14,19 +14,13 @@ node reach each other through the namespace's own address, which the kernel rout
 loopback device (unshaped, counted on ``lo``), as the GPUs of one server talk over NVLink.
 
 A `Link` with a delay, jitter or loss is a wide-area link. Where the kernel has the ``netem``
-qdisc (`kernel_netem_available`, probed once in a scratch namespace) it is the bridge above
-with, on each node's uplink, ``netem`` (delay one way, jitter, loss; ``limit`` large enough
-for any bandwidth-delay product here) over the link's tbf as its child, and tbf alone on the
-switch's port. Where it has not (this development machine's kernel has tbf but no netem),
-those links are TUN devices (``wan0``, same addresses, MTU 9000) joined by
-`lowbitcc.tools.delay_switch.DelaySwitch`, a thread of the process that owns the network, in
-place of the bridge: the kernel's tbf still shapes each node's uplink; the switch shapes the
-downlinks, delays each packet by ``delay`` one way (plus uniform jitter, without reordering)
-and drops it with probability ``loss``. The log says which one ran. What the emulation does not
-model (docs/wan.md): with the switch, per-packet loss at jumbo-frame size (one lost 9000-byte
-packet is six lost 1500-byte ones); with netem, jitter reorders packets (netem sends each at
-its own delayed time); either way correlated loss, and queues in the path beyond the node's
-own links.
+qdisc (`kernel_netem_available`) it is the bridge above with ``netem`` (delay one way, jitter,
+loss) at the root of each node's uplink, the tbf its child. Where it has not (as on this
+development machine), the links are TUN devices (``wan0``, MTU 9000) joined by
+`lowbitcc.tools.delay_switch.DelaySwitch`, a thread of the process that owns the network: tbf
+shapes each uplink; the switch shapes the downlinks, delays each packet one way (jitter
+without reordering) and drops it with probability ``loss``. The log says which ran; what
+neither models is in docs/wan.md.
 
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
 namespaces this module creates; nothing stays in the caller's namespace (a wide-area link's TUN
