@@ -102,10 +102,12 @@ def test_store_reset_interval_shape_change_and_non_finite():
 
 
 def test_int8_storage_is_accurate_and_lru_bounded():
-    e = torch.randn(768)
+    e = torch.randn(768, generator=torch.Generator().manual_seed(0))
     back = ErrorState.encode(e, "int8", 128).decode()
     step = e.view(-1, 128).abs().amax(dim=1, keepdim=True) / 127
-    assert bool(((back.view(-1, 128) - e.view(-1, 128)).abs() <= step / 2 + 1e-7).all())
+    # half a step, plus the fp32 rounding of y * (127 / amax) and of code * scale: unseeded,
+    # 11 inputs in 37,000 went up to 2.3e-7 past half a step, and a 1e-7 slack failed once
+    assert bool(((back.view(-1, 128) - e.view(-1, 128)).abs() <= step / 2 + 1e-6).all())
     assert torch.equal(ErrorState.encode(e, "bf16", 128).decode(), e.to(torch.bfloat16).float())
     store = FeedbackStore(max_keys=2)
     for key in "abc":
