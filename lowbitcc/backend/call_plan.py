@@ -32,10 +32,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_call import CallGroup
-from lowbitcc.backend.exact import ReduceOp, Reduction, op_type
+from lowbitcc.backend.exact import Reduction
 from lowbitcc.backend.routes import Route
 from lowbitcc.collectives import COLLECTIVES
-from lowbitcc.compressor import CallCompressor, Source
+from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
 
 COLLECTIVE = "all_reduce"
@@ -46,7 +46,6 @@ class CallPlan:
     tensors like ``like`` (dtype, device, number of elements; see the module docstring)."""
 
     def __init__(self, group: CallGroup, route: Route, like: torch.Tensor) -> None:
-        cfg = group.config
         n = group.size
         self.group, self.route = group, route
         self.numel = like.numel()
@@ -56,10 +55,7 @@ class CallPlan:
         self.logical_bytes = COLLECTIVES[COLLECTIVE].logical_bytes(n * m * like.element_size(), n)
         self.size_class = CostModel.size_class(COLLECTIVE, self.nbytes, like.device.type)
         self.codec = group.codec(COLLECTIVE, like.dtype, self.numel, like.device.type, route)
-        self.comp = CallCompressor(
-            self.codec, state.FEEDBACK, "", state.STATS,
-            error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
-            reset_interval=cfg.reset_interval, rank=group.rank)
+        self.comp = group.compressor(self.codec)
         self.transport = route.links.world
         self._decoded: torch.Tensor | None = None  # `decoded`, made by the first run
         self._sent: torch.Tensor | None = None  # `sent`, likewise
@@ -88,8 +84,7 @@ class CallPlan:
                         logical_bytes=self.logical_bytes)
         comp.restart(self.codec.with_seq(self.seq), key, buffer)
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
-        factor = 1.0 if op_type(op) == ReduceOp.SUM else Reduction.of(op, group.size).input_factor()
-        source = Source(out, group.size, self.m, factor)
+        source = Source(out, group.size, self.m, Reduction.of(op, group.size).input_factor())
         if group.size == 2:
             self._gather(source, out)
         else:

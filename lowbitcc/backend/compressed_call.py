@@ -97,6 +97,8 @@ class CallGroup(Protocol):
     def chunk(self, route: Route, m: int) -> int: ...
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
               route: Route) -> ShardCodec: ...
+    def compressor(self, codec: ShardCodec, key: str = "", buffer: StorageWeakRef | None = None,
+                   scratch: Scratch | None = None) -> CallCompressor: ...
 
 
 class CompressedCall:
@@ -341,14 +343,11 @@ class CompressedCall:
 
     def compressor(self) -> CallCompressor:
         """The call's codec and compressor (error feedback under its key)."""
-        group, cfg = self.group, self.group.config
+        group = self.group
         codec = group.codec(self.collective, self.source.dtype, self.numel,
                             self.source.device.type, self.route).with_seq(self.seq)
-        return CallCompressor(
-            codec, state.FEEDBACK, self.key, state.STATS,
-            error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
-            reset_interval=cfg.reset_interval, rank=group.rank,
-            scratch=None if self.route.inline else group.scratch, buffer=self.buffer)
+        return group.compressor(codec, self.key, self.buffer,
+                                None if self.route.inline else group.scratch)
 
     def schedule(self, source: Source, comp: CallCompressor) -> None:
         """Run the compressed schedule of ``source`` and write the call's outputs."""

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from lowbitcc import policy
+from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import (
     CallAgreement,
     CollectiveMismatchError,
@@ -38,7 +39,7 @@ from lowbitcc.backend.routes import Route, choose_schedule
 from lowbitcc.backend.works import InnerWork
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
-from lowbitcc.compressor import Scratch, Source
+from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.schedules.chunking import chunk_width
@@ -273,6 +274,16 @@ class CompressedCalls:
                                           like.device.type)
         self.cost_model.count(size_class)
         return size_class
+
+    def compressor(self, codec: ShardCodec, key: str = "", buffer: StorageWeakRef | None = None,
+                   scratch: Scratch | None = None) -> CallCompressor:
+        """A `CallCompressor` of ``codec`` under the group's feedback settings (``key``,
+        ``buffer``, ``scratch``: `CallCompressor`'s)."""
+        cfg = self.config
+        return CallCompressor(
+            codec, state.FEEDBACK, key, state.STATS,
+            error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
+            reset_interval=cfg.reset_interval, rank=self.rank, scratch=scratch, buffer=buffer)
 
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
               route: Route) -> ShardCodec:

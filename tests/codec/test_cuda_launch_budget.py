@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowbitcc import state
 from lowbitcc.backend.call_plan import CallPlan
+from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.codec import cuda
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
@@ -149,6 +150,8 @@ class _Group:
 
     def modelled(self, numel: int) -> bool:
         return False
+
+    compressor = CompressedCalls.compressor  # the group's own: config and rank
 
 
 def _planned_call(world: int, numel: int, monkeypatch) -> GpuWork:
