@@ -28,6 +28,10 @@ def _selftest(args: argparse.Namespace) -> int:
 def _study(args: argparse.Namespace) -> int:
     from lowbitcc.tools import study
 
+    if args.wide:
+        from lowbitcc.tools.study import wide
+
+        return wide.command(args.wide, args.out, args.steps)
     cfg = study.StudyConfig(steps=args.steps, world=args.np, **(study.QUICK if args.quick else {}))
     if args.diloco:
         return _study_diloco(args, cfg)
@@ -215,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "DiLoCo with fp32, int8, 4-bit and 4-bit LoCo outer sync at H 10 and 50, "
                     "3 seeds each; then each variant timed behind an emulated link (default "
                     "--wan cross-continent; root)")
+    st.add_argument("--wide", nargs="?", const="full", choices=["full", "quick"],
+                    help="the three-configuration study that chooses the 4-bit default "
+                    "(docs/convergence.md; resumable from --out): full (hours here) or quick")
     link_spec.add_arguments(st)
     st.set_defaults(func=_study)
     _add_perf(sub)

@@ -25,10 +25,13 @@ each rank put on the wire for gradients: measured by lowbitcc for "loco", and fo
 a ring all-reduce sends (``2 (n-1)/n`` times the payload; PowerSGD's payload computed from its P
 and Q shapes). Results go to JSON, and to a PNG with matplotlib installed.
 
-The package: `variants` (what runs), `formats` (the format lab), `model` (data and model),
-`training` (one run on its ranks), `tracking` (the compressors on one gradient stream), `report`
-(summaries, tables, plot); `run` here runs a whole study. `diloco` (with `wan_timing`) is
-``lowbitcc study --diloco``: DiLoCo across emulated sites (docs/wan.md).
+The package: `variants` (what runs, and the configurations), `formats` (the format lab),
+`model` (the GPT and its texts), `tasks` (what each configuration trains: GPT or the digits
+CNN), `training` (one run on its ranks), `tracking` (the compressors on one gradient stream),
+`report` (summaries, tables, plot); `run` here runs a whole study. `wide` (with
+`wide_report`) is ``lowbitcc study --wide``: the three-configuration study that chooses the
+4-bit default (docs/convergence.md). `diloco` (with `wan_timing`) is ``lowbitcc study
+--diloco``: DiLoCo across emulated sites (docs/wan.md).
 """
 
 from __future__ import annotations

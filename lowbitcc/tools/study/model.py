@@ -1,4 +1,6 @@
-"""The study's data and model: a byte-level GPT on the standard library's Python sources."""
+"""The study's GPT and its texts: a byte-level GPT on the standard library's Python sources or
+on its English documentation topics (`pydoc_data.topics`, shipped with Python); the optimizer
+every configuration trains with."""
 
 from __future__ import annotations
 
@@ -31,6 +33,19 @@ def corpus(max_bytes: int) -> bytes:
     if len(out) < 1 << 16:
         raise RuntimeError(f"lowbitcc study: found only {len(out)} bytes of Python source in {root}")
     return bytes(out[:max_bytes])
+
+
+def docs_corpus(max_bytes: int) -> bytes:
+    """The standard library's documentation topics (`pydoc_data.topics`: the language
+    reference's sections as plain English text, about 0.47 MB), in sorted topic order, UTF-8,
+    up to ``max_bytes``."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode()[:max_bytes]
+
+
+TEXTS: dict[str, Callable[[int], bytes]] = {"stdlib": corpus, "pydoc": docs_corpus}
+"""The texts a GPT configuration trains on (`StudyConfig.data`)."""
 
 
 class Block(nn.Module):
@@ -73,7 +88,10 @@ class TinyGPT(nn.Module):
 
 def split_corpus(cfg: StudyConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``(train, val)``: the first 90% and the last 10% of the corpus, uint8."""
-    data = torch.frombuffer(bytearray(corpus(cfg.corpus_bytes)), dtype=torch.uint8)
+    if cfg.data not in TEXTS:
+        raise ValueError(f"lowbitcc study: the GPT trains on a text ({list(TEXTS)}), "
+                         f"not {cfg.data!r}")
+    data = torch.frombuffer(bytearray(TEXTS[cfg.data](cfg.corpus_bytes)), dtype=torch.uint8)
     split = int(len(data) * 0.9)
     return data[:split], data[split:]
 

@@ -12,7 +12,12 @@ records, against the exact all-reduce of the same step:
   feedback exists to remove (without feedback it stays; with it, it telescopes away);
 - ``adam_error``: the relative distance of Adam's update direction ``m_hat / (sqrt(v_hat) +
   eps)`` (betas 0.9 and 0.999, eps 1e-8, as `torch.optim.AdamW`) fed with ``c`` from the one fed
-  with ``x``: what the optimizer of the study actually acts on.
+  with ``x``: what the optimizer of the study actually acts on (Adam divides by the root of its
+  second moment, so noise in small coordinates is amplified);
+- ``step_cosine`` and ``adam_cosine``: the cosine of ``c_t`` with ``x_t``, and of the two
+  update directions;
+- per parameter tensor, the mean of its own ``step_error`` and ``adam_error`` after the first
+  tenth of the steps (``per_tensor``): a layer the compressor hurts stands out.
 
 All ranks hold the same reduced values, so rank 0 measures alone.
 """
@@ -31,7 +36,8 @@ from lowbitcc.config import LocoConfig
 from lowbitcc.tools.plotting import pyplot
 from lowbitcc.tools.spawn import run_ranks
 from lowbitcc.tools.study.formats import LAB_VARIANTS, LabState
-from lowbitcc.tools.study.model import TinyGPT, lm_loss, optimizer, split_corpus, train_batches
+from lowbitcc.tools.study.model import optimizer
+from lowbitcc.tools.study.tasks import task
 from lowbitcc.tools.study.variants import VARIANTS, StudyConfig, check_trackable
 
 ADAM_BETAS = (0.9, 0.999)
@@ -59,31 +65,62 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+SERIES = ("step_error", "sum_error", "adam_error", "step_cosine", "adam_cosine")
+"""The per-step series of each tracked variant (the module's docstring says what each is)."""
+
+
+class _PerTensor:
+    """Sums of each parameter tensor's step and Adam errors over the measured steps."""
+
+    def __init__(self, names: list[str], sizes: list[int]) -> None:
+        self.names, self.sizes = names, sizes
+        self.sums = {name: [0.0, 0.0] for name in names}
+        self.count = 0
+
+    def add(self, got: torch.Tensor, exact: torch.Tensor, direction: torch.Tensor,
+            exact_direction: torch.Tensor) -> None:
+        parts = (t.split(self.sizes) for t in (got, exact, direction, exact_direction))
+        for name, g, x, d, xd in zip(self.names, *parts, strict=True):
+            self.sums[name][0] += _relative(g, x) if x.norm() > 0 else 0.0
+            self.sums[name][1] += _relative(d, xd) if xd.norm() > 0 else 0.0
+        self.count += 1
+
+    def means(self) -> dict[str, dict[str, float]]:
+        return {name: {"step_error": s / max(1, self.count), "adam_error": a / max(1, self.count)}
+                for name, (s, a) in self.sums.items()}
+
+
 def _track_rank(rank: int, world: int, names: list[str], cfg: StudyConfig,
-                seed: int) -> dict[str, dict[str, list[float]]] | None:
+                seed: int) -> dict[str, Any] | None:
     """Train with exact gradients on the initialised gloo group and replay them through every
-    tracked "loco" group (and format-lab variant: its two stages around an exact all-reduce);
-    rank 0 returns the series."""
+    tracked "loco" group (and format-lab variant: its stages around an exact all-reduce, one
+    stage on two ranks as its hook); rank 0 returns ``{"series", "per_tensor"}``."""
     configs = {name: LocoConfig.from_env(dict(VARIANTS[name].env)) for name in names
                if name not in LAB_VARIANTS}
     groups = {name: dist.new_group(backend="loco", pg_options=config)
               for name, config in configs.items()}
     labs = {name: LabState(LAB_VARIANTS[name], seed) for name in names if name in LAB_VARIANTS}
-    train, _ = split_corpus(cfg)
+    job = task(cfg)
     torch.manual_seed(seed)
-    model = TinyGPT(cfg)
-    params = list(model.parameters())
+    model = job.model()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     numel = sum(p.numel() for p in params)
     opt, sched = optimizer(params, cfg)
     exact_adam = _ShadowAdam(numel)
     adams = {name: _ShadowAdam(numel) for name in names}
     exact_sum = torch.zeros(numel)
     sums = {name: torch.zeros(numel) for name in names}
-    series: dict[str, dict[str, list[float]]] = {
-        name: {"step_error": [], "sum_error": [], "adam_error": []} for name in names}
-    for x, y in train_batches(train, cfg, seed, rank):
+    series: dict[str, dict[str, list[float]]] = {name: {k: [] for k in SERIES} for name in names}
+    per_tensor = {name: _PerTensor([n for n, _ in named], [p.numel() for p in params])
+                  for name in names}
+    for step, (x, y) in enumerate(job.train_batches(seed, rank)):
         opt.zero_grad(set_to_none=True)
-        lm_loss(model, x, y).backward()
+        job.loss(model, x, y).backward()
         local = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
         exact = local.clone()
         dist.all_reduce(exact)
@@ -94,22 +131,30 @@ def _track_rank(rank: int, world: int, names: list[str], cfg: StudyConfig,
             if name in labs:
                 got = labs[name].apply(0, "rs", got)
                 dist.all_reduce(got)
-                got = labs[name].apply(0, "ag", got)
+                if world > 2:
+                    got = labs[name].apply(0, "ag", got)
             else:
                 with lowbitcc.compressed(), lowbitcc.feedback_key(name):
                     dist.all_reduce(got, group=groups[name])
             sums[name] += got
+            direction = adams[name].direction(got)
             record = series[name]
             record["step_error"].append(_relative(got, exact))
             record["sum_error"].append(_relative(sums[name], exact_sum))
-            record["adam_error"].append(_relative(adams[name].direction(got), exact_direction))
+            record["adam_error"].append(_relative(direction, exact_direction))
+            record["step_cosine"].append(_cosine(got, exact))
+            record["adam_cosine"].append(_cosine(direction, exact_direction))
+            if step >= cfg.steps // 10 and rank == 0:
+                per_tensor[name].add(got, exact, direction, exact_direction)
         offset = 0
         for p in params:
             p.grad.copy_(exact[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         opt.step()
         sched.step()
-    return series if rank == 0 else None
+    if rank != 0:
+        return None
+    return {"series": series, "per_tensor": {name: t.means() for name, t in per_tensor.items()}}
 
 
 def run(names: list[str], cfg: StudyConfig, seed: int = 0) -> dict[str, Any]:
@@ -120,47 +165,60 @@ def run(names: list[str], cfg: StudyConfig, seed: int = 0) -> dict[str, Any]:
     if cfg.steps < 1:
         raise ValueError(f"lowbitcc study: steps = {cfg.steps}; tracking needs at least 1")
     check_trackable(names)
-    series = run_ranks(_track_rank, cfg.world, names, cfg, seed, backend="gloo",
-                       pg_timeout_s=600.0, timeout_s=3600.0)[0]
+    measured = run_ranks(_track_rank, cfg.world, names, cfg, seed, backend="gloo",
+                         pg_timeout_s=600.0, timeout_s=3600.0)[0]
+    series, per_tensor = measured["series"], measured["per_tensor"]
     skip = cfg.steps // 10
     summary = []
     for name in names:
-        record = series[name]
-        summary.append({
-            "variant": name,
-            "step_error": sum(record["step_error"][skip:]) / len(record["step_error"][skip:]),
-            "sum_error": record["sum_error"][-1],
-            "adam_error": sum(record["adam_error"][skip:]) / len(record["adam_error"][skip:]),
-        })
+        row: dict[str, Any] = {"variant": name}
+        for key, values in series[name].items():
+            tail = values[skip:] or values
+            row[key] = values[-1] if key == "sum_error" else sum(tail) / len(tail)
+        row["worst_tensor"] = max(per_tensor[name], key=lambda t: per_tensor[name][t]["adam_error"])
+        summary.append(row)
     return {"config": dataclasses.asdict(cfg), "seed": seed, "series": series,
-            "summary": summary}
+            "per_tensor": per_tensor, "summary": summary}
 
 
 def format_table(summary: list[dict[str, Any]]) -> str:
-    lines = [f"{'variant':<22} {'step error':>10} {'sum error':>10} {'Adam error':>10}"]
+    lines = [f"{'variant':<22} {'step error':>10} {'sum error':>10} {'Adam error':>10} "
+             f"{'step cos':>8} {'Adam cos':>8}  worst tensor (Adam error)"]
     for r in summary:
         lines.append(f"{r['variant']:<22} {100 * r['step_error']:>9.2f}% "
-                     f"{100 * r['sum_error']:>9.2f}% {100 * r['adam_error']:>9.2f}%")
+                     f"{100 * r['sum_error']:>9.2f}% {100 * r['adam_error']:>9.2f}% "
+                     f"{r.get('step_cosine', float('nan')):>8.4f} "
+                     f"{r.get('adam_cosine', float('nan')):>8.4f}  {r.get('worst_tensor', '')}")
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Sum error and Adam error per step of every tracked variant (matplotlib PNG)."""
+PANELS = (("step_error", "|c - x| / |x| of each step's all-reduce"),
+          ("sum_error", "|sum of compressed - sum of exact| / |sum of exact|"),
+          ("adam_error", "Adam update direction: relative distance from exact's"),
+          ("adam_cosine", "1 - cosine of the Adam update directions"))
+
+
+def plot(result: dict[str, Any], path: Path, title: str = "") -> None:
+    """`PANELS` per step of every tracked variant, log scale (matplotlib PNG)."""
     plt = pyplot("tracking plot")
     if plt is None:
         return
 
-    fig, (ax_sum, ax_adam) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, record in result["series"].items():
-        ax_sum.plot([100 * e for e in record["sum_error"]], label=name, linewidth=1)
-        ax_adam.plot([100 * e for e in record["adam_error"]], label=name, linewidth=1)
-    ax_sum.set(title="|sum of compressed - sum of exact| / |sum of exact|", xlabel="step",
-               ylabel="%", yscale="log")
-    ax_adam.set(title="Adam update direction: relative distance from exact's", xlabel="step",
-                ylabel="%", yscale="log")
-    for ax in (ax_sum, ax_adam):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4.5))
+    for ax, (key, label) in zip(axes, PANELS, strict=True):
+        for name, record in result["series"].items():
+            values = record.get(key, [])
+            if key.endswith("cosine"):
+                values = [max(1 - c, 1e-9) for c in values]
+            else:
+                values = [100 * e for e in values]
+            ax.plot(values, label=name, linewidth=1)
+        ax.set(title=label, xlabel="step", ylabel="" if key.endswith("cosine") else "%",
+               yscale="log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)

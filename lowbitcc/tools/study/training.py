@@ -15,14 +15,8 @@ from tqdm import tqdm
 import lowbitcc
 from lowbitcc.tools.spawn import run_ranks
 from lowbitcc.tools.study.formats import LAB_VARIANTS, LabState, lab_hook
-from lowbitcc.tools.study.model import (
-    TinyGPT,
-    lm_loss,
-    optimizer,
-    sample_batch,
-    split_corpus,
-    train_batches,
-)
+from lowbitcc.tools.study.model import optimizer
+from lowbitcc.tools.study.tasks import Batch, Task, task
 from lowbitcc.tools.study.variants import StudyConfig, Variant
 
 GROUP_TIMEOUT_S = 600.0
@@ -63,7 +57,7 @@ def wrap(model: nn.Module, variant: Variant, seed: int) -> nn.Module:
     if variant.fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in getattr(model, "blocks", []):
             fully_shard(block)
         return fully_shard(model)
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -100,21 +94,25 @@ def outer_sync(model: nn.Module, variant: Variant) -> lowbitcc.OuterSync | None:
                               compress="always" if variant.backend == "loco" else "never")
 
 
-def evaluate(model: nn.Module, val: torch.Tensor, starts: list[torch.Tensor], cfg: StudyConfig,
-             batches: int, metrics: dist.ProcessGroup) -> float:
-    """Mean validation loss over the first ``batches`` (rounded up to whole shares) of ``starts``.
+def evaluate(model: nn.Module, job: Task, batches: list[Batch],
+             metrics: dist.ProcessGroup) -> tuple[float, float | None]:
+    """Mean validation loss over ``batches`` (a whole number of shares) and, for a classifier,
+    the fraction of their examples classified right.
 
     Rank r takes batches r, r + world, ...: the same count on every rank (FSDP2's forward
     all-gathers), the mean over all of them on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model.eval()
-    mine = starts[rank:whole_shares(batches, world):world]
+    mine = batches[rank::world]
     with torch.no_grad():
-        total = torch.tensor(sum(float(lm_loss(model, *sample_batch(val, s, cfg.context)))
-                                 for s in mine), dtype=torch.float64)
+        total = torch.tensor([sum(float(job.loss(model, x, y)) for x, y in mine),
+                              sum(job.correct(model, x, y) for x, y in mine)
+                              if job.classifier else 0.0,
+                              sum(len(y) for _, y in mine)], dtype=torch.float64)
     dist.all_reduce(total, group=metrics)
     model.train()
-    return float(total) / (len(mine) * world)
+    accuracy = float(total[1] / total[2]) if job.classifier else None
+    return float(total[0]) / (len(mine) * world), accuracy
 
 
 def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
@@ -123,26 +121,28 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
     record (losses, time, wire bytes per step, final parameters), the others None. A DiLoCo
     variant's evaluations before the last step average the sites' own replicas."""
     metrics = dist.new_group(backend="gloo")
-    train, val = split_corpus(cfg)
+    job = task(cfg)
     torch.manual_seed(seed)
-    model = wrap(TinyGPT(cfg), variant, seed)
+    model = wrap(job.model(), variant, seed)
     opt, sched = optimizer(model.parameters(), cfg)
     outer = outer_sync(model, variant)
-    val_gen = torch.Generator().manual_seed(12345)
-    val_starts = [torch.randint(len(val) - cfg.context - 1, (cfg.batch,), generator=val_gen)
-                  for _ in range(whole_shares(max(cfg.eval_batches, cfg.final_eval_batches),
-                                              world))]
+    val = job.val_batches(whole_shares(max(cfg.eval_batches, cfg.final_eval_batches), world))
     lowbitcc.reset_stats()
     train_loss: list[float] = []
     val_loss: list[tuple[int, float]] = []
+    val_accuracy: list[tuple[int, float | None]] = []
+
+    def record(step: int, batches: int) -> None:
+        loss, accuracy = evaluate(model, job, val[:whole_shares(batches, world)], metrics)
+        val_loss.append((step, loss))
+        val_accuracy.append((step, accuracy))
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False,
                disable=rank != 0 or not sys.stderr.isatty())
-    for step, (x, y) in enumerate(train_batches(train, cfg, seed, rank)):
+    for step, (x, y) in enumerate(job.train_batches(seed, rank)):
         if step % cfg.eval_every == 0:
-            val_loss.append((step, evaluate(model, val, val_starts, cfg, cfg.eval_batches,
-                                            metrics)))
-        loss = lm_loss(model, x, y)
+            record(step, cfg.eval_batches)
+        loss = job.loss(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -154,8 +154,7 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
         train_loss.append(float(mean) / world)
         bar.update(1)
         bar.set_postfix(loss=f"{train_loss[-1]:.3f}")
-    val_loss.append((cfg.steps, evaluate(model, val, val_starts, cfg, cfg.final_eval_batches,
-                                         metrics)))
+    record(cfg.steps, cfg.final_eval_batches)
     elapsed = time.perf_counter() - start
     bar.close()
     inner = model.module if hasattr(model, "module") else model
@@ -169,12 +168,15 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
     if rank != 0:
         return None
     return {"variant": variant.name, "seed": seed, "train_loss": train_loss,
-            "val_loss": val_loss, "seconds": elapsed, "wire_bytes_per_step": wire,
+            "val_loss": val_loss, **({"val_accuracy": val_accuracy} if job.classifier else {}),
+            "seconds": elapsed, "wire_bytes_per_step": wire,
             "parameters": sum(p.numel() for p in inner.parameters()), "final_params": params}
 
 
-def run_variant(variant: Variant, cfg: StudyConfig, seed: int) -> dict[str, Any]:
-    """Train ``variant`` on ``cfg.world`` fresh local ranks; returns its record (rank 0's)."""
+def run_variant(variant: Variant, cfg: StudyConfig, seed: int,
+                threads: int | None = None) -> dict[str, Any]:
+    """Train ``variant`` on ``cfg.world`` fresh local ranks (``threads`` torch threads each,
+    default `lowbitcc.tools.spawn.threads_per_rank`); returns its record (rank 0's)."""
     return run_ranks(train_rank, cfg.world, variant, cfg, seed, backend=variant.backend,
                      env=dict(variant.env), pg_timeout_s=GROUP_TIMEOUT_S,
-                     timeout_s=RUN_TIMEOUT_S)[0]
+                     timeout_s=RUN_TIMEOUT_S, threads=threads)[0]

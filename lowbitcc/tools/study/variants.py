@@ -83,8 +83,16 @@ without feedback (what INTELLECT-1 sends), 4-bit without feedback and 4-bit LoCo
 
 @dataclasses.dataclass(frozen=True)
 class StudyConfig:
-    """Model, data and schedule of a study (defaults: the documented study)."""
+    """Model, data and schedule of a study (defaults: the documented study's GPT).
 
+    ``model`` and ``data`` name what trains (`lowbitcc.tools.study.tasks`): the byte-level GPT
+    (``d_model``, ``layers``, ``heads``, ``context``) on ``"stdlib"`` (the standard library's
+    Python sources) or ``"pydoc"`` (the standard library's English documentation topics), or
+    the convolutional classifier ``"cnn"`` on scikit-learn's ``"digits"`` (``context`` and the
+    GPT's sizes unused). ``batch`` is per rank and per step."""
+
+    model: str = "gpt"
+    data: str = "stdlib"
     steps: int = 300
     batch: int = 16  # sequences per rank per step
     context: int = 64
@@ -101,6 +109,18 @@ class StudyConfig:
     corpus_bytes: int = 4 << 20
     world: int = 2
 
+
+CONFIGURATIONS: dict[str, dict[str, object]] = {
+    "gpt": {},
+    "gpt-docs": {"data": "pydoc", "d_model": 256, "layers": 6, "heads": 8, "batch": 8,
+                 "lr": 1e-3, "warmup": 40},
+    "digits-cnn": {"model": "cnn", "data": "digits", "batch": 32, "lr": 1e-3, "eval_batches": 4,
+                   "final_eval_batches": 8},
+}
+"""The wide study's three configurations (`lowbitcc.tools.study.wide`), as `StudyConfig`
+fields: the documented study's GPT; a wider and deeper GPT (4.8 M parameters) with another
+learning rate, batch and warm-up on another text; a convolutional classifier (1.07 M parameters)
+on scikit-learn's handwritten digits, with accuracy beside the loss."""
 
 # `lowbitcc study` with no names: the default format with and without feedback over 3 seeds, the
 # former int4 default, FSDP2 and torch's hooks once: 13 runs, under 30 minutes on 2 cores

@@ -1,0 +1,196 @@
+"""`lowbitcc study --wide`: the three-configuration study that chooses the 4-bit default.
+
+One 4-bit format must train like fp32 on every model a user tries, so the study trains the
+candidates on three configurations of different kinds (`variants.CONFIGURATIONS`: the
+documented GPT, a wider and deeper GPT on another text, a CNN classifier on scikit-learn's
+digits) at 2 and 4 ranks with 3 seeds, each against the exact run of its seed, and tracks the
+candidates on exact's gradient stream of the first seed (`tracking`: per-step error and cosine
+of the all-reduce and of Adam's update, per tensor). ``--wide quick`` is the short form: 2 ranks,
+2 seeds, the three strongest candidates of the screen in docs/convergence.md, no tracking.
+
+The study is resumable: every finished run is appended to ``wide.json`` in the output folder
+and a rerun skips the runs and trackings found there, so an interrupted study (or one run over
+several sessions) goes on where it stopped. `wide_report` turns the file into tables and the
+choice of the default (the worst cell decides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from lowbitcc.tools.study import tracking
+from lowbitcc.tools.study.training import run_variant
+from lowbitcc.tools.study.variants import CONFIGURATIONS, VARIANTS, StudyConfig
+
+log = logging.getLogger("lowbitcc.tools.study.wide")
+
+CANDIDATES = ("mxfp4", "mxfp4-nofb", "lab-nvfp4", "lab-nvfp4-nofb", "lab-mxfp4-had32",
+              "lab-mxfp4-had32-nofb")
+"""The formats compared (each with its no-feedback twin, the name plus ``-nofb``): the codec's
+default MXFP4 and the format lab's NVFP4 and MXFP4 after a Hadamard rotation of each block of
+32 (docs/convergence.md)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a wide study runs: every variant (``exact`` first) of every configuration at every
+    world size and seed, and the ``tracked`` variants on the first seed of each cell."""
+
+    configurations: tuple[str, ...]
+    worlds: tuple[int, ...]
+    seeds: tuple[int, ...]
+    variants: tuple[str, ...]
+    tracked: tuple[str, ...]
+    steps: int = 300
+
+    def runs(self) -> list[tuple[str, int, int, str]]:
+        """``(configuration, world, seed, variant)`` in the order they run: cell by cell, each
+        seed's exact run before its candidates."""
+        return [(c, w, s, v) for c in self.configurations for w in self.worlds
+                for s in self.seeds for v in self.variants]
+
+    def cells(self) -> list[tuple[str, int]]:
+        return [(c, w) for c in self.configurations for w in self.worlds]
+
+
+PLANS = {
+    "full": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), ("exact", *CANDIDATES), CANDIDATES),
+    "quick": Plan(tuple(CONFIGURATIONS), (2,), (0, 1),
+                  ("exact", "mxfp4", "lab-nvfp4", "lab-nvfp4-nofb"), ()),
+}
+
+SECONDS_HERE = {("gpt", 2): 140.0, ("gpt-docs", 2): 180.0, ("digits-cnn", 2): 20.0}
+"""Seconds one 300-step run of a configuration takes on 2 ranks on the 2-core development
+machine, the format lab's slower runs included: the first estimate of the expected time, which
+finished runs in ``wide.json`` replace. Four ranks on two cores take about `FOUR_RANKS` times
+as long."""
+FOUR_RANKS = 2.2
+
+
+def config(configuration: str, world: int, steps: int) -> StudyConfig:
+    """The `StudyConfig` of one cell."""
+    return StudyConfig(steps=steps, world=world, **CONFIGURATIONS[configuration])
+
+
+class Results:
+    """``wide.json``: the plan's finished runs (without final weights) and trackings, written
+    after each one. ``done`` answers whether a run or tracking is already there."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "wide.json"
+        self.data: dict[str, Any] = {"runs": [], "tracking": []}
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text())
+
+    @staticmethod
+    def key(record: dict[str, Any]) -> tuple[Any, ...]:
+        return (record["configuration"], record["world"], record["seed"], record["variant"])
+
+    def done(self, run: tuple[str, int, int, str]) -> bool:
+        return any(self.key(r) == run for r in self.data["runs"])
+
+    def tracked(self, cell: tuple[str, int]) -> bool:
+        return any((t["configuration"], t["world"]) == cell for t in self.data["tracking"])
+
+    def add_run(self, record: dict[str, Any]) -> None:
+        self.data["runs"].append({k: v for k, v in record.items() if k != "final_params"})
+        self.write()
+
+    def add_tracking(self, record: dict[str, Any]) -> None:
+        self.data["tracking"].append(record)
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+    def seconds(self, configuration: str, world: int) -> float:
+        """The expected seconds of one run of the cell: the mean of its finished runs, else
+        `SECONDS_HERE` (times `FOUR_RANKS` beyond 2 ranks)."""
+        times = [r["seconds"] for r in self.data["runs"]
+                 if (r["configuration"], r["world"]) == (configuration, world)]
+        if times:
+            return sum(times) / len(times) * 1.15  # start-up and evaluation beside the loop
+        base = SECONDS_HERE.get((configuration, 2), 120.0)
+        return base * (FOUR_RANKS if world > 2 else 1.0)
+
+
+def jobs_for(world: int) -> int:
+    """Runs at once: one per ``world`` cores (each rank a process), at least one."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
+    """Run what ``plan`` asks that ``out/wide.json`` lacks; returns the results."""
+    unknown = [v for v in plan.variants + plan.tracked if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"lowbitcc study: unknown variants {unknown}")
+    results = Results(out)
+    todo = [r for r in plan.runs() if not results.done(r)]
+    cells = [c for c in plan.cells() if plan.tracked and not results.tracked(c)]
+    expected = sum(results.seconds(c, w) for c, w, _, _ in todo) + sum(
+        results.seconds(c, w) * (1 + 0.3 * len(plan.tracked)) for c, w in cells)
+    print(f"lowbitcc study --wide: {len(todo)} runs and {len(cells)} trackings to go "
+          f"({len(plan.runs()) - len(todo)} runs done in {results.path}); expected "
+          f"{expected / 60:.0f} min here", file=sys.stderr, flush=True)
+    bar = tqdm(total=len(todo) + len(cells), desc="wide study", unit="run")
+    for world in sorted({w for _, w, _, _ in todo}):
+        batch = [r for r in todo if r[1] == world]
+        at_once = jobs or jobs_for(world)
+        threads = max(1, (os.cpu_count() or 1) // (world * at_once))
+        with ThreadPoolExecutor(at_once) as pool:
+            for record in pool.map(_one, batch, [plan.steps] * len(batch),
+                                   [threads] * len(batch)):
+                results.add_run(record)
+                bar.update(1)
+    for configuration, world in cells:
+        cfg = config(configuration, world, plan.steps)
+        start = time.perf_counter()
+        measured = tracking.run(list(plan.tracked), cfg, plan.seeds[0])
+        results.add_tracking({"configuration": configuration, "world": world,
+                              "seconds": time.perf_counter() - start, **measured})
+        tracking.plot(measured, out / f"tracking-{configuration}-{world}.png",
+                      title=f"{configuration}, {world} ranks, seed {plan.seeds[0]}")
+        bar.update(1)
+    bar.close()
+    return results
+
+
+def _one(run_key: tuple[str, int, int, str], steps: int, threads: int) -> dict[str, Any]:
+    configuration, world, seed, variant = run_key
+    record = run_variant(VARIANTS[variant], config(configuration, world, steps), seed, threads)
+    log.info("%s, %d ranks, seed %d, %s: final validation loss %.4f in %.0f s", configuration,
+             world, seed, variant, record["val_loss"][-1][1], record["seconds"])
+    return {"configuration": configuration, "world": world, **record}
+
+
+def command(form: str, out_dir: str | Path, steps: int) -> int:
+    """``lowbitcc study --wide FORM``: run the plan (resuming from ``out``), then write
+    ``wide.md`` (`wide_report.format_markdown`) and ``frontier.png`` in ``out_dir`` and print
+    the tables. Exit status 0."""
+    from lowbitcc.tools.study import wide_report
+
+    out = Path(out_dir)
+    plan = dataclasses.replace(PLANS[form], steps=steps)
+    results = run(plan, out)
+    runs = [r for r in results.data["runs"] if r["configuration"] in plan.configurations]
+    text = wide_report.format_markdown(runs)
+    (out / "wide.md").write_text(text + "\n")
+    wide_report.plot_frontier(runs, out / "frontier.png")
+    print(text)
+    for t in results.data["tracking"]:
+        print(f"\ntracking: {t['configuration']}, {t['world']} ranks, seed {t['seed']}")
+        print(tracking.format_table(t["summary"]))
+    return 0
