@@ -244,20 +244,14 @@ class CallCompressor:
 
     def finish(self) -> None:
         """Store the new error states, or drop them all if the call saw a non-finite value or
-        a foreign message (on a device, unless the host knows already: zero them on the
-        device, where the call's verdict has a byte set), and add host residual sums to the
-        statistics."""
-        bad: Flag = self.nonfinite
-        if not bad and self._verdict is not None:
-            bad = self._verdict.view(torch.int64)[0] != 0
+        a foreign message (on a device, unless the host knows already: each state keeps the
+        call's verdict as its ``poison`` word, which voids it where a byte is set; no work is
+        queued), and add host residual sums to the statistics."""
+        bad = self.nonfinite
         for key, (state, uses) in self._new_states.items():
-            if isinstance(bad, torch.Tensor) and state is not None:
-                state.data.masked_fill_(bad, 0)
-                if state.scales is not None:
-                    state.scales.masked_fill_(bad, 0)
-                self.store.put(key, state, uses, False)
-            else:
-                self.store.put(key, state, uses, bool(bad))
+            if not bad and self._verdict is not None and state is not None:
+                state.poison = self._verdict
+            self.store.put(key, state, uses, bad)
         self._new_states.clear()
         if self._sums is not None:
             self.stats.add_sums("compressed", self._sums)

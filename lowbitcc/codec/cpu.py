@@ -77,6 +77,7 @@ class CpuKernels(TorchFraming):
 
     name = "cpu"
     writes_every_byte = True
+    reads_poison = False
 
     def encode(self, args: EncodeArgs) -> None:
         load().encode(args)

@@ -216,7 +216,9 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
         "escales": _p(args.error_scales),
         "ef32": _p(args.error_values if args.mode == ERROR_MODES["fp32"] else None),
         "ebf16": _p(args.error_values if args.mode == ERROR_MODES["bf16"] else None),
-        "nonfinite": _p(args.nonfinite), "sums": _p(args.sums), "numel": args.source.numel(),
+        "nonfinite": _p(args.nonfinite), "sums": _p(args.sums),
+        "invalid": _p(args.state.poison if args.state is not None and args.has_error else None),
+        "numel": args.source.numel(),
         "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
         "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
         "G": args.group_size, "scale_input": int(args.factor != 1.0),
@@ -245,14 +247,42 @@ def _checksum_blocks(width: int) -> int:
     return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
 
 
+class _StreamWords:
+    """Zeroed int64 accumulators kept per CUDA stream: `get` returns at least ``words`` of the
+    current stream's, which every kernel that adds into them leaves zero again (`FRAME_FOLD`),
+    so no call zero-fills its own. Work on one stream is ordered, so one buffer a stream is
+    never used by two kernels at once; a larger request replaces it with a new zero-filled one
+    (the old one goes back to the caching allocator, which reuses it on that stream only)."""
+
+    def __init__(self) -> None:
+        self._words: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+    def get(self, words: int, device: torch.device) -> torch.Tensor:
+        stream = (torch.cuda.current_stream(device).cuda_stream if device.type == "cuda"
+                  else 0)
+        key = (device.type, device.index, stream)
+        buf = self._words.get(key)
+        if buf is None or buf.numel() < words:
+            buf = self._words[key] = torch.zeros(max(words, 64), dtype=torch.int64,
+                                                 device=device)
+        return buf[:words]
+
+
 class CudaKernels(TorchFraming):
     """`kernels.Kernels` on CuPy's NVRTC build of ``cuda_codec.cu``; CUDA tensors only, launched
     on torch's current stream, with no host synchronisation."""
 
     name = "cuda"
     writes_every_byte = True
-    """Every group's scale and codes by the encode (each lane of a group's segment stores its
-    8 codes, the leader the scale), the header, padding and trailer by `frame`."""
+    """Every group's scale and codes and non-finite byte by the encode (each lane of a group's
+    segment stores its 8 codes, the leader the scale and the byte), the header, padding and
+    trailer by `frame`."""
+
+    reads_poison = True
+    """The encode reads a state's ``poison`` word (`ErrorState.poison`) on the device."""
+
+    def __init__(self) -> None:
+        self.stream_words = _StreamWords()
 
     def encode(self, args: EncodeArgs) -> None:
         per_warp = 32 // segment_lanes(args.group_size)
@@ -295,21 +325,26 @@ class CudaKernels(TorchFraming):
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
               nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
               verdict: torch.Tensor | None = None) -> Flag:
-        """Two launches and one zero-fill on the current stream: `FRAME_BODY` clears the padding,
-        sums the checksum and ORs each row's non-finite flags into ``acc``; `FRAME_FOLD` writes
-        headers and trailers and the answer, a 0-dim bool view of ``acc``'s last word (of the
-        call's ``verdict`` where given: then ``acc`` has no such word). Rows
-        that do not start 8-byte aligned, more rows than a grid's second dimension holds, or
-        shards that are not consecutive take `framing.frame_with_torch`."""
+        """Two launches on the current stream: `FRAME_BODY` clears the padding, sums the
+        checksum and ORs each row's non-finite flags into ``acc`` (three words a row);
+        `FRAME_FOLD` writes headers and trailers, zeroes ``acc`` again, and sets the answer, the
+        call's ``verdict`` non-finite flag. ``acc`` is the stream's own (`_StreamWords`, no
+        zero-fill per call); without a ``verdict`` it is a new zero-filled one with a last word
+        for the answer (a 0-dim bool view of it). Rows that do not start 8-byte aligned, more
+        rows than a grid's second dimension holds, or shards that are not consecutive take
+        `framing.frame_with_torch`."""
         rows, width = messages.shape
         if (_aligned_stride(messages) != width or not nonfinite.is_contiguous()
                 or shards != list(range(shards[0], shards[0] + rows))):
             return frame_with_torch(self, messages, header, shards, nonfinite, used, flags,
                                     checksum, verdict)
         device = messages.device
-        acc = torch.zeros(3 * rows + (verdict is None), dtype=torch.int64, device=device)
-        answer = (verdict_flag(verdict, VERDICT_NONFINITE) if verdict is not None
-                  else acc[-1:].view(torch.bool)[0])
+        if verdict is not None:
+            acc = self.stream_words.get(3 * rows, device)
+            answer = verdict_flag(verdict, VERDICT_NONFINITE)
+        else:
+            acc = torch.zeros(3 * rows + 1, dtype=torch.int64, device=device)
+            answer = acc[-1:].view(torch.bool)[0]
         _launch(FRAME_BODY, device, (_checksum_blocks(width), rows),
                 (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
                  np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP),

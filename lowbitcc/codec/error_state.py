@@ -5,7 +5,11 @@
 - ``int8``: ``data`` int8 codes and ``scales`` fp32, one per group (the codec's 8-bit quantizer);
 - ``bf16`` / ``fp32``: ``data`` in that dtype, ``scales`` None.
 
-Every implementation of the codec (`kernels`) updates ``data`` and ``scales`` in place.
+Every implementation of the codec (`kernels`) updates ``data`` and ``scales`` in place. A
+device state may carry a ``poison`` word: the verdict of the call that wrote it, non-zero where
+that call saw a non-finite value or a foreign message, which voids the state. The CUDA encode
+reads the word (a void state counts as zero, with no kernel to clear it); everything else that
+reads the values settles the state first (`ErrorState.settle`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,20 @@ class ErrorState:
     data: torch.Tensor
     scales: torch.Tensor | None
     group_size: int
+    poison: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    """None, or a device word (uint8 ``[8]``, a call's verdict) whose non-zero value voids
+    ``data`` and ``scales`` (the module docstring)."""
+
+    def settle(self) -> None:
+        """Apply ``poison`` on the device (zero the state where the word is set; no host wait)
+        and drop it."""
+        if self.poison is None:
+            return
+        bad = self.poison.view(torch.int64)[0] != 0
+        self.data.masked_fill_(bad, 0)
+        if self.scales is not None:
+            self.scales.masked_fill_(bad, 0)
+        self.poison = None
 
     @property
     def numel(self) -> int:
@@ -64,6 +82,7 @@ class ErrorState:
 
     def decode(self) -> torch.Tensor:
         """The error as a flat fp32 tensor."""
+        self.settle()
         if self.dtype == "int8":
             groups = self.data.view(-1, self.group_size)
             return reference.dequantize(groups, self.scales).reshape(-1)
@@ -93,6 +112,7 @@ class ErrorState:
         device = torch.device(device)
         if self.device == device and not copy:
             return self
+        self.settle()
         scales = None if self.scales is None else self.scales.to(device, copy=True)
         return ErrorState(self.dtype, self.data.to(device, copy=True), scales, self.group_size)
 
@@ -103,7 +123,10 @@ class ErrorState:
         self.data.record_stream(stream)
         if self.scales is not None:
             self.scales.record_stream(stream)
+        if self.poison is not None:
+            self.poison.record_stream(stream)
 
     def clone(self) -> ErrorState:
+        self.settle()
         return ErrorState(self.dtype, self.data.clone(),
                           None if self.scales is None else self.scales.clone(), self.group_size)

@@ -26,9 +26,9 @@ class EncodeArgs:
     ``wire.HEADER_BYTES`` to ``wire.used_bytes`` the kernels write (the header and the padding
     are the caller's); ``state`` (None: feedback off) is read and then updated in place, and
     ``has_error`` says whether it holds an error to apply (False: it starts at zero);
-    ``nonfinite`` ``uint8 [rows * ng]`` comes zeroed and is written; the encode adds its
-    residual^2 and input^2 into ``sums`` ``float64 [2]`` (a call's encodes, or every call's, may
-    share one). All tensors are contiguous and on the source's device.
+    ``nonfinite`` ``uint8 [rows * ng]``: every byte written, 1 where the group is not finite;
+    the encode adds its residual^2 and input^2 into ``sums`` ``float64 [2]`` (a call's
+    encodes, or every call's, may share one). All tensors are contiguous and on the source's device.
     """
 
     source: torch.Tensor
@@ -98,6 +98,8 @@ class Kernels(Protocol):
     """One implementation of the codec's arithmetic (see the module docstring).
 
     ``writes_every_byte``: encode writes every payload byte (else the caller zeroes messages).
+    ``reads_poison``: encode honours a state's ``ErrorState.poison`` word on the device (else
+    the caller settles the state first).
     ``frame`` completes the messages an encode wrote (uint8 ``[rows, P]``, contiguous; the
     encode wrote bytes ``wire.HEADER_BYTES`` to ``used``): row ``r``'s header is ``header``
     (`wire.ShardHeader.pack`, shard 0 and flags 0) with shard ``shards[r]`` and flags ``flags``,
@@ -127,6 +129,7 @@ class Kernels(Protocol):
 
     name: str
     writes_every_byte: bool
+    reads_poison: bool
 
     def encode(self, args: EncodeArgs) -> None: ...
 

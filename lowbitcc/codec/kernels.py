@@ -31,6 +31,7 @@ class ReferenceKernels(TorchFraming):
 
     name = "reference"
     writes_every_byte = True
+    reads_poison = False
 
     def encode(self, args: EncodeArgs) -> None:
         rows, m, G = args.rows, args.m, args.group_size

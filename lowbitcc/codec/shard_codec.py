@@ -157,6 +157,8 @@ class ShardCodec:
                              f"{out.device}")
         else:
             messages = out if self.kernels.writes_every_byte else out.zero_()
+        if error is not None and not self.kernels.reads_poison:
+            error.settle()
         state = error
         if error is not None and device.type == "cuda":
             # the kernel reads and updates it on this stream; it may come from another's call
@@ -168,7 +170,7 @@ class ShardCodec:
             source=source, rows=rows, m=m, factor=float(factor), messages=messages, state=state,
             has_error=error is not None, beta=float(beta), bits=self.bits,
             group_size=self.group_size, keys=self.keys(stream),
-            nonfinite=torch.zeros(rows * ng, dtype=torch.uint8, device=device),
+            nonfinite=torch.empty(rows * ng, dtype=torch.uint8, device=device),
             sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,
         )

@@ -115,6 +115,29 @@ def test_compressed_all_reduce_equals_the_cpu_call_bit_for_bit(group, dtype):
 
 
 @needs_cupy
+def test_a_non_finite_call_voids_its_states_on_cuda_as_on_the_cpu(group):
+    """A call that sees a NaN leaves its states voided by the call's verdict (their ``poison``
+    word, read by the next encode: no kernel clears them); the calls after it must equal the
+    same calls on CPU tensors, whose host drops the states, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(70_001, generator=gen) for _ in range(5)]
+    inputs[2][123] = float("nan")
+    results = {}
+    with lowbitcc.compressed():
+        for device in ("cpu", "cuda"):
+            with lowbitcc.feedback_key(f"poison-{device}"):
+                results[device] = []
+                for x in inputs:
+                    y = x.to(device)
+                    dist.all_reduce(y)
+                    results[device].append(y.cpu())
+    for want, got in zip(results["cpu"], results["cuda"], strict=True):
+        assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    assert results["cuda"][2].isnan().any()  # the NaN call's result
+    assert results["cuda"][3].isfinite().all()
+
+
+@needs_cupy
 def test_compressed_reduce_scatter_on_cuda(group):
     x = torch.randn(4096 * 3, device="cuda")
     out = torch.empty_like(x)

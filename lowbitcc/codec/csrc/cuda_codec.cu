@@ -100,7 +100,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
   const int first = lane * kChunk;
   const bool active = valid && first < G;
   const long long off = gi * G;
-  const bool with_error = MODE != kNoError && a.has_error;
+  const bool with_error = MODE != kNoError && a.has_error && !(a.invalid && *a.invalid);
 
   float y[kChunk], e[kChunk];
   unsigned top = 0;
@@ -177,9 +177,10 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 #pragma unroll
     for (int b = 0; b < BITS; ++b) packed[first * BITS / 8 + b] = (word >> (8 * b)) & 0xff;
   }
-  // a non-finite group writes no error state (the call's states are dropped, as on the CPU);
-  // its lanes still take part in the segment's shuffle below
-  if (!finite && leader) a.nonfinite[gi] = 1;
+  // every group writes its non-finite byte (the caller does not zero them); a non-finite group
+  // writes no error state (the call's states are dropped, as on the CPU); its lanes still take
+  // part in the segment's shuffle below
+  if (leader) a.nonfinite[gi] = finite ? 0 : 1;
   if (finite) {
     rs_acc += rs;
     is_acc += is;
@@ -375,20 +376,24 @@ struct Header {
 // frame_fold: one thread per row after frame_body: the row's header (`header` with shard
 // shard0 + r and flags `flags`, plus kFlagNonfinite where acc[3 * r + 2] is set) and its
 // trailer (the checksum from acc, or zeros without `with_checksum`); any_bad (one byte, zero
-// before) becomes 1 where a row is non-finite. Rows start 8-byte aligned (the launcher checks).
+// before) becomes 1 where a row is non-finite. The row's three acc words are zero again after
+// (the launcher keeps acc between calls on one stream instead of zero-filling it). Rows start
+// 8-byte aligned (the launcher checks).
 __global__ void frame_fold(unsigned char* __restrict__ msgs, long long P, long long rows,
-                           const unsigned long long* __restrict__ acc, const Header header,
+                           unsigned long long* __restrict__ acc, const Header header,
                            long long shard0, unsigned int flags, int with_checksum,
                            unsigned char* __restrict__ any_bad) {
   const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
+  const unsigned long long n = acc[3 * r], s = acc[3 * r + 1];
   const bool bad = acc[3 * r + 2] != 0;
+  acc[3 * r] = acc[3 * r + 1] = acc[3 * r + 2] = 0ull;
   const unsigned int row_flags = flags | (bad ? loco::kFlagNonfinite : 0u);
   unsigned int* h = reinterpret_cast<unsigned int*>(msgs + r * P);
   for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
     h[k] = loco::header_word(header.w, k, (unsigned int)(shard0 + r), row_flags);
   *reinterpret_cast<unsigned long long*>(msgs + r * P + P - kTrailerBytes) =
-      with_checksum ? loco::checksum_trailer(acc[3 * r], acc[3 * r + 1]) : 0ull;
+      with_checksum ? loco::checksum_trailer(n, s) : 0ull;
   if (bad) *any_bad = 1;
 }
 

@@ -70,8 +70,10 @@ struct EncodeArgs {
   float* escales;      // kErrorInt8: [rows * ng] scales, updated in place
   float* ef32;         // kErrorFp32: [rows * ng * G], updated in place
   uint16_t* ebf16;     // kErrorBf16: [rows * ng * G] bfloat16 bits, updated in place
-  uint8_t* nonfinite;  // [rows * ng] out: 1 where a group held NaN or Inf (zeroed by the host)
+  uint8_t* nonfinite;  // [rows * ng] out: 1 where a group held NaN or Inf, else 0
   double* sums;        // [2] in/out: residual^2 and compensated input^2 over finite groups, added
+  const uint64_t* invalid;  // nullptr, or a word whose non-zero value voids the error state
+                            // (read as has_error 0): the verdict of the call that wrote it
   int64_t numel;
   int64_t rows;
   int64_t m;
