@@ -135,11 +135,12 @@ class CallCompressor:
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         device = source.tensor.device
         on_device = device.type != "cpu"
+        first = on_device and self._verdict is None
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream, out,
             sums=self.stats.accumulator("compressed", device) if on_device else None,
-            verdict=self._device_verdict(device),
+            verdict=self._device_verdict(device, cleared_by_encode=first), clear_verdict=first,
         )
         self._flag(result.any_nonfinite)
         if not on_device:
@@ -162,12 +163,14 @@ class CallCompressor:
             nonfinite = bool(nonfinite)
         self.nonfinite = self.nonfinite or nonfinite
 
-    def _device_verdict(self, device: torch.device) -> torch.Tensor | None:
-        """The call's verdict where ``device`` is not the CPU (made on first use), else None."""
+    def _device_verdict(self, device: torch.device,
+                        cleared_by_encode: bool = False) -> torch.Tensor | None:
+        """The call's verdict where ``device`` is not the CPU (made on first use: by an encode,
+        which then zeroes it, ``cleared_by_encode``; else zero-filled), else None."""
         if device.type == "cpu":
             return None
         if self._verdict is None:
-            self._verdict = framing.new_verdict(device)
+            self._verdict = framing.new_verdict(device, cleared_by_encode)
         return self._verdict
 
     def foreign(self) -> torch.Tensor | None:

@@ -218,6 +218,7 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
         "ebf16": _p(args.error_values if args.mode == ERROR_MODES["bf16"] else None),
         "nonfinite": _p(args.nonfinite), "sums": _p(args.sums),
         "invalid": _p(args.state.poison if args.state is not None and args.has_error else None),
+        "clear": _p(args.clear),
         "numel": args.source.numel(),
         "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
         "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
@@ -289,6 +290,8 @@ class CudaKernels(TorchFraming):
         warps = -(-args.rows * args.ng // per_warp)
         name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
         blocks = min(-(-warps * 32 // THREADS), ENCODE_BLOCKS)
+        if blocks == 0 and args.clear is not None:  # no launch to clear it
+            args.clear.zero_()
         _launch(name, args.source.device, blocks, (pack_encode_args(args),))
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,

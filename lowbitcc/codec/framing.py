@@ -16,9 +16,12 @@ VERDICT_FOREIGN, VERDICT_NONFINITE = 0, 1
 the kernels set to 1: a received message did not belong to the call; a row is non-finite."""
 
 
-def new_verdict(device: torch.device) -> torch.Tensor:
-    """A call's verdict: uint8 ``[8]``, zeros, one word of ``device`` memory (one fill)."""
-    return torch.zeros(1, dtype=torch.int64, device=device).view(torch.uint8)
+def new_verdict(device: torch.device, cleared_by_encode: bool = False) -> torch.Tensor:
+    """A call's verdict: uint8 ``[8]``, one word of ``device`` memory: zeros (one fill), or,
+    ``cleared_by_encode``, left for the call's first encode to zero (`interface.EncodeArgs`'s
+    ``clear``: no fill)."""
+    alloc = torch.empty if cleared_by_encode else torch.zeros
+    return alloc(1, dtype=torch.int64, device=device).view(torch.uint8)
 
 
 def verdict_flag(verdict: torch.Tensor, byte: int) -> torch.Tensor:

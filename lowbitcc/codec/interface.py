@@ -47,6 +47,9 @@ class EncodeArgs:
     threads: int = 1
     fmt: str = "int"
     """The code format (`wire.FORMATS`)."""
+    clear: torch.Tensor | None = None
+    """A call's verdict (`framing.new_verdict` with ``cleared_by_encode``) that this encode
+    zeroes before anything else of the call writes it; None: nothing to clear."""
 
     @property
     def format_code(self) -> int:

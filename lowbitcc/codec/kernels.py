@@ -37,6 +37,8 @@ class ReferenceKernels(TorchFraming):
         rows, m, G = args.rows, args.m, args.group_size
         mp = args.ng * G
         device = args.source.device
+        if args.clear is not None:
+            args.clear.zero_()
         g = torch.zeros(rows * m, dtype=torch.float32, device=device)
         n = min(args.source.numel(), rows * m)
         g[:n] = args.source[:n].to(torch.float32)

@@ -126,6 +126,7 @@ class ShardCodec:
         out: torch.Tensor | None = None,
         sums: torch.Tensor | None = None,
         verdict: torch.Tensor | None = None,
+        clear_verdict: bool = False,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
@@ -138,7 +139,8 @@ class ShardCodec:
         the messages: every byte of it is written. ``sums`` (float64 ``[2]`` on the source's
         device), when given, receives this encode's residual and input squares added to what it
         holds (and is the result's ``sums``); otherwise a new zeroed one does. ``verdict``:
-        the call's, on a device (`interface.Kernels.frame`).
+        the call's, on a device (`interface.Kernels.frame`); ``clear_verdict``: this encode
+        zeroes it first (the call's first encode, its verdict made with ``cleared_by_encode``).
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
@@ -173,6 +175,7 @@ class ShardCodec:
             nonfinite=torch.empty(rows * ng, dtype=torch.uint8, device=device),
             sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,
+            clear=verdict if clear_verdict else None,
         )
         self.kernels.encode(args)
         nonfinite = self.kernels.frame(

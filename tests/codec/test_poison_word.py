@@ -94,3 +94,12 @@ def test_finish_leaves_a_device_call_s_verdict_on_its_states_and_queues_no_work(
     comp._new_states["bucket|gather"] = (_state(), 2)
     comp.finish()
     assert store.take("bucket|gather", 128, "int8", 8, torch.device("cpu"), 32) == (None, 0)
+
+
+def test_the_reference_encode_clears_the_verdict_it_is_given():
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=2, signature=5,
+                       kernels=select("reference"), fmt="mxfp4")
+    verdict = _word(0x0101)  # a fresh verdict's bytes are whatever the memory held
+    codec.encode(torch.randn(256), 2, 128, 1.0, None, 0.8, [0, 1], "int8", verdict=verdict,
+                 clear_verdict=True)
+    assert not verdict.any()

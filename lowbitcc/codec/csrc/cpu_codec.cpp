@@ -1299,7 +1299,7 @@ py::dict encode_args_layout() {
   py::dict d;
 #define LOCO_FIELD(f) d[#f] = offsetof(EncodeArgs, f);
   LOCO_FIELD(src) LOCO_FIELD(msgs) LOCO_FIELD(ecodes) LOCO_FIELD(escales) LOCO_FIELD(ef32)
-  LOCO_FIELD(ebf16) LOCO_FIELD(nonfinite) LOCO_FIELD(sums) LOCO_FIELD(invalid)
+  LOCO_FIELD(ebf16) LOCO_FIELD(nonfinite) LOCO_FIELD(sums) LOCO_FIELD(invalid) LOCO_FIELD(clear)
   LOCO_FIELD(numel) LOCO_FIELD(rows)
   LOCO_FIELD(m) LOCO_FIELD(ng) LOCO_FIELD(P) LOCO_FIELD(factor) LOCO_FIELD(beta) LOCO_FIELD(omb)
   LOCO_FIELD(G) LOCO_FIELD(scale_input) LOCO_FIELD(has_error) LOCO_FIELD(mode)

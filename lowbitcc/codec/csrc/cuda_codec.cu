@@ -214,6 +214,8 @@ __global__ void encode(const loco::EncodeArgs a) {
   const long long tasks = (groups + per_warp - 1) / per_warp;
   const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
   double rs = 0.0, is = 0.0;
+  // the call's verdict starts at zero; the call's later kernels set its bytes
+  if (a.clear && blockIdx.x == 0 && threadIdx.x == 0) *a.clear = 0ull;
   // a task (per_warp consecutive groups) is the same on every lane, so whole warps run (and
   // leave) the loop together
   for (long long task = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; task < tasks;

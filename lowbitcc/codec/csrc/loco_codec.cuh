@@ -74,6 +74,8 @@ struct EncodeArgs {
   double* sums;        // [2] in/out: residual^2 and compensated input^2 over finite groups, added
   const uint64_t* invalid;  // nullptr, or a word whose non-zero value voids the error state
                             // (read as has_error 0): the verdict of the call that wrote it
+  uint64_t* clear;     // nullptr, or the call's verdict word, which the encode sets to zero
+                       // (the call's first encode: the verdict needs no fill of its own)
   int64_t numel;
   int64_t rows;
   int64_t m;
