@@ -16,8 +16,9 @@ its next call, and each rank that received a bad message, or a message built fro
 
 On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag stays a
 0-dim device tensor, the encodes add their residual sums into the statistics' device
-accumulator (`Stats.accumulator`), and `finish` zeroes the new error states on the
-device where the call was non-finite (a zero state compensates exactly like a dropped one)
+accumulator (`Stats.accumulator`), and `finish` stores the new error states with the call's
+verdict as their poison word (`ErrorState.poison`: where the call was non-finite or met a
+foreign message the state counts as zero, which compensates exactly like a dropped one)
 instead of dropping them, so a call is enqueued without waiting for the GPU.
 """
 

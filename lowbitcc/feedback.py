@@ -9,7 +9,9 @@ bf16 or fp32) and the number of times it was used. Rules:
 
 - every ``reset_interval`` uses the state is dropped (the call runs as if it were new);
 - a shape, storage or group-size change under the same key drops the state;
-- a call that saw NaN/Inf drops the state instead of storing a poisoned one;
+- a call that saw NaN/Inf drops the state instead of storing a poisoned one (a call on a
+  device, which cannot tell on the host, stores it with the call's verdict as its poison word,
+  which voids it: `ErrorState.poison`);
 - a changed *layout* drops the state (see below);
 - at most ``max_keys`` entries are kept; the least recently used are dropped first.
 

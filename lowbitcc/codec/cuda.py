@@ -8,9 +8,12 @@ reference for group sizes above `MAX_GROUP`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -249,24 +252,33 @@ def _checksum_blocks(width: int) -> int:
 
 
 class _StreamWords:
-    """Zeroed int64 accumulators kept per CUDA stream: `get` returns at least ``words`` of the
-    current stream's, which every kernel that adds into them leaves zero again (`FRAME_FOLD`),
-    so no call zero-fills its own. Work on one stream is ordered, so one buffer a stream is
-    never used by two kernels at once; a larger request replaces it with a new zero-filled one
-    (the old one goes back to the caching allocator, which reuses it on that stream only)."""
+    """Zeroed int64 accumulators kept per CUDA stream: `taken` lends at least ``words`` of the
+    current stream's to the launches in its block, which must leave them zero again
+    (`FRAME_FOLD` does), so no call zero-fills its own. Work on one stream is ordered, and a
+    lock keeps two host threads (two groups on one stream) from interleaving their launches;
+    a block that raises drops the stream's buffer (it may be left dirty). A larger request
+    replaces the buffer with a new zero-filled one (the old one goes back to the caching
+    allocator, which reuses it on that stream only)."""
 
     def __init__(self) -> None:
         self._words: dict[tuple[str, int | None, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
 
-    def get(self, words: int, device: torch.device) -> torch.Tensor:
+    @contextlib.contextmanager
+    def taken(self, words: int, device: torch.device) -> Iterator[torch.Tensor]:
         stream = (torch.cuda.current_stream(device).cuda_stream if device.type == "cuda"
                   else 0)
         key = (device.type, device.index, stream)
-        buf = self._words.get(key)
-        if buf is None or buf.numel() < words:
-            buf = self._words[key] = torch.zeros(max(words, 64), dtype=torch.int64,
-                                                 device=device)
-        return buf[:words]
+        with self._lock:
+            buf = self._words.get(key)
+            if buf is None or buf.numel() < words:
+                buf = self._words[key] = torch.zeros(max(words, 64), dtype=torch.int64,
+                                                     device=device)
+            try:
+                yield buf[:words]
+            except BaseException:
+                self._words.pop(key, None)
+                raise
 
 
 class CudaKernels(TorchFraming):
@@ -342,12 +354,22 @@ class CudaKernels(TorchFraming):
             return frame_with_torch(self, messages, header, shards, nonfinite, used, flags,
                                     checksum, verdict)
         device = messages.device
-        if verdict is not None:
-            acc = self.stream_words.get(3 * rows, device)
-            answer = verdict_flag(verdict, VERDICT_NONFINITE)
-        else:
+        if verdict is None:
             acc = torch.zeros(3 * rows + 1, dtype=torch.int64, device=device)
             answer = acc[-1:].view(torch.bool)[0]
+            self._frame(messages, header, shards, nonfinite, used, flags, checksum, acc, answer)
+            return answer
+        answer = verdict_flag(verdict, VERDICT_NONFINITE)
+        with self.stream_words.taken(3 * rows, device) as acc:
+            self._frame(messages, header, shards, nonfinite, used, flags, checksum, acc, answer)
+        return answer
+
+    @staticmethod
+    def _frame(messages: torch.Tensor, header: bytes, shards: list[int],
+               nonfinite: torch.Tensor, used: int, flags: int, checksum: bool,
+               acc: torch.Tensor, answer: torch.Tensor) -> None:
+        rows, width = messages.shape
+        device = messages.device
         _launch(FRAME_BODY, device, (_checksum_blocks(width), rows),
                 (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
                  np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP),
@@ -356,7 +378,6 @@ class CudaKernels(TorchFraming):
                 (_p(messages), np.int64(width), np.int64(rows), _p(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
                  np.uint32(flags), np.int32(checksum), _p(answer)))
-        return answer
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
               checksum: bool, verdict: torch.Tensor | None = None

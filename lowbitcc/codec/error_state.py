@@ -8,8 +8,9 @@
 Every implementation of the codec (`kernels`) updates ``data`` and ``scales`` in place. A
 device state may carry a ``poison`` word: the verdict of the call that wrote it, non-zero where
 that call saw a non-finite value or a foreign message, which voids the state. The CUDA encode
-reads the word (a void state counts as zero, with no kernel to clear it); everything else that
-reads the values settles the state first (`ErrorState.settle`).
+reads the word (a void state counts as zero, with no kernel to clear it); an encode that cannot
+settles the state first on the call's stream (`ErrorState.settle`); the other readers (`decode`,
+copies) mask what they return and leave the stored state and its word as they are.
 """
 
 from __future__ import annotations
@@ -36,15 +37,22 @@ class ErrorState:
     ``data`` and ``scales`` (the module docstring)."""
 
     def settle(self) -> None:
-        """Apply ``poison`` on the device (zero the state where the word is set; no host wait)
-        and drop it."""
+        """Apply ``poison`` to this state on the device (zero it where the word is set; no host
+        wait) and drop the word: for an encode that does not read it, on the call's stream."""
         if self.poison is None:
             return
-        bad = self.poison.view(torch.int64)[0] != 0
-        self.data.masked_fill_(bad, 0)
-        if self.scales is not None:
-            self.scales.masked_fill_(bad, 0)
+        self.data, self.scales = self._masked(self.data, self.scales, inplace=True)
         self.poison = None
+
+    def _masked(self, data: torch.Tensor, scales: torch.Tensor | None,
+                inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``data`` and ``scales`` (this state's, or copies of them) zeroed where ``poison`` is
+        set; themselves without a word."""
+        if self.poison is None:
+            return data, scales
+        bad = self.poison.view(torch.int64)[0].to(data.device) != 0
+        fill = torch.Tensor.masked_fill_ if inplace else torch.Tensor.masked_fill
+        return fill(data, bad, 0), None if scales is None else fill(scales, bad, 0)
 
     @property
     def numel(self) -> int:
@@ -81,12 +89,13 @@ class ErrorState:
         return None
 
     def decode(self) -> torch.Tensor:
-        """The error as a flat fp32 tensor."""
-        self.settle()
+        """The error as a flat fp32 tensor (zeros where ``poison`` voids it)."""
         if self.dtype == "int8":
             groups = self.data.view(-1, self.group_size)
-            return reference.dequantize(groups, self.scales).reshape(-1)
-        return self.data.to(torch.float32)
+            values = reference.dequantize(groups, self.scales).reshape(-1)
+        else:
+            values = self.data.to(torch.float32)
+        return self._masked(values, None)[0]
 
     @classmethod
     def encode(cls, e: torch.Tensor, dtype: str, group_size: int) -> ErrorState:
@@ -112,9 +121,9 @@ class ErrorState:
         device = torch.device(device)
         if self.device == device and not copy:
             return self
-        self.settle()
         scales = None if self.scales is None else self.scales.to(device, copy=True)
-        return ErrorState(self.dtype, self.data.to(device, copy=True), scales, self.group_size)
+        data, scales = self._masked(self.data.to(device, copy=True), scales, inplace=True)
+        return ErrorState(self.dtype, data, scales, self.group_size)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Mark this (CUDA) state's tensors as used by the work queued on ``stream`` so far: the
@@ -127,6 +136,8 @@ class ErrorState:
             self.poison.record_stream(stream)
 
     def clone(self) -> ErrorState:
-        self.settle()
-        return ErrorState(self.dtype, self.data.clone(),
-                          None if self.scales is None else self.scales.clone(), self.group_size)
+        """A copy without a poison word (zeros where this state's voids it)."""
+        data, scales = self._masked(self.data.clone(),
+                                    None if self.scales is None else self.scales.clone(),
+                                    inplace=True)
+        return ErrorState(self.dtype, data, scales, self.group_size)

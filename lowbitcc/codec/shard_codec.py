@@ -159,7 +159,8 @@ class ShardCodec:
                              f"{out.device}")
         else:
             messages = out if self.kernels.writes_every_byte else out.zero_()
-        if error is not None and not self.kernels.reads_poison:
+        reads_poison = getattr(self.kernels, "reads_poison", False)
+        if error is not None and not reads_poison:
             error.settle()
         state = error
         if error is not None and device.type == "cuda":
@@ -178,6 +179,8 @@ class ShardCodec:
             clear=verdict if clear_verdict else None,
         )
         self.kernels.encode(args)
+        if state is not None:
+            state.poison = None  # the encode read it (or it was settled); the values are new
         nonfinite = self.kernels.frame(
             messages, self.header(m), shard_ids, args.nonfinite,
             wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum, verdict)

@@ -297,3 +297,34 @@ def test_cuda_decodes_read_columns_in_place_and_write_nan_from_the_verdict(dtype
     fresh = framing.new_verdict(torch.device("cuda"))
     codec.encode(poisoned, rows, m, 1.0, None, 0.0, list(range(rows)), None, verdict=fresh)
     assert fresh.tolist()[:2] == [0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("error_dtype", ["int8", "fp32"])
+def test_cuda_encode_reads_a_state_s_poison_word(error_dtype):
+    """A state whose poison word is set encodes as no state at all (``has_error`` 0); a word of
+    zero leaves it applied; the encode's new state carries no word."""
+    from lowbitcc.codec import framing
+    from lowbitcc.codec.error_state import ErrorState
+
+    _cupy_or_skip()
+    m, rows = 4096, 2
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt="mxfp4", kernels=cuda.KERNELS)
+    x = torch.randn(rows * m, device="cuda")
+    error = torch.randn(rows * m, device="cuda") * 0.1
+
+    def encode(word):
+        state = ErrorState.encode(error, error_dtype, 32)
+        if word is not None:
+            state.poison = torch.tensor([word], dtype=torch.int64, device="cuda").view(torch.uint8)
+        return codec.encode(x, rows, m, 1.0, state, 0.8, [0, 1], error_dtype,
+                            verdict=framing.new_verdict(torch.device("cuda")))
+
+    none = codec.encode(x, rows, m, 1.0, None, 0.8, [0, 1], error_dtype)
+    voided, kept, plain = encode(1 << 8), encode(0), encode(None)
+    assert torch.equal(voided.messages, none.messages)
+    assert torch.equal(voided.error.data, none.error.data)
+    assert torch.equal(kept.messages, plain.messages)
+    assert not torch.equal(kept.messages, none.messages)
+    assert voided.error.poison is None and kept.error.poison is None

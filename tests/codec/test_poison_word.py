@@ -30,21 +30,29 @@ def _state(dtype: str = "int8") -> ErrorState:
 
 @pytest.mark.parametrize("dtype", ["int8", "bf16", "fp32"])
 @pytest.mark.parametrize("read", ["settle", "decode", "to", "clone"])
-def test_every_reader_but_the_cuda_encode_settles_the_word(dtype, read):
+def test_every_reader_but_the_cuda_encode_honours_the_word(dtype, read):
+    """`settle` (an encode that cannot read the word, on the call's stream) zeroes the state
+    where the word is set and drops it; the other readers mask what they return and leave the
+    stored state and its word alone (a call may still be setting the word)."""
     for verdict, voided in [(0, False), (1 << 8, True)]:  # the non-finite byte of the verdict
         state = _state(dtype)
         before = state.decode().clone()
-        state.poison = _word(verdict)
+        word = _word(verdict)
+        state.poison = word
         if read == "settle":
             state.settle()
             values = state.decode()
-        elif read == "decode":
-            values = state.decode()
-        elif read == "to":
-            values = state.to("cpu", copy=True).decode()
+            assert state.poison is None
         else:
-            values = state.clone().decode()
-        assert state.poison is None
+            if read == "decode":
+                values = state.decode()
+            else:
+                copy = state.to("cpu", copy=True) if read == "to" else state.clone()
+                assert copy.poison is None
+                values = copy.decode()
+            assert state.poison is word
+            state.poison = None
+            assert torch.equal(state.decode(), before)  # the stored values untouched
         assert torch.equal(values, torch.zeros(128) if voided else before)
 
 

@@ -128,7 +128,7 @@ def test_a_non_finite_call_voids_its_states_on_cuda_as_on_the_cpu(group):
             with lowbitcc.feedback_key(f"poison-{device}"):
                 results[device] = []
                 for x in inputs:
-                    y = x.to(device)
+                    y = x.clone().to(device)  # the CPU pass must not overwrite the inputs
                     dist.all_reduce(y)
                     results[device].append(y.cpu())
     for want, got in zip(results["cpu"], results["cuda"], strict=True):
