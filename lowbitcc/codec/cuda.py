@@ -10,20 +10,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
-import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from lowbitcc.codec import formats, reference, wire
-from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, encode_args_dtype
+from lowbitcc.codec import reference, wire
+from lowbitcc.codec.abi import ERROR_MODES, encode_args_dtype
+from lowbitcc.codec.cuda_build import (
+    CHECK_FOLD,
+    CHECKSUM,
+    CHECKSUM_BLOCKS,
+    CHECKSUM_FOLD,
+    FRAME_BODY,
+    FRAME_FOLD,
+    HEADER_WORDS,
+    NO_CHECK,
+    ROW_CHECK,
+    SOURCE,
+    decode_into_name,
+    decode_sum_name,
+    encode_name,
+    name_expressions,
+    options,
+)
 from lowbitcc.codec.framing import (
     VERDICT_FOREIGN,
     VERDICT_NONFINITE,
@@ -34,8 +47,6 @@ from lowbitcc.codec.framing import (
 )
 from lowbitcc.codec.interface import EncodeArgs, Flag
 
-SOURCE = CSRC / "cuda_codec.cu"
-OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
 MAX_GROUP = 256  # at most a warp per group, 8 elements per lane (`segment_lanes`)
 THREADS = 256
 ENCODE_BLOCKS = 1024
@@ -43,100 +54,6 @@ ENCODE_BLOCKS = 1024
 H100 (132 SMs x 2048 threads), and the count of atomic adds of the residual sums."""
 MAX_GRID_Y = 65535
 """CUDA's limit on a grid's second dimension (the checksum launches one row per y index)."""
-TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
-
-
-WIRES = formats.WIRES
-"""The (bits, format) pairs the kernels are instantiated for (`formats.WIRES`)."""
-
-
-def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool,
-                fmt: str = "int") -> str:
-    sr = "true" if stochastic else "false"
-    return f"loco_cuda::encode<{TYPES[dtype]}, {bits}, {mode}, {sr}, {FORMAT_CODES[fmt]}>"
-
-
-def decode_sum_name(bits: int, fmt: str) -> str:
-    return f"loco_cuda::decode_sum<{bits}, {FORMAT_CODES[fmt]}>"
-
-
-def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
-    return f"loco_cuda::decode_into<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
-
-
-CHECKSUM = "loco_cuda::checksum"
-CHECKSUM_FOLD = "loco_cuda::checksum_fold"
-CHECKSUM_BLOCKS = 256
-"""Most blocks per message row of a checksum launch (each thread then loops over the words)."""
-FRAME_BODY = "loco_cuda::frame_body"
-FRAME_FOLD = "loco_cuda::frame_fold"
-CHECK_FOLD = "loco_cuda::check_fold"
-HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
-"""``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
-
-
-def name_expressions() -> list[str]:
-    """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
-    names = [CHECKSUM, CHECKSUM_FOLD, FRAME_BODY, FRAME_FOLD, CHECK_FOLD]
-    names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
-             for mode in ERROR_MODES.values() for sr in (False, True)
-             if not (sr and fmt == "mxfp4")]
-    names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
-    names += [decode_into_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
-    return names
-
-
-def include_dirs() -> list[str]:
-    """Directories holding the CUDA headers the source includes (``cuda_bf16.h``,
-    ``cuda_fp16.h``): the ``nvidia-cuda-runtime-cu12`` wheel's, then ``$CUDA_PATH``,
-    ``$CUDA_HOME`` and ``/usr/local/cuda``; only those that exist."""
-    found = []
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        found.append(Path(root) / "cuda_runtime" / "include")
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            found.append(Path(os.environ[var]) / "include")
-    found.append(Path("/usr/local/cuda/include"))
-    return [str(d) for d in found if (d / "cuda_bf16.h").exists()]
-
-
-def options() -> tuple[str, ...]:
-    return (*OPTIONS, *(f"-I{d}" for d in include_dirs()))
-
-
-@dataclass
-class NvrtcBuild:
-    """One NVRTC compilation of the CUDA codec for a real architecture (no GPU needed)."""
-
-    arch: str
-    cubin: bytes
-    log: str
-    lowered: dict[str, str]  # name expression -> mangled kernel name
-
-
-def compile_with_nvrtc(arch: str, ptxas_verbose: bool = True) -> NvrtcBuild:
-    """Compile `SOURCE` with NVRTC (CuPy's binding) to a cubin for ``sm_<arch>``, with every
-    instance of `name_expressions`. Raises RuntimeError with NVRTC's log on a compile error,
-    ImportError without CuPy."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(SOURCE.read_text(), SOURCE.name, [], [])
-    try:
-        for name in name_expressions():
-            nvrtc.addNameExpression(prog, name)
-        flags = [*options(), f"-arch=sm_{arch}"]
-        if ptxas_verbose:
-            flags.append("--ptxas-options=-v")
-        try:
-            nvrtc.compileProgram(prog, flags)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed for sm_{arch}: {exc}\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
-        return NvrtcBuild(arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog),
-                          {n: nvrtc.getLoweredName(prog, n) for n in name_expressions()})
-    finally:
-        nvrtc.destroyProgram(prog)
 
 
 @functools.cache
@@ -306,19 +223,48 @@ class CudaKernels(TorchFraming):
             args.clear.zero_()
         _launch(name, args.source.device, blocks, (pack_encode_args(args),))
 
+    fuses_check = True
+    """The decodes check the rows' headers themselves where given the call's header (`check`):
+    one launch instead of `CHECK_FOLD` and a decode."""
+
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                   out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
+                   out: torch.Tensor, verdict: torch.Tensor | None = None,
+                   check: tuple[bytes, list[int]] | None = None) -> None:
+        """`kernels.Kernels.decode_sum`; with ``check`` (the call's header and the rows' shards;
+        the call's ``verdict`` given, checksums off) the launch checks the headers as `check`
+        would, setting the verdict's bytes (`_row_check`)."""
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
                 (_p(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
-                 np.int64(m), np.int32(group_size), _p(out), _p(verdict)))
+                 np.int64(m), np.int32(group_size), _p(out), _p(verdict),
+                 self._row_check(messages, check, verdict)))
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
-                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
+                    out: torch.Tensor, verdict: torch.Tensor | None = None,
+                    check: tuple[bytes, list[int]] | None = None) -> None:
+        """`kernels.Kernels.decode_into`; ``check`` as `decode_sum`'s."""
         n = out.numel()
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
                 (_p(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
-                 np.int64(n), _p(out), _p(verdict)))
+                 np.int64(n), _p(out), _p(verdict), self._row_check(messages, check, verdict)))
+
+    def _row_check(self, messages: torch.Tensor, check: tuple[bytes, list[int]] | None,
+                   verdict: torch.Tensor | None) -> np.void:
+        """``loco_cuda::RowCheck`` of ``check``, or `NO_CHECK` (nothing asked). Rows the decode
+        cannot check itself (not 8-byte aligned, shards other than ``s0 + r * step`` with step
+        0 or 1) take `check` first: then the decode reads the answer from the verdict."""
+        if check is None:
+            return NO_CHECK
+        header, shards = check
+        step = shards[1] - shards[0] if len(shards) > 1 else 0
+        if (verdict is None or _aligned_stride(messages) is None or step not in (0, 1)
+                or shards != [shards[0] + r * step for r in range(len(shards))]):
+            self.check(messages, header, shards, False, verdict)
+            return NO_CHECK
+        value = np.zeros((), dtype=ROW_CHECK)
+        value["header"] = np.frombuffer(header, dtype=HEADER_WORDS)[0]
+        value["shard0"], value["shard_step"], value["check"] = shards[0], step, 1
+        return value[()]
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64

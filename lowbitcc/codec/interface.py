@@ -125,7 +125,9 @@ class Kernels(Protocol):
     ``uint8 [k, P]``; ``decode_into`` writes row ``r`` of the messages, cast to ``out``'s dtype,
     to ``out[r*m ...]`` (``out`` flat, at most ``k * m`` elements). Sizes are already validated.
     Given a call's ``verdict`` (on a device, after ``check``), both write NaN instead where its
-    foreign byte is set (read on the device).
+    foreign byte is set (read on the device). Kernels with ``fuses_check`` also take
+    ``check=(header, shards)`` (with the call's verdict, checksums off): the decode then does
+    ``check``'s work itself, without a ``check`` before it.
     ``checksum`` returns int64 ``[k]`` on the messages' device: each row's checksum as
     `reference.checksum` defines it (without a host synchronisation on CUDA).
     """

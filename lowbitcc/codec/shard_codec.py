@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from lowbitcc.codec import reference, wire
+from lowbitcc.codec import framing, reference, wire
 from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
 from lowbitcc.codec.kernels import REFERENCE
@@ -210,7 +210,8 @@ class ShardCodec:
         byte, which the caller reads with it), and the NaN follows any foreign message of the
         call so far."""
         shards = [shard] * messages.shape[0]
-        nonfinite = self._check_before(messages, m, shards, verdict)
+        fused = self._fused_check(messages, m, shards, verdict)
+        nonfinite = fused[1] if fused else self._check_before(messages, m, shards, verdict)
         if out is None:
             out = torch.empty(m, dtype=torch.float32, device=messages.device)
         elif (out.numel() != m or out.dtype != torch.float32 or not out.is_contiguous()
@@ -218,6 +219,10 @@ class ShardCodec:
             raise ValueError(f"decode_sum: out must be a contiguous float32 tensor of {m} elements "
                              f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}")
+        if fused:
+            self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt,
+                                    out.view(-1), verdict, check=fused[0])
+            return out, nonfinite
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1),
                                 self._first(messages, verdict))
         return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
@@ -226,14 +231,31 @@ class ShardCodec:
                     out: torch.Tensor, verdict: torch.Tensor | None = None) -> Flag:
         """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite
         (as `decode_sum`, and ``verdict`` likewise)."""
-        nonfinite = self._check_before(messages, m, shard_ids, verdict)
+        fused = self._fused_check(messages, m, shard_ids, verdict)
+        nonfinite = fused[1] if fused else self._check_before(messages, m, shard_ids, verdict)
         if out.numel() > messages.shape[0] * m or not out.is_contiguous():
             raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
         if out.device != messages.device:
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
+        if fused:
+            self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
+                                     verdict, check=fused[0])
+            return nonfinite
         self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
                                  self._first(messages, verdict))
         return self._check_after(messages, m, shard_ids, out, nonfinite, verdict)
+
+    def _fused_check(self, messages: torch.Tensor, m: int, shard_ids: list[int],
+                     verdict: torch.Tensor | None
+                     ) -> tuple[tuple[bytes, list[int]], torch.Tensor] | None:
+        """Where the kernels check the rows in the decode itself (``fuses_check``: a device,
+        the call's ``verdict``, checksums off, no host check): the sizes checked, the decode's
+        ``check`` argument and the non-finite answer (a view of the verdict); else None."""
+        if (verdict is None or self.checksum or self.host_check
+                or messages.device.type == "cpu" or not getattr(self.kernels, "fuses_check", False)):
+            return None
+        self.check_size(messages, m, shard_ids)
+        return (self.header(m), shard_ids), framing.verdict_flag(verdict, framing.VERDICT_NONFINITE)
 
     def _first(self, messages: torch.Tensor, verdict: torch.Tensor | None) -> torch.Tensor | None:
         """The call's ``verdict`` where the device check runs before the decode (which then

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbitcc.codec import cuda
+from lowbitcc.codec import cuda, cuda_build
 from lowbitcc.codec.kernels import select
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.tools import selftest
@@ -33,8 +33,8 @@ def _nvcc() -> str | None:
 def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
     cmd = [_nvcc(), "-std=c++17", "--fmad=false", "-DLOCO_INSTANTIATE_ALL",
-           f"-I{cuda.CSRC}", *gencode, "--fatbin", "-Xptxas", "-v", "--threads", "2",
-           "-o", str(tmp_path / "codec.fatbin"), str(cuda.SOURCE)]
+           f"-I{cuda_build.CSRC}", *gencode, "--fatbin", "-Xptxas", "-v", "--threads", "2",
+           "-o", str(tmp_path / "codec.fatbin"), str(cuda_build.SOURCE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _assert_clean_ptxas_log(proc.stdout + proc.stderr, ARCHS)
@@ -45,9 +45,9 @@ def test_cuda_sources_compile_with_nvcc_without_spills(tmp_path):
 def test_cuda_source_compiles_for_host_and_device_with_nvcc(tmp_path):
     """``nvcc -c`` compiles the shared header's __host__ __device__ functions for the host too
     (it used to fail: quiet_nan called the device-only __int_as_float)."""
-    cmd = [_nvcc(), "-std=c++17", "--fmad=false", "-DLOCO_INSTANTIATE_ALL", f"-I{cuda.CSRC}",
+    cmd = [_nvcc(), "-std=c++17", "--fmad=false", "-DLOCO_INSTANTIATE_ALL", f"-I{cuda_build.CSRC}",
            "-gencode=arch=compute_80,code=sm_80", "-c", "-o", str(tmp_path / "codec.o"),
-           str(cuda.SOURCE)]
+           str(cuda_build.SOURCE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "codec.o").stat().st_size > 0
@@ -84,7 +84,7 @@ def _nvrtc_or_skip() -> None:
     except Exception as exc:  # noqa: BLE001 (no CuPy, or no libnvrtc)
         pytest.skip(f"NVRTC is not available through CuPy ({type(exc).__name__}: {exc}); "
                     "pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12")
-    if not cuda.include_dirs():
+    if not cuda_build.include_dirs():
         pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
 
 
@@ -93,7 +93,7 @@ def test_cuda_sources_compile_with_nvrtc_without_spills(arch):
     """The same source through NVRTC, as CuPy's RawModule compiles it at run time (no GPU is
     needed to compile for a named architecture)."""
     _nvrtc_or_skip()
-    build = cuda.compile_with_nvrtc(arch)
+    build = cuda_build.compile_with_nvrtc(arch)
     _assert_clean_ptxas_log(build.log, (arch,))
     assert build.cubin[:4] == b"\x7fELF"
     assert set(build.lowered) == set(cuda.name_expressions())
@@ -328,3 +328,45 @@ def test_cuda_encode_reads_a_state_s_poison_word(error_dtype):
     assert torch.equal(kept.messages, plain.messages)
     assert not torch.equal(kept.messages, none.messages)
     assert voided.error.poison is None and kept.error.poison is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("into", [False, True], ids=["decode_sum", "decode_into"])
+def test_cuda_decodes_that_check_the_rows_themselves_answer_as_check(into):
+    """With the call's header (`ShardCodec._fused_check`: a verdict, checksums off) a decode
+    checks the rows in its own launch: the same values and verdict bytes as `check` and then
+    the decode, for the call's messages, a foreign one (NaN everywhere) and a non-finite one."""
+    from lowbitcc.codec import framing
+
+    _cupy_or_skip()
+    m, rows = 3000, 3
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    x = torch.randn(rows * m, device="cuda")
+    bad = x.clone()
+    bad[7] = float("inf")
+    for source, corrupt in [(x, False), (x, True), (bad, False)]:
+        messages = codec.encode(source, rows, m, 1.0, None, 0.0, list(range(rows)), None).messages
+        if corrupt:
+            messages[1, 3] ^= 1
+        answers = []
+        for fused in (True, False):
+            verdict = framing.new_verdict(torch.device("cuda"))
+            out = torch.empty(rows * m if into else m, device="cuda")
+            shards = list(range(rows)) if into else [1] * rows
+            column = messages if into else torch.stack([messages[1]] * rows)
+            if fused:
+                if into:
+                    codec.decode_into(column, m, shards, out, verdict)
+                else:
+                    codec.decode_sum(column, m, 1, out, verdict)
+            else:
+                codec.check_on_device(column, m, shards, verdict)
+                decode = cuda.KERNELS.decode_into if into else cuda.KERNELS.decode_sum
+                decode(column, m, 4, 32, "mxfp4", out, verdict)
+            answers.append((out.cpu(), verdict.tolist()[:2]))
+        (got, got_verdict), (want, want_verdict) = answers
+        assert got_verdict == want_verdict
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert got_verdict[0] == int(corrupt)

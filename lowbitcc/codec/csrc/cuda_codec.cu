@@ -247,33 +247,80 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
   return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
 }
 
+// The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
+struct Header {
+  unsigned int w[8];
+};
+
+// What a decode checks itself where the host asks it to (`check`): the k rows' headers against
+// the call's `header` with shard shard0 + r * shard_step and the row's own non-finite flag, as
+// check_fold does without checksums.
+struct RowCheck {
+  Header header;
+  long long shard0;
+  long long shard_step;
+  int check;
+};
+
+// Every block checks the k headers (one thread a row, k * 32 bytes) and answers whether any row
+// is foreign, or the call's verdict says an earlier check found one; block 0 sets the verdict's
+// bytes (foreign, non-finite), which nothing of this launch reads back as its answer. Without
+// `c.check` the answer is the verdict's foreign byte alone (Kernels.check ran first). Every
+// thread of the block must call it (it synchronises the block).
+__device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict__ msgs,
+                                                long long k, long long P, const RowCheck& c,
+                                                unsigned char* __restrict__ verdict) {
+  if (!c.check) return verdict != nullptr && verdict[0];
+  int foreign = 0, nonfinite = 0;
+  for (long long r = threadIdx.x; r < k; r += blockDim.x) {
+    const unsigned char* row = msgs + r * P;
+    const unsigned int flags = row[loco::kFlagsOffset] & loco::kFlagNonfinite;
+    const unsigned int* h = reinterpret_cast<const unsigned int*>(row);
+    const unsigned int shard = (unsigned int)(c.shard0 + r * c.shard_step);
+#pragma unroll
+    for (int w = 0; w < loco::kHeaderBytes / 4; ++w)
+      foreign |= h[w] != loco::header_word(c.header.w, w, shard, flags);
+    nonfinite |= flags != 0;
+  }
+  foreign = __syncthreads_or(foreign);
+  nonfinite = __syncthreads_or(nonfinite);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (foreign) verdict[0] = 1;
+    if (nonfinite) verdict[1] = 1;
+  }
+  return foreign || verdict[0];
+}
+
 // out[j] = sum over rows r (in order) of message r's element j, for j < m.
 template <int BITS, int FMT>
 // (P: the distance between rows, at least their length: a column of gathered messages too);
-// NaN where the call's verdict (when given) says a message was foreign (Kernels.check ran first)
+// NaN where the call's verdict (when given) says a message was foreign (Kernels.check ran first),
+// or, with `c.check`, where this launch's own check of the rows finds one (checked_foreign).
 __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
                            long long m, int G, float* __restrict__ out,
-                           const unsigned char* __restrict__ verdict) {
+                           unsigned char* __restrict__ verdict, const RowCheck c) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool foreign = checked_foreign(msgs, k, P, c, verdict);
   if (j >= m) return;
   const long long ng = (m + G - 1) / G;
   float acc = decode_one<BITS, FMT>(msgs, ng, G, j);
   for (long long r = 1; r < k; ++r)
     acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
-  out[j] = (verdict != nullptr && verdict[0]) ? loco::quiet_nan() : acc;
+  out[j] = foreign ? loco::quiet_nan() : acc;
 }
 
-// out[r * m + j] = message r's element j, cast, for r * m + j < numel (NaN as decode_sum).
+// out[r * m + j] = message r's element j, cast, for r * m + j < numel (NaN as decode_sum; with
+// `c.check` the k rows that hold out's elements are checked).
 template <typename T, int BITS, int FMT>
 __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
                             int G, long long numel, T* __restrict__ out,
-                            const unsigned char* __restrict__ verdict) {
+                            unsigned char* __restrict__ verdict, const RowCheck c) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool foreign = checked_foreign(msgs, (numel + m - 1) / m, P, c, verdict);
   if (i >= numel) return;
   const long long r = i / m, j = i % m;
   const long long ng = (m + G - 1) / G;
-  const float v = (verdict != nullptr && verdict[0]) ? loco::quiet_nan()
-                                                     : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
+  const float v = foreign ? loco::quiet_nan() : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
   out[i] = from_float<T>(v);
 }
 
@@ -370,11 +417,6 @@ __global__ void frame_body(unsigned char* __restrict__ msgs, long long P, long l
   block_add_sums(n, s, acc + 3 * row);
 }
 
-// The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
-struct Header {
-  unsigned int w[8];
-};
-
 // frame_fold: one thread per row after frame_body: the row's header (`header` with shard
 // shard0 + r and flags `flags`, plus kFlagNonfinite where acc[3 * r + 2] is set) and its
 // trailer (the checksum from acc, or zeros without `with_checksum`); any_bad (one byte, zero
@@ -447,10 +489,10 @@ LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
 LOCO_ENC_MX(__nv_bfloat16)
 LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8) LOCO_ENC_MX(__half)
 #define LOCO_DSUM(B, F) \
-  template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*, const unsigned char*);
+  template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*, unsigned char*, const RowCheck);
 LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1)
 #define LOCO_DEC1(T, B, F) \
-  template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*, const unsigned char*);
+  template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*, unsigned char*, const RowCheck);
 #define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1)
 LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
 }  // namespace loco_cuda

@@ -1,0 +1,119 @@
+"""The CUDA codec's source, its kernel instances and their names, and NVRTC builds of it for a
+real architecture (no GPU needed: CI compiles every instance, ``tests/codec/test_cuda_kernels.py``).
+`lowbitcc.codec.cuda` launches what this names."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowbitcc.codec import formats, wire
+from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES
+
+SOURCE = CSRC / "cuda_codec.cu"
+OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
+TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
+
+
+WIRES = formats.WIRES
+"""The (bits, format) pairs the kernels are instantiated for (`formats.WIRES`)."""
+
+
+def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool,
+                fmt: str = "int") -> str:
+    sr = "true" if stochastic else "false"
+    return f"loco_cuda::encode<{TYPES[dtype]}, {bits}, {mode}, {sr}, {FORMAT_CODES[fmt]}>"
+
+
+def decode_sum_name(bits: int, fmt: str) -> str:
+    return f"loco_cuda::decode_sum<{bits}, {FORMAT_CODES[fmt]}>"
+
+
+def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
+    return f"loco_cuda::decode_into<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
+
+
+CHECKSUM = "loco_cuda::checksum"
+CHECKSUM_FOLD = "loco_cuda::checksum_fold"
+CHECKSUM_BLOCKS = 256
+"""Most blocks per message row of a checksum launch (each thread then loops over the words)."""
+FRAME_BODY = "loco_cuda::frame_body"
+FRAME_FOLD = "loco_cuda::frame_fold"
+CHECK_FOLD = "loco_cuda::check_fold"
+HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
+"""``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
+ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step", "<i8"),
+                      ("check", "<i4")], align=True)
+"""``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
+NO_CHECK = np.zeros((), dtype=ROW_CHECK)[()]
+
+
+def name_expressions() -> list[str]:
+    """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
+    names = [CHECKSUM, CHECKSUM_FOLD, FRAME_BODY, FRAME_FOLD, CHECK_FOLD]
+    names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
+             for mode in ERROR_MODES.values() for sr in (False, True)
+             if not (sr and fmt == "mxfp4")]
+    names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
+    names += [decode_into_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
+    return names
+
+
+def include_dirs() -> list[str]:
+    """Directories holding the CUDA headers the source includes (``cuda_bf16.h``,
+    ``cuda_fp16.h``): the ``nvidia-cuda-runtime-cu12`` wheel's, then ``$CUDA_PATH``,
+    ``$CUDA_HOME`` and ``/usr/local/cuda``; only those that exist."""
+    found = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found.append(Path(root) / "cuda_runtime" / "include")
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            found.append(Path(os.environ[var]) / "include")
+    found.append(Path("/usr/local/cuda/include"))
+    return [str(d) for d in found if (d / "cuda_bf16.h").exists()]
+
+
+def options() -> tuple[str, ...]:
+    return (*OPTIONS, *(f"-I{d}" for d in include_dirs()))
+
+
+@dataclass
+class NvrtcBuild:
+    """One NVRTC compilation of the CUDA codec for a real architecture (no GPU needed)."""
+
+    arch: str
+    cubin: bytes
+    log: str
+    lowered: dict[str, str]  # name expression -> mangled kernel name
+
+
+def compile_with_nvrtc(arch: str, ptxas_verbose: bool = True) -> NvrtcBuild:
+    """Compile `SOURCE` with NVRTC (CuPy's binding) to a cubin for ``sm_<arch>``, with every
+    instance of `name_expressions`. Raises RuntimeError with NVRTC's log on a compile error,
+    ImportError without CuPy."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(SOURCE.read_text(), SOURCE.name, [], [])
+    try:
+        for name in name_expressions():
+            nvrtc.addNameExpression(prog, name)
+        flags = [*options(), f"-arch=sm_{arch}"]
+        if ptxas_verbose:
+            flags.append("--ptxas-options=-v")
+        try:
+            nvrtc.compileProgram(prog, flags)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed for sm_{arch}: {exc}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        return NvrtcBuild(arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog),
+                          {n: nvrtc.getLoweredName(prog, n) for n in name_expressions()})
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
