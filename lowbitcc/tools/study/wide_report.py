@@ -148,12 +148,18 @@ def format_markdown(runs: list[dict[str, Any]]) -> str:
     for r in verdict["ranking"]:
         out.append(f"| {r['variant']} | {r['worst_cell'][0]}, {r['worst_cell'][1]} ranks | "
                    f"{_pct(r['worst_gap'])} | {_pct(r['mean_of_cells'])} |")
-    if verdict["chosen"]:
-        out += ["", f"Best by its worst cell: **{verdict['chosen']}**; every cell within "
-                f"{100 * GOAL_GAP:.1f}%: {'yes' if verdict['within_goal'] else 'no'}; no worse "
-                "than its no-feedback twin beyond one standard error: "
-                + ("yes" if verdict["no_worse_than_twin"] else "no")
-                + ("" if verdict["twin_measured"] else " (twin not run)") + "."]
+    chosen = verdict["chosen"]
+    if chosen:
+        if twin(chosen) is None:
+            twin_text = "it sends without feedback"
+        elif not verdict["twin_measured"]:
+            twin_text = "its no-feedback twin was not run"
+        else:
+            twin_text = ("no worse than its no-feedback twin beyond one standard error: "
+                         + ("yes" if verdict["no_worse_than_twin"] else "no"))
+        out += ["", f"Best by its worst cell: **{chosen}**; every cell within "
+                f"{100 * GOAL_GAP:.1f}%: {'yes' if verdict['within_goal'] else 'no'}; "
+                f"{twin_text}."]
     return "\n".join(out)
 
 
