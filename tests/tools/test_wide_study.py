@@ -128,11 +128,11 @@ def test_the_runner_resumes_where_it_stopped(tmp_path, monkeypatch):
         wide.run(plan, tmp_path, jobs=1)
     saved = json.loads((tmp_path / "wide.json").read_text())
     assert [(r["configuration"], r["seed"], r["variant"]) for r in saved["runs"]] == [
-        ("gpt", 0, "exact"), ("gpt", 0, "mxfp4")]
+        ("gpt", 0, "exact"), ("gpt", 0, "mxfp4")]  # seed 0 of every cell first
     assert all("final_params" not in r for r in saved["runs"])
     calls.clear()
     results = wide.run(plan, tmp_path, jobs=1)
-    assert calls[0] == ("stdlib", 2, 1, "exact")  # the interrupted run, and nothing before it
+    assert calls[0] == ("pydoc", 2, 0, "exact")  # the interrupted run, and nothing before it
     assert len([c for c in calls if c[0] != "tracking"]) == 6
     assert [c for c in calls if c[0] == "tracking"] == [("tracking", "stdlib", 2),
                                                           ("tracking", "pydoc", 2)]

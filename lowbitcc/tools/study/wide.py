@@ -17,6 +17,7 @@ choice of the default (the worst cell decides).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -54,10 +55,11 @@ class Plan:
     steps: int = 300
 
     def runs(self) -> list[tuple[str, int, int, str]]:
-        """``(configuration, world, seed, variant)`` in the order they run: cell by cell, each
-        seed's exact run before its candidates."""
-        return [(c, w, s, v) for c in self.configurations for w in self.worlds
-                for s in self.seeds for v in self.variants]
+        """``(configuration, world, seed, variant)`` in the order they run: seed by seed (a
+        study stopped early has every cell's first seeds), then cell by cell, each exact run
+        before its candidates."""
+        return [(c, w, s, v) for s in self.seeds for c in self.configurations
+                for w in self.worlds for v in self.variants]
 
     def cells(self) -> list[tuple[str, int]]:
         return [(c, w) for c in self.configurations for w in self.worlds]
@@ -146,8 +148,8 @@ def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
           f"({len(plan.runs()) - len(todo)} runs done in {results.path}); expected "
           f"{expected / 60:.0f} min here", file=sys.stderr, flush=True)
     bar = tqdm(total=len(todo) + len(cells), desc="wide study", unit="run")
-    for world in sorted({w for _, w, _, _ in todo}):
-        batch = [r for r in todo if r[1] == world]
+    for world, batch in itertools.groupby(todo, key=lambda r: r[1]):  # consecutive, same world
+        batch = list(batch)
         at_once = jobs or jobs_for(world)
         threads = max(1, (os.cpu_count() or 1) // (world * at_once))
         with ThreadPoolExecutor(at_once) as pool:
