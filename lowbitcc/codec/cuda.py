@@ -25,10 +25,12 @@ from lowbitcc.codec.cuda_build import (
     CHECKSUM,
     CHECKSUM_BLOCKS,
     CHECKSUM_FOLD,
+    FRAME_ARGS,
     FRAME_BODY,
     FRAME_FOLD,
     HEADER_WORDS,
     NO_CHECK,
+    NO_FRAME,
     ROW_CHECK,
     SOURCE,
     decode_into_name,
@@ -214,14 +216,38 @@ class CudaKernels(TorchFraming):
     def __init__(self) -> None:
         self.stream_words = _StreamWords()
 
+    fuses_frame = True
+    """The encode frames its messages itself where given ``EncodeArgs.frame``: the last of its
+    blocks to finish writes the headers, padding and trailers (`FRAME_ARGS`)."""
+
     def encode(self, args: EncodeArgs) -> None:
+        """One launch; with ``args.frame`` the encode frames the messages too, unless they
+        cannot be framed there (no block to launch, rows not 8-byte aligned, shards not
+        consecutive): then `frame` runs after it."""
         per_warp = 32 // segment_lanes(args.group_size)
         warps = -(-args.rows * args.ng // per_warp)
         name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
         blocks = min(-(-warps * 32 // THREADS), ENCODE_BLOCKS)
+        device = args.source.device
         if blocks == 0 and args.clear is not None:  # no launch to clear it
             args.clear.zero_()
-        _launch(name, args.source.device, blocks, (pack_encode_args(args),))
+        spec = args.frame
+        messages = args.messages
+        if spec is None or blocks == 0 or _aligned_stride(messages) != messages.shape[1] or (
+                spec.shards != list(range(spec.shards[0], spec.shards[0] + args.rows))):
+            _launch(name, device, blocks, (pack_encode_args(args), NO_FRAME))
+            if spec is not None:
+                self.frame(messages, spec.header, spec.shards, args.nonfinite, spec.used,
+                           spec.flags, False, spec.verdict)
+            return
+        with self.stream_words.taken(args.rows + 1, device) as words:
+            frame = np.zeros((), dtype=FRAME_ARGS)
+            frame["header"] = np.frombuffer(spec.header, dtype=HEADER_WORDS)[0]
+            frame["shard0"], frame["used"], frame["flags"], frame["enabled"] = (
+                spec.shards[0], spec.used, spec.flags, 1)
+            frame["words"] = _p(words)
+            frame["answer"] = _p(verdict_flag(spec.verdict, VERDICT_NONFINITE))
+            _launch(name, device, blocks, (pack_encode_args(args), frame[()]))
 
     fuses_check = True
     """The decodes check the rows' headers themselves where given the call's header (`check`):

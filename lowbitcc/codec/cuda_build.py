@@ -51,6 +51,11 @@ ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step"
                       ("check", "<i4")], align=True)
 """``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
 NO_CHECK = np.zeros((), dtype=ROW_CHECK)[()]
+FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i8"),
+                       ("words", "<u8"), ("answer", "<u8"), ("flags", "<u4"),
+                       ("enabled", "<i4")], align=True)
+"""``loco_cuda::FrameArgs``, passed by value to the encode: the frame it writes itself."""
+NO_FRAME = np.zeros((), dtype=FRAME_ARGS)[()]
 
 
 def name_expressions() -> list[str]:

@@ -18,6 +18,19 @@ Flag = bool | torch.Tensor
 synchronise with a GPU."""
 
 
+@dataclasses.dataclass(frozen=True)
+class FrameSpec:
+    """What `Kernels.frame` would be given after an encode, for kernels that frame in the
+    encode itself (``fuses_frame``; the call's ``verdict``, checksums off): the call's
+    ``header``, the rows' ``shards``, the bytes ``used`` and the ``flags``."""
+
+    header: bytes
+    shards: list[int]
+    used: int
+    flags: int
+    verdict: torch.Tensor
+
+
 @dataclasses.dataclass
 class EncodeArgs:
     """One encode of ``rows`` rows of ``m`` elements of flat ``source`` (see ``loco::EncodeArgs``).
@@ -50,6 +63,9 @@ class EncodeArgs:
     clear: torch.Tensor | None = None
     """A call's verdict (`framing.new_verdict` with ``cleared_by_encode``) that this encode
     zeroes before anything else of the call writes it; None: nothing to clear."""
+    frame: FrameSpec | None = None
+    """Kernels with ``fuses_frame`` only: the encode also frames the messages as ``frame``
+    would (its answer in the verdict's non-finite byte); None: the caller frames them."""
 
     @property
     def format_code(self) -> int:
@@ -102,7 +118,7 @@ class Kernels(Protocol):
 
     ``writes_every_byte``: encode writes every payload byte (else the caller zeroes messages).
     ``reads_poison``: encode honours a state's ``ErrorState.poison`` word on the device (else
-    the caller settles the state first).
+    the caller settles the state first). ``fuses_frame``: encode takes ``EncodeArgs.frame``.
     ``frame`` completes the messages an encode wrote (uint8 ``[rows, P]``, contiguous; the
     encode wrote bytes ``wire.HEADER_BYTES`` to ``used``): row ``r``'s header is ``header``
     (`wire.ShardHeader.pack`, shard 0 and flags 0) with shard ``shards[r]`` and flags ``flags``,

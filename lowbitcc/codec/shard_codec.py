@@ -28,7 +28,7 @@ import torch
 
 from lowbitcc.codec import framing, reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.interface import EncodeArgs, Flag, Kernels
+from lowbitcc.codec.interface import EncodeArgs, Flag, FrameSpec, Kernels
 from lowbitcc.codec.kernels import REFERENCE
 
 __all__ = ["EncodeResult", "Flag", "ShardCodec"]
@@ -177,14 +177,29 @@ class ShardCodec:
             sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,
             clear=verdict if clear_verdict else None,
+            frame=self._fused_frame(m, shard_ids, verdict, device),
         )
         self.kernels.encode(args)
         if state is not None:
             state.poison = None  # the encode read it (or it was settled); the values are new
-        nonfinite = self.kernels.frame(
-            messages, self.header(m), shard_ids, args.nonfinite,
-            wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum, verdict)
+        if args.frame is not None:
+            nonfinite = framing.verdict_flag(verdict, framing.VERDICT_NONFINITE)
+        else:
+            nonfinite = self.kernels.frame(
+                messages, self.header(m), shard_ids, args.nonfinite,
+                wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum,
+                verdict)
         return EncodeResult(messages, state, nonfinite, args.sums)
+
+    def _fused_frame(self, m: int, shard_ids: list[int], verdict: torch.Tensor | None,
+                     device: torch.device) -> FrameSpec | None:
+        """What the encode frames itself where the kernels can (``fuses_frame``: a device, the
+        call's ``verdict``, checksums off), else None (`Kernels.frame` after the encode)."""
+        if (verdict is None or self.checksum or device.type == "cpu"
+                or not getattr(self.kernels, "fuses_frame", False)):
+            return None
+        return FrameSpec(self.header(m), shard_ids,
+                         wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, verdict)
 
     def header(self, m: int) -> bytes:
         """The header of this call's messages of ``m`` elements, with shard 0 and flags 0 (the

@@ -370,3 +370,30 @@ def test_cuda_decodes_that_check_the_rows_themselves_answer_as_check(into):
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
         assert got_verdict[0] == int(corrupt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,m", [(1, 1000), (2, 4096), (3, 777), (4, 100_003)])
+def test_cuda_encode_frames_its_messages_as_frame_does(rows, m):
+    """With the call's verdict and checksums off the encode frames its messages itself (the
+    last block to finish writes headers, padding and trailers): the same bytes and verdict as
+    the encode without a verdict followed by `frame`, call after call (the per-stream words it
+    counts in are left zero), a non-finite call's flags not leaking into the next one."""
+    from lowbitcc.codec import framing
+
+    _cupy_or_skip()
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    gen = torch.Generator().manual_seed(rows)
+    finite = torch.randn(rows * m, generator=gen).cuda()
+    bad = finite.clone()
+    bad[-1] = float("nan")
+    for x in (finite, bad, finite, bad, bad, finite):
+        verdict = framing.new_verdict(torch.device("cuda"), cleared_by_encode=True)
+        verdict.fill_(0xAB)  # the encode must clear what the memory held
+        fused = codec.encode(x, rows, m, 1.0, None, 0.0, list(range(rows)), None,
+                             verdict=verdict, clear_verdict=True)
+        plain = codec.encode(x, rows, m, 1.0, None, 0.0, list(range(rows)), None)
+        assert torch.equal(fused.messages, plain.messages)
+        assert verdict.tolist() == [0, int(bool(x.isnan().any())), 0, 0, 0, 0, 0, 0]
+        assert bool(fused.nonfinite) == bool(plain.nonfinite)

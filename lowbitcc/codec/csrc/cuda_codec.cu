@@ -43,6 +43,29 @@ constexpr int kInt8 = loco::kErrorInt8;
 constexpr int kFp32 = loco::kErrorFp32;
 constexpr int kBf16 = loco::kErrorBf16;
 constexpr int kMx = loco::kFormatMxfp4;
+constexpr int kTrailerBytes = 8;
+
+// The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
+struct Header {
+  unsigned int w[8];
+};
+
+// The frame an encode writes itself where the host asks it to (`enabled`; checksums off): each
+// row's header (`header` with shard shard0 + r and flags `flags`, plus kFlagNonfinite where a
+// group of the row is not finite), its padding from `used` and a zero trailer, and `answer`
+// (the call's verdict's non-finite byte) set where a row is non-finite, as frame_body and
+// frame_fold do. `words` (rows + 1, zero before and left zero after) counts the finished blocks
+// (word 0) and ORs each row's non-finite groups (word 1 + r): the last block to finish writes
+// the frames.
+struct FrameArgs {
+  Header header;
+  long long shard0;
+  long long used;
+  unsigned long long* words;
+  unsigned char* answer;
+  unsigned int flags;
+  int enabled;
+};
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -91,7 +114,7 @@ __device__ __forceinline__ double warp_sum(double v) {
 template <typename T, int BITS, int MODE, bool SR, int FMT>
 __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
                                              bool valid, int width, double& rs_acc,
-                                             double& is_acc) {
+                                             double& is_acc, unsigned long long* row_bad) {
   const T* __restrict__ src = static_cast<const T*>(a.src);
   __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
   const int G = a.G;
@@ -181,6 +204,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
   // writes no error state (the call's states are dropped, as on the CPU); its lanes still take
   // part in the segment's shuffle below
   if (leader) a.nonfinite[gi] = finite ? 0 : 1;
+  if (leader && !finite && row_bad != nullptr) atomicOr(row_bad + row, 1ull);
   if (finite) {
     rs_acc += rs;
     is_acc += is;
@@ -206,8 +230,32 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 
 // `a` is loco::EncodeArgs (loco_codec.cuh), passed by value: the launcher lays out its bytes with
 // lowbitcc.codec.abi.encode_args_dtype(). a.src holds T; a.ebf16 holds __nv_bfloat16 bits.
+// The frames of FrameArgs, by the last block of the encode to finish (every thread of every
+// block calls it after its groups; it synchronises the block).
+__device__ __forceinline__ void frame_after_encode(const loco::EncodeArgs& a, const FrameArgs& f) {
+  __shared__ bool last;
+  __threadfence();  // this block's codes, scales and flags before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(f.words, 1ull) == (unsigned long long)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) {
+    const bool bad = atomicExch(f.words + 1 + r, 0ull) != 0ull;
+    const unsigned int row_flags = f.flags | (bad ? loco::kFlagNonfinite : 0u);
+    unsigned char* msg = a.msgs + r * a.P;
+    unsigned int* h = reinterpret_cast<unsigned int*>(msg);
+#pragma unroll
+    for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
+      h[k] = loco::header_word(f.header.w, k, (unsigned int)(f.shard0 + r), row_flags);
+    for (long long b = f.used; b < a.P; ++b) msg[b] = 0;  // padding and the trailer
+    if (bad) *f.answer = 1;
+  }
+  if (threadIdx.x == 0) f.words[0] = 0ull;
+}
+
 template <typename T, int BITS, int MODE, bool SR, int FMT>
-__global__ void encode(const loco::EncodeArgs a) {
+__global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
   const long long groups = a.rows * a.ng;
   const int lane = threadIdx.x & 31;
   const int width = segment_lanes(a.G), per_warp = 32 / width;
@@ -221,7 +269,8 @@ __global__ void encode(const loco::EncodeArgs a) {
   for (long long task = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; task < tasks;
        task += warps) {
     const long long gi = task * per_warp + lane / width;
-    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane % width, gi < groups, width, rs, is);
+    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane % width, gi < groups, width, rs, is,
+                                         f.enabled ? f.words + 1 : nullptr);
   }
   rs = warp_sum(rs);
   is = warp_sum(is);
@@ -229,6 +278,7 @@ __global__ void encode(const loco::EncodeArgs a) {
     atomicAdd(a.sums, rs);
     atomicAdd(a.sums + 1, is);
   }
+  if (f.enabled) frame_after_encode(a, f);
 }
 
 template <int BITS, int FMT>
@@ -246,11 +296,6 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
   const unsigned byte = msg[loco::kHeaderBytes + 4 * ng + j / kPer];
   return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
 }
-
-// The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
-struct Header {
-  unsigned int w[8];
-};
 
 // What a decode checks itself where the host asks it to (`check`): the k rows' headers against
 // the call's `header` with shard shard0 + r * shard_step and the row's own non-finite flag, as
@@ -324,7 +369,6 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
   out[i] = from_float<T>(v);
 }
 
-constexpr int kTrailerBytes = 8;
 constexpr int kMaxWarps = 32;  // warps in the largest block CUDA allows (1024 threads)
 
 // Word i of a message body (x) into a thread's checksum sums N and S (wire.py).
@@ -472,7 +516,7 @@ __global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, 
 }  // namespace loco_cuda
 
 #if defined(LOCO_INSTANTIATE_ALL)
-#define LOCO_ENC_ARGS(T) const loco::EncodeArgs
+#define LOCO_ENC_ARGS(T) const loco::EncodeArgs, const FrameArgs
 #define LOCO_ENC_MODE(T, B, M)                                              \
   template __global__ void encode<T, B, M, false, 0>(LOCO_ENC_ARGS(T));     \
   template __global__ void encode<T, B, M, true, 0>(LOCO_ENC_ARGS(T));
