@@ -259,6 +259,9 @@ class CudaKernels(TorchFraming):
         """`kernels.Kernels.decode_sum`; with ``check`` (the call's header and the rows' shards;
         the call's ``verdict`` given, checksums off) the launch checks the headers as `check`
         would, setting the verdict's bytes (`_row_check`)."""
+        if m == 0 and check is not None:  # no launch: the check runs alone
+            self.check(messages, check[0], check[1], False, verdict)
+            return
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
                 (_p(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
                  np.int64(m), np.int32(group_size), _p(out), _p(verdict),
@@ -269,6 +272,9 @@ class CudaKernels(TorchFraming):
                     check: tuple[bytes, list[int]] | None = None) -> None:
         """`kernels.Kernels.decode_into`; ``check`` as `decode_sum`'s."""
         n = out.numel()
+        if n == 0 and check is not None:  # no launch: the check runs alone
+            self.check(messages, check[0], check[1], False, verdict)
+            return
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
                 (_p(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
@@ -278,9 +284,12 @@ class CudaKernels(TorchFraming):
                    verdict: torch.Tensor | None) -> np.void:
         """``loco_cuda::RowCheck`` of ``check``, or `NO_CHECK` (nothing asked). Rows the decode
         cannot check itself (not 8-byte aligned, shards other than ``s0 + r * step`` with step
-        0 or 1) take `check` first: then the decode reads the answer from the verdict."""
+        0 or 1) take `check` first: then the decode reads the answer from the verdict. Every
+        row of ``messages`` is checked, also rows past a ``decode_into``'s ``out``."""
         if check is None:
             return NO_CHECK
+        if verdict is None:
+            raise ValueError("lowbitcc: a decode that checks its rows needs the call's verdict")
         header, shards = check
         step = shards[1] - shards[0] if len(shards) > 1 else 0
         if (verdict is None or _aligned_stride(messages) is None or step not in (0, 1)
@@ -290,6 +299,7 @@ class CudaKernels(TorchFraming):
         value = np.zeros((), dtype=ROW_CHECK)
         value["header"] = np.frombuffer(header, dtype=HEADER_WORDS)[0]
         value["shard0"], value["shard_step"], value["check"] = shards[0], step, 1
+        value["rows"] = messages.shape[0]
         return value[()]
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ CHECK_FOLD = "loco_cuda::check_fold"
 HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
 """``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
 ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step", "<i8"),
-                      ("check", "<i4")], align=True)
+                      ("rows", "<i8"), ("check", "<i4")], align=True)
 """``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
 NO_CHECK = np.zeros((), dtype=ROW_CHECK)[()]
 FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i8"),

@@ -397,3 +397,23 @@ def test_cuda_encode_frames_its_messages_as_frame_does(rows, m):
         assert torch.equal(fused.messages, plain.messages)
         assert verdict.tolist() == [0, int(bool(x.isnan().any())), 0, 0, 0, 0, 0, 0]
         assert bool(fused.nonfinite) == bool(plain.nonfinite)
+
+
+@pytest.mark.gpu
+def test_cuda_decode_into_checks_every_row_also_past_its_output():
+    """A clipped output (the last shard's tail) still has every received row checked: a foreign
+    last row sets the verdict although none of its elements is decoded."""
+    from lowbitcc.codec import framing
+
+    _cupy_or_skip()
+    m, rows = 1000, 4
+    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    messages = codec.encode(torch.randn(rows * m, device="cuda"), rows, m, 1.0, None, 0.0,
+                            list(range(rows)), None).messages
+    messages[rows - 1, 3] ^= 1
+    verdict = framing.new_verdict(torch.device("cuda"))
+    out = torch.empty((rows - 1) * m, device="cuda")
+    codec.decode_into(messages, m, list(range(rows)), out, verdict)
+    assert verdict.tolist()[:2] == [1, 0]
+    assert bool(out.isnan().all())

@@ -304,20 +304,21 @@ struct RowCheck {
   Header header;
   long long shard0;
   long long shard_step;
+  long long rows;  // the rows to check: every row of the messages, read or not
   int check;
 };
 
-// Every block checks the k headers (one thread a row, k * 32 bytes) and answers whether any row
+// Every block checks the c.rows headers (one thread a row, 32 bytes each) and answers whether any row
 // is foreign, or the call's verdict says an earlier check found one; block 0 sets the verdict's
 // bytes (foreign, non-finite), which nothing of this launch reads back as its answer. Without
 // `c.check` the answer is the verdict's foreign byte alone (Kernels.check ran first). Every
 // thread of the block must call it (it synchronises the block).
 __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict__ msgs,
-                                                long long k, long long P, const RowCheck& c,
+                                                long long P, const RowCheck& c,
                                                 unsigned char* __restrict__ verdict) {
   if (!c.check) return verdict != nullptr && verdict[0];
   int foreign = 0, nonfinite = 0;
-  for (long long r = threadIdx.x; r < k; r += blockDim.x) {
+  for (long long r = threadIdx.x; r < c.rows; r += blockDim.x) {
     const unsigned char* row = msgs + r * P;
     const unsigned int flags = row[loco::kFlagsOffset] & loco::kFlagNonfinite;
     const unsigned int* h = reinterpret_cast<const unsigned int*>(row);
@@ -345,7 +346,7 @@ __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, 
                            long long m, int G, float* __restrict__ out,
                            unsigned char* __restrict__ verdict, const RowCheck c) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const bool foreign = checked_foreign(msgs, k, P, c, verdict);
+  const bool foreign = checked_foreign(msgs, P, c, verdict);
   if (j >= m) return;
   const long long ng = (m + G - 1) / G;
   float acc = decode_one<BITS, FMT>(msgs, ng, G, j);
@@ -355,13 +356,13 @@ __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, 
 }
 
 // out[r * m + j] = message r's element j, cast, for r * m + j < numel (NaN as decode_sum; with
-// `c.check` the k rows that hold out's elements are checked).
+// `c.check` every row of the messages is checked, also those past numel).
 template <typename T, int BITS, int FMT>
 __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
                             int G, long long numel, T* __restrict__ out,
                             unsigned char* __restrict__ verdict, const RowCheck c) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const bool foreign = checked_foreign(msgs, (numel + m - 1) / m, P, c, verdict);
+  const bool foreign = checked_foreign(msgs, P, c, verdict);
   if (i >= numel) return;
   const long long r = i / m, j = i % m;
   const long long ng = (m + G - 1) / G;
