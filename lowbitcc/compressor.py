@@ -120,9 +120,10 @@ class CallCompressor:
         encodes is flagged `wire.FLAG_DEVIATED` and names the rank's own call."""
 
     def encode(self, stage: str, source: Source, shard_ids: list[int],
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Messages ``uint8 [rows, P]`` for the rows of ``source`` (in ``out`` where given:
-        `ShardCodec.encode`'s)."""
+               out: torch.Tensor | None = None,
+               nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+        """Messages ``uint8 [rows, P]`` for the rows of ``source`` (in ``out`` where given, and
+        the groups' non-finite bytes in ``nonfinite``: `ShardCodec.encode`'s)."""
         start = time.perf_counter()
         key = f"{self.key}|{stage}"
         error_dtype = self.error_dtype
@@ -142,6 +143,7 @@ class CallCompressor:
             error_dtype, stream, out,
             sums=self.stats.accumulator("compressed", device) if on_device else None,
             verdict=self._device_verdict(device, cleared_by_encode=first), clear_verdict=first,
+            nonfinite=nonfinite,
         )
         self._flag(result.any_nonfinite)
         if not on_device:

@@ -34,6 +34,7 @@ from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_call import CallGroup
 from lowbitcc.backend.exact import Reduction
 from lowbitcc.backend.routes import Route
+from lowbitcc.codec import wire
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
@@ -59,6 +60,8 @@ class CallPlan:
         self.transport = route.links.world
         self._decoded: torch.Tensor | None = None  # `decoded`, made by the first run
         self._sent: torch.Tensor | None = None  # `sent`, likewise
+        self._received: torch.Tensor | None = None  # `received`, likewise
+        self._flags: torch.Tensor | None = None  # `flags`, likewise
         self.shards = list(range(n))
         self.canary_entry: Any = None
         """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
@@ -123,12 +126,34 @@ class CallPlan:
             self._sent.record_stream(torch.cuda.current_stream(device))
         return self._sent
 
+    def flags(self, device: torch.device, rows: int) -> torch.Tensor:
+        """uint8 ``[rows * groups]``: the encode's non-finite bytes of every group, kept for
+        every run as `sent` is."""
+        if self._flags is None:
+            self._flags = torch.empty(rows * wire.ngroups(self.m, self.codec.group_size),
+                                      dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            self._flags.record_stream(torch.cuda.current_stream(device))
+        return self._flags
+
+    def received(self, device: torch.device, numel: int) -> torch.Tensor:
+        """uint8 ``[numel]``: the all-gathered messages of two ranks, kept for every run as
+        `sent` is (the next run's all-gather writes it after this run's decodes read it, in
+        the call order of the inline issuer and on the ordered streams of CUDA)."""
+        if self._received is None:
+            self._received = torch.empty(numel, dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            self._received.record_stream(torch.cuda.current_stream(device))
+        return self._received
+
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
         messages decoded and summed in rank order into its place in ``out``."""
         comp, n, m = self.comp, self.group.size, self.m
-        messages = comp.encode("gather", source, self.shards, self.sent(out.device, n))
-        gathered = self.transport.all_gather_async(messages).wait().view(n, n, -1)
+        messages = comp.encode("gather", source, self.shards, self.sent(out.device, n),
+                               self.flags(out.device, n))
+        gathered = self.transport.all_gather_async(
+            messages, self.received(out.device, n * messages.numel())).wait().view(n, n, -1)
         fp32 = out.dtype == torch.float32
         for r in range(n):
             lo, hi = min(r * m, self.numel), min((r + 1) * m, self.numel)
@@ -145,7 +170,9 @@ class CallPlan:
         messages summed in rank order, re-encoded (stage "ag"), all-gathered and decoded into
         ``out``."""
         comp, m, rank = self.comp, self.m, self.group.rank
-        messages = comp.encode("rs", source, self.shards, self.sent(out.device, len(self.shards)))
+        rows = len(self.shards)
+        messages = comp.encode("rs", source, self.shards, self.sent(out.device, rows),
+                               self.flags(out.device, rows))
         received = self.transport.all_to_all_async(messages).wait()
         reduced = comp.decode_sum(received, m, rank, self.decoded(out.device))
         mine = comp.encode("ag", Source(reduced, 1, m), [rank])

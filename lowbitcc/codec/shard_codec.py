@@ -127,6 +127,7 @@ class ShardCodec:
         sums: torch.Tensor | None = None,
         verdict: torch.Tensor | None = None,
         clear_verdict: bool = False,
+        nonfinite: torch.Tensor | None = None,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
@@ -141,6 +142,8 @@ class ShardCodec:
         holds (and is the result's ``sums``); otherwise a new zeroed one does. ``verdict``:
         the call's, on a device (`interface.Kernels.frame`); ``clear_verdict``: this encode
         zeroes it first (the call's first encode, its verdict made with ``cleared_by_encode``).
+        ``nonfinite`` (uint8 ``[rows * ngroups(m)]``, contiguous, on the source's device), when
+        given, receives the groups' non-finite bytes instead of a new buffer.
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
@@ -173,7 +176,7 @@ class ShardCodec:
             source=source, rows=rows, m=m, factor=float(factor), messages=messages, state=state,
             has_error=error is not None, beta=float(beta), bits=self.bits,
             group_size=self.group_size, keys=self.keys(stream),
-            nonfinite=torch.empty(rows * ng, dtype=torch.uint8, device=device),
+            nonfinite=self._flags(nonfinite, rows * ng, device),
             sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,
             clear=verdict if clear_verdict else None,
@@ -190,6 +193,14 @@ class ShardCodec:
                 wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, self.checksum,
                 verdict)
         return EncodeResult(messages, state, nonfinite, args.sums)
+
+    @staticmethod
+    def _flags(given: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+        if given is not None and (given.numel() != n or given.dtype != torch.uint8
+                                  or not given.is_contiguous() or given.device != device):
+            raise ValueError(f"ShardCodec.encode: nonfinite must be {n} contiguous uint8 on "
+                             f"{device}, got {given.dtype} {tuple(given.shape)} on {given.device}")
+        return torch.empty(n, dtype=torch.uint8, device=device) if given is None else given.view(-1)
 
     def _fused_frame(self, m: int, shard_ids: list[int], verdict: torch.Tensor | None,
                      device: torch.device) -> FrameSpec | None:

@@ -32,8 +32,10 @@ class Transport(Protocol):
         """`all_to_all` started in the background; ``send`` must stay untouched until waited."""
         ...
 
-    def all_gather_async(self, send: torch.Tensor) -> Pending:
-        """`all_gather` started in the background; ``send`` must stay untouched until waited."""
+    def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        """`all_gather` started in the background; ``send`` must stay untouched until waited.
+        ``out`` (uint8, ``size * send.numel()`` contiguous elements on ``send``'s device), when
+        given, receives the rows instead of a new buffer (a call plan keeps one)."""
         ...
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
@@ -50,3 +52,16 @@ class Pending(Protocol):
 
     def wait(self) -> torch.Tensor:
         ...
+
+
+def received(out: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """Flat ``out`` where given (`Transport.all_gather_async`'s: checked to hold ``numel``
+    contiguous elements of ``like``'s dtype on its device), else a new buffer of that size."""
+    if out is None:
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+    if (out.numel() != numel or out.dtype != like.dtype or out.device != like.device
+            or not out.is_contiguous()):
+        raise ValueError(f"lowbitcc: a receive buffer of {numel} contiguous {like.dtype} "
+                         f"on {like.device} is needed, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    return out.view(-1)

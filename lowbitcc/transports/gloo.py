@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from lowbitcc.transports.base import received
+
 RETAIN_S = 0.5
 """How long a transport keeps a finished gloo Work referenced from Python (see `retire`)."""
 RETAIN_LAST = 4
@@ -54,8 +56,9 @@ class GlooTransport:
         work = self.group.alltoall_base(recv, send.reshape(-1), [], [], dist.AllToAllOptions())
         return _GlooPending(self, work, recv.view(send.shape), send)
 
-    def all_gather_async(self, send: torch.Tensor) -> _GlooPending:
-        recv = torch.empty(self.size * send.numel(), dtype=send.dtype)
+    def all_gather_async(self, send: torch.Tensor,
+                         out: torch.Tensor | None = None) -> _GlooPending:
+        recv = received(out, self.size * send.numel(), send)
         flat = send.reshape(-1).contiguous()
         work = self.group._allgather_base(recv, flat, AllgatherOptions())
         return _GlooPending(self, work, recv.view(self.size, -1), flat)

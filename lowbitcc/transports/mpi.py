@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lowbitcc.transports.base import received
+
 POLL_MAX_S = 0.001
 
 
@@ -79,9 +81,10 @@ class MpiTransport:
         request = self.comm.Ialltoall(send.numpy(), recv.numpy())
         return _MpiPending(self, request, recv, send, "all-to-all")
 
-    def all_gather_async(self, send: torch.Tensor) -> _MpiPending:
+    def all_gather_async(self, send: torch.Tensor,
+                         out: torch.Tensor | None = None) -> _MpiPending:
         flat = send.reshape(-1).contiguous()
-        recv = torch.empty(self.size, flat.numel(), dtype=torch.uint8)
+        recv = received(out, self.size * flat.numel(), flat).view(self.size, -1)
         request = self.comm.Iallgather(flat.numpy(), recv.numpy())
         return _MpiPending(self, request, recv, flat, "all-gather")
 

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from lowbitcc.transports.base import received
+
 SCHEDULES = ("direct", "hierarchical")
 """The compressed schedules that run over this transport."""
 
@@ -66,9 +68,9 @@ class NcclTransport:
         work = self.group.alltoall_base(recv, flat, [], [], _sync(dist.AllToAllOptions()))
         return Enqueued(work, recv.view(send.shape))
 
-    def all_gather_async(self, send: torch.Tensor) -> Enqueued:
+    def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Enqueued:
         flat = send.reshape(-1).contiguous()
-        recv = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        recv = received(out, self.size * flat.numel(), flat)
         work = self.group._allgather_base(recv, flat, _sync(AllgatherOptions()))
         return Enqueued(work, recv.view(self.size, -1))
 

@@ -500,8 +500,8 @@ def _corrupt_message_on_one_rank(rank, world, gloo, phase):
            "payload-gather": "payload"}.get(phase, "header")
     original = getattr(gloo_transport.GlooTransport, method)
     if rank == 1:
-        setattr(gloo_transport.GlooTransport, method, lambda self, send: _Corrupted(
-            original(self, send), 0, how))
+        setattr(gloo_transport.GlooTransport, method, lambda self, send, *out: _Corrupted(
+            original(self, send, *out), 0, how))
     try:
         with lowbitcc.compressed():
             dist.all_reduce(x.clone())

@@ -58,11 +58,12 @@ class MemoryGroup:
 
 
 class _Gather:
-    def __init__(self, boxes: list[queue.Queue]) -> None:
-        self.boxes = boxes
+    def __init__(self, boxes: list[queue.Queue], out: torch.Tensor | None = None) -> None:
+        self.boxes, self.out = boxes, out
 
     def wait(self) -> torch.Tensor:
-        return torch.stack([b.get(timeout=WAIT_S) for b in self.boxes])
+        rows = torch.stack([b.get(timeout=WAIT_S) for b in self.boxes])
+        return rows if self.out is None else self.out.view(rows.shape).copy_(rows)
 
 
 class MemoryTransport:
@@ -88,12 +89,13 @@ class MemoryTransport:
             self.group.box(("a2a", seq, self.rank, dst)).put(send[dst].clone())
         return _Gather([self.group.box(("a2a", seq, src, self.rank)) for src in range(self.size)])
 
-    def all_gather_async(self, send: torch.Tensor) -> _Gather:
+    def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> _Gather:
         seq = self._next()
         flat = send.reshape(-1).clone()
         for dst in range(self.size):
             self.group.box(("ag", seq, self.rank, dst)).put(flat)
-        return _Gather([self.group.box(("ag", seq, src, self.rank)) for src in range(self.size)])
+        return _Gather([self.group.box(("ag", seq, src, self.rank)) for src in range(self.size)],
+                       out)
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> _Done:
         self.group.box(("p2p", self.rank, peer, tag)).put(send.reshape(-1).clone())
