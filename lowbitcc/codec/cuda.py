@@ -292,7 +292,7 @@ class CudaKernels(TorchFraming):
             raise ValueError("lowbitcc: a decode that checks its rows needs the call's verdict")
         header, shards = check
         step = shards[1] - shards[0] if len(shards) > 1 else 0
-        if (verdict is None or _aligned_stride(messages) is None or step not in (0, 1)
+        if (_aligned_stride(messages) is None or step not in (0, 1)
                 or shards != [shards[0] + r * step for r in range(len(shards))]):
             self.check(messages, header, shards, False, verdict)
             return NO_CHECK
