@@ -44,11 +44,13 @@ class LocoConfig:
         bits: code width of compressed payloads (2, 4 or 8).
         format: the codes and scales of compressed payloads: "int" (symmetric integer codes,
             one fp32 scale per group), "mxfp4" (4-bit FP4 E2M1 codes, one power-of-two E8M0
-            scale byte per group, nearest rounding only: docs/wire-format.md) or "auto" (the
-            default: "mxfp4" at 4 bits with nearest rounding, else "int"). Read the resolved
-            value from `wire_format`.
+            scale byte per group, nearest rounding only), "nvfp4" (4-bit FP4 E2M1 codes, one FP8
+            E4M3 scale byte per group of 16 under one E8M0 byte per 16 groups, nearest rounding
+            only; docs/wire-format.md) or "auto" (the default: "mxfp4" at 4 bits with nearest
+            rounding, else "int"). Read the resolved value from `wire_format`.
         group_size: elements sharing one scale, a multiple of 8; 0 (the default): the
-            format's own, 32 for "mxfp4" and 128 for "int" (`group_for`).
+            format's own, 32 for "mxfp4", 16 for "nvfp4" (its only one) and 128 for "int"
+            (`group_for`).
         beta: LoCo moving-average factor of the error state, in [0, 1); 0 is classic error feedback.
         feedback: keep and apply an error state at all (False: plain quantization, for studies).
         reset_interval: the error state of a key is zeroed every this many uses (0: never).
@@ -244,6 +246,10 @@ class LocoConfig:
         if self.format != "auto" and self.rounding not in FORMATS[self.format].roundings:
             allowed = " or ".join(f'"{r}"' for r in FORMATS[self.format].roundings)
             raise bad("rounding", f'{allowed} with format="{self.format}"')
+        fixed = FORMATS[self.wire_format]
+        if fixed.fixed_group and self.group_size not in (0, fixed.default_group):
+            raise bad("group_size", f"0 or {fixed.default_group} with format="
+                      f'"{self.wire_format}" (its groups are {fixed.default_group} elements)')
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             raise bad("seed", "an integer in [0, 2**32)")
         if not _is_int(self.param_bits) or self.param_bits not in (0, *BITS):

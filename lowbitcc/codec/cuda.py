@@ -36,6 +36,7 @@ from lowbitcc.codec.cuda_build import (
     decode_into_name,
     decode_sum_name,
     encode_name,
+    encode_warps,
     name_expressions,
     options,
 )
@@ -121,13 +122,6 @@ def _external(stream: torch.cuda.Stream, index: int) -> Any:
 def _p(t: torch.Tensor | None) -> np.uint64:
     """A device pointer as a kernel argument (0 for an absent or empty tensor)."""
     return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
-
-
-def segment_lanes(group_size: int) -> int:
-    """Lanes of a warp that encode one group (``segment_lanes`` in ``cuda_codec.cu``): G/8
-    where that is a power of two, so that a warp encodes 32/(G/8) groups at once, else 32."""
-    lanes = group_size // 8
-    return lanes if group_size % 8 == 0 and 0 < lanes <= 32 and lanes & (lanes - 1) == 0 else 32
 
 
 def pack_encode_args(args: EncodeArgs) -> np.void:
@@ -224,8 +218,7 @@ class CudaKernels(TorchFraming):
         """One launch; with ``args.frame`` the encode frames the messages too, unless they
         cannot be framed there (no block to launch, rows not 8-byte aligned, shards not
         consecutive): then `frame` runs after it."""
-        per_warp = 32 // segment_lanes(args.group_size)
-        warps = -(-args.rows * args.ng // per_warp)
+        warps = encode_warps(args.rows, args.ng, args.group_size, args.fmt)
         name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
         blocks = min(-(-warps * 32 // THREADS), ENCODE_BLOCKS)
         device = args.source.device

@@ -58,12 +58,29 @@ FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i
 NO_FRAME = np.zeros((), dtype=FRAME_ARGS)[()]
 
 
+def encode_warps(rows: int, ng: int, group_size: int, fmt: str) -> int:
+    """Warps of work in one encode (its tasks, ``encode`` in ``cuda_codec.cu``): a block of a
+    row each for a format with blocks (`formats.Format.block`), else ``32 / segment_lanes``
+    consecutive groups each."""
+    block = formats.FORMATS[fmt].block
+    if block:
+        return rows * -(-ng // block)
+    return -(-rows * ng // (32 // segment_lanes(group_size)))
+
+
+def segment_lanes(group_size: int) -> int:
+    """Lanes of a warp that encode one group (``segment_lanes`` in ``cuda_codec.cu``): G/8
+    where that is a power of two, so that a warp encodes 32/(G/8) groups at once, else 32."""
+    lanes = group_size // 8
+    return lanes if group_size % 8 == 0 and 0 < lanes <= 32 and lanes & (lanes - 1) == 0 else 32
+
+
 def name_expressions() -> list[str]:
     """Every kernel instance the launcher may call (NVRTC compiles exactly these)."""
     names = [CHECKSUM, CHECKSUM_FOLD, FRAME_BODY, FRAME_FOLD, CHECK_FOLD]
     names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
              for mode in ERROR_MODES.values() for sr in (False, True)
-             if not (sr and fmt == "mxfp4")]
+             if not sr or "stochastic" in formats.FORMATS[fmt].roundings]
     names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
     names += [decode_into_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
     return names

@@ -1,8 +1,9 @@
 """The code formats of compressed payloads, one record each: what every layer reads of them.
 
 A `Format` says which code widths it takes (``bits``), how many bytes a group's scale takes on
-the wire (``scale_bytes``), its group size when ``LOCO_GROUP_SIZE`` is 0 (``default_group``)
-and the roundings it allows. The table's order is ``loco::Format``'s in
+the wire (``scale_bytes``), its group size when ``LOCO_GROUP_SIZE`` is 0 (``default_group``),
+whether that is the only one it takes (``fixed_group``), how many groups share a second-level
+block byte (``block``, 0: none) and the roundings it allows. The table's order is ``loco::Format``'s in
 ``csrc/loco_codec.cuh`` (`abi` checks it), and the header's code byte carries the position
 (`wire.width_byte`). `auto` is ``LOCO_FORMAT=auto``'s rule. The arithmetic of each format is the
 reference's (`reference.quantize`), the C++ kernels' and the CUDA kernels'; adding a format is
@@ -24,6 +25,16 @@ class Format:
     default_group: int
     roundings: tuple[str, ...]
     summary: str
+    fixed_group: bool = False
+    block: int = 0
+
+    @property
+    def bits_per_element(self) -> float:
+        """Wire bits per element of its (default) groups, scales included, 4-bit codes for a
+        format of several widths taken at its narrowest above 2."""
+        bits = 4 if 4 in self.bits else self.bits[0]
+        block = 8 / (self.block * self.default_group) if self.block else 0.0
+        return bits + 8 * self.scale_bytes / self.default_group + block
 
 
 TABLE = (
@@ -31,6 +42,9 @@ TABLE = (
            "symmetric integer codes, one fp32 scale per group"),
     Format("mxfp4", (4,), 1, 32, ("nearest",),
            "FP4 E2M1 codes, one power-of-two E8M0 scale byte per group"),
+    Format("nvfp4", (4,), 1, 16, ("nearest",),
+           "FP4 E2M1 codes, one FP8 E4M3 scale byte per group of 16 under one power-of-two E8M0 "
+           "byte per 16 groups", fixed_group=True, block=16),
 )
 FORMATS: dict[str, Format] = {f.name: f for f in TABLE}
 """The formats by name, in ``loco::Format`` order."""

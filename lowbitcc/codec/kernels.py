@@ -50,13 +50,13 @@ class ReferenceKernels(TorchFraming):
         e = args.state.decode().view(-1, G) if args.state is not None and args.has_error else None
         beta = args.beta if args.state is not None else 0.0
         codes, scales, new_e, residual = reference.compensate_quantize(
-            groups, e, args.bits, beta, args.keys, args.fmt)
+            groups, e, args.bits, beta, args.keys, args.fmt, args.ng)
         start = wire.codes_offset(m, G, args.fmt)
-        args.messages[:, wire.HEADER_BYTES:start] = reference.scale_field(scales, args.fmt).view(
-            rows, -1)
+        args.messages[:, wire.HEADER_BYTES:start] = reference.scale_field(
+            scales, args.fmt, args.ng).view(rows, -1)
         packed = reference.pack(codes, args.bits, args.fmt).view(rows, -1)
         args.messages[:, start:start + mp * args.bits // 8] = packed
-        finite = torch.isfinite(scales)
+        finite = torch.isfinite(reference.scale_values(scales, args.fmt))
         args.nonfinite.copy_((~finite).to(torch.uint8))
         compensated = groups if e is None else groups + e
         args.sums[0] += residual[finite].double().square().sum()
@@ -97,7 +97,8 @@ def _decode_rows(messages: torch.Tensor, m: int, bits: int, group_size: int,
     ng = wire.ngroups(m, group_size)
     mp = ng * group_size
     start = wire.codes_offset(m, group_size, fmt)
-    scales = reference.scales_from_field(messages[:, wire.HEADER_BYTES:start].contiguous(), fmt)
+    scales = reference.scales_from_field(messages[:, wire.HEADER_BYTES:start].contiguous(), fmt,
+                                         ng)
     codes = reference.unpack(messages[:, start:start + mp * bits // 8].reshape(-1), bits, k * mp,
                              fmt)
     values = reference.dequantize(codes.view(-1, group_size), scales, fmt)

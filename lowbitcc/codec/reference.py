@@ -30,6 +30,23 @@ an E8M0 byte, as the OCP microscaling formats define the element and scale types
    sign bit 3, set only for a negative non-zero code. Nearest rounding only.
 3. Decode: ``x = (-1)**sign * E2M1[index] * 2**(byte - 127)``.
 
+NVFP4 quantizer (format "nvfp4": NVIDIA's NVFP4 element and scale types, FP4 E2M1 codes with an
+FP8 E4M3 scale per group of 16, whose one fp32 scale per tensor is here a power-of-two E8M0
+byte per block of 16 groups of a row, the last block of a row possibly shorter):
+
+1. ``amax`` per group; the block's byte ``K`` is the least ``k + 127`` with ``A <= 2688 * 2**k``
+   (``2688 = 6 * 448``), at least 1, where ``A`` is the largest finite ``amax`` of the block (0 if
+   none), computed exactly from A's bits (`loco::nv_block_byte`).
+2. The group's scale ``S = E4M3(t) * 2**(K - 127)``, with ``t = (amax / 6) * 2**(127 - K)`` (one
+   correctly rounded division, an exact product but for subnormal results) rounded up to the
+   next FP8 E4M3 value, at least ``2**-9`` (``t <= 448`` by K's rule). A non-finite group gets
+   E4M3 byte 0x7F (NaN), all codes 0.
+3. The code of ``y`` is the E2M1 magnitude nearest to ``|y| / S`` in exact arithmetic, ties to
+   the even index (``|y|`` compared with each midpoint times ``S``, products that are exact),
+   with a sign bit for a negative non-zero code; fields as MXFP4's.
+4. Decode: ``x = (-1)**sign * E2M1[index] * S``. For this format `quantize` returns scale
+   codes (int32 ``K << 8 | E4M3 byte``) instead of fp32 scales; `scale_values` reads them.
+
 Packing: ``u = code + 2**(b-1)`` is stored in ``b`` bits, little-end first: for 4 bits element
 ``2i`` is the low nibble of byte ``i``; for 2 bits element ``4i + k`` sits at bits ``2k..2k+1``.
 
@@ -43,20 +60,26 @@ from __future__ import annotations
 
 import torch
 
-from lowbitcc.codec import wire
+from lowbitcc.codec import formats, wire
 
 CODE_DTYPE = torch.int8
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """FP4 E2M1 magnitudes, by 3-bit index."""
 
 
-def check_format(fmt: str, bits: int, stochastic: bool = False) -> None:
-    """Raise ValueError unless ``fmt`` is a format that can carry ``bits``-bit codes."""
+def check_format(fmt: str, bits: int, stochastic: bool = False,
+                 group_size: int | None = None) -> None:
+    """Raise ValueError unless ``fmt`` is a format that can carry ``bits``-bit codes (in groups
+    of ``group_size``, where given)."""
     if fmt not in wire.FORMATS:
         raise ValueError(f"lowbitcc: unknown code format {fmt!r} "
                          f"(expected one of {wire.FORMATS})")
-    if fmt == "mxfp4" and (bits != 4 or stochastic):
-        raise ValueError("lowbitcc: mxfp4 codes are 4 bits wide, rounded to nearest")
+    if fmt in ("mxfp4", "nvfp4") and (bits != 4 or stochastic):
+        raise ValueError(f"lowbitcc: {fmt} codes are 4 bits wide, rounded to nearest")
+    spec = formats.FORMATS[fmt]
+    if spec.fixed_group and group_size is not None and group_size != spec.default_group:
+        raise ValueError(f"lowbitcc: {fmt} groups are {spec.default_group} elements, "
+                         f"not {group_size}")
 
 
 def qmax(bits: int) -> int:
@@ -95,17 +118,22 @@ def uniform24(numel: int, k0: int, k1: int, device: torch.device | str = "cpu") 
 
 def quantize(
     y: torch.Tensor, bits: int, keys: tuple[int, int] | None = None, fmt: str = "int",
+    row_groups: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``y`` ``[groups, G]`` fp32 to int8 codes ``[groups, G]`` and fp32 scales
-    ``[groups]`` in format ``fmt`` (for "mxfp4" the codes are the 4-bit fields).
+    ``[groups]`` in format ``fmt`` (for "mxfp4" and "nvfp4" the codes are the 4-bit fields, for
+    "nvfp4" the scales int32 scale codes: `scale_values`).
 
     ``keys`` None rounds to nearest (half to even); ``(k0, k1)`` rounds stochastically with the
-    random stream those keys select."""
+    random stream those keys select. ``row_groups``: groups per message row, whose blocks
+    "nvfp4" scales together (None: all the groups are one row)."""
     if y.dtype != torch.float32 or y.dim() != 2:
         raise ValueError(f"quantize expects a 2-D fp32 tensor, got {y.dtype} {tuple(y.shape)}")
     check_format(fmt, bits, keys is not None)
     if fmt == "mxfp4":
         return _quantize_mxfp4(y)
+    if fmt == "nvfp4":
+        return _quantize_nvfp4(y, row_groups or y.shape[0])
     q = float(qmax(bits))
     amax = y.abs().amax(dim=1)
     finite = torch.isfinite(amax)
@@ -145,21 +173,88 @@ def _quantize_mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fields.to(CODE_DTYPE), scale
 
 
+NV_BLOCK = 16
+"""Groups per NVFP4 block byte (``loco::kNvBlock``)."""
+E4M3_NAN = 0x7F
+
+
+def _quantize_nvfp4(y: torch.Tensor, row_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for format "nvfp4" (the module docstring's rules)."""
+    groups = y.shape[0]
+    if groups % row_groups:
+        raise ValueError(f"quantize: {groups} groups are not rows of {row_groups}")
+    amax = y.abs().amax(dim=1)
+    finite = torch.isfinite(amax)
+    blocks = -(-row_groups // NV_BLOCK)
+    tops = torch.zeros(groups // row_groups, blocks * NV_BLOCK, device=y.device)
+    tops[:, :row_groups] = torch.where(finite, amax, 0.0).view(-1, row_groups)
+    top = tops.view(-1, blocks, NV_BLOCK).amax(dim=2).view(torch.int32)
+    block = ((top >> 23) - torch.where((top & 0x7FFFFF) <= 0x280000, 11, 10)).clamp(min=1)
+    block = block.to(torch.int32).repeat_interleave(NV_BLOCK, dim=1)[:, :row_groups].reshape(-1)
+    sixth = torch.where(finite, amax, 0.0) / torch.full_like(amax, 6.0)
+    t = sixth * ((254 - block) << 23).view(torch.float32)
+    sub = torch.ceil(t * 512.0).clamp(min=1).to(torch.int32)
+    up = (t.view(torch.int32) + 0xFFFFF) & ~0xFFFFF
+    normal = (((up >> 23) - 120) << 3) | ((up >> 20) & 7)
+    byte = torch.where(finite, torch.where(t < 2.0 ** -6, sub, normal), E4M3_NAN)
+    codes = block << 8 | byte
+    scale = scale_values(codes, "nvfp4")
+    a = y.abs()
+    s = torch.where(finite, scale, 1.0)[:, None]
+    index = ((a > 0.25 * s).int() + (a >= 0.75 * s).int() + (a > 1.25 * s).int()
+             + (a >= 1.75 * s).int() + (a > 2.5 * s).int() + (a >= 3.5 * s).int()
+             + (a > 5.0 * s).int())
+    sign = ((y < 0) & (index > 0)).int() << 3
+    fields = torch.where(finite[:, None], index | sign, 0)
+    return fields.to(CODE_DTYPE), codes
+
+
+def e4m3_value(byte: torch.Tensor) -> torch.Tensor:
+    """fp32 values of FP8 E4M3 bytes (any integer dtype; bias 7, subnormals ``m * 2**-9``), NaN
+    for 0x7F and above (`loco::e4m3_value`)."""
+    byte = byte.to(torch.int32)
+    exp, man = byte >> 3, byte & 7
+    normal = ((exp + 120) << 23 | man << 20).view(torch.float32)
+    value = torch.where(exp == 0, man.float() * 2.0 ** -9, normal)
+    return torch.where(byte >= E4M3_NAN, float("nan"), value)
+
+
+def scale_values(scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 ``[groups]``: what each group's codes are multiplied by (NaN for a non-finite group),
+    from `quantize`'s scales (for "nvfp4" its scale codes ``K << 8 | E4M3``)."""
+    if fmt != "nvfp4":
+        return scales
+    return e4m3_value(scales & 0xFF) * ((scales >> 8) << 23).view(torch.float32)
+
+
 def e8m0_scale(byte: torch.Tensor) -> torch.Tensor:
     """fp32 scales of E8M0 bytes (any integer dtype): ``2**(byte - 127)``, NaN for 0xFF."""
     byte = byte.to(torch.int32)
     return torch.where(byte == 0xFF, float("nan"), (byte << 23).view(torch.float32))
 
 
-def scale_field(scales: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The wire bytes (uint8 ``[groups * scale_bytes(fmt)]``) of fp32 scales from `quantize`."""
+def scale_field(scales: torch.Tensor, fmt: str, row_groups: int | None = None) -> torch.Tensor:
+    """The wire bytes (uint8 ``[rows * wire.scale_field_bytes(row_groups, fmt)]``) of the scales
+    from `quantize`, row after row (``row_groups`` None: one row)."""
+    if fmt == "nvfp4":
+        rows = scales.view(-1, row_groups or scales.numel())
+        blocks = rows[:, ::NV_BLOCK] >> 8
+        return torch.cat([rows & 0xFF, blocks], dim=1).to(torch.uint8).reshape(-1)
     if fmt == "mxfp4":
         return ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
     return scales.contiguous().view(torch.uint8).reshape(-1)
 
 
-def scales_from_field(raw: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Inverse of `scale_field`: fp32 scales from contiguous uint8 wire bytes."""
+def scales_from_field(raw: torch.Tensor, fmt: str, row_groups: int | None = None) -> torch.Tensor:
+    """Inverse of `scale_field`: the scales from contiguous uint8 wire bytes (a row's field per
+    row of ``raw`` for "nvfp4", whose rows hold ``row_groups`` groups)."""
+    if fmt == "nvfp4":
+        if row_groups is None:
+            raise ValueError("scales_from_field: nvfp4 scales need their row's group count")
+        ng = row_groups
+        rows = raw.reshape(-1, wire.scale_field_bytes(ng, fmt)).to(torch.int32)
+        blocks = rows[:, ng:].repeat_interleave(NV_BLOCK, dim=1)[:, :ng]
+        return (blocks << 8 | rows[:, :ng]).reshape(-1)
     if fmt == "mxfp4":
         return e8m0_scale(raw.reshape(-1))
     return raw.contiguous().view(torch.float32).reshape(-1)
@@ -167,18 +262,19 @@ def scales_from_field(raw: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "int") -> torch.Tensor:
     """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]`` (for "mxfp4"
-    each code's signed E2M1 value times the scale)."""
-    if fmt == "mxfp4":
+    and "nvfp4" each code's signed E2M1 value times the scale)."""
+    if fmt in ("mxfp4", "nvfp4"):
         fields = codes.to(torch.int64)
         values = torch.tensor(E2M1, device=codes.device)[fields & 7]
-        return torch.where((fields & 8) != 0, -values, values) * scales[:, None]
+        values = torch.where((fields & 8) != 0, -values, values)
+        return values * scale_values(scales, fmt)[:, None]
     return codes.to(torch.float32) * scales[:, None]
 
 
 def pack(codes: torch.Tensor, bits: int, fmt: str = "int") -> torch.Tensor:
     """Pack int8 codes (any shape, numel a multiple of ``8 // bits``) into a flat uint8 tensor
     (integer codes as ``code + 2**(bits-1)``, mxfp4 codes as they are: they are fields)."""
-    offset = 0 if fmt == "mxfp4" else 1 << (bits - 1)
+    offset = 0 if fmt in ("mxfp4", "nvfp4") else 1 << (bits - 1)
     u = (codes.reshape(-1).to(torch.int16) + offset).to(torch.uint8)
     if bits == 8:
         return u
@@ -201,22 +297,22 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, fmt: str = "int") -> tor
         mask = (1 << bits) - 1
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         u = ((packed[:, None] >> shifts) & mask).reshape(-1)[:numel]
-    offset = 0 if fmt == "mxfp4" else 1 << (bits - 1)
+    offset = 0 if fmt in ("mxfp4", "nvfp4") else 1 << (bits - 1)
     return (u.to(torch.int16) - offset).to(CODE_DTYPE)
 
 
 def compensate_quantize(
     g: torch.Tensor, e: torch.Tensor | None, bits: int, beta: float,
-    keys: tuple[int, int] | None = None, fmt: str = "int",
+    keys: tuple[int, int] | None = None, fmt: str = "int", row_groups: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LoCo step on ``[groups, G]`` fp32 input ``g`` with error state ``e`` (or None: zeros);
-    ``keys`` and ``fmt`` as in `quantize` (None: nearest rounding).
+    ``keys``, ``fmt`` and ``row_groups`` as in `quantize` (None: nearest rounding).
 
     Returns ``(codes, scales, new_error, residual)``; ``new_error`` is
     ``beta * e + (1 - beta) * r`` with ``r = y - deQ(Q(y))`` and ``y = g + e``.
     """
     y = g if e is None else g + e
-    codes, scales = quantize(y, bits, keys, fmt)
+    codes, scales = quantize(y, bits, keys, fmt, row_groups)
     residual = y - dequantize(codes, scales, fmt)
     if e is None or beta == 0.0:
         new_e = residual * (1.0 - beta) if beta else residual

@@ -82,7 +82,7 @@ class ShardCodec:
     """Write each message's checksum trailer and verify it on receipt (`wire`); False writes
     zeros there and checks nothing (every rank of a call must agree)."""
     fmt: str = "int"
-    """The code format (`wire.FORMATS`): "int" codes with fp32 scales, or "mxfp4"."""
+    """The code format (`wire.FORMATS`): "int" codes with fp32 scales, "mxfp4" or "nvfp4"."""
     host_check: bool = False
     """Check CUDA messages on the host too (`check_on_host`: a synchronisation, and errors
     raised rather than turned into NaN), as CPU messages always are."""
@@ -90,7 +90,7 @@ class ShardCodec:
     def __post_init__(self) -> None:
         if self.rounding not in reference.ROUNDINGS:
             raise ValueError(f"rounding must be one of {reference.ROUNDINGS}, got {self.rounding!r}")
-        reference.check_format(self.fmt, self.bits, self.rounding == "stochastic")
+        reference.check_format(self.fmt, self.bits, self.rounding == "stochastic", self.group_size)
 
     def with_seq(self, seq: int) -> ShardCodec:
         """This codec for another call number (its fields are already checked)."""

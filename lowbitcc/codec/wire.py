@@ -5,9 +5,10 @@ A compressed *shard message* carries ``numel`` elements of one shard, quantized 
 
     offset  size           field
     0       32             header (`ShardHeader`)
-    32      S * ngroups    scales: fp32 (S = 4) for format "int", E8M0 bytes (S = 1) for
-                           "mxfp4" (`reference.scale_field`)
-    32+S*ng ng * G * b / 8 packed codes (see `reference.pack`)
+    32      F              scales (`scale_field_bytes`): fp32 per group for format "int", an
+                           E8M0 byte per group for "mxfp4", an E4M3 byte per group and then an
+                           E8M0 byte per block of 16 groups for "nvfp4" (`reference.scale_field`)
+    32+F    ng * G * b / 8 packed codes (see `reference.pack`)
     ...     0..7           zero padding to a multiple of 8 bytes
     P - 8   8              checksum of bytes 32 .. P-8 (`checksum`; 0 when checksums are off)
 
@@ -112,9 +113,16 @@ def scale_bytes(fmt: str) -> int:
     return formats.FORMATS[fmt].scale_bytes
 
 
+def scale_field_bytes(ng: int, fmt: str) -> int:
+    """Bytes of the scales of a message of ``ng`` groups (``loco::scale_field_bytes``): one scale
+    per group, and for a format with blocks (`formats.Format.block`) one byte per block."""
+    block = formats.FORMATS[fmt].block
+    return scale_bytes(fmt) * ng + (-(-ng // block) if block else 0)
+
+
 def codes_offset(numel: int, group_size: int, fmt: str = "int") -> int:
     """Byte offset of the packed codes in a shard message (the scales end there)."""
-    return HEADER_BYTES + scale_bytes(fmt) * ngroups(numel, group_size)
+    return HEADER_BYTES + scale_field_bytes(ngroups(numel, group_size), fmt)
 
 
 def used_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:

@@ -122,6 +122,14 @@ WIRES = formats.WIRES
 """(bits, code format) pairs the kernels implement (`lowbitcc.codec.formats`)."""
 
 
+def fit_to_format(fmt: str, group: int, rounding: str) -> tuple[int, str]:
+    """``(group, rounding)`` as format ``fmt`` takes them: its own group where it has only one,
+    nearest rounding where it has no other."""
+    spec = formats.FORMATS[fmt]
+    return (spec.default_group if spec.fixed_group else group,
+            rounding if rounding in spec.roundings else "nearest")
+
+
 def cases(count: int, seed: int = 0) -> Iterator[Case]:
     """``count`` cases: first every (bits, format) x group x error storage x poison corner at
     small sizes, then random ones (sizes up to 2500 elements per row)."""
@@ -136,14 +144,14 @@ def cases(count: int, seed: int = 0) -> Iterator[Case]:
         wire, group, error_dtype, poison = corner or (
             pick(WIRES), pick((8, 32, 128, 256)), pick(ERROR_DTYPES), pick((None, "nan", "inf")))
         bits, fmt = wire
-        rounding = pick(("nearest", "stochastic"))
+        group, rounding = fit_to_format(fmt, group, pick(("nearest", "stochastic")))
         yield Case(
             rows=int(torch.randint(1, 5, (1,), generator=gen)),
             m=int(torch.randint(1, 2500, (1,), generator=gen)) if corner is None else 1 + 37 * i % 700,
             bits=bits, group=group, dtype=pick((torch.float32, torch.bfloat16, torch.float16)),
             error_dtype=error_dtype, with_state=bool(torch.randint(2, (1,), generator=gen)),
             beta=pick((0.0, 0.5, 0.8)), factor=pick((1.0, 0.25, 1 / 3)), poison=poison,
-            rounding="nearest" if fmt == "mxfp4" else rounding, seed=i, fmt=fmt)
+            rounding=rounding, seed=i, fmt=fmt)
 
 
 def compare_kernels(kernels, device: str, case: Case) -> str | None:

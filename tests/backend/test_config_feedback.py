@@ -25,6 +25,8 @@ def test_defaults_follow_the_design():
     ({"format": "int"}, "int", 128),
     ({"format": "int", "group_size": 64}, "int", 64),
     ({"format": "mxfp4", "group_size": 64}, "mxfp4", 64),
+    ({"format": "nvfp4"}, "nvfp4", 16),
+    ({"format": "nvfp4", "group_size": 16}, "nvfp4", 16),
 ])
 def test_auto_format_and_group_size_resolve(kwargs, fmt, group):
     """"auto" is MXFP4 at 4 bits with nearest rounding and int codes otherwise; group size 0
@@ -38,6 +40,9 @@ def test_auto_format_and_group_size_resolve(kwargs, fmt, group):
     ({"format": "fp8"}, "format='fp8'"),
     ({"format": "mxfp4", "bits": 8}, "mxfp4 codes are 4 bits"),
     ({"format": "mxfp4", "rounding": "stochastic"}, "nearest"),
+    ({"format": "nvfp4", "bits": 2}, "nvfp4 codes are 4 bits"),
+    ({"format": "nvfp4", "rounding": "stochastic"}, "nearest"),
+    ({"format": "nvfp4", "group_size": 32}, 'group_size=32.*0 or 16 with format="nvfp4"'),
 ])
 def test_invalid_format_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):

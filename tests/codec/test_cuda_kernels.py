@@ -128,8 +128,9 @@ def test_cuda_kernels_match_reference_bitwise(rows, m, wire, group, dtype, error
     arithmetic writes 0x7fffffff, x86's keeps the operand's 0x7fc00000) on hypothesis' cases."""
     _cupy_or_skip()
     bits, fmt = wire
+    group, rounding = selftest.fit_to_format(fmt, group, rounding)
     case = selftest.Case(rows, m, bits, group, dtype, error_dtype, with_state, beta, factor,
-                         poison, "nearest" if fmt == "mxfp4" else rounding, seed, fmt)
+                         poison, rounding, seed, fmt)
     assert selftest.compare_kernels(select("auto", "cuda"), "cuda", case) is None, case
 
 

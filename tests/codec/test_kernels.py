@@ -187,20 +187,27 @@ def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, bits, err
         x = x * 0.5
 
 
+FP4_GROUPS = [("mxfp4", 8), ("mxfp4", 32), ("mxfp4", 32), ("mxfp4", 128), ("nvfp4", 16),
+              ("nvfp4", 16)]
+
+
 @given(
-    rows=st.integers(1, 3), m=st.integers(1, 1200), group=st.sampled_from([8, 32, 32, 128]),
+    rows=st.integers(1, 3), m=st.integers(1, 1200), wire=st.sampled_from(FP4_GROUPS),
     dtype=st.sampled_from(DTYPES), error_dtype=st.sampled_from([None, "int8", "fp32", "bf16"]),
     with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
     factor=st.sampled_from([1.0, 1 / 3]), scale=st.sampled_from(SCALES + [6.0, 2.0**-126]),
     poison=st.sampled_from([None, None, "nan", "inf"]), ties=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
+    spread=st.booleans(), seed=st.integers(0, 2**31 - 1),
 )
-@settings(max_examples=300, deadline=None)
-def test_cpu_mxfp4_matches_reference_bitwise(rows, m, group, dtype, error_dtype, with_state,
-                                             beta, factor, scale, poison, ties, seed):
-    """MXFP4 encode and decode in C++ give the reference's bytes over three chained calls: any
-    group size, source dtype and error storage, magnitudes from zero and subnormal to the top
-    of fp32, and inputs on E2M1's rounding ties (multiples of 1/4 of a power of two)."""
+@settings(max_examples=400, deadline=None)
+def test_cpu_fp4_formats_match_reference_bitwise(rows, m, wire, dtype, error_dtype, with_state,
+                                                 beta, factor, scale, poison, ties, spread, seed):
+    """MXFP4 and NVFP4 encode and decode in C++ give the reference's bytes over three chained
+    calls: any (MXFP4) group size, source dtype and error storage, magnitudes from zero and
+    subnormal to the top of fp32, groups of magnitudes 2^40 apart within one NVFP4 block
+    (``spread``: E4M3 subnormal and clamped scales), and inputs on E2M1's rounding ties
+    (multiples of 1/4 of a power of two)."""
+    fmt, group = wire
     gen = torch.Generator().manual_seed(seed)
     numel = rows * m
     x = torch.randn(numel, generator=gen) * scale
@@ -208,8 +215,11 @@ def test_cpu_mxfp4_matches_reference_bitwise(rows, m, group, dtype, error_dtype,
         x = torch.randint(-24, 25, (numel,), generator=gen).float() * 0.25 * max(scale, 1e-30)
     if poison is not None:
         x[int(torch.randint(numel, (1,), generator=gen))] = float(poison)
+    if spread:
+        x = x * torch.exp2(torch.randint(-40, 1, (numel // 16 + 1,), generator=gen).float()
+                           ).repeat_interleave(16)[:numel]
     x = x.to(dtype)
-    ref, ker = _codecs(4, group, fmt="mxfp4")
+    ref, ker = _codecs(4, group, fmt=fmt)
     state_a = state_b = None
     if error_dtype and with_state:
         state_a = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
@@ -235,7 +245,7 @@ def test_cpu_mxfp4_matches_reference_bitwise(rows, m, group, dtype, error_dtype,
 
 @given(
     k=st.integers(1, 5), m=st.integers(1, 700), wire=st.sampled_from(
-        [(2, "int"), (4, "int"), (8, "int"), (4, "mxfp4")]),
+        [(2, "int"), (4, "int"), (8, "int"), (4, "mxfp4"), (4, "nvfp4")]),
     group=st.sampled_from([8, 32, 128]), poison=st.sampled_from([None, None, "nan", "inf"]),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -246,6 +256,7 @@ def test_cpu_decode_sum_of_distinct_messages_matches_reference_bitwise(k, m, wir
     possibly non-finite) gives the reference's fp32 sum bit for bit: every row is decoded with
     its own scales and the rows are summed in order, tails included."""
     gen = torch.Generator().manual_seed(seed)
+    group = 16 if wire[1] == "nvfp4" else group
     ref, ker = _codecs(wire[0], group, fmt=wire[1])
     rows = []
     for r in range(k):
@@ -285,12 +296,14 @@ def test_decode_sum_rejects_an_unfit_output(impl, bad):
         codec.decode_sum(messages, 1000, 0, out)
 
 
-@pytest.mark.parametrize("wire", [(2, "int"), (4, "int"), (8, "int"), (4, "mxfp4")])
-@pytest.mark.parametrize("group", [8, 32, 128])
-@pytest.mark.parametrize("m", [1, 127, 128, 1000])
-def test_encode_writes_every_byte_of_its_output(wire, group, m):
+@pytest.mark.parametrize("wire", [(b, f, g) for b, f in [(2, "int"), (4, "int"), (8, "int"),
+                                                         (4, "mxfp4")] for g in (8, 32, 128)]
+                         + [(4, "nvfp4", 16)])
+@pytest.mark.parametrize("m", [1, 127, 128, 1000, 4100])
+def test_encode_writes_every_byte_of_its_output(wire, m):
     """Messages are allocated uninitialised (or given by the caller): a buffer full of a junk
     pattern comes back with the same bytes as a fresh encode, for every implementation."""
+    group = wire[2]
     x = torch.randn(3 * m - 1)
     ref, ker = _codecs(wire[0], group, fmt=wire[1])
     fresh = ref.encode(x, 3, m, 1.0, None, 0.8, [0, 1, 2], "int8").messages

@@ -46,6 +46,8 @@ constexpr int kFp32 = loco::kErrorFp32;
 constexpr int kBf16 = loco::kErrorBf16;
 constexpr int kInt = loco::kFormatInt;
 constexpr int kMx = loco::kFormatMxfp4;
+constexpr int kNv = loco::kFormatNvfp4;
+constexpr bool is_fp4(int fmt) { return fmt == kMx || fmt == kNv; }
 
 inline const at::BFloat16* error_bf16(const EncodeArgs& a) {
   return reinterpret_cast<const at::BFloat16*>(a.ebf16);
@@ -89,18 +91,24 @@ inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
   for (int b = 0; b < G / kPer; ++b) {
     uint32_t byte = 0;
     for (int k = 0; k < kPer; ++k)
-      byte |= (FMT == kMx ? (uint32_t)codes[b * kPer + k]
+      byte |= (is_fp4(FMT) ? (uint32_t)codes[b * kPer + k]
                           : loco::code_to_field(codes[b * kPer + k], BITS)) << (BITS * k);
     out[b] = (uint8_t)byte;
   }
 }
 
 // The scale of a group whose max |y| is amax, in format FMT (loco::group_scale for int codes,
-// loco::mx_scale for MXFP4, whose scale is 2^-k with inv exact), written into slot gcol of the
-// scales of its message row. A non-finite group's slot gets NaN (int) or 0xFF (MXFP4).
+// loco::mx_scale for MXFP4, whose scale is 2^-k with inv exact, loco::nv_scale under the block
+// byte `block` for NVFP4, whose codes need no inv), written into slot gcol of the scales of
+// its message row. A non-finite group's slot gets NaN (int), 0xFF (MXFP4) or 0x7F (NVFP4).
 template <int BITS, int FMT>
-inline loco::GroupScale store_scale(float amax, uint8_t* row_msg, int64_t gcol) {
-  if constexpr (FMT == kMx) {
+inline loco::GroupScale store_scale(float amax, uint8_t* row_msg, int64_t gcol,
+                                    uint32_t block = 0) {
+  if constexpr (FMT == kNv) {
+    const loco::NvScale s = loco::nv_scale(amax, block);
+    row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
+    return {s.scale, 0.0f, s.finite};
+  } else if constexpr (FMT == kMx) {
     const loco::MxScale s = loco::mx_scale(loco::float_as_bits(amax));
     row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
     return {s.scale, s.inv, s.finite};
@@ -140,7 +148,10 @@ inline void quantize_group(const float* __restrict y, float* __restrict e, float
   for (int j = 0; j < G; ++j) {
     const float v = y[j];
     float t;
-    if constexpr (FMT == kMx) {
+    if constexpr (FMT == kNv) {
+      t = loco::nv_code(v, scale);
+      codes[j] = (int8_t)loco::nv_field(v, scale);
+    } else if constexpr (FMT == kMx) {
       t = loco::fp4_code(v, inv);
       codes[j] = (int8_t)loco::fp4_field(v, inv);
     } else {
@@ -637,25 +648,21 @@ constexpr const char* kVectorPath = "avx2";
 constexpr const char* kVectorPath = "none";
 #endif
 
-// Encodes group gi of the source; returns false if the group is non-finite.
-// Scratch buffers y, e, r (G floats) and codes (G int8) belong to the calling thread. Every loop
-// runs over the whole group with no data-dependent branch, so it vectorizes.
-template <typename T, int BITS, int FMT, int MODE, bool SR, int GS>
-bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
-                  float* y, float* e, float* r, int8_t* codes, double* res_sq, double* in_sq) {
-  const int G = GS ? GS : a.G;
+// The source elements of group gcol of `row` that exist (within the row and the source).
+inline int64_t valid_elements(const EncodeArgs& a, int64_t row, int64_t gcol, int G) {
   const int64_t col0 = gcol * G;
   const int64_t limit = std::min<int64_t>(G, std::max<int64_t>(0, a.m - col0));
-  const int64_t base = row * a.m + col0;
-  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - base));
-  const T* x = src + base;
-#if defined(LOCO_AVX512)
-  if (avx512::try_encode_group<T, BITS, FMT, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
-    return true;
-#elif defined(LOCO_AVX2)
-  if (avx2::try_encode_group<T, BITS, FMT, MODE, SR, GS>(x, a, gi, row, gcol, valid, res_sq, in_sq))
-    return true;
-#endif
+  return std::max<int64_t>(0, std::min<int64_t>(limit, a.numel - (row * a.m + col0)));
+}
+
+// Reads group gi (column gcol of `row`) into y: its `valid` source elements times the factor,
+// zeros after them, plus the stored error, which e receives (with feedback applied). The
+// scratch buffers y and e (G floats) belong to the calling thread; every loop runs over the
+// whole group with no data-dependent branch, so it vectorizes.
+template <typename T, int MODE>
+void load_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol, int G,
+                int64_t valid, float* y, float* e) {
+  const T* x = src + row * a.m + gcol * G;
   const int64_t off = gi * G;
   const bool with_error = MODE != kNoError && a.has_error;
   if (valid == G) {
@@ -687,9 +694,21 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, in
 #pragma omp simd
     for (int j = 0; j < G; ++j) y[j] = y[j] + e[j];
   }
+}
+
+// Encodes group gi whose compensated values y and error e `load_group` read, given its max
+// |y| (`amax`) and, for NVFP4, its block byte: the scale, the packed codes and the error state
+// written, the statistics added; returns false if the group is non-finite. Scratch buffers r
+// (G floats) and codes (G int8) belong to the calling thread.
+template <int BITS, int FMT, int MODE, bool SR>
+bool emit_group(const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol, int G, float amax,
+                uint32_t block, float* y, float* e, float* r, int8_t* codes, double* res_sq,
+                double* in_sq) {
+  const int64_t off = gi * G;
   uint8_t* row_msg = a.msgs + row * a.P;
-  uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + col0 * BITS / 8;
-  const loco::GroupScale s = store_scale<BITS, FMT>(group_amax(y, G), row_msg, gcol);
+  uint8_t* packed =
+      row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, FMT) + gcol * G * BITS / 8;
+  const loco::GroupScale s = store_scale<BITS, FMT>(amax, row_msg, gcol, block);
   if (!s.finite) {
 #pragma omp simd
     for (int j = 0; j < G; ++j) codes[j] = 0;
@@ -723,6 +742,82 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, in
     for (int j = 0; j < G; ++j) error_bf16_out(a)[off + j] = at::BFloat16(e[j]);
   }
   return true;
+}
+
+// Encodes group gi of the source; returns false if the group is non-finite. Scratch buffers y,
+// e, r (G floats) and codes (G int8) belong to the calling thread.
+template <typename T, int BITS, int FMT, int MODE, bool SR, int GS>
+bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol,
+                  float* y, float* e, float* r, int8_t* codes, double* res_sq, double* in_sq) {
+  const int G = GS ? GS : a.G;
+  const int64_t valid = valid_elements(a, row, gcol, G);
+#if defined(LOCO_AVX512)
+  if (avx512::try_encode_group<T, BITS, FMT, MODE, SR, GS>(src + row * a.m + gcol * G, a, gi,
+                                                           row, gcol, valid, res_sq, in_sq))
+    return true;
+#elif defined(LOCO_AVX2)
+  if (avx2::try_encode_group<T, BITS, FMT, MODE, SR, GS>(src + row * a.m + gcol * G, a, gi, row,
+                                                         gcol, valid, res_sq, in_sq))
+    return true;
+#endif
+  load_group<T, MODE>(src, a, gi, row, gcol, G, valid, y, e);
+  return emit_group<BITS, FMT, MODE, SR>(a, gi, row, gcol, G, group_amax(y, G), 0, y, e, r, codes,
+                                         res_sq, in_sq);
+}
+
+// Encodes NVFP4 block b of `row` (its groups gcol = b * kNvBlock ...): every group read first
+// (y and e hold kNvBlock * G floats of the calling thread), the block byte from the largest
+// finite group max written after the row's E4M3 bytes, then each group encoded under it. Marks
+// bad[g] for each non-finite group g.
+template <typename T, int MODE>
+void encode_nv_block(const T* src, const EncodeArgs& a, int64_t row, int64_t b, float* y,
+                     float* e, float* r, int8_t* codes, uint8_t* bad, double* res_sq,
+                     double* in_sq) {
+  constexpr int G = loco::kNvGroup;
+  const int64_t first = b * loco::kNvBlock;
+  const int n = (int)std::min<int64_t>(loco::kNvBlock, a.ng - first);
+  float top[loco::kNvBlock];
+  uint32_t block_top = 0;
+  for (int g = 0; g < n; ++g) {
+    const int64_t gcol = first + g;
+    load_group<T, MODE>(src, a, row * a.ng + gcol, row, gcol, G, valid_elements(a, row, gcol, G),
+                        y + g * G, e + g * G);
+    top[g] = group_amax(y + g * G, G);
+    const uint32_t bits = loco::float_as_bits(top[g]);
+    if (loco::finite(top[g]) && bits > block_top) block_top = bits;
+  }
+  const uint32_t block = loco::nv_block_byte(block_top);
+  a.msgs[row * a.P + loco::kHeaderBytes + a.ng + b] = (uint8_t)block;
+  for (int g = 0; g < n; ++g) {
+    const int64_t gi = row * a.ng + first + g;
+    bad[gi] = !emit_group<4, kNv, MODE, false>(a, gi, row, first + g, G, top[g], block, y + g * G,
+                                               e + g * G, r, codes, res_sq, in_sq);
+  }
+}
+
+// encode_all for NVFP4: each thread takes a contiguous range of the rows' blocks.
+template <typename T, int MODE>
+void encode_nv_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq,
+                   double& in_sq, int threads) {
+  constexpr int G = loco::kNvGroup, kSpan = loco::kNvBlock * loco::kNvGroup;
+  const int64_t blocks = (a.ng + loco::kNvBlock - 1) / loco::kNvBlock, tasks = a.rows * blocks;
+  double rs = 0.0, is = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : rs, is)
+  {
+    std::vector<float> y(kSpan), e(kSpan), r(G);
+    std::vector<int8_t> codes(G);
+    double lane_rs[kStatLanes] = {0.0}, lane_is[kStatLanes] = {0.0};
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task)
+      encode_nv_block<T, MODE>(src, a, task / blocks, task % blocks, y.data(), e.data(), r.data(),
+                               codes.data(), bad, lane_rs, lane_is);
+    for (int k = 0; k < kStatLanes; ++k) {
+      rs += lane_rs[k];
+      is += lane_is[k];
+    }
+  }
+  res_sq = rs;
+  in_sq = is;
 }
 
 template <typename T, int BITS, int FMT, int MODE, bool SR>
@@ -803,7 +898,14 @@ template <typename T>
 void encode_typed(const EncodeArgs& a, int64_t bits, int threads) {
   const T* src = static_cast<const T*>(a.src);
   double rs = 0.0, is = 0.0;
-  if (a.format == kMx) encode_mode<T, 4, kMx, false>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  if (a.format == kNv) {
+    switch (a.mode) {
+      case kNoError: encode_nv_all<T, kNoError>(src, a, a.nonfinite, rs, is, threads); break;
+      case kInt8: encode_nv_all<T, kInt8>(src, a, a.nonfinite, rs, is, threads); break;
+      case kFp32: encode_nv_all<T, kFp32>(src, a, a.nonfinite, rs, is, threads); break;
+      default: encode_nv_all<T, kBf16>(src, a, a.nonfinite, rs, is, threads);
+    }
+  } else if (a.format == kMx) encode_mode<T, 4, kMx, false>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else if (bits == 2) encode_bits<T, 2>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else if (bits == 4) encode_bits<T, 4>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else encode_bits<T, 8>(src, a, a.mode, a.nonfinite, rs, is, threads);
@@ -839,7 +941,9 @@ void encode(const py::object& args) {
   a.mode = args.attr("mode").cast<int32_t>();
   a.format = args.attr("format_code").cast<int32_t>();
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
-  TORCH_CHECK(a.format == kInt || a.format == kMx, "unknown code format ", a.format);
+  TORCH_CHECK(a.format == kInt || a.format == kMx || a.format == kNv, "unknown code format ",
+              a.format);
+  TORCH_CHECK(a.format != kNv || a.G == loco::kNvGroup, "nvfp4 groups are 16 elements");
   TORCH_CHECK(a.G > 0 && a.G % 8 == 0, "group size must be a positive multiple of 8");
   TORCH_CHECK(a.rows >= 0 && a.m >= 0, "rows and m must be >= 0");
   TORCH_CHECK(a.mode >= kNoError && a.mode <= kBf16, "unknown error mode ", a.mode);
@@ -850,7 +954,7 @@ void encode(const py::object& args) {
   TORCH_CHECK(messages.defined() && messages.dim() == 2 && messages.size(0) == a.rows &&
                   messages.is_contiguous() && messages.scalar_type() == at::kByte &&
                   messages.device().is_cpu(), "messages must be a contiguous [rows, P] uint8 CPU tensor");
-  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_bytes(a.format) * a.ng +
+  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_field_bytes(a.ng, a.format) +
                   a.ng * a.G * bits / 8, "message rows too short");
   check_buffer(nonfinite, at::kByte, groups, "nonfinite");
   check_buffer(sums, at::kDouble, 2, "sums");
@@ -882,7 +986,7 @@ void encode(const py::object& args) {
   a.omb = (float)(1.0 - beta);
   a.stochastic = args.attr("stochastic").cast<bool>();
   TORCH_CHECK(a.format == kInt || (bits == 4 && !a.stochastic),
-              "mxfp4 codes are 4 bits wide, rounded to nearest");
+              "mxfp4 and nvfp4 codes are 4 bits wide, rounded to nearest");
   a.k0 = args.attr("k0").cast<uint32_t>();
   a.k1 = args.attr("k1").cast<uint32_t>();
   const int threads = args.attr("threads").cast<int>();
@@ -915,7 +1019,7 @@ inline __m256 values8(const uint8_t* packed, int j, __m256 s) {
   const __m256i f =
       BITS == 4 ? fields4x8(packed + j / 2)
                 : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j)));
-  if constexpr (FMT == kMx) {
+  if constexpr (is_fp4(FMT)) {
     const __m256 e2m1 = _mm256_setr_ps(loco::e2m1_value(0), loco::e2m1_value(1),
                                        loco::e2m1_value(2), loco::e2m1_value(3),
                                        loco::e2m1_value(4), loco::e2m1_value(5),
@@ -935,11 +1039,12 @@ inline __m256 values8(const uint8_t* packed, int j, __m256 s) {
 template <int BITS, int FMT>
 void decode_sum_group(const uint8_t* msgs, int64_t k, int64_t P, int64_t ng, int64_t gcol, int G,
                       int64_t n, float* scales, float* o) {
-  const int64_t packed = loco::kHeaderBytes + loco::scale_bytes(FMT) * ng + gcol * G * BITS / 8;
+  const int64_t packed =
+      loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + gcol * G * BITS / 8;
   for (int64_t r = 0; r < k; ++r) {
     const uint8_t* msg = msgs + r * P;
-    if constexpr (FMT == kMx) {
-      scales[r] = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
+    if constexpr (is_fp4(FMT)) {
+      scales[r] = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
     } else {
       std::memcpy(scales + r, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
     }
@@ -994,12 +1099,14 @@ struct Fp4Pairs {
 const Fp4Pairs kFp4Pairs;
 #endif
 
-// Decodes group gcol of one MXFP4 message into v[0..G) (G a multiple of 8): each field's value
-// times the scale, as loco::fp4_dequantize computes it; with AVX2 8 at a time (values8),
-// otherwise from a table of signed pairs per byte (x * 1 is exact, so it holds the same values).
-inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
-  const float scale = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
-  const uint8_t* packed = msg + loco::kHeaderBytes + ng + gcol * G / 2;
+// Decodes group gcol of one MXFP4 or NVFP4 (fmt) message into v[0..G) (G a multiple of 8):
+// each field's value times the scale, as loco::fp4_dequantize computes it; with AVX2 8 at a time
+// (values8), otherwise from a table of signed pairs per byte (x * 1 is exact, so it holds the
+// same values).
+inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G, int fmt,
+                             float* v) {
+  const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, fmt);
+  const uint8_t* packed = msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, fmt) + gcol * G / 2;
 #if defined(__AVX2__)
   for (int j = 0; j < G; j += 8)
     _mm256_storeu_ps(v + j, values8<4, kMx>(packed, j, _mm256_set1_ps(scale)));
@@ -1014,7 +1121,7 @@ inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G
 
 inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int fmt, int G,
                          float* v) {
-  if (fmt == kMx) decode_group_fp4(msg, ng, gcol, G, v);
+  if (is_fp4(fmt)) decode_group_fp4(msg, ng, gcol, G, fmt, v);
   else if (bits == 4) decode_group_bits<4>(msg, ng, gcol, G, v);
   else if (bits == 8) decode_group_bits<8>(msg, ng, gcol, G, v);
   else decode_group_bits<2>(msg, ng, gcol, G, v);
@@ -1031,11 +1138,12 @@ bool rows_contiguous(const torch::Tensor& messages) {
 void check_messages(const torch::Tensor& messages, int64_t m, int64_t bits, int64_t fmt,
                     int64_t G) {
   TORCH_CHECK(rows_contiguous(messages), "messages must be a 2-D uint8 CPU tensor of contiguous rows");
-  TORCH_CHECK(fmt == kInt || (fmt == kMx && bits == 4), "unknown code format ", fmt, " for ",
-              bits, " bits");
+  TORCH_CHECK(fmt == kInt || (is_fp4((int)fmt) && bits == 4), "unknown code format ", fmt,
+              " for ", bits, " bits");
   TORCH_CHECK(G > 0 && G % 8 == 0, "group size must be a positive multiple of 8");
+  TORCH_CHECK(fmt != kNv || G == loco::kNvGroup, "nvfp4 groups are 16 elements");
   const int64_t ng = (m + G - 1) / G;
-  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_bytes((int)fmt) * ng +
+  TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_field_bytes(ng, (int)fmt) +
                   ng * G * bits / 8,
               "message rows too short for ", m, " elements");
 }
@@ -1054,6 +1162,7 @@ torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits,
 #if defined(__AVX2__)
   if (bits == 4 || bits == 8) {
     auto group = fmt == kMx ? decode_sum_group<4, kMx>
+                 : fmt == kNv ? decode_sum_group<4, kNv>
                  : bits == 4 ? decode_sum_group<4, kInt> : decode_sum_group<8, kInt>;
 #pragma omp parallel num_threads((int)threads)
     {

@@ -15,7 +15,9 @@
 //   codes and the error state. Group maxima are shuffle reductions within the segment (every
 //   lane of the warp takes part, so none may leave early); the residual sums stay in each
 //   lane's registers across its warp's groups and reach `sums` with one atomic add per warp
-//   (one per group serialised the kernel on those two addresses).
+//   (one per group serialised the kernel on those two addresses). NVFP4 (G = 16, 2 lanes a
+//   group): a warp takes one block of loco::kNvBlock groups of a row, whose byte comes from a
+//   warp max of the finite groups' maxima.
 // decode_sum: one thread per element of the shard, rows summed in row order.
 // decode_into: one thread per element of the output, cast to its dtype.
 // checksum: the wire checksum of each message row (wire.py), by a grid of (blocks, rows): each
@@ -43,6 +45,7 @@ constexpr int kInt8 = loco::kErrorInt8;
 constexpr int kFp32 = loco::kErrorFp32;
 constexpr int kBf16 = loco::kErrorBf16;
 constexpr int kMx = loco::kFormatMxfp4;
+constexpr int kNv = loco::kFormatNvfp4;
 constexpr int kTrailerBytes = 8;
 
 // The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
@@ -92,7 +95,7 @@ __device__ __forceinline__ unsigned segment_max_bits(unsigned bits, int width) {
   return bits;
 }
 
-// lanes per group (see encode above); cuda.py's `segment_lanes` is the same rule
+// lanes per group (see encode above); cuda_build.py's `segment_lanes` is the same rule
 __device__ __forceinline__ int segment_lanes(int G) {
   const int lanes = G / kChunk;
   return (G % kChunk == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0) ? lanes : 32;
@@ -115,6 +118,7 @@ template <typename T, int BITS, int MODE, bool SR, int FMT>
 __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
                                              bool valid, int width, double& rs_acc,
                                              double& is_acc, unsigned long long* row_bad) {
+  constexpr bool kFp4 = FMT == kMx || FMT == kNv;
   const T* __restrict__ src = static_cast<const T*>(a.src);
   __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
   const int G = a.G;
@@ -152,7 +156,15 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
   const bool leader = valid && lane == 0;
   float scale, inv;
   bool finite;
-  if (FMT == kMx) {
+  if (FMT == kNv) {  // the warp is one block of the row: lane 0 holds its first group
+    const unsigned block_top = warp_max_bits(valid && top < 0x7f800000u ? top : 0u);
+    const unsigned block = loco::nv_block_byte(block_top);
+    if (valid && (threadIdx.x & 31) == 0)
+      row_msg[loco::kHeaderBytes + a.ng + gcol / loco::kNvBlock] = (unsigned char)block;
+    const loco::NvScale s = loco::nv_scale(bits_to_amax(top), block);
+    if (leader) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
+    scale = s.scale, inv = 0.0f, finite = s.finite;
+  } else if (FMT == kMx) {
     const loco::MxScale s = loco::mx_scale(top);
     if (leader) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
     scale = s.scale, inv = s.inv, finite = s.finite;
@@ -165,7 +177,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
     scale = s.scale, inv = s.inv, finite = s.finite;
   }
   unsigned char* packed =
-      row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + col0 * BITS / 8;
+      row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, FMT) + col0 * BITS / 8;
   const float qf = (float)loco::qmax(BITS);
 
   // codes of this lane's chunk, packed little-end first: BITS bytes
@@ -175,9 +187,12 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
     float code = 0.0f;
-    unsigned field = FMT == kMx ? 0u : loco::code_to_field(0, BITS);
+    unsigned field = kFp4 ? 0u : loco::code_to_field(0, BITS);
     if (finite) {
-      if (FMT == kMx) {
+      if (FMT == kNv) {
+        code = loco::nv_code(y[t], scale);
+        field = loco::nv_field(y[t], scale);
+      } else if (FMT == kMx) {
         code = loco::fp4_code(y[t], inv);
         field = loco::fp4_field(y[t], inv);
       } else {
@@ -259,7 +274,9 @@ __global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
   const long long groups = a.rows * a.ng;
   const int lane = threadIdx.x & 31;
   const int width = segment_lanes(a.G), per_warp = 32 / width;
-  const long long tasks = (groups + per_warp - 1) / per_warp;
+  // NVFP4: a task is a block of a row (per_warp = kNvBlock groups), else per_warp groups
+  const long long blocks = (a.ng + loco::kNvBlock - 1) / loco::kNvBlock;
+  const long long tasks = FMT == kNv ? a.rows * blocks : (groups + per_warp - 1) / per_warp;
   const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
   double rs = 0.0, is = 0.0;
   // the call's verdict starts at zero; the call's later kernels set its bytes
@@ -268,8 +285,14 @@ __global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
   // leave) the loop together
   for (long long task = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; task < tasks;
        task += warps) {
-    const long long gi = task * per_warp + lane / width;
-    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane % width, gi < groups, width, rs, is,
+    long long gi = task * per_warp + lane / width;
+    bool valid = gi < groups;
+    if (FMT == kNv) {
+      const long long gcol = (task % blocks) * loco::kNvBlock + lane / width;
+      gi = task / blocks * a.ng + gcol;
+      valid = gcol < a.ng;
+    }
+    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane % width, valid, width, rs, is,
                                          f.enabled ? f.words + 1 : nullptr);
   }
   rs = warp_sum(rs);
@@ -286,9 +309,10 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
                                             long long j) {
   constexpr int kPer = 8 / BITS;
   const long long gcol = j / G;
-  if (FMT == kMx) {
-    const float scale = loco::e8m0_scale(msg[loco::kHeaderBytes + gcol]);
-    return loco::fp4_dequantize(msg[loco::kHeaderBytes + ng + j / 2], (int)(j % 2), scale);
+  if (FMT == kMx || FMT == kNv) {
+    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+    return loco::fp4_dequantize(
+        msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / 2], (int)(j % 2), scale);
   }
   const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
   const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
@@ -528,17 +552,24 @@ __global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, 
   template __global__ void encode<T, 4, 1, false, 1>(LOCO_ENC_ARGS(T));     \
   template __global__ void encode<T, 4, 2, false, 1>(LOCO_ENC_ARGS(T));     \
   template __global__ void encode<T, 4, 3, false, 1>(LOCO_ENC_ARGS(T));
+#define LOCO_ENC_NV(T)                                                      \
+  template __global__ void encode<T, 4, 0, false, 2>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, 4, 1, false, 2>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, 4, 2, false, 2>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, 4, 3, false, 2>(LOCO_ENC_ARGS(T));
 namespace loco_cuda {
-LOCO_ENC(float, 2) LOCO_ENC(float, 4) LOCO_ENC(float, 8) LOCO_ENC_MX(float)
+LOCO_ENC(float, 2) LOCO_ENC(float, 4) LOCO_ENC(float, 8) LOCO_ENC_MX(float) LOCO_ENC_NV(float)
 LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
-LOCO_ENC_MX(__nv_bfloat16)
+LOCO_ENC_MX(__nv_bfloat16) LOCO_ENC_NV(__nv_bfloat16)
 LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8) LOCO_ENC_MX(__half)
+LOCO_ENC_NV(__half)
 #define LOCO_DSUM(B, F) \
   template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*, unsigned char*, const RowCheck);
-LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1)
+LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1) LOCO_DSUM(4, 2)
 #define LOCO_DEC1(T, B, F) \
   template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*, unsigned char*, const RowCheck);
-#define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1)
+#define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1) \
+  LOCO_DEC1(T, 4, 2)
 LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
 }  // namespace loco_cuda
 #endif

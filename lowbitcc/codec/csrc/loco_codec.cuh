@@ -48,11 +48,19 @@ enum ErrorMode : int32_t {
 // from this enum (kFormat<Name> -> "<name>"): it is the only definition.
 //   kFormatInt: symmetric b-bit integer codes (b = 2, 4, 8), one fp32 scale per group;
 //   kFormatMxfp4: 4-bit FP4 (E2M1) codes, one power-of-two E8M0 scale byte per group (the OCP
-//     microscaling MXFP4 element and scale types; see reference.py for the rounding rules).
+//     microscaling MXFP4 element and scale types; see reference.py for the rounding rules);
+//   kFormatNvfp4: 4-bit FP4 (E2M1) codes, one FP8 E4M3 scale byte per group of 16 (NVIDIA's
+//     NVFP4 element and scale types) under one power-of-two E8M0 byte per kNvBlock groups of a
+//     row (where NVFP4 has one fp32 scale per tensor).
 enum Format : int32_t {
   kFormatInt = 0,
   kFormatMxfp4 = 1,
+  kFormatNvfp4 = 2,
 };
+
+// NVFP4: elements per group and groups per block (one E8M0 byte each).
+constexpr int kNvGroup = 16;
+constexpr int kNvBlock = 16;
 
 // The arguments of one encode, shared by the C++ and the CUDA kernels (passed by value to the
 // CUDA kernel). lowbitcc/codec/abi.py reads this struct to lay out the same bytes with NumPy,
@@ -193,7 +201,14 @@ LOCO_HD int field_to_code(uint32_t byte, int k, int bits) {
 }
 
 // Bytes of one group's scale on the wire.
-LOCO_HD int scale_bytes(int format) { return format == kFormatMxfp4 ? 1 : 4; }
+LOCO_HD int scale_bytes(int format) { return format == kFormatInt ? 4 : 1; }
+
+// Bytes of the scales of a row of ng groups (NVFP4: its E4M3 bytes, then one E8M0 byte per
+// block of kNvBlock groups, the last block possibly shorter): where the codes start after the
+// header.
+LOCO_HD int64_t scale_field_bytes(int64_t ng, int format) {
+  return scale_bytes(format) * ng + (format == kFormatNvfp4 ? (ng + kNvBlock - 1) / kNvBlock : 0);
+}
 
 LOCO_HD float bits_as_float(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
@@ -283,6 +298,82 @@ LOCO_HD float fp4_dequantize(uint32_t byte, int k, float scale) {
   const uint32_t field = (byte >> (4 * k)) & 0xfu;
   const float val = e2m1_value((int)(field & 7u));
   return (field & 8u ? -val : val) * scale;
+}
+
+// NVFP4's block byte: the E8M0 byte k + 127 with k the least integer such that
+// amax <= 2688 * 2^k (2688 = 6 * 448: no group scale of the block exceeds E4M3's 448 after
+// division by 2^k), at least 1, from the bits of the block's largest finite group amax (0 if
+// none). With amax = (1 + f) 2^(e - 127) and 2688 = 1.3125 * 2^11: byte e - 11 when
+// f <= 0.3125 (mantissa bits <= 0x280000), else e - 10.
+LOCO_HD uint32_t nv_block_byte(uint32_t amax_bits) {
+  const int e = (int)(amax_bits >> 23);
+  const int k = e - ((amax_bits & 0x7fffffu) <= 0x280000u ? 11 : 10);
+  return k < 1 ? 1u : (uint32_t)k;
+}
+
+// The FP8 E4M3 value of a byte below 0x7F (bias 7, 3 mantissa bits, subnormals m * 2^-9), exact;
+// 0x7F (and above) is NaN.
+LOCO_HD float e4m3_value(uint32_t byte) {
+  if (byte >= 0x7fu) return quiet_nan();
+  const uint32_t exp = byte >> 3, man = byte & 7u;
+  if (exp == 0) return (float)man * 0.001953125f;  // 2^-9
+  return bits_as_float((exp + 120u) << 23 | man << 20);
+}
+
+// A group's NVFP4 scale S = E4M3 * 2^(block byte - 127) and its E4M3 byte: t = (amax / 6)
+// * 2^(127 - block byte) (a correctly rounded division, then a product by a power of two) rounded
+// up to the next E4M3 value, at least 2^-9 (so S > 0 and a zero group encodes as zeros; t <= 448
+// by the block byte's rule). A non-finite group gets byte 0x7F (E4M3's NaN) and S NaN. S is
+// exact in fp32 (4 significant bits, at least 2^-135).
+struct NvScale {
+  uint32_t byte;
+  float scale;
+  bool finite;
+};
+
+LOCO_HD NvScale nv_scale(float amax, uint32_t block_byte) {
+  NvScale s;
+  s.finite = finite(amax);
+  const float t = (amax / 6.0f) * bits_as_float((254u - block_byte) << 23);
+  uint32_t byte;
+  if (t < 0.015625f) {  // below 2^-6: E4M3 subnormals m * 2^-9, m = 1..8 (8 is 2^-6's byte)
+    const float m = ceilf(t * 512.0f);
+    byte = m < 1.0f ? 1u : (uint32_t)m;
+  } else {
+    const uint32_t up = (float_as_bits(t) + 0xfffffu) & ~0xfffffu;
+    byte = ((up >> 23) - 120u) << 3 | ((up >> 20) & 7u);
+  }
+  s.byte = s.finite ? byte : 0x7fu;
+  s.scale = s.finite ? e4m3_value(byte) * bits_as_float(block_byte << 23) : quiet_nan();
+  return s;
+}
+
+// The E2M1 magnitude index nearest to a / S for a >= 0 and S > 0, ties to the even index, by
+// comparing a with the midpoints times S (exact products: every midpoint has at most 3
+// significant bits and S at most 4), so no division rounds: the count of midpoints below.
+LOCO_HD uint32_t nv_index(float a, float S) {
+  return (uint32_t)(a > 0.25f * S) + (uint32_t)(a >= 0.75f * S) + (uint32_t)(a > 1.25f * S) +
+         (uint32_t)(a >= 1.75f * S) + (uint32_t)(a > 2.5f * S) + (uint32_t)(a >= 3.5f * S) +
+         (uint32_t)(a > 5.0f * S);
+}
+
+// NVFP4's 4-bit field of y in a finite group of scale S (index in bits 0..2, bit 3 the sign of
+// a negative non-zero code) and its signed E2M1 value (dequantize_code(value, S) decodes it).
+LOCO_HD uint32_t nv_field(float y, float S) {
+  const uint32_t index = nv_index(fabsf(y), S);
+  return index + 8u * (uint32_t)(y < 0.0f && index > 0u);
+}
+
+LOCO_HD float nv_code(float y, float S) {
+  return copysignf(e2m1_value((int)nv_index(fabsf(y), S)), y);
+}
+
+// The scale of group gcol of a message in an FP4 format (`scales`: the message's scale field
+// after its header, ng groups a row): MXFP4's E8M0 byte, or NVFP4's E4M3 byte times its
+// block's E8M0 byte (an exact product); NaN for a NaN byte.
+LOCO_HD float fp4_wire_scale(const uint8_t* scales, int64_t ng, int64_t gcol, int format) {
+  if (format == kFormatMxfp4) return e8m0_scale(scales[gcol]);
+  return e4m3_value(scales[gcol]) * e8m0_scale(scales[ng + gcol / kNvBlock]);
 }
 
 // LoCo error update. has_error: an error state was applied (y = g + e).
