@@ -10,7 +10,7 @@ import math
 import pytest
 
 from lowbitcc.tools.study import tasks, wide, wide_report
-from lowbitcc.tools.study.variants import CONFIGURATIONS, StudyConfig
+from lowbitcc.tools.study.variants import CONFIGURATIONS, VARIANTS, StudyConfig
 
 
 def _run(configuration, world, seed, variant, loss, accuracy=None):
@@ -149,6 +149,8 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
     for name in wide.CANDIDATES:
         assert wide_report.bits(name) <= wide_report.MAX_BITS, name
         assert name.endswith("-nofb") or wide_report.twin(name) in wide.CANDIDATES, name
+    assert set(wide.SCREENED_OUT) <= set(VARIANTS) and not set(wide.SCREENED_OUT) & set(
+        wide.CANDIDATES)
     for plan in wide.PLANS.values():
         assert plan.variants[0] == "exact"
         assert set(plan.configurations) == set(CONFIGURATIONS)

@@ -35,6 +35,7 @@ INT = ("LOCO_FORMAT", "int")
 """The "loco*" variants keep int codes: they name what they measured before MXFP4 became the
 4-bit default (docs/convergence.md); the "mxfp4*" variants run the default's format."""
 MX = ("LOCO_FORMAT", "mxfp4")
+NV = ("LOCO_FORMAT", "nvfp4")
 OUTER_EVERY = (10, 50)
 """The H (inner steps per outer step) of the DiLoCo variants."""
 
@@ -44,6 +45,8 @@ VARIANTS = {
         Variant("mxfp4", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
         Variant("mxfp4-ef", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
         Variant("mxfp4-nofb", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
+        Variant("nvfp4", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),
+        Variant("nvfp4-nofb", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0"))),
         Variant("fsdp2-mxfp4", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
                 fsdp=True),
         Variant("loco4", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),

@@ -11,15 +11,17 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools.plotting import pyplot
 from lowbitcc.tools.study.formats import LAB_VARIANTS
 
 MAX_BITS = 4.6
 GOAL_GAP = 0.003
 """Issue 48's goal: the default's mean gap within 0.3% of exact in every cell."""
-CODEC_BITS = {"mxfp4": 4.25, "mxfp4-nofb": 4.25}
-"""Wire bits per element of the codec's variants (4-bit codes and a one-byte scale per 32);
-the format lab's come from their `formats.LabSpec`."""
+CODEC_BITS = {name: FORMATS[fmt].bits_per_element for fmt in ("mxfp4", "nvfp4")
+              for name in (fmt, f"{fmt}-nofb")}
+"""Wire bits per element of the codec's 4-bit variants (`lowbitcc.codec.formats`); the format
+lab's come from their `formats.LabSpec`."""
 
 Cell = tuple[str, int]
 
