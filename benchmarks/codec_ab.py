@@ -23,7 +23,7 @@ from pathlib import Path
 from torch.utils import cpp_extension
 
 from lowbitcc.codec import cpu
-from lowbitcc.config import DEFAULT_GROUP_SIZES
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools import codec_bench
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--rev", default="HEAD", help="git revision to compare against")
     parser.add_argument("--mib", type=int, default=64, help="MiB of fp32 input (default 64)")
     parser.add_argument("--formats", nargs="+", default=["mxfp4", "int"],
-                        choices=sorted(DEFAULT_GROUP_SIZES))
+                        choices=list(FORMATS))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--min-time", type=float, default=0.2,

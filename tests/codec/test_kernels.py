@@ -152,29 +152,35 @@ SCALES = [3.0, 0.0, 1e-39, 1e-30, 1e37]
 
 @given(
     rows=st.integers(1, 3), groups=st.integers(1, 24), tail=st.sampled_from([0, 0, 0, 5, 77]),
-    bits=st.sampled_from([2, 4, 8]), error_dtype=st.sampled_from([None, "int8", "fp32"]),
+    wire=st.sampled_from([(2, "int", 128), (4, "int", 128), (8, "int", 128), (4, "mxfp4", 32),
+                          (4, "nvfp4", 16)]),
+    error_dtype=st.sampled_from([None, "int8", "fp32"]),
     with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
     factor=st.sampled_from([1.0, 1 / 3]), scale=st.sampled_from(SCALES),
     error_scale=st.sampled_from([0.1, 1e-39, 0.0]),
     poison=st.sampled_from([None, None, "nan", "inf"]), seed=st.integers(0, 2**31 - 1),
 )
 @settings(max_examples=300, deadline=None)
-def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, bits, error_dtype,
+def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, wire, error_dtype,
                                                    with_state, beta, factor, scale, error_scale,
                                                    poison, seed):
-    """The explicit-SIMD encode (AVX-512, or AVX2 for 4 and 8 bits: fp32, nearest rounding,
-    group 128, no/int8/fp32 state; see cpu_codec.cpp) gives the reference's bytes over three
-    chained calls, so the LoCo blend runs on a state the kernel itself wrote."""
+    """The explicit-SIMD encode (fp32, nearest rounding, no/int8/fp32 state; see cpu_codec.cpp:
+    AVX-512, or AVX2 for 4 and 8 bits, on int codes of group 128; AVX2 on MXFP4 blocks of four
+    groups of 32 and NVFP4 blocks of 16 groups of 16, whose unit ``groups`` counts here) gives
+    the reference's bytes over three chained calls, so the LoCo blend runs on a state the
+    kernel itself wrote."""
+    bits, fmt, group = wire
+    unit = {"int": 128, "mxfp4": 4 * 32, "nvfp4": 16 * 16}[fmt]
     gen = torch.Generator().manual_seed(seed)
-    m = groups * 128 + tail
+    m = groups * unit + tail
     x = torch.randn(rows * m, generator=gen) * scale
     if poison is not None:
         x[int(torch.randint(x.numel(), (1,), generator=gen))] = float(poison)
-    ref, ker = _codecs(bits, 128)
+    ref, ker = _codecs(bits, group, fmt=fmt)
     state_a = state_b = None
     if error_dtype and with_state:
         state_a = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * error_scale,
-                                    error_dtype, 128)
+                                    error_dtype, group)
         state_b = state_a.clone()
     shards = list(range(rows))
     for call in range(3):

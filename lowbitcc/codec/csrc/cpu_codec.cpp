@@ -2,10 +2,12 @@
 //
 // encode: one pass per group of G elements: read the source (fp32/bf16/fp16, times `factor`),
 //   add the stored error, group max, quantize, pack codes and the scale (fp32, or an E8M0 byte
-//   for MXFP4) straight into the message rows, LoCo-update the error and store it back (int8 +
-//   scale, fp32 or bf16) in place. The explicit AVX-512 path covers int codes with G = 128, the
-//   AVX2 path those and MXFP4 with G = 32 (four groups a call, encode_block); everything else
-//   runs the portable loops.
+//   for MXFP4, or an E4M3 byte for NVFP4, whose block of 16 groups is read before its E8M0
+//   byte is known: encode_nv_block) straight into the message rows, LoCo-update the error and
+//   store it back (int8 + scale, fp32 or bf16) in place. The explicit AVX-512 path covers int
+//   codes with G = 128; the AVX2 path those where the build has no AVX-512, and on every AVX2
+//   build MXFP4 with G = 32 (four groups a call, encode_block) and NVFP4 (a block of 16 groups
+//   a call); everything else runs the portable loops.
 // decode_sum: decode k messages of one shard and sum them in fp32 in row order (with AVX2, 4-
 //   and 8-bit codes 8 at a time, the sum held in a register).
 // decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.
@@ -364,11 +366,18 @@ LOCO_VEC_INLINE bool try_encode_group(const T* x, const EncodeArgs& a, int64_t g
 }  // namespace avx512
 constexpr const char* kVectorPath = "avx512";
 #elif defined(LOCO_AVX2)
+constexpr const char* kVectorPath = "avx2";
+#else
+constexpr const char* kVectorPath = "none";
+#endif
+
+#if defined(__AVX2__)
 // AVX2 form of the same case as the AVX-512 one (fp32 source, nearest rounding, G = 128,
-// no/int8/fp32 error state, a finite group) for 4- and 8-bit int codes, and of MXFP4 with
-// G = 32: the group in G / 8 registers of 8 lanes, each operation the 8-lane form of the same
-// loco:: function in the same order (no FMA contraction), so the bytes are the generic path's;
-// 2-bit codes, and anything else, take the generic path. The property tests check it against the reference on an AVX2 machine.
+// no/int8/fp32 error state, a finite group) for 4- and 8-bit int codes (where the build has no
+// AVX-512), and of MXFP4 with G = 32 and NVFP4 (every AVX2 build, AVX-512 ones too): the group
+// in G / 8 registers of 8 lanes, each operation the 8-lane form of the same loco:: function in
+// the same order (no FMA contraction), so the bytes are the generic path's; 2-bit codes, and
+// anything else, take the generic path. The property tests check it against the reference.
 namespace avx2 {
 
 #define LOCO_VEC_INLINE inline __attribute__((always_inline))
@@ -641,11 +650,234 @@ LOCO_VEC_INLINE bool try_encode_block(const T* x, const EncodeArgs& a, int64_t g
   }
 }
 
+// loco::nv_code and loco::nv_field of the 8 values y of a finite NVFP4 group whose midpoints
+// times its scale are mid[0..6] (0.25 S, 0.75 S, ..., 5 S): the index counts the midpoints below
+// |y| (> on the even ones, >= on the odd ones: ties to the even index), the value is E2M1's at
+// the index with y's sign, the field's sign bit is set for y < 0 with a non-zero index.
+LOCO_VEC_INLINE __m256 nv_code(__m256 y, const __m256 (&mid)[7], __m256i* field) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign, y);
+  __m256i index = _mm256_setzero_si256();
+  for (int k = 0; k < 7; ++k)
+    index = _mm256_sub_epi32(index, _mm256_castps_si256(_mm256_cmp_ps(
+                                        a, mid[k], k % 2 ? _CMP_GE_OQ : _CMP_GT_OQ)));
+  const __m256 e2m1 = _mm256_setr_ps(loco::e2m1_value(0), loco::e2m1_value(1),
+                                     loco::e2m1_value(2), loco::e2m1_value(3),
+                                     loco::e2m1_value(4), loco::e2m1_value(5),
+                                     loco::e2m1_value(6), loco::e2m1_value(7));
+  const __m256 y_sign = _mm256_and_ps(sign, y);
+  // the sign bit moved to bit 3, where the index is not 0 (|y| above the first midpoint)
+  const __m256i negative = _mm256_and_si256(
+      _mm256_srli_epi32(_mm256_castps_si256(y_sign), 28),
+      _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, mid[0], _CMP_GT_OQ)),
+                       _mm256_set1_epi32(8)));
+  *field = _mm256_or_si256(index, negative);
+  return _mm256_or_ps(_mm256_permutevar8x32_ps(e2m1, index), y_sign);
+}
+
+// The max |v| of 8 groups of two registers each (g[k][0..1], the sign-cleared bit patterns, as
+// group_amax orders them), group k in lane k: a transposing reduction (unpack, unpack, swap of
+// halves) instead of 8 horizontal ones.
+LOCO_VEC_INLINE __m256i group_max_bits8(const __m256 (*g)[2]) {
+  __m256i m[8], t[4];
+  for (int k = 0; k < 8; ++k) m[k] = _mm256_max_epu32(abs_bits(g[k][0]), abs_bits(g[k][1]));
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]),
+                            _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]),
+                                      _mm256_unpackhi_epi64(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2], t[3]),
+                                      _mm256_unpackhi_epi64(t[2], t[3]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                          _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// loco::nv_scale of 8 finite groups (their max |y| bit patterns `top`) under block byte
+// `block`: the E4M3 bytes into `bytes` and the scales S, the same IEEE operations per lane.
+LOCO_VEC_INLINE __m256 nv_scale8(__m256i top, uint32_t block, __m256i* bytes) {
+  const __m256 t = _mm256_mul_ps(_mm256_div_ps(_mm256_castsi256_ps(top), _mm256_set1_ps(6.0f)),
+                                 _mm256_set1_ps(loco::bits_as_float((254u - block) << 23)));
+  const __m256 m = _mm256_max_ps(
+      _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(512.0f)),
+                      _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC),
+      _mm256_set1_ps(1.0f));
+  const __m256i up = _mm256_and_si256(
+      _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0xfffff)),
+      _mm256_set1_epi32(~0xfffff));
+  const __m256i normal = _mm256_or_si256(
+      _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(up, 23), _mm256_set1_epi32(120)), 3),
+      _mm256_and_si256(_mm256_srli_epi32(up, 20), _mm256_set1_epi32(7)));
+  const __m256 sub = _mm256_cmp_ps(t, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  *bytes = _mm256_blendv_epi8(normal, _mm256_cvttps_epi32(m), _mm256_castps_si256(sub));
+  const __m256i exp = _mm256_srli_epi32(*bytes, 3), man = _mm256_and_si256(*bytes,
+                                                                           _mm256_set1_epi32(7));
+  const __m256 value = _mm256_blendv_ps(
+      _mm256_castsi256_ps(_mm256_or_si256(
+          _mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23),
+          _mm256_slli_epi32(man, 20))),
+      _mm256_mul_ps(_mm256_cvtepi32_ps(man), _mm256_set1_ps(0.001953125f)),
+      _mm256_castsi256_ps(_mm256_cmpeq_epi32(exp, _mm256_setzero_si256())));
+  return _mm256_mul_ps(value, _mm256_set1_ps(loco::bits_as_float(block << 23)));
+}
+
+// loco::group_scale(amax, 127) of 8 groups (their max |e| bit patterns `top`): scales and
+// reciprocals, a non-finite group's scale NaN and reciprocal 0, a reciprocal that overflows 0.
+LOCO_VEC_INLINE __m256 error_scale8(__m256i top, __m256* inv) {
+  const __m256 amax = _mm256_castsi256_ps(top), q = _mm256_set1_ps(127.0f);
+  const __m256 finite = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), top));
+  const __m256 r = _mm256_div_ps(q, _mm256_blendv_ps(q, amax, finite));
+  const __m256 ok = _mm256_and_ps(
+      _mm256_and_ps(finite, _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ)),
+      _mm256_cmp_ps(r, _mm256_set1_ps(3.4028234663852886e38f), _CMP_LE_OQ));
+  *inv = _mm256_and_ps(r, ok);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                          _mm256_div_ps(amax, q), finite);
+}
+
+// encode_nv_block's vector form for a whole block (kNvBlock groups of 16, every element within
+// the row and the source) of an fp32 source under nearest rounding with no, int8 or fp32 error
+// state: each stage for every group before the next, pairs of groups packed together (32
+// fields, 16 bytes), the statistics flushed to fp64 after each pair. Returns false before
+// writing anything if a group is non-finite (the caller then runs the generic path).
+template <int MODE, int UPDATE>
+bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b,
+                     double* res_sq, double* in_sq) {
+  constexpr int G = loco::kNvGroup, NG = loco::kNvBlock, kVecs = G / kV;
+  static_assert(kVecs == 2 && NG % 2 == 0, "pairs of groups fill the 4 registers of a pack");
+  const bool with_error = MODE != kNoError && a.has_error;
+  const int64_t gi0 = row * a.ng + b * NG;
+  __m256 y[NG][kVecs], e[NG][kVecs];
+  const __m256 factor = _mm256_set1_ps(a.factor);
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < kVecs; ++i) {
+      y[g][i] = _mm256_loadu_ps(x + g * G + i * kV);
+      if (a.scale_input) y[g][i] = _mm256_mul_ps(y[g][i], factor);
+    }
+  if (with_error) {
+    for (int g = 0; g < NG; ++g) {
+      const int64_t off = (gi0 + g) * G;
+      for (int i = 0; i < kVecs; ++i) {
+        if (MODE == kInt8) {
+          const __m128i bytes =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.ecodes + off + i * kV));
+          e[g][i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                                  _mm256_set1_ps(a.escales[gi0 + g]));
+        } else {
+          e[g][i] = _mm256_loadu_ps(a.ef32 + off + i * kV);
+        }
+        y[g][i] = _mm256_add_ps(y[g][i], e[g][i]);
+      }
+    }
+  }
+  const __m256i top[2] = {group_max_bits8(y), group_max_bits8(y + 8)};
+  const __m256i both = _mm256_max_epu32(top[0], top[1]);
+  uint32_t lanes[kV];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), both);
+  uint32_t block_top = 0;
+  for (int k = 0; k < kV; ++k) block_top = std::max(block_top, lanes[k]);
+  if (block_top >= 0x7f800000u) return false;  // a NaN or an Inf in a group
+  const uint32_t block = loco::nv_block_byte(block_top);
+  uint8_t* row_msg = a.msgs + row * a.P;
+  row_msg[loco::kHeaderBytes + a.ng + b] = (uint8_t)block;
+  constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  alignas(32) float S[NG], mids[7][NG];
+  alignas(32) uint32_t bytes[NG];
+  for (int h = 0; h < 2; ++h) {
+    __m256i e4m3;
+    const __m256 scales = nv_scale8(top[h], block, &e4m3);
+    _mm256_store_ps(S + h * kV, scales);
+    for (int k = 0; k < 7; ++k)
+      _mm256_store_ps(mids[k] + h * kV, _mm256_mul_ps(scales, _mm256_set1_ps(kMid[k])));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes + h * kV), e4m3);
+  }
+  for (int g = 0; g < NG; ++g) row_msg[loco::kHeaderBytes + b * NG + g] = (uint8_t)bytes[g];
+  uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, kNv) + b * NG * G / 2;
+  const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
+  __m256d rd[2] = {_mm256_loadu_pd(res_sq), _mm256_loadu_pd(res_sq + 4)};
+  __m256d yd[2] = {_mm256_loadu_pd(in_sq), _mm256_loadu_pd(in_sq + 4)};
+  for (int g = 0; g < NG; g += 2) {
+    __m256i field[2 * kVecs];
+    __m256 t[2][kVecs];
+    __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_broadcast_ss(S + g + h);
+      __m256 mid[7];
+      for (int k = 0; k < 7; ++k) mid[k] = _mm256_broadcast_ss(mids[k] + g + h);
+      for (int i = 0; i < kVecs; ++i) {
+        const __m256 v = y[g + h][i];
+        t[h][i] = nv_code(v, mid, &field[h * kVecs + i]);
+        const __m256 res = residual(v, t[h][i], scale);
+        r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
+        y2 = _mm256_add_ps(y2, _mm256_mul_ps(v, v));
+        __m256& en = e[g + h][i];
+        if (UPDATE == kKeepResidual) en = res;
+        if (UPDATE == kDampResidual) en = _mm256_mul_ps(res, omb);
+        if (UPDATE == kBlend) en = _mm256_add_ps(_mm256_mul_ps(en, beta), _mm256_mul_ps(res, omb));
+      }
+    }
+    pack32_fields<4>(field, packed + g * G / 2);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(r2, y2),
+                                         _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ))) {
+      for (int h = 0; h < 2; ++h)  // squares beyond the fp32 range: the pair's sums in fp64
+        for (int i = 0; i < kVecs; ++i) {
+          square_add(rd, residual(y[g + h][i], t[h][i], _mm256_set1_ps(S[g + h])));
+          square_add(yd, y[g + h][i]);
+        }
+    } else {
+      add_halves(rd, r2);
+      add_halves(yd, y2);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_pd(res_sq + 4 * h, rd[h]);
+    _mm256_storeu_pd(in_sq + 4 * h, yd[h]);
+  }
+  if (MODE == kFp32) {
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(a.ef32 + (gi0 + g) * G + i * kV, e[g][i]);
+  } else if (MODE == kInt8) {
+    alignas(32) float einv[NG];
+    alignas(32) uint32_t etop[NG];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i t = group_max_bits8(e + h * kV);
+      __m256 inv;
+      _mm256_storeu_ps(a.escales + gi0 + h * kV, error_scale8(t, &inv));
+      _mm256_store_ps(einv + h * kV, inv);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(etop + h * kV), t);
+    }
+    for (int g = 0; g < NG; g += 2) {
+      __m256i codes[2 * kVecs];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < kVecs; ++i)
+          codes[h * kVecs + i] =
+              _mm256_cvtps_epi32(code_nearest(e[g + h][i], _mm256_set1_ps(einv[g + h])));
+      int8_t* c = a.ecodes + (gi0 + g) * G;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), bytes32<true>(codes));
+      for (int h = 0; h < 2; ++h)
+        if (etop[g + h] >= 0x7f800000u) std::memset(c + h * G, 0, G);
+    }
+  }
+  return true;
+}
+
+// encode_nv_block's dispatch onto the vector path; false: not its case, or a non-finite group.
+template <typename T, int MODE>
+LOCO_VEC_INLINE bool try_encode_nv_block(const T* x, const EncodeArgs& a, int64_t row, int64_t b,
+                                         double* rs, double* is) {
+  if constexpr (std::is_same_v<T, float> && MODE != kBf16) {
+    switch (update_case<MODE>(a)) {
+      case kKeepNothing: return encode_nv_block<MODE, kKeepNothing>(x, a, row, b, rs, is);
+      case kKeepResidual: return encode_nv_block<MODE, kKeepResidual>(x, a, row, b, rs, is);
+      case kDampResidual: return encode_nv_block<MODE, kDampResidual>(x, a, row, b, rs, is);
+      default: return encode_nv_block<MODE, kBlend>(x, a, row, b, rs, is);
+    }
+  } else {
+    return false;
+  }
+}
+
 #undef LOCO_VEC_INLINE
 }  // namespace avx2
-constexpr const char* kVectorPath = "avx2";
-#else
-constexpr const char* kVectorPath = "none";
 #endif
 
 // The source elements of group gcol of `row` that exist (within the row and the source).
@@ -660,7 +892,7 @@ inline int64_t valid_elements(const EncodeArgs& a, int64_t row, int64_t gcol, in
 // scratch buffers y and e (G floats) belong to the calling thread; every loop runs over the
 // whole group with no data-dependent branch, so it vectorizes.
 template <typename T, int MODE>
-void load_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol, int G,
+inline __attribute__((always_inline)) void load_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol, int G,
                 int64_t valid, float* y, float* e) {
   const T* x = src + row * a.m + gcol * G;
   const int64_t off = gi * G;
@@ -701,7 +933,7 @@ void load_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, int6
 // written, the statistics added; returns false if the group is non-finite. Scratch buffers r
 // (G floats) and codes (G int8) belong to the calling thread.
 template <int BITS, int FMT, int MODE, bool SR>
-bool emit_group(const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol, int G, float amax,
+inline __attribute__((always_inline)) bool emit_group(const EncodeArgs& a, int64_t gi, int64_t row, int64_t gcol, int G, float amax,
                 uint32_t block, float* y, float* e, float* r, int8_t* codes, double* res_sq,
                 double* in_sq) {
   const int64_t off = gi * G;
@@ -776,6 +1008,14 @@ void encode_nv_block(const T* src, const EncodeArgs& a, int64_t row, int64_t b, 
   constexpr int G = loco::kNvGroup;
   const int64_t first = b * loco::kNvBlock;
   const int n = (int)std::min<int64_t>(loco::kNvBlock, a.ng - first);
+#if defined(__AVX2__)
+  const int64_t end = (first + loco::kNvBlock) * G;  // the block's end within the row
+  if (n == loco::kNvBlock && end <= a.m && row * a.m + end <= a.numel &&
+      avx2::try_encode_nv_block<T, MODE>(src + row * a.m + first * G, a, row, b, res_sq, in_sq)) {
+    std::memset(bad + row * a.ng + first, 0, n);
+    return;
+  }
+#endif
   float top[loco::kNvBlock];
   uint32_t block_top = 0;
   for (int g = 0; g < n; ++g) {
@@ -847,7 +1087,7 @@ void encode_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq,
     int64_t row = lo / a.ng, gcol = lo % a.ng;
     for (int64_t gi = lo; gi < hi;) {
       int64_t step = 1;
-#if defined(LOCO_AVX2)
+#if defined(__AVX2__)
       constexpr int64_t NB = avx2::kMxBlock;
       if (FMT == kMx && a.G == kMxGroup && gi + NB <= hi && gcol + NB <= a.ng &&
           (gcol + NB) * kMxGroup <= a.m && row * a.m + (gcol + NB) * kMxGroup <= a.numel) {
