@@ -108,16 +108,12 @@ FORMATS = formats.NAMES
 checks the header agrees)."""
 
 
-def scale_bytes(fmt: str) -> int:
-    """Bytes of one group's scale on the wire (`formats.Format.scale_bytes`)."""
-    return formats.FORMATS[fmt].scale_bytes
-
-
 def scale_field_bytes(ng: int, fmt: str) -> int:
     """Bytes of the scales of a message of ``ng`` groups (``loco::scale_field_bytes``): one scale
-    per group, and for a format with blocks (`formats.Format.block`) one byte per block."""
-    block = formats.FORMATS[fmt].block
-    return scale_bytes(fmt) * ng + (-(-ng // block) if block else 0)
+    of `formats.Format.scale_bytes` per group, and for a format with blocks
+    (`formats.Format.block`) one byte per block."""
+    spec = formats.FORMATS[fmt]
+    return spec.scale_bytes * ng + (-(-ng // spec.block) if spec.block else 0)
 
 
 def codes_offset(numel: int, group_size: int, fmt: str = "int") -> int:

@@ -33,6 +33,7 @@ from lowbitcc import state
 from lowbitcc.backend.call_plan import CallPlan
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.codec import cuda
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
 from lowbitcc.config import LocoConfig
@@ -112,7 +113,7 @@ class _RecordingGroup:
         self.work.nccl["all_gather"] += 1
 
 
-def _steady_state_call(world: int, numel: int, monkeypatch) -> GpuWork:
+def _steady_state_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") -> GpuWork:
     """The GPU work of the third all-reduce of one key (its error state kept), rank 0."""
     work = GpuWork()
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
@@ -123,8 +124,9 @@ def _steady_state_call(world: int, numel: int, monkeypatch) -> GpuWork:
     out = torch.empty(numel, device="meta")
     m = -(-numel // world)
     for seq in range(3):
-        codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=seq, world=world,
-                           signature=1, fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+        codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=seq,
+                           world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS,
+                           checksum=False)
         comp = CallCompressor(codec, store, "bucket", stats, error_dtype="int8", beta=0.8,
                               reset_interval=1024, rank=0, scratch=scratch)
         if seq < 2:
@@ -159,15 +161,15 @@ class _Group:
     compressor = CompressedCalls.compressor  # the group's own: config and rank
 
 
-def _planned_call(world: int, numel: int, monkeypatch) -> GpuWork:
+def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") -> GpuWork:
     """The GPU work of the third run of a place's `CallPlan` (its error state kept), rank 0."""
     work = GpuWork()
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
         [name.split("<")[0].removeprefix("loco_cuda::")]))
     monkeypatch.setattr(state, "FEEDBACK", FeedbackStore())
     monkeypatch.setattr(state, "STATS", Stats())
-    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=0, world=world, signature=1,
-                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
+                       world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     route = types.SimpleNamespace(links=Links.of(NcclTransport(_RecordingGroup(work, 0, world))))
     x = torch.empty(numel, device="meta")
     plan = CallPlan(_Group(world, codec), route, x)
@@ -184,15 +186,16 @@ BUDGET = {2: dict(kernels=3, allocations=4, plan_allocations=1, host_to_device=0
                   synchronisations=0),
           4: dict(kernels=4, allocations=7, plan_allocations=5, host_to_device=0,
                   synchronisations=0)}
-"""Per steady-state compressed all-reduce of 1 Mi fp32 elements (MXFP4, int8 error state,
-checksums off as on CUDA by default): today's counts, the most a change may leave."""
+"""Per steady-state compressed all-reduce of 1 Mi fp32 elements (MXFP4 or NVFP4, int8 error
+state, checksums off as on CUDA by default): today's counts, the most a change may leave."""
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("planned", [False, True], ids=["job", "plan"])
 @pytest.mark.parametrize("world", sorted(BUDGET))
-def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, planned,
+def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, planned, fmt,
                                                                       monkeypatch):
-    work = (_planned_call if planned else _steady_state_call)(world, 1 << 20, monkeypatch)
+    work = (_planned_call if planned else _steady_state_call)(world, 1 << 20, monkeypatch, fmt)
     budget = BUDGET[world]
     summary = (f"{work.total_kernels} kernels: torch {dict(work.kernels)}, codec "
                f"{dict(work.launches)}; {work.allocations} allocations, {work.host_to_device} uploads, "
