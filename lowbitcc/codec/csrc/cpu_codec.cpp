@@ -1238,6 +1238,21 @@ void encode(const py::object& args) {
   }
 }
 
+// loco::e4m3_value of every byte, looked up by the decodes instead of computed per group.
+struct E4m3Values {
+  float v[256];
+  E4m3Values() {
+    for (int byte = 0; byte < 256; ++byte) v[byte] = loco::e4m3_value((uint32_t)byte);
+  }
+};
+const E4m3Values kE4m3;
+
+// loco::fp4_wire_scale, NVFP4's E4M3 value from the table.
+inline float fp4_scale(const uint8_t* scales, int64_t ng, int64_t gcol, int fmt) {
+  if (fmt == kMx) return loco::e8m0_scale(scales[gcol]);
+  return kE4m3.v[scales[gcol]] * loco::e8m0_scale(scales[ng + gcol / loco::kNvBlock]);
+}
+
 #if defined(__AVX2__)
 // The 8 4-bit fields of the 4 bytes at p (field k in bits 4k .. 4k + 3 of the little-endian
 // word), one per 32-bit lane, in order.
@@ -1284,7 +1299,7 @@ void decode_sum_group(const uint8_t* msgs, int64_t k, int64_t P, int64_t ng, int
   for (int64_t r = 0; r < k; ++r) {
     const uint8_t* msg = msgs + r * P;
     if constexpr (is_fp4(FMT)) {
-      scales[r] = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+      scales[r] = fp4_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
     } else {
       std::memcpy(scales + r, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
     }
@@ -1301,6 +1316,22 @@ void decode_sum_group(const uint8_t* msgs, int64_t k, int64_t P, int64_t ng, int
       _mm256_storeu_ps(tail, acc);
       std::memcpy(o + j, tail, (n - j) * sizeof(float));
     }
+  }
+}
+#endif
+
+#if defined(__AVX2__)
+// decode_sum_group for every group of the shard, on `threads` threads (the group inlined).
+template <int BITS, int FMT>
+void decode_sum_groups(const uint8_t* msgs, int64_t k, int64_t P, int64_t m, int64_t ng, int G,
+                       float* o, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scales(k);
+#pragma omp for schedule(static)
+    for (int64_t gcol = 0; gcol < ng; ++gcol)
+      decode_sum_group<BITS, FMT>(msgs, k, P, ng, gcol, G, std::min<int64_t>(G, m - gcol * G),
+                                  scales.data(), o + gcol * G);
   }
 }
 #endif
@@ -1345,7 +1376,7 @@ const Fp4Pairs kFp4Pairs;
 // same values).
 inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G, int fmt,
                              float* v) {
-  const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, fmt);
+  const float scale = fp4_scale(msg + loco::kHeaderBytes, ng, gcol, fmt);
   const uint8_t* packed = msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, fmt) + gcol * G / 2;
 #if defined(__AVX2__)
   for (int j = 0; j < G; j += 8)
@@ -1401,17 +1432,10 @@ torch::Tensor decode_sum(const torch::Tensor& messages, int64_t m, int64_t bits,
   const uint8_t* msgs = messages.data_ptr<uint8_t>();
 #if defined(__AVX2__)
   if (bits == 4 || bits == 8) {
-    auto group = fmt == kMx ? decode_sum_group<4, kMx>
-                 : fmt == kNv ? decode_sum_group<4, kNv>
-                 : bits == 4 ? decode_sum_group<4, kInt> : decode_sum_group<8, kInt>;
-#pragma omp parallel num_threads((int)threads)
-    {
-      std::vector<float> scales(k);
-#pragma omp for schedule(static)
-      for (int64_t gcol = 0; gcol < ng; ++gcol)
-        group(msgs, k, P, ng, gcol, (int)G, std::min<int64_t>(G, m - gcol * G), scales.data(),
-              o + gcol * G);
-    }
+    const auto all = fmt == kMx ? decode_sum_groups<4, kMx>
+                     : fmt == kNv ? decode_sum_groups<4, kNv>
+                     : bits == 4 ? decode_sum_groups<4, kInt> : decode_sum_groups<8, kInt>;
+    all(msgs, k, P, m, ng, (int)G, o, (int)threads);
     return out;
   }
 #endif
