@@ -25,13 +25,14 @@ COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "intra_node_b
 PASSES = 7
 
 
-def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu"):
+def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto"):
     """``PASSES`` backward passes of compressed all-reduces of `CALLS` on a group with
     ``call_plans`` = ``plans`` (a list: each rank's; the schedule agrees again every 3 runs of
     a place): every result, the error states after, how many calls ran by a plan and how many plans were
     made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
     longer (then also: the passes that raised `CollectiveMismatchError`, and each pass's plan
-    runs). ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py)."""
+    runs). ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py);
+    ``fmt``: the group's code format (``LocoConfig.format``)."""
     call_schedule.REAGREE_EVERY = 3
     runs, made = [0], [0]
     run, init = call_plan.CallPlan.run, call_plan.CallPlan.__init__
@@ -48,7 +49,7 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu"):
     if isinstance(plans, list):
         plans = plans[rank]
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, issuer="inline", call_plans=plans))
+        cost_model=False, issuer="inline", call_plans=plans, format=fmt))
     if device == "cuda":
         from lowbitcc.tools import spawn
 
@@ -83,10 +84,10 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu"):
     return results, (states, {k: counted[k] for k in COUNTED}), runs[0], made[0]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_planned_calls_equal_their_jobs_bit_for_bit(world):
-    planned = run_ranks(_passes, world, True, timeout=180)
-    jobs = run_ranks(_passes, world, False, timeout=180)
+@pytest.mark.parametrize("world,fmt", [(2, "auto"), (3, "auto"), (3, "nvfp4")])
+def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt):
+    planned = run_ranks(_passes, world, True, None, "cpu", fmt, timeout=180)
+    jobs = run_ranks(_passes, world, False, None, "cpu", fmt, timeout=180)
     for (got, got_states, runs, made), (want, want_states, no_runs, none_made) in zip(planned,
                                                                                     jobs):
         assert no_runs == none_made == 0
