@@ -150,7 +150,7 @@ EOF
         done 2>&1 | tee "$out/perf.txt" ;;
     codec)
         timeout 150 $py -m lowbitcc codec-bench --device cuda -b "${CODEC_MIN:-1M}" -e 256M -f 4 --min-time 0.2 \
-            2>&1 | tee "$out/codec.txt" ;;
+            --formats mxfp4 nvfp4 int 2>&1 | tee "$out/codec.txt" ;;
     *) echo "unknown phase $phase" ;;
     esac
 done
