@@ -1,4 +1,5 @@
-"""`CallPlan`: one call place's steady-state compressed all-reduce, read and run in one method.
+"""`CallPlan`: one call place's steady-state compressed all-reduce or reduce-scatter, read and
+run in one method.
 
 Under the call schedule (`call_schedule`) a place whose entry is compressed runs the same call
 step after step, without a descriptor exchange, for 63 runs out of 64. Everything such a call
@@ -9,15 +10,18 @@ ranks agree on at the place while its call stays the same): the call's codec, on
 statistics' byte counts and the cost model's size class. `CallPlan.run` is then the whole
 call: call number, feedback key, encode, transfers, decodes, new error states, deferred
 errors; the same arithmetic, transfers, keys and error states as the direct schedule
-(`schedules.direct`) run through `compressed_call.AllReduceCall`, so that ranks may differ in
-which of the two runs a call (`tests/backend/test_call_plans.py` holds them equal bit for bit).
+(`schedules.direct`) run through `compressed_call.AllReduceCall` or `ReduceScatterCall`, so
+that ranks may differ in which of the two runs a call (`tests/backend/test_call_plans.py` holds
+them equal bit for bit).
 
-Served (`Reductions.at_issue`): an all-reduce of one contiguous dense tensor on an issuer with
+Served (`Reductions.at_issue`): an all-reduce of one contiguous dense tensor, or a
+reduce-scatter of one into one output (`_reduce_scatter_base`, `reduce_scatter_tensor`), on an
+issuer with
 ``plans`` (`LOCO_ISSUER=inline` on CPU, and CUDA outside a graph capture, whose issuer runs
 `run` on the call's stream, `cuda_issue.CudaIssuer.compressed`), ``LocoConfig.call_plans``
 on. A place's compressed entry always runs the direct schedule (`call_schedule.runs_for`),
-and inline routes never cut rows into chunks. Not yet served: reduce-scatter and calls of
-several tensors; those run their jobs as before.
+and inline routes never cut rows into chunks. Not yet served: calls of several tensors
+(a list of outputs, coalesced calls); those run their jobs as before.
 
 Threads: the calling thread only (the issuer's), one call at a time.
 """
@@ -39,23 +43,26 @@ from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
 
-COLLECTIVE = "all_reduce"
+PLAN_COLLECTIVES = ("all_reduce", "reduce_scatter")
+"""The collectives a plan runs."""
 
 
 class CallPlan:
-    """The steady-state compressed all-reduce of one place of ``group``, on ``route``, of
-    tensors like ``like`` (dtype, device, number of elements; see the module docstring)."""
+    """The steady-state compressed ``collective`` (one of `PLAN_COLLECTIVES`) of one place of ``group``,
+    on ``route``, of input tensors like ``like`` (dtype, device, number of elements; see the
+    module docstring)."""
 
-    def __init__(self, group: CallGroup, route: Route, like: torch.Tensor) -> None:
+    def __init__(self, group: CallGroup, route: Route, like: torch.Tensor,
+                 collective: str = "all_reduce") -> None:
         n = group.size
-        self.group, self.route = group, route
+        self.group, self.route, self.collective = group, route, collective
         self.numel = like.numel()
         self.m = m = -(-self.numel // n)
         self.nbytes = self.numel * like.element_size()
         self.codec_dtype = like.dtype
-        self.logical_bytes = COLLECTIVES[COLLECTIVE].logical_bytes(n * m * like.element_size(), n)
-        self.size_class = CostModel.size_class(COLLECTIVE, self.nbytes, like.device.type)
-        self.codec = group.codec(COLLECTIVE, like.dtype, self.numel, like.device.type, route)
+        self.logical_bytes = COLLECTIVES[collective].logical_bytes(n * m * like.element_size(), n)
+        self.size_class = CostModel.size_class(collective, self.nbytes, like.device.type)
+        self.codec = group.codec(collective, like.dtype, self.numel, like.device.type, route)
         self.comp = group.compressor(self.codec)
         self.transport = route.links.world
         self._decoded: torch.Tensor | None = None  # `decoded`, made by the first run
@@ -71,13 +78,15 @@ class CallPlan:
         (`CallCompressor.foreign`), which the CUDA issuer turns into the Work's verdict word."""
         self.seq = 0
 
-    def run(self, tensor: torch.Tensor, op: Any) -> None:
-        """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, compressed;
-        raises what the call met (a peer's deviation, a corrupt message) once every transfer
-        of the call is done, as `compressed_call.CompressedCall` does."""
+    def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None = None) -> None:
+        """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, or (a
+        reduce-scatter plan) reduce-scatter it into ``output`` (this rank's ``numel / size``
+        elements), compressed; raises what the call met (a peer's deviation, a corrupt
+        message) once every transfer of the call is done, as
+        `compressed_call.CompressedCall` does."""
         group, comp = self.group, self.comp
         self.seq = group.agreement.next_seq()
-        key, derived = group.key(COLLECTIVE, tensor, self.numel)
+        key, derived = group.key(self.collective, tensor, self.numel)
         buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
         stop = None
         if group.modelled(self.numel) and not policy.forced():
@@ -88,7 +97,9 @@ class CallPlan:
         comp.restart(self.codec.with_seq(self.seq), key, buffer)
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
         source = Source(out, group.size, self.m, Reduction.of(op, group.size).input_factor())
-        if group.size == 2:
+        if output is not None:
+            self._reduce_scatter(source, output)
+        elif group.size == 2:
             self._gather(source, out)
         else:
             self._scatter_gather(source, out)
@@ -100,7 +111,7 @@ class CallPlan:
 
     def describe(self) -> str:
         """The last run's call, for messages."""
-        return f"{COLLECTIVE} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
+        return f"{self.collective} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
 
     def decoded(self, device: torch.device) -> torch.Tensor:
         """fp32 ``[m]`` on ``device`` for the reduced own row (more than two ranks) or a row
@@ -164,6 +175,21 @@ class CallPlan:
             else:
                 decoded = comp.decode_sum(gathered[:, r], m, r, self.decoded(out.device))
                 out[lo:hi].copy_(decoded[:hi - lo])
+
+    def _reduce_scatter(self, source: Source, output: torch.Tensor) -> None:
+        """Every row encoded (stage "rs") and sent to its owner, the own row's messages summed
+        in rank order into ``output`` (straight where it is contiguous fp32, else through the
+        decode buffer and a cast)."""
+        comp, m, rank, device = self.comp, self.m, self.group.rank, output.device
+        rows = len(self.shards)
+        messages = comp.encode("rs", source, self.shards, self.sent(device, rows),
+                               self.flags(device, rows))
+        received = self.transport.all_to_all_async(messages).wait()
+        if output.dtype == torch.float32 and output.is_contiguous():
+            comp.decode_sum(received, m, rank, output.view(-1))
+        else:
+            output.copy_(comp.decode_sum(received, m, rank, self.decoded(device)).view(
+                output.shape))
 
     def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
         """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's

@@ -210,11 +210,13 @@ class CudaIssuer:
         and runs c10d's own call, as every captured compressed call does)."""
         return not torch.cuda.is_current_stream_capturing()
 
-    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
-                 native: tuple[str, tuple]) -> dist.Work:
+    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any, native: tuple[str, tuple],
+                 output: torch.Tensor | None = None) -> dist.Work:
         """`Issuer.run_plan`: the plan's run on the call's stream, as a compressed job's
         (`compressed`)."""
-        return self.compressed(lambda: plan.run(tensor, op), None, [tensor], [tensor],
+        outputs = [tensor if output is None else output]
+        return self.compressed(lambda: plan.run(tensor, op, output), None,
+                               [tensor] + ([] if output is None else [output]), outputs,
                                native[1][-1].asyncOp, [plan])
 
     def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:

@@ -64,11 +64,11 @@ class InlineIssuer:
                     result.finish()
         return self._queue.completed(outputs)
 
-    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
-                 native: tuple[str, tuple]) -> dist.Work:
-        if tensor.requires_grad:
+    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any, native: tuple[str, tuple],
+                 output: torch.Tensor | None = None) -> dist.Work:
+        if tensor.requires_grad or (output is not None and output.requires_grad):
             with torch.no_grad():  # written in place, as by `run`'s jobs
-                plan.run(tensor, op)
+                plan.run(tensor, op, output)
         else:
-            plan.run(tensor, op)
-        return self._queue.completed([tensor])
+            plan.run(tensor, op, output)
+        return self._queue.completed([tensor if output is None else output])

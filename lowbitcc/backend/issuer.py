@@ -84,9 +84,10 @@ class Issuer(Protocol):
         ``tensors``: every tensor the call reads or writes; ``outputs`` the Work's value."""
         ...
 
-    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any,
-                 native: tuple[str, tuple]) -> dist.Work:
-        """Issue a place's compressed all-reduce of ``tensor`` by ``op`` by the place's
-        `call_plan.CallPlan` (``plan.run(tensor, op)``; ``native``: c10d's method and arguments,
-        for where the call must run exact); only where `plans`."""
+    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any, native: tuple[str, tuple],
+                 output: torch.Tensor | None = None) -> dist.Work:
+        """Issue a place's compressed all-reduce of ``tensor`` (or reduce-scatter of ``tensor``
+        into ``output``) by ``op`` by the place's `call_plan.CallPlan` (``plan.run(tensor, op,
+        output)``; ``native``: c10d's method and arguments, for where the call must run exact);
+        only where `plans`. The Work's value is ``[output]`` (``[tensor]`` for an all-reduce)."""
         ...

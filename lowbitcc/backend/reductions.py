@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
-from lowbitcc.backend.call_plan import CallPlan
+from lowbitcc.backend.call_plan import PLAN_COLLECTIVES, CallPlan
 from lowbitcc.backend.call_schedule import DEVIATE, EXCHANGE, PLANNED, Entry, Plan, Poisoned
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviation
@@ -63,8 +63,8 @@ class Reductions:
         issuer = self._issuers.get(tensor.device.type)
         if issuer is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return None
-        if collective == "all_reduce" and issuer.plans and self._compressed.config.call_plans:
-            work = self._run_plan(issuer, tensor, numel, op, (method, args))
+        if issuer.plans and self._compressed.config.call_plans:
+            work = self._run_plan(issuer, collective, tensor, output, numel, op, (method, args))
             if work is not None:
                 return work
         if op_type(op) not in issuer.native_ops:
@@ -81,25 +81,26 @@ class Reductions:
         count_exact(collective, nbytes, self._world)
         return issuer.leased_native(method, args, [output], size_class, nbytes)
 
-    def _run_plan(self, issuer: Issuer, tensor: torch.Tensor, numel: int, op: Any,
-                  native: tuple[str, tuple]) -> Any:
-        """Run an all-reduce of ``tensor`` as its place's compressed entry, by the place's
-        `call_plan.CallPlan` (made on the first such run), where the place holds such an entry
-        that the call matches (its dtype floating point: no op is refused); None: nothing
-        taken. ``native``: c10d's method and arguments (the exact call where a graph is being
-        captured, on CUDA)."""
-        if not tensor.is_contiguous():
+    def _run_plan(self, issuer: Issuer, collective: str, tensor: torch.Tensor,
+                  output: torch.Tensor, numel: int, op: Any, native: tuple[str, tuple]) -> Any:
+        """Run an all-reduce of ``tensor`` (or a reduce-scatter of it into ``output``) as its
+        place's compressed entry, by the place's `call_plan.CallPlan` (made on the first such
+        run), where the place holds such an entry that the call matches (its dtype floating
+        point: no op is refused); None: nothing taken. ``native``: c10d's method and arguments
+        (the exact call where a graph is being captured, on CUDA)."""
+        if collective not in PLAN_COLLECTIVES or not tensor.is_contiguous():
             return None
-        entry = self._compressed.places.planned("all_reduce", tensor, numel, op, exact=False)
+        entry = self._compressed.places.planned(collective, tensor, numel, op, exact=False)
         if entry is None:
             return None
         plan = entry.plan
         if plan is None:
             plan = entry.plan = CallPlan(self._compressed, self._compressed.route(tensor.device),
-                                         tensor)
+                                         tensor, collective)
         plan.canary_entry = entry
         try:
-            return issuer.run_plan(plan, tensor, op, native)
+            return issuer.run_plan(plan, tensor, op, native,
+                                   None if collective == "all_reduce" else output)
         finally:
             plan.canary_entry = None  # the entry holds the plan: no cycle left behind
 

@@ -14,10 +14,13 @@ from lowbitcc.backend import call_plan, call_schedule
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from tests.support.ranks import run_ranks
 
-CALLS = [  # (shape, dtype, op): not a multiple of 3 ranks, a cast, 2-D, an input factor
-    ((65536,), torch.float32, dist.ReduceOp.SUM),
-    ((100_003,), torch.float32, dist.ReduceOp.AVG),
-    ((350, 200), torch.bfloat16, dist.ReduceOp.SUM),
+CALLS = [  # (shape, dtype, op, collective): not a multiple of 3 ranks, a cast, 2-D, an input
+    # factor; a reduce-scatter's shape is its output's (its input holds one per rank)
+    ((65536,), torch.float32, dist.ReduceOp.SUM, "all_reduce"),
+    ((100_003,), torch.float32, dist.ReduceOp.AVG, "all_reduce"),
+    ((350, 200), torch.bfloat16, dist.ReduceOp.SUM, "all_reduce"),
+    ((40_000,), torch.float32, dist.ReduceOp.SUM, "reduce_scatter"),
+    ((33_333,), torch.bfloat16, dist.ReduceOp.AVG, "reduce_scatter"),
 ]
 COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "intra_node_bytes",
            "inter_node_bytes")
@@ -26,7 +29,8 @@ PASSES = 7
 
 
 def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto"):
-    """``PASSES`` backward passes of compressed all-reduces of `CALLS` on a group with
+    """``PASSES`` backward passes of the compressed all-reduces and reduce-scatters of `CALLS`
+    on a group with
     ``call_plans`` = ``plans`` (a list: each rank's; the schedule agrees again every 3 runs of
     a place): every result, the error states after, how many calls ran by a plan and how many plans were
     made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
@@ -58,15 +62,21 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto")
     results, raised, per_pass = [], [], []
     for p in range(PASSES):
         shapes = [(shape[0] + 64 * (p == deviate_at and rank == world - 1 and i == 1),
-                   *shape[1:]) for i, (shape, _, _) in enumerate(CALLS)]
-        inputs = [torch.randn(*shape, generator=gen).to(dtype).to(device)
-                  for shape, (_, dtype, _) in zip(shapes, CALLS)]
+                   *shape[1:]) for i, (shape, *_) in enumerate(CALLS)]
+        inputs = [torch.randn(shape[0] * (world if coll == "reduce_scatter" else 1), *shape[1:],
+                              generator=gen).to(dtype).to(device)
+                  for shape, (_, dtype, _, coll) in zip(shapes, CALLS)]
+        outputs = [torch.zeros(shape, dtype=dtype, device=device) if coll == "reduce_scatter"
+                   else x for x, shape, (_, dtype, _, coll) in zip(inputs, shapes, CALLS)]
         w = torch.zeros(1, requires_grad=True)
 
-        def issue(grad, inputs=inputs):
+        def issue(grad, inputs=inputs, outputs=outputs):
             with lowbitcc.compressed():
-                for x, (_, _, op) in zip(inputs, CALLS):
-                    dist.all_reduce(x, op=op, group=group)
+                for x, y, (_, _, op, coll) in zip(inputs, outputs, CALLS):
+                    if coll == "reduce_scatter":
+                        dist.reduce_scatter_tensor(y, x, op=op, group=group)
+                    else:
+                        dist.all_reduce(x, op=op, group=group)
             return grad
 
         w.register_hook(issue)
@@ -76,7 +86,7 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto")
         except CollectiveMismatchError:
             raised.append(p)
         per_pass.append(runs[0] - before)
-        results.append([x.to("cpu", copy=True) for x in inputs])
+        results.append([y.to("cpu", copy=True) for y in outputs])
     states = lowbitcc.state.FEEDBACK.state_dict()["states"]
     if deviate_at is not None:
         return raised, per_pass
@@ -109,8 +119,9 @@ def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt):
             if state["scales"] is not None:
                 assert torch.equal(state["scales"], other["scales"]), key
     first = planned[0][0]
-    for got, *_ in planned[1:]:  # every rank ends with the same bits
-        assert all(torch.equal(a, b) for pa, pb in zip(got, first) for a, b in zip(pa, pb))
+    for got, *_ in planned[1:]:  # every rank ends with the same bits (its own shard: scatters)
+        assert all(torch.equal(a, b) for pa, pb in zip(got, first)
+                   for a, b, call in zip(pa, pb, CALLS) if call[3] == "all_reduce")
 
 
 def test_ranks_may_differ_in_call_plans():

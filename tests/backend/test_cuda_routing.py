@@ -186,8 +186,9 @@ class _FakePlan:
     def __init__(self, log: list, state: dict) -> None:
         self.log, self.state = log, state
 
-    def run(self, tensor, op) -> None:
-        self.log.append(("plan", self.state["current"].name, tensor.name, op))
+    def run(self, tensor, op, output=None) -> None:
+        self.log.append(("plan", self.state["current"].name, tensor.name, op)
+                        + (() if output is None else (output.name,)))
 
     def describe(self) -> str:
         return "the plan's call"
@@ -205,6 +206,15 @@ def test_a_place_plan_runs_on_the_calls_stream_and_never_while_captured(fake_cud
     assert issuer.plans and isinstance(work, cuda_issue.StreamWork)
     assert log == [("wait_stream", "side1", "current"), ("plan", "side1", "out", "sum"),
                    ("record_stream", "out", "side1")]
+    log.clear()  # a reduce-scatter's plan: the input read, the output written and returned
+    inp = FakeTensor(log, "inp")
+    rs_options = dist.ReduceScatterOptions()
+    rs_options.asyncOp = False
+    work = issuer.run_plan(_FakePlan(log, state), inp, "sum",
+                           ("_reduce_scatter_base", (out, inp, rs_options)), out)
+    # the previous call's event first (it ran on the side stream), then the plan on the current
+    assert log == [("wait_event", "current", "side1"), ("plan", "current", "inp", "sum", "out")]
+    assert work._outputs == [out]  # the Work's value: the reduce-scatter's output
     state["capturing"] = True  # the call's job runs instead: it counts and goes exact
     assert not issuer.plans
     with pytest.raises(RuntimeError, match="graph capture"):

@@ -161,8 +161,10 @@ class _Group:
     compressor = CompressedCalls.compressor  # the group's own: config and rank
 
 
-def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") -> GpuWork:
-    """The GPU work of the third run of a place's `CallPlan` (its error state kept), rank 0."""
+def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4",
+                  collective: str = "all_reduce") -> GpuWork:
+    """The GPU work of the third run of a place's `CallPlan` (its error state kept), rank 0:
+    an all-reduce of ``numel`` elements, or a reduce-scatter of them into ``numel / world``."""
     work = GpuWork()
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
         [name.split("<")[0].removeprefix("loco_cuda::")]))
@@ -172,13 +174,14 @@ def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") -> Gp
                        world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     route = types.SimpleNamespace(links=Links.of(NcclTransport(_RecordingGroup(work, 0, world))))
     x = torch.empty(numel, device="meta")
-    plan = CallPlan(_Group(world, codec), route, x)
+    out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
+    plan = CallPlan(_Group(world, codec), route, x, collective)
     for _ in range(2):
-        plan.run(x, dist.ReduceOp.SUM)
+        plan.run(x, dist.ReduceOp.SUM, out)
     work.launches.clear()
     work.nccl.clear()
     with _Classified(work):
-        plan.run(x, dist.ReduceOp.SUM)
+        plan.run(x, dist.ReduceOp.SUM, out)
     return work
 
 
@@ -210,6 +213,19 @@ def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, pl
     assert work.launches["check_fold"] == 0, summary  # the decodes check the rows themselves
     assert work.launches["frame_body"] == work.launches["frame_fold"] == 0, summary  # the encode
     assert sum(work.nccl.values()) == (1 if world == 2 else 2), summary
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_planned_cuda_reduce_scatter_takes_an_encode_and_a_decode(world, monkeypatch):
+    """A reduce-scatter's plan: one encode (which frames its messages), one NCCL all-to-all,
+    one `decode_sum` straight into the fp32 output (which checks its rows); allocated: the
+    call's verdict and the all-to-all's received messages (`Transport.all_to_all_async` takes
+    no output buffer yet)."""
+    work = _planned_call(world, 1 << 20, monkeypatch, collective="reduce_scatter")
+    summary = f"{dict(work.kernels)}, codec {dict(work.launches)}, NCCL {dict(work.nccl)}"
+    assert work.total_kernels == 2 and work.launches == {"encode": 1, "decode_sum": 1}, summary
+    assert work.nccl == {"all_to_all": 1}, summary
+    assert work.allocations == 2 and work.host_to_device == work.synchronisations == 0, summary
 
 
 @pytest.mark.parametrize("planned", [False, True], ids=["job", "plan"])
