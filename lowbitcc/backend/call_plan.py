@@ -148,9 +148,10 @@ class CallPlan:
         return self._flags
 
     def received(self, device: torch.device, numel: int) -> torch.Tensor:
-        """uint8 ``[numel]``: the all-gathered messages of two ranks, kept for every run as
-        `sent` is (the next run's all-gather writes it after this run's decodes read it, in
-        the call order of the inline issuer and on the ordered streams of CUDA)."""
+        """uint8 ``[numel]``: the received messages (the all-gather of two ranks, the all-to-all
+        of more), kept for every run as `sent` is (the next run's transfer writes it after this
+        run's decodes read it, in the call order of the inline issuer and on the ordered streams
+        of CUDA)."""
         if self._received is None:
             self._received = torch.empty(numel, dtype=torch.uint8, device=device)
         if device.type == "cuda":
@@ -184,7 +185,8 @@ class CallPlan:
         rows = len(self.shards)
         messages = comp.encode("rs", source, self.shards, self.sent(device, rows),
                                self.flags(device, rows))
-        received = self.transport.all_to_all_async(messages).wait()
+        received = self.transport.all_to_all_async(
+            messages, self.received(device, messages.numel())).wait()
         if output.dtype == torch.float32 and output.is_contiguous():
             comp.decode_sum(received, m, rank, output.view(-1))
         else:
@@ -199,7 +201,8 @@ class CallPlan:
         rows = len(self.shards)
         messages = comp.encode("rs", source, self.shards, self.sent(out.device, rows),
                                self.flags(out.device, rows))
-        received = self.transport.all_to_all_async(messages).wait()
+        received = self.transport.all_to_all_async(
+            messages, self.received(out.device, messages.numel())).wait()
         reduced = comp.decode_sum(received, m, rank, self.decoded(out.device))
         mine = comp.encode("ag", Source(reduced, 1, m), [rank])
         gathered = self.transport.all_gather_async(mine[0]).wait()

@@ -28,8 +28,10 @@ class Transport(Protocol):
         """``send`` is ``uint8 [P]``; returns ``[size, P]`` whose row ``i`` came from rank ``i``."""
         ...
 
-    def all_to_all_async(self, send: torch.Tensor) -> Pending:
-        """`all_to_all` started in the background; ``send`` must stay untouched until waited."""
+    def all_to_all_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        """`all_to_all` started in the background; ``send`` must stay untouched until waited.
+        ``out`` (``send.numel()`` contiguous elements of its dtype on its device), when given,
+        receives the rows instead of a new buffer (a call plan keeps one)."""
         ...
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
@@ -55,7 +57,8 @@ class Pending(Protocol):
 
 
 def received(out: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """Flat ``out`` where given (`Transport.all_gather_async`'s: checked to hold ``numel``
+    """Flat ``out`` where given (`Transport.all_gather_async`'s and `all_to_all_async`'s:
+    checked to hold ``numel``
     contiguous elements of ``like``'s dtype on its device), else a new buffer of that size."""
     if out is None:
         return torch.empty(numel, dtype=like.dtype, device=like.device)

@@ -51,8 +51,9 @@ class GlooTransport:
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
         return self.all_gather_async(send).wait()
 
-    def all_to_all_async(self, send: torch.Tensor) -> _GlooPending:
-        recv = torch.empty(send.numel(), dtype=send.dtype)
+    def all_to_all_async(self, send: torch.Tensor,
+                         out: torch.Tensor | None = None) -> _GlooPending:
+        recv = received(out, send.numel(), send)
         work = self.group.alltoall_base(recv, send.reshape(-1), [], [], dist.AllToAllOptions())
         return _GlooPending(self, work, recv.view(send.shape), send)
 

@@ -50,8 +50,9 @@ class MeteredTransport:
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
         return self._metered(self.inner.all_gather, send, send.numel())
 
-    def all_to_all_async(self, send: torch.Tensor) -> Pending:
-        return self._started(self.inner.all_to_all_async, (send,), self._to_peers(send.shape[1]))
+    def all_to_all_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        return self._started(self.inner.all_to_all_async, (send,) if out is None else (send, out),
+                             self._to_peers(send.shape[1]))
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
         return self._started(self.inner.all_gather_async, (send,) if out is None else (send, out),

@@ -75,9 +75,10 @@ class MpiTransport:
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
         return self.all_gather_async(send).wait()
 
-    def all_to_all_async(self, send: torch.Tensor) -> _MpiPending:
+    def all_to_all_async(self, send: torch.Tensor,
+                         out: torch.Tensor | None = None) -> _MpiPending:
         send = send.contiguous()
-        recv = torch.empty_like(send)
+        recv = received(out, send.numel(), send).view(send.shape)
         request = self.comm.Ialltoall(send.numpy(), recv.numpy())
         return _MpiPending(self, request, recv, send, "all-to-all")
 

@@ -62,9 +62,9 @@ class NcclTransport:
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
         return self.all_gather_async(send).wait()
 
-    def all_to_all_async(self, send: torch.Tensor) -> Enqueued:
+    def all_to_all_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Enqueued:
         flat = send.reshape(-1).contiguous()
-        recv = torch.empty_like(flat)
+        recv = received(out, flat.numel(), flat)
         work = self.group.alltoall_base(recv, flat, [], [], _sync(dist.AllToAllOptions()))
         return Enqueued(work, recv.view(send.shape))
 

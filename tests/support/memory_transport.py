@@ -83,11 +83,12 @@ class MemoryTransport:
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
         return self.all_gather_async(send).wait()
 
-    def all_to_all_async(self, send: torch.Tensor) -> _Gather:
+    def all_to_all_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> _Gather:
         seq = self._next()
         for dst in range(self.size):
             self.group.box(("a2a", seq, self.rank, dst)).put(send[dst].clone())
-        return _Gather([self.group.box(("a2a", seq, src, self.rank)) for src in range(self.size)])
+        return _Gather([self.group.box(("a2a", seq, src, self.rank)) for src in range(self.size)],
+                       out)
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> _Gather:
         seq = self._next()
