@@ -62,9 +62,12 @@ def encode_warps(rows: int, ng: int, group_size: int, fmt: str) -> int:
     """Warps of work in one encode (its tasks, ``encode`` in ``cuda_codec.cu``): a block of a
     row each for a format with blocks (`formats.Format.block`), else ``32 / segment_lanes``
     consecutive groups each."""
-    block = formats.FORMATS[fmt].block
-    if block:
-        return rows * -(-ng // block)
+    spec = formats.FORMATS[fmt]
+    if spec.block:
+        if group_size != spec.default_group:  # a warp takes a block: its groups, 2 lanes each
+            raise ValueError(f"lowbitcc: the CUDA encode takes {fmt} groups of "
+                             f"{spec.default_group}, not {group_size}")
+        return rows * -(-ng // spec.block)
     return -(-rows * ng // (32 // segment_lanes(group_size)))
 
 

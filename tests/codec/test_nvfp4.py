@@ -136,3 +136,13 @@ def test_message_is_4_53_bits_per_element_names_its_format_and_takes_groups_of_1
         ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5, fmt="nvfp4")
     with pytest.raises(ValueError, match="nvfp4 codes are 4 bits"):
         ShardCodec(bits=8, group_size=16, dtype_code=0, seq=1, world=1, signature=5, fmt="nvfp4")
+
+
+def test_the_cuda_encode_takes_a_warp_per_block_of_16_groups_of_16():
+    """One warp task per block of a row (its grid), and no other group size: the kernel's
+    lanes are laid out for 16."""
+    from lowbitcc.codec import cuda_build
+
+    assert cuda_build.encode_warps(3, 40, 16, "nvfp4") == 3 * 3
+    with pytest.raises(ValueError, match="nvfp4 groups of 16, not 32"):
+        cuda_build.encode_warps(1, 4, 32, "nvfp4")
