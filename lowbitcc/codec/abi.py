@@ -3,8 +3,9 @@
 - `ERROR_MODES`: error-state storage name (None: feedback off) -> ``loco::ErrorMode`` value.
 - `FORMAT_CODES`: code format name -> ``loco::Format`` value (the names are
   `wire.FORMATS`, checked here).
-- the shard header's layout (``kFlagsOffset``, ``kShardOffset``, ...) equals `wire`'s, checked
-  at import;
+- the shard header's layout (``kFlagsOffset``, ``kShardOffset``, ...) equals `wire`'s, and
+  NVFP4's group and block sizes (``kNvGroup``, ``kNvBlock``) the format table's, checked at
+  import;
 - `encode_args_dtype()`: a NumPy structured dtype with the byte layout of ``loco::EncodeArgs``
   (host ABI, x86-64 and aarch64 alike, which CUDA's device ABI matches for such structs), so the
   CUDA launcher passes one struct by value, as CuPy does for structured scalars
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lowbitcc.codec import wire
+from lowbitcc.codec import formats, wire
 from lowbitcc.codec.wire import FORMATS
 
 CSRC = Path(__file__).parent / "csrc"
@@ -79,6 +80,11 @@ _HEADER_FIELDS = {"kHeaderBytes": wire.HEADER_BYTES, "kFlagsOffset": wire.FLAGS_
 if any(_constant(name) != value for name, value in _HEADER_FIELDS.items()):
     raise RuntimeError(f"lowbitcc: {HEADER}'s shard header constants differ from wire.py's "
                        f"{_HEADER_FIELDS}")
+_NVFP4 = {"kNvGroup": formats.FORMATS["nvfp4"].default_group,
+          "kNvBlock": formats.FORMATS["nvfp4"].block}
+"""NVFP4's group and block sizes as the kernels lay them out, and the format table's."""
+if any(_constant(name) != value for name, value in _NVFP4.items()):
+    raise RuntimeError(f"lowbitcc: {HEADER}'s NVFP4 constants differ from formats.py's {_NVFP4}")
 
 
 @functools.cache

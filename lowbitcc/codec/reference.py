@@ -65,6 +65,8 @@ from lowbitcc.codec import formats, wire
 CODE_DTYPE = torch.int8
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """FP4 E2M1 magnitudes, by 3-bit index."""
+FP4_FORMATS = ("mxfp4", "nvfp4")
+"""The formats whose codes are 4-bit E2M1 fields (``is_fp4`` in ``loco_codec.cuh``)."""
 
 
 def check_format(fmt: str, bits: int, stochastic: bool = False,
@@ -74,7 +76,7 @@ def check_format(fmt: str, bits: int, stochastic: bool = False,
     if fmt not in wire.FORMATS:
         raise ValueError(f"lowbitcc: unknown code format {fmt!r} "
                          f"(expected one of {wire.FORMATS})")
-    if fmt in ("mxfp4", "nvfp4") and (bits != 4 or stochastic):
+    if fmt in FP4_FORMATS and (bits != 4 or stochastic):
         raise ValueError(f"lowbitcc: {fmt} codes are 4 bits wide, rounded to nearest")
     spec = formats.FORMATS[fmt]
     if spec.fixed_group and group_size is not None and group_size != spec.default_group:
@@ -173,8 +175,8 @@ def _quantize_mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fields.to(CODE_DTYPE), scale
 
 
-NV_BLOCK = 16
-"""Groups per NVFP4 block byte (``loco::kNvBlock``)."""
+NV_BLOCK = formats.FORMATS["nvfp4"].block
+"""Groups per NVFP4 block byte (``loco::kNvBlock``, which `abi` checks)."""
 E4M3_NAN = 0x7F
 
 
@@ -263,7 +265,7 @@ def scales_from_field(raw: torch.Tensor, fmt: str, row_groups: int | None = None
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "int") -> torch.Tensor:
     """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]`` (for "mxfp4"
     and "nvfp4" each code's signed E2M1 value times the scale)."""
-    if fmt in ("mxfp4", "nvfp4"):
+    if fmt in FP4_FORMATS:
         fields = codes.to(torch.int64)
         values = torch.tensor(E2M1, device=codes.device)[fields & 7]
         values = torch.where((fields & 8) != 0, -values, values)
@@ -274,7 +276,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "int") -> t
 def pack(codes: torch.Tensor, bits: int, fmt: str = "int") -> torch.Tensor:
     """Pack int8 codes (any shape, numel a multiple of ``8 // bits``) into a flat uint8 tensor
     (integer codes as ``code + 2**(bits-1)``, mxfp4 codes as they are: they are fields)."""
-    offset = 0 if fmt in ("mxfp4", "nvfp4") else 1 << (bits - 1)
+    offset = 0 if fmt in FP4_FORMATS else 1 << (bits - 1)
     u = (codes.reshape(-1).to(torch.int16) + offset).to(torch.uint8)
     if bits == 8:
         return u
@@ -297,7 +299,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, fmt: str = "int") -> tor
         mask = (1 << bits) - 1
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         u = ((packed[:, None] >> shifts) & mask).reshape(-1)[:numel]
-    offset = 0 if fmt in ("mxfp4", "nvfp4") else 1 << (bits - 1)
+    offset = 0 if fmt in FP4_FORMATS else 1 << (bits - 1)
     return (u.to(torch.int16) - offset).to(CODE_DTYPE)
 
 
