@@ -49,7 +49,7 @@ constexpr int kBf16 = loco::kErrorBf16;
 constexpr int kInt = loco::kFormatInt;
 constexpr int kMx = loco::kFormatMxfp4;
 constexpr int kNv = loco::kFormatNvfp4;
-constexpr bool is_fp4(int fmt) { return fmt == kMx || fmt == kNv; }
+using loco::is_fp4;
 
 inline const at::BFloat16* error_bf16(const EncodeArgs& a) {
   return reinterpret_cast<const at::BFloat16*>(a.ebf16);
@@ -107,11 +107,11 @@ template <int BITS, int FMT>
 inline loco::GroupScale store_scale(float amax, uint8_t* row_msg, int64_t gcol,
                                     uint32_t block = 0) {
   if constexpr (FMT == kNv) {
-    const loco::NvScale s = loco::nv_scale(amax, block);
+    const loco::ByteScale s = loco::nv_scale(amax, block);
     row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
-    return {s.scale, 0.0f, s.finite};
+    return {s.scale, s.inv, s.finite};
   } else if constexpr (FMT == kMx) {
-    const loco::MxScale s = loco::mx_scale(loco::float_as_bits(amax));
+    const loco::ByteScale s = loco::mx_scale(loco::float_as_bits(amax));
     row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
     return {s.scale, s.inv, s.finite};
   } else {
@@ -428,6 +428,34 @@ LOCO_VEC_INLINE void add_halves(__m256d (&acc)[2], __m256 v) {
   acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
 }
 
+// The statistics' fp64 lanes (res_sq and in_sq, 8 each) held in registers by one block encode.
+// `add` takes fp32 lane sums of squares (residuals r2, inputs y2) unless they left fp32's range
+// (values above ~1e19): then it adds nothing and returns false, and the caller adds the same
+// squares in fp64 (square_add on r and y).
+struct Sums {
+  __m256d r[2], y[2];
+
+  LOCO_VEC_INLINE Sums(const double* res_sq, const double* in_sq)
+      : r{_mm256_loadu_pd(res_sq), _mm256_loadu_pd(res_sq + 4)},
+        y{_mm256_loadu_pd(in_sq), _mm256_loadu_pd(in_sq + 4)} {}
+
+  LOCO_VEC_INLINE bool add(__m256 r2, __m256 y2) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(r2, y2),
+                                         _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ)))
+      return false;
+    add_halves(r, r2);
+    add_halves(y, y2);
+    return true;
+  }
+
+  LOCO_VEC_INLINE void store(double* res_sq, double* in_sq) const {
+    for (int h = 0; h < 2; ++h) {
+      _mm256_storeu_pd(res_sq + 4 * h, r[h]);
+      _mm256_storeu_pd(in_sq + 4 * h, y[h]);
+    }
+  }
+};
+
 // loco::fp4_code and loco::fp4_field of the 8 values y of a finite MXFP4 group with reciprocal
 // scale inv (|y * inv| <= 6). e2m1_round's seven steps are IEEE round-half-even onto E2M1's
 // grid, done here directly: below 1 (E2M1's subnormals, spacing 1/2) as round(2a) / 2, from 1 up
@@ -561,26 +589,17 @@ bool encode_block(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
         e[g][i] = _mm256_add_ps(_mm256_mul_ps(e[g][i], beta), _mm256_mul_ps(res, omb));
     }
   }
-  __m256d rd[2] = {_mm256_loadu_pd(res_sq), _mm256_loadu_pd(res_sq + 4)};
-  __m256d yd[2] = {_mm256_loadu_pd(in_sq), _mm256_loadu_pd(in_sq + 4)};
-  if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(r2, y2),
-                                       _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ))) {
-    // squares beyond the fp32 range (values above ~1e19): redo the sums in fp64
+  Sums sums(res_sq, in_sq);
+  if (!sums.add(r2, y2)) {
     for (int g = 0; g < NG; ++g) {
       const __m256 scale = _mm256_set1_ps(s[g].scale);
       for (int i = 0; i < kVecs; ++i) {
-        square_add(rd, residual(y[g][i], t[g][i], scale));
-        square_add(yd, y[g][i]);
+        square_add(sums.r, residual(y[g][i], t[g][i], scale));
+        square_add(sums.y, y[g][i]);
       }
     }
-  } else {
-    add_halves(rd, r2);
-    add_halves(yd, y2);
   }
-  for (int h = 0; h < 2; ++h) {
-    _mm256_storeu_pd(res_sq + 4 * h, rd[h]);
-    _mm256_storeu_pd(in_sq + 4 * h, yd[h]);
-  }
+  sums.store(res_sq, in_sq);
 
   if (MODE == kFp32) {
     for (int g = 0; g < NG; ++g)
@@ -793,8 +812,7 @@ bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b
   for (int g = 0; g < NG; ++g) row_msg[loco::kHeaderBytes + b * NG + g] = (uint8_t)bytes[g];
   uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, kNv) + b * NG * G / 2;
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
-  __m256d rd[2] = {_mm256_loadu_pd(res_sq), _mm256_loadu_pd(res_sq + 4)};
-  __m256d yd[2] = {_mm256_loadu_pd(in_sq), _mm256_loadu_pd(in_sq + 4)};
+  Sums sums(res_sq, in_sq);
   for (int g = 0; g < NG; g += 2) {
     __m256i field[2 * kVecs];
     __m256 t[2][kVecs];
@@ -816,22 +834,14 @@ bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b
       }
     }
     pack32_fields<4>(field, packed + g * G / 2);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(r2, y2),
-                                         _mm256_set1_ps(3.4028234663852886e38f), _CMP_GT_OQ))) {
-      for (int h = 0; h < 2; ++h)  // squares beyond the fp32 range: the pair's sums in fp64
+    if (!sums.add(r2, y2))
+      for (int h = 0; h < 2; ++h)
         for (int i = 0; i < kVecs; ++i) {
-          square_add(rd, residual(y[g + h][i], t[h][i], _mm256_set1_ps(S[g + h])));
-          square_add(yd, y[g + h][i]);
+          square_add(sums.r, residual(y[g + h][i], t[h][i], _mm256_set1_ps(S[g + h])));
+          square_add(sums.y, y[g + h][i]);
         }
-    } else {
-      add_halves(rd, r2);
-      add_halves(yd, y2);
-    }
   }
-  for (int h = 0; h < 2; ++h) {
-    _mm256_storeu_pd(res_sq + 4 * h, rd[h]);
-    _mm256_storeu_pd(in_sq + 4 * h, yd[h]);
-  }
+  sums.store(res_sq, in_sq);
   if (MODE == kFp32) {
     for (int g = 0; g < NG; ++g)
       for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(a.ef32 + (gi0 + g) * G + i * kV, e[g][i]);

@@ -118,7 +118,6 @@ template <typename T, int BITS, int MODE, bool SR, int FMT>
 __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
                                              bool valid, int width, double& rs_acc,
                                              double& is_acc, unsigned long long* row_bad) {
-  constexpr bool kFp4 = FMT == kMx || FMT == kNv;
   const T* __restrict__ src = static_cast<const T*>(a.src);
   __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
   const int G = a.G;
@@ -161,11 +160,11 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
     const unsigned block = loco::nv_block_byte(block_top);
     if (valid && (threadIdx.x & 31) == 0)
       row_msg[loco::kHeaderBytes + a.ng + gcol / loco::kNvBlock] = (unsigned char)block;
-    const loco::NvScale s = loco::nv_scale(bits_to_amax(top), block);
+    const loco::ByteScale s = loco::nv_scale(bits_to_amax(top), block);
     if (leader) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
     scale = s.scale, inv = 0.0f, finite = s.finite;
   } else if (FMT == kMx) {
-    const loco::MxScale s = loco::mx_scale(top);
+    const loco::ByteScale s = loco::mx_scale(top);
     if (leader) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
     scale = s.scale, inv = s.inv, finite = s.finite;
   } else {
@@ -187,7 +186,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
     float code = 0.0f;
-    unsigned field = kFp4 ? 0u : loco::code_to_field(0, BITS);
+    unsigned field = loco::is_fp4(FMT) ? 0u : loco::code_to_field(0, BITS);
     if (finite) {
       if (FMT == kNv) {
         code = loco::nv_code(y[t], scale);
@@ -309,7 +308,7 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
                                             long long j) {
   constexpr int kPer = 8 / BITS;
   const long long gcol = j / G;
-  if (FMT == kMx || FMT == kNv) {
+  if (loco::is_fp4(FMT)) {
     const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
     return loco::fp4_dequantize(
         msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / 2], (int)(j % 2), scale);

@@ -62,6 +62,11 @@ enum Format : int32_t {
 constexpr int kNvGroup = 16;
 constexpr int kNvBlock = 16;
 
+// Whether a format's codes are 4-bit E2M1 fields (reference.FP4_FORMATS).
+LOCO_HD constexpr bool is_fp4(int format) {
+  return format == kFormatMxfp4 || format == kFormatNvfp4;
+}
+
 // The arguments of one encode, shared by the C++ and the CUDA kernels (passed by value to the
 // CUDA kernel). lowbitcc/codec/abi.py reads this struct to lay out the same bytes with NumPy,
 // so keep one field per line, fixed-width types and pointers only; the CPU module exports
@@ -127,7 +132,7 @@ LOCO_HD float amax_step(float amax, float v) {
 // Scale and reciprocal of one group: scale = amax / q, inv = q / amax (0 when amax == 0, and 0
 // when q / amax overflows: a group that small encodes as all-zero codes, never as 0 * inf);
 // a non-finite group gets scale NaN and inv 0 (all its codes are 0). The C++ codec also carries
-// an MXFP4 group's scale, inv and finiteness (MxScale below) in this struct.
+// an FP4 group's scale, inv and finiteness (ByteScale below) in this struct.
 struct GroupScale {
   float scale;
   float inv;
@@ -235,15 +240,17 @@ LOCO_HD uint32_t float_as_bits(float f) {
 // amax <= 6 * 2^k (so no code clips), as E8M0 byte k + 127, at least 1 (2^-126, normal): with
 // amax = (1 + f) 2^(e - 127), k = e - 129 when f <= 1/2 (mantissa bits <= 0x400000), else
 // e - 128. A non-finite group gets byte 0xFF (E8M0's NaN), scale NaN, inv 0. inv = 2^-k exactly.
-struct MxScale {
+// A scale sent as one byte (MXFP4's here, NVFP4's E4M3 in nv_scale): the byte, the scale it
+// stands for, its reciprocal where the codes use one (MXFP4), and whether the group is finite.
+struct ByteScale {
   uint32_t byte;
   float scale;
   float inv;
   bool finite;
 };
 
-LOCO_HD MxScale mx_scale(uint32_t amax_bits) {
-  MxScale s;
+LOCO_HD ByteScale mx_scale(uint32_t amax_bits) {
+  ByteScale s;
   s.finite = amax_bits < 0x7f800000u;
   const int e = (int)(amax_bits >> 23);
   int k = e - ((amax_bits & 0x7fffffu) <= 0x400000u ? 2 : 1);
@@ -324,15 +331,11 @@ LOCO_HD float e4m3_value(uint32_t byte) {
 // * 2^(127 - block byte) (a correctly rounded division, then a product by a power of two) rounded
 // up to the next E4M3 value, at least 2^-9 (so S > 0 and a zero group encodes as zeros; t <= 448
 // by the block byte's rule). A non-finite group gets byte 0x7F (E4M3's NaN) and S NaN. S is
-// exact in fp32 (4 significant bits, at least 2^-135).
-struct NvScale {
-  uint32_t byte;
-  float scale;
-  bool finite;
-};
-
-LOCO_HD NvScale nv_scale(float amax, uint32_t block_byte) {
-  NvScale s;
+// exact in fp32 (4 significant bits, at least 2^-135). inv is 0: the codes compare |y| with
+// the midpoints times S (nv_index).
+LOCO_HD ByteScale nv_scale(float amax, uint32_t block_byte) {
+  ByteScale s;
+  s.inv = 0.0f;
   s.finite = finite(amax);
   const float t = (amax / 6.0f) * bits_as_float((254u - block_byte) << 23);
   uint32_t byte;
