@@ -218,12 +218,15 @@ def test_mxfp4_scale_is_the_least_power_of_two_that_fits_six_codes():
         assert s == 2.0**k, (a, s, k)
 
 
-def test_mxfp4_codes_are_nearest_e2m1_with_ties_to_even():
+@pytest.mark.parametrize("fmt", reference.FP4_FORMATS)
+def test_fp4_codes_are_nearest_e2m1_with_ties_to_even(fmt):
+    """A group of max 6 has scale 1 in both FP4 formats (NVFP4's alone in its block: block
+    byte 119, E4M3 256)."""
     y = torch.tensor([[6.0, -6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.2, 0.3,
                        -5.0, 4.9, 5.1, 0.0]])
-    codes, scales = reference.quantize(y, 4, fmt="mxfp4")
-    assert float(scales[0]) == 1.0
-    out = reference.dequantize(codes, scales, "mxfp4")[0].tolist()
+    codes, scales = reference.quantize(y, 4, fmt=fmt)
+    assert float(reference.scale_values(scales, fmt)[0]) == 1.0
+    out = reference.dequantize(codes, scales, fmt)[0].tolist()
     assert out == [6.0, -6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.0, 0.0, 0.5, -4.0, 4.0,
                    6.0, 0.0]
     # the sign bit is set only on a negative non-zero code
