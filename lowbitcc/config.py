@@ -46,13 +46,17 @@ class LocoConfig:
             one fp32 scale per group), "mxfp4" (4-bit FP4 E2M1 codes, one power-of-two E8M0
             scale byte per group, nearest rounding only), "nvfp4" (4-bit FP4 E2M1 codes, one FP8
             E4M3 scale byte per group of 16 under one E8M0 byte per 16 groups, nearest rounding
-            only; docs/wire-format.md) or "auto" (the default: "mxfp4" at 4 bits with nearest
-            rounding, else "int"). Read the resolved value from `wire_format`.
+            only; docs/wire-format.md) or "auto" (the default: "nvfp4" at 4 bits with nearest
+            rounding and group size 0 or 16, "mxfp4" at 4 bits with other group sizes, else
+            "int"; `formats.auto`). Read the resolved value from `wire_format`.
         group_size: elements sharing one scale, a multiple of 8; 0 (the default): the
             format's own, 32 for "mxfp4", 16 for "nvfp4" (its only one) and 128 for "int"
             (`group_for`).
         beta: LoCo moving-average factor of the error state, in [0, 1); 0 is classic error feedback.
-        feedback: keep and apply an error state at all (False: plain quantization, for studies).
+        feedback: keep and apply an error state at all (False: plain quantization); None (the
+            default, ``LOCO_FEEDBACK=auto``): the format's own (`formats.Format.feedback`), off
+            for "nvfp4" and on for "mxfp4" and "int", as the wide study found best
+            (docs/convergence.md). Read the resolved value from `wire_feedback`.
         reset_interval: the error state of a key is zeroed every this many uses (0: never).
         error_dtype: storage of the error state: "int8" (per-group scales), "bf16" or "fp32".
         min_size: tensors with fewer elements than this travel exact.
@@ -137,7 +141,7 @@ class LocoConfig:
     format: str = "auto"
     group_size: int = 0
     beta: float = 0.8
-    feedback: bool = True
+    feedback: bool | None = None
     reset_interval: int = 1024
     error_dtype: str = "int8"
     min_size: int = 65536
@@ -171,7 +175,13 @@ class LocoConfig:
         """The code format of compressed reductions: ``format``, with "auto" resolved."""
         if self.format != "auto":
             return self.format
-        return formats.auto(self.bits, self.rounding)
+        return formats.auto(self.bits, self.rounding, self.group_size)
+
+    @property
+    def wire_feedback(self) -> bool:
+        """Whether compressed reductions keep and apply an error state: ``feedback``, or where
+        it is None the wire format's own (`formats.Format.feedback`)."""
+        return FORMATS[self.wire_format].feedback if self.feedback is None else self.feedback
 
     def group_for(self, fmt: str) -> int:
         """Elements per scale for payloads in format ``fmt``: ``group_size``, or the format's
@@ -221,8 +231,8 @@ class LocoConfig:
             raise bad("beta", "a number in [0, 1)")
         if not 0.0 <= float(self.beta) < 1.0:
             raise bad("beta", "a number in [0, 1)")
-        if not isinstance(self.feedback, bool):
-            raise bad("feedback", "a bool")
+        if self.feedback is not None and not isinstance(self.feedback, bool):
+            raise bad("feedback", "a bool, or None for the format's own")
         if not _is_int(self.reset_interval) or self.reset_interval < 0:
             raise bad("reset_interval", "an integer >= 0 (0 disables resets)")
         if self.error_dtype not in ERROR_STORAGES:

@@ -61,7 +61,7 @@ def hybrid_mesh(device_type: str, shape: tuple[int, ...],
             config = LocoConfig.from_env()
         if config is not None and param_bits is not None and is_data_parallel(name):
             config = config.replace(param_bits=param_bits)
-        if (config is not None and not is_data_parallel(name) and config.feedback
+        if (config is not None and not is_data_parallel(name) and config.wire_feedback
                 and config.policy != "never"):
             warnings.warn(f"lowbitcc.hybrid_mesh: dimension {name!r} is not data parallel but "
                           "its LocoConfig has feedback=True: the error of one batch's "

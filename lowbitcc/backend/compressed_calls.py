@@ -282,7 +282,7 @@ class CompressedCalls:
         cfg = self.config
         return CallCompressor(
             codec, state.FEEDBACK, key, state.STATS,
-            error_dtype=cfg.error_dtype if cfg.feedback else None, beta=cfg.beta,
+            error_dtype=cfg.error_dtype if cfg.wire_feedback else None, beta=cfg.beta,
             reset_interval=cfg.reset_interval, rank=self.rank, scratch=scratch, buffer=buffer)
 
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,

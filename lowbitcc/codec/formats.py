@@ -3,11 +3,13 @@
 A `Format` says which code widths it takes (``bits``), how many bytes a group's scale takes on
 the wire (``scale_bytes``), its group size when ``LOCO_GROUP_SIZE`` is 0 (``default_group``),
 whether that is the only one it takes (``fixed_group``), how many groups share a second-level
-block byte (``block``, 0: none) and the roundings it allows. The table's order is ``loco::Format``'s in
-``csrc/loco_codec.cuh`` (`abi` checks it), and the header's code byte carries the position
-(`wire.width_byte`). `auto` is ``LOCO_FORMAT=auto``'s rule. The arithmetic of each format is the
-reference's (`reference.quantize`), the C++ kernels' and the CUDA kernels'; adding a format is
-a row here and its arithmetic in those three (docs/architecture.md).
+block byte (``block``, 0: none), the roundings it allows and whether error feedback is on when
+``LOCO_FEEDBACK`` is auto (``feedback``: the wide study's answer, docs/convergence.md). The
+table's order is ``loco::Format``'s in ``csrc/loco_codec.cuh`` (`abi` checks it), and the
+header's code byte carries the position (`wire.width_byte`). `auto` is ``LOCO_FORMAT=auto``'s
+rule. The arithmetic of each format is the reference's (`reference.quantize`), the C++ kernels'
+and the CUDA kernels'; adding a format is a row here and its arithmetic in those three
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Format:
     summary: str
     fixed_group: bool = False
     block: int = 0
+    feedback: bool = True
 
     @property
     def bits_per_element(self) -> float:
@@ -44,7 +47,7 @@ TABLE = (
            "FP4 E2M1 codes, one power-of-two E8M0 scale byte per group"),
     Format("nvfp4", (4,), 1, 16, ("nearest",),
            "FP4 E2M1 codes, one FP8 E4M3 scale byte per group of 16 under one power-of-two E8M0 "
-           "byte per 16 groups", fixed_group=True, block=16),
+           "byte per 16 groups", fixed_group=True, block=16, feedback=False),
 )
 FORMATS: dict[str, Format] = {f.name: f for f in TABLE}
 """The formats by name, in ``loco::Format`` order."""
@@ -53,7 +56,18 @@ WIRES = tuple((bits, f.name) for f in TABLE for bits in f.bits)
 """Every (bits, format) pair a payload can have: what the kernels are instantiated for."""
 
 
-def auto(bits: int, rounding: str) -> str:
-    """``LOCO_FORMAT=auto``: MXFP4 at 4 bits with nearest rounding, else integer codes."""
-    mxfp4 = FORMATS["mxfp4"]
-    return "mxfp4" if bits in mxfp4.bits and rounding in mxfp4.roundings else "int"
+AUTO = ("nvfp4", "mxfp4", "int")
+"""``LOCO_FORMAT=auto``'s preference: the first that takes the bits, rounding and group size
+asked for (NVFP4 trained closest to exact in every cell of the wide study, docs/convergence.md;
+MXFP4, the default until then, where the group size is not NVFP4's 16)."""
+
+
+def auto(bits: int, rounding: str, group_size: int = 0) -> str:
+    """``LOCO_FORMAT=auto``: the first of `AUTO` whose codes are ``bits`` wide, that allows
+    ``rounding`` and takes ``group_size`` (0: the format's own); "int" takes every setting."""
+    for name in AUTO:
+        f = FORMATS[name]
+        fits = not f.fixed_group or group_size in (0, f.default_group)
+        if bits in f.bits and rounding in f.roundings and fits:
+            return name
+    raise AssertionError(f"no format takes bits={bits}, rounding={rounding!r}")

@@ -67,12 +67,13 @@ rank, under the default of 64 Ki (its gradient reduce-scatters, 74-98 Ki, are ov
 
 
 def _dp4(param_bits: int = 0) -> LocoConfig:
-    return LocoConfig(cost_model=False, min_size=DP_MIN_SIZE, param_bits=param_bits)
+    return LocoConfig(format="mxfp4", feedback=True, cost_model=False, min_size=DP_MIN_SIZE,
+                      param_bits=param_bits)
 
 
 def _tp(bits: int, feedback: bool) -> LocoConfig:
-    return LocoConfig(bits=bits, feedback=feedback, policy="always", cost_model=False,
-                      min_size=TP_MIN_SIZE)
+    return LocoConfig(bits=bits, format="mxfp4" if bits == 4 else "int", feedback=feedback,
+                      policy="always", cost_model=False, min_size=TP_MIN_SIZE)
 
 
 SCHEMES: dict[str, tuple[LocoConfig | None, LocoConfig | None]] = {

@@ -28,7 +28,7 @@ COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "intra_node_b
 PASSES = 7
 
 
-def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto"):
+def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto", feedback=None):
     """``PASSES`` backward passes of the compressed all-reduces and reduce-scatters of `CALLS`
     on a group with
     ``call_plans`` = ``plans`` (a list: each rank's; the schedule agrees again every 3 runs of
@@ -36,7 +36,7 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto")
     made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
     longer (then also: the passes that raised `CollectiveMismatchError`, and each pass's plan
     runs). ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py);
-    ``fmt``: the group's code format (``LocoConfig.format``)."""
+    ``fmt``, ``feedback``: the group's code format and feedback setting (`LocoConfig`'s)."""
     call_schedule.REAGREE_EVERY = 3
     runs, made = [0], [0]
     run, init = call_plan.CallPlan.run, call_plan.CallPlan.__init__
@@ -53,7 +53,7 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto")
     if isinstance(plans, list):
         plans = plans[rank]
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, issuer="inline", call_plans=plans, format=fmt))
+        cost_model=False, issuer="inline", call_plans=plans, format=fmt, feedback=feedback))
     if device == "cuda":
         from lowbitcc.tools import spawn
 
@@ -94,10 +94,14 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto")
     return results, (states, {k: counted[k] for k in COUNTED}), runs[0], made[0]
 
 
-@pytest.mark.parametrize("world,fmt", [(2, "auto"), (3, "auto"), (3, "nvfp4")])
-def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt):
-    planned = run_ranks(_passes, world, True, None, "cpu", fmt, timeout=180)
-    jobs = run_ranks(_passes, world, False, None, "cpu", fmt, timeout=180)
+@pytest.mark.parametrize("world,fmt,feedback", [
+    (2, "auto", None), (3, "mxfp4", None), (3, "nvfp4", True)])
+def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt, feedback):
+    """The default (NVFP4, no error state), MXFP4 (its own default: feedback on) and NVFP4 with
+    feedback."""
+    planned = run_ranks(_passes, world, True, None, "cpu", fmt, feedback, timeout=180)
+    jobs = run_ranks(_passes, world, False, None, "cpu", fmt, feedback, timeout=180)
+    kept = lowbitcc.LocoConfig(format=fmt, feedback=feedback).wire_feedback
     for (got, got_states, runs, made), (want, want_states, no_runs, none_made) in zip(planned,
                                                                                     jobs):
         assert no_runs == none_made == 0
@@ -110,7 +114,7 @@ def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt):
         (got_states, got_counted), (want_states, want_counted) = got_states, want_states
         assert got_counted == want_counted and got_counted["calls"] == PASSES * len(CALLS)
         # the same keys: the same feedback-key ordinals and stages
-        assert got_states.keys() == want_states.keys() and got_states
+        assert got_states.keys() == want_states.keys() and bool(got_states) == kept
         for key, state in got_states.items():
             other = want_states[key]
             assert state["uses"] == other["uses"], key

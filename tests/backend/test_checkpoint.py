@@ -170,7 +170,7 @@ def _load(rank, world, gloo, kind, path):
     return summed, mine, loss
 
 
-ENV = {"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "4096"}
+ENV = {"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "4096", "LOCO_FEEDBACK": "1"}
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])

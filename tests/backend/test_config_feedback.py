@@ -13,12 +13,17 @@ from lowbitcc.feedback import FeedbackStore
 
 def test_defaults_follow_the_design():
     c = LocoConfig()
-    assert (c.bits, c.wire_format, c.wire_group_size, c.beta, c.error_dtype, c.reset_interval,
-            c.min_size, c.policy) == (4, "mxfp4", 32, 0.8, "int8", 1024, 65536, "backward")
+    assert (c.bits, c.wire_format, c.wire_group_size, c.wire_feedback, c.beta, c.error_dtype,
+            c.reset_interval, c.min_size, c.policy) == (4, "nvfp4", 16, False, 0.8, "int8", 1024,
+                                                         65536, "backward")
 
 
 @pytest.mark.parametrize("kwargs,fmt,group", [
-    ({}, "mxfp4", 32),
+    ({}, "nvfp4", 16),
+    ({"group_size": 16}, "nvfp4", 16),
+    ({"group_size": 32}, "mxfp4", 32),
+    ({"group_size": 64}, "mxfp4", 64),
+    ({"format": "mxfp4"}, "mxfp4", 32),
     ({"bits": 8}, "int", 128),
     ({"bits": 2}, "int", 128),
     ({"rounding": "stochastic"}, "int", 128),
@@ -29,11 +34,25 @@ def test_defaults_follow_the_design():
     ({"format": "nvfp4", "group_size": 16}, "nvfp4", 16),
 ])
 def test_auto_format_and_group_size_resolve(kwargs, fmt, group):
-    """"auto" is MXFP4 at 4 bits with nearest rounding and int codes otherwise; group size 0
-    is the format's own (param_bits gathers always use int codes: `group_for("int")`)."""
+    """"auto" is NVFP4 at 4 bits with nearest rounding and its group size, MXFP4 at 4 bits with
+    other group sizes, and int codes otherwise; group size 0 is the format's own (param_bits
+    gathers always use int codes: `group_for("int")`)."""
     c = LocoConfig(**kwargs)
     assert (c.wire_format, c.wire_group_size) == (fmt, group)
     assert c.group_for("int") == (kwargs.get("group_size") or 128)
+
+
+@pytest.mark.parametrize("kwargs,feedback", [
+    ({}, False), ({"format": "nvfp4"}, False), ({"format": "mxfp4"}, True),
+    ({"group_size": 32}, True), ({"bits": 8}, True), ({"bits": 2}, True),
+    ({"format": "nvfp4", "feedback": True}, True), ({"format": "mxfp4", "feedback": False}, False),
+])
+def test_feedback_defaults_to_the_formats_own(kwargs, feedback):
+    """``feedback=None`` (auto) is off for NVFP4 (it trained closer to exact without, in every
+    cell of the wide study) and on for MXFP4 and int codes; True/False override it."""
+    assert LocoConfig(**kwargs).wire_feedback is feedback
+    env = {"LOCO_FEEDBACK": "auto", "LOCO_FORMAT": kwargs.get("format", "auto")}
+    assert LocoConfig.from_env(env).feedback is None
 
 
 @pytest.mark.parametrize("kwargs,match", [

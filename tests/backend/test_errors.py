@@ -73,7 +73,7 @@ def _non_finite(rank, world, gloo):
 
 
 def test_non_finite_inputs_propagate_and_reset_state():
-    for r in run_ranks(_non_finite, 2):
+    for r in run_ranks(_non_finite, 2, env={"LOCO_FEEDBACK": "1"}):
         assert r["before"] == 1  # direct's two-rank all-reduce has one stage ("gather")
         assert r["after"] == 0, r
         assert r["nan_seen"] and r["inf_region_nonfinite"] and not r["all_finite"], r
@@ -135,7 +135,7 @@ def test_max_keys_bounds_the_feedback_store():
     """LOCO_MAX_KEYS / LocoConfig.max_keys is the store's bound (it used to keep 4096). The
     store is shared by every group of the process, so its bound is the largest any group set."""
     # 6 keys (one stage each: a two-rank all-reduce) would be 6 states without the bound
-    assert run_ranks(_bounded_keys, 2, env={"LOCO_MAX_KEYS": "3"}) == [3, 3]
+    assert run_ranks(_bounded_keys, 2, env={"LOCO_MAX_KEYS": "3", "LOCO_FEEDBACK": "1"}) == [3, 3]
 
 
 def _late_sender(rank, world, gloo):

@@ -11,6 +11,9 @@ from tests.support.ranks import run_ranks
 from tests.support.training import assert_replicas_equal, flat_parameters, mlp, regression_steps
 
 EVERY = 4
+FEEDBACK = {"LOCO_FEEDBACK": "1"}
+"""The tests of the outer calls' feedback keys and state turn feedback on (the default format,
+NVFP4, runs without)."""
 
 
 def _sites_meet(rank, world, gloo):
@@ -37,7 +40,7 @@ def _sites_meet(rank, world, gloo):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sites_meet_in_one_call_per_outer_step(world):
-    calls = run_ranks(_sites_meet, world)
+    calls = run_ranks(_sites_meet, world, env=FEEDBACK)
     assert calls == [3.0] * world  # one compressed call per outer step
 
 
@@ -92,7 +95,7 @@ def _resume(rank, world, gloo):
 
 
 def test_state_dict_resumes_the_outer_optimizer_and_its_feedback():
-    run_ranks(_resume, 2)
+    run_ranks(_resume, 2, env=FEEDBACK)
 
 
 def _two_levels(rank, world, gloo):

@@ -99,7 +99,7 @@ def _keys_follow_layers(rank, world, gloo):
 
 
 def test_fsdp2_identical_layers_keep_one_state_each():
-    for uses in run_ranks(_keys_follow_layers, 2):
+    for uses in run_ranks(_keys_follow_layers, 2, env={"LOCO_FEEDBACK": "1"}):
         numel = 512 * 512 + 512
         keys = [k for k in uses if f"|reduce_scatter|float32|{numel}|" in k]
         ordinals = sorted(int(k.split("|")[4]) for k in keys)
@@ -145,7 +145,7 @@ def _ddp_rebuild(rank, world, gloo):
 def test_ddp_bucket_rebuild_does_not_carry_errors_to_other_parameters():
     """Step 2 added step 1's error to the rebuilt bucket, whose elements are other parameters.
     Now the replaced bucket drops its states once, and the rebuilt one keeps them."""
-    for resets, uses in run_ranks(_ddp_rebuild, 2, env={"LOCO_COST_MODEL": "0"}):
+    for resets, uses in run_ranks(_ddp_rebuild, 2, env={"LOCO_COST_MODEL": "0", "LOCO_FEEDBACK": "1"}):
         stages = len(uses[0])
         assert stages >= 1 and resets == [0, stages, stages, stages], (resets, uses)
         assert uses == [[1] * stages, [1] * stages, [2] * stages, [3] * stages], uses
@@ -194,7 +194,7 @@ def test_a_resumed_checkpoint_trains_bit_identically_to_the_uninterrupted_run(ki
     """Where the resumed run reduces the same layout (FSDP2; a DDP that keeps its buckets), it
     matches the uninterrupted run bit for bit; without lowbitcc's state it does not (checked
     once, on FSDP2)."""
-    env = {"LOCO_COST_MODEL": "0"}
+    env = {"LOCO_COST_MODEL": "0", "LOCO_FEEDBACK": "1"}
     whole = run_ranks(_train_steps, 2, kind, range(0, 5), None, None, env=env)
     ckpt = str(tmp_path / "ckpt")
     run_ranks(_train_steps, 2, kind, range(0, 3), None, ckpt, env=env)
@@ -212,7 +212,8 @@ def test_a_resumed_ddp_that_rebuilds_its_buckets_trains_bit_identically_after_re
     reduced the initial layout with states made on the rebuilt one (0.0013 apart from the
     uninterrupted run after two steps, 2026-11-24). `lowbitcc.rebuild_ddp_buckets` after loading
     makes it the uninterrupted run bit for bit; without it the runs differ (checked)."""
-    env = {"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "1000"}  # buckets of ~39,000 elements
+    env = {"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "1000",  # buckets of ~39,000 elements
+           "LOCO_FEEDBACK": "1"}
     kind = "ddp-rebuild"
     whole = run_ranks(_train_steps, 2, kind, range(0, 5), None, None, env=env)
     ckpt = str(tmp_path / "ckpt")

@@ -143,10 +143,12 @@ def _steady_state_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") 
 
 class _Group:
     """What a `call_plan.CallPlan` asks of its group (`compressed_call.CallGroup`), for rank 0
-    of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket"."""
+    of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket", feedback on
+    (an int8 error state, as the job of `_steady_state_call` keeps)."""
 
     def __init__(self, world: int, codec: ShardCodec) -> None:
-        self.rank, self.size, self.config, self._codec = 0, world, LocoConfig(), codec
+        self.rank, self.size, self._codec = 0, world, codec
+        self.config = LocoConfig(feedback=True)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
 
     def codec(self, *args) -> ShardCodec:

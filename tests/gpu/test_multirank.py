@@ -158,12 +158,14 @@ def test_hierarchical_on_nccl_equals_the_cpu_calls_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("fmt,feedback", [("auto", None), ("mxfp4", None), ("nvfp4", True)])
 @pytest.mark.parametrize("world", WORLDS)
-def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world):
+def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world, fmt, feedback):
     """A place's `CallPlan` on CUDA (on by default) against the same calls run by their jobs
-    (``call_plans`` off): the same results and error states on every rank."""
-    planned = _ranks(call_plans._passes, world, True, None, "cuda")
-    jobs = _ranks(call_plans._passes, world, False, None, "cuda")
+    (``call_plans`` off): the same results and error states on every rank; the default (NVFP4,
+    no error state), MXFP4 (feedback on) and NVFP4 with feedback."""
+    planned = _ranks(call_plans._passes, world, True, None, "cuda", fmt, feedback)
+    jobs = _ranks(call_plans._passes, world, False, None, "cuda", fmt, feedback)
     for (got, got_states, runs, made), (want, want_states, _, _) in zip(planned, jobs):
         assert made == len(call_plans.CALLS) and runs > call_plans.PASSES, (made, runs)
         assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))

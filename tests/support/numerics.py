@@ -31,13 +31,16 @@ def codec_case(gen: torch.Generator, numel: int, dtype: torch.dtype, poison: str
 def codec_step(config=None) -> tuple[int, float]:
     """``(group, q)`` of a config's compressed reductions (default: from ``LOCO_*``): one
     nearest-rounding quantization errs by at most ``amax / (2 q)`` per element, with ``amax``
-    that of its group. Int codes: ``q = 2**(bits-1) - 1``. MXFP4: ``q = 1.5`` (an error of at
-    most half E2M1's widest gap (4 to 6), 1, times a scale of at most ``amax / 3``)."""
+    that of its group. Int codes: ``q = 2**(bits-1) - 1``. MXFP4 and NVFP4: ``q = 1.5`` (an
+    error of at most half E2M1's widest gap (4 to 6), 1, times a scale of at most ``amax / 3``:
+    a power of two under ``amax / 3`` for MXFP4; for NVFP4 ``amax / 6`` rounded up to E4M3, at
+    most ``amax * 1.125 / 6`` while the scale is a normal E4M3 number, as it is for groups
+    whose amax is at least ``2**-13`` of their block's largest, every group of the tests' inputs)."""
     import lowbitcc
     from lowbitcc.codec import reference
 
     cfg = config or lowbitcc.LocoConfig.from_env()
-    q = 1.5 if cfg.wire_format == "mxfp4" else float(reference.qmax(cfg.bits))
+    q = 1.5 if cfg.wire_format in reference.FP4_FORMATS else float(reference.qmax(cfg.bits))
     return cfg.wire_group_size, q
 
 

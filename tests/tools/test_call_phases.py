@@ -17,7 +17,7 @@ def test_call_phases_prints_every_phase_and_a_consistent_frontier():
         match = re.match(r"^\s*(\S.*?)\s{2,}(\d+\.\d+)(?:\s+(\d+\.\d+))?", line)
         if match:
             rows[match.group(1)] = float(match.group(2))
-    assert "mxfp4 4-bit codes / 32" in done.stdout, done.stdout
+    assert "nvfp4 4-bit codes / 16" in done.stdout, done.stdout  # the default format
     for name in ("gloo all-reduce", "loco all-reduce", "codec (wall)", "waiting on the wire",
                  "other", "codec alone", "codes at gloo throughput", "codes in one all-gather",
                  "frontier max(alone, codes)"):

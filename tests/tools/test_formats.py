@@ -151,7 +151,7 @@ def _train(rank: int, world: int, which: str, fmt: str = "int") -> list[torch.Te
 
 @pytest.mark.parametrize("fmt", [pytest.param("int", marks=pytest.mark.slow), "mxfp4"])
 def test_lab_trains_bit_for_bit_like_loco(fmt):
-    """lab-int4-g128 against loco with int4 / 128, lab-mxfp4 against loco's MXFP4 default."""
+    """lab-int4-g128 against loco with int4 / 128, lab-mxfp4 against loco's MXFP4 (with feedback)."""
     from lowbitcc.tools.spawn import run_ranks
 
     runs = run_ranks(_train_each, 2, fmt, backend="gloo")[0]

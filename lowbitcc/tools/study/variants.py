@@ -15,7 +15,9 @@ class Variant:
     always on "loco", exact on gloo).
 
     Every loco variant compresses every gradient call (``LOCO_COST_MODEL=0``): the study
-    measures what compression does to training, not which calls a cost model would pick."""
+    measures what compression does to training, not which calls a cost model would pick. A
+    loco variant keeps error feedback on unless its ``env`` names ``LOCO_FEEDBACK`` (the
+    "-nofb" twins), whatever the library's per-format default (`LocoConfig.wire_feedback`)."""
 
     name: str
     backend: str = "gloo"
@@ -27,13 +29,16 @@ class Variant:
     outer_momentum: float = 0.5  # DiLoCo uses 0.9 at H = 500; docs/wan.md
 
     def __post_init__(self) -> None:
-        if self.backend == "loco" and not any(k == "LOCO_COST_MODEL" for k, _ in self.env):
-            object.__setattr__(self, "env", (*self.env, ("LOCO_COST_MODEL", "0")))
+        if self.backend != "loco":
+            return
+        for name, value in (("LOCO_COST_MODEL", "0"), ("LOCO_FEEDBACK", "1")):
+            if not any(k == name for k, _ in self.env):
+                object.__setattr__(self, "env", (*self.env, (name, value)))
 
 
 INT = ("LOCO_FORMAT", "int")
 """The "loco*" variants keep int codes: they name what they measured before MXFP4 became the
-4-bit default (docs/convergence.md); the "mxfp4*" variants run the default's format."""
+4-bit default (docs/convergence.md); the "mxfp4*" variants MXFP4, the default before NVFP4."""
 MX = ("LOCO_FORMAT", "mxfp4")
 NV = ("LOCO_FORMAT", "nvfp4")
 OUTER_EVERY = (10, 50)

@@ -37,7 +37,7 @@ log = logging.getLogger("lowbitcc.tools.study.wide")
 
 CANDIDATES = ("mxfp4", "mxfp4-nofb", "nvfp4", "nvfp4-nofb")
 """The formats compared (each with its no-feedback twin, the name plus ``-nofb``): the codec's
-MXFP4 (the default) and NVFP4 (docs/wire-format.md)."""
+MXFP4 (the default until the study chose NVFP4 without feedback) and NVFP4 (docs/wire-format.md)."""
 SCREENED_OUT = ("lab-mxfp4-had32", "lab-mxfp4-had32-nofb", "lab-nvfp4", "lab-nvfp4-nofb")
 """Candidates of the first runs that the whole study stopped running. MXFP4 after a Hadamard
 rotation of each block of 32, with and without feedback, ended further from exact than MXFP4
