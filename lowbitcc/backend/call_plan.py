@@ -65,10 +65,7 @@ class CallPlan:
         self.codec = group.codec(collective, like.dtype, self.numel, like.device.type, route)
         self.comp = group.compressor(self.codec)
         self.transport = route.links.world
-        self._decoded: torch.Tensor | None = None  # `decoded`, made by the first run
-        self._sent: torch.Tensor | None = None  # `sent`, likewise
-        self._received: torch.Tensor | None = None  # `received`, likewise
-        self._flags: torch.Tensor | None = None  # `flags`, likewise
+        self._kept: dict[str, torch.Tensor] = {}  # `kept`'s buffers, made by the first run
         self.shards = list(range(n))
         self.canary_entry: Any = None
         """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
@@ -113,59 +110,41 @@ class CallPlan:
         """The last run's call, for messages."""
         return f"{self.collective} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
 
-    def decoded(self, device: torch.device) -> torch.Tensor:
-        """fp32 ``[m]`` on ``device`` for the reduced own row (more than two ranks) or a row
-        decoded before its cast into the output (two ranks), kept for every run. On CUDA each
-        run marks it used by its stream (a side stream for ``async_op``), so that the caching
-        allocator hands it on only after every stream that used it, once the plan is gone;
-        runs of a place are ordered by the issuer."""
-        if self._decoded is None:
-            self._decoded = torch.empty(self.m, dtype=torch.float32, device=device)
+    def kept(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``dtype [numel]`` on ``device``, made by the first run that asks for ``name`` and
+        kept for every later run of the plan: the decode buffer ("decoded": fp32 ``[m]``, the
+        reduced own row of more than two ranks, or a row decoded before its cast into the
+        output), each stage's messages ("sent <stage>": uint8 ``[rows * P]``) and non-finite
+        bytes ("flags <stage>": uint8 ``[rows * groups]``), and the received messages
+        ("received <stage>": the all-gather's or the all-to-all's). A run's transfers and
+        decodes of a buffer end before the next run writes it: inline calls wait for them; on
+        CUDA the runs of a place are ordered on the issuer's stream, and each run marks the
+        buffer used by its stream (a side stream for ``async_op``), so that the caching
+        allocator hands it on only after every stream that used it, once the plan is gone."""
+        buffer = self._kept.get(name)
+        if buffer is None:
+            buffer = self._kept[name] = torch.empty(numel, dtype=dtype, device=device)
         if device.type == "cuda":
-            self._decoded.record_stream(torch.cuda.current_stream(device))
-        return self._decoded
+            buffer.record_stream(torch.cuda.current_stream(device))
+        return buffer
 
-    def sent(self, device: torch.device, rows: int) -> torch.Tensor:
-        """uint8 ``[rows, P]``: the messages a run encodes for every row, kept for every run
-        (marked used by each run's stream on CUDA, as `decoded`). A run's transfers of them
-        have ended before the next run encodes: inline calls wait for them; on CUDA the next
-        run is ordered after them on its stream."""
-        if self._sent is None:
-            self._sent = torch.empty(rows, self.codec.message_bytes(self.m), dtype=torch.uint8,
-                                     device=device)
-        if device.type == "cuda":
-            self._sent.record_stream(torch.cuda.current_stream(device))
-        return self._sent
-
-    def flags(self, device: torch.device, rows: int) -> torch.Tensor:
-        """uint8 ``[rows * groups]``: the encode's non-finite bytes of every group, kept for
-        every run as `sent` is."""
-        if self._flags is None:
-            self._flags = torch.empty(rows * wire.ngroups(self.m, self.codec.group_size),
-                                      dtype=torch.uint8, device=device)
-        if device.type == "cuda":
-            self._flags.record_stream(torch.cuda.current_stream(device))
-        return self._flags
-
-    def received(self, device: torch.device, numel: int) -> torch.Tensor:
-        """uint8 ``[numel]``: the received messages (the all-gather of two ranks, the all-to-all
-        of more), kept for every run as `sent` is (the next run's transfer writes it after this
-        run's decodes read it, in the call order of the inline issuer and on the ordered streams
-        of CUDA)."""
-        if self._received is None:
-            self._received = torch.empty(numel, dtype=torch.uint8, device=device)
-        if device.type == "cuda":
-            self._received.record_stream(torch.cuda.current_stream(device))
-        return self._received
+    def _sent(self, stage: str, device: torch.device, rows: int, m: int) -> tuple[torch.Tensor,
+                                                                                  torch.Tensor]:
+        """The kept messages ``uint8 [rows, P]`` and non-finite bytes of ``stage``'s encode of
+        ``rows`` rows of ``m`` elements."""
+        size = self.codec.message_bytes(m)
+        messages = self.kept(f"sent {stage}", rows * size, torch.uint8, device).view(rows, size)
+        flags = self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
+                          torch.uint8, device)
+        return messages, flags
 
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
         messages decoded and summed in rank order into its place in ``out``."""
         comp, n, m = self.comp, self.group.size, self.m
-        messages = comp.encode("gather", source, self.shards, self.sent(out.device, n),
-                               self.flags(out.device, n))
-        gathered = self.transport.all_gather_async(
-            messages, self.received(out.device, n * messages.numel())).wait().view(n, n, -1)
+        messages = comp.encode("gather", source, self.shards, *self._sent("gather", out.device, n, m))
+        gathered = self.transport.all_gather_async(messages, self.kept(
+            "received gather", n * messages.numel(), torch.uint8, out.device)).wait().view(n, n, -1)
         fp32 = out.dtype == torch.float32
         for r in range(n):
             lo, hi = min(r * m, self.numel), min((r + 1) * m, self.numel)
@@ -174,7 +153,8 @@ class CallPlan:
             if fp32 and hi - lo == m:
                 comp.decode_sum(gathered[:, r], m, r, out[lo:hi])
             else:
-                decoded = comp.decode_sum(gathered[:, r], m, r, self.decoded(out.device))
+                decoded = comp.decode_sum(gathered[:, r], m, r,
+                                          self.kept("decoded", m, torch.float32, out.device))
                 out[lo:hi].copy_(decoded[:hi - lo])
 
     def _reduce_scatter(self, source: Source, output: torch.Tensor) -> None:
@@ -182,28 +162,30 @@ class CallPlan:
         in rank order into ``output`` (straight where it is contiguous fp32, else through the
         decode buffer and a cast)."""
         comp, m, rank, device = self.comp, self.m, self.group.rank, output.device
-        rows = len(self.shards)
-        messages = comp.encode("rs", source, self.shards, self.sent(device, rows),
-                               self.flags(device, rows))
-        received = self.transport.all_to_all_async(
-            messages, self.received(device, messages.numel())).wait()
+        received = self._scatter(source, device)
         if output.dtype == torch.float32 and output.is_contiguous():
             comp.decode_sum(received, m, rank, output.view(-1))
         else:
-            output.copy_(comp.decode_sum(received, m, rank, self.decoded(device)).view(
-                output.shape))
+            output.copy_(comp.decode_sum(received, m, rank, self.kept(
+                "decoded", m, torch.float32, device)).view(output.shape))
 
     def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
         """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's
         messages summed in rank order, re-encoded (stage "ag"), all-gathered and decoded into
         ``out``."""
-        comp, m, rank = self.comp, self.m, self.group.rank
-        rows = len(self.shards)
-        messages = comp.encode("rs", source, self.shards, self.sent(out.device, rows),
-                               self.flags(out.device, rows))
-        received = self.transport.all_to_all_async(
-            messages, self.received(out.device, messages.numel())).wait()
-        reduced = comp.decode_sum(received, m, rank, self.decoded(out.device))
-        mine = comp.encode("ag", Source(reduced, 1, m), [rank])
-        gathered = self.transport.all_gather_async(mine[0]).wait()
+        comp, m, rank, device = self.comp, self.m, self.group.rank, out.device
+        reduced = comp.decode_sum(self._scatter(source, device), m, rank,
+                                  self.kept("decoded", m, torch.float32, device))
+        mine = comp.encode("ag", Source(reduced, 1, m), [rank], *self._sent("ag", device, 1, m))
+        gathered = self.transport.all_gather_async(mine[0], self.kept(
+            "received ag", self.group.size * mine.numel(), torch.uint8, device)).wait()
         comp.decode_into(gathered, m, self.shards, out)
+
+    def _scatter(self, source: Source, device: torch.device) -> torch.Tensor:
+        """Every row of ``source`` encoded (stage "rs") and sent to its owner: the received
+        messages of the own row, one per rank."""
+        rows = len(self.shards)
+        messages = self.comp.encode("rs", source, self.shards,
+                                    *self._sent("rs", device, rows, self.m))
+        return self.transport.all_to_all_async(messages, self.kept(
+            "received rs", messages.numel(), torch.uint8, device)).wait()
