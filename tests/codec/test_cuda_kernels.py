@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbitcc.codec import cuda, cuda_build
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.kernels import select
+from lowbitcc.codec.reference import FP4_FORMATS
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.tools import selftest
 
@@ -301,22 +303,23 @@ def test_cuda_decodes_read_columns_in_place_and_write_nan_from_the_verdict(dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP4_FORMATS)
 @pytest.mark.parametrize("error_dtype", ["int8", "fp32"])
-def test_cuda_encode_reads_a_state_s_poison_word(error_dtype):
+def test_cuda_encode_reads_a_state_s_poison_word(error_dtype, fmt):
     """A state whose poison word is set encodes as no state at all (``has_error`` 0); a word of
     zero leaves it applied; the encode's new state carries no word."""
     from lowbitcc.codec import framing
     from lowbitcc.codec.error_state import ErrorState
 
     _cupy_or_skip()
-    m, rows = 4096, 2
-    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
-                       fmt="mxfp4", kernels=cuda.KERNELS)
+    m, rows, group = 4096, 2, FORMATS[fmt].default_group
+    codec = ShardCodec(bits=4, group_size=group, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt=fmt, kernels=cuda.KERNELS)
     x = torch.randn(rows * m, device="cuda")
     error = torch.randn(rows * m, device="cuda") * 0.1
 
     def encode(word):
-        state = ErrorState.encode(error, error_dtype, 32)
+        state = ErrorState.encode(error, error_dtype, group)
         if word is not None:
             state.poison = torch.tensor([word], dtype=torch.int64, device="cuda").view(torch.uint8)
         return codec.encode(x, rows, m, 1.0, state, 0.8, [0, 1], error_dtype,
@@ -332,17 +335,18 @@ def test_cuda_encode_reads_a_state_s_poison_word(error_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP4_FORMATS)
 @pytest.mark.parametrize("into", [False, True], ids=["decode_sum", "decode_into"])
-def test_cuda_decodes_that_check_the_rows_themselves_answer_as_check(into):
+def test_cuda_decodes_that_check_the_rows_themselves_answer_as_check(into, fmt):
     """With the call's header (`ShardCodec._fused_check`: a verdict, checksums off) a decode
     checks the rows in its own launch: the same values and verdict bytes as `check` and then
     the decode, for the call's messages, a foreign one (NaN everywhere) and a non-finite one."""
     from lowbitcc.codec import framing
 
     _cupy_or_skip()
-    m, rows = 3000, 3
-    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
-                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    m, rows, group = 3000, 3, FORMATS[fmt].default_group
+    codec = ShardCodec(bits=4, group_size=group, dtype_code=0, seq=1, world=rows, signature=1,
+                       fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     x = torch.randn(rows * m, device="cuda")
     bad = x.clone()
     bad[7] = float("inf")
@@ -364,7 +368,7 @@ def test_cuda_decodes_that_check_the_rows_themselves_answer_as_check(into):
             else:
                 codec.check_on_device(column, m, shards, verdict)
                 decode = cuda.KERNELS.decode_into if into else cuda.KERNELS.decode_sum
-                decode(column, m, 4, 32, "mxfp4", out, verdict)
+                decode(column, m, 4, group, fmt, out, verdict)
             answers.append((out.cpu(), verdict.tolist()[:2]))
         (got, got_verdict), (want, want_verdict) = answers
         assert got_verdict == want_verdict
@@ -374,8 +378,9 @@ def test_cuda_decodes_that_check_the_rows_themselves_answer_as_check(into):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP4_FORMATS)
 @pytest.mark.parametrize("rows,m", [(1, 1000), (2, 4096), (3, 777), (4, 100_003)])
-def test_cuda_encode_frames_its_messages_as_frame_does(rows, m):
+def test_cuda_encode_frames_its_messages_as_frame_does(rows, m, fmt):
     """With the call's verdict and checksums off the encode frames its messages itself (the
     last block to finish writes headers, padding and trailers): the same bytes and verdict as
     the encode without a verdict followed by `frame`, call after call (the per-stream words it
@@ -383,8 +388,8 @@ def test_cuda_encode_frames_its_messages_as_frame_does(rows, m):
     from lowbitcc.codec import framing
 
     _cupy_or_skip()
-    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=rows, signature=1,
-                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
+    codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=1,
+                       world=rows, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     gen = torch.Generator().manual_seed(rows)
     finite = torch.randn(rows * m, generator=gen).cuda()
     bad = finite.clone()
