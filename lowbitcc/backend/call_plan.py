@@ -66,6 +66,9 @@ class CallPlan:
         self.comp = group.compressor(self.codec)
         self.transport = route.links.world
         self._kept: dict[str, torch.Tensor] = {}  # `kept`'s buffers, made by the first run
+        self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # `_sent`'s, likewise
+        self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
+        self._rows_at = 0
         self.shards = list(range(n))
         self.canary_entry: Any = None
         """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
@@ -131,12 +134,30 @@ class CallPlan:
     def _sent(self, stage: str, device: torch.device, rows: int, m: int) -> tuple[torch.Tensor,
                                                                                   torch.Tensor]:
         """The kept messages ``uint8 [rows, P]`` and non-finite bytes of ``stage``'s encode of
-        ``rows`` rows of ``m`` elements."""
-        size = self.codec.message_bytes(m)
-        messages = self.kept(f"sent {stage}", rows * size, torch.uint8, device).view(rows, size)
-        flags = self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
-                          torch.uint8, device)
-        return messages, flags
+        ``rows`` rows of ``m`` elements (the pair made by the first run, as `kept`'s)."""
+        pair = self._pairs.get(stage)
+        if pair is None:
+            size = self.codec.message_bytes(m)
+            pair = self._pairs[stage] = (
+                self.kept(f"sent {stage}", rows * size, torch.uint8, device).view(rows, size),
+                self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
+                          torch.uint8, device))
+        elif device.type == "cuda":
+            for buffer in pair:
+                buffer.record_stream(torch.cuda.current_stream(device))
+        return pair
+
+    def _columns(self, gathered: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
+        """Two ranks: per row ``r`` with elements, ``(r, lo, hi, column)``: its place
+        ``[lo, hi)`` in the output and its messages in ``gathered`` (the kept received
+        buffer, ``[senders, rows, P]``), made again only where a transport received into
+        another buffer."""
+        if self._rows is None or self._rows_at != gathered.data_ptr():
+            m, n = self.m, self.group.size
+            self._rows = [(r, min(r * m, self.numel), min((r + 1) * m, self.numel),
+                           gathered[:, r]) for r in range(n) if r * m < self.numel]
+            self._rows_at = gathered.data_ptr()
+        return self._rows
 
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
@@ -146,16 +167,13 @@ class CallPlan:
         gathered = self.transport.all_gather_async(messages, self.kept(
             "received gather", n * messages.numel(), torch.uint8, out.device)).wait().view(n, n, -1)
         fp32 = out.dtype == torch.float32
-        for r in range(n):
-            lo, hi = min(r * m, self.numel), min((r + 1) * m, self.numel)
-            if lo == hi:
-                continue
+        for r, lo, hi, column in self._columns(gathered):
             if fp32 and hi - lo == m:
-                comp.decode_sum(gathered[:, r], m, r, out[lo:hi])
+                comp.decode_sum(column, m, r, out.narrow(0, lo, m))
             else:
-                decoded = comp.decode_sum(gathered[:, r], m, r,
+                decoded = comp.decode_sum(column, m, r,
                                           self.kept("decoded", m, torch.float32, out.device))
-                out[lo:hi].copy_(decoded[:hi - lo])
+                out.narrow(0, lo, hi - lo).copy_(decoded[:hi - lo])
 
     def _reduce_scatter(self, source: Source, output: torch.Tensor) -> None:
         """Every row encoded (stage "rs") and sent to its owner, the own row's messages summed
