@@ -98,11 +98,16 @@ class CallCompressor:
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
         self.restart(codec, key, buffer)
 
-    def restart(self, codec: ShardCodec, key: str, buffer: StorageWeakRef | None) -> None:
+    def restart(self, codec: ShardCodec, key: str, buffer: StorageWeakRef | None,
+                verdict: torch.Tensor | None = None) -> None:
         """Bind this compressor to a new call (``codec`` with its call number, ``key``,
         ``buffer``), forgetting the last one's flags, errors and sums: a call place's
         `call_plan.CallPlan` keeps one compressor for every call it runs. The last call must
-        have finished (`finish`)."""
+        have finished (`finish`). ``verdict``: device memory for the call's verdict (uint8
+        ``[8]``, any content: the call's first encode zeroes it, or its first decode if none
+        encodes first) that the caller owns and hands to no other call while this call's
+        verdict may still be read (`call_plan.CallPlan`'s two slots); None: the call makes its
+        own where it runs on a device."""
         self.codec = codec
         self.key = key
         self.buffer = buffer
@@ -110,10 +115,11 @@ class CallCompressor:
         self._sums: torch.Tensor | None = None
         self._new_states.clear()
         self.wire_error: wire.WireFormatError | None = None
-        self._verdict: torch.Tensor | None = None
+        self._verdict: torch.Tensor | None = verdict
         """The call's verdict on its device (`framing.new_verdict`), made by its first encode
-        or decode of device tensors: the kernels set its bytes, so the call's flags cost no
-        launch of their own."""
+        or decode of device tensors where the caller gave none: the kernels set its bytes, so
+        the call's flags cost no launch of their own."""
+        self._verdict_unset = verdict is not None  # given, and not yet zeroed by this call
         self.deviated: int | None = None
         """The `wire.call_signature` of this rank's own call where this compressor runs another
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
@@ -137,7 +143,7 @@ class CallCompressor:
         stream = zlib.crc32(f"{stage}|{self.rank}".encode())
         device = source.tensor.device
         on_device = device.type != "cpu"
-        first = on_device and self._verdict is None
+        first = on_device and (self._verdict is None or self._verdict_unset)
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream, out,
@@ -174,6 +180,9 @@ class CallCompressor:
             return None
         if self._verdict is None:
             self._verdict = framing.new_verdict(device, cleared_by_encode)
+        elif self._verdict_unset and not cleared_by_encode:
+            self._verdict.zero_()  # a given verdict that no encode of the call has cleared
+        self._verdict_unset = False
         return self._verdict
 
     def foreign(self) -> torch.Tensor | None:
@@ -182,6 +191,8 @@ class CallCompressor:
         arrived corrupt; its values decoded as NaN); None for calls on the CPU."""
         if self._verdict is None:
             return None
+        if self._verdict_unset:
+            self._device_verdict(self._verdict.device)
         return framing.verdict_flag(self._verdict, framing.VERDICT_FOREIGN)
 
     def scratch(self, n: int, device: torch.device) -> torch.Tensor:

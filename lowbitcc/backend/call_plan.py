@@ -69,6 +69,8 @@ class CallPlan:
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # `_sent`'s, likewise
         self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
         self._rows_at = 0
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `_verdict_slot`'s
+        self._turn = 0
         self.shards = list(range(n))
         self.canary_entry: Any = None
         """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
@@ -94,7 +96,7 @@ class CallPlan:
             stop = group.clock(self.size_class, False, self.nbytes)
         state.STATS.add("compressed", calls=1, tensor_bytes=self.nbytes,
                         logical_bytes=self.logical_bytes)
-        comp.restart(self.codec.with_seq(self.seq), key, buffer)
+        comp.restart(self.codec.with_seq(self.seq), key, buffer, self._verdict_slot(tensor.device))
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
         source = Source(out, group.size, self.m, Reduction.of(op, group.size).input_factor())
         if output is not None:
@@ -130,6 +132,23 @@ class CallPlan:
         if device.type == "cuda":
             buffer.record_stream(torch.cuda.current_stream(device))
         return buffer
+
+    def _verdict_slot(self, device: torch.device) -> torch.Tensor | None:
+        """A device run's verdict (uint8 ``[8]``) where the plan keeps no error states
+        (feedback off, the default format's setting): one of two words the plan keeps and
+        hands to its runs in turn. What reads a run's verdict after the run reads it on the
+        run's stream before the next run of the place, which is ordered after it (the Work's
+        verdict word and the place's canary are copied to the host behind the run), so the
+        run after the next may write it again. With feedback on each run makes its own: its
+        error states keep it as their poison word for as long as they are kept, which may
+        outlast two runs (a key the next run does not use). None on the CPU."""
+        if device.type == "cpu" or self.comp.error_dtype is not None:
+            return None
+        words = self.kept("verdicts", 16, torch.uint8, device)
+        if self._slots is None or self._slots[0].data_ptr() != words.data_ptr():
+            self._slots = (words[:8], words[8:])
+        self._turn ^= 1
+        return self._slots[self._turn]
 
     def _sent(self, stage: str, device: torch.device, rows: int, m: int) -> tuple[torch.Tensor,
                                                                                   torch.Tensor]:

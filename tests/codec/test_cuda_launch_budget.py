@@ -14,7 +14,7 @@ verdict; 43 and 58, with header uploads, before the frame and check kernels, the
 accumulator, in-place columns, the call's verdict and decodes that write the NaN
 themselves); issue 47 asks for 3 launches of lowbitcc's own, no copy and no allocation per
 call: lower them as the path gets
-there, never raise them.
+there, never raise them. A place's plan without feedback (the default) allocates nothing.
 """
 
 from __future__ import annotations
@@ -144,11 +144,11 @@ def _steady_state_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") 
 class _Group:
     """What a `call_plan.CallPlan` asks of its group (`compressed_call.CallGroup`), for rank 0
     of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket", feedback on
-    (an int8 error state, as the job of `_steady_state_call` keeps)."""
+    (an int8 error state, as the job of `_steady_state_call` keeps) or off."""
 
-    def __init__(self, world: int, codec: ShardCodec) -> None:
+    def __init__(self, world: int, codec: ShardCodec, feedback: bool = True) -> None:
         self.rank, self.size, self._codec = 0, world, codec
-        self.config = LocoConfig(feedback=True)
+        self.config = LocoConfig(feedback=feedback)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
 
     def codec(self, *args) -> ShardCodec:
@@ -164,9 +164,11 @@ class _Group:
 
 
 def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4",
-                  collective: str = "all_reduce") -> GpuWork:
-    """The GPU work of the third run of a place's `CallPlan` (its error state kept), rank 0:
-    an all-reduce of ``numel`` elements, or a reduce-scatter of them into ``numel / world``."""
+                  collective: str = "all_reduce", feedback: bool = True,
+                  plan_out: list | None = None) -> GpuWork:
+    """The GPU work of the third run of a place's `CallPlan` (its error state kept, where
+    ``feedback``), rank 0: an all-reduce of ``numel`` elements, or a reduce-scatter of them
+    into ``numel / world``; the plan appended to ``plan_out`` where given."""
     work = GpuWork()
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
         [name.split("<")[0].removeprefix("loco_cuda::")]))
@@ -177,7 +179,9 @@ def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4",
     route = types.SimpleNamespace(links=Links.of(NcclTransport(_RecordingGroup(work, 0, world))))
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
-    plan = CallPlan(_Group(world, codec), route, x, collective)
+    plan = CallPlan(_Group(world, codec, feedback), route, x, collective)
+    if plan_out is not None:
+        plan_out.append(plan)
     for _ in range(2):
         plan.run(x, dist.ReduceOp.SUM, out)
     work.launches.clear()
@@ -227,6 +231,33 @@ def test_a_planned_cuda_reduce_scatter_takes_an_encode_and_a_decode(world, monke
     assert work.total_kernels == 2 and work.launches == {"encode": 1, "decode_sum": 1}, summary
     assert work.nccl == {"all_to_all": 1}, summary
     assert work.allocations == 1 and work.host_to_device == work.synchronisations == 0, summary
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_planned_call_without_feedback_allocates_nothing(world, monkeypatch):
+    """The default (NVFP4, no error state): a place's plan hands its runs two verdict words in
+    turn (`CallPlan._verdict_slot`), so its steady-state run allocates nothing, and each run's
+    first encode clears its word (``clear``) and the second, at 4 ranks, does not."""
+    packed, plans = [], []
+    real = cuda.pack_encode_args
+
+    def record(args):
+        packed.append(args.clear)
+        return real(args)
+
+    monkeypatch.setattr(cuda, "pack_encode_args", record)
+    work = _planned_call(world, 1 << 20, monkeypatch, fmt="nvfp4", feedback=False,
+                         plan_out=plans)
+    summary = f"{dict(work.kernels)}, codec {dict(work.launches)}, NCCL {dict(work.nccl)}"
+    assert work.allocations == 0 and work.host_to_device == work.synchronisations == 0, summary
+    assert work.total_kernels == (3 if world == 2 else 4), summary
+    per_run = 1 if world == 2 else 2
+    runs = [packed[i:i + per_run] for i in range(0, len(packed), per_run)]
+    assert len(runs) == 3 and all(run[0] is not None for run in runs)
+    assert all(clear is None for run in runs for clear in run[1:])
+    # two words in turn: the first and third runs share one, the second has the other
+    assert runs[0][0] is runs[2][0] and runs[0][0] is not runs[1][0]
+    assert plans[0].verdict is not None
 
 
 @pytest.mark.parametrize("planned", [False, True], ids=["job", "plan"])
