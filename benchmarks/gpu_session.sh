@@ -2,7 +2,7 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans hier demo train issue46
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans goals47 hier demo train issue46
 #                                             exactperf selftest pytest unfixed schedule launches
 #                                             perf codec
 #                                             (default: all; the environment is always printed)
@@ -17,7 +17,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-frame plans hier demo train issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame plans goals47 hier demo train issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -98,6 +98,10 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/train-*.json")):
           f"loss {loco['final_loss']:.4f} vs {nccl['final_loss']:.4f} (2 ranks sharing the GPU: timings of both)")
 EOF
         ;;
+    goals47)  # issue 47's goals: host us, launches, uploads, allocations per planned call,
+              # against the jobs (LOCO_CALL_PLANS=0) and the exact NCCL call, 2 ranks
+        timeout "${GOALS47_S:-240}" $py benchmarks/issue47_goals.py --json "$out/goals47.json" \
+            2>&1 | tee "$out/goals47.txt" ;;
     hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
         timeout "${HIER_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 180 \
             tests/gpu/test_multirank.py -k "hierarchical" 2>&1 | tee "$out/hier.txt"

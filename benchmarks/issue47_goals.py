@@ -1,0 +1,144 @@
+"""Issue 47's goals on a GPU, 2 ranks sharing it: one PASS/FAIL line per goal, the new path
+(call plans, on by default) against the old one (``LOCO_CALL_PLANS=0``: every call runs its job)
+and the exact call (the inner NCCL all-reduce) measured in the same run.
+
+Per rank and size (fp32, default 64 Ki, 1 Mi and 16 Mi elements), steady-state compressed
+all-reduces (``lowbitcc.compressed()``, op AVG so that repeated in-place calls stay finite,
+past the call schedule's learning; the place's re-agreement every 64 runs included, as in
+training): the host time per call (enqueue, ``torch.cuda.synchronize`` outside the window),
+and over ``--profiled`` calls with torch.profiler (CUPTI) the GPU work lowbitcc launched per
+call (kernels and memsets whose names do not start with ``nccl``), the host-to-device copies
+per call, and the caching allocator's allocations per call
+(``torch.cuda.memory_stats()["allocation.all.allocated"]``). Goals (issue 47): host <= 100 us
+at every size, <= 3 launches, 0 uploads, 0 allocations. Timings of two ranks sharing one GPU
+over NCCL's socket transport say little about a real node; the counts hold anywhere.
+``--device cpu`` runs the same calls on CPU tensors (``LOCO_ISSUER=inline`` for the plans): a
+check of this script without a GPU, its GPU columns empty.
+
+    python benchmarks/issue47_goals.py [--sizes 65536 1048576 16777216] [--iters 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import lowbitcc
+from lowbitcc.tools import spawn
+
+PATHS = ("plan", "job", "exact")
+GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
+"""Issue 47's "must reach" per steady-state compressed all-reduce."""
+
+
+def _gpu_work(prof: profile) -> dict[str, int]:
+    """lowbitcc's kernels and memsets (not NCCL's) and the host-to-device copies the GPU ran."""
+    counts = {"launches": 0, "uploads": 0}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "memcpy" in name:
+            counts["uploads"] += "htod" in name
+        elif not name.startswith("nccl"):
+            counts["launches"] += 1
+    return counts
+
+
+def _allocated(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    return torch.cuda.memory_stats(device)["allocation.all.allocated"]
+
+
+def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, float]:
+    def call() -> None:
+        with mode():
+            dist.all_reduce(x, op=dist.ReduceOp.AVG, group=group)
+        lowbitcc.end_step()
+
+    cuda = x.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(70):
+        call()
+    sync()
+    allocated = _allocated(x.device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    sync()
+    allocations = (_allocated(x.device) - allocated) / iters
+    if not cuda:
+        return {"host_us": host, "allocations": allocations, "launches": float("nan"),
+                "uploads": float("nan")}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            call()
+        sync()
+    work = _gpu_work(prof)
+    return {"host_us": host, "allocations": allocations,
+            **{k: v / profiled for k, v in work.items()}}
+
+
+def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
+          device_type: str) -> dict:
+    device = spawn.gpu_device(rank) if device_type == "cuda" else torch.device("cpu")
+    config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
+    groups = {"plan": dist.new_group(backend="loco", pg_options=config.replace(call_plans=True)),
+              "job": dist.new_group(backend="loco", pg_options=config.replace(call_plans=False))}
+    groups["exact"] = groups["plan"]
+    modes = {"plan": lowbitcc.compressed, "job": lowbitcc.compressed, "exact": lowbitcc.exact}
+    rows = {}
+    for numel in sizes:
+        x = torch.randn(numel, device=device)
+        for path in PATHS:
+            rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled)
+    return {"format": config.wire_format, "feedback": config.wire_feedback, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20, 1 << 24])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--profiled", type=int, default=10)
+    parser.add_argument("--np", type=int, default=2, help="ranks (sharing the GPU, default 2)")
+    parser.add_argument("--json", help="write every rank's rows here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    opts = parser.parse_args()
+    cuda = opts.device == "cuda"
+    env = spawn.gpu_rank_env(opts.np, torch.cuda.device_count()) if cuda else None
+    ranks = spawn.run_ranks(_rank, opts.np, opts.sizes, opts.iters, opts.profiled, opts.device,
+                            rank_env=env, timeout_s=600,
+                            env=None if cuda else {"LOCO_ISSUER": "inline"})
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(ranks, f, indent=1)
+    print(f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {opts.np} ranks, {ranks[0]['format']} "
+          f"(feedback {ranks[0]['feedback']}); per call, the slowest rank")
+    print(f"{'elements':>10} {'path':>6} {'host us':>9} {'launches':>9} {'uploads':>8} "
+          f"{'allocs':>7}")
+    worst: dict[str, float] = dict.fromkeys(GOALS, 0.0)
+    for key in ranks[0]["rows"]:
+        row = {k: max(r["rows"][key][k] for r in ranks) for k in GOALS}
+        numel, path = key.split()
+        print(f"{numel:>10} {path:>6} {row['host_us']:>9.1f} {row['launches']:>9.1f} "
+              f"{row['uploads']:>8.1f} {row['allocations']:>7.2f}")
+        if path == "plan":
+            worst = {k: max(worst[k], row[k]) for k in GOALS}
+    for goal, limit in GOALS.items():
+        if not cuda:
+            print(f"SKIP issue47-{goal} (CPU tensors: the goals are a GPU's)")
+            continue
+        verdict = "PASS" if worst[goal] <= limit else "FAIL"
+        print(f"{verdict} issue47-{goal} {worst[goal]:.2f} (at most {limit:g}, planned "
+              "compressed all-reduce, worst size and rank)")
+
+
+if __name__ == "__main__":
+    main()
