@@ -55,7 +55,7 @@ def _codec_alone(config: lowbitcc.LocoConfig, x: torch.Tensor, world: int) -> Ca
                        signature=0, kernels=kernels.select(config.codec, "cpu", group),
                        fmt=config.wire_format, checksum=config.checksum_for("cpu"))
     m = -(-x.numel() // world)
-    error = config.error_dtype if config.feedback else None
+    error = config.error_dtype if config.wire_feedback else None
     held: dict[str, ErrorState | None] = {"state": None}
     sent = torch.empty(world, codec.message_bytes(m), dtype=torch.uint8)
     total = torch.empty(m)

@@ -6,12 +6,14 @@ Per rank and size (fp32, default 64 Ki, 1 Mi and 16 Mi elements), steady-state c
 all-reduces (``lowbitcc.compressed()``, op AVG so that repeated in-place calls stay finite,
 past the call schedule's learning; the place's re-agreement every 64 runs included, as in
 training): the host time per call (enqueue, ``torch.cuda.synchronize`` outside the window),
-and over ``--profiled`` calls with torch.profiler (CUPTI) the GPU work lowbitcc launched per
-call (kernels and memsets whose names do not start with ``nccl``), the host-to-device copies
-per call, and the caching allocator's allocations per call
-(``torch.cuda.memory_stats()["allocation.all.allocated"]``). Goals (issue 47): host <= 100 us
-at every size, <= 3 launches, 0 uploads, 0 allocations. Timings of two ranks sharing one GPU
-over NCCL's socket transport say little about a real node; the counts hold anywhere.
+and, for the planned run itself (the calls that exchanged a descriptor left out: the place's
+re-agreement runs its job, one call in 64), over ``--profiled`` calls with torch.profiler
+(CUPTI) the GPU work lowbitcc launched per call (kernels and memsets whose names do not start
+with ``nccl``) and the host-to-device copies per call, and per call the caching allocator's
+allocations (``torch.cuda.memory_stats()["allocation.all.allocated"]``), the most of any
+call. Goals (issue 47): host <= 100 us at every size, <= 3 launches, 0 uploads, 0
+allocations. Timings of two ranks sharing one GPU over NCCL's socket transport say little
+about a real node; the counts hold anywhere.
 ``--device cpu`` runs the same calls on CPU tensors (``LOCO_ISSUER=inline`` for the plans): a
 check of this script without a GPU, its GPU columns empty.
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import lowbitcc
+from lowbitcc.backend.call_agreement import CallAgreement
 from lowbitcc.tools import spawn
 
 PATHS = ("plan", "job", "exact")
@@ -50,6 +53,22 @@ def _gpu_work(prof: profile) -> dict[str, int]:
     return counts
 
 
+def _counting_exchanges() -> list[int]:
+    """Count this process's descriptor exchanges from now on."""
+    seen: list[int] = []
+    agree = CallAgreement.agree
+
+    def counted(self, call):
+        seen.append(1)
+        return agree(self, call)
+
+    CallAgreement.agree = counted
+    return seen
+
+
+EXCHANGES = _counting_exchanges()
+
+
 def _allocated(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -67,23 +86,32 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, 
     for _ in range(70):
         call()
     sync()
-    allocated = _allocated(x.device)
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
     host = (time.perf_counter() - t0) / iters * 1e6
     sync()
-    allocations = (_allocated(x.device) - allocated) / iters
+    exchanges = len(EXCHANGES)
+    allocations = 0.0
+    for _ in range(iters):  # per call, outside the timed loop: reading the counter costs
+        before, seen = _allocated(x.device), len(EXCHANGES)
+        call()
+        if len(EXCHANGES) == seen:
+            allocations = max(allocations, _allocated(x.device) - before)
+    row = {"host_us": host, "allocations": allocations,
+           "exchanges": (len(EXCHANGES) - exchanges) / iters}
     if not cuda:
-        return {"host_us": host, "allocations": allocations, "launches": float("nan"),
-                "uploads": float("nan")}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(profiled):
-            call()
-        sync()
+        return {**row, "launches": float("nan"), "uploads": float("nan")}
+    for _ in range(3):  # a window without a re-agreement
+        seen = len(EXCHANGES)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profiled):
+                call()
+            sync()
+        if len(EXCHANGES) == seen:
+            break
     work = _gpu_work(prof)
-    return {"host_us": host, "allocations": allocations,
-            **{k: v / profiled for k, v in work.items()}}
+    return {**row, **{k: v / profiled for k, v in work.items()}}
 
 
 def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
@@ -122,13 +150,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {opts.np} ranks, {ranks[0]['format']} "
           f"(feedback {ranks[0]['feedback']}); per call, the slowest rank")
     print(f"{'elements':>10} {'path':>6} {'host us':>9} {'launches':>9} {'uploads':>8} "
-          f"{'allocs':>7}")
+          f"{'allocs':>7} {'exch.':>6}")
     worst: dict[str, float] = dict.fromkeys(GOALS, 0.0)
     for key in ranks[0]["rows"]:
-        row = {k: max(r["rows"][key][k] for r in ranks) for k in GOALS}
+        row = {k: max(r["rows"][key][k] for r in ranks) for k in (*GOALS, "exchanges")}
         numel, path = key.split()
         print(f"{numel:>10} {path:>6} {row['host_us']:>9.1f} {row['launches']:>9.1f} "
-              f"{row['uploads']:>8.1f} {row['allocations']:>7.2f}")
+              f"{row['uploads']:>8.1f} {row['allocations']:>7.2f} {row['exchanges']:>6.3f}")
         if path == "plan":
             worst = {k: max(worst[k], row[k]) for k in GOALS}
     for goal, limit in GOALS.items():

@@ -329,6 +329,7 @@ def _parse(field: str, type_name: Any, raw: str) -> Any:
             raise ValueError(text)
     except ValueError:
         raise ValueError(
-            f"lowbitcc: invalid {ENV_PREFIX}{field.upper()}={raw!r}: expected a {type_name}"
+            f"lowbitcc: invalid {ENV_PREFIX}{field.upper()}={raw!r}: expected "
+            + ("a bool or auto" if type_name == "bool | None" else f"a {type_name}")
         ) from None
     return text.lower()

@@ -64,7 +64,7 @@ def hybrid_mesh(device_type: str, shape: tuple[int, ...],
         if (config is not None and not is_data_parallel(name) and config.wire_feedback
                 and config.policy != "never"):
             warnings.warn(f"lowbitcc.hybrid_mesh: dimension {name!r} is not data parallel but "
-                          "its LocoConfig has feedback=True: the error of one batch's "
+                          "its LocoConfig keeps error feedback: the error of one batch's "
                           "activations would be added to the next's; use feedback=False "
                           "(docs/hybrid.md)", UserWarning, stacklevel=2)
         override[name] = ("loco", config) if config is not None else exact

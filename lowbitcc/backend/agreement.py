@@ -8,6 +8,10 @@ operations for the same call: a hang or an abort inside gloo. So each rank publi
 ``ValueError`` that names the setting and each rank's value (or the rank whose configuration was
 invalid), within the group's timeout.
 
+Ranks also publish what their settings resolve to (`RESOLVED`: the wire format, group size and
+feedback that "auto" and the defaults give), so that two builds whose defaults differ (NVFP4
+became the default on 2026-11-27) raise here rather than at the first compressed call.
+
 Three settings are each rank's own: ``codec`` (every implementation gives the same bytes),
 ``max_keys`` (a local memory bound) and ``call_plans`` (a plan issues its call's transfers).
 Each rank also publishes its build's `PROTOCOL` (the wire
@@ -30,6 +34,9 @@ from lowbitcc.config import LocoConfig
 LOCAL_SETTINGS = ("codec", "max_keys", "call_plans")
 """`LocoConfig` fields that may differ between the ranks of a group."""
 
+RESOLVED = ("wire_format", "wire_group_size", "wire_feedback")
+"""`LocoConfig` properties every rank publishes and compares beside its fields."""
+
 _KEY = "lowbitcc/config/{}"
 
 PROTOCOL = {"wire format": wire.VERSION, "descriptor exchange bytes": wire.EXCHANGE_BYTES}
@@ -44,7 +51,8 @@ def agree(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
     published the same protocol and shared settings; raise ``error`` itself, or a
     ``ValueError`` naming what differs, on every rank otherwise."""
     mine: dict = {"error": f"{type(error).__name__}: {error}"} if error is not None else {
-        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(LocoConfig)}}
+        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(LocoConfig)},
+        "resolved": {name: getattr(config, name) for name in RESOLVED}}
     mine["protocol"] = PROTOCOL if protocol is None else protocol
     store.set(_KEY.format(rank), json.dumps(mine))
     keys = [_KEY.format(r) for r in range(size)]
@@ -80,6 +88,11 @@ def agree(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             differing.append(f"{field.name} ({per_rank})")
+    for name in RESOLVED:  # None: a build that does not publish them
+        values = [p.get("resolved", {}).get(name) for p in published]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            differing.append(f"{name}, what the settings resolve to ({per_rank})")
     if differing:
         raise ValueError(
             "lowbitcc: the ranks of a 'loco' group must share their settings (LOCO_* variables "

@@ -129,6 +129,7 @@ class CallPlan:
         buffer = self._kept.get(name)
         if buffer is None:
             buffer = self._kept[name] = torch.empty(numel, dtype=dtype, device=device)
+        assert buffer.numel() == numel and buffer.dtype == dtype, name
         if device.type == "cuda":
             buffer.record_stream(torch.cuda.current_stream(device))
         return buffer

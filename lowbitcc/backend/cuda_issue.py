@@ -255,7 +255,15 @@ class CudaIssuer:
             if last is not None:
                 stream.wait_event(last)
             with torch.cuda.stream(stream), torch.no_grad():
-                job()
+                try:
+                    job()
+                except BaseException:
+                    # what the call enqueued before it raised still runs: the next call is
+                    # ordered after it, as after a call that returned (kept buffers)
+                    failed = torch.cuda.Event()
+                    failed.record(stream)
+                    self._last[device] = failed
+                    raise
                 word = verdict_word(calls)
                 keep_canaries(calls)
             name = " and ".join(c.describe() for c in calls if hasattr(c, "describe"))

@@ -221,6 +221,31 @@ def test_a_place_plan_runs_on_the_calls_stream_and_never_while_captured(fake_cud
         issuer.run_plan(_FakePlan(log, state), out, "sum", ("allreduce", ([out], options)))
 
 
+class _RaisingPlan(_FakePlan):
+    def run(self, tensor, op, output=None) -> None:
+        super().run(tensor, op, output)
+        raise RuntimeError("a peer deviated")
+
+
+def test_a_plan_that_raises_still_orders_the_next_call_after_its_work(fake_cuda):
+    """A run that raises (after enqueuing its kernels, as `raise_deferred` does) leaves its
+    stream's event for the next call, which may reuse the plan's kept buffers on another
+    stream."""
+    import torch.distributed as dist
+
+    log, state = fake_cuda
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    out = FakeTensor(log, "out")
+    options = dist.AllreduceOptions()
+    options.asyncOp = True
+    with pytest.raises(RuntimeError, match="deviated"):
+        issuer.run_plan(_RaisingPlan(log, state), out, "sum", ("allreduce", ([out], options)))
+    log.clear()
+    options.asyncOp = False
+    issuer.run_plan(_FakePlan(log, state), out, "sum", ("allreduce", ([out], options)))
+    assert log[0] == ("wait_event", "current", "side1"), log
+
+
 def test_exact_calls_return_ncclss_work_or_a_stream_ordered_one(fake_cuda, monkeypatch):
     log, state = fake_cuda
     futures = []

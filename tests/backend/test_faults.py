@@ -373,6 +373,26 @@ def test_builds_that_speak_different_protocols_raise_on_every_rank_at_init(other
         assert f"rank 0: {mine}; rank 1: {theirs}" in outcome[r], outcome
 
 
+def test_ranks_whose_settings_resolve_differently_raise_at_init():
+    """A build whose defaults resolve the same settings to another wire (MXFP4 with feedback,
+    the default before 2026-11-27) raises at group creation, naming what each rank resolves
+    to. Rank 1 publishes as such a build would; rank 0 agrees."""
+    import dataclasses
+    import json
+
+    from lowbitcc.backend import agreement
+    from lowbitcc.config import LocoConfig
+
+    store, config = dist.HashStore(), LocoConfig.from_env({})
+    store.set("lowbitcc/config/1", json.dumps({
+        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(LocoConfig)},
+        "resolved": {"wire_format": "mxfp4", "wire_group_size": 32, "wire_feedback": True},
+        "protocol": agreement.PROTOCOL}))
+    with pytest.raises(ValueError, match=r"wire_format, what the settings resolve to \(rank 0: "
+                                         r"'nvfp4', rank 1: 'mxfp4'\).*wire_feedback"):
+        agreement.agree(store, 0, 2, datetime.timedelta(seconds=20), config)
+
+
 def test_codec_implementation_is_each_ranks_own():
     from lowbitcc.tools import spawn
 

@@ -35,7 +35,8 @@ def group():
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
-                                pg_options=lowbitcc.LocoConfig(min_size=1, schedule="auto"),
+                                pg_options=lowbitcc.LocoConfig(min_size=1, schedule="auto",
+                                                               feedback=True),
                                 device_id=torch.device("cuda", 0))
         yield dist.group.WORLD
         dist.destroy_process_group()
@@ -112,6 +113,25 @@ def test_compressed_all_reduce_equals_the_cpu_call_bit_for_bit(group, dtype):
     stats = lowbitcc.stats()["compressed"]
     assert stats["calls"] == 6
     assert stats["relative_error"] > 0
+
+
+@needs_cupy
+def test_the_default_format_without_feedback_equals_the_cpu_call_bit_for_bit(group):
+    """The default since 2026-11-27 (NVFP4, no error state; the module's group keeps feedback
+    on): compressed CUDA calls equal the CPU calls bit for bit."""
+    plain = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=1))
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(4))
+    on_cpu, on_gpu = x.clone(), x.cuda()
+    lowbitcc.reset_stats()
+    states = len(lowbitcc.state_dict()["states"])
+    with lowbitcc.compressed():
+        for _ in range(2):
+            dist.all_reduce(on_cpu, group=plain)
+            dist.all_reduce(on_gpu, group=plain)
+    assert torch.equal(on_cpu.view(torch.int32), on_gpu.cpu().view(torch.int32))
+    assert not torch.equal(on_cpu, x)  # it was quantized
+    assert lowbitcc.stats()["compressed"]["calls"] == 4
+    assert len(lowbitcc.state_dict()["states"]) == states  # no error state kept
 
 
 @needs_cupy
@@ -284,7 +304,7 @@ def test_an_error_state_dropped_on_the_host_outlives_its_use_on_the_side_stream(
     allocator did not reuse the memory here, so it checks the behaviour, not the race."""
     device = torch.device("cuda", 0)
     lifetimes = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        min_size=1, reset_interval=2, cost_model=False))
+        min_size=1, reset_interval=2, cost_model=False, format="mxfp4", feedback=True))
     n = 1 << 16
     gen = torch.Generator().manual_seed(11)
     inputs = [torch.randn(n, generator=gen) for _ in range(3)]
@@ -332,7 +352,8 @@ def test_checkpoint_is_on_the_cpu_and_resumes_on_the_gpu(group):
     with lowbitcc.compressed(), lowbitcc.feedback_key("ckpt"):
         dist.all_reduce(x.clone())
     saved = lowbitcc.state_dict()
-    assert all(v["data"].device.type == "cpu" for v in saved["states"].values())
+    assert saved["states"] and all(v["data"].device.type == "cpu"
+                                   for v in saved["states"].values())
     with lowbitcc.compressed(), lowbitcc.feedback_key("ckpt"):
         a = x.clone()
         dist.all_reduce(a)
