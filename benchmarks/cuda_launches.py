@@ -31,7 +31,7 @@ import lowbitcc
 from lowbitcc.backend.call_agreement import CallAgreement
 
 
-def _device_events(prof: profile) -> tuple[dict[str, int], collections.Counter]:
+def device_events(prof: profile) -> tuple[dict[str, int], collections.Counter]:
     """Kernels, memsets and copies the GPU ran, and how often each name ran."""
     counts = {"kernels": 0, "memsets": 0, "copies": 0}
     names: collections.Counter = collections.Counter()
@@ -46,7 +46,8 @@ def _device_events(prof: profile) -> tuple[dict[str, int], collections.Counter]:
 
 
 def _counting_agreements() -> list[int]:
-    """Count this process's descriptor agreements from now on."""
+    """Count this process's descriptor agreements from now on (`AGREEMENTS`, which
+    issue47_goals.py reads too)."""
     seen: list[int] = []
     agree = CallAgreement.agree
 
@@ -84,7 +85,7 @@ def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, flo
         for _ in range(profiled):
             call()
         torch.cuda.synchronize()
-    counts, names = _device_events(prof)
+    counts, names = device_events(prof)
     per_call = {k: v / profiled for k, v in counts.items()}
     return {"numel": x.numel(), "mode": mode, "host_us": (t1 - t0) / iters * 1e6,
             "with_gpu_us": (t2 - t0) / iters * 1e6, "exchanges": exchanges, **per_call,

@@ -28,10 +28,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from cuda_launches import AGREEMENTS, device_events  # the sibling script's counters
 from torch.profiler import ProfilerActivity, profile
 
 import lowbitcc
-from lowbitcc.backend.call_agreement import CallAgreement
 from lowbitcc.tools import spawn
 
 PATHS = ("plan", "job", "exact")
@@ -40,33 +40,20 @@ GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
 
 
 def _gpu_work(prof: profile) -> dict[str, int]:
-    """lowbitcc's kernels and memsets (not NCCL's) and the host-to-device copies the GPU ran."""
+    """lowbitcc's kernels and memsets (not NCCL's) and the host-to-device copies the GPU ran
+    (`cuda_launches.device_events`' names)."""
     counts = {"launches": 0, "uploads": 0}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name.lower()
+    for name, count in device_events(prof)[1].items():
+        name = name.lower()
         if "memcpy" in name:
-            counts["uploads"] += "htod" in name
+            counts["uploads"] += count * ("htod" in name)
         elif not name.startswith("nccl"):
-            counts["launches"] += 1
+            counts["launches"] += count
     return counts
 
 
-def _counting_exchanges() -> list[int]:
-    """Count this process's descriptor exchanges from now on."""
-    seen: list[int] = []
-    agree = CallAgreement.agree
-
-    def counted(self, call):
-        seen.append(1)
-        return agree(self, call)
-
-    CallAgreement.agree = counted
-    return seen
-
-
-EXCHANGES = _counting_exchanges()
+EXCHANGES = AGREEMENTS
+"""This process's descriptor exchanges so far (one entry each)."""
 
 
 def _allocated(device: torch.device) -> float:

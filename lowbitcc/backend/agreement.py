@@ -80,19 +80,15 @@ def agree(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
         raise ValueError(f"lowbitcc: rank {r}'s 'loco' settings are invalid ({message}); every "
                          "rank of the group raises")
     assert config is not None
+    shared = [(f.name, [p["config"][f.name] for p in published])
+              for f in dataclasses.fields(LocoConfig) if f.name not in LOCAL_SETTINGS]
+    shared += [(f"{name}, what the settings resolve to",  # None: a build that publishes none
+                [p.get("resolved", {}).get(name) for p in published]) for name in RESOLVED]
     differing = []
-    for field in dataclasses.fields(LocoConfig):
-        if field.name in LOCAL_SETTINGS:
-            continue
-        values = [p["config"][field.name] for p in published]
+    for label, values in shared:
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            differing.append(f"{field.name} ({per_rank})")
-    for name in RESOLVED:  # None: a build that does not publish them
-        values = [p.get("resolved", {}).get(name) for p in published]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            differing.append(f"{name}, what the settings resolve to ({per_rank})")
+            differing.append(f"{label} ({per_rank})")
     if differing:
         raise ValueError(
             "lowbitcc: the ranks of a 'loco' group must share their settings (LOCO_* variables "

@@ -130,8 +130,7 @@ class CallPlan:
         if buffer is None:
             buffer = self._kept[name] = torch.empty(numel, dtype=dtype, device=device)
         assert buffer.numel() == numel and buffer.dtype == dtype, name
-        if device.type == "cuda":
-            buffer.record_stream(torch.cuda.current_stream(device))
+        _used_by_stream(device, buffer)
         return buffer
 
     def _verdict_slot(self, device: torch.device) -> torch.Tensor | None:
@@ -162,9 +161,8 @@ class CallPlan:
                 self.kept(f"sent {stage}", rows * size, torch.uint8, device).view(rows, size),
                 self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
                           torch.uint8, device))
-        elif device.type == "cuda":
-            for buffer in pair:
-                buffer.record_stream(torch.cuda.current_stream(device))
+        else:
+            _used_by_stream(device, *pair)
         return pair
 
     def _columns(self, gathered: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
@@ -227,3 +225,11 @@ class CallPlan:
                                     *self._sent("rs", device, rows, self.m))
         return self.transport.all_to_all_async(messages, self.kept(
             "received rs", messages.numel(), torch.uint8, device)).wait()
+
+
+def _used_by_stream(device: torch.device, *buffers: torch.Tensor) -> None:
+    """On CUDA, mark kept ``buffers`` used by the run's (current) stream (`CallPlan.kept`)."""
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        for buffer in buffers:
+            buffer.record_stream(stream)
