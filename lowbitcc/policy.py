@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,50 +37,52 @@ _mode_stack: list[str] = []
 _key_stack: list[list] = []  # [name, calls issued inside]
 
 
-@contextlib.contextmanager
-def exact() -> Iterator[None]:
+def exact() -> PolicyBlock:
     """Within this block no call is compressed, on any "loco" group of this process."""
-    with _pushed(_mode_stack, "never"):
-        yield
+    return PolicyBlock(_mode_stack, "never")
 
 
-@contextlib.contextmanager
-def compressed() -> Iterator[None]:
+def compressed() -> PolicyBlock:
     """Within this block every eligible call is compressed, inside backward or not."""
-    with _pushed(_mode_stack, "always"):
-        yield
+    return PolicyBlock(_mode_stack, "always")
 
 
-@contextlib.contextmanager
-def compressible() -> Iterator[None]:
+def compressible() -> PolicyBlock:
     """Within this block every eligible call may be compressed, inside backward or not, where
     the cost model (when on) finds that it pays, as for gradients in backward."""
-    with _pushed(_mode_stack, "auto"):
-        yield
+    return PolicyBlock(_mode_stack, "auto")
 
 
-@contextlib.contextmanager
-def feedback_key(name: str) -> Iterator[None]:
+def feedback_key(name: str) -> PolicyBlock:
     """Calls issued in this block use error-feedback keys ``name``, ``name#1``, ``name#2``, ...
-
     Use it to give a tensor a stable key outside backward, e.g. around a hand-written
     gradient all-reduce that runs once per step.
     """
     if not isinstance(name, str) or not name:
         raise ValueError("lowbitcc.feedback_key needs a non-empty string")
-    with _pushed(_key_stack, [name, 0]):
-        yield
+    return PolicyBlock(_key_stack, [name, 0])
 
 
-@contextlib.contextmanager
-def _pushed(stack: list, item: object) -> Iterator[None]:
-    with _lock:
-        stack.append(item)
-    try:
-        yield
-    finally:
+class PolicyBlock(contextlib.ContextDecorator):
+    """A block that holds ``item`` (a mode, or a fresh copy of a ``[name, calls]`` key
+    entry each time it is entered) on ``stack``, one of this module's, while it runs; usable as
+    a decorator too. A class rather than a generator: training loops enter one around every
+    call, and a generator's context manager costs several times as much."""
+
+    def __init__(self, stack: list, item: str | list) -> None:
+        self._stack, self._item = stack, item
+        self._held: list[str | list] = []
+
+    def __enter__(self) -> None:
+        item = list(self._item) if isinstance(self._item, list) else self._item
         with _lock:
-            stack.remove(item)
+            self._stack.append(item)
+        self._held.append(item)
+
+    def __exit__(self, *exc: object) -> None:
+        item = self._held.pop()
+        with _lock:
+            self._stack.remove(item)
 
 
 def mode(default: str) -> str:

@@ -72,10 +72,11 @@ class CallPlaces:
         CPU tensors, one issued by another thread than the main one (gloo completes its
         futures on its own threads, whose callbacks issue calls in an order that differs
         between ranks). Those exchange a descriptor every time, as without the schedule."""
-        schedule = self._schedules.get(like.device.type)
+        device_type = like.device.type
+        schedule = self._schedules.get(device_type)
         if schedule is None or callback_parent():
             return None
-        if like.device.type == "cpu" and threading.get_ident() != _MAIN_THREAD:
+        if device_type == "cpu" and threading.get_ident() != _MAIN_THREAD:
             return None
         return schedule
 

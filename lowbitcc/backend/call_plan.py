@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_call import CallGroup
-from lowbitcc.backend.exact import Reduction
+from lowbitcc.backend.exact import input_factor
 from lowbitcc.backend.routes import Route
 from lowbitcc.codec import wire
 from lowbitcc.collectives import COLLECTIVES
@@ -60,12 +60,15 @@ class CallPlan:
         self.m = m = -(-self.numel // n)
         self.nbytes = self.numel * like.element_size()
         self.codec_dtype = like.dtype
+        self.device = like.device
+        """Where the plan's tensors and kept buffers live (every run's tensors are there)."""
+        self._cpu, self._cuda = like.device.type == "cpu", like.device.type == "cuda"
         self.logical_bytes = COLLECTIVES[collective].logical_bytes(n * m * like.element_size(), n)
-        self.size_class = CostModel.size_class(collective, self.nbytes, like.device.type)
-        self.codec = group.codec(collective, like.dtype, self.numel, like.device.type, route)
+        self.size_class = CostModel.size_class(collective, self.nbytes, self.device.type)
+        self.codec = group.codec(collective, like.dtype, self.numel, self.device.type, route)
         self.comp = group.compressor(self.codec)
         self.transport = route.links.world
-        self._kept: dict[str, torch.Tensor] = {}  # `kept`'s buffers, made by the first run
+        self._kept: dict[str, tuple[torch.Tensor, int, torch.dtype]] = {}  # `kept`'s, and as made
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # `_sent`'s, likewise
         self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
         self._rows_at = 0
@@ -88,17 +91,19 @@ class CallPlan:
         `compressed_call.CompressedCall` does."""
         group, comp = self.group, self.comp
         self.seq = group.agreement.next_seq()
-        key, derived = group.key(self.collective, tensor, self.numel)
-        buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
+        key, buffer = "", None
+        if comp.error_dtype is not None:  # keys name error states, which a call without feedback lacks
+            key, derived = group.key(self.collective, tensor, self.numel)
+            buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
         stop = None
         if group.modelled(self.numel) and not policy.forced():
             group.cost_model.count(self.size_class)
             stop = group.clock(self.size_class, False, self.nbytes)
         state.STATS.add("compressed", calls=1, tensor_bytes=self.nbytes,
                         logical_bytes=self.logical_bytes)
-        comp.restart(self.codec.with_seq(self.seq), key, buffer, self._verdict_slot(tensor.device))
+        comp.restart(self.codec.with_seq(self.seq), key, buffer, self._verdict_slot())
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
-        source = Source(out, group.size, self.m, Reduction.of(op, group.size).input_factor())
+        source = Source(out, group.size, self.m, input_factor(op, group.size))
         if output is not None:
             self._reduce_scatter(source, output)
         elif group.size == 2:
@@ -115,8 +120,8 @@ class CallPlan:
         """The last run's call, for messages."""
         return f"{self.collective} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
 
-    def kept(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``dtype [numel]`` on ``device``, made by the first run that asks for ``name`` and
+    def kept(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``dtype [numel]`` on the plan's device, made by the first run that asks for ``name`` and
         kept for every later run of the plan: the decode buffer ("decoded": fp32 ``[m]``, the
         reduced own row of more than two ranks, or a row decoded before its cast into the
         output), each stage's messages ("sent <stage>": uint8 ``[rows * P]``) and non-finite
@@ -126,14 +131,23 @@ class CallPlan:
         CUDA the runs of a place are ordered on the issuer's stream, and each run marks the
         buffer used by its stream (a side stream for ``async_op``), so that the caching
         allocator hands it on only after every stream that used it, once the plan is gone."""
-        buffer = self._kept.get(name)
-        if buffer is None:
-            buffer = self._kept[name] = torch.empty(numel, dtype=dtype, device=device)
-        assert buffer.numel() == numel and buffer.dtype == dtype, name
-        _used_by_stream(device, buffer)
+        kept = self._kept.get(name)
+        if kept is None:
+            kept = self._kept[name] = (torch.empty(numel, dtype=dtype, device=self.device),
+                                       numel, dtype)
+        buffer, made_numel, made_dtype = kept
+        assert made_numel == numel and made_dtype == dtype, name
+        self._used_by_stream(buffer)
         return buffer
 
-    def _verdict_slot(self, device: torch.device) -> torch.Tensor | None:
+    def _used_by_stream(self, *buffers: torch.Tensor) -> None:
+        """On CUDA, mark kept ``buffers`` used by the run's (current) stream (`kept`)."""
+        if self._cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for buffer in buffers:
+                buffer.record_stream(stream)
+
+    def _verdict_slot(self) -> torch.Tensor | None:
         """A device run's verdict (uint8 ``[8]``) where the plan keeps no error states
         (feedback off, the default format's setting): one of two words the plan keeps and
         hands to its runs in turn. What reads a run's verdict after the run reads it on the
@@ -142,38 +156,38 @@ class CallPlan:
         run after the next may write it again. With feedback on each run makes its own: its
         error states keep it as their poison word for as long as they are kept, which may
         outlast two runs (a key the next run does not use). None on the CPU."""
-        if device.type == "cpu" or self.comp.error_dtype is not None:
+        if self._cpu or self.comp.error_dtype is not None:
             return None
-        words = self.kept("verdicts", 16, torch.uint8, device)
+        words = self.kept("verdicts", 16, torch.uint8)
         if self._slots is None or self._slots[0].data_ptr() != words.data_ptr():
             self._slots = (words[:8], words[8:])
         self._turn ^= 1
         return self._slots[self._turn]
 
-    def _sent(self, stage: str, device: torch.device, rows: int, m: int) -> tuple[torch.Tensor,
-                                                                                  torch.Tensor]:
+    def _sent(self, stage: str, rows: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept messages ``uint8 [rows, P]`` and non-finite bytes of ``stage``'s encode of
         ``rows`` rows of ``m`` elements (the pair made by the first run, as `kept`'s)."""
         pair = self._pairs.get(stage)
         if pair is None:
             size = self.codec.message_bytes(m)
             pair = self._pairs[stage] = (
-                self.kept(f"sent {stage}", rows * size, torch.uint8, device).view(rows, size),
+                self.kept(f"sent {stage}", rows * size, torch.uint8).view(rows, size),
                 self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
-                          torch.uint8, device))
+                          torch.uint8))
         else:
-            _used_by_stream(device, *pair)
+            self._used_by_stream(*pair)
         return pair
 
     def _columns(self, gathered: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """Two ranks: per row ``r`` with elements, ``(r, lo, hi, column)``: its place
-        ``[lo, hi)`` in the output and its messages in ``gathered`` (the kept received
-        buffer, ``[senders, rows, P]``), made again only where a transport received into
-        another buffer."""
+        ``[lo, hi)`` in the output and its messages in ``gathered`` (the received messages,
+        contiguous, ``senders * rows * P`` bytes: the kept buffer unless a transport received
+        into another), viewed again only where ``gathered`` moved."""
         if self._rows is None or self._rows_at != gathered.data_ptr():
             m, n = self.m, self.group.size
+            by_sender = gathered.view(n, n, -1)
             self._rows = [(r, min(r * m, self.numel), min((r + 1) * m, self.numel),
-                           gathered[:, r]) for r in range(n) if r * m < self.numel]
+                           by_sender[:, r]) for r in range(n) if r * m < self.numel]
             self._rows_at = gathered.data_ptr()
         return self._rows
 
@@ -181,55 +195,55 @@ class CallPlan:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
         messages decoded and summed in rank order into its place in ``out``."""
         comp, n, m = self.comp, self.group.size, self.m
-        messages = comp.encode("gather", source, self.shards, *self._sent("gather", out.device, n, m))
-        gathered = self.transport.all_gather_async(messages, self.kept(
-            "received gather", n * messages.numel(), torch.uint8, out.device)).wait().view(n, n, -1)
+        messages = comp.encode("gather", source, self.shards, *self._sent("gather", n, m))
+        kept = self.kept("received gather", n * messages.numel(), torch.uint8)
+        pending = self.transport.all_gather_async(messages, kept)
+        # the decodes' views are made while the transfer runs: the first Python after a wait
+        # runs several times slower (caches, a woken core)
+        rows = self._columns(kept)
+        places = [out[lo:hi] for _, lo, hi, _ in rows]
+        received = pending.wait()
+        if received.data_ptr() != kept.data_ptr():  # a transport that received elsewhere
+            rows = self._columns(received)
         fp32 = out.dtype == torch.float32
-        for r, lo, hi, column in self._columns(gathered):
+        for (r, lo, hi, column), place in zip(rows, places):
             if fp32 and hi - lo == m:
-                comp.decode_sum(column, m, r, out.narrow(0, lo, m))
+                comp.decode_sum(column, m, r, place)
             else:
                 decoded = comp.decode_sum(column, m, r,
-                                          self.kept("decoded", m, torch.float32, out.device))
-                out.narrow(0, lo, hi - lo).copy_(decoded[:hi - lo])
+                                          self.kept("decoded", m, torch.float32))
+                place.copy_(decoded[:hi - lo])
 
     def _reduce_scatter(self, source: Source, output: torch.Tensor) -> None:
         """Every row encoded (stage "rs") and sent to its owner, the own row's messages summed
         in rank order into ``output`` (straight where it is contiguous fp32, else through the
         decode buffer and a cast)."""
-        comp, m, rank, device = self.comp, self.m, self.group.rank, output.device
-        received = self._scatter(source, device)
-        if output.dtype == torch.float32 and output.is_contiguous():
-            comp.decode_sum(received, m, rank, output.view(-1))
-        else:
-            output.copy_(comp.decode_sum(received, m, rank, self.kept(
-                "decoded", m, torch.float32, device)).view(output.shape))
+        comp, m, rank = self.comp, self.m, self.group.rank
+        straight = output.dtype == torch.float32 and output.is_contiguous()
+        target = output.view(-1) if straight else self.kept("decoded", m, torch.float32)
+        received = self._scatter(source)  # (the target made before the wait, as in `_gather`)
+        decoded = comp.decode_sum(received, m, rank, target)
+        if not straight:
+            output.copy_(decoded.view(output.shape))
 
     def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
         """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's
         messages summed in rank order, re-encoded (stage "ag"), all-gathered and decoded into
         ``out``."""
-        comp, m, rank, device = self.comp, self.m, self.group.rank, out.device
-        reduced = comp.decode_sum(self._scatter(source, device), m, rank,
-                                  self.kept("decoded", m, torch.float32, device))
-        mine = comp.encode("ag", Source(reduced, 1, m), [rank], *self._sent("ag", device, 1, m))
+        comp, m, rank = self.comp, self.m, self.group.rank
+        decoded = self.kept("decoded", m, torch.float32)
+        reduced = comp.decode_sum(self._scatter(source), m, rank, decoded)
+        mine = comp.encode("ag", Source(reduced, 1, m), [rank], *self._sent("ag", 1, m))
         gathered = self.transport.all_gather_async(mine[0], self.kept(
-            "received ag", self.group.size * mine.numel(), torch.uint8, device)).wait()
+            "received ag", self.group.size * mine.numel(), torch.uint8)).wait()
         comp.decode_into(gathered, m, self.shards, out)
 
-    def _scatter(self, source: Source, device: torch.device) -> torch.Tensor:
+    def _scatter(self, source: Source) -> torch.Tensor:
         """Every row of ``source`` encoded (stage "rs") and sent to its owner: the received
         messages of the own row, one per rank."""
         rows = len(self.shards)
         messages = self.comp.encode("rs", source, self.shards,
-                                    *self._sent("rs", device, rows, self.m))
+                                    *self._sent("rs", rows, self.m))
         return self.transport.all_to_all_async(messages, self.kept(
-            "received rs", messages.numel(), torch.uint8, device)).wait()
+            "received rs", messages.numel(), torch.uint8)).wait()
 
-
-def _used_by_stream(device: torch.device, *buffers: torch.Tensor) -> None:
-    """On CUDA, mark kept ``buffers`` used by the run's (current) stream (`CallPlan.kept`)."""
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device)
-        for buffer in buffers:
-            buffer.record_stream(stream)

@@ -12,6 +12,7 @@ inputs already gathered (the small calls that travel in a descriptor frame).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +33,12 @@ Issue = Callable[[dist.ProcessGroup, list[torch.Tensor], Any], Any]
 _COPIED_OPTIONS = ("rootRank", "rootTensor", "timeout", "asyncOp")
 
 
+_RED_OP_TYPE = ReduceOp.RedOpType
+
+
 def op_type(op: ReduceOp | Any) -> Any:
     """The ``ReduceOp.RedOpType`` of ``op`` (c10d hands over either form)."""
-    return op if isinstance(op, ReduceOp.RedOpType) else op.op
+    return op if type(op) is _RED_OP_TYPE else op.op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +90,20 @@ class Reduction:
         if self.factor is not None:
             return float(self.factor)
         return 1.0
+
+
+def input_factor(op: ReduceOp | Any, world: int) -> float:
+    """`Reduction.of` ``(op, world)``'s ``input_factor()``, built once per op type and world
+    where it does not depend on the op's own factor (every op but PREMUL_SUM)."""
+    kind = op_type(op)
+    if kind == ReduceOp.PREMUL_SUM:
+        return Reduction.of(op, world).input_factor()
+    return _fixed_factor(kind, world)
+
+
+@functools.cache
+def _fixed_factor(kind: Any, world: int) -> float:
+    return Reduction.of(kind, world).input_factor()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,7 +90,8 @@ class Reductions:
         (the exact call where a graph is being captured, on CUDA)."""
         if collective not in PLAN_COLLECTIVES or not tensor.is_contiguous():
             return None
-        entry = self._compressed.places.planned(collective, tensor, numel, op, exact=False)
+        entry = self._compressed.places.planned(collective, tensor, numel, op_type(op),
+                                                exact=False)
         if entry is None:
             return None
         plan = entry.plan
