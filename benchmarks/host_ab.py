@@ -1,0 +1,119 @@
+"""A/B of the host time of a compressed all-reduce: another git revision's package against
+this checkout's, in alternating runs, so that a change of a few percent shows through this
+machine's drift (one run's host time moves by 15% and more from one minute to the next).
+
+Each run starts ``--ranks`` ranks (``LOCO_ISSUER=inline``, the CUDA path's issuing logic on
+CPU tensors) from a scratch directory with one of the two trees first on ``PYTHONPATH``, and
+times ``--calls`` forced all-reduces of ``--elements`` fp32 elements (after 100 untimed) the
+way `lowbitcc perf` does (``lowbitcc.compressed()``, ``feedback_key``, ``end_step``). Per call
+it subtracts that call's codec and wire time (`lowbitcc.stats()`, read between calls) from
+its wall time, and reports the median over calls and ranks: `lowbitcc perf`'s ``host_us`` is
+the mean, which the place's re-agreement (one call in 64) and the machine's hiccups move.
+Prints each run and the ratio of the means of the medians (< 1: this checkout is faster).
+
+    python benchmarks/host_ab.py --rev HEAD~1 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def probe(rank: int, world: int, elements: int, calls: int) -> list[float]:
+    """Per timed call of this rank: wall time minus the call's codec and wire time (s)."""
+    import torch
+    import torch.distributed as dist
+
+    import lowbitcc
+
+    def busy() -> float:
+        s = lowbitcc.stats()["compressed"]
+        return s["codec_s"] + s["wire_s"]
+
+    x = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
+    start = x.clone()
+    hosts = []
+    for i in range(calls + 100):
+        if i % 50 == 0:  # AVG keeps values finite; a fresh start keeps them varied
+            x.copy_(start)
+        before = busy()
+        t0 = time.perf_counter()
+        with lowbitcc.compressed(), lowbitcc.feedback_key("host_ab"):
+            dist.all_reduce(x, op=dist.ReduceOp.AVG)
+        lowbitcc.end_step()
+        wall = time.perf_counter() - t0
+        if i >= 100:
+            hosts.append(wall - (busy() - before))
+    return hosts
+
+
+def run_once(tree: Path, args: argparse.Namespace) -> float:
+    """One run with ``tree`` first on ``PYTHONPATH``: the median host time per call (us)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), LOCO_ISSUER="inline")
+    with tempfile.TemporaryDirectory() as cwd:  # not the checkout: its root would win
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--child", str(tree),
+             "--ranks", str(args.ranks), "--elements", str(args.elements),
+             "--calls", str(args.calls)],
+            cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["median_us"]
+
+
+def child(tree: str, args: argparse.Namespace) -> None:
+    import lowbitcc
+    from lowbitcc.tools import spawn
+
+    if not Path(lowbitcc.__file__).resolve().is_relative_to(Path(tree).resolve()):
+        raise SystemExit(f"host_ab: imported {lowbitcc.__file__}, not the tree {tree}")
+    per_rank = spawn.run_ranks(probe, args.ranks, args.elements, args.calls, backend="loco")
+    hosts = [h for rank in per_rank for h in rank]
+    print(json.dumps({"median_us": statistics.median(hosts) * 1e6}))
+
+
+def checkout(rev: str) -> Path:
+    """A worktree of ``rev`` in a scratch directory (removed by `git worktree prune` later)."""
+    where = Path(tempfile.mkdtemp(prefix="lowbitcc-host-ab-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(where), rev], cwd=REPO,
+                   check=True)
+    return where
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", default="HEAD", help="the revision to compare against")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--elements", type=int, default=1 << 18, help="fp32 elements (1 MiB)")
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args)
+        return
+    base = checkout(args.rev)
+    medians: dict[str, list[float]] = {"this checkout": [], args.rev: []}
+    try:
+        for round_ in range(1, args.rounds + 1):
+            for name, tree in (("this checkout", REPO), (args.rev, base)):
+                medians[name].append(run_once(tree, args))
+                print(f"round {round_}: {name:>14} median host {medians[name][-1]:7.1f} us",
+                      flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=False)
+    ours, theirs = (statistics.mean(medians[k]) for k in medians)
+    print(f"mean of medians: this checkout {ours:.1f} us, {args.rev} {theirs:.1f} us, "
+          f"ratio {ours / theirs:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
