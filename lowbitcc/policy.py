@@ -81,8 +81,13 @@ class PolicyBlock(contextlib.ContextDecorator):
 
     def __exit__(self, *exc: object) -> None:
         item = self._held.pop()
-        with _lock:
-            self._stack.remove(item)
+        with _lock:  # the innermost entry that is this block's (an outer one may equal it)
+            at = next(i for i in range(len(self._stack) - 1, -1, -1) if self._stack[i] is item)
+            del self._stack[at]
+
+    def _recreate_cm(self) -> PolicyBlock:
+        """A decorated function's calls each enter a block of their own (threads may overlap)."""
+        return PolicyBlock(self._stack, self._item)
 
 
 def mode(default: str) -> str:

@@ -95,6 +95,8 @@ class CallPlan:
         if comp.error_dtype is not None:  # keys name error states, which a call without feedback lacks
             key, derived = group.key(self.collective, tensor, self.numel)
             buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
+        else:  # counted all the same: a `feedback_key` block may also name another group's calls
+            policy.explicit_key()
         stop = None
         if group.modelled(self.numel) and not policy.forced():
             group.cost_model.count(self.size_class)

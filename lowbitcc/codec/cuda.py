@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -37,8 +38,10 @@ from lowbitcc.codec.cuda_build import (
     decode_sum_name,
     encode_name,
     encode_warps,
+    header_words,
     name_expressions,
     options,
+    struct_value,
 )
 from lowbitcc.codec.framing import (
     VERDICT_FOREIGN,
@@ -121,20 +124,30 @@ def _external(stream: torch.cuda.Stream, index: int) -> Any:
 
 def _p(t: torch.Tensor | None) -> np.uint64:
     """A device pointer as a kernel argument (0 for an absent or empty tensor)."""
-    return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
+    return np.uint64(_ptr(t))
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    """`_p`'s address as a Python int (a field of a packed struct)."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+@functools.cache
+def _in_field_order() -> Callable[[dict[str, Any]], tuple]:
+    """The values of a ``{field: value}`` dict in ``loco::EncodeArgs``' order (one C call)."""
+    return operator.itemgetter(*encode_args_dtype().names)
 
 
 def pack_encode_args(args: EncodeArgs) -> np.void:
     """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses)."""
-    dtype = encode_args_dtype()
     values = {
-        "src": _p(args.source), "msgs": _p(args.messages), "ecodes": _p(args.error_codes),
-        "escales": _p(args.error_scales),
-        "ef32": _p(args.error_values if args.mode == ERROR_MODES["fp32"] else None),
-        "ebf16": _p(args.error_values if args.mode == ERROR_MODES["bf16"] else None),
-        "nonfinite": _p(args.nonfinite), "sums": _p(args.sums),
-        "invalid": _p(args.state.poison if args.state is not None and args.has_error else None),
-        "clear": _p(args.clear),
+        "src": _ptr(args.source), "msgs": _ptr(args.messages),
+        "ecodes": _ptr(args.error_codes), "escales": _ptr(args.error_scales),
+        "ef32": _ptr(args.error_values if args.mode == ERROR_MODES["fp32"] else None),
+        "ebf16": _ptr(args.error_values if args.mode == ERROR_MODES["bf16"] else None),
+        "nonfinite": _ptr(args.nonfinite), "sums": _ptr(args.sums),
+        "invalid": _ptr(args.state.poison if args.state is not None and args.has_error else None),
+        "clear": _ptr(args.clear),
         "numel": args.source.numel(),
         "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
         "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
@@ -142,7 +155,8 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
         "has_error": int(args.has_error), "mode": args.mode, "stochastic": int(args.stochastic),
         "format": args.format_code, "k0": args.k0, "k1": args.k1,
     }
-    return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)[()]
+    return struct_value(encode_args_dtype(), _in_field_order()(values))
+
 
 
 def _aligned_stride(messages: torch.Tensor) -> int | None:
@@ -234,13 +248,10 @@ class CudaKernels(TorchFraming):
                            spec.flags, False, spec.verdict)
             return
         with self.stream_words.taken(args.rows + 1, device) as words:
-            frame = np.zeros((), dtype=FRAME_ARGS)
-            frame["header"] = np.frombuffer(spec.header, dtype=HEADER_WORDS)[0]
-            frame["shard0"], frame["used"], frame["flags"], frame["enabled"] = (
-                spec.shards[0], spec.used, spec.flags, 1)
-            frame["words"] = _p(words)
-            frame["answer"] = _p(verdict_flag(spec.verdict, VERDICT_NONFINITE))
-            _launch(name, device, blocks, (pack_encode_args(args), frame[()]))
+            answer = _ptr(spec.verdict) + VERDICT_NONFINITE  # the byte's address
+            frame = struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0], spec.used,
+                                         _ptr(words), answer, spec.flags, 1))
+            _launch(name, device, blocks, (pack_encode_args(args), frame))
 
     fuses_check = True
     """The decodes check the rows' headers themselves where given the call's header (`check`):
@@ -289,11 +300,7 @@ class CudaKernels(TorchFraming):
                 or shards != [shards[0] + r * step for r in range(len(shards))]):
             self.check(messages, header, shards, False, verdict)
             return NO_CHECK
-        value = np.zeros((), dtype=ROW_CHECK)
-        value["header"] = np.frombuffer(header, dtype=HEADER_WORDS)[0]
-        value["shard0"], value["shard_step"], value["check"] = shards[0], step, 1
-        value["rows"] = messages.shape[0]
-        return value[()]
+        return struct_value(ROW_CHECK, (header_words(header), shards[0], step, messages.shape[0], 1))
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64

@@ -4,6 +4,7 @@ real architecture (no GPU needed: CI compiles every instance, ``tests/codec/test
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -56,6 +57,19 @@ FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i
                        ("enabled", "<i4")], align=True)
 """``loco_cuda::FrameArgs``, passed by value to the encode: the frame it writes itself."""
 NO_FRAME = np.zeros((), dtype=FRAME_ARGS)[()]
+
+
+def struct_value(dtype: np.dtype, values: tuple) -> np.void:
+    """``values`` (one per field, in order) as one ``dtype`` value, its padding zero."""
+    value = np.zeros((), dtype=dtype)
+    value[()] = values
+    return value[()]
+
+
+@functools.lru_cache(maxsize=16)  # a call's encode and decodes pass the same header
+def header_words(header: bytes) -> tuple[int, ...]:
+    """``loco_cuda::Header`` of a call's ``header`` bytes (`HEADER_WORDS`), as a field value."""
+    return tuple(np.frombuffer(header, dtype=HEADER_WORDS)[0].item())
 
 
 def encode_warps(rows: int, ng: int, group_size: int, fmt: str) -> int:

@@ -6,6 +6,8 @@ in ``csrc/cpu_codec.cpp`` (``frame``, ``verify``), byte for byte (``tests/codec/
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lowbitcc.codec import wire
@@ -26,7 +28,17 @@ def new_verdict(device: torch.device, cleared_by_encode: bool = False) -> torch.
 
 def verdict_flag(verdict: torch.Tensor, byte: int) -> torch.Tensor:
     """Byte ``byte`` of ``verdict`` as a 0-dim bool view (no copy)."""
-    return verdict[byte:byte + 1].view(torch.bool)[0]
+    return verdict.view(torch.bool)[byte]
+
+
+@functools.lru_cache(maxsize=64)  # a call's encode and decodes ask for the same
+def call_header(bits: int, dtype_code: int, group_size: int, numel: int, seq: int, world: int,
+                signature: int, fmt: str) -> bytes:
+    """The header of a call's messages of ``numel`` elements, with shard 0 and flags 0 (the
+    kernels write each row's own: `interface.Kernels.frame`)."""
+    return wire.ShardHeader(bits=bits, dtype_code=dtype_code, flags=0, group_size=group_size,
+                            numel=numel, seq=seq, shard=0, world=world, signature=signature,
+                            fmt=fmt).pack()
 
 
 def header_rows(header: bytes, shards: list[int], device: torch.device) -> torch.Tensor:

@@ -215,11 +215,8 @@ class ShardCodec:
     def header(self, m: int) -> bytes:
         """The header of this call's messages of ``m`` elements, with shard 0 and flags 0 (the
         kernels write each row's own: `interface.Kernels.frame`)."""
-        return wire.ShardHeader(
-            bits=self.bits, dtype_code=self.dtype_code, flags=0, group_size=self.group_size,
-            numel=m, seq=self.seq, shard=0, world=self.world, signature=self.signature,
-            fmt=self.fmt,
-        ).pack()
+        return framing.call_header(self.bits, self.dtype_code, self.group_size, m, self.seq,
+                                   self.world, self.signature, self.fmt)
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,

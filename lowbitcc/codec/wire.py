@@ -37,6 +37,7 @@ what they read; no length read off the wire is trusted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 import zlib
 
@@ -121,12 +122,14 @@ def codes_offset(numel: int, group_size: int, fmt: str = "int") -> int:
     return HEADER_BYTES + scale_field_bytes(ngroups(numel, group_size), fmt)
 
 
+@functools.lru_cache(maxsize=1024)  # every call of a place asks the same
 def used_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:
     """Bytes of one shard message that carry header, scales and codes (before its padding)."""
     ng = ngroups(numel, group_size)
     return codes_offset(numel, group_size, fmt) + ng * group_size * bits // 8
 
 
+@functools.lru_cache(maxsize=1024)
 def payload_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:
     """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 8,
     then the checksum trailer."""

@@ -10,8 +10,12 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from lowbitcc import policy
+from lowbitcc import policy, state
 from lowbitcc.backend.exact import Reduction, input_factor
+from lowbitcc.codec import cuda
+from lowbitcc.counters import Stats
+from lowbitcc.feedback import FeedbackStore
+from tests.support.cuda_trace import GpuWork, meta_plan
 
 
 def test_the_innermost_block_wins_and_each_restores_what_it_found():
@@ -26,6 +30,17 @@ def test_the_innermost_block_wins_and_each_restores_what_it_found():
             assert policy.mode("backward") == "never"
         assert policy.mode("backward") == "always"
     assert policy.mode("backward") == "backward" and not policy.forced()
+
+
+def test_leaving_a_block_restores_the_block_around_it_when_an_outer_one_is_the_same():
+    with lowbitcc.exact(), lowbitcc.compressed():
+        with lowbitcc.exact():
+            assert policy.mode("backward") == "never"
+        assert policy.mode("backward") == "always"
+        with lowbitcc.feedback_key("k"), lowbitcc.feedback_key("k"):
+            assert policy.explicit_key() == "k"
+        assert policy.explicit_key() is None
+    assert policy.mode("backward") == "backward"
 
 
 def test_a_feedback_key_block_names_its_calls_afresh_each_time_it_is_entered():
@@ -53,6 +68,22 @@ def test_a_feedback_key_needs_a_name():
     for name in ("", None, 3):
         with pytest.raises(ValueError, match="non-empty string"):
             lowbitcc.feedback_key(name)
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_a_planned_call_counts_in_a_feedback_key_block_with_or_without_feedback(feedback,
+                                                                             monkeypatch):
+    """The block's count is shared by every group: a call of a group without feedback, which
+    needs no key of its own, still takes its turn (as its job would), so that another group's
+    next call gets the same key whichever path ran this one."""
+    monkeypatch.setattr(cuda, "_launch", lambda *args: None)
+    monkeypatch.setattr(state, "FEEDBACK", FeedbackStore())
+    monkeypatch.setattr(state, "STATS", Stats())
+    plan, x, _ = meta_plan(GpuWork(), 2, 4096, "nvfp4", feedback=feedback)
+    plan.group.key = lambda *args: (policy.explicit_key(), False)  # the group's own counts
+    with lowbitcc.feedback_key("g"):
+        plan.run(x, dist.ReduceOp.SUM)
+        assert policy.explicit_key() == "g#1"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowbitcc.codec import abi, cpu, cuda, kernels
+from lowbitcc.codec import abi, cpu, cuda, cuda_build, kernels
 from lowbitcc.codec.error_state import STORAGE, ErrorState
 from lowbitcc.codec.interface import EncodeArgs
 
@@ -50,6 +50,21 @@ def test_cuda_struct_packs_every_field_at_its_offset():
     assert packed["mode"] == abi.ERROR_MODES["int8"] and packed["stochastic"] == 1
     assert (packed["k0"], packed["k1"]) == (7, 9)
     assert np.frombuffer(raw[fields["m"][1]:fields["m"][1] + 8].tobytes(), np.int64)[0] == 300
+
+
+@pytest.mark.parametrize("dtype, values", [
+    (cuda_build.ROW_CHECK, (tuple(range(8)), 3, 1, 4, 1)),
+    (cuda_build.FRAME_ARGS, (tuple(range(8, 16)), 2, 100, 2**63 + 5, 2**40 + 1, 5, 1)),
+])
+def test_struct_arguments_hold_their_fields_in_order_and_zero_padding(dtype, values):
+    packed = cuda_build.struct_value(dtype, values)
+    expected = np.zeros((), dtype=dtype)
+    for name, value in zip(dtype.names, values):
+        expected[name] = value
+    assert packed.tobytes() == expected[()].tobytes()
+    header = bytes(range(32))
+    assert cuda_build.header_words(header) == tuple(
+        int.from_bytes(header[i:i + 4], "little") for i in range(0, 32, 4))
 
 
 @needs_cpu

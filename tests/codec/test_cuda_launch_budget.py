@@ -19,29 +19,22 @@ there, never raise them. A place's plan without feedback (the default) allocates
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import itertools
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowbitcc import state
-from lowbitcc.backend.call_plan import CallPlan
-from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.codec import cuda
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.compressor import CallCompressor, Scratch, Source
-from lowbitcc.config import LocoConfig
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 from lowbitcc.schedules import direct
 from lowbitcc.transports.links import Links
 from lowbitcc.transports.nccl import NcclTransport
+from tests.support.cuda_trace import GpuWork, RecordingGroup, meta_plan
 
 FREE = ("view", "_unsafe_view", "select", "slice", "detach", "alias", "as_strided", "split",
         "_reshape_alias", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute",
@@ -51,21 +44,6 @@ ALLOCATING = ("empty", "empty_like", "empty_strided", "new_empty")
 SYNCHRONISING = ("_local_scalar_dense", "equal", "nonzero", "item")
 ALLOCATING_KERNELS = ("zeros", "zeros_like", "new_zeros", "clone", "full", "ones")
 """An allocation and a kernel (a fill or a copy)."""
-
-
-@dataclasses.dataclass
-class GpuWork:
-    kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    launches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    allocations: int = 0
-    host_to_device: int = 0
-    synchronisations: int = 0
-    nccl: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-
-    @property
-    def total_kernels(self) -> int:
-        """Kernels of lowbitcc's own: torch's and the CUDA codec's (NCCL's not included)."""
-        return sum(self.kernels.values()) + sum(self.launches.values())
 
 
 class _Classified(TorchDispatchMode):
@@ -94,32 +72,13 @@ class _Classified(TorchDispatchMode):
         return out
 
 
-class _RecordingGroup:
-    """The inner NCCL group: records each collective (on a GPU, NCCL's own kernel)."""
-
-    def __init__(self, work: GpuWork, rank: int, size: int) -> None:
-        self.work, self._rank, self._size = work, rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-    def alltoall_base(self, recv, send, *args):
-        self.work.nccl["all_to_all"] += 1
-
-    def _allgather_base(self, recv, send, *args):
-        self.work.nccl["all_gather"] += 1
-
-
 def _steady_state_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") -> GpuWork:
     """The GPU work of the third all-reduce of one key (its error state kept), rank 0."""
     work = GpuWork()
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: work.launches.update(
         [name.split("<")[0].removeprefix("loco_cuda::")]))
     store, scratch, stats = FeedbackStore(), Scratch(), Stats()
-    links = Links.of(NcclTransport(_RecordingGroup(work, 0, world)))
+    links = Links.of(NcclTransport(RecordingGroup(work, 0, world)))
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel, device="meta")
     m = -(-numel // world)
@@ -141,28 +100,6 @@ def _steady_state_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") 
     return work
 
 
-class _Group:
-    """What a `call_plan.CallPlan` asks of its group (`compressed_call.CallGroup`), for rank 0
-    of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket", feedback on
-    (an int8 error state, as the job of `_steady_state_call` keeps) or off."""
-
-    def __init__(self, world: int, codec: ShardCodec, feedback: bool = True) -> None:
-        self.rank, self.size, self._codec = 0, world, codec
-        self.config = LocoConfig(feedback=feedback)
-        self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
-
-    def codec(self, *args) -> ShardCodec:
-        return self._codec
-
-    def key(self, *args) -> tuple[str, bool]:
-        return "bucket", False
-
-    def modelled(self, numel: int) -> bool:
-        return False
-
-    compressor = CompressedCalls.compressor  # the group's own: config and rank
-
-
 def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4",
                   collective: str = "all_reduce", feedback: bool = True,
                   plan_out: list | None = None) -> GpuWork:
@@ -174,12 +111,7 @@ def _planned_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4",
         [name.split("<")[0].removeprefix("loco_cuda::")]))
     monkeypatch.setattr(state, "FEEDBACK", FeedbackStore())
     monkeypatch.setattr(state, "STATS", Stats())
-    codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
-                       world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
-    route = types.SimpleNamespace(links=Links.of(NcclTransport(_RecordingGroup(work, 0, world))))
-    x = torch.empty(numel, device="meta")
-    out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
-    plan = CallPlan(_Group(world, codec, feedback), route, x, collective)
+    plan, x, out = meta_plan(work, world, numel, fmt, collective, feedback)
     if plan_out is not None:
         plan_out.append(plan)
     for _ in range(2):

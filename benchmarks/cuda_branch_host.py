@@ -1,0 +1,95 @@
+"""Host time of a steady-state planned all-reduce on the CUDA code branch, without a GPU.
+
+Issue 47 asks for at most 100 us of host time per compressed call on a GPU. Most of what a
+planned call does on the host is the same Python whether or not a GPU is there: the plan's
+bookkeeping, the codec's argument checks and the kernels' packed arguments. This runs rank
+0's `call_plan.CallPlan` (`tests/support/cuda_trace.py`: ``device="meta"`` tensors, the CUDA
+kernels' launcher replaced by a no-op and NCCL by a recorder) ``--runs`` times after 3 and
+prints the time per run: everything but the launches themselves and NCCL's enqueue. Since
+this machine's speed drifts by half within minutes, it also prints what does not drift: the
+Python functions and the builtin (C) functions one run calls (``sys.setprofile``'s "call"
+and "c_call" events, torch's and numpy's included). To compare revisions, run this script
+from a worktree of each in turn (it imports the package of the checkout it lies in; copy it
+and ``tests/support/cuda_trace.py`` into a worktree of a revision that lacks them);
+``--profile`` prints the runs' cProfile by own time.
+
+    python benchmarks/cuda_branch_host.py [--worlds 2 4] [--formats nvfp4 mxfp4] [--runs 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package and tests
+
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc import state
+from lowbitcc.codec import cuda
+from lowbitcc.counters import Stats
+from lowbitcc.feedback import FeedbackStore
+from tests.support.cuda_trace import GpuWork, meta_plan
+
+
+def calls_per_run(plan, x) -> tuple[int, int]:
+    """Python and builtin function calls of one run of ``plan``."""
+    events = {"call": 0, "c_call": 0}
+
+    def count(frame, event, arg):
+        if event in events:
+            events[event] += 1
+
+    sys.setprofile(count)
+    try:
+        plan.run(x, dist.ReduceOp.SUM)
+    finally:
+        sys.setprofile(None)
+    return events["call"], events["c_call"]
+
+
+def per_run(world: int, fmt: str, feedback: bool, runs: int,
+            profile: bool) -> tuple[float, tuple[int, int]]:
+    """Microseconds per steady-state run of the plan (after 3 untimed), and its calls."""
+    cuda._launch = lambda name, device, grid, args: None
+    state.FEEDBACK, state.STATS = FeedbackStore(), Stats()
+    plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback)
+    for _ in range(3):
+        plan.run(x, dist.ReduceOp.SUM)
+    profiler = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    for _ in range(runs):
+        plan.run(x, dist.ReduceOp.SUM)
+    if profiler is not None:
+        profiler.disable()
+    took = (time.perf_counter() - start) / runs * 1e6
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return took, calls_per_run(plan, x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4"])
+    parser.add_argument("--feedback", action="store_true", help="an int8 error state too")
+    parser.add_argument("--runs", type=int, default=3000)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    print(f"lowbitcc from {Path(lowbitcc.__file__).parent}")
+    for fmt in args.formats:
+        for world in args.worlds:
+            us, (python, builtin) = per_run(world, fmt, args.feedback, args.runs, args.profile)
+            print(f"{fmt:6} world {world}: {us:7.1f} us per planned run (host, no launch); "
+                  f"{python} Python and {builtin} builtin calls")
+
+
+if __name__ == "__main__":
+    main()

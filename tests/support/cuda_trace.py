@@ -1,0 +1,93 @@
+"""What traces the CUDA code branch without a GPU (`tests/codec/test_cuda_launch_budget.py`,
+`benchmarks/cuda_branch_host.py`): the GPU work a call issues, a recording stand-in for the
+inner NCCL group, and the group a `call_plan.CallPlan` asks of, for rank 0 of ``world``."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import types
+
+import torch
+
+from lowbitcc.backend.call_plan import CallPlan
+from lowbitcc.backend.compressed_calls import CompressedCalls
+from lowbitcc.codec import cuda
+from lowbitcc.codec.formats import FORMATS
+from lowbitcc.codec.shard_codec import ShardCodec
+from lowbitcc.config import LocoConfig
+from lowbitcc.transports.links import Links
+from lowbitcc.transports.nccl import NcclTransport
+
+
+@dataclasses.dataclass
+class GpuWork:
+    kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    launches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    allocations: int = 0
+    host_to_device: int = 0
+    synchronisations: int = 0
+    nccl: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def total_kernels(self) -> int:
+        """Kernels of lowbitcc's own: torch's and the CUDA codec's (NCCL's not included)."""
+        return sum(self.kernels.values()) + sum(self.launches.values())
+
+
+class RecordingGroup:
+    """The inner NCCL group: records each collective (on a GPU, NCCL's own kernel)."""
+
+    def __init__(self, work: GpuWork, rank: int, size: int) -> None:
+        self.work, self._rank, self._size = work, rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def alltoall_base(self, recv, send, *args):
+        self.work.nccl["all_to_all"] += 1
+
+    def _allgather_base(self, recv, send, *args):
+        self.work.nccl["all_gather"] += 1
+
+
+class PlanGroup:
+    """What a `call_plan.CallPlan` asks of its group (`compressed_call.CallGroup`), for rank 0
+    of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket", feedback on
+    (an int8 error state) or off."""
+
+    def __init__(self, world: int, codec: ShardCodec, feedback: bool = True) -> None:
+        self.rank, self.size, self._codec = 0, world, codec
+        self.config = LocoConfig(feedback=feedback)
+        self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
+
+    def codec(self, *args) -> ShardCodec:
+        return self._codec
+
+    def key(self, *args) -> tuple[str, bool]:
+        return "bucket", False
+
+    def modelled(self, numel: int) -> bool:
+        return False
+
+    compressor = CompressedCalls.compressor  # the group's own: config and rank
+
+
+def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
+              collective: str = "all_reduce", feedback: bool = True,
+              ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
+    """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
+    (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
+    kernels, 4 bits, ``fmt``'s default group, checksums off), its NCCL collectives recorded
+    in ``work``; with its input and (reduce-scatter) output. The caller replaces
+    `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
+    codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
+                       world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
+    route = types.SimpleNamespace(links=Links.of(NcclTransport(RecordingGroup(work, 0, world))))
+    x = torch.empty(numel, device="meta")
+    out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
+    return CallPlan(PlanGroup(world, codec, feedback), route, x, collective), x, out
