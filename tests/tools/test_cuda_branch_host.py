@@ -1,0 +1,27 @@
+"""`benchmarks/cuda_branch_host.py`: a planned run on the CUDA code branch, traced without a
+GPU, and the host work it counts held to a budget (the Python and builtin functions one
+steady-state run calls: deterministic, unlike its time here). Today's counts (2026-11-27,
+torch 2.13; 185/297 Python calls at 2/4 ranks before that day's trims): lower the budget as
+the path gets there, never raise it."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_branch_host.py"
+BUDGET = {("nvfp4", 2): (139, 144), ("nvfp4", 4): (210, 199),
+          ("mxfp4", 2): (140, 144), ("mxfp4", 4): (212, 199)}
+"""(Python calls, builtin calls) per planned 1 Mi fp32 all-reduce without feedback."""
+
+
+def test_a_planned_cuda_run_calls_no_more_functions_than_its_budget():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--runs", "5"], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = {(fmt, int(world)): (int(python), int(builtin)) for fmt, world, python, builtin in
+              re.findall(r"^(\w+)\s+world (\d+): .*; (\d+) Python and (\d+) builtin calls$",
+                         done.stdout, re.M)}
+    assert set(counts) == set(BUDGET), done.stdout
+    for key, (python, builtin) in counts.items():
+        assert python <= BUDGET[key][0] and builtin <= BUDGET[key][1], (key, done.stdout)
