@@ -139,20 +139,24 @@ def _in_field_order() -> Callable[[dict[str, Any]], tuple]:
 
 
 def pack_encode_args(args: EncodeArgs) -> np.void:
-    """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses)."""
+    """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses;
+    without an error state its fields are zero, as `EncodeArgs`' properties then say)."""
+    state, mode = args.state, args.mode
+    held = state is not None
     values = {
         "src": _ptr(args.source), "msgs": _ptr(args.messages),
-        "ecodes": _ptr(args.error_codes), "escales": _ptr(args.error_scales),
-        "ef32": _ptr(args.error_values if args.mode == ERROR_MODES["fp32"] else None),
-        "ebf16": _ptr(args.error_values if args.mode == ERROR_MODES["bf16"] else None),
+        "ecodes": _ptr(args.error_codes) if held else 0,
+        "escales": _ptr(args.error_scales) if held else 0,
+        "ef32": _ptr(args.error_values) if held and mode == ERROR_MODES["fp32"] else 0,
+        "ebf16": _ptr(args.error_values) if held and mode == ERROR_MODES["bf16"] else 0,
         "nonfinite": _ptr(args.nonfinite), "sums": _ptr(args.sums),
-        "invalid": _ptr(args.state.poison if args.state is not None and args.has_error else None),
+        "invalid": _ptr(state.poison) if held and args.has_error else 0,
         "clear": _ptr(args.clear),
         "numel": args.source.numel(),
         "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
         "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
         "G": args.group_size, "scale_input": int(args.factor != 1.0),
-        "has_error": int(args.has_error), "mode": args.mode, "stochastic": int(args.stochastic),
+        "has_error": int(args.has_error), "mode": mode, "stochastic": int(args.keys is not None),
         "format": args.format_code, "k0": args.k0, "k1": args.k1,
     }
     return struct_value(encode_args_dtype(), _in_field_order()(values))

@@ -52,6 +52,23 @@ def test_cuda_struct_packs_every_field_at_its_offset():
     assert np.frombuffer(raw[fields["m"][1]:fields["m"][1] + 8].tobytes(), np.int64)[0] == 300
 
 
+@pytest.mark.parametrize("state", [None, "int8", "fp32", "bf16"])
+@pytest.mark.parametrize("has_error", [False, True])
+def test_cuda_struct_points_at_the_error_state_it_has_and_nothing_else(state, has_error):
+    args = _args(state=state, has_error=has_error and state is not None)
+    if args.state is not None:
+        args.state.poison = torch.zeros(8, dtype=torch.uint8)
+    packed = cuda.pack_encode_args(args)
+    data = 0 if args.state is None else args.state.data.data_ptr()
+    assert int(packed["ecodes"]) == (data if state == "int8" else 0)
+    assert int(packed["escales"]) == (args.state.scales.data_ptr() if state == "int8" else 0)
+    assert int(packed["ef32"]) == (data if state == "fp32" else 0)
+    assert int(packed["ebf16"]) == (data if state == "bf16" else 0)
+    assert int(packed["invalid"]) == (args.state.poison.data_ptr() if args.has_error else 0)
+    assert packed["mode"] == abi.ERROR_MODES[state] and packed["has_error"] == int(args.has_error)
+    assert int(packed["src"]) == args.source.data_ptr() and int(packed["clear"]) == 0
+
+
 @pytest.mark.parametrize("dtype, values", [
     (cuda_build.ROW_CHECK, (tuple(range(8)), 3, 1, 4, 1)),
     (cuda_build.FRAME_ARGS, (tuple(range(8, 16)), 2, 100, 2**63 + 5, 2**40 + 1, 5, 1)),
