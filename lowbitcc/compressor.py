@@ -25,6 +25,7 @@ instead of dropping them, so a call is enqueued without waiting for the GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import zlib
 
@@ -131,16 +132,15 @@ class CallCompressor:
         """Messages ``uint8 [rows, P]`` for the rows of ``source`` (in ``out`` where given, and
         the groups' non-finite bytes in ``nonfinite``: `ShardCodec.encode`'s)."""
         start = time.perf_counter()
-        key = f"{self.key}|{stage}"
         error_dtype = self.error_dtype
-        state, uses = (None, 0)
+        key, state, uses = "", None, 0
         if error_dtype:
+            key = f"{self.key}|{stage}"
             numel = source.rows * self.codec.padded(source.m)
             state, uses = self.store.take(key, numel, error_dtype, self.reset_interval,
                                           source.tensor.device, self.codec.group_size,
                                           self.buffer)
-        # stochastic rounding: each rank and stage of a call draws its own random bits
-        stream = zlib.crc32(f"{stage}|{self.rank}".encode())
+        stream = _random_stream(stage, self.rank)
         device = source.tensor.device
         on_device = device.type != "cpu"
         first = on_device and (self._verdict is None or self._verdict_unset)
@@ -273,3 +273,10 @@ class CallCompressor:
         if self._sums is not None:
             self.stats.add_sums("compressed", self._sums)
             self._sums = None
+
+
+@functools.lru_cache(maxsize=256)
+def _random_stream(stage: str, rank: int) -> int:
+    """The random stream of ``rank``'s encodes of ``stage``: under stochastic rounding each rank
+    and stage of a call draws its own random bits."""
+    return zlib.crc32(f"{stage}|{rank}".encode())
