@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def child(tree: str, args: argparse.Namespace) -> None:
 
 
 def checkout(rev: str) -> Path:
-    """A worktree of ``rev`` in a scratch directory (removed by `git worktree prune` later)."""
+    """A worktree of ``rev`` in a scratch directory (`main` removes both when done)."""
     where = Path(tempfile.mkdtemp(prefix="lowbitcc-host-ab-")) / "tree"
     subprocess.run(["git", "worktree", "add", "--detach", "-q", str(where), rev], cwd=REPO,
                    check=True)
@@ -110,6 +111,7 @@ def main() -> None:
                       flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=False)
+        shutil.rmtree(base.parent, ignore_errors=True)
     ours, theirs = (statistics.mean(medians[k]) for k in medians)
     print(f"mean of medians: this checkout {ours:.1f} us, {args.rev} {theirs:.1f} us, "
           f"ratio {ours / theirs:.2f}x")

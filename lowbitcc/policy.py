@@ -55,6 +55,7 @@ def compressible() -> PolicyBlock:
 
 def feedback_key(name: str) -> PolicyBlock:
     """Calls issued in this block use error-feedback keys ``name``, ``name#1``, ``name#2``, ...
+
     Use it to give a tensor a stable key outside backward, e.g. around a hand-written
     gradient all-reduce that runs once per step.
     """

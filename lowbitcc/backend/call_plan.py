@@ -161,7 +161,7 @@ class CallPlan:
         if self._cpu or self.comp.error_dtype is not None:
             return None
         words = self.kept("verdicts", 16, torch.uint8)
-        if self._slots is None or self._slots[0].data_ptr() != words.data_ptr():
+        if self._slots is None:  # the kept words are never replaced
             self._slots = (words[:8], words[8:])
         self._turn ^= 1
         return self._slots[self._turn]

@@ -162,7 +162,6 @@ def pack_encode_args(args: EncodeArgs) -> np.void:
     return struct_value(encode_args_dtype(), _in_field_order()(values))
 
 
-
 def _aligned_stride(messages: torch.Tensor) -> int | None:
     """The distance in bytes between rows of ``messages`` (uint8 ``[rows, P]``, rows
     contiguous) where the checksum kernels can read them: whole words of body, every row
@@ -253,8 +252,8 @@ class CudaKernels(TorchFraming):
             return
         with self.stream_words.taken(args.rows + 1, device) as words:
             answer = _ptr(spec.verdict) + VERDICT_NONFINITE  # the byte's address
-            frame = struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0], spec.used,
-                                         _ptr(words), answer, spec.flags, 1))
+            frame = struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0],
+                                              spec.used, _ptr(words), answer, spec.flags, 1))
             _launch(name, device, blocks, (pack_encode_args(args), frame))
 
     fuses_check = True
