@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc.codec import framing, wire
 from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.codec.interface import SumSpec
 from lowbitcc.codec.shard_codec import Flag, ShardCodec
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
@@ -127,10 +128,11 @@ class CallCompressor:
         encodes is flagged `wire.FLAG_DEVIATED` and names the rank's own call."""
 
     def encode(self, stage: str, source: Source, shard_ids: list[int],
-               out: torch.Tensor | None = None,
-               nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None,
+               summed: SumSpec | None = None) -> torch.Tensor:
         """Messages ``uint8 [rows, P]`` for the rows of ``source`` (in ``out`` where given, and
-        the groups' non-finite bytes in ``nonfinite``: `ShardCodec.encode`'s)."""
+        the groups' non-finite bytes in ``nonfinite``; ``summed``: `encode_sum`'s; all three
+        `ShardCodec.encode`'s)."""
         start = time.perf_counter()
         error_dtype = self.error_dtype
         key, state, uses = "", None, 0
@@ -149,7 +151,7 @@ class CallCompressor:
             error_dtype, stream, out,
             sums=self.stats.accumulator("compressed", device) if on_device else None,
             verdict=self._device_verdict(device, cleared_by_encode=first), clear_verdict=first,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, summed=summed,
         )
         self._flag(result.any_nonfinite)
         if not on_device:
@@ -162,6 +164,26 @@ class CallCompressor:
             mark_deviated(result.messages, self.deviated)
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return result.messages
+
+    def encode_sum(self, stage: str, received: torch.Tensor, m: int, shard: int,
+                   scratch: torch.Tensor, out: torch.Tensor | None = None,
+                   nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+        """`encode` of ``stage``'s one row, ``shard``'s fp32 sum in rank order of ``received``
+        (uint8 ``[k, P]``, the row's messages from every rank, rows contiguous): one launch
+        where the codec's kernels decode the messages inside the encode (`ShardCodec.sum_spec`;
+        ``scratch``, fp32 ``[m]``, is then not written), else `decode_sum` into ``scratch`` and
+        `encode`. The same bytes, error states and flags either way."""
+        verdict = self._device_verdict(received.device)
+        summed = None
+        if verdict is not None:
+            try:
+                summed = self.codec.sum_spec(received, m, shard, verdict)
+            except wire.WireFormatError:  # `decode_sum` meets it again, and defers it
+                summed = None
+        if summed is None:
+            reduced = self.decode_sum(received, m, shard, scratch)
+            return self.encode(stage, Source(reduced, 1, m), [shard], out, nonfinite)
+        return self.encode(stage, Source(scratch, 1, m), [shard], out, nonfinite, summed)
 
     def _flag(self, nonfinite: Flag) -> None:
         """OR a host ``nonfinite`` into the call's flag (a device flag is already in the call's

@@ -230,12 +230,12 @@ class CallPlan:
 
     def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
         """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's
-        messages summed in rank order, re-encoded (stage "ag"), all-gathered and decoded into
-        ``out``."""
+        messages summed in rank order and re-encoded (stage "ag"; on CUDA in one launch,
+        `CallCompressor.encode_sum`), all-gathered and decoded into ``out``."""
         comp, m, rank = self.comp, self.m, self.group.rank
         decoded = self.kept("decoded", m, torch.float32)
-        reduced = comp.decode_sum(self._scatter(source), m, rank, decoded)
-        mine = comp.encode("ag", Source(reduced, 1, m), [rank], *self._sent("ag", 1, m))
+        mine = comp.encode_sum("ag", self._scatter(source), m, rank, decoded,
+                               *self._sent("ag", 1, m))
         gathered = self.transport.all_gather_async(mine[0], self.kept(
             "received ag", self.group.size * mine.numel(), torch.uint8)).wait()
         comp.decode_into(gathered, m, self.shards, out)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -20,11 +19,18 @@ import numpy as np
 import torch
 
 from lowbitcc.codec import reference, wire
-from lowbitcc.codec.abi import ERROR_MODES, encode_args_dtype
+from lowbitcc.codec.cuda_args import (
+    THREADS,
+    aligned_stride,
+    checksum_blocks,
+    pack_encode_args,
+    pointer,
+    ptr_arg,
+    sum_source,
+)
 from lowbitcc.codec.cuda_build import (
     CHECK_FOLD,
     CHECKSUM,
-    CHECKSUM_BLOCKS,
     CHECKSUM_FOLD,
     FRAME_ARGS,
     FRAME_BODY,
@@ -37,6 +43,7 @@ from lowbitcc.codec.cuda_build import (
     decode_into_name,
     decode_sum_name,
     encode_name,
+    encode_sum_name,
     encode_warps,
     header_words,
     name_expressions,
@@ -54,12 +61,9 @@ from lowbitcc.codec.framing import (
 from lowbitcc.codec.interface import EncodeArgs, Flag
 
 MAX_GROUP = 256  # at most a warp per group, 8 elements per lane (`segment_lanes`)
-THREADS = 256
 ENCODE_BLOCKS = 1024
 """Most blocks an encode launches (its warps loop over the groups): about one full wave on an
 H100 (132 SMs x 2048 threads), and the count of atomic adds of the residual sums."""
-MAX_GRID_Y = 65535
-"""CUDA's limit on a grid's second dimension (the checksum launches one row per y index)."""
 
 
 @functools.cache
@@ -122,65 +126,6 @@ def _external(stream: torch.cuda.Stream, index: int) -> Any:
     return external
 
 
-def _p(t: torch.Tensor | None) -> np.uint64:
-    """A device pointer as a kernel argument (0 for an absent or empty tensor)."""
-    return np.uint64(_ptr(t))
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    """`_p`'s address as a Python int (a field of a packed struct)."""
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
-
-@functools.cache
-def _in_field_order() -> Callable[[dict[str, Any]], tuple]:
-    """The values of a ``{field: value}`` dict in ``loco::EncodeArgs``' order (one C call)."""
-    return operator.itemgetter(*encode_args_dtype().names)
-
-
-def pack_encode_args(args: EncodeArgs) -> np.void:
-    """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses;
-    without an error state its fields are zero, as `EncodeArgs`' properties then say)."""
-    state, mode = args.state, args.mode
-    held = state is not None
-    values = {
-        "src": _ptr(args.source), "msgs": _ptr(args.messages),
-        "ecodes": _ptr(args.error_codes) if held else 0,
-        "escales": _ptr(args.error_scales) if held else 0,
-        "ef32": _ptr(args.error_values) if held and mode == ERROR_MODES["fp32"] else 0,
-        "ebf16": _ptr(args.error_values) if held and mode == ERROR_MODES["bf16"] else 0,
-        "nonfinite": _ptr(args.nonfinite), "sums": _ptr(args.sums),
-        "invalid": _ptr(state.poison) if held and args.has_error else 0,
-        "clear": _ptr(args.clear),
-        "numel": args.source.numel(),
-        "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
-        "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
-        "G": args.group_size, "scale_input": int(args.factor != 1.0),
-        "has_error": int(args.has_error), "mode": mode, "stochastic": int(args.keys is not None),
-        "format": args.format_code, "k0": args.k0, "k1": args.k1,
-    }
-    return struct_value(encode_args_dtype(), _in_field_order()(values))
-
-
-def _aligned_stride(messages: torch.Tensor) -> int | None:
-    """The distance in bytes between rows of ``messages`` (uint8 ``[rows, P]``, rows
-    contiguous) where the checksum kernels can read them: whole words of body, every row
-    starting 8-byte aligned, at most a grid's second dimension of rows; else None."""
-    rows, width = messages.shape
-    stride = messages.stride(0) if rows > 1 else width
-    if ((width - wire.HEADER_BYTES - wire.TRAILER_BYTES) % 8 or width % 8 or stride % 8
-            or messages.data_ptr() % 8 or (width > 1 and messages.stride(1) != 1)
-            or stride < width or not 0 < rows <= MAX_GRID_Y):
-        return None
-    return stride
-
-
-def _checksum_blocks(width: int) -> int:
-    """Blocks per row of a checksum pass over messages of ``width`` bytes."""
-    body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
-    return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
-
-
 class _StreamWords:
     """Zeroed int64 accumulators kept per CUDA stream: `taken` lends at least ``words`` of the
     current stream's to the launches in its block, which must leave them zero again
@@ -231,30 +176,43 @@ class CudaKernels(TorchFraming):
     """The encode frames its messages itself where given ``EncodeArgs.frame``: the last of its
     blocks to finish writes the headers, padding and trailers (`FRAME_ARGS`)."""
 
+    fuses_sum = True
+    """The encode of one row reads it as the sum of received messages where given
+    ``EncodeArgs.summed`` (``encode_sum``), checking their headers as a fused decode does."""
+
     def encode(self, args: EncodeArgs) -> None:
         """One launch; with ``args.frame`` the encode frames the messages too, unless they
         cannot be framed there (no block to launch, rows not 8-byte aligned, shards not
-        consecutive): then `frame` runs after it."""
+        consecutive): then `frame` runs after it. With ``args.summed``, ``encode_sum``."""
         warps = encode_warps(args.rows, args.ng, args.group_size, args.fmt)
-        name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
         blocks = min(-(-warps * 32 // THREADS), ENCODE_BLOCKS)
         device = args.source.device
         if blocks == 0 and args.clear is not None:  # no launch to clear it
             args.clear.zero_()
+        summed = args.summed
+        if summed is None:
+            name = encode_name(args.source.dtype, args.bits, args.mode, args.stochastic, args.fmt)
+            sources: tuple = ()
+        elif blocks == 0:
+            raise ValueError("lowbitcc: an encode of a sum needs elements to encode")
+        else:
+            name = encode_sum_name(args.bits, args.mode, args.stochastic, args.fmt)
+            sources = (sum_source(summed.messages, summed.verdict),
+                       self._row_check(summed.messages, summed.check, summed.verdict))
         spec = args.frame
         messages = args.messages
-        if spec is None or blocks == 0 or _aligned_stride(messages) != messages.shape[1] or (
+        if spec is None or blocks == 0 or aligned_stride(messages) != messages.shape[1] or (
                 spec.shards != list(range(spec.shards[0], spec.shards[0] + args.rows))):
-            _launch(name, device, blocks, (pack_encode_args(args), NO_FRAME))
+            _launch(name, device, blocks, (pack_encode_args(args), NO_FRAME, *sources))
             if spec is not None:
                 self.frame(messages, spec.header, spec.shards, args.nonfinite, spec.used,
                            spec.flags, False, spec.verdict)
             return
         with self.stream_words.taken(args.rows + 1, device) as words:
-            answer = _ptr(spec.verdict) + VERDICT_NONFINITE  # the byte's address
+            answer = pointer(spec.verdict) + VERDICT_NONFINITE  # the byte's address
             frame = struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0],
-                                              spec.used, _ptr(words), answer, spec.flags, 1))
-            _launch(name, device, blocks, (pack_encode_args(args), frame))
+                                              spec.used, pointer(words), answer, spec.flags, 1))
+            _launch(name, device, blocks, (pack_encode_args(args), frame, *sources))
 
     fuses_check = True
     """The decodes check the rows' headers themselves where given the call's header (`check`):
@@ -270,8 +228,8 @@ class CudaKernels(TorchFraming):
             self.check(messages, check[0], check[1], False, verdict)
             return
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // THREADS),
-                (_p(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
-                 np.int64(m), np.int32(group_size), _p(out), _p(verdict),
+                (ptr_arg(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
+                 np.int64(m), np.int32(group_size), ptr_arg(out), ptr_arg(verdict),
                  self._row_check(messages, check, verdict)))
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
@@ -284,8 +242,8 @@ class CudaKernels(TorchFraming):
             return
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // THREADS),
-                (_p(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
-                 np.int64(n), _p(out), _p(verdict), self._row_check(messages, check, verdict)))
+                (ptr_arg(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
+                 np.int64(n), ptr_arg(out), ptr_arg(verdict), self._row_check(messages, check, verdict)))
 
     def _row_check(self, messages: torch.Tensor, check: tuple[bytes, list[int]] | None,
                    verdict: torch.Tensor | None) -> np.void:
@@ -299,7 +257,7 @@ class CudaKernels(TorchFraming):
             raise ValueError("lowbitcc: a decode that checks its rows needs the call's verdict")
         header, shards = check
         step = shards[1] - shards[0] if len(shards) > 1 else 0
-        if (_aligned_stride(messages) is None or step not in (0, 1)
+        if (aligned_stride(messages) is None or step not in (0, 1)
                 or shards != [shards[0] + r * step for r in range(len(shards))]):
             self.check(messages, header, shards, False, verdict)
             return NO_CHECK
@@ -310,16 +268,16 @@ class CudaKernels(TorchFraming):
         per row), on the current stream. Rows that `_aligned_stride` refuses take
         `reference.checksum` (torch's kernels)."""
         rows, width = messages.shape
-        stride = _aligned_stride(messages)
+        stride = aligned_stride(messages)
         if stride is None:
             return reference.checksum(messages)
         sums = torch.zeros(rows, 2, dtype=torch.int64, device=messages.device)
         out = torch.empty(rows, dtype=torch.int64, device=messages.device)
-        _launch(CHECKSUM, messages.device, (_checksum_blocks(width), rows),
-                (_p(messages), np.int64(width), np.int64(stride), np.uint64(wire.CHECKSUM_STEP),
-                 _p(sums)))
+        _launch(CHECKSUM, messages.device, (checksum_blocks(width), rows),
+                (ptr_arg(messages), np.int64(width), np.int64(stride), np.uint64(wire.CHECKSUM_STEP),
+                 ptr_arg(sums)))
         _launch(CHECKSUM_FOLD, messages.device, -(-rows // THREADS),
-                (_p(sums), np.int64(rows), _p(out)))
+                (ptr_arg(sums), np.int64(rows), ptr_arg(out)))
         return out
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
@@ -334,7 +292,7 @@ class CudaKernels(TorchFraming):
         rows than a grid's second dimension holds, or shards that are not consecutive take
         `framing.frame_with_torch`."""
         rows, width = messages.shape
-        if (_aligned_stride(messages) != width or not nonfinite.is_contiguous()
+        if (aligned_stride(messages) != width or not nonfinite.is_contiguous()
                 or shards != list(range(shards[0], shards[0] + rows))):
             return frame_with_torch(self, messages, header, shards, nonfinite, used, flags,
                                     checksum, verdict)
@@ -355,14 +313,14 @@ class CudaKernels(TorchFraming):
                acc: torch.Tensor, answer: torch.Tensor) -> None:
         rows, width = messages.shape
         device = messages.device
-        _launch(FRAME_BODY, device, (_checksum_blocks(width), rows),
-                (_p(messages), np.int64(width), np.int64(used), _p(nonfinite),
+        _launch(FRAME_BODY, device, (checksum_blocks(width), rows),
+                (ptr_arg(messages), np.int64(width), np.int64(used), ptr_arg(nonfinite),
                  np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP),
-                 np.int32(checksum), _p(acc)))
+                 np.int32(checksum), ptr_arg(acc)))
         _launch(FRAME_FOLD, device, -(-rows // THREADS),
-                (_p(messages), np.int64(width), np.int64(rows), _p(acc),
+                (ptr_arg(messages), np.int64(width), np.int64(rows), ptr_arg(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
-                 np.uint32(flags), np.int32(checksum), _p(answer)))
+                 np.uint32(flags), np.int32(checksum), ptr_arg(answer)))
 
     def check(self, messages: torch.Tensor, header: bytes, shards: list[int],
               checksum: bool, verdict: torch.Tensor | None = None
@@ -375,7 +333,7 @@ class CudaKernels(TorchFraming):
         apart (a column of gathered messages)."""
         rows, width = messages.shape
         step = shards[1] - shards[0] if rows > 1 else 0
-        stride = _aligned_stride(messages)
+        stride = aligned_stride(messages)
         if (stride is None or step not in (0, 1)
                 or shards != [shards[0] + r * step for r in range(rows)]):
             return check_with_torch(self, messages, header, shards, checksum, verdict)
@@ -385,13 +343,13 @@ class CudaKernels(TorchFraming):
         if verdict is None:
             verdict = acc[-1:].view(torch.uint8)
         if checksum:
-            _launch(CHECKSUM, device, (_checksum_blocks(width), rows),
-                    (_p(messages), np.int64(width), np.int64(stride),
-                     np.uint64(wire.CHECKSUM_STEP), _p(acc)))
+            _launch(CHECKSUM, device, (checksum_blocks(width), rows),
+                    (ptr_arg(messages), np.int64(width), np.int64(stride),
+                     np.uint64(wire.CHECKSUM_STEP), ptr_arg(acc)))
         _launch(CHECK_FOLD, device, -(-rows // THREADS),
-                (_p(messages), np.int64(width), np.int64(stride), np.int64(rows), _p(acc),
+                (ptr_arg(messages), np.int64(width), np.int64(stride), np.int64(rows), ptr_arg(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
-                 np.int64(step), np.int32(checksum), _p(verdict)))
+                 np.int64(step), np.int32(checksum), ptr_arg(verdict)))
         return verdict_flag(verdict, VERDICT_NONFINITE), verdict_flag(verdict, VERDICT_FOREIGN)
 
 

@@ -31,6 +31,12 @@ def encode_name(dtype: torch.dtype, bits: int, mode: int, stochastic: bool,
     return f"loco_cuda::encode<{TYPES[dtype]}, {bits}, {mode}, {sr}, {FORMAT_CODES[fmt]}>"
 
 
+def encode_sum_name(bits: int, mode: int, stochastic: bool, fmt: str = "int") -> str:
+    """The encode that reads its one row as the sum of received messages (``encode_sum``)."""
+    sr = "true" if stochastic else "false"
+    return f"loco_cuda::encode_sum<{bits}, {mode}, {sr}, {FORMAT_CODES[fmt]}>"
+
+
 def decode_sum_name(bits: int, fmt: str) -> str:
     return f"loco_cuda::decode_sum<{bits}, {FORMAT_CODES[fmt]}>"
 
@@ -57,6 +63,9 @@ FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i
                        ("enabled", "<i4")], align=True)
 """``loco_cuda::FrameArgs``, passed by value to the encode: the frame it writes itself."""
 NO_FRAME = np.zeros((), dtype=FRAME_ARGS)[()]
+SUM_SOURCE = np.dtype([("msgs", "<u8"), ("k", "<i8"), ("stride", "<i8"), ("verdict", "<u8")],
+                      align=True)
+"""``loco_cuda::SumSource``, passed by value to ``encode_sum``: the messages it sums."""
 
 
 def struct_value(dtype: np.dtype, values: tuple) -> np.void:
@@ -98,6 +107,9 @@ def name_expressions() -> list[str]:
     names += [encode_name(t, b, mode, sr, fmt) for t in TYPES for b, fmt in WIRES
              for mode in ERROR_MODES.values() for sr in (False, True)
              if not sr or "stochastic" in formats.FORMATS[fmt].roundings]
+    names += [encode_sum_name(b, mode, sr, fmt) for b, fmt in WIRES
+              for mode in ERROR_MODES.values() for sr in (False, True)
+              if not sr or "stochastic" in formats.FORMATS[fmt].roundings]
     names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
     names += [decode_into_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
     return names

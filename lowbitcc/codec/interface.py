@@ -31,6 +31,19 @@ class FrameSpec:
     verdict: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class SumSpec:
+    """The one row an encode encodes where it is the fp32 sum in row order of received
+    ``messages`` (uint8 ``[k, P]`` of one shard, rows contiguous at any distance), for kernels
+    that decode them inside the encode (``fuses_sum``): the rows are checked as a decode
+    given ``check`` checks them (the call's header and the rows' shards) against the call's
+    ``verdict``, and every value is NaN where one is foreign, as `Kernels.decode_sum` writes it."""
+
+    messages: torch.Tensor
+    check: tuple[bytes, list[int]]
+    verdict: torch.Tensor
+
+
 @dataclasses.dataclass
 class EncodeArgs:
     """One encode of ``rows`` rows of ``m`` elements of flat ``source`` (see ``loco::EncodeArgs``).
@@ -66,6 +79,9 @@ class EncodeArgs:
     frame: FrameSpec | None = None
     """Kernels with ``fuses_frame`` only: the encode also frames the messages as ``frame``
     would (its answer in the verdict's non-finite byte); None: the caller frames them."""
+    summed: SumSpec | None = None
+    """Kernels with ``fuses_sum`` only: the one row (``rows`` 1, ``factor`` 1, ``m`` > 0) is
+    ``summed``'s sum, decoded as the encode reads it; ``source`` (fp32 ``[m]``) is not read."""
 
     @property
     def format_code(self) -> int:
@@ -144,6 +160,8 @@ class Kernels(Protocol):
     foreign byte is set (read on the device). Kernels with ``fuses_check`` also take
     ``check=(header, shards)`` (with the call's verdict, checksums off): the decode then does
     ``check``'s work itself, without a ``check`` before it.
+    Kernels with ``fuses_sum`` encode the sum of received messages without writing it
+    (`EncodeArgs.summed`): one pass instead of ``decode_sum`` and an encode, the same bytes.
     ``checksum`` returns int64 ``[k]`` on the messages' device: each row's checksum as
     `reference.checksum` defines it (without a host synchronisation on CUDA).
     """

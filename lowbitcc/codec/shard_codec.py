@@ -28,8 +28,9 @@ import torch
 
 from lowbitcc.codec import framing, reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.interface import EncodeArgs, Flag, FrameSpec, Kernels
+from lowbitcc.codec.interface import EncodeArgs, Flag, FrameSpec, Kernels, SumSpec
 from lowbitcc.codec.kernels import REFERENCE
+from lowbitcc.codec.message_checks import MessageChecks
 
 __all__ = ["EncodeResult", "Flag", "ShardCodec"]
 
@@ -65,7 +66,7 @@ class EncodeResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardCodec:
+class ShardCodec(MessageChecks):
     """Encode and decode shard messages for one call: ``bits``, group size, code format, header
     fields, and the ``kernels`` that do the arithmetic (for tensors on their device)."""
 
@@ -128,6 +129,7 @@ class ShardCodec:
         verdict: torch.Tensor | None = None,
         clear_verdict: bool = False,
         nonfinite: torch.Tensor | None = None,
+        summed: SumSpec | None = None,
     ) -> EncodeResult:
         """Compensate, quantize and frame ``rows`` rows of ``m`` elements of flat ``source``.
 
@@ -143,10 +145,17 @@ class ShardCodec:
         the call's, on a device (`interface.Kernels.frame`); ``clear_verdict``: this encode
         zeroes it first (the call's first encode, its verdict made with ``cleared_by_encode``).
         ``nonfinite`` (uint8 ``[rows * ngroups(m)]``, contiguous, on the source's device), when
-        given, receives the groups' non-finite bytes instead of a new buffer.
+        given, receives the groups' non-finite bytes instead of a new buffer. ``summed``
+        (from `sum_spec`; ``rows`` 1, ``factor`` 1): the one row is the sum of received
+        messages, decoded by the encode itself; ``source`` (fp32 ``[m]``) is then not read.
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
+        if summed is not None and (rows != 1 or factor != 1.0 or source.numel() != m
+                                   or source.dtype != torch.float32):
+            raise ValueError("ShardCodec.encode: a sum is encoded as one fp32 row of m elements, "
+                             f"got {rows} rows, factor {factor}, {source.dtype} "
+                             f"[{source.numel()}]")
         device = source.device
         if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)
                                   or error.device != device):
@@ -180,7 +189,7 @@ class ShardCodec:
             sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,
             clear=verdict if clear_verdict else None,
-            frame=self._fused_frame(m, shard_ids, verdict, device),
+            frame=self._fused_frame(m, shard_ids, verdict, device), summed=summed,
         )
         self.kernels.encode(args)
         if state is not None:
@@ -217,6 +226,20 @@ class ShardCodec:
         kernels write each row's own: `interface.Kernels.frame`)."""
         return framing.call_header(self.bits, self.dtype_code, self.group_size, m, self.seq,
                                    self.world, self.signature, self.fmt)
+
+    def sum_spec(self, messages: torch.Tensor, m: int, shard: int,
+                 verdict: torch.Tensor | None) -> SumSpec | None:
+        """Where the kernels can encode the fp32 sum of received ``messages`` (uint8
+        ``[k, P]`` of ``shard``, rows contiguous) decoding them in the encode (``fuses_sum``;
+        ``m`` > 0; the call's ``verdict``, and the rows checked by the decode as `decode_sum`
+        would: `_fused_check`, which checks their sizes, raising `wire.WireFormatError`): what
+        `encode` takes as ``summed``; else None (`decode_sum`, then `encode`)."""
+        if m == 0 or not getattr(self.kernels, "fuses_sum", False):
+            return None
+        fused = self._fused_check(messages, m, [shard] * messages.shape[0], verdict)
+        if fused is None or verdict is None:
+            return None
+        return SumSpec(messages, fused[0], verdict)
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
@@ -308,90 +331,3 @@ class ShardCodec:
         flagged, foreign = self.check_on_device(messages, m, shard_ids)
         out.masked_fill_(foreign, float("nan"))
         return flagged | foreign
-
-    def check_on_device(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                        verdict: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(nonfinite, foreign)``, 0-dim bool tensors on the messages' device, without a host
-        synchronisation: whether a row is flagged non-finite, and whether a header differs
-        from this call's or a checksum from the payload's (sizes are checked by `check_size`
-        first); views of ``verdict`` where given (`interface.Kernels.check`)."""
-        return self.kernels.check(messages, self.header(m), shard_ids, self.checksum, verdict)
-
-    @staticmethod
-    def _trailers(messages: torch.Tensor) -> torch.Tensor:
-        """int64 ``[rows]``: the checksums the messages carry."""
-        return messages[:, -wire.TRAILER_BYTES:].contiguous().view(torch.int64).view(-1)
-
-    def check_size(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> None:
-        """Raise `wire.WireFormatError` unless ``messages`` is ``uint8 [len(shard_ids), P]``
-        with contiguous rows (rows may lie apart: a column of gathered messages)."""
-        expected_bytes = self.message_bytes(m)
-        if messages.dtype != torch.uint8 or messages.dim() != 2 or not (
-                (messages.shape[1] <= 1 or messages.stride(1) == 1)
-                and (messages.shape[0] <= 1 or messages.stride(0) >= messages.shape[1])):
-            raise wire.WireFormatError("messages must be a 2-D uint8 tensor of contiguous rows")
-        if messages.shape[1] != expected_bytes or messages.shape[0] != len(shard_ids):
-            raise wire.WireFormatError(
-                f"expected {len(shard_ids)} messages of {expected_bytes} bytes, "
-                f"got {tuple(messages.shape)}"
-            )
-
-    def check_on_host(self, messages: torch.Tensor, m: int, shard_ids: list[int]) -> bool:
-        """Validate size, header and checksum of each row against this call; True if any row is
-        flagged non-finite. Raises `wire.WireFormatError` naming the first difference (reads the
-        headers on the host: a synchronisation for CUDA messages). The kernels' `verify` settles
-        messages that belong to the call; the rest are read here, field by field."""
-        self.check_size(messages, m, shard_ids)
-        verdict = self.kernels.verify(messages, self.header(m), shard_ids, self.checksum)
-        if verdict >= 0:
-            return bool(verdict)
-        nonfinite = False
-        raw = messages[:, :wire.HEADER_BYTES].cpu().numpy().tobytes()
-        deviated: list[int | None] = [None] * len(shard_ids)
-        for i, shard in enumerate(shard_ids):
-            h = wire.ShardHeader.unpack(raw[i * wire.HEADER_BYTES:(i + 1) * wire.HEADER_BYTES])
-            if h.flags & wire.FLAG_DEVIATED:
-                deviated[i] = h.signature
-                continue
-            problems = [
-                f"{name} {got} != {want}"
-                for name, got, want in (
-                    ("bits", h.bits, self.bits),
-                    ("format", h.fmt, self.fmt),
-                    ("group size", h.group_size, self.group_size),
-                    ("numel", h.numel, m),
-                    ("dtype", h.dtype_code, self.dtype_code),
-                    ("sequence", h.seq, self.seq & 0xFFFFFFFF),
-                    ("shard", h.shard, shard),
-                    ("world", h.world, self.world),
-                    ("signature", h.signature, self.signature),
-                )
-                if got != want
-            ]
-            if problems:
-                raise wire.WireFormatError(
-                    f"message {i} does not belong to this call: " + ", ".join(problems)
-                )
-            if h.flags & wire.FLAG_PEER_ERROR:
-                raise wire.PeerWireFormatError(
-                    f"message {i} (shard {shard}) comes from a rank that received a corrupt or "
-                    "foreign message earlier in this call")
-            nonfinite |= bool(h.flags & wire.FLAG_NONFINITE)
-        if any(s is not None for s in deviated):
-            rows = [i for i, s in enumerate(deviated) if s is not None]
-            raise wire.DeviatedCallError(
-                f"message(s) {rows} come from ranks whose call differs from the one the ranks "
-                "agreed on at this point", deviated)
-        if self.checksum:
-            computed = self.kernels.checksum(messages.contiguous())
-            if not torch.equal(messages[:, -wire.TRAILER_BYTES:],
-                               computed.view(torch.uint8).view(-1, wire.TRAILER_BYTES)):
-                carried = self._trailers(messages)
-                i = int((carried != computed).nonzero()[0])
-                raise wire.WireFormatError(
-                    f"message {i} (shard {shard_ids[i]}) fails its checksum "
-                    f"({int(carried[i]) & (2**64 - 1):#018x} carried, "
-                    f"{int(computed[i]) & (2**64 - 1):#018x} computed): its scales or codes "
-                    "were corrupted in transit")
-        return nonfinite

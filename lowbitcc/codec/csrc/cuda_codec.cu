@@ -19,6 +19,9 @@
 //   group): a warp takes one block of loco::kNvBlock groups of a row, whose byte comes from a
 //   warp max of the finite groups' maxima.
 // decode_sum: one thread per element of the shard, rows summed in row order.
+// encode_sum: decode_sum and the encode of its sum in one launch (the all-gather stage of an
+//   all-reduce of more than two ranks): the encode's warps read each element as the sum in row
+//   order of the received messages' values (SummedSource), after every block checked the rows.
 // decode_into: one thread per element of the output, cast to its dtype.
 // checksum: the wire checksum of each message row (wire.py), by a grid of (blocks, rows): each
 //   thread sums its 64-bit words in a grid-stride loop, warps and then the block reduce, and
@@ -110,15 +113,61 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// An encode's source read from a.src (T), times a.factor where a.scale_input says so: element
+// `idx` of the flat tensor (column `col` of its row).
+template <typename T>
+struct TensorSource {
+  const loco::EncodeArgs& a;
+  __device__ __forceinline__ float operator()(long long idx, long long) const {
+    const float v = to_float(static_cast<const T*>(a.src)[idx]);
+    return a.scale_input ? __fmul_rn(v, a.factor) : v;
+  }
+};
+
+// Element j of one message of m elements (ng groups of G).
+template <int BITS, int FMT>
+__device__ __forceinline__ float decode_one(const unsigned char* msg, long long ng, int G,
+                                            long long j) {
+  constexpr int kPer = 8 / BITS;
+  const long long gcol = j / G;
+  if (loco::is_fp4(FMT)) {
+    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+    return loco::fp4_dequantize(
+        msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / 2], (int)(j % 2), scale);
+  }
+  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
+  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
+                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
+  const unsigned byte = msg[loco::kHeaderBytes + 4 * ng + j / kPer];
+  return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
+}
+
+// An encode_sum's source, its one row: column `col` of the sum in row order of k received
+// messages of m elements (rows `stride` bytes apart), as decode_sum writes it (NaN where
+// `foreign`: a message of the call was not the call's).
+template <int BITS, int FMT>
+struct SummedSource {
+  const unsigned char* __restrict__ msgs;
+  long long k, stride, ng;
+  int G;
+  bool foreign;
+  __device__ __forceinline__ float operator()(long long, long long col) const {
+    float acc = decode_one<BITS, FMT>(msgs, ng, G, col);
+    for (long long r = 1; r < k; ++r)
+      acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * stride, ng, G, col));
+    return foreign ? loco::quiet_nan() : acc;
+  }
+};
+
 // One group `gi` by a segment of `width` lanes (`lane`: this one's index in it; `valid`: gi is
-// a group, else the lane only takes part in the segment's shuffles); adds this lane's share of
-// the group's residual and input squares to rs_acc / is_acc (finite groups only). FMT:
-// loco::Format (kMx: BITS 4, !SR).
-template <typename T, int BITS, int MODE, bool SR, int FMT>
-__device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long long gi, int lane,
-                                             bool valid, int width, double& rs_acc,
-                                             double& is_acc, unsigned long long* row_bad) {
-  const T* __restrict__ src = static_cast<const T*>(a.src);
+// a group, else the lane only takes part in the segment's shuffles), its elements read through
+// `load` (TensorSource or SummedSource); adds this lane's share of the group's residual and
+// input squares to rs_acc / is_acc (finite groups only). FMT: loco::Format (kMx: BITS 4, !SR).
+template <int BITS, int MODE, bool SR, int FMT, typename Load>
+__device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Load& load,
+                                             long long gi, int lane, bool valid, int width,
+                                             double& rs_acc, double& is_acc,
+                                             unsigned long long* row_bad) {
   __nv_bfloat16* ebf16 = reinterpret_cast<__nv_bfloat16*>(a.ebf16);
   const int G = a.G;
   const long long row = gi / a.ng, gcol = gi % a.ng;
@@ -136,10 +185,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, long lon
     const long long col = col0 + first + t;
     const long long idx = row * a.m + col;
     float v = 0.0f;
-    if (active && col < a.m && idx < a.numel) {
-      v = to_float(src[idx]);
-      if (a.scale_input) v = __fmul_rn(v, a.factor);
-    }
+    if (active && col < a.m && idx < a.numel) v = load(idx, col);
     e[t] = 0.0f;
     if (active && with_error) {
       if (MODE == kInt8) e[t] = loco::dequantize_one(a.ecodes[off + first + t], escale);
@@ -268,8 +314,11 @@ __device__ __forceinline__ void frame_after_encode(const loco::EncodeArgs& a, co
   if (threadIdx.x == 0) f.words[0] = 0ull;
 }
 
-template <typename T, int BITS, int MODE, bool SR, int FMT>
-__global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
+// The groups of an encode, their sums and its frame, its elements read through `load`
+// (every thread of every block calls it).
+template <int BITS, int MODE, bool SR, int FMT, typename Load>
+__device__ __forceinline__ void encode_groups(const loco::EncodeArgs& a, const FrameArgs& f,
+                                              const Load& load) {
   const long long groups = a.rows * a.ng;
   const int lane = threadIdx.x & 31;
   const int width = segment_lanes(a.G), per_warp = 32 / width;
@@ -291,8 +340,8 @@ __global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
       gi = task / blocks * a.ng + gcol;
       valid = gcol < a.ng;
     }
-    encode_group<T, BITS, MODE, SR, FMT>(a, gi, lane % width, valid, width, rs, is,
-                                         f.enabled ? f.words + 1 : nullptr);
+    encode_group<BITS, MODE, SR, FMT>(a, load, gi, lane % width, valid, width, rs, is,
+                                      f.enabled ? f.words + 1 : nullptr);
   }
   rs = warp_sum(rs);
   is = warp_sum(is);
@@ -303,21 +352,9 @@ __global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
   if (f.enabled) frame_after_encode(a, f);
 }
 
-template <int BITS, int FMT>
-__device__ __forceinline__ float decode_one(const unsigned char* msg, long long ng, int G,
-                                            long long j) {
-  constexpr int kPer = 8 / BITS;
-  const long long gcol = j / G;
-  if (loco::is_fp4(FMT)) {
-    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
-    return loco::fp4_dequantize(
-        msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / 2], (int)(j % 2), scale);
-  }
-  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
-  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
-                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
-  const unsigned byte = msg[loco::kHeaderBytes + 4 * ng + j / kPer];
-  return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
+template <typename T, int BITS, int MODE, bool SR, int FMT>
+__global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
+  encode_groups<BITS, MODE, SR, FMT>(a, f, TensorSource<T>{a});
 }
 
 // What a decode checks itself where the host asks it to (`check`): the k rows' headers against
@@ -391,6 +428,27 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
   const long long ng = (m + G - 1) / G;
   const float v = foreign ? loco::quiet_nan() : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
   out[i] = from_float<T>(v);
+}
+
+// The source of an encode_sum: k received messages of the one row encoded (its shard from
+// every rank, rows `stride` bytes apart) and the call's verdict, which their check sets.
+struct SumSource {
+  const unsigned char* msgs;
+  long long k;
+  long long stride;
+  unsigned char* verdict;
+};
+
+// decode_sum and the encode of its sum in one launch (an all-reduce of more than two ranks: the
+// own row's messages summed in rank order and encoded for the all-gather), the same bytes as
+// the two: `a` encodes one row of a.m elements (a.src, a.factor unused) read as
+// SummedSource<BITS, FMT> of `s`, whose rows are checked first as `c` says (checked_foreign).
+template <int BITS, int MODE, bool SR, int FMT>
+__global__ void encode_sum(const loco::EncodeArgs a, const FrameArgs f, const SumSource s,
+                           const RowCheck c) {
+  const bool foreign = checked_foreign(s.msgs, s.stride, c, s.verdict);
+  encode_groups<BITS, MODE, SR, FMT>(
+      a, f, SummedSource<BITS, FMT>{s.msgs, s.k, s.stride, a.ng, a.G, foreign});
 }
 
 constexpr int kMaxWarps = 32;  // warps in the largest block CUDA allows (1024 threads)
@@ -562,6 +620,15 @@ LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
 LOCO_ENC_MX(__nv_bfloat16) LOCO_ENC_NV(__nv_bfloat16)
 LOCO_ENC(__half, 2) LOCO_ENC(__half, 4) LOCO_ENC(__half, 8) LOCO_ENC_MX(__half)
 LOCO_ENC_NV(__half)
+#define LOCO_ESUM_ARGS const loco::EncodeArgs, const FrameArgs, const SumSource, const RowCheck
+#define LOCO_ESUM(B, F, SR)                                                   \
+  template __global__ void encode_sum<B, 0, SR, F>(LOCO_ESUM_ARGS);             \
+  template __global__ void encode_sum<B, 1, SR, F>(LOCO_ESUM_ARGS);             \
+  template __global__ void encode_sum<B, 2, SR, F>(LOCO_ESUM_ARGS);             \
+  template __global__ void encode_sum<B, 3, SR, F>(LOCO_ESUM_ARGS);
+LOCO_ESUM(2, 0, false) LOCO_ESUM(4, 0, false) LOCO_ESUM(8, 0, false)
+LOCO_ESUM(2, 0, true) LOCO_ESUM(4, 0, true) LOCO_ESUM(8, 0, true)
+LOCO_ESUM(4, 1, false) LOCO_ESUM(4, 2, false)
 #define LOCO_DSUM(B, F) \
   template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*, unsigned char*, const RowCheck);
 LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1) LOCO_DSUM(4, 2)

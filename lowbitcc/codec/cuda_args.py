@@ -1,0 +1,90 @@
+"""The CUDA kernels' arguments as the launcher passes them (`lowbitcc.codec.cuda`): device
+pointers, ``loco::EncodeArgs`` packed into one NumPy value (`abi.encode_args_dtype`), and the
+message layouts the checksum, frame and check kernels can read."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowbitcc.codec import wire
+from lowbitcc.codec.abi import ERROR_MODES, encode_args_dtype
+from lowbitcc.codec.cuda_build import CHECKSUM_BLOCKS, SUM_SOURCE, struct_value
+from lowbitcc.codec.interface import EncodeArgs
+
+THREADS = 256
+"""Threads per block of every launch."""
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension (the checksum launches one row per y index)."""
+
+
+def ptr_arg(t: torch.Tensor | None) -> np.uint64:
+    """A device pointer as a kernel argument (0 for an absent or empty tensor)."""
+    return np.uint64(pointer(t))
+
+
+def pointer(t: torch.Tensor | None) -> int:
+    """`ptr_arg`'s address as a Python int (a field of a packed struct)."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+@functools.cache
+def _in_field_order() -> Callable[[dict[str, Any]], tuple]:
+    """The values of a ``{field: value}`` dict in ``loco::EncodeArgs``' order (one C call)."""
+    return operator.itemgetter(*encode_args_dtype().names)
+
+
+def pack_encode_args(args: EncodeArgs) -> np.void:
+    """``args`` as one ``loco::EncodeArgs`` value (pointers are the tensors' device addresses;
+    without an error state its fields are zero, as `EncodeArgs`' properties then say)."""
+    state, mode = args.state, args.mode
+    held = state is not None
+    values = {
+        "src": pointer(args.source), "msgs": pointer(args.messages),
+        "ecodes": pointer(args.error_codes) if held else 0,
+        "escales": pointer(args.error_scales) if held else 0,
+        "ef32": pointer(args.error_values) if held and mode == ERROR_MODES["fp32"] else 0,
+        "ebf16": pointer(args.error_values) if held and mode == ERROR_MODES["bf16"] else 0,
+        "nonfinite": pointer(args.nonfinite), "sums": pointer(args.sums),
+        "invalid": pointer(state.poison) if held and args.has_error else 0,
+        "clear": pointer(args.clear),
+        "numel": args.source.numel(),
+        "rows": args.rows, "m": args.m, "ng": args.ng, "P": args.messages.shape[1],
+        "factor": args.factor, "beta": args.beta, "omb": np.float32(1.0 - args.beta),
+        "G": args.group_size, "scale_input": int(args.factor != 1.0),
+        "has_error": int(args.has_error), "mode": mode, "stochastic": int(args.keys is not None),
+        "format": args.format_code, "k0": args.k0, "k1": args.k1,
+    }
+    return struct_value(encode_args_dtype(), _in_field_order()(values))
+
+
+def sum_source(messages: torch.Tensor, verdict: torch.Tensor) -> np.void:
+    """``loco_cuda::SumSource`` of received ``messages`` (uint8 ``[k, P]``, rows contiguous at
+    any distance) and the call's ``verdict``."""
+    rows, width = messages.shape
+    stride = messages.stride(0) if rows > 1 else width
+    return struct_value(SUM_SOURCE, (pointer(messages), rows, stride, pointer(verdict)))
+
+
+def aligned_stride(messages: torch.Tensor) -> int | None:
+    """The distance in bytes between rows of ``messages`` (uint8 ``[rows, P]``, rows
+    contiguous) where the checksum kernels can read them: whole words of body, every row
+    starting 8-byte aligned, at most a grid's second dimension of rows; else None."""
+    rows, width = messages.shape
+    stride = messages.stride(0) if rows > 1 else width
+    if ((width - wire.HEADER_BYTES - wire.TRAILER_BYTES) % 8 or width % 8 or stride % 8
+            or messages.data_ptr() % 8 or (width > 1 and messages.stride(1) != 1)
+            or stride < width or not 0 < rows <= MAX_GRID_Y):
+        return None
+    return stride
+
+
+def checksum_blocks(width: int) -> int:
+    """Blocks per row of a checksum pass over messages of ``width`` bytes."""
+    body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
+    return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
