@@ -146,16 +146,20 @@ class ShardCodec(MessageChecks):
         zeroes it first (the call's first encode, its verdict made with ``cleared_by_encode``).
         ``nonfinite`` (uint8 ``[rows * ngroups(m)]``, contiguous, on the source's device), when
         given, receives the groups' non-finite bytes instead of a new buffer. ``summed``
-        (from `sum_spec`; ``rows`` 1, ``factor`` 1): the one row is the sum of received
-        messages, decoded by the encode itself; ``source`` (fp32 ``[m]``) is then not read.
+        (from `sum_spec`; ``rows`` 1, ``factor`` 1, not ``clear_verdict``: the check of the
+        received rows sets the verdict the first encode would clear): the one row is the sum of
+        received messages, decoded by the encode itself; ``source`` (fp32 ``[m]``) is then not
+        read.
         """
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
         if summed is not None and (rows != 1 or factor != 1.0 or source.numel() != m
-                                   or source.dtype != torch.float32):
+                                   or source.dtype != torch.float32 or clear_verdict
+                                   or not getattr(self.kernels, "fuses_sum", False)):
             raise ValueError("ShardCodec.encode: a sum is encoded as one fp32 row of m elements, "
-                             f"got {rows} rows, factor {factor}, {source.dtype} "
-                             f"[{source.numel()}]")
+                             "by kernels that fuse it, not as the call's first encode; got "
+                             f"{rows} rows, factor {factor}, {source.dtype} [{source.numel()}], "
+                             f"clear_verdict {clear_verdict}, {self.kernels.name} kernels")
         device = source.device
         if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)
                                   or error.device != device):
