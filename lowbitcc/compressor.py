@@ -238,6 +238,27 @@ class CallCompressor:
         self.stats.add("compressed", codec_s=time.perf_counter() - start)
         return total
 
+    def decode_rows(self, gathered: torch.Tensor, senders: int, m: int,
+                    out: torch.Tensor) -> bool:
+        """Every row's sum in rank order of the ``senders``' messages in ``gathered`` (uint8
+        ``[senders * n, P]``, sender by sender), cast into flat ``out`` (row ``r`` at ``r * m``),
+        in one launch where the codec's kernels can (`ShardCodec.decode_rows`): True; False
+        where they cannot, nothing done (`decode_sum` row by row, which also defers a size
+        that does not fit)."""
+        start = time.perf_counter()
+        verdict = self._device_verdict(gathered.device)
+        if verdict is None:
+            return False
+        try:
+            nonfinite = self.codec.decode_rows(gathered, senders, m, out, verdict)
+        except wire.WireFormatError:
+            return False
+        if nonfinite is None:
+            return False
+        self._flag(nonfinite)
+        self.stats.add("compressed", codec_s=time.perf_counter() - start)
+        return True
+
     def decode_into(
         self, messages: torch.Tensor, m: int, shard_ids: list[int], out: torch.Tensor
     ) -> None:

@@ -195,11 +195,19 @@ class CallPlan:
 
     def _gather(self, source: Source, out: torch.Tensor) -> None:
         """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
-        messages decoded and summed in rank order into its place in ``out``."""
+        messages decoded and summed in rank order into its place in ``out``: on a device every
+        row in one launch where the kernels can (`CallCompressor.decode_rows`), else row by
+        row."""
         comp, n, m = self.comp, self.group.size, self.m
         messages = comp.encode("gather", source, self.shards, *self._sent("gather", n, m))
         kept = self.kept("received gather", n * messages.numel(), torch.uint8)
         pending = self.transport.all_gather_async(messages, kept)
+        if not self._cpu:
+            received = pending.wait()
+            if not comp.decode_rows(received.view(n * n, -1), n, m, out):
+                rows = self._columns(received)
+                self._decode_rows(rows, [out[lo:hi] for _, lo, hi, _ in rows])
+            return
         # the decodes' views are made while the transfer runs: the first Python after a wait
         # runs several times slower (caches, a woken core)
         rows = self._columns(kept)
@@ -207,9 +215,15 @@ class CallPlan:
         received = pending.wait()
         if received.data_ptr() != kept.data_ptr():  # a transport that received elsewhere
             rows = self._columns(received)
-        fp32 = out.dtype == torch.float32
+        self._decode_rows(rows, places)
+
+    def _decode_rows(self, rows: list[tuple[int, int, int, torch.Tensor]],
+                     places: list[torch.Tensor]) -> None:
+        """Each row's messages (`_columns`) decoded and summed into its ``place`` (a slice of
+        the output): straight where it is fp32 and whole, else through the decode buffer."""
+        comp, m = self.comp, self.m
         for (r, lo, hi, column), place in zip(rows, places):
-            if fp32 and hi - lo == m:
+            if place.dtype == torch.float32 and hi - lo == m:
                 comp.decode_sum(column, m, r, place)
             else:
                 decoded = comp.decode_sum(column, m, r,

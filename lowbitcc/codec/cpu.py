@@ -80,6 +80,8 @@ class CpuKernels(TorchFraming):
     reads_poison = False
 
     def encode(self, args: EncodeArgs) -> None:
+        if args.summed is not None:  # the sum is not in args.source: `fuses_sum` kernels only
+            raise ValueError("lowbitcc: the C++ kernels do not decode a sum inside the encode")
         load().encode(args)
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,

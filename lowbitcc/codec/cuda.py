@@ -41,6 +41,7 @@ from lowbitcc.codec.cuda_build import (
     ROW_CHECK,
     SOURCE,
     decode_into_name,
+    decode_rows_name,
     decode_sum_name,
     encode_name,
     encode_sum_name,
@@ -245,6 +246,31 @@ class CudaKernels(TorchFraming):
                 (ptr_arg(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
                  np.int64(n), ptr_arg(out), ptr_arg(verdict), self._row_check(messages, check, verdict)))
 
+    fuses_rows = True
+    """`decode_rows`: every row of gathered messages decoded and summed in one launch."""
+
+    def decode_rows(self, messages: torch.Tensor, senders: int, m: int, bits: int,
+                    group_size: int, fmt: str, out: torch.Tensor, verdict: torch.Tensor,
+                    header: bytes) -> None:
+        """One launch: row ``r`` of ``out`` (flat, any float dtype, at most ``n * m``
+        elements) is the sum over the ``senders`` of their message of row ``r``, cast, as
+        `decode_sum` and a cast write it (NaN everywhere where a row is foreign, as
+        `decode_into`); ``messages`` uint8 ``[senders * n, P]``, contiguous,
+        sender by sender. Every row is checked against ``header`` (the call's) and its shard
+        (row ``q`` holds shard ``q % n``), setting the call's ``verdict`` as `check` does;
+        rows that do not start 8-byte aligned take `check` first."""
+        rows, width = messages.shape
+        n = rows // senders
+        if aligned_stride(messages) == width:
+            check = struct_value(ROW_CHECK, (header_words(header), 0, 1, rows, n, 1))
+        else:
+            self.check(messages, header, list(range(n)) * senders, False, verdict)
+            check = NO_CHECK
+        numel = out.numel()
+        _launch(decode_rows_name(out.dtype, bits, fmt), messages.device, -(-numel // THREADS),
+                (ptr_arg(messages), np.int64(senders), np.int64(n), np.int64(width), np.int64(m),
+                 np.int32(group_size), np.int64(numel), ptr_arg(out), ptr_arg(verdict), check))
+
     def _row_check(self, messages: torch.Tensor, check: tuple[bytes, list[int]] | None,
                    verdict: torch.Tensor | None) -> np.void:
         """``loco_cuda::RowCheck`` of ``check``, or `NO_CHECK` (nothing asked). Rows the decode
@@ -261,7 +287,8 @@ class CudaKernels(TorchFraming):
                 or shards != [shards[0] + r * step for r in range(len(shards))]):
             self.check(messages, header, shards, False, verdict)
             return NO_CHECK
-        return struct_value(ROW_CHECK, (header_words(header), shards[0], step, messages.shape[0], 1))
+        return struct_value(ROW_CHECK, (header_words(header), shards[0], step, messages.shape[0], 0,
+                                        1))
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64

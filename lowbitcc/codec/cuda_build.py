@@ -41,6 +41,10 @@ def decode_sum_name(bits: int, fmt: str) -> str:
     return f"loco_cuda::decode_sum<{bits}, {FORMAT_CODES[fmt]}>"
 
 
+def decode_rows_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
+    return f"loco_cuda::decode_rows<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
+
+
 def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
     return f"loco_cuda::decode_into<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
 
@@ -55,7 +59,7 @@ CHECK_FOLD = "loco_cuda::check_fold"
 HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
 """``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
 ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step", "<i8"),
-                      ("rows", "<i8"), ("check", "<i4")], align=True)
+                      ("rows", "<i8"), ("shard_mod", "<i8"), ("check", "<i4")], align=True)
 """``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
 NO_CHECK = np.zeros((), dtype=ROW_CHECK)[()]
 FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i8"),
@@ -112,6 +116,7 @@ def name_expressions() -> list[str]:
               if not sr or "stochastic" in formats.FORMATS[fmt].roundings]
     names += [decode_sum_name(b, fmt) for b, fmt in WIRES]
     names += [decode_into_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
+    names += [decode_rows_name(t, b, fmt) for t in TYPES for b, fmt in WIRES]
     return names
 
 

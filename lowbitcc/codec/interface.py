@@ -160,6 +160,8 @@ class Kernels(Protocol):
     foreign byte is set (read on the device). Kernels with ``fuses_check`` also take
     ``check=(header, shards)`` (with the call's verdict, checksums off): the decode then does
     ``check``'s work itself, without a ``check`` before it.
+    Kernels with ``fuses_rows`` also decode every row of gathered messages at once
+    (``decode_rows``: `shard_codec.ShardCodec.decode_rows`), checking every row themselves.
     Kernels with ``fuses_sum`` encode the sum of received messages without writing it
     (`EncodeArgs.summed`): one pass instead of ``decode_sum`` and an encode, the same bytes.
     ``checksum`` returns int64 ``[k]`` on the messages' device: each row's checksum as

@@ -34,6 +34,8 @@ class ReferenceKernels(TorchFraming):
     reads_poison = False
 
     def encode(self, args: EncodeArgs) -> None:
+        if args.summed is not None:  # the sum is not in args.source: `fuses_sum` kernels only
+            raise ValueError("lowbitcc: the reference kernels do not decode a sum inside the encode")
         rows, m, G = args.rows, args.m, args.group_size
         mp = args.ng * G
         device = args.source.device

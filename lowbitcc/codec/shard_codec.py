@@ -154,12 +154,11 @@ class ShardCodec(MessageChecks):
         if source.dim() != 1 or not source.is_contiguous():
             raise ValueError("ShardCodec.encode needs a flat contiguous source")
         if summed is not None and (rows != 1 or factor != 1.0 or source.numel() != m
-                                   or source.dtype != torch.float32 or clear_verdict
-                                   or not getattr(self.kernels, "fuses_sum", False)):
+                                   or source.dtype != torch.float32 or clear_verdict):
             raise ValueError("ShardCodec.encode: a sum is encoded as one fp32 row of m elements, "
-                             "by kernels that fuse it, not as the call's first encode; got "
-                             f"{rows} rows, factor {factor}, {source.dtype} [{source.numel()}], "
-                             f"clear_verdict {clear_verdict}, {self.kernels.name} kernels")
+                             f"not as the call's first encode; got {rows} rows, factor "
+                             f"{factor}, {source.dtype} [{source.numel()}], clear_verdict "
+                             f"{clear_verdict}")
         device = source.device
         if error is not None and (error.dtype != error_dtype or error.numel != rows * self.padded(m)
                                   or error.device != device):
@@ -276,6 +275,31 @@ class ShardCodec(MessageChecks):
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1),
                                 self._first(messages, verdict))
         return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
+
+    def decode_rows(self, messages: torch.Tensor, senders: int, m: int, out: torch.Tensor,
+                    verdict: torch.Tensor | None) -> Flag | None:
+        """Where the kernels decode every row of gathered ``messages`` at once (``fuses_rows``;
+        a device, the call's ``verdict``, checksums off, no host check: `_fused_check`, which
+        checks their sizes, raising `wire.WireFormatError`; ``out`` not empty): row ``r`` of
+        flat ``out`` (any float dtype, contiguous, at most ``n * m`` elements) becomes the sum
+        in sender order of the ``senders``' messages of row ``r`` (``messages``: uint8
+        ``[senders * n, P]``, contiguous, sender by sender, row ``q`` of shard ``q % n``),
+        cast, as `decode_sum` and a cast would write it, but NaN everywhere where any row is
+        foreign (as `decode_into`); returns the non-finite answer (a view of the verdict).
+        None: nothing done (decode row by row with `decode_sum`)."""
+        if (out.numel() == 0 or not messages.is_contiguous()
+                or not getattr(self.kernels, "fuses_rows", False)):
+            return None
+        n = messages.shape[0] // senders
+        fused = self._fused_check(messages, m, list(range(n)) * senders, verdict)
+        if fused is None or verdict is None:
+            return None
+        if out.numel() > n * m or not out.is_contiguous() or out.device != messages.device:
+            raise ValueError(f"decode_rows: out must be contiguous, on {messages.device}, with at "
+                             f"most {n * m} elements; got {out.numel()} on {out.device}")
+        self.kernels.decode_rows(messages, senders, m, self.bits, self.group_size, self.fmt,
+                                 out.view(-1), verdict, fused[0][0])
+        return fused[1]
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
                     out: torch.Tensor, verdict: torch.Tensor | None = None) -> Flag:

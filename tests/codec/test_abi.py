@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +73,7 @@ def test_cuda_struct_points_at_the_error_state_it_has_and_nothing_else(state, ha
 
 
 @pytest.mark.parametrize("dtype, values", [
-    (cuda_build.ROW_CHECK, (tuple(range(8)), 3, 1, 4, 1)),
+    (cuda_build.ROW_CHECK, (tuple(range(8)), 3, 1, 4, 2, 1)),
     (cuda_build.FRAME_ARGS, (tuple(range(8, 16)), 2, 100, 2**63 + 5, 2**40 + 1, 5, 1)),
 ])
 def test_struct_arguments_hold_their_fields_in_order_and_zero_padding(dtype, values):
@@ -114,3 +117,47 @@ def test_cpu_kernel_checks_the_error_state_size():
     args.state = ErrorState.zeros(128, "int8", 128)  # one group; the call has 2 rows of 3
     with pytest.raises(RuntimeError, match="error codes holds 128 elements, expected 768"):
         cpu.KERNELS.encode(args)
+
+
+
+CUDA_STRUCTS = {"loco_cuda::Header": cuda_build.HEADER_WORDS,
+                "loco_cuda::RowCheck": cuda_build.ROW_CHECK,
+                "loco_cuda::FrameArgs": cuda_build.FRAME_ARGS,
+                "loco_cuda::SumSource": cuda_build.SUM_SOURCE}
+"""The structs the CUDA launcher passes by value, and the NumPy layouts it packs them in."""
+
+
+def _layout_checks(structs: dict[str, np.dtype]) -> str:
+    """A `static_assert` of each struct's size and of each field's offset as its NumPy dtype
+    has them (``Header``'s words are one array ``w``)."""
+    checks = ["#include <cstddef>"]
+    for struct, dtype in structs.items():
+        checks.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct} size");')
+        fields = ({"w": 0} if struct.endswith("Header")
+                  else {name: dtype.fields[name][1] for name in dtype.names})
+        checks += [f'static_assert(offsetof({struct}, {name}) == {offset}, "{struct}.{name}");'
+                   for name, offset in fields.items()]
+    return "\n".join(checks) + "\n"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("wrong", [False, True], ids=["as-packed", "a-field-moved"])
+def test_the_cuda_structs_have_the_layouts_the_launcher_packs(wrong, tmp_path):
+    """nvcc compiles the CUDA source (no kernel instance: about 2 s) with the structs' sizes
+    and offsets asserted as the launcher packs them; a field moved on one side only fails
+    (NVRTC has no ``offsetof``)."""
+    structs = dict(CUDA_STRUCTS)
+    if wrong:
+        fields = {name: cuda_build.SUM_SOURCE.fields[name][0] for name in ("msgs", "stride", "k",
+                                                                              "verdict")}
+        structs["loco_cuda::SumSource"] = np.dtype(list(fields.items()), align=True)
+    source = tmp_path / "layouts.cu"
+    source.write_text(cuda_build.SOURCE.read_text() + _layout_checks(structs))
+    done = subprocess.run(["nvcc", "-std=c++17", f"-I{cuda_build.CSRC}",
+                           "-gencode=arch=compute_80,code=sm_80", "-c", "-o",
+                           str(tmp_path / "layouts.o"), str(source)],
+                          capture_output=True, text=True, timeout=300)
+    if wrong:
+        assert done.returncode != 0 and "SumSource.k" in done.stderr, done.stderr[-2000:]
+    else:
+        assert done.returncode == 0, done.stderr[-4000:]

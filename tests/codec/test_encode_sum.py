@@ -189,9 +189,9 @@ def test_cuda_encode_sum_writes_the_bytes_of_a_decode_then_an_encode(world, m, f
 
 
 def test_an_encode_of_a_sum_is_refused_where_it_would_read_its_scratch(monkeypatch):
-    """`ShardCodec.encode` refuses ``summed`` from kernels that do not fuse it (they would
-    encode the unread scratch) and as a call's first encode (its clear would erase what the
-    rows' check set)."""
+    """Kernels that do not fuse the sum refuse ``summed`` (they would encode the unread
+    scratch), and `ShardCodec.encode` refuses it as a call's first encode (its clear would
+    erase what the rows' check set)."""
     from lowbitcc.codec.interface import SumSpec
     from lowbitcc.codec.kernels import REFERENCE
 
@@ -203,6 +203,6 @@ def test_an_encode_of_a_sum_is_refused_where_it_would_read_its_scratch(monkeypat
         received = torch.empty(4, codec.message_bytes(m), dtype=torch.uint8, device="meta")
         verdict = torch.empty(8, dtype=torch.uint8, device="meta")
         spec = SumSpec(received, (codec.header(m), [2] * 4), verdict)
-        with pytest.raises(ValueError, match="a sum is encoded as one fp32 row"):
+        with pytest.raises(ValueError, match="decode a sum inside the encode|not as the call's first"):
             codec.encode(torch.empty(m, device="meta"), 1, m, 1.0, None, 0.0, [2], None,
                          verdict=verdict, clear_verdict=clear, summed=spec)

@@ -23,6 +23,8 @@
 //   all-reduce of more than two ranks): the encode's warps read each element as the sum in row
 //   order of the received messages' values (SummedSource), after every block checked the rows.
 // decode_into: one thread per element of the output, cast to its dtype.
+// decode_rows: decode_sum of every row of gathered messages (the two-rank all-reduce) in one
+//   launch, one thread per element of the output, cast to its dtype.
 // checksum: the wire checksum of each message row (wire.py), by a grid of (blocks, rows): each
 //   thread sums its 64-bit words in a grid-stride loop, warps and then the block reduce, and
 //   one atomic add per block and sum reaches the row's two accumulators; checksum_fold makes
@@ -358,13 +360,14 @@ __global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
 }
 
 // What a decode checks itself where the host asks it to (`check`): the k rows' headers against
-// the call's `header` with shard shard0 + r * shard_step and the row's own non-finite flag, as
-// check_fold does without checksums.
+// the call's `header` with shard shard0 + r * shard_step (modulo shard_mod where it is not 0)
+// and the row's own non-finite flag, as check_fold does without checksums.
 struct RowCheck {
   Header header;
   long long shard0;
   long long shard_step;
   long long rows;  // the rows to check: every row of the messages, read or not
+  long long shard_mod;
   int check;
 };
 
@@ -382,7 +385,8 @@ __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict_
     const unsigned char* row = msgs + r * P;
     const unsigned int flags = row[loco::kFlagsOffset] & loco::kFlagNonfinite;
     const unsigned int* h = reinterpret_cast<const unsigned int*>(row);
-    const unsigned int shard = (unsigned int)(c.shard0 + r * c.shard_step);
+    const long long s = c.shard0 + r * c.shard_step;
+    const unsigned int shard = (unsigned int)(c.shard_mod ? s % c.shard_mod : s);
 #pragma unroll
     for (int w = 0; w < loco::kHeaderBytes / 4; ++w)
       foreign |= h[w] != loco::header_word(c.header.w, w, shard, flags);
@@ -428,6 +432,29 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
   const long long ng = (m + G - 1) / G;
   const float v = foreign ? loco::quiet_nan() : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
   out[i] = from_float<T>(v);
+}
+
+// decode_rows: decode_sum of every row of gathered messages at once (the two-rank all-reduce):
+// out[r * m + j] = the sum over senders s, in order, of element j of sender s's message of row
+// r, cast, for r * m + j < numel (a partial last row, any dtype: what decode_sum then a cast
+// write). The messages are k senders' n rows of P bytes, contiguous ([k, n, P]); with `c.check`
+// every one of the k * n rows is checked (c.shard_mod n: row q holds shard q % n), NaN as
+// decode_sum writes it.
+template <typename T, int BITS, int FMT>
+__global__ void decode_rows(const unsigned char* __restrict__ msgs, long long k, long long n,
+                            long long P, long long m, int G, long long numel,
+                            T* __restrict__ out, unsigned char* __restrict__ verdict,
+                            const RowCheck c) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool foreign = checked_foreign(msgs, P, c, verdict);
+  if (i >= numel) return;
+  const long long r = i / m, j = i % m;
+  const long long ng = (m + G - 1) / G;
+  const unsigned char* row = msgs + r * P;
+  float acc = decode_one<BITS, FMT>(row, ng, G, j);
+  for (long long s = 1; s < k; ++s)
+    acc = __fadd_rn(acc, decode_one<BITS, FMT>(row + s * n * P, ng, G, j));
+  out[i] = from_float<T>(foreign ? loco::quiet_nan() : acc);
 }
 
 // The source of an encode_sum: k received messages of the one row encoded (its shard from
@@ -634,6 +661,11 @@ LOCO_ESUM(4, 1, false) LOCO_ESUM(4, 2, false)
 LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1) LOCO_DSUM(4, 2)
 #define LOCO_DEC1(T, B, F) \
   template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*, unsigned char*, const RowCheck);
+#define LOCO_ROWS1(T, B, F) \
+  template __global__ void decode_rows<T, B, F>(const unsigned char*, long long, long long, long long, long long, int, long long, T*, unsigned char*, const RowCheck);
+#define LOCO_ROWS(T) LOCO_ROWS1(T, 2, 0) LOCO_ROWS1(T, 4, 0) LOCO_ROWS1(T, 8, 0) \
+  LOCO_ROWS1(T, 4, 1) LOCO_ROWS1(T, 4, 2)
+LOCO_ROWS(float) LOCO_ROWS(__nv_bfloat16) LOCO_ROWS(__half)
 #define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1) \
   LOCO_DEC1(T, 4, 2)
 LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
