@@ -281,12 +281,13 @@ class ShardCodec(MessageChecks):
         """Where the kernels decode every row of gathered ``messages`` at once (``fuses_rows``;
         a device, the call's ``verdict``, checksums off, no host check: `_fused_check`, which
         checks their sizes, raising `wire.WireFormatError`; ``out`` not empty): row ``r`` of
-        flat ``out`` (any float dtype, contiguous, at most ``n * m`` elements) becomes the sum
+        flat ``out`` (fp32, bf16 or fp16, contiguous, at most ``n * m`` elements) becomes the sum
         in sender order of the ``senders``' messages of row ``r`` (``messages``: uint8
         ``[senders * n, P]``, contiguous, sender by sender, row ``q`` of shard ``q % n``),
         cast, as `decode_sum` and a cast would write it, but NaN everywhere where any row is
-        foreign (as `decode_into`); returns the non-finite answer (a view of the verdict).
-        None: nothing done (decode row by row with `decode_sum`)."""
+        foreign (as `decode_into`; every row is checked, also one past ``out``, which row by
+        row no decode read); returns the non-finite answer (a view of the verdict). None:
+        nothing done (decode row by row with `decode_sum`)."""
         if (out.numel() == 0 or not messages.is_contiguous()
                 or not getattr(self.kernels, "fuses_rows", False)):
             return None

@@ -125,32 +125,44 @@ CUDA_STRUCTS = {"loco_cuda::Header": cuda_build.HEADER_WORDS,
                 "loco_cuda::FrameArgs": cuda_build.FRAME_ARGS,
                 "loco_cuda::SumSource": cuda_build.SUM_SOURCE}
 """The structs the CUDA launcher passes by value, and the NumPy layouts it packs them in."""
+HEADER_ARRAY = np.dtype(("<u4", (8,)))
+"""``loco_cuda::Header::w``: the header's eight words."""
 
 
 def _layout_checks(structs: dict[str, np.dtype]) -> str:
     """A `static_assert` of each struct's size and of each field's offset as its NumPy dtype
     has them (``Header``'s words are one array ``w``)."""
-    checks = ["#include <cstddef>"]
+    checks = ["#include <cstddef>", "#include <type_traits>"]
     for struct, dtype in structs.items():
         checks.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct} size");')
-        fields = ({"w": 0} if struct.endswith("Header")
-                  else {name: dtype.fields[name][1] for name in dtype.names})
-        checks += [f'static_assert(offsetof({struct}, {name}) == {offset}, "{struct}.{name}");'
-                   for name, offset in fields.items()]
+        fields = ({"w": (HEADER_ARRAY, 0)} if struct.endswith("Header")
+                  else {name: dtype.fields[name][:2] for name in dtype.names})
+        for name, (field, offset) in fields.items():
+            member = f"decltype({struct}::{name})"
+            checks += [f'static_assert(offsetof({struct}, {name}) == {offset}, "{struct}.{name}");',
+                       f'static_assert(sizeof({member}) == {field.itemsize}, '
+                       f'"{struct}.{name} size");']
+            if field.kind in "iu":  # integers and pointers (packed as unsigned words)
+                checks.append(f'static_assert(std::is_signed<{member}>::value == '
+                              f'{str(field.kind == "i").lower()}, "{struct}.{name} sign");')
     return "\n".join(checks) + "\n"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found on PATH")
-@pytest.mark.parametrize("wrong", [False, True], ids=["as-packed", "a-field-moved"])
+@pytest.mark.parametrize("wrong", ["", "moved", "unsigned"],
+                         ids=["as-packed", "a-field-moved", "a-field-unsigned"])
 def test_the_cuda_structs_have_the_layouts_the_launcher_packs(wrong, tmp_path):
-    """nvcc compiles the CUDA source (no kernel instance: about 2 s) with the structs' sizes
-    and offsets asserted as the launcher packs them; a field moved on one side only fails
-    (NVRTC has no ``offsetof``)."""
+    """nvcc compiles the CUDA source (no kernel instance: about 2 s) with the structs' sizes,
+    offsets, field widths and signedness asserted as the launcher packs them; a field moved
+    on one side only fails (NVRTC has no ``offsetof``)."""
     structs = dict(CUDA_STRUCTS)
-    if wrong:
+    if wrong == "moved":
         fields = {name: cuda_build.SUM_SOURCE.fields[name][0] for name in ("msgs", "stride", "k",
                                                                               "verdict")}
         structs["loco_cuda::SumSource"] = np.dtype(list(fields.items()), align=True)
+    elif wrong == "unsigned":
+        structs["loco_cuda::SumSource"] = np.dtype(
+            [("msgs", "<u8"), ("k", "<u8"), ("stride", "<i8"), ("verdict", "<u8")], align=True)
     source = tmp_path / "layouts.cu"
     source.write_text(cuda_build.SOURCE.read_text() + _layout_checks(structs))
     done = subprocess.run(["nvcc", "-std=c++17", f"-I{cuda_build.CSRC}",
