@@ -66,7 +66,7 @@ class Scratch:
         return buf[:n]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Source:
     """``rows`` rows of ``m`` elements of flat ``tensor`` (zero past its end), times ``factor``."""
 
@@ -162,7 +162,7 @@ class CallCompressor:
             result.messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_PEER_ERROR
         if self.deviated is not None:
             mark_deviated(result.messages, self.deviated)
-        self.stats.add("compressed", codec_s=time.perf_counter() - start)
+        self.stats.add_codec("compressed", time.perf_counter() - start)
         return result.messages
 
     def encode_sum(self, stage: str, received: torch.Tensor, m: int, shard: int,
@@ -235,7 +235,7 @@ class CallCompressor:
             total = out if out is not None else torch.empty(m, device=messages.device)
             nonfinite = self._deferred(exc, total)
         self._flag(nonfinite)
-        self.stats.add("compressed", codec_s=time.perf_counter() - start)
+        self.stats.add_codec("compressed", time.perf_counter() - start)
         return total
 
     def decode_rows(self, gathered: torch.Tensor, senders: int, m: int,
@@ -256,7 +256,7 @@ class CallCompressor:
         if nonfinite is None:
             return False
         self._flag(nonfinite)
-        self.stats.add("compressed", codec_s=time.perf_counter() - start)
+        self.stats.add_codec("compressed", time.perf_counter() - start)
         return True
 
     def decode_into(
@@ -268,7 +268,7 @@ class CallCompressor:
                                               self._device_verdict(messages.device)))
         except wire.WireFormatError as exc:
             self._flag(self._deferred(exc, out))
-        self.stats.add("compressed", codec_s=time.perf_counter() - start)
+        self.stats.add_codec("compressed", time.perf_counter() - start)
 
     def _deferred(self, exc: wire.WireFormatError, out: torch.Tensor) -> bool:
         """Keep the first ``exc`` for `raise_deferred`, fill ``out`` with NaN (the call's error

@@ -66,6 +66,26 @@ class Stats:
             for name, delta in deltas.items():
                 setattr(c, name, getattr(c, name) + delta)
 
+    def add_call(self, category: str, tensor_bytes: int, logical_bytes: int) -> None:
+        """`add` of one call of ``tensor_bytes`` (``logical_bytes`` on a ring)."""
+        c = self._counters[category]
+        with self._lock:
+            c.calls += 1
+            c.tensor_bytes += tensor_bytes
+            c.logical_bytes += logical_bytes
+
+    def add_codec(self, category: str, seconds: float) -> None:
+        """`add` of ``codec_s`` alone: every encode and decode adds its time (no keywords)."""
+        c = self._counters[category]
+        with self._lock:
+            c.codec_s += seconds
+
+    def add_wire(self, category: str, seconds: float) -> None:
+        """`add` of ``wire_s`` alone: every wait for a transfer adds its time."""
+        c = self._counters[category]
+        with self._lock:
+            c.wire_s += seconds
+
     def add_sums(self, category: str, sums: torch.Tensor) -> None:
         """Add float64 ``[residual_sq, input_sq]`` held on the CPU (kernels on a device add
         theirs into `accumulator`)."""

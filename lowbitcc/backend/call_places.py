@@ -43,11 +43,11 @@ class CallPlaces:
                              self._wish(like, op, numel), wait=first)
 
     def planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
-                exact: bool) -> Entry | None:
-        """`CallSchedule.planned` for a reduction of one tensor issued now: its place's
-        ``exact`` (else compressed) entry where it runs as it (the place taken), else None
-        (nothing taken)."""
-        schedule = self._schedule_for(like)
+                exact: bool, device_type: str) -> Entry | None:
+        """`CallSchedule.planned` for a reduction of one tensor (on a ``device_type`` device)
+        issued now: its place's ``exact`` (else compressed) entry where it runs as it (the place
+        taken), else None (nothing taken)."""
+        schedule = self._schedule_for(like, device_type)
         if schedule is None:
             return None
         if exact and self._wish(like, op, numel) == "compressed":
@@ -66,13 +66,15 @@ class CallPlaces:
         return [schedule.plan(("refused", collective, n), wait=i == 0)
                 for i, n in enumerate(numels)]
 
-    def _schedule_for(self, like: torch.Tensor) -> CallSchedule | None:
+    def _schedule_for(self, like: torch.Tensor,
+                      device_type: str | None = None) -> CallSchedule | None:
         """The call schedule of a reduction of ``like``'s device issued now, where it takes a
         place: not one issued by a future's callback (`issue_queue.callback_parent`), nor, of
         CPU tensors, one issued by another thread than the main one (gloo completes its
         futures on its own threads, whose callbacks issue calls in an order that differs
-        between ranks). Those exchange a descriptor every time, as without the schedule."""
-        device_type = like.device.type
+        between ranks). Those exchange a descriptor every time, as without the schedule.
+        ``device_type``: ``like``'s, where the caller has it."""
+        device_type = device_type or like.device.type
         schedule = self._schedules.get(device_type)
         if schedule is None or callback_parent():
             return None

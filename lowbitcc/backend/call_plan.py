@@ -101,8 +101,7 @@ class CallPlan:
         if group.modelled(self.numel) and not policy.forced():
             group.cost_model.count(self.size_class)
             stop = group.clock(self.size_class, False, self.nbytes)
-        state.STATS.add("compressed", calls=1, tensor_bytes=self.nbytes,
-                        logical_bytes=self.logical_bytes)
+        state.STATS.add_call("compressed", self.nbytes, self.logical_bytes)
         comp.restart(self.codec.with_seq(self.seq), key, buffer, self._verdict_slot())
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
         source = Source(out, group.size, self.m, input_factor(op, group.size))

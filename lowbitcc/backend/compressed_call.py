@@ -329,9 +329,8 @@ class CompressedCall:
         n = group.size
         m = -(-self.numel // n)
         itemsize = self.source.element_size()
-        state.STATS.add("compressed", calls=1, tensor_bytes=self.nbytes,
-                        logical_bytes=COLLECTIVES[self.collective].logical_bytes(
-                            n * m * itemsize, n))
+        state.STATS.add_call("compressed", self.nbytes,
+                             COLLECTIVES[self.collective].logical_bytes(n * m * itemsize, n))
         comp = self.compressor()
         flat = self.source.detach().reshape(-1).contiguous()
         self.schedule(Source(flat, n, m, self.reduction.input_factor()), comp)

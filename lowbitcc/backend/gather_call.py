@@ -57,9 +57,8 @@ class GatherCall:
     def compress(self) -> None:
         group, cfg, source, output = self.group, self.group.config, self.source, self.output
         n, numel, itemsize = group.size, source.numel(), source.element_size()
-        state.STATS.add("compressed", calls=1, tensor_bytes=numel * itemsize,
-                        logical_bytes=COLLECTIVES[self.collective].logical_bytes(
-                            n * numel * itemsize, n))
+        state.STATS.add_call("compressed", numel * itemsize,
+                             COLLECTIVES[self.collective].logical_bytes(n * numel * itemsize, n))
         codec = ShardCodec(
             bits=cfg.param_bits, group_size=cfg.group_for("int"),
             dtype_code=wire.DTYPE_CODES[source.dtype], seq=self.desc.seq, world=n,

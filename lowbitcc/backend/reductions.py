@@ -60,16 +60,20 @@ class Reductions:
         schedule) a lease, sends exact, by an op the inner group runs itself; started now as
         c10d asked for it (``method``, ``args``). None: not such a call, nothing taken (the
         process group builds it and calls `reduce`)."""
-        issuer = self._issuers.get(tensor.device.type)
+        device_type = "cpu" if tensor.is_cpu else tensor.device.type  # (no torch.device made)
+        issuer = self._issuers.get(device_type)
         if issuer is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return None
+        kind = op_type(op)
         if issuer.plans and self._compressed.config.call_plans:
-            work = self._run_plan(issuer, collective, tensor, output, numel, op, (method, args))
+            work = self._run_plan(issuer, collective, tensor, output, numel, op, kind,
+                                  device_type, (method, args))
             if work is not None:
                 return work
-        if op_type(op) not in issuer.native_ops:
+        if kind not in issuer.native_ops:
             return None
-        entry = self._compressed.places.planned(collective, tensor, numel, op, exact=True)
+        entry = self._compressed.places.planned(collective, tensor, numel, kind, True,
+                                                device_type)
         if entry is not None:
             return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
                                    lambda size_class, nbytes: issuer.leased_native(
@@ -82,16 +86,18 @@ class Reductions:
         return issuer.leased_native(method, args, [output], size_class, nbytes)
 
     def _run_plan(self, issuer: Issuer, collective: str, tensor: torch.Tensor,
-                  output: torch.Tensor, numel: int, op: Any, native: tuple[str, tuple]) -> Any:
+                  output: torch.Tensor, numel: int, op: Any, kind: Any, device_type: str,
+                  native: tuple[str, tuple]) -> Any:
         """Run an all-reduce of ``tensor`` (or a reduce-scatter of it into ``output``) as its
         place's compressed entry, by the place's `call_plan.CallPlan` (made on the first such
         run), where the place holds such an entry that the call matches (its dtype floating
-        point: no op is refused); None: nothing taken. ``native``: c10d's method and arguments
-        (the exact call where a graph is being captured, on CUDA)."""
+        point: no op is refused); None: nothing taken. ``kind``: ``op``'s type (`op_type`),
+        ``device_type`` the tensor's; ``native``: c10d's method and arguments (the exact call
+        where a graph is being captured, on CUDA)."""
         if collective not in PLAN_COLLECTIVES or not tensor.is_contiguous():
             return None
-        entry = self._compressed.places.planned(collective, tensor, numel, op_type(op),
-                                                exact=False)
+        entry = self._compressed.places.planned(collective, tensor, numel, kind, False,
+                                                device_type)
         if entry is None:
             return None
         plan = entry.plan

@@ -235,10 +235,12 @@ class DoneWork(LocoWork):
     Its future, tagged ``tag``, is made (complete) on first use: DDP asks for it, a synchronous
     ``dist.all_reduce`` does not."""
 
+    _source = None
+    _future: LocoFuture | None = None  # made by `get_future`
+
     def __init__(self, tag: int, outputs: list[torch.Tensor]) -> None:
         dist.Work.__init__(self)
-        self._source, self._outputs, self._tag = None, outputs, tag
-        self._future: LocoFuture | None = None
+        self._outputs, self._tag = outputs, tag
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:

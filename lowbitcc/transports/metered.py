@@ -18,7 +18,7 @@ class _MeteredPending:
     def wait(self) -> torch.Tensor:
         start = time.perf_counter()
         out = self.inner.wait()
-        self.stats.add(self.category, wire_s=time.perf_counter() - start)
+        self.stats.add_wire(self.category, time.perf_counter() - start)
         return out
 
 
