@@ -153,9 +153,21 @@ EOF
                 --backend loco4 loco-model nccl -b 256K -e 64M -f 4 -n 50 -w 10 \
                 --json "$out/perf-np$np.json"
         done 2>&1 | tee "$out/perf.txt" ;;
-    codec)
+    codec)  # issue 47: encode and decode at >= 0.5x of a copy from 16 MiB (decodes of 8
+            # elements a thread since 2026-11-27, never run on a GPU before this phase)
         timeout 150 $py -m lowbitcc codec-bench --device cuda -b "${CODEC_MIN:-1M}" -e 256M -f 4 --min-time 0.2 \
-            --formats mxfp4 nvfp4 int 2>&1 | tee "$out/codec.txt" ;;
+            --formats mxfp4 nvfp4 int --json "$out/codec.json" 2>&1 | tee "$out/codec.txt"
+        $py - "$out/codec.json" <<'EOF' | tee -a "$out/codec.txt"
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"]
+        if r["impl"] == "cuda" and r["size_bytes"] >= 16 << 20]
+for kind in ("encode", "decode"):
+    worst = min(rows, key=lambda r: r[f"{kind}_GBps"] / r["copy_GBps"])
+    ratio = worst[f"{kind}_GBps"] / worst["copy_GBps"]
+    print(f"{'PASS' if ratio >= 0.5 else 'FAIL'} codec-{kind} {ratio:.3f}x of copy at worst "
+          f"({worst['format']}, {worst['size_bytes'] >> 20} MiB, {worst[f'{kind}_GBps']:.0f} GB/s)")
+EOF
+        ;;
     *) echo "unknown phase $phase" ;;
     esac
 done

@@ -14,7 +14,7 @@ import torch
 
 from lowbitcc.codec import wire
 from lowbitcc.codec.abi import ERROR_MODES, encode_args_dtype
-from lowbitcc.codec.cuda_build import CHECKSUM_BLOCKS, SUM_SOURCE, struct_value
+from lowbitcc.codec.cuda_build import CHECKSUM_BLOCKS, DECODE_VEC, SUM_SOURCE, struct_value
 from lowbitcc.codec.interface import EncodeArgs
 
 THREADS = 256
@@ -88,3 +88,8 @@ def checksum_blocks(width: int) -> int:
     """Blocks per row of a checksum pass over messages of ``width`` bytes."""
     body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
     return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
+
+
+def decode_blocks(elements: int) -> int:
+    """Blocks of a decode that writes ``elements`` outputs, `DECODE_VEC` per thread."""
+    return -(-elements // (THREADS * DECODE_VEC))

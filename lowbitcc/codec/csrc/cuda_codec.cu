@@ -18,13 +18,14 @@
 //   (one per group serialised the kernel on those two addresses). NVFP4 (G = 16, 2 lanes a
 //   group): a warp takes one block of loco::kNvBlock groups of a row, whose byte comes from a
 //   warp max of the finite groups' maxima.
-// decode_sum: one thread per element of the shard, rows summed in row order.
+// decode_sum: kDecodeVec consecutive elements of the shard per thread (the scale read once per
+//   row where they lie in one group, 16-byte stores where aligned), rows summed in row order.
 // encode_sum: decode_sum and the encode of its sum in one launch (the all-gather stage of an
 //   all-reduce of more than two ranks): the encode's warps read each element as the sum in row
 //   order of the received messages' values (SummedSource), after every block checked the rows.
-// decode_into: one thread per element of the output, cast to its dtype.
+// decode_into: kDecodeVec consecutive elements of the output per thread, cast to its dtype.
 // decode_rows: decode_sum of every row of gathered messages (the two-rank all-reduce) in one
-//   launch, one thread per element of the output, cast to its dtype.
+//   launch, kDecodeVec elements of the output per thread, cast to its dtype.
 // checksum: the wire checksum of each message row (wire.py), by a grid of (blocks, rows): each
 //   thread sums its 64-bit words in a grid-stride loop, warps and then the block reduce, and
 //   one atomic add per block and sum reaches the row's two accumulators; checksum_fold makes
@@ -401,37 +402,116 @@ __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict_
   return foreign || verdict[0];
 }
 
-// out[j] = sum over rows r (in order) of message r's element j, for j < m.
+constexpr int kDecodeVec = 8;  // consecutive output elements per thread of a decode
+
+// decode_one of kDecodeVec consecutive elements j0 .. j0 + kDecodeVec - 1 of one message, all
+// in one group (the caller checks G % kDecodeVec == 0, j0 % kDecodeVec == 0): the scale read
+// once, the codes' bytes once each; the same values as decode_one.
 template <int BITS, int FMT>
-// (P: the distance between rows, at least their length: a column of gathered messages too);
-// NaN where the call's verdict (when given) says a message was foreign (Kernels.check ran first),
-// or, with `c.check`, where this launch's own check of the rows finds one (checked_foreign).
+__device__ __forceinline__ void decode_vec(const unsigned char* msg, long long ng, int G,
+                                           long long j0, float (&v)[kDecodeVec]) {
+  const long long gcol = j0 / G;
+  if (loco::is_fp4(FMT)) {
+    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+    const unsigned char* codes =
+        msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j0 / 2;
+#pragma unroll
+    for (int t = 0; t < kDecodeVec; ++t) v[t] = loco::fp4_dequantize(codes[t / 2], t % 2, scale);
+    return;
+  }
+  constexpr int kPer = 8 / BITS;
+  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
+  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
+                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
+  const unsigned char* codes = msg + loco::kHeaderBytes + 4 * ng + j0 / kPer;
+#pragma unroll
+  for (int t = 0; t < kDecodeVec; ++t)
+    v[t] = loco::dequantize_one(loco::field_to_code(codes[t / kPer], t % kPer, BITS), scale);
+}
+
+__device__ __forceinline__ unsigned short as_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ unsigned short as_bits(__half v) { return __half_as_ushort(v); }
+
+// out[0 .. kDecodeVec) = v cast to T (NaN everywhere where `foreign`): 16-byte stores where
+// `out` is 16-byte aligned, else one store per element.
+template <typename T>
+__device__ __forceinline__ void store_vec(T* out, const float (&v)[kDecodeVec], bool foreign) {
+  float w[kDecodeVec];
+#pragma unroll
+  for (int t = 0; t < kDecodeVec; ++t) w[t] = foreign ? loco::quiet_nan() : v[t];
+  if (reinterpret_cast<unsigned long long>(out) % 16 != 0) {
+#pragma unroll
+    for (int t = 0; t < kDecodeVec; ++t) out[t] = from_float<T>(w[t]);
+    return;
+  }
+  if constexpr (sizeof(T) == 4) {
+    float4* dst = reinterpret_cast<float4*>(out);
+    dst[0] = make_float4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_float4(w[4], w[5], w[6], w[7]);
+  } else {  // element t in the low half of word t / 2 (little-endian, as out[t] would be)
+    unsigned q[kDecodeVec / 2];
+#pragma unroll
+    for (int h = 0; h < kDecodeVec / 2; ++h)
+      q[h] = (unsigned)as_bits(from_float<T>(w[2 * h])) |
+             ((unsigned)as_bits(from_float<T>(w[2 * h + 1])) << 16);
+    *reinterpret_cast<uint4*>(out) = make_uint4(q[0], q[1], q[2], q[3]);
+  }
+}
+
+// out[j] = sum over rows r (in order) of message r's element j, for j < m (P: the distance
+// between rows, at least their length: a column of gathered messages too); NaN where the call's
+// verdict (when given) says a message was foreign (Kernels.check ran first), or, with
+// `c.check`, where this launch's own check of the rows finds one (checked_foreign). Each thread
+// writes kDecodeVec consecutive elements (decode_vec where they lie in one group, else one by one).
+template <int BITS, int FMT>
 __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
                            long long m, int G, float* __restrict__ out,
                            unsigned char* __restrict__ verdict, const RowCheck c) {
-  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long j0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kDecodeVec;
   const bool foreign = checked_foreign(msgs, P, c, verdict);
-  if (j >= m) return;
+  if (j0 >= m) return;
   const long long ng = (m + G - 1) / G;
-  float acc = decode_one<BITS, FMT>(msgs, ng, G, j);
-  for (long long r = 1; r < k; ++r)
-    acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
-  out[j] = foreign ? loco::quiet_nan() : acc;
+  if (G % kDecodeVec == 0 && j0 + kDecodeVec <= m) {
+    float acc[kDecodeVec], v[kDecodeVec];
+    decode_vec<BITS, FMT>(msgs, ng, G, j0, acc);
+    for (long long r = 1; r < k; ++r) {
+      decode_vec<BITS, FMT>(msgs + r * P, ng, G, j0, v);
+#pragma unroll
+      for (int t = 0; t < kDecodeVec; ++t) acc[t] = __fadd_rn(acc[t], v[t]);
+    }
+    store_vec(out + j0, acc, foreign);
+    return;
+  }
+  for (long long j = j0; j < j0 + kDecodeVec && j < m; ++j) {
+    float acc = decode_one<BITS, FMT>(msgs, ng, G, j);
+    for (long long r = 1; r < k; ++r)
+      acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * P, ng, G, j));
+    out[j] = foreign ? loco::quiet_nan() : acc;
+  }
 }
 
 // out[r * m + j] = message r's element j, cast, for r * m + j < numel (NaN as decode_sum; with
-// `c.check` every row of the messages is checked, also those past numel).
+// `c.check` every row of the messages is checked, also those past numel). Each thread writes
+// kDecodeVec consecutive elements (decode_vec where m and G are multiples of it).
 template <typename T, int BITS, int FMT>
 __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
                             int G, long long numel, T* __restrict__ out,
                             unsigned char* __restrict__ verdict, const RowCheck c) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kDecodeVec;
   const bool foreign = checked_foreign(msgs, P, c, verdict);
-  if (i >= numel) return;
-  const long long r = i / m, j = i % m;
+  if (i0 >= numel) return;
   const long long ng = (m + G - 1) / G;
-  const float v = foreign ? loco::quiet_nan() : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
-  out[i] = from_float<T>(v);
+  if (G % kDecodeVec == 0 && m % kDecodeVec == 0 && i0 + kDecodeVec <= numel) {
+    float v[kDecodeVec];
+    decode_vec<BITS, FMT>(msgs + i0 / m * P, ng, G, i0 % m, v);
+    store_vec(out + i0, v, foreign);
+    return;
+  }
+  for (long long i = i0; i < i0 + kDecodeVec && i < numel; ++i) {
+    const long long r = i / m, j = i % m;
+    const float v = foreign ? loco::quiet_nan() : decode_one<BITS, FMT>(msgs + r * P, ng, G, j);
+    out[i] = from_float<T>(v);
+  }
 }
 
 // decode_rows: decode_sum of every row of gathered messages at once (the two-rank all-reduce):
@@ -439,22 +519,37 @@ __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P,
 // r, cast, for r * m + j < numel (a partial last row, any dtype: what decode_sum then a cast
 // write). The messages are k senders' n rows of P bytes, contiguous ([k, n, P]); with `c.check`
 // every one of the k * n rows is checked (c.shard_mod n: row q holds shard q % n), NaN as
-// decode_sum writes it.
+// decode_sum writes it. Each thread writes kDecodeVec consecutive elements, as decode_into.
 template <typename T, int BITS, int FMT>
 __global__ void decode_rows(const unsigned char* __restrict__ msgs, long long k, long long n,
                             long long P, long long m, int G, long long numel,
                             T* __restrict__ out, unsigned char* __restrict__ verdict,
                             const RowCheck c) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kDecodeVec;
   const bool foreign = checked_foreign(msgs, P, c, verdict);
-  if (i >= numel) return;
-  const long long r = i / m, j = i % m;
+  if (i0 >= numel) return;
   const long long ng = (m + G - 1) / G;
-  const unsigned char* row = msgs + r * P;
-  float acc = decode_one<BITS, FMT>(row, ng, G, j);
-  for (long long s = 1; s < k; ++s)
-    acc = __fadd_rn(acc, decode_one<BITS, FMT>(row + s * n * P, ng, G, j));
-  out[i] = from_float<T>(foreign ? loco::quiet_nan() : acc);
+  if (G % kDecodeVec == 0 && m % kDecodeVec == 0 && i0 + kDecodeVec <= numel) {
+    const unsigned char* row = msgs + i0 / m * P;
+    const long long j0 = i0 % m;
+    float acc[kDecodeVec], v[kDecodeVec];
+    decode_vec<BITS, FMT>(row, ng, G, j0, acc);
+    for (long long s = 1; s < k; ++s) {
+      decode_vec<BITS, FMT>(row + s * n * P, ng, G, j0, v);
+#pragma unroll
+      for (int t = 0; t < kDecodeVec; ++t) acc[t] = __fadd_rn(acc[t], v[t]);
+    }
+    store_vec(out + i0, acc, foreign);
+    return;
+  }
+  for (long long i = i0; i < i0 + kDecodeVec && i < numel; ++i) {
+    const long long r = i / m, j = i % m;
+    const unsigned char* row = msgs + r * P;
+    float acc = decode_one<BITS, FMT>(row, ng, G, j);
+    for (long long s = 1; s < k; ++s)
+      acc = __fadd_rn(acc, decode_one<BITS, FMT>(row + s * n * P, ng, G, j));
+    out[i] = from_float<T>(foreign ? loco::quiet_nan() : acc);
+  }
 }
 
 // The source of an encode_sum: k received messages of the one row encoded (its shard from
