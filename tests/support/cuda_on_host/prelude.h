@@ -1,12 +1,16 @@
-// The CUDA codec's kernels compiled by g++ for the host (tests/codec/test_cuda_decodes_on_host.py):
-// the CUDA keywords, types and intrinsics the decodes use, each thread of a launch run in turn
-// by the caller (threadIdx and blockIdx set before each call). Only kernels that need no
-// cooperation between threads can run (the decodes without their own row check: no
-// __syncthreads_or); the intrinsics of the others abort.
+// The CUDA codec's kernels compiled by g++ for the host (tests/support/cuda_host.py): CUDA's
+// keywords, types and intrinsics, each CUDA thread of a block one std::thread, blocks one after
+// the other. __syncthreads and __syncthreads_or are barriers of the block's threads, warp
+// shuffles barriers of the warp's 32 (every lane must take part, as the kernels require),
+// atomics GCC's; a thread that returns leaves its block's and warp's barriers. `__shared__`
+// variables are statics: one block runs at a time.
 #pragma once
+#include <atomic>
+#include <barrier>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #define __global__
 #define __device__
@@ -15,7 +19,59 @@
 #define __shared__ static
 
 struct HostDim3 { unsigned x = 0, y = 0, z = 0; };
-inline HostDim3 threadIdx, blockIdx, blockDim, gridDim;
+inline thread_local HostDim3 threadIdx, blockIdx;
+inline HostDim3 blockDim, gridDim;
+
+// The block running now: its barrier, its warps' barriers and exchange slots.
+struct HostBlock {
+  explicit HostBlock(unsigned threads) : block(threads) {
+    for (unsigned w = 0; w < threads / 32; ++w) warps[w] = std::make_unique<std::barrier<>>(32);
+  }
+  std::barrier<> block;
+  std::unique_ptr<std::barrier<>> warps[32];
+  unsigned long long slots[32][32];
+  int any = 0;
+};
+inline HostBlock* host_block = nullptr;
+
+inline void __syncthreads() { host_block->block.arrive_and_wait(); }
+inline int __syncthreads_or(int x) {
+  if (x) __atomic_fetch_or(&host_block->any, 1, __ATOMIC_SEQ_CST);
+  __syncthreads();
+  const int any = __atomic_load_n(&host_block->any, __ATOMIC_SEQ_CST);
+  __syncthreads();
+  if (threadIdx.x == 0) __atomic_store_n(&host_block->any, 0, __ATOMIC_SEQ_CST);
+  __syncthreads();
+  return any;
+}
+template <typename T> inline T host_exchange(T v, unsigned from) {
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  static_assert(sizeof(T) <= 8, "a shuffled value fits a slot");
+  std::memcpy(&host_block->slots[warp][lane], &v, sizeof(T));
+  host_block->warps[warp]->arrive_and_wait();
+  T r;
+  std::memcpy(&r, &host_block->slots[warp][from], sizeof(T));
+  host_block->warps[warp]->arrive_and_wait();
+  return r;
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int o) {
+  return host_exchange(v, (threadIdx.x % 32) ^ (unsigned)o);
+}
+template <typename T> inline T __shfl_down_sync(unsigned, T v, int d) {
+  const unsigned from = threadIdx.x % 32 + (unsigned)d;
+  return host_exchange(v, from < 32 ? from : threadIdx.x % 32);
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return std::atomic_ref<unsigned long long>(*p).fetch_add(v);
+}
+inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
+inline unsigned long long atomicOr(unsigned long long* p, unsigned long long v) {
+  return std::atomic_ref<unsigned long long>(*p).fetch_or(v);
+}
+inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) {
+  return std::atomic_ref<unsigned long long>(*p).exchange(v);
+}
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
@@ -49,13 +105,3 @@ struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
-
-// what only cooperating threads do: never called by the kernels run here
-template <typename T> inline T __shfl_xor_sync(unsigned, T, int) { std::abort(); }
-template <typename T> inline T __shfl_down_sync(unsigned, T, int) { std::abort(); }
-inline void __syncthreads() { std::abort(); }
-inline int __syncthreads_or(int) { std::abort(); }
-inline void __threadfence() { std::abort(); }
-template <typename T> inline T atomicAdd(T*, T) { std::abort(); }
-template <typename T> inline T atomicOr(T*, T) { std::abort(); }
-template <typename T> inline T atomicExch(T*, T) { std::abort(); }

@@ -1,0 +1,80 @@
+"""The CUDA codec's kernels built by g++ for the host and launched there (``cuda_on_host/``:
+CUDA's keywords, types and intrinsics, a std::thread per CUDA thread), so that `cuda.CudaKernels`
+runs on CPU tensors without a GPU: `HostKernels.launch` stands in for `cuda._launch` (the same
+name, grid and arguments), a kernel's pointers being the tensors' host addresses. What this
+holds: the kernels' indexing, their cooperation (block barriers, warp shuffles, atomics) as the
+CUDA model defines it, and the launcher's arguments; not timings, nor what only a GPU's memory
+model or scheduling could show."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowbitcc.codec import cuda_build
+from lowbitcc.codec.cuda_args import THREADS
+
+HOST = Path(__file__).resolve().parent / "cuda_on_host"
+
+
+def compiler() -> str | None:
+    return shutil.which("g++")
+
+
+class HostKernels:
+    """The kernels named ``names`` (`cuda_build.name_expressions`' spelling), built in
+    ``directory`` (about 5 s for every instance, unoptimised: -O0)."""
+
+    def __init__(self, names: list[str], directory: Path) -> None:
+        entries = ",\n".join(
+            f'  {{"{name}", [](unsigned x, unsigned y, unsigned t, void** p) {{ '
+            f"host_launch(&{name}, x, y, t, p); }}}}" for name in names)
+        source = directory / "registry.cpp"
+        source.write_text(f"""#include "prelude.h"
+#include "cuda_codec.cu"
+#include "launch.h"
+#include <cstring>
+namespace {{
+struct Entry {{ const char* name; void (*run)(unsigned, unsigned, unsigned, void**); }};
+const Entry kEntries[] = {{
+{entries}
+}};
+}}  // namespace
+extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
+                                    unsigned threads, void** params) {{
+  for (const Entry& e : kEntries)
+    if (!std::strcmp(e.name, name)) {{
+      e.run(gx, gy, threads, params);
+      return 0;
+    }}
+  return -1;
+}}
+""")
+        library = directory / "kernels.so"
+        done = subprocess.run(
+            [compiler() or "g++", "-std=c++20", "-O0", "-ffp-contract=off", "-fPIC", "-shared",
+             "-pthread", "-Wno-unknown-pragmas", f"-I{HOST}", f"-I{cuda_build.CSRC}", "-o",
+             str(library), str(source)], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"g++ failed:\n{done.stderr[-6000:]}")
+        self._library = ctypes.CDLL(str(library))
+        self._library.lowbitcc_host_launch.restype = ctypes.c_int
+        self.launched: list[str] = []
+
+    def launch(self, name: str, device: torch.device, grid: int | tuple[int, int],
+               args: tuple) -> None:
+        """`cuda._launch` on the host: ``args`` are the NumPy scalars the launcher passes."""
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+        if gx == 0 or gy == 0:
+            return
+        held = [ctypes.create_string_buffer(np.asarray(a).tobytes(), np.asarray(a).nbytes)
+                for a in args]
+        params = (ctypes.c_void_p * len(held))(*[ctypes.addressof(b) for b in held])
+        if self._library.lowbitcc_host_launch(name.encode(), gx, gy, THREADS, params) != 0:
+            raise KeyError(f"{name} is not in this host build")
+        self.launched.append(name)
