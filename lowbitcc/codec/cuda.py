@@ -20,10 +20,10 @@ import torch
 
 from lowbitcc.codec import reference, wire
 from lowbitcc.codec.cuda_args import (
+    DECODE_SPAN,
     THREADS,
     aligned_stride,
     checksum_blocks,
-    decode_blocks,
     pack_encode_args,
     pointer,
     ptr_arg,
@@ -229,7 +229,7 @@ class CudaKernels(TorchFraming):
         if m == 0 and check is not None:  # no launch: the check runs alone
             self.check(messages, check[0], check[1], False, verdict)
             return
-        _launch(decode_sum_name(bits, fmt), messages.device, decode_blocks(m),
+        _launch(decode_sum_name(bits, fmt), messages.device, -(-m // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
                  np.int64(m), np.int32(group_size), ptr_arg(out), ptr_arg(verdict),
                  self._row_check(messages, check, verdict)))
@@ -243,7 +243,7 @@ class CudaKernels(TorchFraming):
             self.check(messages, check[0], check[1], False, verdict)
             return
         name = decode_into_name(out.dtype, bits, fmt)
-        _launch(name, messages.device, decode_blocks(n),
+        _launch(name, messages.device, -(-n // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
                  np.int64(n), ptr_arg(out), ptr_arg(verdict), self._row_check(messages, check, verdict)))
 
@@ -268,7 +268,7 @@ class CudaKernels(TorchFraming):
             self.check(messages, header, list(range(n)) * senders, False, verdict)
             check = NO_CHECK
         numel = out.numel()
-        _launch(decode_rows_name(out.dtype, bits, fmt), messages.device, decode_blocks(numel),
+        _launch(decode_rows_name(out.dtype, bits, fmt), messages.device, -(-numel // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(senders), np.int64(n), np.int64(width), np.int64(m),
                  np.int32(group_size), np.int64(numel), ptr_arg(out), ptr_arg(verdict), check))
 

@@ -19,6 +19,8 @@ from lowbitcc.codec.interface import EncodeArgs
 
 THREADS = 256
 """Threads per block of every launch."""
+DECODE_SPAN = THREADS * DECODE_VEC
+"""Output elements one block of a decode writes (`DECODE_VEC` a thread)."""
 MAX_GRID_Y = 65535
 """CUDA's limit on a grid's second dimension (the checksum launches one row per y index)."""
 
@@ -89,7 +91,3 @@ def checksum_blocks(width: int) -> int:
     body = width - wire.HEADER_BYTES - wire.TRAILER_BYTES
     return max(1, min(-(-body // (8 * THREADS)), CHECKSUM_BLOCKS))
 
-
-def decode_blocks(elements: int) -> int:
-    """Blocks of a decode that writes ``elements`` outputs, `DECODE_VEC` per thread."""
-    return -(-elements // (THREADS * DECODE_VEC))
