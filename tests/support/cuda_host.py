@@ -32,26 +32,28 @@ class HostKernels:
 
     def __init__(self, names: list[str], directory: Path) -> None:
         entries = ",\n".join(
-            f'  {{"{name}", [](unsigned x, unsigned y, unsigned t, void** p) {{ '
-            f"host_launch(&{name}, x, y, t, p); }}}}" for name in names)
+            f'  {{"{name}", [](unsigned x, unsigned y, unsigned t, void** p, '
+            f"const unsigned long long* s) {{ return host_launch(&{name}, x, y, t, p, s); }}}}"
+            for name in names)
         source = directory / "registry.cpp"
         source.write_text(f"""#include "prelude.h"
 #include "cuda_codec.cu"
 #include "launch.h"
 #include <cstring>
 namespace {{
-struct Entry {{ const char* name; void (*run)(unsigned, unsigned, unsigned, void**); }};
+struct Entry {{
+  const char* name;
+  bool (*run)(unsigned, unsigned, unsigned, void**, const unsigned long long*);
+}};
 const Entry kEntries[] = {{
 {entries}
 }};
 }}  // namespace
 extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
-                                    unsigned threads, void** params) {{
+                                    unsigned threads, void** params,
+                                    const unsigned long long* sizes) {{
   for (const Entry& e : kEntries)
-    if (!std::strcmp(e.name, name)) {{
-      e.run(gx, gy, threads, params);
-      return 0;
-    }}
+    if (!std::strcmp(e.name, name)) return e.run(gx, gy, threads, params, sizes) ? 0 : -2;
   return -1;
 }}
 """)
@@ -72,9 +74,14 @@ extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
         if gx == 0 or gy == 0:
             return
-        held = [ctypes.create_string_buffer(np.asarray(a).tobytes(), np.asarray(a).nbytes)
-                for a in args]
+        values = [np.asarray(a) for a in args]
+        held = [ctypes.create_string_buffer(v.tobytes(), v.nbytes) for v in values]
         params = (ctypes.c_void_p * len(held))(*[ctypes.addressof(b) for b in held])
-        if self._library.lowbitcc_host_launch(name.encode(), gx, gy, THREADS, params) != 0:
+        sizes = (ctypes.c_ulonglong * len(values))(*[v.nbytes for v in values])
+        done = self._library.lowbitcc_host_launch(name.encode(), gx, gy, THREADS, params, sizes)
+        if done == -1:
             raise KeyError(f"{name} is not in this host build")
+        if done == -2:
+            raise TypeError(f"{name}: an argument's size is not its parameter's "
+                            f"({[v.nbytes for v in values]})")
         self.launched.append(name)

@@ -2,12 +2,14 @@
 // keywords, types and intrinsics, each CUDA thread of a block one std::thread, blocks one after
 // the other. __syncthreads and __syncthreads_or are barriers of the block's threads, warp
 // shuffles barriers of the warp's 32 (every lane must take part, as the kernels require),
-// atomics GCC's; a thread that returns leaves its block's and warp's barriers. `__shared__`
-// variables are statics: one block runs at a time.
+// atomics GCC's; a thread that returns leaves its block's and warp's barriers, and a shuffle in
+// a warp of which a lane returned aborts (undefined on a GPU). `__shared__` variables are
+// statics: one block runs at a time (in reverse order: no kernel may depend on it).
 #pragma once
 #include <atomic>
 #include <barrier>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -30,6 +32,7 @@ struct HostBlock {
   std::barrier<> block;
   std::unique_ptr<std::barrier<>> warps[32];
   unsigned long long slots[32][32];
+  unsigned exited[32] = {};  // per warp: the lanes that returned (a shuffle with them is UB)
   int any = 0;
 };
 inline HostBlock* host_block = nullptr;
@@ -49,6 +52,10 @@ template <typename T> inline T host_exchange(T v, unsigned from) {
   static_assert(sizeof(T) <= 8, "a shuffled value fits a slot");
   std::memcpy(&host_block->slots[warp][lane], &v, sizeof(T));
   host_block->warps[warp]->arrive_and_wait();
+  if (__atomic_load_n(&host_block->exited[warp], __ATOMIC_SEQ_CST) != 0) {
+    std::fprintf(stderr, "a warp shuffle after a lane of the warp returned (undefined on a GPU)\n");
+    std::abort();
+  }
   T r;
   std::memcpy(&r, &host_block->slots[warp][from], sizeof(T));
   host_block->warps[warp]->arrive_and_wait();
