@@ -90,10 +90,12 @@ def _nvrtc_or_skip() -> None:
         pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a != "90" else a
+                                  for a in ARCHS])
 def test_cuda_sources_compile_with_nvrtc_without_spills(arch):
     """The same source through NVRTC, as CuPy's RawModule compiles it at run time (no GPU is
-    needed to compile for a named architecture)."""
+    needed to compile for a named architecture). sm_90 in the default suite (about 40 s for
+    its 168 instances); sm_80 with ``-m slow``, where nvcc also builds both."""
     _nvrtc_or_skip()
     build = cuda_build.compile_with_nvrtc(arch)
     _assert_clean_ptxas_log(build.log, (arch,))
