@@ -67,23 +67,24 @@ if tuple(FORMAT_CODES) != FORMATS:
                        f"wire.py {FORMATS}")
 
 
-def _constant(name: str) -> int:
-    match = re.search(rf"constexpr \w+ {name} = (\d+);", HEADER.read_text())
+def constant(name: str, source: Path = HEADER) -> int:
+    """The integer constant ``name`` of ``source`` (``constexpr <type> name = value;``)."""
+    match = re.search(rf"constexpr \w+ {name} = (\d+);", source.read_text())
     if match is None:
-        raise RuntimeError(f"lowbitcc: {HEADER} defines no constant {name}")
+        raise RuntimeError(f"lowbitcc: {source} defines no constant {name}")
     return int(match.group(1))
 
 
 _HEADER_FIELDS = {"kHeaderBytes": wire.HEADER_BYTES, "kFlagsOffset": wire.FLAGS_OFFSET,
                   "kShardOffset": wire.SHARD_OFFSET, "kFlagNonfinite": wire.FLAG_NONFINITE}
 """The shard header's layout as the kernels frame and verify messages, and wire.py's own."""
-if any(_constant(name) != value for name, value in _HEADER_FIELDS.items()):
+if any(constant(name) != value for name, value in _HEADER_FIELDS.items()):
     raise RuntimeError(f"lowbitcc: {HEADER}'s shard header constants differ from wire.py's "
                        f"{_HEADER_FIELDS}")
 _NVFP4 = {"kNvGroup": formats.FORMATS["nvfp4"].default_group,
           "kNvBlock": formats.FORMATS["nvfp4"].block}
 """NVFP4's group and block sizes as the kernels lay them out, and the format table's."""
-if any(_constant(name) != value for name, value in _NVFP4.items()):
+if any(constant(name) != value for name, value in _NVFP4.items()):
     raise RuntimeError(f"lowbitcc: {HEADER}'s NVFP4 constants differ from formats.py's {_NVFP4}")
 
 

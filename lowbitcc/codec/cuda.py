@@ -253,7 +253,7 @@ class CudaKernels(TorchFraming):
     def decode_rows(self, messages: torch.Tensor, senders: int, m: int, bits: int,
                     group_size: int, fmt: str, out: torch.Tensor, verdict: torch.Tensor,
                     header: bytes) -> None:
-        """One launch: row ``r`` of ``out`` (flat, any float dtype, at most ``n * m``
+        """One launch: row ``r`` of ``out`` (flat, fp32, bf16 or fp16, at most ``n * m``
         elements) is the sum over the ``senders`` of their message of row ``r``, cast, as
         `decode_sum` and a cast write it (NaN everywhere where a row is foreign, as
         `decode_into`); ``messages`` uint8 ``[senders * n, P]``, contiguous,

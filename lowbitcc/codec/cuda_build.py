@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 from lowbitcc.codec import formats, wire
-from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES
+from lowbitcc.codec.abi import CSRC, ERROR_MODES, FORMAT_CODES, constant
 
 SOURCE = CSRC / "cuda_codec.cu"
 OPTIONS = ("--std=c++17", "--fmad=false", f"-I{CSRC}")
@@ -50,15 +49,7 @@ def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
     return f"loco_cuda::decode_into<{TYPES[dtype]}, {bits}, {FORMAT_CODES[fmt]}>"
 
 
-def _source_constant(name: str) -> int:
-    """An ``int`` constant of `SOURCE` (``constexpr int name = value;``)."""
-    match = re.search(rf"constexpr int {name} = (\d+);", SOURCE.read_text())
-    if match is None:
-        raise RuntimeError(f"lowbitcc: {SOURCE} defines no constant {name}")
-    return int(match.group(1))
-
-
-DECODE_VEC = _source_constant("kDecodeVec")
+DECODE_VEC = constant("kDecodeVec", SOURCE)
 """Consecutive output elements each thread of a decode writes (``kDecodeVec``)."""
 CHECKSUM = "loco_cuda::checksum"
 CHECKSUM_FOLD = "loco_cuda::checksum_fold"

@@ -57,16 +57,23 @@ def test_the_all_gather_stage_sums_the_received_rows_inside_its_encode(world, mo
     assert (check["check"], check["shard0"], check["shard_step"], check["rows"]) == (1, 0, 0, world)
 
 
-def test_with_checksums_the_sum_is_decoded_before_its_encode(monkeypatch):
-    """Checksums on: no decode checks its rows itself (`ShardCodec.sum_spec` is None), so the
-    all-gather stage stays `decode_sum` and an encode, each row checked on its own."""
+def _meta_compressor(monkeypatch, checksum: bool) -> tuple[ShardCodec, CallCompressor, list]:
+    """A 4-rank MXFP4 call's codec and compressor on the CUDA kernels (no feedback), and the
+    kernels its launches name, recorded instead of launched."""
     launched: list[str] = []
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launched.append(
         name.split("<")[0].removeprefix("loco_cuda::")))
     codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=4, signature=1,
-                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=True)
+                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=checksum)
     comp = CallCompressor(codec, FeedbackStore(), "k", Stats(), error_dtype=None, beta=0.0,
                           reset_interval=0)
+    return codec, comp, launched
+
+
+def test_with_checksums_the_sum_is_decoded_before_its_encode(monkeypatch):
+    """Checksums on: no decode checks its rows itself (`ShardCodec.sum_spec` is None), so the
+    all-gather stage stays `decode_sum` and an encode, each row checked on its own."""
+    codec, comp, launched = _meta_compressor(monkeypatch, checksum=True)
     m = 4096
     received = torch.empty(4, codec.message_bytes(m), dtype=torch.uint8, device="meta")
     comp.encode_sum("ag", received, m, 2, torch.empty(m, device="meta"))
@@ -77,13 +84,7 @@ def test_with_checksums_the_sum_is_decoded_before_its_encode(monkeypatch):
 def test_a_sum_of_the_wrong_size_is_deferred_as_a_decode_defers_it(monkeypatch):
     """Received messages of another size: no fused launch; `decode_sum` meets the
     `wire.WireFormatError`, fills the sum with NaN and keeps the error for `raise_deferred`."""
-    launched: list[str] = []
-    monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launched.append(
-        name.split("<")[0].removeprefix("loco_cuda::")))
-    codec = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=4, signature=1,
-                       fmt="mxfp4", kernels=cuda.KERNELS, checksum=False)
-    comp = CallCompressor(codec, FeedbackStore(), "k", Stats(), error_dtype=None, beta=0.0,
-                          reset_interval=0)
+    codec, comp, launched = _meta_compressor(monkeypatch, checksum=False)
     m = 4096
     comp.encode("rs", Source(torch.empty(4 * m, device="meta"), 4, m), [0, 1, 2, 3])
     short = torch.empty(4, codec.message_bytes(m) - 8, dtype=torch.uint8, device="meta")
