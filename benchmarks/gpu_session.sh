@@ -46,11 +46,13 @@ for phase in $phases; do
     echo "=== $phase $(date -u +%T)"
     case $phase in
     frame)  # the frame kernels (written without a GPU, 8a6fda8+), the poison word and the
-            # encode-cleared verdict (0de1013+), encode_sum and decode_rows (fused launches):
+            # encode-cleared verdict (0de1013+), encode_sum and decode_rows (fused launches),
+            # the place's call counter read and advanced on the device:
             # reference bytes, CUDA calls against CPU calls, one launch against two
         timeout "${FRAME_S:-150}" $py -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 120 \
             tests/codec/test_cuda_kernels.py tests/codec/test_encode_sum.py tests/codec/test_decode_rows.py \
-            tests/gpu/test_cuda_backend.py -k "encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host" \
+            tests/codec/test_call_count.py \
+            tests/gpu/test_cuda_backend.py -k "counter or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host" \
             2>&1 | tee "$out/frame.txt"
         verdict frame "$out/frame.txt" ;;
     plans)  # call plans on CUDA (written without a GPU, 83b502f+): bits, then host time

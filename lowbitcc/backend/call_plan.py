@@ -39,6 +39,7 @@ from lowbitcc.backend.compressed_call import CallGroup
 from lowbitcc.backend.exact import input_factor
 from lowbitcc.backend.routes import Route
 from lowbitcc.codec import wire
+from lowbitcc.codec.interface import CallCount
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
@@ -82,6 +83,8 @@ class CallPlan:
         """After a run on a device: the call's flag of a foreign message received
         (`CallCompressor.foreign`), which the CUDA issuer turns into the Work's verdict word."""
         self.seq = 0
+        self._call_count: CallCount | None = None  # `_count`'s
+        self._last_seq = 0
 
     def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None = None) -> None:
         """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, or (a
@@ -102,7 +105,8 @@ class CallPlan:
             group.cost_model.count(self.size_class)
             stop = group.clock(self.size_class, False, self.nbytes)
         state.STATS.add_call("compressed", self.nbytes, self.logical_bytes)
-        comp.restart(self.codec.with_seq(self.seq), key, buffer, self._verdict_slot())
+        comp.restart(self.codec.with_seq(self.seq, self._count()), key, buffer,
+                     self._verdict_slot())
         out = tensor if tensor.dim() == 1 else tensor.view(-1)
         source = Source(out, group.size, self.m, input_factor(op, group.size))
         if output is not None:
@@ -147,6 +151,27 @@ class CallPlan:
             stream = torch.cuda.current_stream(self.device)
             for buffer in buffers:
                 buffer.record_stream(stream)
+
+    def _count(self) -> CallCount | None:
+        """On a device, the place's call counter (`interface.CallCount`, made by the first run
+        with a zero word and frame accumulator (a row per rank, and one) and kept, its
+        ``value`` set anew by every run), whose word this run's
+        last launch sets to the call number the place's next run takes where as many calls
+        come between as since its previous run: the number a replayed graph of the place
+        would use. None on the CPU (the C++ codec keeps no counter)."""
+        if self._cpu:
+            return None
+        count, last, self._last_seq = self._call_count, self._last_seq, self.seq
+        if count is None:
+            count = self._call_count = CallCount(
+                torch.zeros(2, dtype=torch.int32, device=self.device), False, None,
+                torch.zeros(self.group.size + 1, dtype=torch.int64, device=self.device))
+        elif self._cuda:
+            stream = torch.cuda.current_stream(self.device)
+            count.word.record_stream(stream)
+            count.frame.record_stream(stream)
+        count.value = 2 * self.seq - last if last else None
+        return count
 
     def _verdict_slot(self) -> torch.Tensor | None:
         """A device run's verdict (uint8 ``[8]``) where the plan keeps no error states

@@ -24,22 +24,20 @@ from lowbitcc.codec.cuda_args import (
     THREADS,
     aligned_stride,
     checksum_blocks,
+    frame_args,
     pack_encode_args,
-    pointer,
     ptr_arg,
+    row_check,
     sum_source,
 )
 from lowbitcc.codec.cuda_build import (
     CHECK_FOLD,
     CHECKSUM,
     CHECKSUM_FOLD,
-    FRAME_ARGS,
     FRAME_BODY,
     FRAME_FOLD,
     HEADER_WORDS,
-    NO_CHECK,
     NO_FRAME,
-    ROW_CHECK,
     SOURCE,
     decode_into_name,
     decode_rows_name,
@@ -47,10 +45,8 @@ from lowbitcc.codec.cuda_build import (
     encode_name,
     encode_sum_name,
     encode_warps,
-    header_words,
     name_expressions,
     options,
-    struct_value,
 )
 from lowbitcc.codec.framing import (
     VERDICT_FOREIGN,
@@ -60,7 +56,7 @@ from lowbitcc.codec.framing import (
     frame_with_torch,
     verdict_flag,
 )
-from lowbitcc.codec.interface import EncodeArgs, Flag
+from lowbitcc.codec.interface import CallCount, EncodeArgs, Flag, unfused
 
 MAX_GROUP = 256  # at most a warp per group, 8 elements per lane (`segment_lanes`)
 ENCODE_BLOCKS = 1024
@@ -200,21 +196,25 @@ class CudaKernels(TorchFraming):
         else:
             name = encode_sum_name(args.bits, args.mode, args.stochastic, args.fmt)
             sources = (sum_source(summed.messages, summed.verdict),
-                       self._row_check(summed.messages, summed.check, summed.verdict))
+                       self._row_check(summed.messages, summed.check, summed.verdict,
+                                       summed.count, last=False))
         spec = args.frame
         messages = args.messages
         if spec is None or blocks == 0 or aligned_stride(messages) != messages.shape[1] or (
                 spec.shards != list(range(spec.shards[0], spec.shards[0] + args.rows))):
+            if spec is not None:
+                unfused(spec.count, "frame")
             _launch(name, device, blocks, (pack_encode_args(args), NO_FRAME, *sources))
             if spec is not None:
                 self.frame(messages, spec.header, spec.shards, args.nonfinite, spec.used,
                            spec.flags, False, spec.verdict)
             return
+        own = spec.count.frame if spec.count is not None else None
+        if own is not None and own.numel() > args.rows:  # the place's: no stream's words
+            _launch(name, device, blocks, (pack_encode_args(args), frame_args(spec, own), *sources))
+            return
         with self.stream_words.taken(args.rows + 1, device) as words:
-            answer = pointer(spec.verdict) + VERDICT_NONFINITE  # the byte's address
-            frame = struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0],
-                                              spec.used, pointer(words), answer, spec.flags, 1))
-            _launch(name, device, blocks, (pack_encode_args(args), frame, *sources))
+            _launch(name, device, blocks, (pack_encode_args(args), frame_args(spec, words), *sources))
 
     fuses_check = True
     """The decodes check the rows' headers themselves where given the call's header (`check`):
@@ -222,74 +222,84 @@ class CudaKernels(TorchFraming):
 
     def decode_sum(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                    out: torch.Tensor, verdict: torch.Tensor | None = None,
-                   check: tuple[bytes, list[int]] | None = None) -> None:
+                   check: tuple[bytes, list[int]] | None = None,
+                   count: CallCount | None = None) -> None:
         """`kernels.Kernels.decode_sum`; with ``check`` (the call's header and the rows' shards;
         the call's ``verdict`` given, checksums off) the launch checks the headers as `check`
-        would, setting the verdict's bytes (`_row_check`)."""
+        would, setting the verdict's bytes (`_row_check`); ``count``: the call's counter, this
+        launch its last (`interface.CallCount`)."""
         if m == 0 and check is not None:  # no launch: the check runs alone
+            unfused(count, "decode")
             self.check(messages, check[0], check[1], False, verdict)
             return
         _launch(decode_sum_name(bits, fmt), messages.device, -(-m // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
                  np.int64(m), np.int32(group_size), ptr_arg(out), ptr_arg(verdict),
-                 self._row_check(messages, check, verdict)))
+                 self._row_check(messages, check, verdict, count, last=True)))
 
     def decode_into(self, messages: torch.Tensor, m: int, bits: int, group_size: int, fmt: str,
                     out: torch.Tensor, verdict: torch.Tensor | None = None,
-                    check: tuple[bytes, list[int]] | None = None) -> None:
-        """`kernels.Kernels.decode_into`; ``check`` as `decode_sum`'s."""
+                    check: tuple[bytes, list[int]] | None = None,
+                    count: CallCount | None = None) -> None:
+        """`kernels.Kernels.decode_into`; ``check`` and ``count`` as `decode_sum`'s."""
         n = out.numel()
         if n == 0 and check is not None:  # no launch: the check runs alone
+            unfused(count, "decode")
             self.check(messages, check[0], check[1], False, verdict)
             return
         name = decode_into_name(out.dtype, bits, fmt)
         _launch(name, messages.device, -(-n // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
-                 np.int64(n), ptr_arg(out), ptr_arg(verdict), self._row_check(messages, check, verdict)))
+                 np.int64(n), ptr_arg(out), ptr_arg(verdict),
+                 self._row_check(messages, check, verdict, count, last=True)))
 
     fuses_rows = True
     """`decode_rows`: every row of gathered messages decoded and summed in one launch."""
 
     def decode_rows(self, messages: torch.Tensor, senders: int, m: int, bits: int,
                     group_size: int, fmt: str, out: torch.Tensor, verdict: torch.Tensor,
-                    header: bytes) -> None:
+                    header: bytes, count: CallCount | None = None) -> None:
         """One launch: row ``r`` of ``out`` (flat, fp32, bf16 or fp16, at most ``n * m``
         elements) is the sum over the ``senders`` of their message of row ``r``, cast, as
         `decode_sum` and a cast write it (NaN everywhere where a row is foreign, as
         `decode_into`); ``messages`` uint8 ``[senders * n, P]``, contiguous,
         sender by sender. Every row is checked against ``header`` (the call's) and its shard
         (row ``q`` holds shard ``q % n``), setting the call's ``verdict`` as `check` does;
-        rows that do not start 8-byte aligned take `check` first."""
+        rows that do not start 8-byte aligned take `check` first; ``count`` as `decode_sum`'s."""
         rows, width = messages.shape
         n = rows // senders
         if aligned_stride(messages) == width:
-            check = struct_value(ROW_CHECK, (header_words(header), 0, 1, rows, n, 1))
+            check = row_check(header, 0, 1, rows, n, count, last=True)
         else:
+            unfused(count, "check")
             self.check(messages, header, list(range(n)) * senders, False, verdict)
-            check = NO_CHECK
+            check = row_check(None, 0, 0, 0, 0, count, last=True)
         numel = out.numel()
         _launch(decode_rows_name(out.dtype, bits, fmt), messages.device, -(-numel // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(senders), np.int64(n), np.int64(width), np.int64(m),
                  np.int32(group_size), np.int64(numel), ptr_arg(out), ptr_arg(verdict), check))
 
     def _row_check(self, messages: torch.Tensor, check: tuple[bytes, list[int]] | None,
-                   verdict: torch.Tensor | None) -> np.void:
-        """``loco_cuda::RowCheck`` of ``check``, or `NO_CHECK` (nothing asked). Rows the decode
-        cannot check itself (not 8-byte aligned, shards other than ``s0 + r * step`` with step
-        0 or 1) take `check` first: then the decode reads the answer from the verdict. Every
-        row of ``messages`` is checked, also rows past a ``decode_into``'s ``out``."""
+                   verdict: torch.Tensor | None, count: CallCount | None = None,
+                   last: bool = False) -> np.void:
+        """``loco_cuda::RowCheck`` of ``check`` and ``count`` (`cuda_args.row_check`; no check
+        where none is asked). Rows the decode cannot check itself (not 8-byte aligned, shards
+        other than ``s0 + r * step`` with step 0 or 1) take `check` first: then the decode reads
+        the answer from the verdict. Every row of ``messages`` is checked, also rows past a
+        ``decode_into``'s ``out``."""
         if check is None:
-            return NO_CHECK
+            unfused(count, "decode without its check")
+            return row_check(None, 0, 0, 0, 0, count, last)
         if verdict is None:
             raise ValueError("lowbitcc: a decode that checks its rows needs the call's verdict")
         header, shards = check
         step = shards[1] - shards[0] if len(shards) > 1 else 0
         if (aligned_stride(messages) is None or step not in (0, 1)
                 or shards != [shards[0] + r * step for r in range(len(shards))]):
+            unfused(count, "check")
             self.check(messages, header, shards, False, verdict)
-            return NO_CHECK
-        return struct_value(ROW_CHECK, (header_words(header), shards[0], step, messages.shape[0], 0,
-                                        1))
+            return row_check(None, 0, 0, 0, 0, count, last)
+        return row_check(header, shards[0], step, messages.shape[0], 0, count, last)
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
         """The fused kernels (one read of the messages, a fold; plus the zeroing of two int64

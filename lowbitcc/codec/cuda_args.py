@@ -14,8 +14,19 @@ import torch
 
 from lowbitcc.codec import wire
 from lowbitcc.codec.abi import ERROR_MODES, encode_args_dtype
-from lowbitcc.codec.cuda_build import CHECKSUM_BLOCKS, DECODE_VEC, SUM_SOURCE, struct_value
-from lowbitcc.codec.interface import EncodeArgs
+from lowbitcc.codec.cuda_build import (
+    CHECKSUM_BLOCKS,
+    COUNT_ADD,
+    COUNT_SET,
+    DECODE_VEC,
+    FRAME_ARGS,
+    ROW_CHECK,
+    SUM_SOURCE,
+    header_words,
+    struct_value,
+)
+from lowbitcc.codec.framing import VERDICT_NONFINITE
+from lowbitcc.codec.interface import CallCount, EncodeArgs, FrameSpec
 
 THREADS = 256
 """Threads per block of every launch."""
@@ -71,6 +82,30 @@ def sum_source(messages: torch.Tensor, verdict: torch.Tensor) -> np.void:
     rows, width = messages.shape
     stride = messages.stride(0) if rows > 1 else width
     return struct_value(SUM_SOURCE, (pointer(messages), rows, stride, pointer(verdict)))
+
+
+def frame_args(spec: FrameSpec, words: torch.Tensor) -> np.void:
+    """``loco_cuda::FrameArgs`` of ``spec``, its blocks counted in zeroed int64 ``words``."""
+    reads = spec.count is not None and spec.count.read  # `FrameArgs.seq_at`
+    return struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0], spec.used,
+                                     words.data_ptr(), spec.verdict.data_ptr() + VERDICT_NONFINITE,
+                                     spec.flags, 1, spec.count.word.data_ptr() if reads else 0))
+
+
+def row_check(header: bytes | None, shard0: int, step: int, rows: int, shard_mod: int,
+              count: CallCount | None, last: bool) -> np.void:
+    """``loco_cuda::RowCheck``: the rows' headers checked against ``header`` (None: no check;
+    the launch then only does its ``count``'s part), shard ``shard0 + r * step`` (modulo
+    ``shard_mod`` where not 0); ``count``: the call's counter (`interface.CallCount`), this
+    launch the call's last (``last``: it adds the stride to the counter or writes the next
+    call number there) or not (it only reads it)."""
+    counted = (0, 0, 0, 0) if count is None else (
+        count.word.data_ptr(), (count.value or 0) & 0xFFFFFFFF, int(count.read),
+        (COUNT_ADD if count.read else COUNT_SET) if last and count.value is not None else 0)
+    if header is None:
+        return struct_value(ROW_CHECK, ((0,) * 8, 0, 0, 0, 0, 0, counted))
+    return struct_value(ROW_CHECK, (header_words(header), shard0, step, rows, shard_mod, 1,
+                                    counted))
 
 
 def aligned_stride(messages: torch.Tensor) -> int | None:

@@ -51,6 +51,8 @@ def decode_into_name(dtype: torch.dtype, bits: int, fmt: str) -> str:
 
 DECODE_VEC = constant("kDecodeVec", SOURCE)
 """Consecutive output elements each thread of a decode writes (``kDecodeVec``)."""
+COUNT_SET, COUNT_ADD = constant("kCountSet", SOURCE), constant("kCountAdd", SOURCE)
+"""``loco_cuda::CallCount::mode``: write the next call number, or add the stride."""
 CHECKSUM = "loco_cuda::checksum"
 CHECKSUM_FOLD = "loco_cuda::checksum_fold"
 CHECKSUM_BLOCKS = 256
@@ -60,13 +62,18 @@ FRAME_FOLD = "loco_cuda::frame_fold"
 CHECK_FOLD = "loco_cuda::check_fold"
 HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
 """``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
+CALL_COUNT = np.dtype([("word", "<u8"), ("value", "<u4"), ("read", "<i4"), ("mode", "<i4")],
+                      align=True)
+"""``loco_cuda::CallCount``: a place's call counter on the device and what a launch does with
+it (`lowbitcc.codec.call_count`)."""
 ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step", "<i8"),
-                      ("rows", "<i8"), ("shard_mod", "<i8"), ("check", "<i4")], align=True)
+                      ("rows", "<i8"), ("shard_mod", "<i8"), ("check", "<i4"),
+                      ("count", CALL_COUNT)], align=True)
 """``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
 NO_CHECK = np.zeros((), dtype=ROW_CHECK)[()]
 FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i8"),
                        ("words", "<u8"), ("answer", "<u8"), ("flags", "<u4"),
-                       ("enabled", "<i4")], align=True)
+                       ("enabled", "<i4"), ("seq_at", "<u8")], align=True)
 """``loco_cuda::FrameArgs``, passed by value to the encode: the frame it writes itself."""
 NO_FRAME = np.zeros((), dtype=FRAME_ARGS)[()]
 SUM_SOURCE = np.dtype([("msgs", "<u8"), ("k", "<i8"), ("stride", "<i8"), ("verdict", "<u8")],

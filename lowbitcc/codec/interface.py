@@ -18,6 +18,38 @@ Flag = bool | torch.Tensor
 synchronise with a GPU."""
 
 
+@dataclasses.dataclass(slots=True)
+class CallCount:
+    """A call place's counter on the device and what one call's launches do with it (kernels
+    with ``counts_calls``; `lowbitcc.backend.call_plan` keeps one per place on CUDA).
+    ``word``: int32 ``[2]`` on the device, zero when made (uint32 words: the call number the
+    place's next replayed graph uses, and a count of finished blocks that the launches leave
+    at zero). ``read``: the launches take the call number of the headers they write and
+    expect from ``word[0]`` instead of the header's (a graph replayed with the arguments of
+    its capture), and the call's last launch, its decode into the output, adds ``value`` (the
+    place's stride between two of its calls) to it once read; else that launch writes
+    ``value`` there (the place's next call number), or nothing where ``value`` is None. The
+    launches read it when they are issued (their arguments are packed then): the keeper may
+    set ``value`` anew for its next call."""
+
+    word: torch.Tensor
+    read: bool
+    value: int | None
+    frame: torch.Tensor | None = None
+    """The place's own accumulator of its encodes' frames (int64, at least the rows of its
+    largest encode and one, zero between launches), used instead of the stream's
+    (`cuda._StreamWords`): a replayed graph runs on another stream than it was captured on."""
+
+
+def unfused(count: CallCount | None, what: str) -> None:
+    """Refuse a ``count`` that reads the call number on the device where a call takes a path
+    (``what``) whose launches cannot read it: a graph's replay would write and expect its
+    capture's call number."""
+    if count is not None and count.read:
+        raise ValueError(f"lowbitcc: this call's {what} cannot take its call number from the "
+                         "device (a replayed graph needs the fused launches)")
+
+
 @dataclasses.dataclass(frozen=True)
 class FrameSpec:
     """What `Kernels.frame` would be given after an encode, for kernels that frame in the
@@ -29,6 +61,8 @@ class FrameSpec:
     used: int
     flags: int
     verdict: torch.Tensor
+    count: CallCount | None = None
+    """The call's counter, read where ``count.read`` (kernels with ``counts_calls``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +76,8 @@ class SumSpec:
     messages: torch.Tensor
     check: tuple[bytes, list[int]]
     verdict: torch.Tensor
+    count: CallCount | None = None
+    """As `FrameSpec.count` (never this launch's last)."""
 
 
 @dataclasses.dataclass

@@ -28,7 +28,15 @@ import torch
 
 from lowbitcc.codec import framing, reference, wire
 from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.interface import EncodeArgs, Flag, FrameSpec, Kernels, SumSpec
+from lowbitcc.codec.interface import (
+    CallCount,
+    EncodeArgs,
+    Flag,
+    FrameSpec,
+    Kernels,
+    SumSpec,
+    unfused,
+)
 from lowbitcc.codec.kernels import REFERENCE
 from lowbitcc.codec.message_checks import MessageChecks
 
@@ -87,17 +95,21 @@ class ShardCodec(MessageChecks):
     host_check: bool = False
     """Check CUDA messages on the host too (`check_on_host`: a synchronisation, and errors
     raised rather than turned into NaN), as CPU messages always are."""
+    count: CallCount | None = None
+    """The call place's counter on the device (`interface.CallCount`), handed to the kernels'
+    fused launches (the decode into the output is the call's last); None: none kept."""
 
     def __post_init__(self) -> None:
         if self.rounding not in reference.ROUNDINGS:
             raise ValueError(f"rounding must be one of {reference.ROUNDINGS}, got {self.rounding!r}")
         reference.check_format(self.fmt, self.bits, self.rounding == "stochastic", self.group_size)
 
-    def with_seq(self, seq: int) -> ShardCodec:
-        """This codec for another call number (its fields are already checked)."""
+    def with_seq(self, seq: int, count: CallCount | None = None) -> ShardCodec:
+        """This codec for another call number and ``count`` (its fields are already checked)."""
         other = object.__new__(ShardCodec)
         other.__dict__.update(self.__dict__)
         other.__dict__["seq"] = seq
+        other.__dict__["count"] = count
         return other
 
     def keys(self, stream: int) -> tuple[int, int] | None:
@@ -220,9 +232,11 @@ class ShardCodec(MessageChecks):
         call's ``verdict``, checksums off), else None (`Kernels.frame` after the encode)."""
         if (verdict is None or self.checksum or device.type == "cpu"
                 or not getattr(self.kernels, "fuses_frame", False)):
+            unfused(self.count, "frame")
             return None
         return FrameSpec(self.header(m), shard_ids,
-                         wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, verdict)
+                         wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, verdict,
+                         self.count)
 
     def header(self, m: int) -> bytes:
         """The header of this call's messages of ``m`` elements, with shard 0 and flags 0 (the
@@ -238,11 +252,13 @@ class ShardCodec(MessageChecks):
         would: `_fused_check`, which checks their sizes, raising `wire.WireFormatError`): what
         `encode` takes as ``summed``; else None (`decode_sum`, then `encode`)."""
         if m == 0 or not getattr(self.kernels, "fuses_sum", False):
+            unfused(self.count, "sum")
             return None
         fused = self._fused_check(messages, m, [shard] * messages.shape[0], verdict)
         if fused is None or verdict is None:
+            unfused(self.count, "sum")
             return None
-        return SumSpec(messages, fused[0], verdict)
+        return SumSpec(messages, fused[0], verdict, self.count)
 
     # -- decode ---------------------------------------------------------------------------------
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
@@ -270,8 +286,9 @@ class ShardCodec(MessageChecks):
                              f"{out.device}")
         if fused:
             self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt,
-                                    out.view(-1), verdict, check=fused[0])
+                                    out.view(-1), verdict, check=fused[0], count=self.count)
             return out, nonfinite
+        unfused(self.count, "decode")
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1),
                                 self._first(messages, verdict))
         return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
@@ -290,16 +307,18 @@ class ShardCodec(MessageChecks):
         nothing done (decode row by row with `decode_sum`)."""
         if (out.numel() == 0 or not messages.is_contiguous()
                 or not getattr(self.kernels, "fuses_rows", False)):
+            unfused(self.count, "decode")
             return None
         n = messages.shape[0] // senders
         fused = self._fused_check(messages, m, list(range(n)) * senders, verdict)
         if fused is None or verdict is None:
+            unfused(self.count, "decode")
             return None
         if out.numel() > n * m or not out.is_contiguous() or out.device != messages.device:
             raise ValueError(f"decode_rows: out must be contiguous, on {messages.device}, with at "
                              f"most {n * m} elements; got {out.numel()} on {out.device}")
         self.kernels.decode_rows(messages, senders, m, self.bits, self.group_size, self.fmt,
-                                 out.view(-1), verdict, fused[0][0])
+                                 out.view(-1), verdict, fused[0][0], self.count)
         return fused[1]
 
     def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
@@ -314,8 +333,9 @@ class ShardCodec(MessageChecks):
             raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
         if fused:
             self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
-                                     verdict, check=fused[0])
+                                     verdict, check=fused[0], count=self.count)
             return nonfinite
+        unfused(self.count, "decode")
         self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
                                  self._first(messages, verdict))
         return self._check_after(messages, m, shard_ids, out, nonfinite, verdict)

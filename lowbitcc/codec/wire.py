@@ -152,6 +152,8 @@ def split_width_byte(value: int) -> tuple[int, str | None]:
 _SHARD = struct.Struct("<4sBBBBIQIHHI")  # 32 bytes
 FLAGS_OFFSET = struct.calcsize("<4sBBB")
 """Byte offset of ``flags`` in a shard header (the one byte an encode writes after the fact)."""
+SEQ_OFFSET = struct.calcsize("<4sBBBBIQ")
+"""Byte offset of ``seq`` (uint32, little-endian) in a shard header."""
 SHARD_OFFSET = struct.calcsize("<4sBBBBIQI")
 """Byte offset of ``shard`` (uint16, little-endian) in a shard header."""
 SIGNATURE_OFFSET = struct.calcsize("<4sBBBBIQIHH")

@@ -226,3 +226,34 @@ def test_only_the_first_encode_of_a_call_clears_its_verdict_and_reads_the_poison
     assert calls[0][0][1] is None  # the first call has no state yet
     # the third call's encodes read the poison of the second's states: its verdict
     assert calls[2][0][1] is calls[1][0][0] and calls[2][1][1] is calls[1][0][0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_planned_run_leaves_the_place_s_next_call_number_in_its_counter(world, monkeypatch):
+    """Every CUDA run of a place passes the place's counter (`interface.CallCount`) to its
+    launches: none reads it (an eager run takes its call number by value), and the last
+    (``decode_rows`` at 2 ranks, ``decode_into`` at 4) writes there the number the place's
+    next run takes where as many calls come between as between its last two runs; the first
+    run, with no stride yet, writes nothing."""
+    from lowbitcc.codec.cuda_build import COUNT_SET
+
+    launched = []
+    monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launched.append(
+        (name.split("<")[0].removeprefix("loco_cuda::"), args)))
+    monkeypatch.setattr(state, "FEEDBACK", FeedbackStore())
+    monkeypatch.setattr(state, "STATS", Stats())
+    plan, x, _ = meta_plan(GpuWork(), world, 1 << 16, "nvfp4", feedback=False)
+    next_seq = plan.group.agreement.next_seq
+    counts = []
+    for between in (0, 2, 2, 0):  # other calls of the group before this run
+        for _ in range(between):
+            next_seq()
+        launched.clear()
+        plan.run(x, dist.ReduceOp.SUM)
+        checks = [args[-1]["count"] for name, args in launched if name != "encode"]
+        frames = [args[1]["seq_at"] for name, args in launched if name.startswith("encode")]
+        assert all(int(c["read"]) == 0 for c in checks) and all(int(f) == 0 for f in frames)
+        assert launched[-1][0] == ("decode_rows" if world == 2 else "decode_into")
+        assert all(int(c["mode"]) == 0 for c in checks[:-1])  # encode_sum's check counts nothing
+        counts.append((plan.seq, int(checks[-1]["mode"]), int(checks[-1]["value"])))
+    assert counts == [(1, 0, 0), (4, COUNT_SET, 7), (7, COUNT_SET, 10), (8, COUNT_SET, 9)]

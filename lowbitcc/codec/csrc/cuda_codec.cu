@@ -59,6 +59,42 @@ struct Header {
   unsigned int w[8];
 };
 
+// A place's call counter on the device (uint32 word[2]: the call number its next replayed
+// graph uses, and a count of finished blocks, zero between launches) and what a launch does
+// with it. `read`: the call number in the headers written and expected is word[0], not the
+// header's own (a replayed graph, whose arguments were fixed at its capture). `mode`
+// (0: nothing; kCountSet, kCountAdd: the call's last launch only): kCountSet writes `value`
+// (an eager run: the next call number where the place keeps its stride), kCountAdd adds
+// `value` (the stride) once every block of the launch has read word[0].
+struct CallCount {
+  unsigned int* word;
+  unsigned int value;
+  int read;
+  int mode;
+};
+constexpr int kCountSet = 1;
+constexpr int kCountAdd = 2;
+
+// The call's header words (shard 0, flags 0) with the call number `count` says.
+__device__ __forceinline__ void call_words(const Header& h, const unsigned int* seq_at,
+                                           unsigned int (&w)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) w[k] = h.w[k];
+  if (seq_at != nullptr) w[loco::kSeqOffset / 4] = *reinterpret_cast<const volatile unsigned int*>(seq_at);
+}
+
+// `n.mode` done once for the launch (every thread calls it, its block's reads of word[0] done).
+__device__ __forceinline__ void count_call(const CallCount& n) {
+  if (threadIdx.x != 0) return;
+  if (n.mode == kCountSet && blockIdx.x == 0) n.word[0] = n.value;
+  if (n.mode != kCountAdd) return;
+  __threadfence();
+  if (atomicAdd(n.word + 1, 1u) == gridDim.x - 1) {
+    n.word[0] += n.value;
+    n.word[1] = 0u;
+  }
+}
+
 // The frame an encode writes itself where the host asks it to (`enabled`; checksums off): each
 // row's header (`header` with shard shard0 + r and flags `flags`, plus kFlagNonfinite where a
 // group of the row is not finite), its padding from `used` and a zero trailer, and `answer`
@@ -74,6 +110,7 @@ struct FrameArgs {
   unsigned char* answer;
   unsigned int flags;
   int enabled;
+  const unsigned int* seq_at;  // the call number's word on the device (CallCount.read), or null
 };
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -303,6 +340,8 @@ __device__ __forceinline__ void frame_after_encode(const loco::EncodeArgs& a, co
   __syncthreads();
   if (!last) return;
   __threadfence();
+  unsigned int hw[8];
+  call_words(f.header, f.seq_at, hw);
   for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) {
     const bool bad = atomicExch(f.words + 1 + r, 0ull) != 0ull;
     const unsigned int row_flags = f.flags | (bad ? loco::kFlagNonfinite : 0u);
@@ -310,7 +349,7 @@ __device__ __forceinline__ void frame_after_encode(const loco::EncodeArgs& a, co
     unsigned int* h = reinterpret_cast<unsigned int*>(msg);
 #pragma unroll
     for (int k = 0; k < loco::kHeaderBytes / 4; ++k)
-      h[k] = loco::header_word(f.header.w, k, (unsigned int)(f.shard0 + r), row_flags);
+      h[k] = loco::header_word(hw, k, (unsigned int)(f.shard0 + r), row_flags);
     for (long long b = f.used; b < a.P; ++b) msg[b] = 0;  // padding and the trailer
     if (bad) *f.answer = 1;
   }
@@ -370,17 +409,23 @@ struct RowCheck {
   long long rows;  // the rows to check: every row of the messages, read or not
   long long shard_mod;
   int check;
+  CallCount count;  // the call number expected where count.read, and the launch's count_call
 };
 
 // Every block checks the c.rows headers (one thread a row, 32 bytes each) and answers whether any row
 // is foreign, or the call's verdict says an earlier check found one; block 0 sets the verdict's
 // bytes (foreign, non-finite), which nothing of this launch reads back as its answer. Without
-// `c.check` the answer is the verdict's foreign byte alone (Kernels.check ran first). Every
-// thread of the block must call it (it synchronises the block).
+// `c.check` the answer is the verdict's foreign byte alone (Kernels.check ran first). Then
+// `c.count`'s count_call. Every thread of the block must call it (it synchronises the block).
 __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict__ msgs,
                                                 long long P, const RowCheck& c,
                                                 unsigned char* __restrict__ verdict) {
-  if (!c.check) return verdict != nullptr && verdict[0];
+  if (!c.check) {
+    count_call(c.count);
+    return verdict != nullptr && verdict[0];
+  }
+  unsigned int hw[8];
+  call_words(c.header, c.count.read ? c.count.word : nullptr, hw);
   int foreign = 0, nonfinite = 0;
   for (long long r = threadIdx.x; r < c.rows; r += blockDim.x) {
     const unsigned char* row = msgs + r * P;
@@ -390,11 +435,12 @@ __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict_
     const unsigned int shard = (unsigned int)(c.shard_mod ? s % c.shard_mod : s);
 #pragma unroll
     for (int w = 0; w < loco::kHeaderBytes / 4; ++w)
-      foreign |= h[w] != loco::header_word(c.header.w, w, shard, flags);
+      foreign |= h[w] != loco::header_word(hw, w, shard, flags);
     nonfinite |= flags != 0;
   }
   foreign = __syncthreads_or(foreign);
   nonfinite = __syncthreads_or(nonfinite);
+  count_call(c.count);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (foreign) verdict[0] = 1;
     if (nonfinite) verdict[1] = 1;

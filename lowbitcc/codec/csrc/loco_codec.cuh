@@ -33,6 +33,9 @@ constexpr int kHeaderBytes = 32;
 // lowbitcc/codec/abi.py checks them against wire.py.
 constexpr int kFlagsOffset = 7;
 constexpr int kShardOffset = 24;
+// ... and the call number (uint32, little-endian), which a replayed graph reads from a place's
+// counter on the device (cuda_codec.cu, CallCount).
+constexpr int kSeqOffset = 20;
 constexpr uint8_t kFlagNonfinite = 1;
 
 // Storage of the error state. lowbitcc/codec/abi.py reads the names and values from this
@@ -407,7 +410,8 @@ LOCO_HD uint64_t padded_word(uint64_t x, int64_t at, int64_t used) {
 // Word k (bytes 4k .. 4k+3, little-endian) of a row's header: the call's header `header`
 // (shard 0, flags 0) with the row's shard and flags (kFlagsOffset and kShardOffset are the
 // high byte of word 1 and the low half of word 6).
-static_assert(kFlagsOffset % 4 == 3 && kShardOffset % 4 == 0, "header_word's layout");
+static_assert(kFlagsOffset % 4 == 3 && kShardOffset % 4 == 0 && kSeqOffset % 4 == 0,
+              "header_word's layout");
 LOCO_HD uint32_t header_word(const uint32_t* header, int k, uint32_t shard, uint32_t flags) {
   uint32_t w = header[k];
   if (k == kFlagsOffset / 4) w = (w & 0x00ffffffu) | (flags & 0xffu) << 24;
