@@ -14,9 +14,7 @@ import torch
 from lowbitcc.codec import cuda, wire
 from lowbitcc.codec.interface import CallCount, EncodeArgs, FrameSpec, SumSpec
 from tests.codec.test_cuda_kernels import _cupy_or_skip
-from tests.codec.test_cuda_on_host import WIRES, _codec, _input, _received, host, on_host
-
-__all__ = ["host", "on_host"]  # the fixtures, shared with the host-harness tests
+from tests.codec.test_cuda_on_host import WIRES, _codec, _input, _received
 
 NEAREST = [w for w in WIRES if w[3] == "nearest"][:2]  # NVFP4 and MXFP4: what a graph replays
 

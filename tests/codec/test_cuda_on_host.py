@@ -15,7 +15,6 @@ from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.interface import EncodeArgs, FrameSpec, SumSpec
 from lowbitcc.codec.shard_codec import ShardCodec
-from tests.support import cuda_host
 
 WIRES = [("nvfp4", 4, None, "nearest"), ("int", 4, None, "stochastic"), ("mxfp4", 4, None, "nearest"),
          ("int", 4, None, "nearest"), ("int", 2, None, "nearest"), ("int", 8, None, "nearest"),
@@ -31,21 +30,6 @@ def _fast_first(values: list, fast: int) -> list:
     format and an integer one, each kernel's vector and element-by-element paths)."""
     return [v if i < fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW)
             for i, v in enumerate(values)]
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory, request) -> cuda_host.HostKernels:
-    if cuda_host.compiler() is None or cpu.load() is None:
-        pytest.skip("g++ or the C++ codec is missing")
-    return cuda_host.HostKernels(cuda_build.name_expressions(),
-                                 tmp_path_factory.mktemp("cuda_host"))
-
-
-@pytest.fixture
-def on_host(host, monkeypatch) -> cuda_host.HostKernels:
-    monkeypatch.setattr(cuda, "_launch", host.launch)
-    host.launched.clear()
-    return host
 
 
 def _codec(fmt, bits, group, rounding, world, kernels=None) -> ShardCodec:
