@@ -2,9 +2,9 @@
 # One lent GPU session's checks in order of value (docs/gpu.md, "Running the GPU suite"), each
 # phase under its own time limit, every log in $OUT (the device tool's folder) or ./gpu-out.
 #
-#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans goals47 hier demo train issue46
-#                                             exactperf selftest pytest unfixed schedule launches
-#                                             perf codec
+#   benchmarks/gpu_session.sh [phase ...]     phases: frame plans graphs goals47 hier demo train
+#                                             issue46 exactperf selftest pytest unfixed schedule
+#                                             launches perf codec
 #                                             (default: all; the environment is always printed)
 #
 # Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
@@ -17,7 +17,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-phases=${*:-frame plans goals47 hier demo train issue46 exactperf selftest pytest unfixed schedule launches perf codec}
+phases=${*:-frame plans graphs goals47 hier demo train issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
 {
     date -u
@@ -55,6 +55,22 @@ for phase in $phases; do
             tests/gpu/test_cuda_backend.py -k "counter or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host" \
             2>&1 | tee "$out/frame.txt"
         verdict frame "$out/frame.txt" ;;
+    graphs)  # graph replay of a place (LOCO_CALL_GRAPHS=1, written without a GPU): bits
+             # against the eager calls, then host time per call, graphs against eager plans
+        timeout "${GRAPHS_S:-150}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 120 \
+            tests/gpu/test_multirank.py -k "call_graphs" 2>&1 | tee "$out/graphs.txt"
+        verdict graphs "$out/graphs.txt"
+        for graphs in 1 0; do
+            LOCO_CALL_GRAPHS=$graphs timeout 100 $py -m lowbitcc perf all_reduce --device cuda --np 2 \
+                --backend loco4 -b 1M -e 1M -n 100 -w 20 --json "$out/graphs-perf-$graphs.json"
+        done 2>&1 | tee "$out/graphs-perf.txt"
+        $py - "$out" <<'EOF' | tee -a "$out/graphs-perf.txt"
+import json, sys
+host = {g: json.load(open(f"{sys.argv[1]}/graphs-perf-{g}.json"))["rows"][0]["host_us"] for g in "10"}
+print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} graphs-host {host['1'] / host['0']:.3f} "
+      f"(graphs {host['1']:.1f} us, eager plans {host['0']:.1f} us per call)")
+EOF
+        ;;
     plans)  # call plans on CUDA (written without a GPU, 83b502f+): bits, then host time
         timeout "${PLANS_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
             tests/gpu/test_multirank.py -k "call_plans or compressed_cuda_call_that_deviates" \

@@ -207,6 +207,11 @@ class CallCompressor:
         self._verdict_unset = False
         return self._verdict
 
+    def replayed(self) -> None:
+        """The call's launches ran in a replayed graph (`backend.place_graph`), whose first
+        encode cleared the call's verdict and whose checks set it: nothing is left to clear."""
+        self._verdict_unset = False
+
     def foreign(self) -> torch.Tensor | None:
         """Calls on a device: a 0-dim bool device tensor (a view of the call's verdict), set
         where a message of this call did not belong to it (another rank deviated, or it

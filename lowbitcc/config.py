@@ -135,6 +135,10 @@ class LocoConfig:
             what its runs share and runs the call in one method (`lowbitcc.backend.call_plan`;
             CUDA, and CPU issued inline); the same bytes as without. On by default
             (``LOCO_CALL_PLANS=0``: every call runs through its job, as before).
+        call_graphs: a planned CUDA place without error feedback captures its run in CUDA
+            graphs at its third and fourth runs and replays them from then on
+            (`lowbitcc.backend.place_graph`; every rank must set it alike, as NCCL requires).
+            Off by default: not yet run on a GPU (``LOCO_CALL_GRAPHS=1``).
     """
 
     bits: int = 4
@@ -166,6 +170,7 @@ class LocoConfig:
     issuer: str = "auto"
     call_schedule: bool = True
     call_plans: bool = True
+    call_graphs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -272,7 +277,7 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
-        for field in ("call_schedule", "call_plans"):
+        for field in ("call_schedule", "call_plans", "call_graphs"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "a bool")
         if self.issuer not in ISSUERS:

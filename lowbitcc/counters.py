@@ -86,6 +86,14 @@ class Stats:
         with self._lock:
             c.wire_s += seconds
 
+    def sent(self, category: str) -> dict[str, int]:
+        """The bytes a category's calls sent so far (`add`'s keywords: ``wire_bytes``,
+        ``intra_node_bytes``, ``inter_node_bytes``)."""
+        c = self._counters[category]
+        with self._lock:
+            return {"wire_bytes": c.wire_bytes, "intra_node_bytes": c.intra_node_bytes,
+                    "inter_node_bytes": c.inter_node_bytes}
+
     def add_sums(self, category: str, sums: torch.Tensor) -> None:
         """Add float64 ``[residual_sq, input_sq]`` held on the CPU (kernels on a device add
         theirs into `accumulator`)."""

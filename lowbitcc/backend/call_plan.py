@@ -37,6 +37,7 @@ from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_call import CallGroup
 from lowbitcc.backend.exact import input_factor
+from lowbitcc.backend.place_graph import PlaceGraph
 from lowbitcc.backend.routes import Route
 from lowbitcc.codec import wire
 from lowbitcc.codec.interface import CallCount
@@ -74,7 +75,8 @@ class CallPlan:
         self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
         self._rows_at = 0
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `_verdict_slot`'s
-        self._turn = 0
+        self.turn = 0
+        """Which of the plan's two verdict words the run has (`_verdict_slot`)."""
         self.shards = list(range(n))
         self.canary_entry: Any = None
         """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
@@ -83,8 +85,14 @@ class CallPlan:
         """After a run on a device: the call's flag of a foreign message received
         (`CallCompressor.foreign`), which the CUDA issuer turns into the Work's verdict word."""
         self.seq = 0
+        self.runs = 0
+        """The plan's runs so far (this one included, during a run)."""
         self._call_count: CallCount | None = None  # `_count`'s
         self._last_seq = 0
+        self.stride = 0
+        """Calls of the group from the plan's previous run to this one (0: none before)."""
+        self.graph = PlaceGraph() if PlaceGraph.eligible(self) else None
+        """The place's graphs, where it replays them (`place_graph`, ``call_graphs``)."""
 
     def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None = None) -> None:
         """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, or (a
@@ -107,19 +115,33 @@ class CallPlan:
         state.STATS.add_call("compressed", self.nbytes, self.logical_bytes)
         comp.restart(self.codec.with_seq(self.seq, self._count()), key, buffer,
                      self._verdict_slot())
-        out = tensor if tensor.dim() == 1 else tensor.view(-1)
-        source = Source(out, group.size, self.m, input_factor(op, group.size))
-        if output is not None:
-            self._reduce_scatter(source, output)
-        elif group.size == 2:
-            self._gather(source, out)
-        else:
-            self._scatter_gather(source, out)
+        source = Source(tensor if tensor.dim() == 1 else tensor.view(-1), group.size, self.m,
+                        input_factor(op, group.size))
+        self.runs += 1
+        if self.graph is None or not self.graph.run(self, source, output):
+            self.launch(source, output)
         self.verdict = comp.foreign()
         comp.finish()
         comp.raise_deferred(CollectiveMismatchError)
         if stop is not None:
             stop()
+
+    def launch(self, source: Source, output: torch.Tensor | None) -> None:
+        """The run's launches and transfers (eager, or captured by `place_graph`): ``source``'s
+        tensor all-reduced in place, or reduce-scattered into ``output``."""
+        if output is not None:
+            self._reduce_scatter(source, output)
+        elif self.group.size == 2:
+            self._gather(source, source.tensor)
+        else:
+            self._scatter_gather(source, source.tensor)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every device buffer the plan keeps (what a replay of its graph uses besides the
+        call's tensors)."""
+        kept = [buffer for buffer, _, _ in self._kept.values()]
+        count = self._call_count
+        return kept if count is None else [*kept, count.word, count.frame]
 
     def describe(self) -> str:
         """The last run's call, for messages."""
@@ -170,7 +192,8 @@ class CallPlan:
             stream = torch.cuda.current_stream(self.device)
             count.word.record_stream(stream)
             count.frame.record_stream(stream)
-        count.value = 2 * self.seq - last if last else None
+        self.stride = self.seq - last if last else 0
+        count.value = self.seq + self.stride if last else None
         return count
 
     def _verdict_slot(self) -> torch.Tensor | None:
@@ -187,8 +210,8 @@ class CallPlan:
         words = self.kept("verdicts", 16, torch.uint8)
         if self._slots is None:  # the kept words are never replaced
             self._slots = (words[:8], words[8:])
-        self._turn ^= 1
-        return self._slots[self._turn]
+        self.turn ^= 1
+        return self._slots[self.turn]
 
     def _sent(self, stage: str, rows: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept messages ``uint8 [rows, P]`` and non-finite bytes of ``stage``'s encode of

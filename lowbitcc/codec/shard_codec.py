@@ -199,7 +199,8 @@ class ShardCodec(MessageChecks):
         args = EncodeArgs(
             source=source, rows=rows, m=m, factor=float(factor), messages=messages, state=state,
             has_error=error is not None, beta=float(beta), bits=self.bits,
-            group_size=self.group_size, keys=self.keys(stream),
+            group_size=self.group_size,
+            keys=None if self.rounding == "nearest" else self.keys(stream),
             nonfinite=self._flags(nonfinite, rows * ng, device),
             sums=torch.zeros(2, dtype=torch.float64, device=device) if sums is None else sums,
             threads=torch.get_num_threads(), fmt=self.fmt,

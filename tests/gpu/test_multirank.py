@@ -177,6 +177,48 @@ def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world, fmt, feedback):
             assert torch.equal(state["data"], want_states[key]["data"]), key
 
 
+def _graph_steps(rank, world, gloo, graphs):
+    """12 steps of one compressed all-reduce place (a DDP bucket's: the tensor kept, here and
+    there another one) on a group with ``call_graphs`` = ``graphs``: every result, and how many
+    runs replayed a graph (`place_graph`)."""
+    from lowbitcc.backend import place_graph
+
+    replays = [0]
+    replay = place_graph.PlaceGraph._replay
+
+    def counted(self, *args, **kwargs):
+        replays[0] += 1
+        return replay(self, *args, **kwargs)
+
+    place_graph.PlaceGraph._replay = counted
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        cost_model=False, call_graphs=graphs))
+    device = spawn.gpu_device(rank)
+    gen = torch.Generator().manual_seed(rank)
+    bucket = torch.empty(N, device=device)
+    results = []
+    for step in range(12):
+        target = bucket if step % 5 else torch.empty_like(bucket)
+        target.copy_(torch.randn(N, generator=gen))
+        with lowbitcc.compressed(), lowbitcc.feedback_key("graphs"):
+            dist.all_reduce(target, group=group)
+        lowbitcc.end_step()
+        results.append(target.cpu())
+    return results, replays[0]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_call_graphs_replay_the_eager_calls_bit_for_bit(world):
+    """``call_graphs`` on (a place captures at its plan's third and fourth runs and replays
+    from then on, also for a tensor that moved) against the same calls run eagerly: the same
+    bits on every rank, and replays from the fifth planned run on."""
+    replayed = _ranks(_graph_steps, world, True)
+    eager = _ranks(_graph_steps, world, False)
+    for (got, replays), (want, none) in zip(replayed, eager, strict=True):
+        assert none == 0 and replays >= 6, replays
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", faults.INLINE_INVALID_CASES)
 def test_invalid_arguments_on_one_rank_raise_on_every_rank_and_the_group_goes_on(world, case):

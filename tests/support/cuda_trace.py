@@ -60,9 +60,10 @@ class PlanGroup:
     of ``world`` ranks whose codec is ``codec`` and whose calls are keyed "bucket", feedback on
     (an int8 error state) or off."""
 
-    def __init__(self, world: int, codec: ShardCodec, feedback: bool = True) -> None:
+    def __init__(self, world: int, codec: ShardCodec, feedback: bool = True,
+                 graphs: bool = False) -> None:
         self.rank, self.size, self._codec = 0, world, codec
-        self.config = LocoConfig(feedback=feedback)
+        self.config = LocoConfig(feedback=feedback, call_graphs=graphs)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
 
     def codec(self, *args) -> ShardCodec:
@@ -78,16 +79,16 @@ class PlanGroup:
 
 
 def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
-              collective: str = "all_reduce", feedback: bool = True,
+              collective: str = "all_reduce", feedback: bool = True, graphs: bool = False,
               ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
-    kernels, 4 bits, ``fmt``'s default group, checksums off), its NCCL collectives recorded
-    in ``work``; with its input and (reduce-scatter) output. The caller replaces
+    kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``), its
+    NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output. The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
     codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
                        world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     route = types.SimpleNamespace(links=Links.of(NcclTransport(RecordingGroup(work, 0, world))))
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
-    return CallPlan(PlanGroup(world, codec, feedback), route, x, collective), x, out
+    return CallPlan(PlanGroup(world, codec, feedback, graphs), route, x, collective), x, out
