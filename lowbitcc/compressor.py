@@ -207,6 +207,12 @@ class CallCompressor:
         self._verdict_unset = False
         return self._verdict
 
+    def rebind(self) -> None:
+        """`restart` with this call's codec, key, buffer and given verdict again: forget what
+        launches that never ran did here (a graph's capture that failed, `backend.place_graph`;
+        its first encode took the verdict as cleared)."""
+        self.restart(self.codec, self.key, self.buffer, self._verdict)
+
     def replayed(self) -> None:
         """The call's launches ran in a replayed graph (`backend.place_graph`), whose first
         encode cleared the call's verdict and whose checks set it: nothing is left to clear."""

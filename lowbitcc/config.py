@@ -137,8 +137,8 @@ class LocoConfig:
             (``LOCO_CALL_PLANS=0``: every call runs through its job, as before).
         call_graphs: a planned CUDA place without error feedback captures its run in CUDA
             graphs at its third and fourth runs and replays them from then on
-            (`lowbitcc.backend.place_graph`; every rank must set it alike, as NCCL requires).
-            Off by default: not yet run on a GPU (``LOCO_CALL_GRAPHS=1``).
+            (`lowbitcc.backend.place_graph`; the ranks agree on it, as NCCL requires; needs
+            ``call_plans``). Off by default: not yet run on a GPU (``LOCO_CALL_GRAPHS=1``).
     """
 
     bits: int = 4
@@ -280,6 +280,8 @@ class LocoConfig:
         for field in ("call_schedule", "call_plans", "call_graphs"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "a bool")
+        if self.call_graphs and not self.call_plans:  # every rank's graphs need its plans
+            raise bad("call_graphs", "false where call_plans is off")
         if self.issuer not in ISSUERS:
             raise bad("issuer", "one of " + ", ".join(ISSUERS))
         if self.transport not in TRANSPORTS:

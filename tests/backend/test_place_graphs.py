@@ -34,10 +34,15 @@ class FakeGraph:
         FakeGraph.made.append(self)
 
     def capture(self, body) -> None:
-        if FakeGraph.fail:
+        if FakeGraph.fail == "before its launches":
             raise RuntimeError("operation not permitted when stream is capturing")
         self.capturing = True
-        body()
+        try:
+            body()
+        finally:
+            self.capturing = False
+        if FakeGraph.fail:
+            raise RuntimeError("operation failed due to a previous error during capture")
 
     def replay(self) -> None:
         self.replays += 1
@@ -113,49 +118,102 @@ def test_a_place_with_error_feedback_or_stochastic_rounding_never_captures(trace
     assert plan.graph is None and not FakeGraph.made
 
 
-def test_a_failed_capture_runs_the_call_eagerly_and_turns_the_place_s_graphs_off(traced):
+@pytest.mark.parametrize("when", ["before its launches", "after its launches"])
+def test_a_failed_capture_runs_the_call_eagerly_and_turns_the_place_s_graphs_off(traced, when):
+    """The call that failed to capture runs eagerly as if no capture had been tried (its first
+    encode clears the verdict again: the captured one never ran), and so do the later ones."""
     work, launched = traced
     plan, x, _ = _graph_plan(work, 2)
-    FakeGraph.fail = True
-    for _ in range(6):
-        launched.clear()
-        plan.run(x, dist.ReduceOp.SUM)
-        assert launched[-1][0] == "decode_rows"  # every call ran, eagerly
-        assert int(launched[-1][1][-1]["count"]["read"]) == 0
-    assert plan.graph.off and len(FakeGraph.made) == 1
+    FakeGraph.fail = when
+    clears = []
+    real = cuda.pack_encode_args
+    monkeypatch_args = pytest.MonkeyPatch()
+    monkeypatch_args.setattr(cuda, "pack_encode_args",
+                             lambda args: clears.append(args.clear is not None) or real(args))
+    try:
+        for _ in range(6):
+            launched.clear()
+            clears.clear()
+            plan.run(x, dist.ReduceOp.SUM)
+            _done_capturing()
+            assert launched[-1][0] == "decode_rows"  # every call ran, eagerly
+            assert int(launched[-1][1][-1]["count"]["read"]) == 0
+            assert clears[-1]  # the eager encode cleared the verdict
+    finally:
+        monkeypatch_args.undo()
+    assert plan.graph.off and len(FakeGraph.made) == 1 and plan.graph.replays == 0
+
+
+def test_graphs_need_call_plans():
+    from lowbitcc.config import LocoConfig
+
+    with pytest.raises(ValueError, match="call_graphs"):
+        LocoConfig(call_graphs=True, call_plans=False)
+
+
+class _Comp:
+    def __init__(self, count) -> None:
+        self.codec = type("K", (), {"count": count})()
+        self.wire_error = None
+        self.replays = self.rebinds = 0
+
+    def replayed(self) -> None:
+        self.replays += 1
+
+    def rebind(self) -> None:
+        self.rebinds += 1
 
 
 class _Plan:
     """What `PlaceGraph` asks of a plan, on CPU tensors (real addresses, no device)."""
 
-    def __init__(self, x: torch.Tensor) -> None:
+    def __init__(self) -> None:
+        from lowbitcc.codec.interface import CallCount
+
         self.device, self.runs, self.turn, self.stride = torch.device("cpu"), CAPTURE_AT, 0, 1
-        self.comp = type("C", (), {"codec": type("K", (), {"count": None})(),
-                                   "replayed": lambda self: None})()
-        self.launched = []
+        self.comp = _Comp(CallCount(torch.zeros(2, dtype=torch.int32), False, 5))
+        self.launched: list = []
         self.buffers = lambda: []
         self.describe = lambda: "a call"
 
     def launch(self, source: Source, output) -> None:
-        self.launched.append(source.tensor)
+        count = self.comp.codec.count
+        self.launched.append((source.tensor, count.read, count.value))
 
 
-def test_a_moved_tensor_replays_through_the_captured_one_and_a_new_factor_stops_the_graphs(
-        traced, monkeypatch):
-    from lowbitcc.codec.interface import CallCount
-
+def test_a_moved_tensor_is_captured_again_on_its_own_rank_with_the_first_capture_s_stride(traced):
+    """A graph holds the addresses it was captured on: a call whose tensor lies elsewhere is
+    captured again (this rank alone: a capture launches nothing), with the stride of the
+    place's first capture; a tensor at the captured address replays, whatever object it is;
+    the tensor of an earlier call is never written; a new input factor stops the graphs."""
     x = torch.arange(8.0)
-    plan = _Plan(x)
-    plan.comp.codec.count = CallCount(torch.zeros(2, dtype=torch.int32), False, 5)
+    plan = _Plan()
     graph = PlaceGraph()
-    assert graph.run(plan, Source(x, 2, 4, 1.0), None)  # captured on x, replayed
-    assert plan.launched == [x] and plan.comp.codec.count.read is False
+    assert graph.run(plan, Source(x, 2, 4, 1.0), None)  # captured on x, launched
+    assert plan.launched == [(x, True, 1)] and plan.comp.codec.count.read is False
     assert plan.comp.codec.count.value == 5  # the eager value back after the capture
-    moved = torch.full((8,), 3.0)
-    plan.turn = 1
-    assert graph.run(plan, Source(moved, 2, 4, 1.0), None)  # captured on x again
-    assert plan.launched == [x, x]
-    assert torch.equal(x, moved)  # copied in; the (fake) replay left it; copied back
-    assert graph.run(plan, Source(moved, 2, 4, 1.0), None) and graph.replays == 3
+    assert graph.run(plan, Source(x.view(2, 4).view(-1), 2, 4, 1.0), None)  # the same memory
+    assert len(FakeGraph.made) == 1 and FakeGraph.made[0].replays == 2
+    moved, kept = torch.full((8,), 3.0), x.clone()
+    plan.stride = 2  # the place's calls came further apart meanwhile
+    assert graph.run(plan, Source(moved, 2, 4, 1.0), None)
+    assert len(FakeGraph.made) == 2 and plan.launched[-1] == (moved, True, 1)
+    assert torch.equal(x, kept) and graph.replays == 3 and plan.comp.replays == 3
     assert not graph.run(plan, Source(moved, 2, 4, 0.5), None)  # a factor of its own
-    assert graph.off and not graph.run(plan, Source(x, 2, 4, 1.0), None)
+    assert graph.off and not graph.run(plan, Source(moved, 2, 4, 1.0), None)
+
+
+def test_a_capture_whose_message_check_raised_is_never_replayed(traced):
+    """A decode that met a malformed message while capturing deferred its error and filled
+    its output with NaN inside the graph: the graph is dropped, the call runs eagerly."""
+    from lowbitcc.codec import wire
+
+    plan = _Plan()
+
+    def launch(source, output):
+        plan.comp.wire_error = wire.WireFormatError("expected 2 messages of 40 bytes")
+
+    plan.launch = launch
+    graph = PlaceGraph()
+    assert not graph.run(plan, Source(torch.zeros(8), 2, 4, 1.0), None)
+    assert graph.off and plan.comp.rebinds == 1 and graph.replays == 0

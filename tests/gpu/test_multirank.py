@@ -209,9 +209,10 @@ def _graph_steps(rank, world, gloo, graphs):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_call_graphs_replay_the_eager_calls_bit_for_bit(world):
-    """``call_graphs`` on (a place captures at its plan's third and fourth runs and replays
-    from then on, also for a tensor that moved) against the same calls run eagerly: the same
-    bits on every rank, and replays from the fifth planned run on."""
+    """``call_graphs`` on (from its plan's third run a place launches graphs, captured where
+    the tensor is new: twice for the bucket, again for the tensors that moved) against the
+    same calls run eagerly: the same bits on every rank, and graph launches from the third
+    planned run on."""
     replayed = _ranks(_graph_steps, world, True)
     eager = _ranks(_graph_steps, world, False)
     for (got, replays), (want, none) in zip(replayed, eager, strict=True):

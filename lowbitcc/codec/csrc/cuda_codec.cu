@@ -90,6 +90,7 @@ __device__ __forceinline__ void count_call(const CallCount& n) {
   if (n.mode != kCountAdd) return;
   __threadfence();
   if (atomicAdd(n.word + 1, 1u) == gridDim.x - 1) {
+    __threadfence();  // every block's count before the add
     n.word[0] += n.value;
     n.word[1] = 0u;
   }
