@@ -113,8 +113,8 @@ class CallPlan:
             group.cost_model.count(self.size_class)
             stop = group.clock(self.size_class, False, self.nbytes)
         state.STATS.add_call("compressed", self.nbytes, self.logical_bytes)
-        comp.restart(self.codec.with_seq(self.seq, self._count()), key, buffer,
-                     self._verdict_slot())
+        comp.restart(self.codec.with_seq(self.seq, None if self._cpu else self._count()), key,
+                     buffer, self._verdict_slot())
         source = Source(tensor if tensor.dim() == 1 else tensor.view(-1), group.size, self.m,
                         input_factor(op, group.size))
         self.runs += 1
@@ -174,15 +174,13 @@ class CallPlan:
             for buffer in buffers:
                 buffer.record_stream(stream)
 
-    def _count(self) -> CallCount | None:
-        """On a device, the place's call counter (`interface.CallCount`, made by the first run
-        with a zero word and frame accumulator (a row per rank, and one) and kept, its
-        ``value`` set anew by every run), whose word this run's
-        last launch sets to the call number the place's next run takes where as many calls
-        come between as since its previous run: the number a replayed graph of the place
-        would use. None on the CPU (the C++ codec keeps no counter)."""
-        if self._cpu:
-            return None
+    def _count(self) -> CallCount:
+        """On a device (never asked on the CPU: the C++ codec keeps none), the place's call
+        counter (`interface.CallCount`, made by the first run with a zero word and frame
+        accumulator, a row per rank and one, and kept; its ``value`` set anew by every run),
+        whose word this run's last launch sets to the call number the place's next run takes
+        where as many calls come between as since its previous run: the number a replayed
+        graph of the place would use."""
         count, last, self._last_seq = self._call_count, self._last_seq, self.seq
         if count is None:
             count = self._call_count = CallCount(

@@ -233,7 +233,8 @@ class ShardCodec(MessageChecks):
         call's ``verdict``, checksums off), else None (`Kernels.frame` after the encode)."""
         if (verdict is None or self.checksum or device.type == "cpu"
                 or not getattr(self.kernels, "fuses_frame", False)):
-            unfused(self.count, "frame")
+            if self.count is not None:
+                unfused(self.count, "frame")
             return None
         return FrameSpec(self.header(m), shard_ids,
                          wire.used_bytes(m, self.bits, self.group_size, self.fmt), 0, verdict,
@@ -253,11 +254,13 @@ class ShardCodec(MessageChecks):
         would: `_fused_check`, which checks their sizes, raising `wire.WireFormatError`): what
         `encode` takes as ``summed``; else None (`decode_sum`, then `encode`)."""
         if m == 0 or not getattr(self.kernels, "fuses_sum", False):
-            unfused(self.count, "sum")
+            if self.count is not None:
+                unfused(self.count, "sum")
             return None
         fused = self._fused_check(messages, m, [shard] * messages.shape[0], verdict)
         if fused is None or verdict is None:
-            unfused(self.count, "sum")
+            if self.count is not None:
+                unfused(self.count, "sum")
             return None
         return SumSpec(messages, fused[0], verdict, self.count)
 
@@ -289,7 +292,8 @@ class ShardCodec(MessageChecks):
             self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt,
                                     out.view(-1), verdict, check=fused[0], count=self.count)
             return out, nonfinite
-        unfused(self.count, "decode")
+        if self.count is not None:
+            unfused(self.count, "decode")
         self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1),
                                 self._first(messages, verdict))
         return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
@@ -308,12 +312,14 @@ class ShardCodec(MessageChecks):
         nothing done (decode row by row with `decode_sum`)."""
         if (out.numel() == 0 or not messages.is_contiguous()
                 or not getattr(self.kernels, "fuses_rows", False)):
-            unfused(self.count, "decode")
+            if self.count is not None:
+                unfused(self.count, "decode")
             return None
         n = messages.shape[0] // senders
         fused = self._fused_check(messages, m, list(range(n)) * senders, verdict)
         if fused is None or verdict is None:
-            unfused(self.count, "decode")
+            if self.count is not None:
+                unfused(self.count, "decode")
             return None
         if out.numel() > n * m or not out.is_contiguous() or out.device != messages.device:
             raise ValueError(f"decode_rows: out must be contiguous, on {messages.device}, with at "
@@ -336,7 +342,8 @@ class ShardCodec(MessageChecks):
             self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
                                      verdict, check=fused[0], count=self.count)
             return nonfinite
-        unfused(self.count, "decode")
+        if self.count is not None:
+            unfused(self.count, "decode")
         self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
                                  self._first(messages, verdict))
         return self._check_after(messages, m, shard_ids, out, nonfinite, verdict)
