@@ -23,6 +23,10 @@ on. A place's compressed entry always runs the direct schedule (`call_schedule.r
 and inline routes never cut rows into chunks. Not yet served: calls of several tensors
 (a list of outputs, coalesced calls); those run their jobs as before.
 
+On a device a run also keeps the place's call counter (`_count`, `interface.CallCount`), and
+with ``LocoConfig.call_graphs`` its launches and transfers (`launch`) are captured in CUDA
+graphs and replayed from the place's third run on (`place_graph.PlaceGraph`).
+
 Threads: the calling thread only (the issuer's), one call at a time.
 """
 
