@@ -68,8 +68,8 @@ def traced(monkeypatch):
     return work, launched
 
 
-def _graph_plan(work: GpuWork, world: int):
-    return meta_plan(work, world, 1 << 16, "nvfp4", feedback=False, graphs=True)
+def _graph_plan(work: GpuWork, world: int, collective: str = "all_reduce"):
+    return meta_plan(work, world, 1 << 16, "nvfp4", collective, feedback=False, graphs=True)
 
 
 def _done_capturing() -> None:
@@ -77,19 +77,21 @@ def _done_capturing() -> None:
         graph.capturing = False
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_place_captures_one_graph_per_verdict_word_and_then_only_replays(world, traced):
+@pytest.mark.parametrize("world,collective", [(2, "all_reduce"), (4, "all_reduce"),
+                                              (4, "reduce_scatter")])
+def test_a_place_captures_one_graph_per_verdict_word_and_then_only_replays(world, collective,
+                                                                         traced):
     work, launched = traced
-    plan, x, _ = _graph_plan(work, world)
-    last = "decode_rows" if world == 2 else "decode_into"
+    plan, x, out = _graph_plan(work, world, collective)
+    last = {2: "decode_rows", 4: "decode_into"}[world] if out is None else "decode_sum"
     for run in range(1, 9):
         launched.clear()
         work.nccl.clear()
         if run > CAPTURE_AT + 1:
             with _Classified(work):
-                plan.run(x, dist.ReduceOp.SUM)
+                plan.run(x, dist.ReduceOp.SUM, out)
         else:
-            plan.run(x, dist.ReduceOp.SUM)
+            plan.run(x, dist.ReduceOp.SUM, out)
         _done_capturing()
         if run < CAPTURE_AT:  # eager: every launch, the second writing the next call number
             assert launched and launched[-1][0] == last and not FakeGraph.made
