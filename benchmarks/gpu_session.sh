@@ -42,6 +42,23 @@ verdict() {
     fi
 }
 
+# host time per compressed all-reduce (1 MiB fp32, 2 ranks sharing the GPU), setting $1=1
+# against $1=0 in the same run: PASS where it is lower with 1; logs $out/$2-perf*
+host_ab() {
+    local on
+    for on in 1 0; do
+        env "$1=$on" timeout 100 $py -m lowbitcc perf all_reduce --device cuda --np 2 \
+            --backend loco4 -b 1M -e 1M -n 100 -w 20 --json "$out/$2-perf-$on.json"
+    done 2>&1 | tee "$out/$2-perf.txt"
+    $py - "$out" "$2" <<'EOF' | tee -a "$out/$2-perf.txt"
+import json, sys
+out, name = sys.argv[1:3]
+host = {v: json.load(open(f"{out}/{name}-perf-{v}.json"))["rows"][0]["host_us"] for v in "10"}
+print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} {name}-host {host['1'] / host['0']:.3f} "
+      f"({host['1']:.0f} vs {host['0']:.0f} us host per compressed call, 1 MiB, 2 ranks)")
+EOF
+}
+
 for phase in $phases; do
     echo "=== $phase $(date -u +%T)"
     case $phase in
@@ -60,33 +77,13 @@ for phase in $phases; do
         timeout "${GRAPHS_S:-150}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 120 \
             tests/gpu/test_multirank.py -k "call_graphs" 2>&1 | tee "$out/graphs.txt"
         verdict graphs "$out/graphs.txt"
-        for graphs in 1 0; do
-            LOCO_CALL_GRAPHS=$graphs timeout 100 $py -m lowbitcc perf all_reduce --device cuda --np 2 \
-                --backend loco4 -b 1M -e 1M -n 100 -w 20 --json "$out/graphs-perf-$graphs.json"
-        done 2>&1 | tee "$out/graphs-perf.txt"
-        $py - "$out" <<'EOF' | tee -a "$out/graphs-perf.txt"
-import json, sys
-host = {g: json.load(open(f"{sys.argv[1]}/graphs-perf-{g}.json"))["rows"][0]["host_us"] for g in "10"}
-print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} graphs-host {host['1'] / host['0']:.3f} "
-      f"(graphs {host['1']:.1f} us, eager plans {host['0']:.1f} us per call)")
-EOF
-        ;;
+        host_ab LOCO_CALL_GRAPHS graphs ;;
     plans)  # call plans on CUDA (written without a GPU, 83b502f+): bits, then host time
         timeout "${PLANS_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
             tests/gpu/test_multirank.py -k "call_plans or compressed_cuda_call_that_deviates" \
             2>&1 | tee "$out/plans.txt"
         verdict plans "$out/plans.txt"
-        for plans in 1 0; do
-            LOCO_CALL_PLANS=$plans timeout 100 $py -m lowbitcc perf all_reduce --device cuda --np 2 \
-                --backend loco4 -b 1M -e 1M -n 100 -w 20 --json "$out/plans-perf-$plans.json"
-        done 2>&1 | tee "$out/plans-perf.txt"
-        $py - "$out" <<'EOF' | tee -a "$out/plans-perf.txt"
-import json, sys
-host = {p: json.load(open(f"{sys.argv[1]}/plans-perf-{p}.json"))["rows"][0]["host_us"] for p in "10"}
-print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} plans-host {host['1'] / host['0']:.3f} "
-      f"({host['1']:.0f} vs {host['0']:.0f} us host per compressed call, 1 MiB, 2 ranks)")
-EOF
-        ;;
+        host_ab LOCO_CALL_PLANS plans ;;
     demo)  # the README's demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
         timeout 200 $py -m lowbitcc demo --steps 40 --link none 2>&1 | tee "$out/demo.txt"
         if grep -q "x nccl's speed" "$out/demo.txt"; then

@@ -97,8 +97,8 @@ class PlaceGraph:
     @staticmethod
     def eligible(plan: Any) -> bool:
         """Whether ``plan``'s place launches graphs (see the module docstring)."""
-        codec, config = plan.codec, plan.group.config
-        return (plan.device.type != "cpu" and bool(config.call_graphs) and config.call_plans
+        codec = plan.codec
+        return (plan.device.type != "cpu" and plan.group.config.call_graphs
                 and plan.comp.error_dtype is None and codec.rounding == "nearest"
                 and not codec.checksum and not codec.host_check)
 
