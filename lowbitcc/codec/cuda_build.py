@@ -65,12 +65,11 @@ HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)
 CALL_COUNT = np.dtype([("word", "<u8"), ("value", "<u4"), ("read", "<i4"), ("mode", "<i4")],
                       align=True)
 """``loco_cuda::CallCount``: a place's call counter on the device and what a launch does with
-it (`lowbitcc.codec.call_count`)."""
+it (`interface.CallCount`)."""
 ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step", "<i8"),
                       ("rows", "<i8"), ("shard_mod", "<i8"), ("check", "<i4"),
                       ("count", CALL_COUNT)], align=True)
 """``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
-NO_CHECK = np.zeros((), dtype=ROW_CHECK)[()]
 FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i8"),
                        ("words", "<u8"), ("answer", "<u8"), ("flags", "<u4"),
                        ("enabled", "<i4"), ("seq_at", "<u8")], align=True)

@@ -47,7 +47,7 @@ def test_a_two_rank_plan_decodes_every_row_in_one_launch(numel, monkeypatch):
 def test_rows_that_are_not_8_byte_aligned_are_checked_before_the_launch(monkeypatch):
     """Where the rows cannot be read as words (`cuda_args.aligned_stride` None), `check` runs
     first (of every row, whose shards repeat: ``[0, 1, 0, 1]``) and the launch reads its
-    answer from the verdict (`NO_CHECK`)."""
+    answer from the verdict (a `cuda_args.row_check` without a header: ``check`` 0)."""
     launched: list[tuple[str, tuple]] = []
     checked: list[list[int]] = []
     monkeypatch.setattr(cuda, "_launch", lambda name, device, grid, args: launched.append(
