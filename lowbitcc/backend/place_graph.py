@@ -91,7 +91,6 @@ class PlaceGraph:
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
         self._stream: Any = None
         self.off = False
-        self.captures = 0
         self.replays = 0
 
     @staticmethod
@@ -147,7 +146,6 @@ class PlaceGraph:
         finally:
             count.read, count.value = False, value
         self._sent = {k: v - before[k] for k, v in state.STATS.sent("compressed").items()}
-        self.captures += 1
         made = self._graphs[plan.turn] = (graph, where)
         return made
 
