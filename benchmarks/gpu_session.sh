@@ -8,6 +8,7 @@
 #                                             (default: all; the environment is always printed)
 #
 # Phases that check a goal print one line "PASS <what> <number>" or "FAIL <what> <number>".
+# Every log ends in $OUT/logs.tar.gz (the device tool returns at most 8 files).
 #
 # Runs with the machine's own python3 and packages (torch, CuPy, NCCL): lowbitcc is installed
 # into it without dependencies; where that fails, PYTHONPATH serves (then `import lowbitcc`, not
@@ -16,6 +17,16 @@ set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# a rank still running 60 s after its group was made writes its threads' stacks to the log:
+# what a hang waited on (tools/spawn.py)
+export LOWBITCC_DUMP_STACKS_AFTER=${LOWBITCC_DUMP_STACKS_AFTER:-60}
+# the device tool brings back 8 files a call: on exit every log goes into one archive
+pack() {
+    tar czf "/tmp/logs.tar.gz" -C "$out" . && find "$out" -maxdepth 1 -type f -delete &&
+        mv /tmp/logs.tar.gz "$out/logs.tar.gz"
+}
+trap pack EXIT
+trap 'exit 143' TERM INT
 py=python3
 phases=${*:-frame plans graphs goals47 hier demo train issue46 exactperf selftest pytest unfixed schedule launches perf codec}
 
@@ -83,7 +94,7 @@ for phase in $phases; do
             tests/gpu/test_multirank.py -k "call_plans or compressed_cuda_call_that_deviates" \
             2>&1 | tee "$out/plans.txt"
         verdict plans "$out/plans.txt"
-        host_ab LOCO_CALL_PLANS plans ;;
+        [ "${PLANS_AB:-1}" = 1 ] && host_ab LOCO_CALL_PLANS plans ;;  # PLANS_AB=0: goals47 has it
     demo)  # the README's demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
         timeout 200 $py -m lowbitcc demo --steps 40 --link none 2>&1 | tee "$out/demo.txt"
         if grep -q "x nccl's speed" "$out/demo.txt"; then
@@ -116,7 +127,7 @@ EOF
         ;;
     goals47)  # issue 47's goals: host us, launches, uploads, allocations per planned call,
               # against the jobs (LOCO_CALL_PLANS=0) and the exact NCCL call, 2 ranks
-        timeout "${GOALS47_S:-240}" $py benchmarks/issue47_goals.py --json "$out/goals47.json" \
+        timeout "${GOALS47_S:-240}" $py benchmarks/issue47_goals.py ${GOALS47_ARGS:-} --json "$out/goals47.json" \
             2>&1 | tee "$out/goals47.txt" ;;
     hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
         timeout "${HIER_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 180 \

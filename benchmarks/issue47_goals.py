@@ -1,11 +1,14 @@
 """Issue 47's goals on a GPU, 2 ranks sharing it: one PASS/FAIL line per goal, the new path
-(call plans, on by default) against the old one (``LOCO_CALL_PLANS=0``: every call runs its job)
-and the exact call (the inner NCCL all-reduce) measured in the same run.
+(call plans, on by default) against the old one (``LOCO_CALL_PLANS=0``: every call runs its job),
+the exact call (loco's, which is the inner NCCL all-reduce) and NCCL's own (a plain "nccl"
+group; "gloo" on CPU) measured in the same run.
 
 Per rank and size (fp32, default 64 Ki, 1 Mi and 16 Mi elements), steady-state compressed
 all-reduces (``lowbitcc.compressed()``, op AVG so that repeated in-place calls stay finite,
 past the call schedule's learning; the place's re-agreement every 64 runs included, as in
-training): the host time per call (enqueue, ``torch.cuda.synchronize`` outside the window),
+training): the host time per call (its enqueueing, each call issued to an idle GPU:
+``torch.cuda.synchronize`` before each, outside its window; back to back, two ranks sharing a GPU
+over NCCL's sockets wait on the transfers' throughput instead, which ``time us`` shows),
 and, for the planned run itself (the calls that exchanged a descriptor left out: the place's
 re-agreement runs its job, one call in 64), over ``--profiled`` calls with torch.profiler
 (CUPTI) the GPU work lowbitcc launched per call (kernels and memsets whose names do not start
@@ -23,6 +26,7 @@ check of this script without a GPU, its GPU columns empty.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -34,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import lowbitcc
 from lowbitcc.tools import spawn
 
-PATHS = ("plan", "job", "exact")
+PATHS = ("plan", "job", "exact", "nccl")
 GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
 """Issue 47's "must reach" per steady-state compressed all-reduce."""
 
@@ -73,20 +77,28 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, 
     for _ in range(70):
         call()
     sync()
+    exchanges = len(EXCHANGES)
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
-    host = (time.perf_counter() - t0) / iters * 1e6
     sync()
-    exchanges = len(EXCHANGES)
+    elapsed = (time.perf_counter() - t0) / iters * 1e6
+    host = 0.0
+    for _ in range(iters):  # each call issued to an idle GPU: its own enqueueing, no back-pressure
+        sync()
+        begun = time.perf_counter()
+        call()
+        host += time.perf_counter() - begun
+    host = host / iters * 1e6
+    sync()
     allocations = 0.0
     for _ in range(iters):  # per call, outside the timed loop: reading the counter costs
         before, seen = _allocated(x.device), len(EXCHANGES)
         call()
         if len(EXCHANGES) == seen:
             allocations = max(allocations, _allocated(x.device) - before)
-    row = {"host_us": host, "allocations": allocations,
-           "exchanges": (len(EXCHANGES) - exchanges) / iters}
+    row = {"host_us": host, "time_us": elapsed, "allocations": allocations,
+           "exchanges": (len(EXCHANGES) - exchanges) / (3 * iters)}
     if not cuda:
         return {**row, "launches": float("nan"), "uploads": float("nan")}
     for _ in range(3):  # a window without a re-agreement
@@ -102,17 +114,24 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, 
 
 
 def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
-          device_type: str) -> dict:
+          device_type: str, graphs: bool) -> dict:
     device = spawn.gpu_device(rank) if device_type == "cuda" else torch.device("cpu")
     config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
     groups = {"plan": dist.new_group(backend="loco", pg_options=config.replace(call_plans=True)),
               "job": dist.new_group(backend="loco", pg_options=config.replace(call_plans=False))}
     groups["exact"] = groups["plan"]
-    modes = {"plan": lowbitcc.compressed, "job": lowbitcc.compressed, "exact": lowbitcc.exact}
+    groups["nccl"] = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
+    modes = {"plan": lowbitcc.compressed, "job": lowbitcc.compressed, "exact": lowbitcc.exact,
+             "nccl": contextlib.nullcontext, "graph": lowbitcc.compressed}
+    paths = PATHS
+    if graphs:
+        groups["graph"] = dist.new_group(backend="loco", pg_options=config.replace(
+            call_plans=True, call_graphs=True))
+        paths = (*PATHS, "graph")
     rows = {}
     for numel in sizes:
         x = torch.randn(numel, device=device)
-        for path in PATHS:
+        for path in paths:
             rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled)
     return {"format": config.wire_format, "feedback": config.wire_feedback, "rows": rows}
 
@@ -125,10 +144,12 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=2, help="ranks (sharing the GPU, default 2)")
     parser.add_argument("--json", help="write every rank's rows here")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also the place's graph replay (call_graphs), after the others")
     opts = parser.parse_args()
     cuda = opts.device == "cuda"
     env = spawn.gpu_rank_env(opts.np, torch.cuda.device_count()) if cuda else None
-    ranks = spawn.run_ranks(_rank, opts.np, opts.sizes, opts.iters, opts.profiled, opts.device,
+    ranks = spawn.run_ranks(_rank, opts.np, opts.sizes, opts.iters, opts.profiled, opts.device, opts.graphs,
                             rank_env=env, timeout_s=600,
                             env=None if cuda else {"LOCO_ISSUER": "inline"})
     if opts.json:
@@ -136,13 +157,13 @@ def main() -> None:
             json.dump(ranks, f, indent=1)
     print(f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {opts.np} ranks, {ranks[0]['format']} "
           f"(feedback {ranks[0]['feedback']}); per call, the slowest rank")
-    print(f"{'elements':>10} {'path':>6} {'host us':>9} {'launches':>9} {'uploads':>8} "
-          f"{'allocs':>7} {'exch.':>6}")
+    print(f"{'elements':>10} {'path':>6} {'host us':>9} {'time us':>9} {'launches':>9} "
+          f"{'uploads':>8} {'allocs':>7} {'exch.':>6}")
     worst: dict[str, float] = dict.fromkeys(GOALS, 0.0)
     for key in ranks[0]["rows"]:
-        row = {k: max(r["rows"][key][k] for r in ranks) for k in (*GOALS, "exchanges")}
+        row = {k: max(r["rows"][key][k] for r in ranks) for k in (*GOALS, "time_us", "exchanges")}
         numel, path = key.split()
-        print(f"{numel:>10} {path:>6} {row['host_us']:>9.1f} {row['launches']:>9.1f} "
+        print(f"{numel:>10} {path:>6} {row['host_us']:>9.1f} {row['time_us']:>9.1f} {row['launches']:>9.1f} "
               f"{row['uploads']:>8.1f} {row['allocations']:>7.2f} {row['exchanges']:>6.3f}")
         if path == "plan":
             worst = {k: max(worst[k], row[k]) for k in GOALS}

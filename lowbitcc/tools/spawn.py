@@ -6,7 +6,10 @@ is opened for the rendezvous; gloo itself listens on loopback), and returns the 
 values in rank order. A rank's exception is re-raised in the parent with its traceback; a run
 that outlives ``timeout_s`` is killed and raises, so a hang never stalls the caller. Ranks log
 at the caller's level, in `LOG_FORMAT`. Values travel pickled by value (tensors included).
-`threads_per_rank` is the rule every tool uses for torch's intra-op threads.
+`threads_per_rank` is the rule every tool uses for torch's intra-op threads. Where
+``LOWBITCC_DUMP_STACKS_AFTER`` (seconds) is set, a rank still running that long after its group
+was made writes every thread's stack to its stderr (`faulthandler`), once: what a hang's
+ranks were waiting on, before the caller's timeout kills them.
 
 The processes are forked by multiprocessing's "forkserver", a server started once per calling
 process that imports torch (and so, through torch's backend autoload, lowbitcc) before it forks
@@ -20,6 +23,7 @@ environment as of the call instead, then ``env``.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import pickle
@@ -95,9 +99,12 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
             timeout=datetime.timedelta(seconds=pg_timeout_s), pg_options=pg_options,
         )
         _wait_for_every_rank(f"{init_file}.ready", rank, world, pg_timeout_s)
+        if dump_after := os.environ.get("LOWBITCC_DUMP_STACKS_AFTER"):
+            faulthandler.dump_traceback_later(float(dump_after))
         try:
             value = fn(rank, world, *args)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             dist.destroy_process_group()
         # by value: torch's queue would send tensors as shared-memory handles, which die with
         # this process before the parent has read them

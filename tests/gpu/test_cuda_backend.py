@@ -151,8 +151,13 @@ def test_a_non_finite_call_voids_its_states_on_cuda_as_on_the_cpu(group):
                     y = x.clone().to(device)  # the CPU pass must not overwrite the inputs
                     dist.all_reduce(y)
                     results[device].append(y.cpu())
-    for want, got in zip(results["cpu"], results["cuda"], strict=True):
-        assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    for call, (want, got) in enumerate(zip(results["cpu"], results["cuda"], strict=True)):
+        # NaN where the CPU call has NaN (a GPU writes its canonical NaN, not the CPU's bits),
+        # the same bits elsewhere
+        nan = want.isnan()
+        assert torch.equal(nan, got.isnan()), (call, nan.nonzero()[:4], got.isnan().nonzero()[:4])
+        differ = (want.view(torch.int32) != got.view(torch.int32)) & ~nan
+        assert not differ.any(), (call, differ.nonzero()[:4].flatten())
     assert results["cuda"][2].isnan().any()  # the NaN call's result
     assert results["cuda"][3].isfinite().all()
 

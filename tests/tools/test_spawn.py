@@ -51,3 +51,21 @@ def test_gpu_ranks_that_share_a_gpu_get_their_own_nccl_host_id():
     assert len(spawn.gpu_rank_env(3, 2)) == 3 and "NCCL_HOSTID" in spawn.gpu_rank_env(3, 2)[0]
     with pytest.raises(ValueError, match="need a GPU"):
         spawn.gpu_rank_env(2, 0)
+
+
+def _stalled(rank: int, world: int, path: str) -> bool:
+    import time
+
+    log = f"{path}.{rank}"
+    with open(log, "w") as f:  # the dump goes to fd 2: this file from here on
+        os.dup2(f.fileno(), 2)
+    time.sleep(1.5)
+    with open(log) as f:
+        return "_stalled" in f.read()
+
+
+def test_a_rank_still_running_after_the_dump_time_writes_its_stacks(monkeypatch, tmp_path):
+    """``LOWBITCC_DUMP_STACKS_AFTER``: each loco rank (whose config refuses unknown ``LOCO_*``
+    names) writes its threads' stacks once, and runs on."""
+    monkeypatch.setenv("LOWBITCC_DUMP_STACKS_AFTER", "0.5")
+    assert spawn.run_ranks(_stalled, 2, str(tmp_path / "stacks")) == [True, True]

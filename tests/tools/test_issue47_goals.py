@@ -1,0 +1,25 @@
+"""`benchmarks/issue47_goals.py` on CPU tensors (its ``--device cpu`` check): every path it
+times, the graph replay's included, runs on two local ranks and gets a row; the GPU's goal
+lines say SKIP. A GPU session runs this script once: a break here would cost it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "issue47_goals.py"
+
+
+def test_issue47_goals_times_every_path_on_cpu_tensors(tmp_path):
+    out = tmp_path / "goals.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sizes", "4096",
+                           "--iters", "3", "--profiled", "1", "--graphs", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert set(rank["rows"]) == {f"4096 {p}" for p in ("plan", "job", "exact", "nccl", "graph")}
+        for row in rank["rows"].values():
+            assert row["host_us"] > 0 and row["time_us"] > 0 and row["allocations"] == 0
+    assert done.stdout.count("SKIP issue47-") == 4, done.stdout
