@@ -279,17 +279,25 @@ def test_an_exact_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world
 
 
 def _compressed_deviation(rank, world, gloo):
-    return schedule._passes(rank, world, gloo, "auto",
-                            functools.partial(schedule._one_rank_deviates, "size"),
-                            device="cuda")[2]
+    results, _, errors = schedule._passes(
+        rank, world, gloo, "auto", functools.partial(schedule._one_rank_deviates, "size"),
+        device="cuda", per_call=True)
+    return errors, results[4]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_compressed_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world):
     """The deviating rank raises at once; on CUDA the others see the flagged messages as NaN
-    and a set verdict word, and raise at the place's next run (pass 3), never hang."""
-    for rank, errors in enumerate(_ranks(_compressed_deviation, world)):
-        assert 2 in errors if rank == 1 else (2 in errors or 3 in errors), errors
+    and a set verdict word, and every rank raises at the place's next run (pass 3), never
+    hangs; pass 4 is the same call everywhere again. Each rank issues every call of a pass
+    (a call that raises ends only itself): rank 1 raises at its second call of pass 2 while
+    the others go on to the third, which needs rank 1's."""
+    ranks = _ranks(_compressed_deviation, world)
+    for rank, (errors, _) in enumerate(ranks):
+        assert (2 in errors) == (rank == 1) and 3 in errors, (rank, errors)
+    later = [r[1] for r in ranks]
+    for other in later[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(later[0], other, strict=True))
 
 
 def _stalled_peer(rank, world, gloo):
