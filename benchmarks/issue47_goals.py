@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,8 @@ import lowbitcc
 from lowbitcc.tools import spawn
 
 PATHS = ("plan", "job", "exact", "nccl")
+PROFILED = ("plan", "exact", "nccl")
+"""The paths whose host time ``--host-profile`` breaks down (rank 0, the largest size)."""
 GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
 """Issue 47's "must reach" per steady-state compressed all-reduce."""
 
@@ -66,7 +72,22 @@ def _allocated(device: torch.device) -> float:
     return torch.cuda.memory_stats(device)["allocation.all.allocated"]
 
 
-def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, float]:
+def _host_profile(call, sync, calls: int) -> str:
+    """cProfile of ``calls`` calls, each issued to an idle GPU (``sync`` outside the profile):
+    the functions by their own time, the 30 costliest."""
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        sync()
+        prof.enable()
+        call()
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
+def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
+          host_profile: int = 0) -> dict[str, Any]:
     def call() -> None:
         with mode():
             dist.all_reduce(x, op=dist.ReduceOp.AVG, group=group)
@@ -100,7 +121,10 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, 
     row = {"host_us": host, "time_us": elapsed, "allocations": allocations,
            "exchanges": (len(EXCHANGES) - exchanges) / (3 * iters)}
     if not cuda:
-        return {**row, "launches": float("nan"), "uploads": float("nan")}
+        row = {**row, "launches": float("nan"), "uploads": float("nan")}
+        if host_profile:
+            row["profile"] = _host_profile(call, sync, host_profile)
+        return row
     for _ in range(3):  # a window without a re-agreement
         seen = len(EXCHANGES)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -110,11 +134,14 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int) -> dict[str, 
         if len(EXCHANGES) == seen:
             break
     work = _gpu_work(prof)
-    return {**row, **{k: v / profiled for k, v in work.items()}}
+    row = {**row, **{k: v / profiled for k, v in work.items()}}
+    if host_profile:
+        row["profile"] = _host_profile(call, sync, host_profile)
+    return row
 
 
 def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
-          device_type: str, graphs: bool) -> dict:
+          device_type: str, graphs: bool, host_profile: int) -> dict:
     device = spawn.gpu_device(rank) if device_type == "cuda" else torch.device("cpu")
     config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
     groups = {"plan": dist.new_group(backend="loco", pg_options=config.replace(call_plans=True)),
@@ -132,7 +159,9 @@ def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
     for numel in sizes:
         x = torch.randn(numel, device=device)
         for path in paths:
-            rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled)
+            profile = host_profile if rank == 0 and numel == sizes[-1] and path in PROFILED else 0
+            rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled,
+                                            profile)
     return {"format": config.wire_format, "feedback": config.wire_feedback, "rows": rows}
 
 
@@ -144,13 +173,15 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=2, help="ranks (sharing the GPU, default 2)")
     parser.add_argument("--json", help="write every rank's rows here")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                        help="cProfile this many calls of each of PROFILED (rank 0, largest size)")
     parser.add_argument("--graphs", action="store_true",
                         help="also the place's graph replay (call_graphs), after the others")
     opts = parser.parse_args()
     cuda = opts.device == "cuda"
     env = spawn.gpu_rank_env(opts.np, torch.cuda.device_count()) if cuda else None
-    ranks = spawn.run_ranks(_rank, opts.np, opts.sizes, opts.iters, opts.profiled, opts.device, opts.graphs,
-                            rank_env=env, timeout_s=600,
+    ranks = spawn.run_ranks(_rank, opts.np, opts.sizes, opts.iters, opts.profiled, opts.device,
+                            opts.graphs, opts.host_profile, rank_env=env, timeout_s=600,
                             env=None if cuda else {"LOCO_ISSUER": "inline"})
     if opts.json:
         with open(opts.json, "w") as f:
@@ -167,6 +198,9 @@ def main() -> None:
               f"{row['uploads']:>8.1f} {row['allocations']:>7.2f} {row['exchanges']:>6.3f}")
         if path == "plan":
             worst = {k: max(worst[k], row[k]) for k in GOALS}
+    for key, row in ranks[0]["rows"].items():
+        if "profile" in row:
+            print(f"--- host profile, rank 0, {key}:\n{row['profile']}")
     for goal, limit in GOALS.items():
         if not cuda:
             print(f"SKIP issue47-{goal} (CPU tensors: the goals are a GPU's)")

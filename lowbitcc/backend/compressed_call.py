@@ -63,6 +63,7 @@ from lowbitcc.backend.exact import (
 )
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.leases import Leases, Ticket
+from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.routes import Route
 from lowbitcc.backend.works import callback_parent
 from lowbitcc.codec import wire
@@ -84,6 +85,7 @@ class CallGroup(Protocol):
     cost_model: CostModel
     leases: Leases
     scratch: Scratch
+    graphs: LiveGraphs
     on_worker: Callable[[Callable[[], None]], None] | None
 
     def route(self, device: torch.device) -> Route: ...

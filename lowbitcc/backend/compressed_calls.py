@@ -35,6 +35,7 @@ from lowbitcc.backend.exact import PLAIN_OPS, op_type
 from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.leases import Leases, Ticket
+from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.routes import Route, choose_schedule
 from lowbitcc.backend.works import InnerWork
 from lowbitcc.codec import wire
@@ -70,6 +71,7 @@ class CompressedCalls:
         self.cost_model = CostModel()
         self.leases = Leases(self.cost_model)
         self.scratch = Scratch()  # the worker thread's decode buffer
+        self.graphs = LiveGraphs()  # the places' CUDA graphs (`place_graph`)
         self._routes = routes
         self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
         scheduled = self.exchanges() and config.call_schedule

@@ -1,5 +1,7 @@
 """`PlaceGraph`: a call place's steady-state compressed run captured in CUDA graphs and replayed
-(`LocoConfig.call_graphs`, off by default; issue 47's graph replay). **Not yet run on a GPU.**
+(`LocoConfig.call_graphs`, off by default; issue 47's graph replay). On its first GPU run (one
+H200, 2026-11-27) its test did not finish: most likely at the group's teardown, which
+`LiveGraphs` now handles (below); not yet run on a GPU since.
 
 A replay is one ``cudaGraphLaunch`` on the call's stream in place of the plan's launches and
 NCCL calls (`call_plan.CallPlan`; an encode, an all-gather and a decode at two ranks). What a
@@ -41,13 +43,22 @@ thread queries events meanwhile); every kernel and the NCCL communicator have ru
 before (CuPy loads its module at its first launch, NCCL makes its communicator at its first
 call).
 
-Threads: the calling thread, inside `cuda_issue.CudaIssuer.compressed` (one call at a time).
+**Teardown.** NCCL destroys (and aborts) a communicator only once every CUDA graph that
+captured its kernels is gone: ``commDestroySync`` (NCCL's ``src/init.cc``) polls "until all
+graphs referencing us die", and ``ncclCommAbort`` reaches the same loop. A group's graphs
+therefore go first (`LiveGraphs.release`, the group's ``graphs``): before its inner NCCL group's
+shutdown, after the device finished its work, and before the watchdog's abort, without
+waiting (a graph still running is destroyed when it ends: ``cudaGraphExecDestroy``).
+
+Threads: the calling thread, inside `cuda_issue.CudaIssuer.compressed` (one call at a time);
+`LiveGraphs.release` also the group's watchdog thread, once, before it aborts the group.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +87,9 @@ class CudaGraph:
     def replay(self) -> None:
         self._graph.replay()
 
+    def reset(self) -> None:
+        self._graph.reset()
+
 
 GRAPH: Callable[[], Any] = CudaGraph
 """What `PlaceGraph` makes its graphs with (tests put a fake in its place)."""
@@ -90,6 +104,7 @@ class PlaceGraph:
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
         self._stream: Any = None
+        self._device: torch.device | None = None
         self.off = False
         self.replays = 0
 
@@ -147,6 +162,8 @@ class PlaceGraph:
             count.read, count.value = False, value
         self._sent = {k: v - before[k] for k, v in state.STATS.sent("compressed").items()}
         made = self._graphs[plan.turn] = (graph, where)
+        self._device = plan.device
+        plan.group.graphs.add(self)
         return made
 
     def _replay(self, plan: Any, graph: Any, counted: bool) -> None:
@@ -163,9 +180,37 @@ class PlaceGraph:
         if not counted:
             state.STATS.add("compressed", **self._sent)
 
+    def release(self, wait: bool) -> None:
+        """Turn the place's graphs off and destroy them (`LiveGraphs.release`); ``wait``:
+        once its device has finished the work queued so far."""
+        self.off = True
+        if wait and self._graphs and self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
     def _stop(self, why: str) -> bool:
         """Turn the place's graphs off (they stay referenced: a launch may still run)."""
         if why:
             log.warning("lowbitcc: a call place's graphs are off from now on: %s", why)
         self.off = True
         return False
+
+
+class LiveGraphs:
+    """The places of one group that hold graphs (`compressed_call.CallGroup.graphs`), so that
+    the group can destroy them before its NCCL communicator (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._places: weakref.WeakSet[PlaceGraph] = weakref.WeakSet()
+
+    def add(self, place: PlaceGraph) -> None:
+        self._places.add(place)
+
+    def release(self, wait: bool) -> None:
+        """Destroy every place's graphs and turn them off (its later runs are eager);
+        ``wait``: after the devices finished their work (a shutdown; an abort does not wait,
+        since its kernels may never end)."""
+        for place in list(self._places):
+            place.release(wait)

@@ -93,7 +93,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         if cuda_usable():
             self._nccl = inner_nccl(store, rank, size, timeout, global_ranks, group_id)
             self._cuda = CudaIssuer(self._nccl, Watchdog(timeout.total_seconds(),
-                                                         self._nccl.abort))
+                                                         self._abort_nccl))
             routes["cuda"] = cuda_route(config, self._nccl, store,
                                         global_ranks or list(range(size)), rank, timeout)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
@@ -152,9 +152,17 @@ class LocoProcessGroup(dist.ProcessGroup):
             if self._direct is not self._inner:
                 self._direct.shutdown()
             if self._nccl is not None:
+                assert self._cuda is not None
+                self._compressed.graphs.release(wait=self._cuda.watchdog.dead is None)
                 self._nccl.shutdown()
 
     abort = shutdown
+
+    def _abort_nccl(self) -> None:
+        """The watchdog's end of the group's device work: its graphs, then its communicator
+        (`place_graph`'s teardown)."""
+        self._compressed.graphs.release(wait=False)
+        self._nccl.abort()
 
     # -- what the reductions share ------------------------------------------------------------
     def _on_worker(self, fn: Any) -> None:

@@ -31,6 +31,7 @@ class FakeGraph:
     def __init__(self) -> None:
         self.captured: list = []
         self.replays = 0
+        self.reset_ = False
         FakeGraph.made.append(self)
 
     def capture(self, body) -> None:
@@ -45,7 +46,11 @@ class FakeGraph:
             raise RuntimeError("operation failed due to a previous error during capture")
 
     def replay(self) -> None:
+        assert not self.reset_, "a destroyed graph replayed"
         self.replays += 1
+
+    def reset(self) -> None:
+        self.reset_ = True
 
 
 @pytest.fixture
@@ -177,6 +182,7 @@ class _Plan:
         self.launched: list = []
         self.buffers = lambda: []
         self.describe = lambda: "a call"
+        self.group = type("Group", (), {"graphs": place_graph.LiveGraphs()})()
 
     def launch(self, source: Source, output) -> None:
         count = self.comp.codec.count
@@ -219,3 +225,26 @@ def test_a_capture_whose_message_check_raised_is_never_replayed(traced):
     graph = PlaceGraph()
     assert not graph.run(plan, Source(torch.zeros(8), 2, 4, 1.0), None)
     assert graph.off and plan.comp.rebinds == 1 and graph.replays == 0
+
+
+def test_a_group_destroys_its_graphs_before_its_communicator(traced):
+    """NCCL destroys or aborts a communicator only once the graphs that captured its kernels
+    are gone: the group's `LiveGraphs` destroys every place's graphs first (its shutdown, its
+    watchdog's abort); the places run eagerly from then on."""
+    from lowbitcc.backend.process_group import LocoProcessGroup
+
+    work, launched = traced
+    plan, x, _ = _graph_plan(work, 2)
+    for _ in range(CAPTURE_AT + 2):
+        plan.run(x, dist.ReduceOp.SUM)
+        _done_capturing()
+    assert len(FakeGraph.made) == 2 and not any(g.reset_ for g in FakeGraph.made)
+    order = []
+    nccl = type("Nccl", (), {"abort": lambda self: order.append(
+        ("abort", [g.reset_ for g in FakeGraph.made]))})()
+    group = type("Group", (), {"_compressed": plan.group, "_nccl": nccl})()
+    LocoProcessGroup._abort_nccl(group)  # the watchdog's abort
+    assert order == [("abort", [True, True])] and plan.graph.off
+    launched.clear()
+    plan.run(x, dist.ReduceOp.SUM)  # eager again, no replay of a destroyed graph
+    assert launched and sum(g.replays for g in FakeGraph.made) == 3

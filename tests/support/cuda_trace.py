@@ -13,6 +13,7 @@ import torch
 
 from lowbitcc.backend.call_plan import CallPlan
 from lowbitcc.backend.compressed_calls import CompressedCalls
+from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.codec import cuda
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.shard_codec import ShardCodec
@@ -65,6 +66,7 @@ class PlanGroup:
         self.rank, self.size, self._codec = 0, world, codec
         self.config = LocoConfig(feedback=feedback, call_graphs=graphs)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
+        self.graphs = LiveGraphs()
 
     def codec(self, *args) -> ShardCodec:
         return self._codec
