@@ -127,7 +127,7 @@ EOF
         ;;
     goals47)  # issue 47's goals: host us, launches, uploads, allocations per planned call,
               # against the jobs (LOCO_CALL_PLANS=0) and the exact NCCL call, 2 ranks
-        timeout "${GOALS47_S:-240}" $py benchmarks/issue47_goals.py ${GOALS47_ARGS:-} --json "$out/goals47.json" \
+        timeout "${GOALS47_S:-240}" $py benchmarks/issue47_goals.py --host-profile 200 ${GOALS47_ARGS:-} --json "$out/goals47.json" \
             2>&1 | tee "$out/goals47.txt" ;;
     hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
         timeout "${HIER_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 180 \

@@ -13,7 +13,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "issue47_goals.py"
 def test_issue47_goals_times_every_path_on_cpu_tensors(tmp_path):
     out = tmp_path / "goals.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sizes", "4096",
-                           "--iters", "3", "--profiled", "1", "--graphs", "--json", str(out)],
+                           "--iters", "3", "--profiled", "1", "--graphs", "--host-profile", "2",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = json.loads(out.read_text())
@@ -23,3 +24,5 @@ def test_issue47_goals_times_every_path_on_cpu_tensors(tmp_path):
         for row in rank["rows"].values():
             assert row["host_us"] > 0 and row["time_us"] > 0 and row["allocations"] == 0
     assert done.stdout.count("SKIP issue47-") == 4, done.stdout
+    for path in ("plan", "exact", "nccl"):  # the host profiles, rank 0's
+        assert f"host profile, rank 0, 4096 {path}:" in done.stdout, done.stdout
