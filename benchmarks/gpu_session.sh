@@ -53,23 +53,6 @@ verdict() {
     fi
 }
 
-# host time per compressed all-reduce (1 MiB fp32, 2 ranks sharing the GPU), setting $1=1
-# against $1=0 in the same run: PASS where it is lower with 1; logs $out/$2-perf*
-host_ab() {
-    local on
-    for on in 1 0; do
-        env "$1=$on" timeout 100 $py -m lowbitcc perf all_reduce --device cuda --np 2 \
-            --backend loco4 -b 1M -e 1M -n 100 -w 20 --json "$out/$2-perf-$on.json"
-    done 2>&1 | tee "$out/$2-perf.txt"
-    $py - "$out" "$2" <<'EOF' | tee -a "$out/$2-perf.txt"
-import json, sys
-out, name = sys.argv[1:3]
-host = {v: json.load(open(f"{out}/{name}-perf-{v}.json"))["rows"][0]["host_us"] for v in "10"}
-print(f"{'PASS' if host['1'] < host['0'] else 'FAIL'} {name}-host {host['1'] / host['0']:.3f} "
-      f"({host['1']:.0f} vs {host['0']:.0f} us host per compressed call, 1 MiB, 2 ranks)")
-EOF
-}
-
 for phase in $phases; do
     echo "=== $phase $(date -u +%T)"
     case $phase in
@@ -83,18 +66,19 @@ for phase in $phases; do
             tests/gpu/test_cuda_backend.py -k "counter or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host" \
             2>&1 | tee "$out/frame.txt"
         verdict frame "$out/frame.txt" ;;
-    graphs)  # graph replay of a place (LOCO_CALL_GRAPHS=1, written without a GPU): bits
-             # against the eager calls, then host time per call, graphs against eager plans
+    graphs)  # graph replay of a place (LOCO_CALL_GRAPHS=1): bits against the eager calls,
+             # then issue47_goals with --graphs: host time per call, graphs against eager plans
+             # (each call issued to an idle GPU; back to back, 2 ranks on one GPU time sockets)
         timeout "${GRAPHS_S:-150}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 120 \
             tests/gpu/test_multirank.py -k "call_graphs" 2>&1 | tee "$out/graphs.txt"
         verdict graphs "$out/graphs.txt"
-        host_ab LOCO_CALL_GRAPHS graphs ;;
-    plans)  # call plans on CUDA (written without a GPU, 83b502f+): bits, then host time
+        timeout "${GRAPHS_AB_S:-120}" $py benchmarks/issue47_goals.py --sizes 65536 1048576 --iters 50 \
+            --profiled 5 --graphs --json "$out/graphs-goals.json" 2>&1 | tee "$out/graphs-goals.txt" ;;
+    plans)  # call plans on CUDA (83b502f+; first run 2026-11-27): bits
         timeout "${PLANS_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
             tests/gpu/test_multirank.py -k "call_plans or compressed_cuda_call_that_deviates" \
             2>&1 | tee "$out/plans.txt"
-        verdict plans "$out/plans.txt"
-        [ "${PLANS_AB:-1}" = 1 ] && host_ab LOCO_CALL_PLANS plans ;;  # PLANS_AB=0: goals47 has it
+        verdict plans "$out/plans.txt" ;;  # host time: goals47 (plans against jobs, same run)
     demo)  # the README's demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
         timeout 200 $py -m lowbitcc demo --steps 40 --link none 2>&1 | tee "$out/demo.txt"
         if grep -q "x nccl's speed" "$out/demo.txt"; then

@@ -209,6 +209,12 @@ def main() -> None:
         verdict = "PASS" if worst[goal] <= limit else "FAIL"
         print(f"{verdict} issue47-{goal} {worst[goal]:.2f} (at most {limit:g}, planned "
               "compressed all-reduce, worst size and rank)")
+    if opts.graphs:  # graph replay against the eager plan, host time, the worst size
+        ratio = max(max(r["rows"][f"{n} graph"]["host_us"] for r in ranks)
+                    / max(r["rows"][f"{n} plan"]["host_us"] for r in ranks) for n in opts.sizes)
+        verdict = "SKIP" if not cuda else "PASS" if ratio < 1 else "FAIL"  # no graphs on CPU
+        print(f"{verdict} graphs-host {ratio:.3f} (graph replay's host time per call over the "
+              "eager plan's, worst size)")
 
 
 if __name__ == "__main__":
