@@ -47,8 +47,9 @@ call).
 captured its kernels is gone: ``commDestroySync`` (NCCL's ``src/init.cc``) polls "until all
 graphs referencing us die", and ``ncclCommAbort`` reaches the same loop. A group's graphs
 therefore go first (`LiveGraphs.release`, the group's ``graphs``): before its inner NCCL group's
-shutdown, after the device finished its work, and before the watchdog's abort, without
-waiting (a graph still running is destroyed when it ends: ``cudaGraphExecDestroy``).
+shutdown, once its last replay has run (waiting at most the group's timeout), and before the
+watchdog's abort, without waiting (a graph still running is destroyed when it ends:
+``cudaGraphExecDestroy``).
 
 Threads: the calling thread, inside `cuda_issue.CudaIssuer.compressed` (one call at a time);
 `LiveGraphs.release` also the group's watchdog thread, once, before it aborts the group.
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -104,7 +106,6 @@ class PlaceGraph:
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
         self._stream: Any = None
-        self._device: torch.device | None = None
         self.off = False
         self.replays = 0
 
@@ -162,7 +163,6 @@ class PlaceGraph:
             count.read, count.value = False, value
         self._sent = {k: v - before[k] for k, v in state.STATS.sent("compressed").items()}
         made = self._graphs[plan.turn] = (graph, where)
-        self._device = plan.device
         plan.group.graphs.add(self)
         return made
 
@@ -180,12 +180,17 @@ class PlaceGraph:
         if not counted:
             state.STATS.add("compressed", **self._sent)
 
-    def release(self, wait: bool) -> None:
-        """Turn the place's graphs off and destroy them (`LiveGraphs.release`); ``wait``:
-        once its device has finished the work queued so far."""
+    def release(self, wait_s: float) -> None:
+        """Turn the place's graphs off and destroy them (`LiveGraphs.release`), once the
+        stream of its last replay has passed it, waiting at most ``wait_s`` seconds (a
+        peer's failure can leave it stuck: it is then destroyed when it ends)."""
         self.off = True
-        if wait and self._graphs and self._device is not None and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        if wait_s > 0 and self._graphs and self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            deadline = time.monotonic() + wait_s
+            while not done.query() and time.monotonic() < deadline:
+                time.sleep(0.001)
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
@@ -208,9 +213,9 @@ class LiveGraphs:
     def add(self, place: PlaceGraph) -> None:
         self._places.add(place)
 
-    def release(self, wait: bool) -> None:
-        """Destroy every place's graphs and turn them off (its later runs are eager);
-        ``wait``: after the devices finished their work (a shutdown; an abort does not wait,
-        since its kernels may never end)."""
+    def release(self, wait_s: float) -> None:
+        """Destroy every place's graphs and turn them off (its later runs are eager), each
+        once its last replay has run, waiting at most ``wait_s`` seconds for it (a shutdown:
+        the group's timeout; an abort: 0, since its kernels may never end)."""
         for place in list(self._places):
-            place.release(wait)
+            place.release(wait_s)

@@ -153,7 +153,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                 self._direct.shutdown()
             if self._nccl is not None:
                 assert self._cuda is not None
-                self._compressed.graphs.release(wait=self._cuda.watchdog.dead is None)
+                alive = self._cuda.watchdog.dead is None
+                self._compressed.graphs.release(self.timeout.total_seconds() if alive else 0.0)
                 self._nccl.shutdown()
 
     abort = shutdown
@@ -161,7 +162,7 @@ class LocoProcessGroup(dist.ProcessGroup):
     def _abort_nccl(self) -> None:
         """The watchdog's end of the group's device work: its graphs, then its communicator
         (`place_graph`'s teardown)."""
-        self._compressed.graphs.release(wait=False)
+        self._compressed.graphs.release(0.0)
         self._nccl.abort()
 
     # -- what the reductions share ------------------------------------------------------------
