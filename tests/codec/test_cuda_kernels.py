@@ -59,13 +59,16 @@ def _assert_clean_ptxas_log(log: str, archs: tuple[str, ...]) -> None:
     """ptxas -v output: every kernel instance built for every arch, no warning, no spill, no
     stack frame (local memory)."""
     assert "warning" not in log.lower(), log[-4000:]
+    builds = 0
     for arch in archs:
         entries = re.findall(rf"Compiling entry function '(\w+)' for 'sm_{arch}'", log)
-        # every instance the launcher can ask for is built
-        assert len(entries) == len(cuda.name_expressions()), (arch, len(entries))
+        # every instance the launcher can ask for is built (the kernels that are no template
+        # in every part of a build in parts, `cuda_build.compile_with_nvrtc`)
+        assert len(set(entries)) == len(cuda.name_expressions()), (arch, len(set(entries)))
+        builds += len(entries)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stacks = re.findall(r"(\d+) bytes stack frame", log)
-    assert len(spills) == len(cuda.name_expressions()) * len(archs)
+    assert len(spills) == builds
     assert all(s == ("0", "0") for s in spills), "local-memory spills"
     assert all(s == "0" for s in stacks), "stack frames (local memory)"
 
@@ -94,12 +97,12 @@ def _nvrtc_or_skip() -> None:
                                   for a in ARCHS])
 def test_cuda_sources_compile_with_nvrtc_without_spills(arch):
     """The same source through NVRTC, as CuPy's RawModule compiles it at run time (no GPU is
-    needed to compile for a named architecture). sm_90 in the default suite (about 40 s for
-    its 168 instances); sm_80 with ``-m slow``, where nvcc also builds both."""
+    needed to compile for a named architecture), in a part per core (about 35 s on two cores
+    for sm_90's 168 instances, 63 s in one part); sm_80 with ``-m slow``, where nvcc also builds both."""
     _nvrtc_or_skip()
     build = cuda_build.compile_with_nvrtc(arch)
     _assert_clean_ptxas_log(build.log, (arch,))
-    assert build.cubin[:4] == b"\x7fELF"
+    assert build.cubins and all(cubin[:4] == b"\x7fELF" for cubin in build.cubins)
     assert set(build.lowered) == set(cuda.name_expressions())
     assert all(name.startswith("_Z") for name in build.lowered.values())
 
