@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from lowbitcc.tools import cli
 from lowbitcc.tools.bench_train import CONFIGS, PHASES, default_schemes
 from lowbitcc.tools.study.model import TinyGPT
 from tests.support.ranks import clean_env
@@ -58,16 +59,27 @@ def test_bf16_models_train_and_their_exact_bytes_are_halved(tmp_path):
     assert bad.returncode == 2 and "fp8" in bad.stderr
 
 
-def test_unknown_schemes_and_configs_are_refused_by_name():
-    bad = _bench("--schemes", "gloo", "nccl-magic", "--steps", "2", "--warmup", "0")
-    assert bad.returncode == 2 and "nccl-magic" in bad.stderr
-    steps = _bench("--steps", "2", "--warmup", "2")
-    assert steps.returncode == 2 and "warmup < steps" in steps.stderr
-    nccl = _bench("--schemes", "nccl", "loco", "--steps", "2", "--warmup", "0")
-    assert nccl.returncode == 2 and "nccl does not run on cpu tensors" in nccl.stderr
+def _refused(capsys, caplog, *args: str) -> str:
+    """`lowbitcc bench-train` in this process (refusals come before any rank starts): its exit
+    code must be 2; what it said."""
+    caplog.clear()
+    try:
+        code = cli.main(["bench-train", *args])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2, args
+    return capsys.readouterr().err + caplog.text
+
+
+def test_unknown_schemes_and_configs_are_refused_by_name(capsys, caplog):
+    assert "nccl-magic" in _refused(capsys, caplog, "--schemes", "gloo", "nccl-magic",
+                                    "--steps", "2", "--warmup", "0")
+    assert "warmup < steps" in _refused(capsys, caplog, "--steps", "2", "--warmup", "2")
+    assert "nccl does not run on cpu tensors" in _refused(
+        capsys, caplog, "--schemes", "nccl", "loco", "--steps", "2", "--warmup", "0")
     if not torch.cuda.is_available():
-        gpu = _bench("--device", "cuda", "--steps", "2", "--warmup", "0")
-        assert gpu.returncode == 2 and "needs a GPU" in gpu.stderr
+        assert "needs a GPU" in _refused(capsys, caplog, "--device", "cuda", "--steps", "2",
+                                         "--warmup", "0")
 
 
 def test_each_device_has_its_exact_baseline():

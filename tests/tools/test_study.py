@@ -75,9 +75,11 @@ def test_study_refuses_an_untrackable_variant_before_training():
         study.run(["exact"], [0], study.StudyConfig(**study.QUICK), tracked=["fp16-hook"])
 
 
+@pytest.mark.slow
 def test_diloco_study_ranks_its_outer_syncs_and_times_them_at_the_link(tmp_path):
     """The DiLoCo study's smoke run: DDP and DiLoCo (fp32 and 4-bit LoCo outer sync, H 10) on
-    2 sites, 2 seeds, timed behind an emulated wide-area link where root allows."""
+    2 sites, 2 seeds, timed behind an emulated wide-area link where root allows (a study:
+    ``-m slow``, about 35 s; the outer sync itself is tests/backend/test_outer_sync.py's)."""
     from lowbitcc.tools import netem
     from lowbitcc.tools.link_spec import Link
     from lowbitcc.tools.study import diloco
