@@ -52,13 +52,16 @@ watchdog's abort, without waiting (a graph still running is destroyed when it en
 ``cudaGraphExecDestroy``).
 
 Threads: the calling thread, inside `cuda_issue.CudaIssuer.compressed` (one call at a time);
-`LiveGraphs.release` also the group's watchdog thread, once, before it aborts the group.
+`LiveGraphs.release` also the group's watchdog thread, once, before it aborts the group: a
+place's lock orders its graphs' storing, launch and destruction, never held across a GPU
+call.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -106,6 +109,9 @@ class PlaceGraph:
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
         self._stream: Any = None
+        self._lock = threading.Lock()  # `release` comes from the group's watchdog thread ...
+        self._launching: Any = None  # ... while this graph may be in its launch, ...
+        self._doomed: list[Any] = []  # ... and these are destroyed once it returns
         self.off = False
         self.replays = 0
 
@@ -142,6 +148,7 @@ class PlaceGraph:
         """The graph of ``plan``'s turn, captured on the call's tensors with the place's
         counter read (None: the capture failed, the compressor is as before it and the
         place's graphs are off)."""
+        plan.group.graphs.add(self)  # before the capture: a release meanwhile finds this place
         graph, comp = GRAPH(), plan.comp
         count = comp.codec.count
         before = state.STATS.sent("compressed")
@@ -162,8 +169,12 @@ class PlaceGraph:
         finally:
             count.read, count.value = False, value
         self._sent = {k: v - before[k] for k, v in state.STATS.sent("compressed").items()}
-        made = self._graphs[plan.turn] = (graph, where)
-        plan.group.graphs.add(self)
+        made = (graph, where)
+        with self._lock:
+            if self.off:  # released meanwhile: this run launches it, then it goes
+                self._doomed.append(graph)
+            else:
+                self._graphs[plan.turn] = made
         return made
 
     def _replay(self, plan: Any, graph: Any, counted: bool) -> None:
@@ -174,26 +185,46 @@ class PlaceGraph:
             for buffer in plan.buffers():
                 buffer.record_stream(stream)
             self._stream = stream
-        graph.replay()
+        with self._lock:
+            self._launching = graph
+        try:
+            graph.replay()
+        finally:
+            with self._lock:
+                self._launching, doomed, self._doomed = None, self._doomed, []
+            for released in doomed:
+                released.reset()
         plan.comp.replayed()
         self.replays += 1
         if not counted:
             state.STATS.add("compressed", **self._sent)
 
-    def release(self, wait_s: float) -> None:
+    def release(self, deadline: float) -> None:
         """Turn the place's graphs off and destroy them (`LiveGraphs.release`), once the
-        stream of its last replay has passed it, waiting at most ``wait_s`` seconds (a
-        peer's failure can leave it stuck: it is then destroyed when it ends)."""
-        self.off = True
-        if wait_s > 0 and self._graphs and self._stream is not None:
+        stream of its last replay has passed it, waiting until ``deadline`` (`time.monotonic`)
+        at most: a peer's failure can leave it stuck (it is then destroyed when it ends). A
+        graph another thread is launching now is destroyed by that thread once its launch
+        returns (NCCL's abort ends its kernels)."""
+        with self._lock:
+            self.off = True
+            graphs = [graph for graph, _ in self._graphs.values()]
+            self._graphs.clear()
+            if self._launching in graphs:
+                graphs.remove(self._launching)
+                self._doomed.append(self._launching)
+            stream = self._stream
+        if graphs and stream is not None and time.monotonic() < deadline:
             done = torch.cuda.Event()
-            done.record(self._stream)
-            deadline = time.monotonic() + wait_s
-            while not done.query() and time.monotonic() < deadline:
+            done.record(stream)
+            while time.monotonic() < deadline:
+                try:
+                    if done.query():
+                        break
+                except RuntimeError:  # a CUDA error: nothing left to wait for
+                    break
                 time.sleep(0.001)
-        for graph, _ in self._graphs.values():
+        for graph in graphs:
             graph.reset()
-        self._graphs.clear()
 
     def _stop(self, why: str) -> bool:
         """Turn the place's graphs off (they stay referenced: a launch may still run)."""
@@ -209,13 +240,18 @@ class LiveGraphs:
 
     def __init__(self) -> None:
         self._places: weakref.WeakSet[PlaceGraph] = weakref.WeakSet()
+        self._lock = threading.Lock()  # the calling thread adds, the watchdog's may release
 
     def add(self, place: PlaceGraph) -> None:
-        self._places.add(place)
+        with self._lock:
+            self._places.add(place)
 
     def release(self, wait_s: float) -> None:
-        """Destroy every place's graphs and turn them off (its later runs are eager), each
-        once its last replay has run, waiting at most ``wait_s`` seconds for it (a shutdown:
+        """Destroy every place's graphs and turn them off (its later runs are eager), once
+        their last replays have run, waiting at most ``wait_s`` seconds in all (a shutdown:
         the group's timeout; an abort: 0, since its kernels may never end)."""
-        for place in list(self._places):
-            place.release(wait_s)
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            places = list(self._places)
+        for place in places:
+            place.release(deadline)

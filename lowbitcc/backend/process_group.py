@@ -154,16 +154,20 @@ class LocoProcessGroup(dist.ProcessGroup):
             if self._nccl is not None:
                 assert self._cuda is not None
                 alive = self._cuda.watchdog.dead is None
-                self._compressed.graphs.release(self.timeout.total_seconds() if alive else 0.0)
-                self._nccl.shutdown()
+                try:
+                    self._compressed.graphs.release(self.timeout.total_seconds() if alive else 0)
+                finally:
+                    self._nccl.shutdown()
 
     abort = shutdown
 
     def _abort_nccl(self) -> None:
         """The watchdog's end of the group's device work: its graphs, then its communicator
         (`place_graph`'s teardown)."""
-        self._compressed.graphs.release(0.0)
-        self._nccl.abort()
+        try:
+            self._compressed.graphs.release(0.0)
+        finally:
+            self._nccl.abort()
 
     # -- what the reductions share ------------------------------------------------------------
     def _on_worker(self, fn: Any) -> None:

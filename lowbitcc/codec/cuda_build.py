@@ -175,7 +175,7 @@ def compile_with_nvrtc(arch: str, ptxas_verbose: bool = True, parts: int | None 
     with concurrent.futures.ThreadPoolExecutor(parts) as pool:
         built = list(pool.map(functools.partial(_nvrtc_part, arch, flags),
                               [names[k::parts] for k in range(parts)]))
-    return NvrtcBuild(arch, [b[0] for b in built], "".join(b[1] for b in built),
+    return NvrtcBuild(arch, [b[0] for b in built], "\n".join(b[1] for b in built),
                       {n: m for b in built for n, m in b[2].items()})
 
 

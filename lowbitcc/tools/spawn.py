@@ -8,9 +8,8 @@ that outlives ``timeout_s`` is killed and raises, so a hang never stalls the cal
 at the caller's level, in `LOG_FORMAT`. Values travel pickled by value (tensors included).
 `threads_per_rank` is the rule every tool uses for torch's intra-op threads. Where
 ``LOWBITCC_DUMP_STACKS_AFTER`` (seconds) is set, a rank still running that long after its group
-was made (its group's teardown included) writes every thread's stack to its stderr
-(`faulthandler`), once: what a hang's ranks were waiting on, before the caller's timeout kills
-them.
+was made, or in its group's teardown, writes every thread's stack to its stderr
+(`faulthandler`): what a hang's ranks were waiting on, before the caller's timeout kills them.
 
 The processes are forked by multiprocessing's "forkserver", a server started once per calling
 process that imports torch (and so, through torch's backend autoload, lowbitcc) before it forks
@@ -105,8 +104,10 @@ def _entry(rank: int, world: int, fn: Callable[..., Any], args: tuple, init_file
         try:
             value = fn(rank, world, *args)
         finally:
+            if dump_after:  # the teardown's own time: a hang there is dumped too
+                faulthandler.dump_traceback_later(float(dump_after))
             try:
-                dist.destroy_process_group()  # a hang here is dumped too
+                dist.destroy_process_group()
             finally:
                 faulthandler.cancel_dump_traceback_later()
         # by value: torch's queue would send tensors as shared-memory handles, which die with

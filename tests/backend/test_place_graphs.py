@@ -27,6 +27,8 @@ class FakeGraph:
 
     made: list[FakeGraph] = []
     fail = False
+    during_replay = None
+    during_capture = None
 
     def __init__(self) -> None:
         self.captured: list = []
@@ -40,6 +42,8 @@ class FakeGraph:
         self.capturing = True
         try:
             body()
+            if FakeGraph.during_capture is not None:
+                FakeGraph.during_capture()
         finally:
             self.capturing = False
         if FakeGraph.fail:
@@ -48,6 +52,9 @@ class FakeGraph:
     def replay(self) -> None:
         assert not self.reset_, "a destroyed graph replayed"
         self.replays += 1
+        if FakeGraph.during_replay is not None:  # what another thread does meanwhile
+            FakeGraph.during_replay()
+            assert not self.reset_, "destroyed while it launched"
 
     def reset(self) -> None:
         self.reset_ = True
@@ -70,6 +77,7 @@ def traced(monkeypatch):
     monkeypatch.setattr(state, "STATS", Stats())
     monkeypatch.setattr(place_graph, "GRAPH", FakeGraph)
     FakeGraph.made, FakeGraph.fail = [], False
+    FakeGraph.during_replay = FakeGraph.during_capture = None
     return work, launched
 
 
@@ -248,3 +256,31 @@ def test_a_group_destroys_its_graphs_before_its_communicator(traced):
     launched.clear()
     plan.run(x, dist.ReduceOp.SUM)  # eager again, no replay of a destroyed graph
     assert launched and sum(g.replays for g in FakeGraph.made) == 3
+
+
+def test_graphs_released_by_the_watchdog_during_a_launch_go_once_it_returns(traced):
+    """The watchdog's thread may release the group's graphs while the calling thread launches
+    one: that graph is destroyed by the launching thread once its launch returns, the others
+    at once, and a graph captured after the release is launched once and destroyed."""
+    work, launched = traced
+    plan, x, _ = _graph_plan(work, 2)
+    for _ in range(CAPTURE_AT + 1):  # both words' graphs captured
+        plan.run(x, dist.ReduceOp.SUM)
+        _done_capturing()
+    first, second = FakeGraph.made
+    FakeGraph.during_replay = lambda: plan.group.graphs.release(0.0)
+    plan.run(x, dist.ReduceOp.SUM)  # the first word's graph launches; released meanwhile
+    FakeGraph.during_replay = None
+    assert first.reset_ and second.reset_ and plan.graph.off
+    launched.clear()
+    plan.run(x, dist.ReduceOp.SUM)
+    assert launched and len(FakeGraph.made) == 2  # eager from then on
+
+    other, y, _ = _graph_plan(work, 2)
+    for _ in range(CAPTURE_AT - 1):
+        other.run(y, dist.ReduceOp.SUM)
+    FakeGraph.during_capture = lambda: other.group.graphs.release(0.0)
+    other.run(y, dist.ReduceOp.SUM)  # captured, released meanwhile: launched once, destroyed
+    _done_capturing()
+    third = FakeGraph.made[-1]
+    assert third.replays == 1 and third.reset_ and other.graph.off
