@@ -138,7 +138,8 @@ class LocoConfig:
         call_graphs: a planned CUDA place without error feedback captures its run in CUDA
             graphs at its third and fourth runs and replays them from then on
             (`lowbitcc.backend.place_graph`; the ranks agree on it, as NCCL requires; needs
-            ``call_plans``). Off by default: not yet run on a GPU (``LOCO_CALL_GRAPHS=1``).
+            ``call_plans``). Off by default: its first GPU run did not finish (docs/gpu.md;
+            ``LOCO_CALL_GRAPHS=1``).
     """
 
     bits: int = 4
