@@ -172,6 +172,11 @@ def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
             rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled,
                                             profile)
             rows[f"{numel} {path}"]["replays"] = _replays() - replays
+            if rank == 0:  # as it comes: a run cut by its time limit keeps what it measured
+                row = rows[f"{numel} {path}"]
+                print(f"rank 0 {numel} {path}: host {row['host_us']:.1f} us, time "
+                      f"{row['time_us']:.1f} us, launches {row['launches']}, uploads "
+                      f"{row['uploads']}, allocations {row['allocations']}", flush=True)
     return {"format": config.wire_format, "feedback": config.wire_feedback, "rows": rows}
 
 
