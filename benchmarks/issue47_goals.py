@@ -120,23 +120,19 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
         call()
         if len(EXCHANGES) == seen:
             allocations = max(allocations, _allocated(x.device) - before)
-    row = {"host_us": host, "time_us": elapsed, "allocations": allocations,
-           "exchanges": (len(EXCHANGES) - exchanges) / (3 * iters)}
-    if not cuda:
-        row = {**row, "launches": float("nan"), "uploads": float("nan")}
-        if host_profile:
-            row["profile"] = _host_profile(call, sync, host_profile)
-        return row
-    for _ in range(3):  # a window without a re-agreement
-        seen = len(EXCHANGES)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(profiled):
-                call()
-            sync()
-        if len(EXCHANGES) == seen:
-            break
-    work = _gpu_work(prof)
-    row = {**row, **{k: v / profiled for k, v in work.items()}}
+    row: dict[str, Any] = {"host_us": host, "time_us": elapsed, "allocations": allocations,
+                           "exchanges": (len(EXCHANGES) - exchanges) / (3 * iters),
+                           "launches": float("nan"), "uploads": float("nan")}
+    if cuda:
+        for _ in range(3):  # a window without a re-agreement
+            seen = len(EXCHANGES)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(profiled):
+                    call()
+                sync()
+            if len(EXCHANGES) == seen:
+                break
+        row.update({k: v / profiled for k, v in _gpu_work(prof).items()})
     if host_profile:
         row["profile"] = _host_profile(call, sync, host_profile)
     return row
@@ -166,14 +162,14 @@ def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
     for numel in sizes:
         x = torch.randn(numel, device=device)
         for path in paths:
-            replays = _replays()
+            replays = _replays() if path == "graph" else 0
             # every rank issues the profiled calls (collectives); rank 0's profile is printed
             profile = host_profile if numel == sizes[-1] and path in PROFILED else 0
-            rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled,
-                                            profile)
-            rows[f"{numel} {path}"]["replays"] = _replays() - replays
+            row = rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled,
+                                                  profile)
+            if path == "graph":
+                row["replays"] = _replays() - replays
             if rank == 0:  # as it comes: a run cut by its time limit keeps what it measured
-                row = rows[f"{numel} {path}"]
                 print(f"rank 0 {numel} {path}: host {row['host_us']:.1f} us, time "
                       f"{row['time_us']:.1f} us, launches {row['launches']}, uploads "
                       f"{row['uploads']}, allocations {row['allocations']}", flush=True)

@@ -151,7 +151,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._inner.shutdown()
             if self._direct is not self._inner:
                 self._direct.shutdown()
-            if self._nccl is not None and self._cuda is not None:
+            if self._cuda is not None:  # and so its inner NCCL group
                 alive = self._cuda.watchdog.dead is None
                 try:
                     self._compressed.graphs.release(self.timeout.total_seconds() if alive else 0)
