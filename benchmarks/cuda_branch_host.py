@@ -13,6 +13,9 @@ from a worktree of each in turn (it imports the package of the checkout it lies 
 and ``tests/support/cuda_trace.py`` into a worktree of a revision that lacks them);
 ``--profile`` prints the runs' cProfile by own time.
 
+Each size runs with ``call_replay`` on (host records, `launch_record`: the run issued from its
+record) and off (every run makes its arguments anew), in turn, ``--rounds`` times.
+
     python benchmarks/cuda_branch_host.py [--worlds 2 4] [--formats nvfp4 mxfp4] [--runs 3000]
 """
 
@@ -53,12 +56,13 @@ def calls_per_run(plan, x) -> tuple[int, int]:
     return events["call"], events["c_call"]
 
 
-def per_run(world: int, fmt: str, feedback: bool, runs: int,
-            profile: bool) -> tuple[float, tuple[int, int]]:
-    """Microseconds per steady-state run of the plan (after 3 untimed), and its calls."""
+def per_run(world: int, fmt: str, feedback: bool, runs: int, profile: bool,
+            replay: bool = True) -> tuple[float, tuple[int, int]]:
+    """Microseconds per steady-state run of the plan (after 3 untimed), and its calls;
+    ``replay``: ``call_replay`` (host records, `launch_record`)."""
     cuda._launch = lambda name, device, grid, args: None
     state.FEEDBACK, state.STATS = FeedbackStore(), Stats()
-    plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback)
+    plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback, replay=replay)
     for _ in range(3):
         plan.run(x, dist.ReduceOp.SUM)
     profiler = cProfile.Profile() if profile else None
@@ -82,13 +86,19 @@ def main() -> None:
     parser.add_argument("--feedback", action="store_true", help="an int8 error state too")
     parser.add_argument("--runs", type=int, default=3000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds alternating host records and eager runs")
     args = parser.parse_args()
     print(f"lowbitcc from {Path(lowbitcc.__file__).parent}")
     for fmt in args.formats:
         for world in args.worlds:
-            us, (python, builtin) = per_run(world, fmt, args.feedback, args.runs, args.profile)
-            print(f"{fmt:6} world {world}: {us:7.1f} us per planned run (host, no launch); "
-                  f"{python} Python and {builtin} builtin calls")
+            for _ in range(args.rounds):
+                for replay in (True, False):  # records on (the default), then off
+                    us, (python, builtin) = per_run(world, fmt, args.feedback, args.runs,
+                                                    args.profile, replay)
+                    print(f"{fmt:6} world {world} {'records' if replay else 'eager':>7}: "
+                          f"{us:7.1f} us per planned run (host, no launch); {python} Python "
+                          f"and {builtin} builtin calls")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,11 @@ class LocoConfig:
             (`lowbitcc.backend.place_graph`; the ranks agree on it, as NCCL requires; needs
             ``call_plans``). Off by default: its first GPU run did not finish (docs/gpu.md;
             ``LOCO_CALL_GRAPHS=1``).
+        call_replay: a planned CUDA place that could replay graphs (without ``call_graphs``)
+            records its run's launches and NCCL transfers once, on the host, and issues them
+            again from the record while its tensors keep their addresses
+            (`lowbitcc.backend.launch_record`): the same launches and bytes with less host
+            work. On by default (``LOCO_CALL_REPLAY=0``: every run makes its arguments anew).
     """
 
     bits: int = 4
@@ -172,6 +177,7 @@ class LocoConfig:
     call_schedule: bool = True
     call_plans: bool = True
     call_graphs: bool = False
+    call_replay: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -278,7 +284,7 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
-        for field in ("call_schedule", "call_plans", "call_graphs"):
+        for field in ("call_schedule", "call_plans", "call_graphs", "call_replay"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "a bool")
         if self.call_graphs and not self.call_plans:  # every rank's graphs need its plans

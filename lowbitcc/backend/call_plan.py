@@ -25,7 +25,9 @@ and inline routes never cut rows into chunks. Not yet served: calls of several t
 
 On a device a run also keeps the place's call counter (`_count`, `interface.CallCount`), and
 with ``LocoConfig.call_graphs`` its launches and transfers (`launch`) are captured in CUDA
-graphs and replayed from the place's third run on (`place_graph.PlaceGraph`).
+graphs and replayed from the place's third run on (`place_graph.PlaceGraph`); without it, where
+``LocoConfig.call_replay`` is on, they are recorded on the host once and issued from the record
+(`launch_record.LaunchRecord`).
 
 Threads: the calling thread only (the issuer's), one call at a time.
 """
@@ -93,10 +95,14 @@ class CallPlan:
         """The plan's runs so far (this one included, during a run)."""
         self._call_count: CallCount | None = None  # `_count`'s
         self._last_seq = 0
+        self._counter_next: int | None = None  # what the counter holds after the last run
         self.stride = 0
         """Calls of the group from the plan's previous run to this one (0: none before)."""
-        self.graph = PlaceGraph() if PlaceGraph.eligible(self) else None
-        """The place's graphs, where it replays them (`place_graph`, ``call_graphs``)."""
+        self.counter_holds_seq = False
+        """During a device run: the place's counter holds the run's call number (the run
+        before set it, having guessed this run's stride)."""
+        self.graph = PlaceGraph.of(self)
+        """The place's graphs or host records, where it replays them (`place_graph`)."""
 
     def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None = None) -> None:
         """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, or (a
@@ -124,6 +130,8 @@ class CallPlan:
         self.runs += 1
         if self.graph is None or not self.graph.run(self, source, output):
             self.launch(source, output)
+        if self._call_count is not None:  # what its last launch left there
+            self._counter_next = self._call_count.value
         self.verdict = comp.foreign()
         comp.finish()
         comp.raise_deferred(CollectiveMismatchError)
@@ -195,6 +203,7 @@ class CallPlan:
             count.word.record_stream(stream)
             count.frame.record_stream(stream)
         self.stride = self.seq - last if last else 0
+        self.counter_holds_seq, self._counter_next = self._counter_next == self.seq, None
         count.value = self.seq + self.stride if last else None
         return count
 

@@ -33,7 +33,14 @@ for a reason of its own (out of memory), a rank whose call at the place deviates
 agreed one or takes the job path (a non-contiguous tensor) while the others replay; NCCL may
 then hang, which the group's watchdog ends.
 
-Served (`eligible`): CUDA (and ``device="meta"`` in the tests' trace), error feedback off
+**Host records** (``recorded``; `LocoConfig.call_replay`, on by default, where ``call_graphs``
+is off): the same decisions with `launch_record.LaunchRecord` in place of a CUDA graph, save
+that a record's replay issues the eager run's NCCL calls and bytes, so ranks may differ: a
+place replays only runs whose counter holds their own call number (`CallPlan.counter_holds_seq`)
+and records again wherever its tensors, stride or input factor changed, until it has recorded
+`RECORDS_IN_A_ROW` times without a replay of an earlier record; no teardown is needed.
+
+Served (`of`): CUDA (and ``device="meta"`` in the tests' trace), error feedback off
 (an error state's poison word and its reset every ``reset_interval`` uses change per run),
 nearest rounding (stochastic rounding's keys follow the host's call number), checksums off,
 no host check. The capture runs in ``torch.cuda.graph`` (which synchronises the device and
@@ -70,12 +77,16 @@ from typing import Any
 import torch
 
 from lowbitcc import state
+from lowbitcc.backend import launch_record
+from lowbitcc.codec import launch_recording
 from lowbitcc.compressor import Source
 
 log = logging.getLogger(__name__)
 
 CAPTURE_AT = 3
 """The plan's first run that launches a graph (captured then)."""
+RECORDS_IN_A_ROW = 4
+"""Host records made in a row, none replayed again, after which a place stops recording."""
 
 
 class CudaGraph:
@@ -103,8 +114,13 @@ GRAPH: Callable[[], Any] = CudaGraph
 class PlaceGraph:
     """The graphs of one `call_plan.CallPlan`'s place (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._graphs: dict[int, tuple[Any, tuple[int, int]]] = {}  # by verdict word: graph, where
+    def __init__(self, recorded: bool = False) -> None:
+        self.recorded = recorded
+        """Host records (`launch_record.LaunchRecord`) in place of CUDA graphs: a rank may
+        replay a call or not on its own, so a place replays only runs whose counter holds
+        their own call number, and records again wherever its tensors moved."""
+        self._graphs: dict[int, tuple[Any, tuple]] = {}  # by verdict word: graph, where
+        self._misses = 0  # records made in a row without a replay of one made before
         self._factor: float | None = None  # the first capture's input factor ...
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
@@ -116,12 +132,19 @@ class PlaceGraph:
         self.replays = 0
 
     @staticmethod
-    def eligible(plan: Any) -> bool:
-        """Whether ``plan``'s place launches graphs (see the module docstring)."""
-        codec = plan.codec
-        return (plan.device.type != "cpu" and plan.group.config.call_graphs
-                and plan.comp.error_dtype is None and codec.rounding == "nearest"
-                and not codec.checksum and not codec.host_check)
+    def of(plan: Any) -> PlaceGraph | None:
+        """``plan``'s graphs: CUDA graphs (``call_graphs``), or host records (``call_replay``,
+        over a transport whose transfers can be recorded), where its place can replay at all
+        (see the module docstring); else None."""
+        codec, config = plan.codec, plan.group.config
+        if (plan.device.type == "cpu" or plan.comp.error_dtype is not None
+                or codec.rounding != "nearest" or codec.checksum or codec.host_check):
+            return None
+        if config.call_graphs:
+            return PlaceGraph()
+        if config.call_replay and launch_record.recordable(plan.transport):
+            return PlaceGraph(recorded=True)
+        return None
 
     def run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
         """``plan``'s run of ``source`` (into ``output``, a reduce-scatter) by its graph,
@@ -129,38 +152,58 @@ class PlaceGraph:
         eagerly)."""
         if self.off or plan.runs < CAPTURE_AT:
             return False
-        if self._factor is None:
-            self._factor, self._stride = source.factor, plan.stride
+        if self.recorded:
+            if not plan.counter_holds_seq:  # an eager run sets it for the next
+                return False
+            stride = plan.stride
+        elif self._factor is None:
+            self._factor, stride = source.factor, plan.stride
+            self._stride = stride
         elif source.factor != self._factor:
             return self._stop("its input factor changed")
-        where = (source.tensor.data_ptr(), 0 if output is None else output.data_ptr())
+        else:
+            stride = self._stride
+        where = (source.tensor.data_ptr(), 0 if output is None else output.data_ptr(), stride,
+                 source.factor)
         made = self._graphs.get(plan.turn)
         counted = made is None or made[1] != where
         if counted:
+            if self.recorded and self._misses == RECORDS_IN_A_ROW:
+                return self._stop("its tensors move from call to call")
             made = self._capture(plan, source, output, where)
             if made is None:
                 return False
+            self._misses += 1
+        else:
+            self._misses = 0
         self._replay(plan, made[0], counted)
         return True
 
     def _capture(self, plan: Any, source: Source, output: torch.Tensor | None,
-                 where: tuple[int, int]) -> tuple[Any, tuple[int, int]] | None:
+                 where: tuple) -> tuple[Any, tuple] | None:
         """The graph of ``plan``'s turn, captured on the call's tensors with the place's
         counter read (None: the capture failed, the compressor is as before it and the
         place's graphs are off)."""
-        plan.group.graphs.add(self)  # before the capture: a release meanwhile finds this place
-        graph, comp = GRAPH(), plan.comp
+        if self.recorded:
+            graph: Any = launch_record.LaunchRecord(plan)
+        else:
+            plan.group.graphs.add(self)  # before the capture: a release meanwhile finds it
+            graph = GRAPH()
+        comp = plan.comp
         count = comp.codec.count
         before = state.STATS.sent("compressed")
         count.read, value = True, count.value
-        count.value = self._stride
+        count.value = where[2]
         try:
             graph.capture(functools.partial(plan.launch, source, output))
             if comp.wire_error is not None:  # its NaN fill is in the graph: never replay it
                 raise comp.wire_error
-        except Exception:  # the call runs eagerly; the place never launches a graph again
-            log.warning("lowbitcc: %s: capturing its graph failed; the place runs eagerly",
-                        plan.describe(), exc_info=True)
+        except Exception as error:  # the call runs eagerly; the place never replays again
+            if isinstance(error, launch_recording.NotRecordableError):
+                log.info("%s; %s: the place runs eagerly", error, plan.describe())
+            else:
+                log.warning("lowbitcc: %s: capturing its graph failed; the place runs eagerly",
+                            plan.describe(), exc_info=True)
             sent = state.STATS.sent("compressed")
             state.STATS.add("compressed", **{k: before[k] - v for k, v in sent.items()})
             comp.rebind()
@@ -229,7 +272,8 @@ class PlaceGraph:
     def _stop(self, why: str) -> bool:
         """Turn the place's graphs off (they stay referenced: a launch may still run)."""
         if why:
-            log.warning("lowbitcc: a call place's graphs are off from now on: %s", why)
+            (log.info if self.recorded else log.warning)(
+                "lowbitcc: a call place's graphs are off from now on: %s", why)
         self.off = True
         return False
 

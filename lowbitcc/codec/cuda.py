@@ -8,17 +8,14 @@ reference for group sizes above `MAX_GROUP`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from lowbitcc.codec import reference, wire
+from lowbitcc.codec import launch_recording, reference, wire
 from lowbitcc.codec.cuda_args import (
     DECODE_SPAN,
     THREADS,
@@ -57,6 +54,7 @@ from lowbitcc.codec.framing import (
     verdict_flag,
 )
 from lowbitcc.codec.interface import CallCount, EncodeArgs, Flag, unfused
+from lowbitcc.codec.stream_words import StreamWords
 
 MAX_GROUP = 256  # at most a warp per group, 8 elements per lane (`segment_lanes`)
 ENCODE_BLOCKS = 1024
@@ -101,6 +99,21 @@ def _launch(name: str, device: torch.device, grid: int | tuple[int, int], args: 
     _function(index, name)(grid, (THREADS,), args, stream=_external(stream, index))
 
 
+def _issue(name: str, device: torch.device, grid: int | tuple[int, int], args: tuple) -> None:
+    """`_launch`, or where this thread records (`launch_recording.recording`) the launch
+    appended to the record instead, as a step that launches it (`relaunch`)."""
+    record = launch_recording.steps()
+    if record is None:
+        _launch(name, device, grid, args)
+    else:
+        record.append(functools.partial(relaunch, name, device, grid, args))
+
+
+def relaunch(name: str, device: torch.device, grid: int | tuple[int, int], args: tuple) -> None:
+    """A recorded launch made again, on the then current stream (`_launch`, looked up now)."""
+    _launch(name, device, grid, args)
+
+
 @functools.cache
 def _function(index: int, name: str) -> Any:
     """Kernel ``name`` of `module`, loaded on GPU ``index`` (looked up once per launch site)."""
@@ -124,36 +137,6 @@ def _external(stream: torch.cuda.Stream, index: int) -> Any:
     return external
 
 
-class _StreamWords:
-    """Zeroed int64 accumulators kept per CUDA stream: `taken` lends at least ``words`` of the
-    current stream's to the launches in its block, which must leave them zero again
-    (`FRAME_FOLD` does), so no call zero-fills its own. Work on one stream is ordered, and a
-    lock keeps two host threads (two groups on one stream) from interleaving their launches;
-    a block that raises drops the stream's buffer (it may be left dirty). A larger request
-    replaces the buffer with a new zero-filled one (the old one goes back to the caching
-    allocator, which reuses it on that stream only)."""
-
-    def __init__(self) -> None:
-        self._words: dict[tuple[str, int | None, int], torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def taken(self, words: int, device: torch.device) -> Iterator[torch.Tensor]:
-        stream = (torch.cuda.current_stream(device).cuda_stream if device.type == "cuda"
-                  else 0)
-        key = (device.type, device.index, stream)
-        with self._lock:
-            buf = self._words.get(key)
-            if buf is None or buf.numel() < words:
-                buf = self._words[key] = torch.zeros(max(words, 64), dtype=torch.int64,
-                                                     device=device)
-            try:
-                yield buf[:words]
-            except BaseException:
-                self._words.pop(key, None)
-                raise
-
-
 class CudaKernels(TorchFraming):
     """`kernels.Kernels` on CuPy's NVRTC build of ``cuda_codec.cu``; CUDA tensors only, launched
     on torch's current stream, with no host synchronisation."""
@@ -168,7 +151,7 @@ class CudaKernels(TorchFraming):
     """The encode reads a state's ``poison`` word (`ErrorState.poison`) on the device."""
 
     def __init__(self) -> None:
-        self.stream_words = _StreamWords()
+        self.stream_words = StreamWords()
 
     fuses_frame = True
     """The encode frames its messages itself where given ``EncodeArgs.frame``: the last of its
@@ -204,17 +187,17 @@ class CudaKernels(TorchFraming):
                 spec.shards != list(range(spec.shards[0], spec.shards[0] + args.rows))):
             if spec is not None:
                 unfused(spec.count, "frame")
-            _launch(name, device, blocks, (pack_encode_args(args), NO_FRAME, *sources))
+            _issue(name, device, blocks, (pack_encode_args(args), NO_FRAME, *sources))
             if spec is not None:
                 self.frame(messages, spec.header, spec.shards, args.nonfinite, spec.used,
                            spec.flags, False, spec.verdict)
             return
         own = spec.count.frame if spec.count is not None else None
         if own is not None and own.numel() > args.rows:  # the place's: no stream's words
-            _launch(name, device, blocks, (pack_encode_args(args), frame_args(spec, own), *sources))
+            _issue(name, device, blocks, (pack_encode_args(args), frame_args(spec, own), *sources))
             return
         with self.stream_words.taken(args.rows + 1, device) as words:
-            _launch(name, device, blocks, (pack_encode_args(args), frame_args(spec, words), *sources))
+            _issue(name, device, blocks, (pack_encode_args(args), frame_args(spec, words), *sources))
 
     fuses_check = True
     """The decodes check the rows' headers themselves where given the call's header (`check`):
@@ -232,7 +215,7 @@ class CudaKernels(TorchFraming):
             unfused(count, "decode")
             self.check(messages, check[0], check[1], False, verdict)
             return
-        _launch(decode_sum_name(bits, fmt), messages.device, -(-m // DECODE_SPAN),
+        _issue(decode_sum_name(bits, fmt), messages.device, -(-m // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(messages.shape[0]), np.int64(messages.stride(0)),
                  np.int64(m), np.int32(group_size), ptr_arg(out), ptr_arg(verdict),
                  self._row_check(messages, check, verdict, count, last=True)))
@@ -248,7 +231,7 @@ class CudaKernels(TorchFraming):
             self.check(messages, check[0], check[1], False, verdict)
             return
         name = decode_into_name(out.dtype, bits, fmt)
-        _launch(name, messages.device, -(-n // DECODE_SPAN),
+        _issue(name, messages.device, -(-n // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(messages.stride(0)), np.int64(m), np.int32(group_size),
                  np.int64(n), ptr_arg(out), ptr_arg(verdict),
                  self._row_check(messages, check, verdict, count, last=True)))
@@ -275,7 +258,7 @@ class CudaKernels(TorchFraming):
             self.check(messages, header, list(range(n)) * senders, False, verdict)
             check = row_check(None, 0, 0, 0, 0, count, last=True)
         numel = out.numel()
-        _launch(decode_rows_name(out.dtype, bits, fmt), messages.device, -(-numel // DECODE_SPAN),
+        _issue(decode_rows_name(out.dtype, bits, fmt), messages.device, -(-numel // DECODE_SPAN),
                 (ptr_arg(messages), np.int64(senders), np.int64(n), np.int64(width), np.int64(m),
                  np.int32(group_size), np.int64(numel), ptr_arg(out), ptr_arg(verdict), check))
 
@@ -311,10 +294,10 @@ class CudaKernels(TorchFraming):
             return reference.checksum(messages)
         sums = torch.zeros(rows, 2, dtype=torch.int64, device=messages.device)
         out = torch.empty(rows, dtype=torch.int64, device=messages.device)
-        _launch(CHECKSUM, messages.device, (checksum_blocks(width), rows),
+        _issue(CHECKSUM, messages.device, (checksum_blocks(width), rows),
                 (ptr_arg(messages), np.int64(width), np.int64(stride), np.uint64(wire.CHECKSUM_STEP),
                  ptr_arg(sums)))
-        _launch(CHECKSUM_FOLD, messages.device, -(-rows // THREADS),
+        _issue(CHECKSUM_FOLD, messages.device, -(-rows // THREADS),
                 (ptr_arg(sums), np.int64(rows), ptr_arg(out)))
         return out
 
@@ -351,11 +334,11 @@ class CudaKernels(TorchFraming):
                acc: torch.Tensor, answer: torch.Tensor) -> None:
         rows, width = messages.shape
         device = messages.device
-        _launch(FRAME_BODY, device, (checksum_blocks(width), rows),
+        _issue(FRAME_BODY, device, (checksum_blocks(width), rows),
                 (ptr_arg(messages), np.int64(width), np.int64(used), ptr_arg(nonfinite),
                  np.int64(nonfinite.numel() // rows), np.uint64(wire.CHECKSUM_STEP),
                  np.int32(checksum), ptr_arg(acc)))
-        _launch(FRAME_FOLD, device, -(-rows // THREADS),
+        _issue(FRAME_FOLD, device, -(-rows // THREADS),
                 (ptr_arg(messages), np.int64(width), np.int64(rows), ptr_arg(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
                  np.uint32(flags), np.int32(checksum), ptr_arg(answer)))
@@ -381,10 +364,10 @@ class CudaKernels(TorchFraming):
         if verdict is None:
             verdict = acc[-1:].view(torch.uint8)
         if checksum:
-            _launch(CHECKSUM, device, (checksum_blocks(width), rows),
+            _issue(CHECKSUM, device, (checksum_blocks(width), rows),
                     (ptr_arg(messages), np.int64(width), np.int64(stride),
                      np.uint64(wire.CHECKSUM_STEP), ptr_arg(acc)))
-        _launch(CHECK_FOLD, device, -(-rows // THREADS),
+        _issue(CHECK_FOLD, device, -(-rows // THREADS),
                 (ptr_arg(messages), np.int64(width), np.int64(stride), np.int64(rows), ptr_arg(acc),
                  np.frombuffer(header, dtype=HEADER_WORDS)[0], np.int64(shards[0]),
                  np.int64(step), np.int32(checksum), ptr_arg(verdict)))

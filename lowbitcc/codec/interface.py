@@ -38,7 +38,7 @@ class CallCount:
     frame: torch.Tensor | None = None
     """The place's own accumulator of its encodes' frames (int64, at least the rows of its
     largest encode and one, zero between launches), used instead of the stream's
-    (`cuda._StreamWords`): a replayed graph runs on another stream than it was captured on."""
+    (`stream_words.StreamWords`): a replayed graph runs on another stream than it was captured on."""
 
 
 def unfused(count: CallCount | None, what: str) -> None:

@@ -18,6 +18,8 @@ first use, each its own ``ProcessGroupNCCL`` on the group's store.
 from __future__ import annotations
 
 import datetime
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,16 +65,25 @@ class NcclTransport:
         return self.all_gather_async(send).wait()
 
     def all_to_all_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Enqueued:
-        flat = send.reshape(-1).contiguous()
-        recv = received(out, flat.numel(), flat)
-        work = self.group.alltoall_base(recv, flat, [], [], _sync(dist.AllToAllOptions()))
-        return Enqueued(work, recv.view(send.shape))
+        return self.prepare_all_to_all(send, out).issue()
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Enqueued:
+        return self.prepare_all_gather(send, out).issue()
+
+    def prepare_all_to_all(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Prepared:
+        """`all_to_all_async`'s transfer, ready to be issued, as often as asked (each issue
+        reads ``send`` and writes its receive buffer, ``out`` where given, anew)."""
+        flat = send.reshape(-1).contiguous()
+        recv = received(out, flat.numel(), flat)
+        return Prepared(functools.partial(self.group.alltoall_base, recv, flat, [], [],
+                                          _sync(dist.AllToAllOptions())), recv.view(send.shape))
+
+    def prepare_all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Prepared:
+        """`all_gather_async`'s transfer, ready to be issued (as `prepare_all_to_all`'s)."""
         flat = send.reshape(-1).contiguous()
         recv = received(out, self.size * flat.numel(), flat)
-        work = self.group._allgather_base(recv, flat, _sync(AllgatherOptions()))
-        return Enqueued(work, recv.view(self.size, -1))
+        return Prepared(functools.partial(self.group._allgather_base, recv, flat,
+                                          _sync(AllgatherOptions())), recv.view(self.size, -1))
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Enqueued:
         raise NotImplementedError(_NO_P2P)
@@ -83,6 +94,21 @@ class NcclTransport:
 
 _NO_P2P = ("lowbitcc: the nccl transport has no point-to-point transfers; compressed calls on "
            f"CUDA tensors run the {', '.join(SCHEDULES)} schedule")
+
+
+class Prepared:
+    """A transfer made ready (`NcclTransport.prepare_all_gather`): `issue` enqueues it on the
+    current stream; ``recv`` is what it receives into."""
+
+    def __init__(self, call: Callable[[], Any], recv: torch.Tensor) -> None:
+        self.call, self.recv = call, recv
+
+    def issue(self) -> Enqueued:
+        return Enqueued(self.call(), self.recv)
+
+    def issue_ordered(self) -> None:
+        """`issue`, the current stream ordered after it (`Enqueued.wait`)."""
+        self.issue().wait()
 
 
 class Enqueued:

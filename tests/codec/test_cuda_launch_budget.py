@@ -230,8 +230,9 @@ def test_only_the_first_encode_of_a_call_clears_its_verdict_and_reads_the_poison
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_planned_run_leaves_the_place_s_next_call_number_in_its_counter(world, monkeypatch):
-    """Every CUDA run of a place passes the place's counter (`interface.CallCount`) to its
-    launches: none reads it (an eager run takes its call number by value), and the last
+    """Every eager CUDA run of a place (no host record: `launch_record`) passes the place's
+    counter (`interface.CallCount`) to its launches: none reads it (an eager run takes its call
+    number by value), and the last
     (``decode_rows`` at 2 ranks, ``decode_into`` at 4) writes there the number the place's
     next run takes where as many calls come between as between its last two runs; the first
     run, with no stride yet, writes nothing."""
@@ -242,7 +243,7 @@ def test_each_planned_run_leaves_the_place_s_next_call_number_in_its_counter(wor
         (name.split("<")[0].removeprefix("loco_cuda::"), args)))
     monkeypatch.setattr(state, "FEEDBACK", FeedbackStore())
     monkeypatch.setattr(state, "STATS", Stats())
-    plan, x, _ = meta_plan(GpuWork(), world, 1 << 16, "nvfp4", feedback=False)
+    plan, x, _ = meta_plan(GpuWork(), world, 1 << 16, "nvfp4", feedback=False, replay=False)
     next_seq = plan.group.agreement.next_seq
     counts = []
     for between in (0, 2, 2, 0):  # other calls of the group before this run

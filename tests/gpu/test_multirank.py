@@ -177,10 +177,12 @@ def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world, fmt, feedback):
             assert torch.equal(state["data"], want_states[key]["data"]), key
 
 
-def _graph_steps(rank, world, gloo, graphs):
+def _graph_steps(rank, world, gloo, mode):
     """12 steps of one compressed all-reduce place (a DDP bucket's: the tensor kept, here and
-    there another one) on a group with ``call_graphs`` = ``graphs``: every result, and how many
-    runs replayed a graph (`place_graph`)."""
+    there another one) on a group whose places replay by ``mode``: "graphs" (``call_graphs``),
+    "records" (``call_replay``, the default), "records on rank 0" (the others eager: ranks may
+    differ in it) or "eager" (neither): every result, and how many runs replayed
+    (`place_graph`)."""
     from lowbitcc.backend import place_graph
 
     replays = [0]
@@ -191,8 +193,10 @@ def _graph_steps(rank, world, gloo, graphs):
         return replay(self, *args, **kwargs)
 
     place_graph.PlaceGraph._replay = counted
+    if mode == "records on rank 0" and rank != 0:
+        place_graph.PlaceGraph.of = staticmethod(lambda plan: None)
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, call_graphs=graphs))
+        cost_model=False, call_graphs=mode == "graphs", call_replay=mode != "eager"))
     device = spawn.gpu_device(rank)
     gen = torch.Generator().manual_seed(rank)
     bucket = torch.empty(N, device=device)
@@ -213,10 +217,23 @@ def test_cuda_call_graphs_replay_the_eager_calls_bit_for_bit(world):
     the tensor is new: twice for the bucket, again for the tensors that moved) against the
     same calls run eagerly: the same bits on every rank, and graph launches from the third
     planned run on."""
-    replayed = _ranks(_graph_steps, world, True)
-    eager = _ranks(_graph_steps, world, False)
+    replayed = _ranks(_graph_steps, world, "graphs")
+    eager = _ranks(_graph_steps, world, "eager")
     for (got, replays), (want, none) in zip(replayed, eager, strict=True):
         assert none == 0 and replays >= 6, replays
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["records", "records on rank 0"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_call_records_issue_the_eager_calls_bit_for_bit(world, mode):
+    """``call_replay`` (on by default: from its plan's third run a place issues its run from a
+    host record, made again where the tensor moved) against the same calls run eagerly: the
+    same bits on every rank, also where only rank 0 replays."""
+    replayed = _ranks(_graph_steps, world, mode)
+    eager = _ranks(_graph_steps, world, "eager")
+    for rank, ((got, replays), (want, none)) in enumerate(zip(replayed, eager, strict=True)):
+        assert none == 0 and (replays >= 6 if rank == 0 or mode == "records" else replays == 0)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 

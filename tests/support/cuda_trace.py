@@ -62,9 +62,9 @@ class PlanGroup:
     (an int8 error state) or off."""
 
     def __init__(self, world: int, codec: ShardCodec, feedback: bool = True,
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, replay: bool = True) -> None:
         self.rank, self.size, self._codec = 0, world, codec
-        self.config = LocoConfig(feedback=feedback, call_graphs=graphs)
+        self.config = LocoConfig(feedback=feedback, call_graphs=graphs, call_replay=replay)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
         self.graphs = LiveGraphs()
 
@@ -82,10 +82,11 @@ class PlanGroup:
 
 def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
               collective: str = "all_reduce", feedback: bool = True, graphs: bool = False,
-              ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
+              replay: bool = True) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
-    kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``), its
+    kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``,
+    ``replay``: ``call_replay``), its
     NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output. The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
     codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
@@ -93,4 +94,4 @@ def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
     route = types.SimpleNamespace(links=Links.of(NcclTransport(RecordingGroup(work, 0, world))))
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
-    return CallPlan(PlanGroup(world, codec, feedback, graphs), route, x, collective), x, out
+    return CallPlan(PlanGroup(world, codec, feedback, graphs, replay), route, x, collective), x, out
