@@ -46,8 +46,9 @@ FREE_OPS = frozenset({"record_stream"})
 
 
 def recordable(transport: Any) -> bool:
-    """Whether ``transport``'s transfers can be recorded (NCCL's)."""
-    return hasattr(transport, "prepare_all_gather") and hasattr(transport, "prepare_all_to_all")
+    """Whether ``transport``'s transfers can be recorded (``records``: NCCL's, metered or
+    not; a metered one counts its bytes at every issue, none while a record is made)."""
+    return getattr(transport, "records", False)
 
 
 class LaunchRecord:

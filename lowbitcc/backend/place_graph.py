@@ -163,8 +163,8 @@ class PlaceGraph:
             return self._stop("its input factor changed")
         else:
             stride = self._stride
-        where = (source.tensor.data_ptr(), 0 if output is None else output.data_ptr(), stride,
-                 source.factor)
+        where = (source.tensor.data_ptr(), stride, source.factor, None if output is None else
+                 (output.data_ptr(), output.dtype, output.is_contiguous()))
         made = self._graphs.get(plan.turn)
         counted = made is None or made[1] != where
         if counted:
@@ -193,7 +193,7 @@ class PlaceGraph:
         count = comp.codec.count
         before = state.STATS.sent("compressed")
         count.read, value = True, count.value
-        count.value = where[2]
+        count.value = where[1]
         try:
             graph.capture(functools.partial(plan.launch, source, output))
             if comp.wire_error is not None:  # its NaN fill is in the graph: never replay it

@@ -22,6 +22,20 @@ class _MeteredPending:
         return out
 
 
+class _MeteredPrepared:
+    """A prepared transfer of the inner transport (`nccl.Prepared`) whose every issue is metered
+    as `MeteredTransport`'s async transfers are."""
+
+    def __init__(self, inner, meter: MeteredTransport, sent: tuple[int, int]) -> None:
+        self.inner, self.recv, self._meter, self._sent = inner, inner.recv, meter, sent
+
+    def issue(self) -> Pending:
+        return self._meter._started(self.inner.issue, (), self._sent)
+
+    def issue_ordered(self) -> None:
+        self.issue().wait()
+
+
 class MeteredTransport:
     """Wraps a `Transport`, adding the bytes this rank sends and the time spent to `stats`
     (for background transfers, the time spent starting them and waiting for them).
@@ -57,6 +71,22 @@ class MeteredTransport:
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
         return self._started(self.inner.all_gather_async, (send,) if out is None else (send, out),
                              self._to_peers(send.numel()))
+
+    @property
+    def records(self) -> bool:
+        """Whether the inner transport's transfers can be prepared once and issued again
+        (`nccl.NcclTransport.records`): then so can this one's, each issue metered."""
+        return getattr(self.inner, "records", False)
+
+    def prepare_all_to_all(self, send: torch.Tensor, out: torch.Tensor | None = None,
+                           ) -> _MeteredPrepared:
+        return _MeteredPrepared(self.inner.prepare_all_to_all(send, out), self,
+                                self._to_peers(send.shape[1]))
+
+    def prepare_all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None,
+                           ) -> _MeteredPrepared:
+        return _MeteredPrepared(self.inner.prepare_all_gather(send, out), self,
+                                self._to_peers(send.numel()))
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:
         n = send.numel()

@@ -53,6 +53,9 @@ class NcclTransport:
     """`Transport` over ``group``, a ``ProcessGroupNCCL`` owned by the caller; every transfer
     runs on the current CUDA stream of the calling thread."""
 
+    records = True
+    """Its transfers can be prepared once and issued again (`prepare_all_gather`)."""
+
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank = group.rank()

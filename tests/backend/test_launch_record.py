@@ -56,11 +56,12 @@ def test_a_place_issues_its_eager_runs_launches_and_transfers_from_its_record(
     packed argument, kernel, allocation or upload of its own."""
     monkeypatch.setattr(state, "STATS", Stats())
     work, eager_work = GpuWork(), GpuWork()
-    plan, x, out = meta_plan(work, world, 1 << 16, "nvfp4", collective, feedback=False)
+    stats, eager_stats = Stats(), Stats()  # each plan's, its metered transfers' included
+    plan, x, out = meta_plan(work, world, 1 << 16, "nvfp4", collective, feedback=False,
+                             stats=stats)
     eager, y, out_e = meta_plan(eager_work, world, 1 << 16, "nvfp4", collective, feedback=False,
-                                replay=False)
+                                replay=False, stats=eager_stats)
     assert plan.graph.recorded and eager.graph is None
-    stats, eager_stats = Stats(), Stats()
     records: dict[int, list] = {}
     for run in range(1, 9):
         work.nccl.clear()
@@ -84,7 +85,8 @@ def test_a_place_issues_its_eager_runs_launches_and_transfers_from_its_record(
             assert all(a is b for (_, a), (_, b) in zip(mine, records[plan.turn], strict=True))
             assert not steady.kernels and steady.allocations == 0
             assert steady.host_to_device == 0
-    assert stats.sent("compressed") == eager_stats.sent("compressed")
+        assert stats.sent("compressed") == eager_stats.sent("compressed")  # after every run
+    assert stats.sent("compressed")["wire_bytes"] > 0
     assert plan.graph.replays == 6 and plan.seq == eager.seq == 8
 
 
@@ -97,19 +99,29 @@ def test_a_place_whose_calls_came_further_apart_runs_eagerly_until_its_counter_h
     monkeypatch.setattr(state, "STATS", Stats())
     plan, x, _ = meta_plan(GpuWork(), 2, 1 << 16, "nvfp4", feedback=False)
     next_seq = plan.group.agreement.next_seq
-    replayed = []
-    for between in (0, 0, 0, 0, 2, 0, 0, 0):
+    replayed, counter = [], None  # the place's counter word, as the launches leave it
+    for between in (0, 0, 0, 0, 2, 0, 0, 0, 1, 1, 1, 1):
         for _ in range(between):
             next_seq()
         before = plan.graph.replays
         mine = _run(plan, x, None, state.STATS, launched)
         replayed.append(plan.graph.replays > before)
+        for _, args in mine:
+            if "count" not in args[-1].dtype.names:  # the encode: framed by its own header
+                continue
+            count = args[-1]["count"]
+            if int(count["read"]):  # the call number every reading launch writes and expects
+                assert counter == plan.seq, (counter, plan.seq)
+            mode, value = int(count["mode"]), int(count["value"])
+            counter = value if mode == COUNT_SET else counter + value if mode == COUNT_ADD else counter
         count = mine[-1][1][-1]["count"]
         if not replayed[-1] and plan.runs >= CAPTURE_AT:  # eager, the number for the next run
             assert int(count["read"]) == 0 and int(count["mode"]) == COUNT_SET
             assert int(count["value"]) == plan.seq + plan.stride
-    assert replayed == [False, False, True, True, False, False, True, True]
-    assert plan.seq == 10
+    # a lasting stride of 2: one eager run sets the counter, then records of that stride
+    assert replayed == [False, False, True, True, False, False, True, True,
+                        False, True, True, True]
+    assert plan.seq == 18
 
 
 class _Plan:

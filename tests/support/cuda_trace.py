@@ -11,6 +11,7 @@ import types
 
 import torch
 
+from lowbitcc import state
 from lowbitcc.backend.call_plan import CallPlan
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.place_graph import LiveGraphs
@@ -18,7 +19,9 @@ from lowbitcc.codec import cuda
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.config import LocoConfig
+from lowbitcc.counters import Stats
 from lowbitcc.transports.links import Links
+from lowbitcc.transports.metered import MeteredTransport
 from lowbitcc.transports.nccl import NcclTransport
 
 
@@ -82,16 +85,20 @@ class PlanGroup:
 
 def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
               collective: str = "all_reduce", feedback: bool = True, graphs: bool = False,
-              replay: bool = True) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
+              replay: bool = True, stats: Stats | None = None,
+              ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
     kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``,
-    ``replay``: ``call_replay``), its
+    ``replay``: ``call_replay``), its transfers metered into ``stats`` (default `state.STATS`
+    now) as `transports.open_nccl_links`' are, its
     NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output. The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
     codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
                        world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
-    route = types.SimpleNamespace(links=Links.of(NcclTransport(RecordingGroup(work, 0, world))))
+    transport = MeteredTransport(NcclTransport(RecordingGroup(work, 0, world)),  # as on a GPU
+                                 state.STATS if stats is None else stats)
+    route = types.SimpleNamespace(links=Links.of(transport))
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
     return CallPlan(PlanGroup(world, codec, feedback, graphs, replay), route, x, collective), x, out
