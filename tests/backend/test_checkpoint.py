@@ -171,10 +171,17 @@ def _load(rank, world, gloo, kind, path):
 
 
 ENV = {"LOCO_COST_MODEL": "0", "LOCO_MIN_SIZE": "4096", "LOCO_FEEDBACK": "1"}
+DEFAULT_CHANGES = {("ddp", 2, 3), ("fsdp2", 4, 2), ("ddp", 2, 2)}
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("old,new", [(2, 1), (2, 3), (4, 2), (2, 2)])
+WORLD_CHANGES = [(kind, old, new) if (kind, old, new) in DEFAULT_CHANGES
+                 else pytest.param(kind, old, new, marks=pytest.mark.slow)
+                 for old, new in [(2, 1), (2, 3), (4, 2), (2, 2)] for kind in ["ddp", "fsdp2"]]
+"""Every model kind and world size change; the default suite takes three (about 30 s), one of
+each branch of the test (a larger world, a smaller one, the same), ``-m slow`` the rest."""
+
+
+@pytest.mark.parametrize("kind,old,new", WORLD_CHANGES)
 def test_dcp_checkpoints_resume_on_another_world_size(kind, old, new, tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save, old, kind, path, env=ENV, timeout=240)
