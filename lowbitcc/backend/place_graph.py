@@ -28,7 +28,12 @@ whatever object it is). A run whose input factor differs from the capture's
 (`ReduceOp.PREMUL_SUM` with another factor) runs eagerly and turns the place's graphs off, as
 does a capture that fails (a path whose launches cannot read the counter,
 `interface.unfused`, or a message check that raised while capturing); those are the call's
-own, the same on every rank. What is not uniform, and not handled: a rank whose capture fails
+own, the same on every rank. Against NCCL: a rank's capture again where its tensor moved (its
+user guide: "the launch of a graph ... containing a captured NCCL operation is considered
+collective for the same set of ranks that were present in the capture, and each of those
+ranks must be using the graph derived from that collective capture"; the fix, not built: the
+first and last launches read the call's tensor addresses from a device word the place sets
+before a replay, so that a place captures once, on every rank). What is not uniform either: a rank whose capture fails
 for a reason of its own (out of memory), a rank whose call at the place deviates from the
 agreed one or takes the job path (a non-contiguous tensor) while the others replay; NCCL may
 then hang, which the group's watchdog ends.
