@@ -64,7 +64,7 @@ for phase in $phases; do
         timeout "${FRAME_S:-150}" $py -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 120 \
             tests/codec/test_cuda_kernels.py tests/codec/test_encode_sum.py tests/codec/test_decode_rows.py \
             tests/codec/test_call_count.py \
-            tests/gpu/test_cuda_backend.py -k "counter or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host" \
+            tests/gpu/test_cuda_backend.py -k "counter or address_word or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host" \
             2>&1 | tee "$out/frame.txt"
         verdict frame "$out/frame.txt" ;;
     graphs)  # graph replay of a place (LOCO_CALL_GRAPHS=1): bits against the eager calls,

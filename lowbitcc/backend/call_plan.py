@@ -179,6 +179,12 @@ class CallPlan:
         self._used_by_stream(buffer)
         return buffer
 
+    def addresses(self) -> torch.Tensor:
+        """The place's int64 ``[2]`` device word of its call's source and output addresses,
+        which a replayed graph's first and last launches read (`interface.CallCount.addresses`,
+        set by `place_graph.PlaceGraph` before each launch)."""
+        return self.kept("addresses", 2, torch.int64)
+
     def _used_by_stream(self, *buffers: torch.Tensor) -> None:
         """On CUDA, mark kept ``buffers`` used by the run's (current) stream (`kept`)."""
         if self._cuda:

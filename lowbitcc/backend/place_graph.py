@@ -16,27 +16,27 @@ schedule, a call the training loop adds now and then): `CallPlan.describe` names
 
 **Uniform over the ranks.** NCCL: "Whether an operation launch is graph-captured is
 considered a collective property of that operation and therefore must be uniform over all
-ranks participating in the launch" (its user guide, CUDA graphs). So whether a run launches
-a graph depends only on what the ranks of a place share, the plan's run count (plans are on
-at every rank: ``call_graphs``, which the ranks agree on, needs ``call_plans``): runs 1 and
-2 are eager (the second writes the place's next call number into its counter); from run
-`CAPTURE_AT` on, every run launches the graph of its verdict word, captured by the first run
-that needs it (runs 3 and 4) and captured again, on this rank alone, where the call's tensor
-lies elsewhere than the graph's (a capture launches nothing; the graph holds the addresses of
-the tensors it was captured on, no reference: a tensor at the same address is the call's,
-whatever object it is). A run whose input factor differs from the capture's
-(`ReduceOp.PREMUL_SUM` with another factor) runs eagerly and turns the place's graphs off, as
-does a capture that fails (a path whose launches cannot read the counter,
-`interface.unfused`, or a message check that raised while capturing); those are the call's
-own, the same on every rank. Against NCCL: a rank's capture again where its tensor moved (its
-user guide: "the launch of a graph ... containing a captured NCCL operation is considered
-collective for the same set of ranks that were present in the capture, and each of those
-ranks must be using the graph derived from that collective capture"; the fix, not built: the
-first and last launches read the call's tensor addresses from a device word the place sets
-before a replay, so that a place captures once, on every rank). What is not uniform either: a rank whose capture fails
-for a reason of its own (out of memory), a rank whose call at the place deviates from the
-agreed one or takes the job path (a non-contiguous tensor) while the others replay; NCCL may
-then hang, which the group's watchdog ends.
+ranks participating in the launch", and "the launch of a graph ... containing a captured NCCL
+operation is considered collective for the same set of ranks that were present in the capture,
+and each of those ranks must be using the graph derived from that collective capture" (its user
+guide, CUDA graphs). So whether a run launches a graph, and which, depends only on what the
+ranks of a place share, the plan's run count (plans are on at every rank: ``call_graphs``,
+which the ranks agree on, needs ``call_plans``): runs 1 and 2 are eager (the second writes the
+place's next call number into its counter); from run `CAPTURE_AT` on, every run launches the
+graph of its verdict word, captured once, by the first run that needs it (runs 3 and 4, on
+every rank alike). A graph's first launch reads the call's source, and its last writes the
+call's output, at the addresses the place's device word holds (`CallPlan.addresses`,
+`interface.CallCount.addresses`), which the place sets by a fill before a launch where the
+call's tensors lie elsewhere than the last call's (a rank's own business: no capture). A run
+whose input factor differs from the capture's (`ReduceOp.PREMUL_SUM` with another factor), or
+whose reduce-scatter output would be cast or copied after the decode (bf16, non-contiguous),
+runs eagerly and turns the place's graphs off, as does a capture that fails (a path whose
+launches cannot read the counter, `interface.unfused`, or a message check that raised while
+capturing); those are the call's own, the same on every rank. What is not uniform, and not
+handled: a rank whose capture fails for a reason of its own (out of memory), an output whose
+contiguity differs between ranks, a rank whose call at the place deviates from the agreed one
+or takes the job path (a non-contiguous tensor) while the others replay; NCCL may then hang,
+which the group's watchdog ends.
 
 **Host records** (``recorded``; `LocoConfig.call_replay`, on by default, where ``call_graphs``
 is off): the same decisions with `launch_record.LaunchRecord` in place of a CUDA graph, save
@@ -49,11 +49,10 @@ Served (`of`): CUDA (and ``device="meta"`` in the tests' trace), error feedback 
 (an error state's poison word and its reset every ``reset_interval`` uses change per run),
 nearest rounding (stochastic rounding's keys follow the host's call number), checksums off,
 no host check. The capture runs in ``torch.cuda.graph`` (which synchronises the device and
-empties the allocator's cache first: each capture is a stall, so a place whose tensor moves
-every call, FSDP2's, is better off eager) in thread-local capture mode (the group's watchdog
-thread queries events meanwhile); every kernel and the NCCL communicator have run eagerly
-before (CuPy loads its module at its first launch, NCCL makes its communicator at its first
-call).
+empties the allocator's cache first: a stall, twice per place) in thread-local capture mode
+(the group's watchdog thread queries events meanwhile); every kernel and the NCCL communicator
+have run eagerly before (CuPy loads its module at its first launch, NCCL makes its
+communicator at its first call).
 
 **Teardown.** NCCL destroys (and aborts) a communicator only once every CUDA graph that
 captured its kernels is gone: ``commDestroySync`` (NCCL's ``src/init.cc``) polls "until all
@@ -121,11 +120,13 @@ class PlaceGraph:
 
     def __init__(self, recorded: bool = False) -> None:
         self.recorded = recorded
+        self.run = self._record_run if recorded else self._graph_run
         """Host records (`launch_record.LaunchRecord`) in place of CUDA graphs: a rank may
         replay a call or not on its own, so a place replays only runs whose counter holds
         their own call number, and records again wherever its tensors moved."""
         self._graphs: dict[int, tuple[Any, tuple]] = {}  # by verdict word: graph, where
         self._misses = 0  # records made in a row without a replay of one made before
+        self._addressed: tuple[int, int] | None = None  # what the place's address word holds
         self._factor: float | None = None  # the first capture's input factor ...
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
@@ -154,26 +155,43 @@ class PlaceGraph:
     def run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
         """``plan``'s run of ``source`` (into ``output``, a reduce-scatter) by its graph,
         captured first where needed: True; else nothing done, False (the plan runs it
-        eagerly)."""
+        eagerly). `_graph_run` or `_record_run` (the instance's ``run``)."""
+        raise NotImplementedError
+
+    def _graph_run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
+        """A CUDA graph's run: each verdict word's graph captured once, on every rank at the
+        same run, and launched by every later run wherever the call's tensors lie (their
+        addresses set in the place's word first, `_address`)."""
         if self.off or plan.runs < CAPTURE_AT:
             return False
-        if self.recorded:
-            if not plan.counter_holds_seq:  # an eager run sets it for the next
-                return False
-            stride = plan.stride
-        elif self._factor is None:
-            self._factor, stride = source.factor, plan.stride
-            self._stride = stride
+        if self._factor is None:
+            self._factor, self._stride = source.factor, plan.stride
         elif source.factor != self._factor:
             return self._stop("its input factor changed")
-        else:
-            stride = self._stride
-        where = (source.tensor.data_ptr(), stride, source.factor, None if output is None else
-                 (output.data_ptr(), output.dtype, output.is_contiguous()))
+        if output is not None and (output.dtype != torch.float32 or not output.is_contiguous()):
+            return self._stop("its output is cast or copied after the decode")
+        made = self._graphs.get(plan.turn)
+        counted = made is None
+        if counted:
+            made = self._capture(plan, source, output, (self._stride,))
+            if made is None:
+                return False
+        self._address(plan, source, output)
+        self._replay(plan, made[0], counted)
+        return True
+
+    def _record_run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
+        """A host record's run: where the counter holds the run's own call number, the record
+        of the run's verdict word, made again where the call's tensors, stride or input factor
+        changed."""
+        if self.off or plan.runs < CAPTURE_AT or not plan.counter_holds_seq:
+            return False  # (an eager run sets the counter for the next)
+        where = (plan.stride, source.factor, source.tensor.data_ptr(), None if output is None
+                 else (output.data_ptr(), output.dtype, output.is_contiguous()))
         made = self._graphs.get(plan.turn)
         counted = made is None or made[1] != where
         if counted:
-            if self.recorded and self._misses == RECORDS_IN_A_ROW:
+            if self._misses == RECORDS_IN_A_ROW:
                 return self._stop("its tensors move from call to call")
             made = self._capture(plan, source, output, where)
             if made is None:
@@ -183,6 +201,22 @@ class PlaceGraph:
             self._misses = 0
         self._replay(plan, made[0], counted)
         return True
+
+    def _address(self, plan: Any, source: Source, output: torch.Tensor | None) -> None:
+        """The call's source and output addresses into the place's word (`CallPlan.addresses`),
+        which its graphs' first and last launches read, where they are not there already: a
+        fill on the current stream (one for an all-reduce in place), before the launch."""
+        src = source.tensor.data_ptr()
+        out = src if output is None else output.data_ptr()
+        if (src, out) == self._addressed:
+            return
+        words = plan.addresses()
+        if output is None:
+            words.fill_(src)
+        else:
+            words[0].fill_(src)
+            words[1].fill_(out)
+        self._addressed = (src, out)
 
     def _capture(self, plan: Any, source: Source, output: torch.Tensor | None,
                  where: tuple) -> tuple[Any, tuple] | None:
@@ -198,7 +232,8 @@ class PlaceGraph:
         count = comp.codec.count
         before = state.STATS.sent("compressed")
         count.read, value = True, count.value
-        count.value = where[1]
+        count.value = where[0]
+        count.addresses = None if self.recorded else plan.addresses()
         try:
             graph.capture(functools.partial(plan.launch, source, output))
             if comp.wire_error is not None:  # its NaN fill is in the graph: never replay it
@@ -215,7 +250,7 @@ class PlaceGraph:
             self._stop("")
             return None
         finally:
-            count.read, count.value = False, value
+            count.read, count.value, count.addresses = False, value, None
         self._sent = {k: v - before[k] for k, v in state.STATS.sent("compressed").items()}
         made = (graph, where)
         with self._lock:

@@ -87,9 +87,11 @@ def sum_source(messages: torch.Tensor, verdict: torch.Tensor) -> np.void:
 def frame_args(spec: FrameSpec, words: torch.Tensor) -> np.void:
     """``loco_cuda::FrameArgs`` of ``spec``, its blocks counted in zeroed int64 ``words``."""
     reads = spec.count is not None and spec.count.read  # `FrameArgs.seq_at`
+    addresses = spec.count.addresses if reads else None  # `FrameArgs.src_at`
     return struct_value(FRAME_ARGS, (header_words(spec.header), spec.shards[0], spec.used,
                                      words.data_ptr(), spec.verdict.data_ptr() + VERDICT_NONFINITE,
-                                     spec.flags, 1, spec.count.word.data_ptr() if reads else 0))
+                                     spec.flags, 1, spec.count.word.data_ptr() if reads else 0,
+                                     0 if addresses is None else addresses.data_ptr()))
 
 
 def row_check(header: bytes | None, shard0: int, step: int, rows: int, shard_mod: int,
@@ -98,10 +100,13 @@ def row_check(header: bytes | None, shard0: int, step: int, rows: int, shard_mod
     the launch then only does its ``count``'s part), shard ``shard0 + r * step`` (modulo
     ``shard_mod`` where not 0); ``count``: the call's counter (`interface.CallCount`), this
     launch the call's last (``last``: it adds the stride to the counter or writes the next
-    call number there) or not (it only reads it)."""
-    counted = (0, 0, 0, 0) if count is None else (
+    call number there, and writes its output where ``count.addresses``' second word says) or
+    not (it only reads it)."""
+    addresses = count.addresses if count is not None and count.read and last else None
+    counted = (0, 0, 0, 0, 0) if count is None else (
         count.word.data_ptr(), (count.value or 0) & 0xFFFFFFFF, int(count.read),
-        (COUNT_ADD if count.read else COUNT_SET) if last and count.value is not None else 0)
+        (COUNT_ADD if count.read else COUNT_SET) if last and count.value is not None else 0,
+        0 if addresses is None else addresses.data_ptr() + addresses.element_size())
     if header is None:
         return struct_value(ROW_CHECK, ((0,) * 8, 0, 0, 0, 0, 0, counted))
     return struct_value(ROW_CHECK, (header_words(header), shard0, step, rows, shard_mod, 1,

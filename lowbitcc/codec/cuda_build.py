@@ -63,8 +63,8 @@ FRAME_FOLD = "loco_cuda::frame_fold"
 CHECK_FOLD = "loco_cuda::check_fold"
 HEADER_WORDS = np.dtype([(f"w{k}", "<u4") for k in range(wire.HEADER_BYTES // 4)])
 """``loco_cuda::Header``, the call's header passed by value to `FRAME_FOLD`."""
-CALL_COUNT = np.dtype([("word", "<u8"), ("value", "<u4"), ("read", "<i4"), ("mode", "<i4")],
-                      align=True)
+CALL_COUNT = np.dtype([("word", "<u8"), ("value", "<u4"), ("read", "<i4"), ("mode", "<i4"),
+                       ("out_at", "<u8")], align=True)
 """``loco_cuda::CallCount``: a place's call counter on the device and what a launch does with
 it (`interface.CallCount`)."""
 ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step", "<i8"),
@@ -73,7 +73,7 @@ ROW_CHECK = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("shard_step"
 """``loco_cuda::RowCheck``, passed by value to the decodes: what they check themselves."""
 FRAME_ARGS = np.dtype([("header", HEADER_WORDS), ("shard0", "<i8"), ("used", "<i8"),
                        ("words", "<u8"), ("answer", "<u8"), ("flags", "<u4"),
-                       ("enabled", "<i4"), ("seq_at", "<u8")], align=True)
+                       ("enabled", "<i4"), ("seq_at", "<u8"), ("src_at", "<u8")], align=True)
 """``loco_cuda::FrameArgs``, passed by value to the encode: the frame it writes itself."""
 NO_FRAME = np.zeros((), dtype=FRAME_ARGS)[()]
 SUM_SOURCE = np.dtype([("msgs", "<u8"), ("k", "<i8"), ("stride", "<i8"), ("verdict", "<u8")],

@@ -39,6 +39,11 @@ class CallCount:
     """The place's own accumulator of its encodes' frames (int64, at least the rows of its
     largest encode and one, zero between launches), used instead of the stream's
     (`stream_words.StreamWords`): a replayed graph runs on another stream than it was captured on."""
+    addresses: torch.Tensor | None = None
+    """Where ``read``: the place's int64 ``[2]`` device word of the call's source and output
+    addresses, from which the encode reads its source and the call's last launch (its decode
+    into the output) writes its output instead of the launch's arguments (a graph replayed on
+    tensors elsewhere than its capture's); None: the arguments' own."""
 
 
 def unfused(count: CallCount | None, what: str) -> None:

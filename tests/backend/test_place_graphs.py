@@ -188,35 +188,45 @@ class _Plan:
         self.device, self.runs, self.turn, self.stride = torch.device("cpu"), CAPTURE_AT, 0, 1
         self.comp = _Comp(CallCount(torch.zeros(2, dtype=torch.int32), False, 5))
         self.launched: list = []
+        self.words = torch.zeros(2, dtype=torch.int64)
+        self.addresses = lambda: self.words
         self.buffers = lambda: []
         self.describe = lambda: "a call"
         self.group = type("Group", (), {"graphs": place_graph.LiveGraphs()})()
 
     def launch(self, source: Source, output) -> None:
         count = self.comp.codec.count
-        self.launched.append((source.tensor, count.read, count.value))
+        self.launched.append((source.tensor, count.read, count.value, count.addresses))
 
 
-def test_a_moved_tensor_is_captured_again_on_its_own_rank_with_the_first_capture_s_stride(traced):
-    """A graph holds the addresses it was captured on: a call whose tensor lies elsewhere is
-    captured again (this rank alone: a capture launches nothing), with the stride of the
-    place's first capture; a tensor at the captured address replays, whatever object it is;
-    the tensor of an earlier call is never written; a new input factor stops the graphs."""
+def test_a_moved_tensor_replays_the_graph_of_the_place_s_capture_where_its_word_points(traced):
+    """Every rank captures each graph once (NCCL: each rank launches the graph derived from one
+    collective capture); the captured launches read the call's addresses from the place's word,
+    set before a launch where the call's tensors lie elsewhere than the last call's (a fill, this
+    rank alone), with the stride of the place's first capture; the tensor of an earlier call is
+    never written; a new input factor, or a reduce-scatter output cast after the decode, stops
+    the graphs."""
     x = torch.arange(8.0)
     plan = _Plan()
     graph = PlaceGraph()
-    assert graph.run(plan, Source(x, 2, 4, 1.0), None)  # captured on x, launched
-    assert plan.launched == [(x, True, 1)] and plan.comp.codec.count.read is False
-    assert plan.comp.codec.count.value == 5  # the eager value back after the capture
-    assert graph.run(plan, Source(x.view(2, 4).view(-1), 2, 4, 1.0), None)  # the same memory
-    assert len(FakeGraph.made) == 1 and FakeGraph.made[0].replays == 2
+    assert graph.run(plan, Source(x, 2, 4, 1.0), None)  # captured with x's address, launched
+    assert plan.launched == [(x, True, 1, plan.words)] and plan.comp.codec.count.read is False
+    assert plan.comp.codec.count.value == 5 and plan.comp.codec.count.addresses is None
+    assert plan.words.tolist() == [x.data_ptr()] * 2
     moved, kept = torch.full((8,), 3.0), x.clone()
-    plan.stride = 2  # the place's calls came further apart meanwhile
+    plan.stride = 2  # the place's calls came further apart meanwhile: its graph's stride stays
     assert graph.run(plan, Source(moved, 2, 4, 1.0), None)
-    assert len(FakeGraph.made) == 2 and plan.launched[-1] == (moved, True, 1)
-    assert torch.equal(x, kept) and graph.replays == 3 and plan.comp.replays == 3
-    assert not graph.run(plan, Source(moved, 2, 4, 0.5), None)  # a factor of its own
+    assert len(FakeGraph.made) == 1 and FakeGraph.made[0].replays == 2 and len(plan.launched) == 1
+    assert plan.words.tolist() == [moved.data_ptr()] * 2
+    assert torch.equal(x, kept) and graph.replays == 2 and plan.comp.replays == 2
+    out = torch.zeros(4)
+    assert graph.run(plan, Source(moved, 2, 4, 1.0), out)  # a reduce-scatter's output
+    assert plan.words.tolist() == [moved.data_ptr(), out.data_ptr()]
+    assert not graph.run(plan, Source(moved, 2, 4, 1.0), out.to(torch.bfloat16))
     assert graph.off and not graph.run(plan, Source(moved, 2, 4, 1.0), None)
+    other = PlaceGraph()
+    assert other.run(plan, Source(x, 2, 4, 1.0), None)
+    assert not other.run(plan, Source(x, 2, 4, 0.5), None) and other.off  # a factor of its own
 
 
 def test_a_capture_whose_message_check_raised_is_never_replayed(traced):

@@ -164,3 +164,32 @@ def test_a_path_whose_launches_cannot_read_the_counter_refuses_a_reading_one(on_
     cuda.KERNELS.decode_rows(unaligned, 2, m, 4, 16, "nvfp4", out,
                              torch.zeros(8, dtype=torch.uint8), reference.header(m), count)
     assert count.word.tolist() == [11, 0]
+
+
+@pytest.mark.parametrize("fmt,bits,group,rounding", NEAREST[:1])
+def test_a_replay_reads_its_source_and_writes_its_output_where_the_address_word_says(
+        device, fmt, bits, group, rounding):
+    """With the place's address word (`CallCount.addresses`: a replayed graph's), the encode
+    reads its source from the word's first address and the call's last launch writes its
+    output to the second, not to their arguments' (the tensors of the graph's capture, left
+    untouched): the bytes and values the arguments' own tensors would give."""
+    rows, m = 2, 1000
+    x = _input(rows * m, 4).to(device)
+    stale = torch.zeros(rows * m, device=device)  # what the arguments name: the capture's
+    codec = _codec(fmt, bits, group, rounding, rows).with_seq(77)
+    words = torch.tensor([x.data_ptr(), 0], dtype=torch.int64, device=device)
+    count = CallCount(_counter(77, device), True, 0, addresses=words)
+    want = codec.encode(x.cpu(), rows, m, 1.0, None, 0.0, [0, 1], None).messages
+    args = _encode_args(codec, stale, rows, m, _zeros(8, device), count)
+    cuda.KERNELS.encode(args)
+    assert torch.equal(args.messages.cpu(), want) and not bool(stale.any())
+    gathered = torch.cat([args.messages, args.messages])  # two senders of this call's rows
+    out, by_argument = torch.full((rows * m,), 3.0, device=device), torch.empty(rows * m,
+                                                                               device=device)
+    words[1] = out.data_ptr()
+    cuda.KERNELS.decode_rows(gathered, 2, m, bits, codec.group_size, fmt, by_argument,
+                             _zeros(8, device), codec.header(m),
+                             CallCount(_counter(77, device), False, None))
+    cuda.KERNELS.decode_rows(gathered, 2, m, bits, codec.group_size, fmt, stale,
+                             _zeros(8, device), codec.header(m), count)
+    assert torch.equal(out, by_argument) and not bool(stale.any())

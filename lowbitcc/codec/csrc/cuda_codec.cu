@@ -65,12 +65,15 @@ struct Header {
 // header's own (a replayed graph, whose arguments were fixed at its capture). `mode`
 // (0: nothing; kCountSet, kCountAdd: the call's last launch only): kCountSet writes `value`
 // (an eager run: the next call number where the place keeps its stride), kCountAdd adds
-// `value` (the stride) once every block of the launch has read word[0].
+// `value` (the stride) once every block of the launch has read word[0]. `out_at` (a decode
+// into the call's output; or null): where the output lies, read from this device word instead
+// of the launch's argument (a graph replayed on an output elsewhere than its capture's).
 struct CallCount {
   unsigned int* word;
   unsigned int value;
   int read;
   int mode;
+  const unsigned long long* out_at;
 };
 constexpr int kCountSet = 1;
 constexpr int kCountAdd = 2;
@@ -112,6 +115,7 @@ struct FrameArgs {
   unsigned int flags;
   int enabled;
   const unsigned int* seq_at;  // the call number's word on the device (CallCount.read), or null
+  const unsigned long long* src_at;  // the source's address on the device (a graph's), or null
 };
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -159,8 +163,9 @@ __device__ __forceinline__ double warp_sum(double v) {
 template <typename T>
 struct TensorSource {
   const loco::EncodeArgs& a;
+  const T* src;  // a.src, or the address FrameArgs.src_at holds
   __device__ __forceinline__ float operator()(long long idx, long long) const {
-    const float v = to_float(static_cast<const T*>(a.src)[idx]);
+    const float v = to_float(src[idx]);
     return a.scale_input ? __fmul_rn(v, a.factor) : v;
   }
 };
@@ -397,7 +402,9 @@ __device__ __forceinline__ void encode_groups(const loco::EncodeArgs& a, const F
 
 template <typename T, int BITS, int MODE, bool SR, int FMT>
 __global__ void encode(const loco::EncodeArgs a, const FrameArgs f) {
-  encode_groups<BITS, MODE, SR, FMT>(a, f, TensorSource<T>{a});
+  const T* src = f.src_at != nullptr ? reinterpret_cast<const T*>(*f.src_at)
+                                     : static_cast<const T*>(a.src);
+  encode_groups<BITS, MODE, SR, FMT>(a, f, TensorSource<T>{a, src});
 }
 
 // What a decode checks itself where the host asks it to (`check`): the k rows' headers against
@@ -514,6 +521,7 @@ template <int BITS, int FMT>
 __global__ void decode_sum(const unsigned char* __restrict__ msgs, long long k, long long P,
                            long long m, int G, float* __restrict__ out,
                            unsigned char* __restrict__ verdict, const RowCheck c) {
+  if (c.count.out_at != nullptr) out = reinterpret_cast<float*>(*c.count.out_at);
   const long long j0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kDecodeVec;
   const bool foreign = checked_foreign(msgs, P, c, verdict);
   if (j0 >= m) return;
@@ -544,6 +552,7 @@ template <typename T, int BITS, int FMT>
 __global__ void decode_into(const unsigned char* __restrict__ msgs, long long P, long long m,
                             int G, long long numel, T* __restrict__ out,
                             unsigned char* __restrict__ verdict, const RowCheck c) {
+  if (c.count.out_at != nullptr) out = reinterpret_cast<T*>(*c.count.out_at);
   const long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kDecodeVec;
   const bool foreign = checked_foreign(msgs, P, c, verdict);
   if (i0 >= numel) return;
@@ -572,6 +581,7 @@ __global__ void decode_rows(const unsigned char* __restrict__ msgs, long long k,
                             long long P, long long m, int G, long long numel,
                             T* __restrict__ out, unsigned char* __restrict__ verdict,
                             const RowCheck c) {
+  if (c.count.out_at != nullptr) out = reinterpret_cast<T*>(*c.count.out_at);
   const long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kDecodeVec;
   const bool foreign = checked_foreign(msgs, P, c, verdict);
   if (i0 >= numel) return;
