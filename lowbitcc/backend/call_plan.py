@@ -46,7 +46,7 @@ from lowbitcc.backend.exact import input_factor
 from lowbitcc.backend.place_graph import PlaceGraph
 from lowbitcc.backend.routes import Route
 from lowbitcc.codec import wire
-from lowbitcc.codec.interface import CallCount
+from lowbitcc.codec.interface import CallCount, unfused
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
@@ -269,6 +269,7 @@ class CallPlan:
         if not self._cpu:
             received = pending.wait()
             if not comp.decode_rows(received.view(n * n, -1), n, m, out):
+                unfused(comp.codec.count, "row-by-row decode")  # each row's launch counts
                 rows = self._columns(received)
                 self._decode_rows(rows, [out[lo:hi] for _, lo, hi, _ in rows])
             return

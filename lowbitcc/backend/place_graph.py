@@ -38,7 +38,7 @@ contiguity differs between ranks, a rank whose call at the place deviates from t
 or takes the job path (a non-contiguous tensor) while the others replay; NCCL may then hang,
 which the group's watchdog ends.
 
-**Host records** (``recorded``; `LocoConfig.call_replay`, on by default, where ``call_graphs``
+**Host records** (`PlaceRecords`; `LocoConfig.call_replay`, on by default, where ``call_graphs``
 is off): the same decisions with `launch_record.LaunchRecord` in place of a CUDA graph, save
 that a record's replay issues the eager run's NCCL calls and bytes, so ranks may differ: a
 place replays only runs whose counter holds their own call number (`CallPlan.counter_holds_seq`)
@@ -118,12 +118,10 @@ GRAPH: Callable[[], Any] = CudaGraph
 class PlaceGraph:
     """The graphs of one `call_plan.CallPlan`'s place (see the module docstring)."""
 
-    def __init__(self, recorded: bool = False) -> None:
-        self.recorded = recorded
-        self.run = self._record_run if recorded else self._graph_run
-        """Host records (`launch_record.LaunchRecord`) in place of CUDA graphs: a rank may
-        replay a call or not on its own, so a place replays only runs whose counter holds
-        their own call number, and records again wherever its tensors moved."""
+    recorded = False
+    """Host records (`PlaceRecords`) in place of CUDA graphs."""
+
+    def __init__(self) -> None:
         self._graphs: dict[int, tuple[Any, tuple]] = {}  # by verdict word: graph, where
         self._misses = 0  # records made in a row without a replay of one made before
         self._addressed: tuple[int, int] | None = None  # what the place's address word holds
@@ -149,19 +147,15 @@ class PlaceGraph:
         if config.call_graphs:
             return PlaceGraph()
         if config.call_replay and launch_record.recordable(plan.transport):
-            return PlaceGraph(recorded=True)
+            return PlaceRecords()
         return None
 
     def run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
         """``plan``'s run of ``source`` (into ``output``, a reduce-scatter) by its graph,
         captured first where needed: True; else nothing done, False (the plan runs it
-        eagerly). `_graph_run` or `_record_run` (the instance's ``run``)."""
-        raise NotImplementedError
-
-    def _graph_run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
-        """A CUDA graph's run: each verdict word's graph captured once, on every rank at the
-        same run, and launched by every later run wherever the call's tensors lie (their
-        addresses set in the place's word first, `_address`)."""
+        eagerly). Each verdict word's graph is captured once, on every rank at the same run,
+        and launched by every later run wherever the call's tensors lie (their addresses set
+        in the place's word first, `_address`)."""
         if self.off or plan.runs < CAPTURE_AT:
             return False
         if self._factor is None:
@@ -177,28 +171,6 @@ class PlaceGraph:
             if made is None:
                 return False
         self._address(plan, source, output)
-        self._replay(plan, made[0], counted)
-        return True
-
-    def _record_run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
-        """A host record's run: where the counter holds the run's own call number, the record
-        of the run's verdict word, made again where the call's tensors, stride or input factor
-        changed."""
-        if self.off or plan.runs < CAPTURE_AT or not plan.counter_holds_seq:
-            return False  # (an eager run sets the counter for the next)
-        where = (plan.stride, source.factor, source.tensor.data_ptr(), None if output is None
-                 else (output.data_ptr(), output.dtype, output.is_contiguous()))
-        made = self._graphs.get(plan.turn)
-        counted = made is None or made[1] != where
-        if counted:
-            if self._misses == RECORDS_IN_A_ROW:
-                return self._stop("its tensors move from call to call")
-            made = self._capture(plan, source, output, where)
-            if made is None:
-                return False
-            self._misses += 1
-        else:
-            self._misses = 0
         self._replay(plan, made[0], counted)
         return True
 
@@ -316,6 +288,36 @@ class PlaceGraph:
                 "lowbitcc: a call place's graphs are off from now on: %s", why)
         self.off = True
         return False
+
+
+class PlaceRecords(PlaceGraph):
+    """`PlaceGraph` by host records (`launch_record.LaunchRecord`, see the module docstring): a
+    rank may replay a call or not on its own, so a place replays only runs whose counter holds
+    their own call number, and records again wherever its tensors moved."""
+
+    recorded = True
+
+    def run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
+        """`PlaceGraph.run` by a host record: where the counter holds the run's own call
+        number, the record of the run's verdict word, made again where the call's tensors,
+        stride or input factor changed."""
+        if self.off or plan.runs < CAPTURE_AT or not plan.counter_holds_seq:
+            return False  # (an eager run sets the counter for the next)
+        where = (plan.stride, source.factor, source.tensor.data_ptr(), None if output is None
+                 else (output.data_ptr(), output.dtype, output.is_contiguous()))
+        made = self._graphs.get(plan.turn)
+        counted = made is None or made[1] != where
+        if counted:
+            if self._misses == RECORDS_IN_A_ROW:
+                return self._stop("its tensors move from call to call")
+            made = self._capture(plan, source, output, where)
+            if made is None:
+                return False
+            self._misses += 1
+        else:
+            self._misses = 0
+        self._replay(plan, made[0], counted)
+        return True
 
 
 class LiveGraphs:

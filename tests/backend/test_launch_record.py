@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lowbitcc import state
-from lowbitcc.backend.place_graph import CAPTURE_AT, RECORDS_IN_A_ROW, PlaceGraph
+from lowbitcc.backend.place_graph import CAPTURE_AT, RECORDS_IN_A_ROW, PlaceRecords
 from lowbitcc.codec import cuda
 from lowbitcc.codec.cuda_build import COUNT_ADD, COUNT_SET
 from lowbitcc.codec.interface import CallCount
@@ -150,7 +150,7 @@ def test_a_rank_whose_tensor_moved_records_again_alone_and_stops_where_it_moves_
     with the run's own stride; a tensor at the recorded address replays; a run whose counter
     does not hold its number runs eagerly; a place whose tensor moved `RECORDS_IN_A_ROW` times
     in a row stops recording."""
-    plan, graph = _Plan(), PlaceGraph(recorded=True)
+    plan, graph = _Plan(), PlaceRecords()
     x = torch.arange(8.0)
     assert graph.run(plan, Source(x, 2, 4, 1.0), None)
     assert plan.launched == [(x, True, 1)] and plan.comp.codec.count.value == 5
@@ -173,7 +173,7 @@ def test_a_run_that_queues_work_of_its_own_is_never_recorded():
     """A record repeats only launches and transfers: a launch path that runs any other torch
     operation (here a fill of the call's tensor) is refused before that operation runs; the
     call then runs eagerly, the compressor as before the record, and the place stops."""
-    plan, graph = _Plan(), PlaceGraph(recorded=True)
+    plan, graph = _Plan(), PlaceRecords()
     x = torch.ones(8)
     plan.launch = lambda source, output: source.tensor.fill_(7.0)
     assert not graph.run(plan, Source(x, 2, 4, 1.0), None)

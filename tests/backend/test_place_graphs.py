@@ -109,6 +109,7 @@ def test_a_place_captures_one_graph_per_verdict_word_and_then_only_replays(world
         if run < CAPTURE_AT:  # eager: every launch, the second writing the next call number
             assert launched and launched[-1][0] == last and not FakeGraph.made
             assert int(launched[-1][1][-1]["count"]["mode"]) == (COUNT_SET if run == 2 else 0)
+            assert int(launched[-1][1][-1]["count"]["out_at"]) == 0
         elif run <= CAPTURE_AT + 1:  # a capture, the call run by its replay
             graph = FakeGraph.made[run - CAPTURE_AT]
             assert not launched and graph.replays == 1
@@ -117,6 +118,9 @@ def test_a_place_captures_one_graph_per_verdict_word_and_then_only_replays(world
             checks = [args[-1]["count"] for name, args in graph.captured if name != "encode"]
             assert all(int(c["read"]) == 1 for c in checks)
             assert int(checks[-1]["mode"]) == COUNT_ADD and int(checks[-1]["value"]) == 1
+            # the last writes its output where the place's word says (meta: address 0)
+            assert int(checks[-1]["out_at"]) == plan.addresses().data_ptr() + 8
+            assert all(int(c["out_at"]) == 0 for c in checks[:-1])
         else:  # replays only: no launch, transfer, kernel or allocation of their own
             assert not launched and not work.nccl and not work.kernels
             assert work.allocations == 0 and work.host_to_device == 0
@@ -209,6 +213,8 @@ def test_a_moved_tensor_replays_the_graph_of_the_place_s_capture_where_its_word_
     x = torch.arange(8.0)
     plan = _Plan()
     graph = PlaceGraph()
+    seen = []  # the word as each launch finds it
+    FakeGraph.during_replay = lambda: seen.append(plan.words.tolist())
     assert graph.run(plan, Source(x, 2, 4, 1.0), None)  # captured with x's address, launched
     assert plan.launched == [(x, True, 1, plan.words)] and plan.comp.codec.count.read is False
     assert plan.comp.codec.count.value == 5 and plan.comp.codec.count.addresses is None
@@ -222,6 +228,7 @@ def test_a_moved_tensor_replays_the_graph_of_the_place_s_capture_where_its_word_
     out = torch.zeros(4)
     assert graph.run(plan, Source(moved, 2, 4, 1.0), out)  # a reduce-scatter's output
     assert plan.words.tolist() == [moved.data_ptr(), out.data_ptr()]
+    assert seen == [[x.data_ptr()] * 2, [moved.data_ptr()] * 2, [moved.data_ptr(), out.data_ptr()]]
     assert not graph.run(plan, Source(moved, 2, 4, 1.0), out.to(torch.bfloat16))
     assert graph.off and not graph.run(plan, Source(moved, 2, 4, 1.0), None)
     other = PlaceGraph()

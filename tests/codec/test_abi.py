@@ -73,8 +73,9 @@ def test_cuda_struct_points_at_the_error_state_it_has_and_nothing_else(state, ha
 
 
 @pytest.mark.parametrize("dtype, values", [
-    (cuda_build.ROW_CHECK, (tuple(range(8)), 3, 1, 4, 2, 1, (2**40 + 3, 7, 1, 2))),
-    (cuda_build.FRAME_ARGS, (tuple(range(8, 16)), 2, 100, 2**63 + 5, 2**40 + 1, 5, 1, 2**33 + 9)),
+    (cuda_build.ROW_CHECK, (tuple(range(8)), 3, 1, 4, 2, 1, (2**40 + 3, 7, 1, 2, 2**41 + 8))),
+    (cuda_build.FRAME_ARGS, (tuple(range(8, 16)), 2, 100, 2**63 + 5, 2**40 + 1, 5, 1, 2**33 + 9,
+                             2**34 + 16)),
 ])
 def test_struct_arguments_hold_their_fields_in_order_and_zero_padding(dtype, values):
     packed = cuda_build.struct_value(dtype, values)

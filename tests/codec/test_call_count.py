@@ -193,3 +193,18 @@ def test_a_replay_reads_its_source_and_writes_its_output_where_the_address_word_
     cuda.KERNELS.decode_rows(gathered, 2, m, bits, codec.group_size, fmt, stale,
                              _zeros(8, device), codec.header(m), count)
     assert torch.equal(out, by_argument) and not bool(stale.any())
+    senders = 3  # more ranks' last launches: decode_sum (a reduce-scatter), decode_into
+    received = _received(codec, senders, m, 1, 7).to(device)
+    rows = torch.stack([_received(codec, 1, m, r, 3 + r)[0] for r in range(senders)]).to(device)
+    for name, messages, n, check in (("decode_sum", received, m, [1] * 3),
+                                     ("decode_into", rows, senders * m - 5, [0, 1, 2])):
+        out, by_argument = torch.full((n,), 3.0, device=device), torch.empty(n, device=device)
+        stale = torch.zeros(n, device=device)
+        words[1] = out.data_ptr()  # the source's word stays: a reduce-scatter's output differs
+        decode = getattr(cuda.KERNELS, name)
+        decode(messages, m, bits, codec.group_size, fmt, by_argument, _zeros(8, device),
+               check=(codec.header(m), check))
+        decode(messages, m, bits, codec.group_size, fmt, stale, _zeros(8, device),
+               check=(codec.header(m), check), count=CallCount(_counter(77, device), True, 0,
+                                                               addresses=words))
+        assert torch.equal(out, by_argument) and not bool(stale.any()), name
