@@ -158,7 +158,8 @@ def _run_frame_body(grid, args) -> None:
 
 
 def _run_frame_fold(grid, args) -> None:
-    """``loco_cuda::frame_fold``'s contract: headers, trailers and the answer byte."""
+    """``loco_cuda::frame_fold``'s contract: headers, trailers and the answer byte; ``acc``
+    (the stream's words, shared by every later frame on that stream) left zero again."""
     msgs, P, rows, acc = (int(a) for a in args[:4])
     header, shard0, flags, with_checksum, answer = args[4:]
     rows_bytes = _memory(msgs, rows * P, np.uint8).reshape(rows, P)
@@ -174,6 +175,7 @@ def _run_frame_fold(grid, args) -> None:
                                                                np.uint8)
         if bad:
             _memory(answer, 1, np.uint8)[0] = 1
+    sums[:] = 0
 
 
 @pytest.mark.parametrize("checksum", [True, False])
