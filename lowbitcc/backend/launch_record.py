@@ -80,9 +80,6 @@ class LaunchRecord:
     def reset(self) -> None:
         self._steps = []
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
 
 class _RecordingTransport:
     """The plan's transport while it records: each transfer prepared and appended to the

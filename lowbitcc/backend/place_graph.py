@@ -120,10 +120,11 @@ class PlaceGraph:
 
     recorded = False
     """Host records (`PlaceRecords`) in place of CUDA graphs."""
+    _stop_level = logging.WARNING
+    """How `_stop` logs why the place's graphs are off."""
 
     def __init__(self) -> None:
         self._graphs: dict[int, tuple[Any, tuple]] = {}  # by verdict word: graph, where
-        self._misses = 0  # records made in a row without a replay of one made before
         self._addressed: tuple[int, int] | None = None  # what the place's address word holds
         self._factor: float | None = None  # the first capture's input factor ...
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
@@ -195,17 +196,13 @@ class PlaceGraph:
         """The graph of ``plan``'s turn, captured on the call's tensors with the place's
         counter read (None: the capture failed, the compressor is as before it and the
         place's graphs are off)."""
-        if self.recorded:
-            graph: Any = launch_record.LaunchRecord(plan)
-        else:
-            plan.group.graphs.add(self)  # before the capture: a release meanwhile finds it
-            graph = GRAPH()
+        graph, addresses = self._new_graph(plan)
         comp = plan.comp
         count = comp.codec.count
         before = state.STATS.sent("compressed")
         count.read, value = True, count.value
         count.value = where[0]
-        count.addresses = None if self.recorded else plan.addresses()
+        count.addresses = addresses
         try:
             graph.capture(functools.partial(plan.launch, source, output))
             if comp.wire_error is not None:  # its NaN fill is in the graph: never replay it
@@ -231,6 +228,12 @@ class PlaceGraph:
             else:
                 self._graphs[plan.turn] = made
         return made
+
+    def _new_graph(self, plan: Any) -> tuple[Any, torch.Tensor | None]:
+        """A graph to capture ``plan``'s run in, and the address word its launches read: the
+        place registered with its group first (a release during the capture finds it)."""
+        plan.group.graphs.add(self)
+        return GRAPH(), plan.addresses()
 
     def _replay(self, plan: Any, graph: Any, counted: bool) -> None:
         """Launch ``graph`` on the current stream; ``counted``: its capture, just now, counted
@@ -284,8 +287,8 @@ class PlaceGraph:
     def _stop(self, why: str) -> bool:
         """Turn the place's graphs off (they stay referenced: a launch may still run)."""
         if why:
-            (log.info if self.recorded else log.warning)(
-                "lowbitcc: a call place's graphs are off from now on: %s", why)
+            log.log(self._stop_level, "lowbitcc: a call place's graphs are off from now on: %s",
+                    why)
         self.off = True
         return False
 
@@ -296,6 +299,16 @@ class PlaceRecords(PlaceGraph):
     their own call number, and records again wherever its tensors moved."""
 
     recorded = True
+    _stop_level = logging.INFO
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._misses = 0  # records made in a row without a replay of one made before
+
+    def _new_graph(self, plan: Any) -> tuple[Any, torch.Tensor | None]:
+        """A host record of ``plan``'s run; its launches read no address word (a record is
+        made again where the call's tensors moved), and no teardown needs the place."""
+        return launch_record.LaunchRecord(plan), None
 
     def run(self, plan: Any, source: Source, output: torch.Tensor | None) -> bool:
         """`PlaceGraph.run` by a host record: where the counter holds the run's own call
