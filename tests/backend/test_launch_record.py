@@ -14,7 +14,6 @@ from lowbitcc import state
 from lowbitcc.backend.place_graph import CAPTURE_AT, RECORDS_IN_A_ROW, PlaceRecords
 from lowbitcc.codec import cuda
 from lowbitcc.codec.cuda_build import COUNT_ADD, COUNT_SET
-from lowbitcc.codec.interface import CallCount
 from lowbitcc.compressor import Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.counters import Stats
@@ -124,24 +123,14 @@ def test_a_place_whose_calls_came_further_apart_runs_eagerly_until_its_counter_h
     assert plan.seq == 18
 
 
-class _Plan:
-    """What `PlaceGraph` asks of a plan, on CPU tensors (real addresses, no device): its
-    launch path records what it was given."""
+def _record_plan():
+    """`test_place_graphs`' stand-in plan, its counter holding each run's number, over a
+    transport that a record replaces while it records."""
+    from tests.backend.test_place_graphs import _Plan
 
-    def __init__(self) -> None:
-        from tests.backend.test_place_graphs import _Comp
-
-        self.device, self.runs, self.turn, self.stride = torch.device("cpu"), CAPTURE_AT, 0, 1
-        self.comp = _Comp(CallCount(torch.zeros(2, dtype=torch.int32), False, 5))
-        self.counter_holds_seq = True
-        self.launched: list = []
-        self.transport = object()
-        self.buffers = lambda: []
-        self.describe = lambda: "a call"
-
-    def launch(self, source: Source, output) -> None:
-        count = self.comp.codec.count
-        self.launched.append((source.tensor, count.read, count.value))
+    plan = _Plan()
+    plan.counter_holds_seq, plan.transport = True, object()
+    return plan
 
 
 def test_a_rank_whose_tensor_moved_records_again_alone_and_stops_where_it_moves_every_call():
@@ -150,17 +139,17 @@ def test_a_rank_whose_tensor_moved_records_again_alone_and_stops_where_it_moves_
     with the run's own stride; a tensor at the recorded address replays; a run whose counter
     does not hold its number runs eagerly; a place whose tensor moved `RECORDS_IN_A_ROW` times
     in a row stops recording."""
-    plan, graph = _Plan(), PlaceRecords()
+    plan, graph = _record_plan(), PlaceRecords()
     x = torch.arange(8.0)
     assert graph.run(plan, Source(x, 2, 4, 1.0), None)
-    assert plan.launched == [(x, True, 1)] and plan.comp.codec.count.value == 5
+    assert plan.launched == [(x, True, 1, None)] and plan.comp.codec.count.value == 5
     assert graph.run(plan, Source(x.view(2, 4).view(-1), 2, 4, 1.0), None)  # the same memory
     assert len(plan.launched) == 1 and graph.replays == 2
     plan.counter_holds_seq = False
     assert not graph.run(plan, Source(x, 2, 4, 1.0), None) and not graph.off
     plan.counter_holds_seq, plan.stride = True, 3
     assert graph.run(plan, Source(x, 2, 4, 1.0), None)  # another stride: recorded again
-    assert plan.launched[-1] == (x, True, 3)
+    assert plan.launched[-1] == (x, True, 3, None)  # no address word
     assert graph.run(plan, Source(x, 2, 4, 0.5), None)  # another input factor: likewise
     for i in range(RECORDS_IN_A_ROW - 2):
         assert graph.run(plan, Source(torch.full((8,), float(i)), 2, 4, 0.5), None)
@@ -173,7 +162,7 @@ def test_a_run_that_queues_work_of_its_own_is_never_recorded():
     """A record repeats only launches and transfers: a launch path that runs any other torch
     operation (here a fill of the call's tensor) is refused before that operation runs; the
     call then runs eagerly, the compressor as before the record, and the place stops."""
-    plan, graph = _Plan(), PlaceRecords()
+    plan, graph = _record_plan(), PlaceRecords()
     x = torch.ones(8)
     plan.launch = lambda source, output: source.tensor.fill_(7.0)
     assert not graph.run(plan, Source(x, 2, 4, 1.0), None)
