@@ -226,6 +226,32 @@ def _same_values(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
 
 
+@pytest.mark.parametrize("fmt,bits,group,rounding", [WIRES[0], WIRES[4], WIRES[5]])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
+        on_host, fmt, bits, group, rounding, dtype, aligned):
+    """`TensorSource::chunk` and `store_codes`: a source that starts 16-byte aligned (rows of
+    1024 elements: every whole chunk in one load) or one element after (every chunk element by
+    element), 1003-element rows (some rows' chunks aligned, the row ends element by element),
+    messages whose codes start on a word (NVFP4 at 1024: 68 scale bytes) or not (at 1003: 67),
+    2-, 4- and 8-bit codes: the C++ codec's bytes; and `decode_into` of them (`load_codes`: the codes of
+    a chunk in one load where aligned) its values."""
+    for rows, m in ((3, 1024), (3, 1003)):
+        want_codec = _codec(fmt, bits, group, rounding, rows)
+        got_codec = _codec(fmt, bits, group, rounding, rows, kernels=cuda.KERNELS)
+        _, x = _placed(rows * m - 5, dtype, aligned)
+        x.copy_(_input(rows * m - 5, m, dtype))
+        want = want_codec.encode(x, rows, m, 0.5, None, 0.0, list(range(rows)), None)
+        got = got_codec.encode(x, rows, m, 0.5, None, 0.0, list(range(rows)), None)
+        assert torch.equal(got.messages, want.messages), (rows, m)
+        decoded, values = torch.empty(rows * m), torch.empty(rows * m)
+        cuda.KERNELS.decode_into(got.messages, m, bits, want_codec.group_size, fmt, decoded,
+                                 torch.zeros(8, dtype=torch.uint8))
+        cpu.KERNELS.decode_into(want.messages, m, bits, want_codec.group_size, fmt, values)
+        _same_values(decoded, values)
+
+
 @pytest.mark.parametrize("fmt,bits,group,rounding", _fast_first(WIRES, 2))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world,m,numel", _fast_first([(2, 1000, 1999), (3, 1001, 3001),

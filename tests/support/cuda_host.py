@@ -4,7 +4,8 @@ runs on CPU tensors without a GPU: `HostKernels.launch` stands in for `cuda._lau
 name, grid and arguments), a kernel's pointers being the tensors' host addresses. What this
 holds: the kernels' indexing, their cooperation (block barriers, warp shuffles, atomics) as the
 CUDA model defines it, and the launcher's arguments; not timings, nor what only a GPU's memory
-model or scheduling could show."""
+model or scheduling could show. Built with UBSan's alignment check: a vector load or store
+at an address a GPU would refuse aborts the process."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
         library = directory / "kernels.so"
         done = subprocess.run(
             [compiler() or "g++", "-std=c++20", "-O0", "-ffp-contract=off", "-fPIC", "-shared",
+             "-fsanitize=alignment", "-fno-sanitize-recover=alignment",
              "-pthread", "-Wno-unknown-pragmas", f"-I{HOST}", f"-I{cuda_build.CSRC}", "-o",
              str(library), str(source)], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:

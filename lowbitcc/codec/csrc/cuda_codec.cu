@@ -12,14 +12,17 @@
 //   each warp takes its groups in a grid-stride loop (the launcher caps the grid). Lane l of a
 //   segment owns elements 8l .. 8l+7 of its group (G <= 256, a multiple of 8), held in
 //   registers from load to store: one read of the source and the error state, one write of the
-//   codes and the error state. Group maxima are shuffle reductions within the segment (every
+//   codes and the error state. The source comes in 16-byte loads and the lane's codes go out as
+//   one word of BITS bytes, where aligned (TensorSource::chunk, store_codes); else element by
+//   element and byte by byte, the same values. Group maxima are shuffle reductions within the segment (every
 //   lane of the warp takes part, so none may leave early); the residual sums stay in each
 //   lane's registers across its warp's groups and reach `sums` with one atomic add per warp
 //   (one per group serialised the kernel on those two addresses). NVFP4 (G = 16, 2 lanes a
 //   group): a warp takes one block of loco::kNvBlock groups of a row, whose byte comes from a
 //   warp max of the finite groups' maxima.
 // decode_sum: kDecodeVec consecutive elements of the shard per thread (the scale read once per
-//   row where they lie in one group, 16-byte stores where aligned), rows summed in row order.
+//   row and the codes in one load where they lie in one group, 16-byte stores where aligned),
+//   rows summed in row order.
 // encode_sum: decode_sum and the encode of its sum in one launch (the all-gather stage of an
 //   all-reduce of more than two ranks): the encode's warps read each element as the sum in row
 //   order of the received messages' values (SummedSource), after every block checked the rows.
@@ -130,6 +133,16 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
 
+__device__ __forceinline__ unsigned short as_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ unsigned short as_bits(__half v) { return __half_as_ushort(v); }
+template <typename T> __device__ __forceinline__ T from_bits(unsigned short b);
+template <> __device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short b) {
+  return __ushort_as_bfloat16(b);
+}
+template <> __device__ __forceinline__ __half from_bits<__half>(unsigned short b) {
+  return __ushort_as_half(b);
+}
+
 // max of |v| over the warp's group as an unsigned max of sign-cleared bit patterns (exact in any
 // order); patterns >= 0x7f800000 mean a NaN or Inf is present.
 __device__ __forceinline__ unsigned warp_max_bits(unsigned bits) {
@@ -159,14 +172,38 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 // An encode's source read from a.src (T), times a.factor where a.scale_input says so: element
-// `idx` of the flat tensor (column `col` of its row).
+// `idx` of the flat tensor (column `col` of its row); `chunk`: kChunk of them at once.
 template <typename T>
 struct TensorSource {
   const loco::EncodeArgs& a;
   const T* src;  // a.src, or the address FrameArgs.src_at holds
-  __device__ __forceinline__ float operator()(long long idx, long long) const {
-    const float v = to_float(src[idx]);
+  __device__ __forceinline__ float scaled(float v) const {
     return a.scale_input ? __fmul_rn(v, a.factor) : v;
+  }
+  __device__ __forceinline__ float operator()(long long idx, long long) const {
+    return scaled(to_float(src[idx]));
+  }
+  // Elements idx .. idx + kChunk - 1 (columns col ..) into v, in 16-byte loads, where they all
+  // lie in the row and the tensor and start 16-byte aligned; false (nothing read) elsewhere.
+  __device__ __forceinline__ bool chunk(long long idx, long long col, float (&v)[kChunk]) const {
+    const T* p = src + idx;
+    if (col + kChunk > a.m || idx + kChunk > a.numel ||
+        reinterpret_cast<unsigned long long>(p) % 16 != 0)
+      return false;
+    if constexpr (sizeof(T) == 4) {
+      const float4 lo = reinterpret_cast<const float4*>(p)[0];
+      const float4 hi = reinterpret_cast<const float4*>(p)[1];
+      const float w[kChunk] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) v[t] = scaled(w[t]);
+    } else {  // eight 2-byte elements, element t in the low half of word t / 2 (little-endian)
+      const uint4 q = *reinterpret_cast<const uint4*>(p);
+      const unsigned w[kChunk / 2] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t)
+        v[t] = scaled(to_float(from_bits<T>((unsigned short)(w[t / 2] >> (16 * (t % 2))))));
+    }
+    return true;
   }
 };
 
@@ -188,13 +225,76 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
   return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
 }
 
+constexpr int kDecodeVec = 8;  // consecutive output elements per thread of a decode
+static_assert(kDecodeVec == kChunk, "an encode_sum lane decodes its chunk by decode_vec");
+
+// The `BITS` bytes (BITS 2, 4 or 8: kChunk codes) at p, little-endian first, as one load where
+// p is BITS-aligned, else byte by byte.
+template <int BITS>
+__device__ __forceinline__ unsigned long long load_codes(const unsigned char* p) {
+  static_assert(BITS * kChunk % 8 == 0, "a chunk's codes are whole bytes");
+  const bool aligned = reinterpret_cast<unsigned long long>(p) % BITS == 0;
+  if constexpr (BITS == 8) {
+    if (aligned) return *reinterpret_cast<const unsigned long long*>(p);
+  } else if constexpr (BITS == 4) {
+    if (aligned) return *reinterpret_cast<const unsigned*>(p);
+  } else if constexpr (BITS == 2) {
+    if (aligned) return *reinterpret_cast<const unsigned short*>(p);
+  }
+  unsigned long long word = 0;
+#pragma unroll
+  for (int b = 0; b < BITS; ++b) word |= (unsigned long long)p[b] << (8 * b);
+  return word;
+}
+
+// load_codes' counterpart: `word`'s low BITS bytes stored at p.
+template <int BITS>
+__device__ __forceinline__ void store_codes(unsigned char* p, unsigned long long word) {
+  const bool aligned = reinterpret_cast<unsigned long long>(p) % BITS == 0;
+  if constexpr (BITS == 8) {
+    if (aligned) return void(*reinterpret_cast<unsigned long long*>(p) = word);
+  } else if constexpr (BITS == 4) {
+    if (aligned) return void(*reinterpret_cast<unsigned*>(p) = (unsigned)word);
+  } else if constexpr (BITS == 2) {
+    if (aligned) return void(*reinterpret_cast<unsigned short*>(p) = (unsigned short)word);
+  }
+#pragma unroll
+  for (int b = 0; b < BITS; ++b) p[b] = (word >> (8 * b)) & 0xff;
+}
+
+// decode_one of kDecodeVec consecutive elements j0 .. j0 + kDecodeVec - 1 of one message, all
+// in one group (the caller checks G % kDecodeVec == 0, j0 % kDecodeVec == 0): the scale read
+// once, the codes' BITS bytes in one load where aligned; the same values as decode_one.
+template <int BITS, int FMT>
+__device__ __forceinline__ void decode_vec(const unsigned char* msg, long long ng, int G,
+                                           long long j0, float (&v)[kDecodeVec]) {
+  constexpr int kPer = 8 / BITS;
+  const long long gcol = j0 / G;
+  const unsigned char* fields = msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT);
+  const unsigned long long codes = load_codes<BITS>(fields + j0 / kPer);
+  if (loco::is_fp4(FMT)) {
+    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+#pragma unroll
+    for (int t = 0; t < kDecodeVec; ++t)
+      v[t] = loco::fp4_dequantize((unsigned)(codes >> (8 * (t / 2))) & 0xffu, t % 2, scale);
+    return;
+  }
+  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
+  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
+                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
+#pragma unroll
+  for (int t = 0; t < kDecodeVec; ++t)
+    v[t] = loco::dequantize_one(
+        loco::field_to_code((unsigned)(codes >> (8 * (t / kPer))) & 0xffu, t % kPer, BITS), scale);
+}
+
 // An encode_sum's source, its one row: column `col` of the sum in row order of k received
 // messages of m elements (rows `stride` bytes apart), as decode_sum writes it (NaN where
 // `foreign`: a message of the call was not the call's).
 template <int BITS, int FMT>
 struct SummedSource {
   const unsigned char* __restrict__ msgs;
-  long long k, stride, ng;
+  long long k, stride, ng, m, numel;  // numel: the encode's a.numel
   int G;
   bool foreign;
   __device__ __forceinline__ float operator()(long long, long long col) const {
@@ -202,6 +302,21 @@ struct SummedSource {
     for (long long r = 1; r < k; ++r)
       acc = __fadd_rn(acc, decode_one<BITS, FMT>(msgs + r * stride, ng, G, col));
     return foreign ? loco::quiet_nan() : acc;
+  }
+  // Columns col .. col + kChunk - 1 into v by decode_vec, where they lie in one group of the
+  // row (col % kChunk == 0, as an encode's lanes ask); false (nothing read) elsewhere.
+  __device__ __forceinline__ bool chunk(long long idx, long long col, float (&v)[kChunk]) const {
+    if (G % kDecodeVec != 0 || col + kChunk > m || idx + kChunk > numel) return false;
+    float w[kDecodeVec];
+    decode_vec<BITS, FMT>(msgs, ng, G, col, v);
+    for (long long r = 1; r < k; ++r) {
+      decode_vec<BITS, FMT>(msgs + r * stride, ng, G, col, w);
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) v[t] = __fadd_rn(v[t], w[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) v[t] = foreign ? loco::quiet_nan() : v[t];
+    return true;
   }
 };
 
@@ -226,12 +341,17 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Lo
   float y[kChunk], e[kChunk];
   unsigned top = 0;
   const float escale = (MODE == kInt8 && with_error && valid) ? a.escales[gi] : 0.0f;
+  const long long idx0 = row * a.m + col0 + first;
+  if (!(active && load.chunk(idx0, col0 + first, y))) {
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      const long long col = col0 + first + t, idx = idx0 + t;
+      y[t] = active && col < a.m && idx < a.numel ? load(idx, col) : 0.0f;
+    }
+  }
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
-    const long long col = col0 + first + t;
-    const long long idx = row * a.m + col;
-    float v = 0.0f;
-    if (active && col < a.m && idx < a.numel) v = load(idx, col);
+    float v = y[t];
     e[t] = 0.0f;
     if (active && with_error) {
       if (MODE == kInt8) e[t] = loco::dequantize_one(a.ecodes[off + first + t], escale);
@@ -302,10 +422,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Lo
     }
     word |= (unsigned long long)field << (BITS * t);
   }
-  if (active) {
-#pragma unroll
-    for (int b = 0; b < BITS; ++b) packed[first * BITS / 8 + b] = (word >> (8 * b)) & 0xff;
-  }
+  if (active) store_codes<BITS>(packed + first * BITS / 8, word);
   // every group writes its non-finite byte (the caller does not zero them); a non-finite group
   // writes no error state (the call's states are dropped, as on the CPU); its lanes still take
   // part in the segment's shuffle below
@@ -456,35 +573,6 @@ __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict_
   return foreign || verdict[0];
 }
 
-constexpr int kDecodeVec = 8;  // consecutive output elements per thread of a decode
-
-// decode_one of kDecodeVec consecutive elements j0 .. j0 + kDecodeVec - 1 of one message, all
-// in one group (the caller checks G % kDecodeVec == 0, j0 % kDecodeVec == 0): the scale read
-// once, the codes' bytes once each; the same values as decode_one.
-template <int BITS, int FMT>
-__device__ __forceinline__ void decode_vec(const unsigned char* msg, long long ng, int G,
-                                           long long j0, float (&v)[kDecodeVec]) {
-  const long long gcol = j0 / G;
-  if (loco::is_fp4(FMT)) {
-    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
-    const unsigned char* codes =
-        msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j0 / 2;
-#pragma unroll
-    for (int t = 0; t < kDecodeVec; ++t) v[t] = loco::fp4_dequantize(codes[t / 2], t % 2, scale);
-    return;
-  }
-  constexpr int kPer = 8 / BITS;
-  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
-  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
-                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
-  const unsigned char* codes = msg + loco::kHeaderBytes + 4 * ng + j0 / kPer;
-#pragma unroll
-  for (int t = 0; t < kDecodeVec; ++t)
-    v[t] = loco::dequantize_one(loco::field_to_code(codes[t / kPer], t % kPer, BITS), scale);
-}
-
-__device__ __forceinline__ unsigned short as_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-__device__ __forceinline__ unsigned short as_bits(__half v) { return __half_as_ushort(v); }
 
 // out[0 .. kDecodeVec) = v cast to T (NaN everywhere where `foreign`): 16-byte stores where
 // `out` is 16-byte aligned, else one store per element.
@@ -627,7 +715,7 @@ __global__ void encode_sum(const loco::EncodeArgs a, const FrameArgs f, const Su
                            const RowCheck c) {
   const bool foreign = checked_foreign(s.msgs, s.stride, c, s.verdict);
   encode_groups<BITS, MODE, SR, FMT>(
-      a, f, SummedSource<BITS, FMT>{s.msgs, s.k, s.stride, a.ng, a.G, foreign});
+      a, f, SummedSource<BITS, FMT>{s.msgs, s.k, s.stride, a.ng, a.m, a.numel, a.G, foreign});
 }
 
 constexpr int kMaxWarps = 32;  // warps in the largest block CUDA allows (1024 threads)

@@ -101,6 +101,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 }
 inline float __bfloat162float(__nv_bfloat16 v) { return __uint_as_float((unsigned)v.x << 16); }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.x; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short x) { return {x}; }
 inline __half __float2half_rn(float f) {
   if (std::isnan(f)) return {0x7fff};
   _Float16 h = (_Float16)f;  // round to nearest even
@@ -110,6 +111,7 @@ inline __half __float2half_rn(float f) {
 }
 inline float __half2float(__half v) { _Float16 h; std::memcpy(&h, &v.x, 2); return (float)h; }
 inline unsigned short __half_as_ushort(__half v) { return v.x; }
+inline __half __ushort_as_half(unsigned short x) { return {x}; }
 
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
