@@ -172,11 +172,12 @@ EOF
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1]))["rows"]
         if r["impl"] == "cuda" and r["size_bytes"] >= 16 << 20]
-for kind in ("encode", "decode"):
-    worst = min(rows, key=lambda r: r[f"{kind}_GBps"] / r["copy_GBps"])
-    ratio = worst[f"{kind}_GBps"] / worst["copy_GBps"]
-    print(f"{'PASS' if ratio >= 0.5 else 'FAIL'} codec-{kind} {ratio:.3f}x of copy at worst "
-          f"({worst['format']}, {worst['size_bytes'] >> 20} MiB, {worst[f'{kind}_GBps']:.0f} GB/s)")
+for kind in ("encode", "decode"):  # the kernels' GPU time (issue 47's goal), then the whole call
+    for on, copy in ((f"{kind}_device_GBps", "copy_device_GBps"), (f"{kind}_GBps", "copy_GBps")):
+        worst = min(rows, key=lambda r: r[on] / r[copy])
+        ratio = worst[on] / worst[copy]
+        print(f"{'PASS' if ratio >= 0.5 else 'FAIL'} codec-{on.replace('_GBps', '')} {ratio:.3f}x of "
+              f"copy at worst ({worst['format']}, {worst['size_bytes'] >> 20} MiB, {worst[on]:.0f} GB/s)")
 EOF
         ;;
     *) echo "unknown phase $phase" ;;

@@ -16,7 +16,11 @@ Throughput is input fp32 bytes per second (GB/s = 1e9 B/s) for all three, so rat
 compare like with like. Results go to a table on stdout and, with ``--json``, to a file.
 
 ``device="cuda"`` measures on the current GPU (the CUDA kernels and the reference; each sample
-ends with a device synchronisation, and the thread count does not apply).
+ends with a device synchronisation, and the thread count does not apply). Below 64 MiB such a
+sample is bound by the host (the codec call's Python and launches), so on CUDA each row also
+gives the *device* throughput (``*_device_GBps``): input bytes over the GPU time of the work the
+call enqueued (its kernels, memsets and copies, summed from torch.profiler's CUPTI records),
+the copy's measured the same way; issue 47's bandwidth goal reads these.
 """
 
 from __future__ import annotations
@@ -55,6 +59,24 @@ def _time(fn: Callable[[], object], min_time: float, max_repeats: int = 50,
     return statistics.median(samples)
 
 
+def _device_time(fn: Callable[[], object], reps: int = 5) -> float:
+    """Seconds of GPU time per call of ``fn``: the durations of the kernels, memsets and copies
+    its ``reps`` calls ran (torch.profiler's CUDA activity), summed, over ``reps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    if busy_us <= 0:
+        raise RuntimeError("lowbitcc codec-bench: the profiler recorded no GPU work")
+    return busy_us / 1e6 / reps
+
+
 def _codec(impl: str, bits: int, group: int, device: str, fmt: str) -> ShardCodec:
     choice = "auto" if impl == "cuda" else impl
     return ShardCodec(bits=bits, group_size=group, dtype_code=0, seq=1, world=4, signature=0,
@@ -84,7 +106,14 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
     total = torch.empty(quarter, device=device)
     t_dec = _time(lambda: codec.decode_sum(messages, quarter, 0, total), min_time, device=device)
     t_sum = _time(lambda: codec.kernels.checksum(sent), min_time, device=device)
-    return {
+    on_device = {}
+    if device == "cuda" and impl == "cuda":
+        on_device = {
+            "copy_device_GBps": size_bytes / _device_time(lambda: dst.copy_(src)) / 1e9,
+            "encode_device_GBps": size_bytes / _device_time(encode) / 1e9,
+            "decode_device_GBps": size_bytes / _device_time(
+                lambda: codec.decode_sum(messages, quarter, 0, total)) / 1e9}
+    return {**on_device,
         "size_bytes": size_bytes, "impl": impl, "threads": threads, "device": device,
         "format": fmt, "group": group,
         "copy_GBps": size_bytes / t_copy / 1e9,
@@ -126,6 +155,12 @@ def run(min_size: int = 64 << 10, max_size: int = 256 << 20, factor: int = 4,
                           f"{r['decode_GBps'] / r['copy_GBps']:>8.3f} "
                           f"{r['checksum_share_encode']:>8.3f} {r['checksum_share_decode']:>8.3f}",
                           flush=True)
+                    if "copy_device_GBps" in r:
+                        copy = r["copy_device_GBps"]
+                        print(f"{'':>10} {'':>9} {'device':>9} {'':>3} {copy:>9.2f} "
+                              f"{r['encode_device_GBps']:>9.3f} {r['encode_device_GBps'] / copy:>8.3f} "
+                              f"{r['decode_device_GBps']:>9.3f} {r['decode_device_GBps'] / copy:>8.3f}",
+                              flush=True)
         size *= factor
     if json_path:
         with open(json_path, "w") as f:

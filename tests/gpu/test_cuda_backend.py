@@ -451,10 +451,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @needs_cupy
-def test_codec_bench_and_perf_run_on_cuda():
-    bench = _cli("codec-bench", "--device", "cuda", "-b", "1M", "-e", "4M", "--min-time", "0.05")
+def test_codec_bench_and_perf_run_on_cuda(tmp_path):
+    """codec-bench's CUDA rows carry the device throughputs (the profiler saw GPU work)."""
+    import json
+
+    bench = _cli("codec-bench", "--device", "cuda", "-b", "1M", "-e", "4M", "--min-time", "0.05",
+                 "--json", str(tmp_path / "c.json"))
     assert bench.returncode == 0, bench.stderr[-3000:]
     assert "cuda" in bench.stdout and "4MiB" in bench.stdout
+    rows = [r for r in json.loads((tmp_path / "c.json").read_text())["rows"] if r["impl"] == "cuda"]
+    assert rows and all(r[f"{k}_device_GBps"] > 0 for r in rows for k in ("copy", "encode", "decode"))
     perf = _cli("perf", "all_reduce", "--device", "cuda", "--np", "1", "--backend", "loco",
                 "nccl", "-b", "1M", "-e", "4M", "-n", "3", "-w", "1")
     assert perf.returncode == 0, perf.stderr[-3000:]
