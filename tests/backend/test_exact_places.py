@@ -175,6 +175,10 @@ def _one_rank_calls_once_more(rank, step):
     return STEADY
 
 
+TIMEOUT_S = 3
+"""The group timeout of `_until_an_error`'s calls (a healthy call here takes milliseconds)."""
+
+
 def _until_an_error(rank, world, gloo, issuer, plan):
     """Issue ``plan``'s steps until a call raises, as a program would; the error's kind
     ("mismatch": `CollectiveMismatchError`; "timeout": a peer stopped calling) and step. A rank
@@ -183,7 +187,7 @@ def _until_an_error(rank, world, gloo, issuer, plan):
     import datetime
     import time
 
-    group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=5),
+    group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=TIMEOUT_S),
                            pg_options=lowbitcc.LocoConfig(issuer=issuer))
     step = 0
     while (calls := plan(rank, step)) is not None:
@@ -191,10 +195,10 @@ def _until_an_error(rank, world, gloo, issuer, plan):
             try:
                 dist.all_reduce(torch.ones(numel, dtype=dtype), op=op, group=group)
             except CollectiveMismatchError:
-                time.sleep(8)
+                time.sleep(TIMEOUT_S + 2)
                 return "mismatch", step
             except RuntimeError as exc:
-                time.sleep(8)
+                time.sleep(TIMEOUT_S + 2)
                 timed_out = any(w in str(exc).lower() for w in ("timed out", "timeout"))
                 return ("timeout" if timed_out else str(exc)), step
         lowbitcc.end_step()
@@ -206,7 +210,7 @@ def _until_an_error(rank, world, gloo, issuer, plan):
 def test_an_exact_call_on_one_rank_only_raises_on_every_rank_never_hangs(issuer):
     """Rank 0 issues one call more at step 3 and raises there (then stops calling, as a
     program would); rank 1's outputs of that step's calls are NaN, and its next call that
-    needs rank 0 raises within the group's timeout (5 s here), as over gloo."""
+    needs rank 0 raises within the group's timeout (3 s here), as over gloo."""
     results = run_ranks(_until_an_error, 2, issuer, _one_rank_calls_once_more, timeout=60)
     assert results[0] == ("mismatch", 3), results
     assert results[1] in (("timeout", 3), ("mismatch", 4)), results

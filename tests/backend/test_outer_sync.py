@@ -158,6 +158,7 @@ if dist.get_rank() == 0:
 """
 
 
+@pytest.mark.slow  # about 15 s behind an emulated WAN link: a study's measurement
 def test_auto_takes_compression_where_the_cost_model_finds_it_pays_behind_a_slow_link():
     """Behind 100 Mbit/s and 40 ms one way, a 4 MiB outer all-reduce: after the cost model's
     warm-up (3 compressed, 3 exact calls) it compresses (measured: 222 ms against 592 ms

@@ -1,0 +1,57 @@
+"""How a process finds the C++ codec's build (`cpu.load`): imported directly where it is built
+and unlocked, through torch's ``cpp_extension`` (which builds, and waits for another process's
+build) elsewhere."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+
+import pytest
+import torch.utils.cpp_extension
+
+from lowbitcc.codec import cpu
+
+
+def test_a_made_build_is_imported_without_cpp_extension():
+    """A fresh process loads the build the suite made without importing ``cpp_extension`` or
+    setuptools (about 0.4 s of every rank's first group before)."""
+    if cpu.load() is None:
+        pytest.skip("the C++ codec cannot be built here")
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys; from lowbitcc.codec import cpu; assert cpu.load() is not None; "
+        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules))")],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def _torch_load(monkeypatch) -> list[dict]:
+    calls: list[dict] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda **kwargs: calls.append(kwargs) or "torch's module")
+    return calls
+
+
+@pytest.mark.parametrize("case", ["locked", "unimportable", "missing"])
+def test_a_build_being_made_unimportable_or_missing_goes_through_torch(case, tmp_path, monkeypatch):
+    """A lock file of torch's (a build under way), a build that does not import, or none: the
+    module comes from ``cpp_extension.load`` into the same folder."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = f"lowbitcc_cpu_codec_{cpu._build_digest()}"
+    directory = cpu.build_directory(name)
+    assert directory == tmp_path / "lowbitcc" / name
+    if case != "missing":
+        directory.mkdir(parents=True)
+        (directory / f"{name}.so").write_bytes(b"not a module")
+    if case == "locked":
+        (directory / "lock").touch()
+    imported: list[str] = []
+    real_import = cpu._import
+    monkeypatch.setattr(cpu, "_import", lambda n, p: imported.append(n) or real_import(n, p))
+    calls = _torch_load(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="building") if case == "missing" else contextlib.nullcontext():
+        assert cpu.load.__wrapped__() == "torch's module"
+    assert [c["build_directory"] for c in calls] == [str(directory)]
+    assert imported == ([name] if case == "unimportable" else [])
