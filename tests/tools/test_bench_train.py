@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lowbitcc.tools import cli
@@ -45,6 +46,7 @@ def test_every_scheme_trains_and_is_reported(tmp_path):
     assert max(losses) - min(losses) < 0.1, losses
 
 
+@pytest.mark.slow  # a benchmark's second configuration (about 9 s)
 def test_bf16_models_train_and_their_exact_bytes_are_halved(tmp_path):
     done = _bench("--config", "quick", "--steps", "3", "--warmup", "1", "--dtype", "bf16",
                   "--schemes", "gloo", "loco", "--json", str(tmp_path / "b.json"))
