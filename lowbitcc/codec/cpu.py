@@ -32,6 +32,7 @@ from lowbitcc.codec.interface import EncodeArgs
 SOURCES = [CSRC / "cpu_codec.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -47,8 +48,8 @@ def load() -> ModuleType | None:
     if built.exists() and not (directory / "lock").exists():
         try:
             return _import(name, built)
-        except ImportError:  # a build left unfinished: torch's path builds it again
-            pass
+        except ImportError:  # torch's path decides: ninja rebuilds only where an input changed,
+            pass             # else its import fails too and the reference codec is used
     try:
         from torch.utils import cpp_extension
 
@@ -61,7 +62,7 @@ def load() -> ModuleType | None:
             sources=[str(s) for s in SOURCES],
             extra_include_paths=[str(CSRC)],
             extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=LDFLAGS,
             build_directory=str(directory),
             verbose=os.environ.get("LOWBITCC_BUILD_VERBOSE") == "1",
         )
@@ -99,7 +100,7 @@ def _build_digest() -> str:
     h = hashlib.sha256()
     for path in [*SOURCES, HEADER]:
         h.update(path.read_bytes())
-    for part in (" ".join(CFLAGS), str(CSRC.resolve()), torch.__version__,
+    for part in (" ".join(CFLAGS), " ".join(LDFLAGS), str(CSRC.resolve()), torch.__version__,
                  os.path.dirname(torch.__file__), sys.version, os.environ.get("CXX", "c++")):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:12]

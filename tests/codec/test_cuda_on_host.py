@@ -226,7 +226,7 @@ def _same_values(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
 
 
-@pytest.mark.parametrize("fmt,bits,group,rounding", [WIRES[0], WIRES[4], WIRES[5]])
+@pytest.mark.parametrize("fmt,bits,group,rounding", [WIRES[0], WIRES[2], WIRES[4], WIRES[5]])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("aligned", [True, False])
 def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
@@ -234,10 +234,10 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
     """`TensorSource::chunk` and `store_codes`: a source that starts 16-byte aligned (rows of
     1024 elements: every whole chunk in one load) or one element after (every chunk element by
     element), 1003-element rows (some rows' chunks aligned, the row ends element by element),
-    messages whose codes start on a word (NVFP4 at 1024: 68 scale bytes) or not (at 1003: 67),
-    2-, 4- and 8-bit codes: the C++ codec's bytes; and `decode_into` of them (`load_codes`: the codes of
+    messages whose codes start on a word (NVFP4 at 1024: 68 scale bytes) or not (at 1003: 67;
+    int at 1152: 9 groups of 128, codes at byte 68), MXFP4, NVFP4, 2- and 8-bit codes: the C++ codec's bytes; and `decode_into` of them (`load_codes`: the codes of
     a chunk in one load where aligned) its values."""
-    for rows, m in ((3, 1024), (3, 1003)):
+    for rows, m in ((3, 1024), (3, 1003), (3, 1152)):
         want_codec = _codec(fmt, bits, group, rounding, rows)
         got_codec = _codec(fmt, bits, group, rounding, rows, kernels=cuda.KERNELS)
         _, x = _placed(rows * m - 5, dtype, aligned)

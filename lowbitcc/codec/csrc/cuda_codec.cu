@@ -186,10 +186,9 @@ struct TensorSource {
   // Elements idx .. idx + kChunk - 1 (columns col ..) into v, in 16-byte loads, where they all
   // lie in the row and the tensor and start 16-byte aligned; false (nothing read) elsewhere.
   __device__ __forceinline__ bool chunk(long long idx, long long col, float (&v)[kChunk]) const {
+    if (col + kChunk > a.m || idx + kChunk > a.numel) return false;
     const T* p = src + idx;
-    if (col + kChunk > a.m || idx + kChunk > a.numel ||
-        reinterpret_cast<unsigned long long>(p) % 16 != 0)
-      return false;
+    if (reinterpret_cast<unsigned long long>(p) % 16 != 0) return false;
     if constexpr (sizeof(T) == 4) {
       const float4 lo = reinterpret_cast<const float4*>(p)[0];
       const float4 hi = reinterpret_cast<const float4*>(p)[1];
