@@ -235,8 +235,9 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
     1024 elements: every whole chunk in one load) or one element after (every chunk element by
     element), 1003-element rows (some rows' chunks aligned, the row ends element by element),
     messages whose codes start on a word (NVFP4 at 1024: 68 scale bytes) or not (at 1003: 67;
-    int at 1152: 9 groups of 128, codes at byte 68), MXFP4, NVFP4, 2- and 8-bit codes: the C++ codec's bytes; and `decode_into` of them (`load_codes`: the codes of
-    a chunk in one load where aligned) its values."""
+    int at 1152: 9 groups of 128, codes at byte 68), MXFP4, NVFP4, 2- and 8-bit codes: the C++
+    codec's bytes; and `decode_into` of them (`load_codes`: the codes of a chunk in one load
+    where aligned) its values."""
     for rows, m in ((3, 1024), (3, 1003), (3, 1152)):
         want_codec = _codec(fmt, bits, group, rounding, rows)
         got_codec = _codec(fmt, bits, group, rounding, rows, kernels=cuda.KERNELS)

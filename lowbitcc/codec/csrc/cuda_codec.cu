@@ -572,7 +572,6 @@ __device__ __forceinline__ bool checked_foreign(const unsigned char* __restrict_
   return foreign || verdict[0];
 }
 
-
 // out[0 .. kDecodeVec) = v cast to T (NaN everywhere where `foreign`): 16-byte stores where
 // `out` is 16-byte aligned, else one store per element.
 template <typename T>
