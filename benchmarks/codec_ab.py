@@ -34,13 +34,15 @@ def build_revision(rev: str) -> object:
     commit = subprocess.run(["git", "rev-parse", rev], cwd=REPO, check=True, capture_output=True,
                             text=True).stdout.strip()
     src = Path(tempfile.mkdtemp(prefix=f"lowbitcc-ab-{commit[:12]}-"))
-    for source in [*cpu.SOURCES, cpu.HEADER]:
-        rel = source.resolve().relative_to(REPO)
+    csrc = cpu.CSRC.resolve().relative_to(REPO)
+    names = subprocess.run(["git", "ls-tree", "--name-only", commit, f"{csrc}/"], cwd=REPO,
+                           check=True, capture_output=True, text=True).stdout.split()
+    for rel in names:  # every file of the revision's csrc: its sources and headers
         text = subprocess.run(["git", "show", f"{commit}:{rel}"], cwd=REPO, check=True,
                               capture_output=True).stdout
-        (src / source.name).write_bytes(text)
+        (src / Path(rel).name).write_bytes(text)
     return cpp_extension.load(name=f"lowbitcc_ab_{commit[:12]}",
-                              sources=[str(src / cpu.SOURCES[0].name)],
+                              sources=[str(p) for p in sorted(src.glob("cpu_*.cpp"))],
                               extra_include_paths=[str(src)], extra_cflags=cpu.CFLAGS,
                               extra_ldflags=["-fopenmp"])
 

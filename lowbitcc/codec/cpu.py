@@ -1,4 +1,5 @@
-"""The fused C++/OpenMP CPU kernels (``csrc/cpu_codec.cpp``), built on first use and cached.
+"""The fused C++/OpenMP CPU kernels (``csrc/cpu_codec.cpp``, the encodes in ``csrc/cpu_encode.h``),
+built on first use and cached.
 
 Built with torch's ``cpp_extension`` (ninja) into torch's extension cache (`build_directory`)
 when the first "loco" group is created (not inside a collective), with a warning while a build
@@ -29,7 +30,9 @@ from lowbitcc.codec.abi import CSRC, FORMAT_CODES, HEADER
 from lowbitcc.codec.framing import TorchFraming
 from lowbitcc.codec.interface import EncodeArgs
 
-SOURCES = [CSRC / "cpu_codec.cpp"]
+SOURCES = [CSRC / "cpu_codec.cpp", CSRC / "cpu_encode_fp32.cpp", CSRC / "cpu_encode_fp16.cpp"]
+"""The translation units, which ninja compiles in parallel (the encodes' without torch's headers)."""
+HEADERS = [HEADER, CSRC / "cpu_codec.h", CSRC / "cpu_encode.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -98,7 +101,7 @@ def _import(name: str, path: Path) -> ModuleType:
 def _build_digest() -> str:
     """Hash of everything that changes the built module (see the module docstring)."""
     h = hashlib.sha256()
-    for path in [*SOURCES, HEADER]:
+    for path in [*SOURCES, *HEADERS]:
         h.update(path.read_bytes())
     for part in (" ".join(CFLAGS), " ".join(LDFLAGS), str(CSRC.resolve()), torch.__version__,
                  os.path.dirname(torch.__file__), sys.version, os.environ.get("CXX", "c++")):
