@@ -226,18 +226,29 @@ def _same_values(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
 
 
-@pytest.mark.parametrize("fmt,bits,group,rounding", [WIRES[0], WIRES[2], WIRES[4], WIRES[5]])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("aligned", [True, False])
+def _access_cases() -> list:
+    """(wire, dtype, aligned): every dtype with the default format and every code width with
+    fp32, aligned or not; the other pairs with ``-m slow``."""
+    return [pytest.param(wire, dtype, aligned, marks=() if wire == WIRES[0] or dtype == DTYPES[0]
+                         else SLOW)
+            for wire in (WIRES[0], WIRES[2], WIRES[4], WIRES[5]) for dtype in DTYPES
+            for aligned in (True, False)]
+
+
+@pytest.mark.parametrize("wire_case,dtype,aligned", _access_cases())
 def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
-        on_host, fmt, bits, group, rounding, dtype, aligned):
+        on_host, wire_case, dtype, aligned):
     """`TensorSource::chunk` and `store_codes`: a source that starts 16-byte aligned (rows of
     1024 elements: every whole chunk in one load) or one element after (every chunk element by
     element), 1003-element rows (some rows' chunks aligned, the row ends element by element),
     messages whose codes start on a word (NVFP4 at 1024: 68 scale bytes) or not (at 1003: 67;
     int at 1152: 9 groups of 128, codes at byte 68), MXFP4, NVFP4, 2- and 8-bit codes: the C++
     codec's bytes; and `decode_into` of them (`load_codes`: the codes of a chunk in one load
-    where aligned) its values."""
+    where aligned) its values. The harness counts the vector accesses: at 1024 every chunk's
+    source in one load where aligned, none an element off; codes in words at 1024 (NVFP4's at
+    1152 too), in bytes only at 1003 (NVFP4's and 8-bit codes always start on a word elsewhere)."""
+    fmt, bits, group, rounding = wire_case
+    on_host.vector_accesses()
     for rows, m in ((3, 1024), (3, 1003), (3, 1152)):
         want_codec = _codec(fmt, bits, group, rounding, rows)
         got_codec = _codec(fmt, bits, group, rounding, rows, kernels=cuda.KERNELS)
@@ -245,12 +256,19 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
         x.copy_(_input(rows * m - 5, m, dtype))
         want = want_codec.encode(x, rows, m, 0.5, None, 0.0, list(range(rows)), None)
         got = got_codec.encode(x, rows, m, 0.5, None, 0.0, list(range(rows)), None)
+        encoded = on_host.vector_accesses()
         assert torch.equal(got.messages, want.messages), (rows, m)
         decoded, values = torch.empty(rows * m), torch.empty(rows * m)
         cuda.KERNELS.decode_into(got.messages, m, bits, want_codec.group_size, fmt, decoded,
                                  torch.zeros(8, dtype=torch.uint8))
+        decoded_accesses = on_host.vector_accesses()
         cpu.KERNELS.decode_into(want.messages, m, bits, want_codec.group_size, fmt, values)
         _same_values(decoded, values)
+        if m == 1024:  # 3 rows of 128 chunks, the last 5 elements short of a chunk
+            assert encoded["source loads"] == (3 * 128 - 1 if aligned else 0), encoded
+            assert encoded["code stores"] == 3 * 128, encoded
+            assert decoded_accesses["code loads"] == 3 * 128, decoded_accesses
+            assert decoded_accesses["output stores"] == 3 * 128, decoded_accesses
 
 
 @pytest.mark.parametrize("fmt,bits,group,rounding", _fast_first(WIRES, 2))

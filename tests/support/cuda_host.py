@@ -17,10 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lowbitcc.codec import cuda_build
+from lowbitcc.codec import abi, cuda_build
 from lowbitcc.codec.cuda_args import THREADS
 
 HOST = Path(__file__).resolve().parent / "cuda_on_host"
+VECTOR_ACCESSES = {"source loads": "kSourceLoad", "code loads": "kCodesLoad",
+                   "code stores": "kCodesStore", "output stores": "kOutputStore"}
+"""The kinds of vector access the kernels make where aligned, by their names in cuda_codec.cu."""
 
 
 def compiler() -> str | None:
@@ -50,6 +53,10 @@ const Entry kEntries[] = {{
 {entries}
 }};
 }}  // namespace
+static_assert(loco_cuda::kOutputStore < 8, "prelude.h counts 8 kinds of vector access");
+extern "C" void lowbitcc_host_vector_accesses(unsigned long long* counts) {{
+  for (int kind = 0; kind < 8; ++kind) counts[kind] = host_vector_accesses[kind].exchange(0);
+}}
 extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
                                     unsigned threads, void** params,
                                     const unsigned long long* sizes) {{
@@ -87,3 +94,10 @@ extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
             raise TypeError(f"{name}: an argument's size is not its parameter's "
                             f"({[v.nbytes for v in values]})")
         self.launched.append(name)
+
+    def vector_accesses(self) -> dict[str, int]:
+        """The vector accesses (`VECTOR_ACCESSES`) of every CUDA thread since the last call."""
+        counts = (ctypes.c_ulonglong * 8)()
+        self._library.lowbitcc_host_vector_accesses(counts)
+        source = cuda_build.CSRC / "cuda_codec.cu"
+        return {kind: counts[abi.constant(name, source)] for kind, name in VECTOR_ACCESSES.items()}

@@ -57,6 +57,18 @@ constexpr int kMx = loco::kFormatMxfp4;
 constexpr int kNv = loco::kFormatNvfp4;
 constexpr int kTrailerBytes = 8;
 
+// The kinds of vector access the kernels make where aligned (16-byte loads of the source and
+// stores of the output, a lane's codes as one word). The host harness counts them
+// (tests/support/cuda_on_host/prelude.h defines LOCO_VECTOR_ACCESS), so that a test tells them
+// from the element-by-element paths, which write the same bytes; a GPU build counts nothing.
+constexpr int kSourceLoad = 0;
+constexpr int kCodesLoad = 1;
+constexpr int kCodesStore = 2;
+constexpr int kOutputStore = 3;
+#ifndef LOCO_VECTOR_ACCESS
+#define LOCO_VECTOR_ACCESS(kind) ((void)(kind))
+#endif
+
 // The call's header (shard 0, flags 0) as eight little-endian words, passed by value.
 struct Header {
   unsigned int w[8];
@@ -189,6 +201,7 @@ struct TensorSource {
     if (col + kChunk > a.m || idx + kChunk > a.numel) return false;
     const T* p = src + idx;
     if (reinterpret_cast<unsigned long long>(p) % 16 != 0) return false;
+    LOCO_VECTOR_ACCESS(kSourceLoad);
     if constexpr (sizeof(T) == 4) {
       const float4 lo = reinterpret_cast<const float4*>(p)[0];
       const float4 hi = reinterpret_cast<const float4*>(p)[1];
@@ -233,6 +246,7 @@ template <int BITS>
 __device__ __forceinline__ unsigned long long load_codes(const unsigned char* p) {
   static_assert(BITS * kChunk % 8 == 0, "a chunk's codes are whole bytes");
   const bool aligned = reinterpret_cast<unsigned long long>(p) % BITS == 0;
+  if (aligned) LOCO_VECTOR_ACCESS(kCodesLoad);
   if constexpr (BITS == 8) {
     if (aligned) return *reinterpret_cast<const unsigned long long*>(p);
   } else if constexpr (BITS == 4) {
@@ -250,6 +264,7 @@ __device__ __forceinline__ unsigned long long load_codes(const unsigned char* p)
 template <int BITS>
 __device__ __forceinline__ void store_codes(unsigned char* p, unsigned long long word) {
   const bool aligned = reinterpret_cast<unsigned long long>(p) % BITS == 0;
+  if (aligned) LOCO_VECTOR_ACCESS(kCodesStore);
   if constexpr (BITS == 8) {
     if (aligned) return void(*reinterpret_cast<unsigned long long*>(p) = word);
   } else if constexpr (BITS == 4) {
@@ -584,6 +599,7 @@ __device__ __forceinline__ void store_vec(T* out, const float (&v)[kDecodeVec], 
     for (int t = 0; t < kDecodeVec; ++t) out[t] = from_float<T>(w[t]);
     return;
   }
+  LOCO_VECTOR_ACCESS(kOutputStore);
   if constexpr (sizeof(T) == 4) {
     float4* dst = reinterpret_cast<float4*>(out);
     dst[0] = make_float4(w[0], w[1], w[2], w[3]);

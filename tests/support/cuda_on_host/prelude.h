@@ -117,3 +117,8 @@ struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// The kernels' vector accesses so far, by kind (cuda_codec.cu's LOCO_VECTOR_ACCESS), read and
+// cleared by lowbitcc_host_vector_accesses.
+inline std::atomic<unsigned long long> host_vector_accesses[8];
+#define LOCO_VECTOR_ACCESS(kind) host_vector_accesses[kind].fetch_add(1, std::memory_order_relaxed)
