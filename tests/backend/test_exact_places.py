@@ -181,11 +181,13 @@ TIMEOUT_S = 3
 
 def _until_an_error(rank, world, gloo, issuer, plan):
     """Issue ``plan``'s steps until a call raises, as a program would; the error's kind
-    ("mismatch": `CollectiveMismatchError`; "timeout": a peer stopped calling) and step. A rank
-    that raised stays alive past the others' timeout without calling (its exit would end
-    their calls at once)."""
+    ("mismatch": `CollectiveMismatchError`; "timeout": a peer stopped calling) and step. Rank
+    0, which deviates and raises first, stays alive past the others' timeout without calling
+    (its exit would end their calls at once); the others raise last and linger a second."""
     import datetime
     import time
+
+    linger = TIMEOUT_S + 2 if rank == 0 else 1
 
     group = dist.new_group(backend="loco", timeout=datetime.timedelta(seconds=TIMEOUT_S),
                            pg_options=lowbitcc.LocoConfig(issuer=issuer))
@@ -195,10 +197,10 @@ def _until_an_error(rank, world, gloo, issuer, plan):
             try:
                 dist.all_reduce(torch.ones(numel, dtype=dtype), op=op, group=group)
             except CollectiveMismatchError:
-                time.sleep(TIMEOUT_S + 2)
+                time.sleep(linger)
                 return "mismatch", step
             except RuntimeError as exc:
-                time.sleep(TIMEOUT_S + 2)
+                time.sleep(linger)
                 timed_out = any(w in str(exc).lower() for w in ("timed out", "timeout"))
                 return ("timeout" if timed_out else str(exc)), step
         lowbitcc.end_step()

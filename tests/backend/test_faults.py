@@ -866,9 +866,9 @@ def _late_peer(rank, world, gloo, kind):
     return _close(ours, theirs) if kind == "compressed all-reduce" else torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("kind", ["compressed all-reduce", "exact all-reduce",
-                                  "framed all-reduce", "broadcast", "checked broadcast",
-                                  "barrier"])
+@pytest.mark.parametrize("kind", ["compressed all-reduce", "exact all-reduce", "checked broadcast",
+                                  *[pytest.param(k, marks=pytest.mark.slow)
+                                    for k in ("framed all-reduce", "broadcast", "barrier")]])
 def test_a_late_peer_only_delays_the_call(kind):
     """Rank 1 calls 1.5 s after rank 0, on every path: the descriptor exchange (and the call
     after it) waits, and both ranks get the exact result (the compressed one's within 4-bit
@@ -958,8 +958,9 @@ os._exit(0)
 
 
 @pytest.mark.parametrize("kind", ["compressed all_reduce", "compressed reduce_scatter",
-                                  "exact all_reduce", "all_gather", "broadcast", "barrier",
-                                  "recv"])
+                                  "exact all_reduce", "broadcast",
+                                  *[pytest.param(k, marks=pytest.mark.slow)
+                                    for k in ("all_gather", "barrier", "recv")]])
 def test_a_dead_peer_makes_every_kind_of_call_raise_on_the_others(kind):
     """Rank 2 exits after the first barrier; ranks 0 and 1 then issue one call of ``kind``
     (group timeout 4 s) and must raise a Python exception within it, whatever the call."""

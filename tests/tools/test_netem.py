@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lowbitcc.tools import delay_switch, link_spec, netem
+from lowbitcc.tools import cli, delay_switch, link_spec, netem
 
 NEEDS_ROOT = pytest.mark.skipif(
     bool(netem.missing_requirements()),
@@ -303,12 +303,20 @@ def test_a_wide_area_link_delays_and_loses_packets_and_nothing_is_left():
     assert set(netem.leftover_namespaces()) == before
 
 
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``lowbitcc ARGV`` in this process, for what argparse ends with an exit (``--help``): its
+    exit status, standard output and error."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
 @pytest.mark.parametrize("command", ["netem", "perf", "bench-train", "study"])
-def test_commands_with_link_flags_explain_them(command):
-    done = subprocess.run([sys.executable, "-m", "lowbitcc", command, "--help"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "--delay" in done.stdout and "cross-continent" in done.stdout
+def test_commands_with_link_flags_explain_them(command, capsys):
+    status, out, err = _cli(capsys, command, "--help")
+    assert status == 0, err[-2000:]
+    assert "--delay" in out and "cross-continent" in out
 
 
 def test_the_convergence_study_refuses_link_flags_it_would_ignore():
