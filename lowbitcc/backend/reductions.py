@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from lowbitcc import state
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.call_plan import PLAN_COLLECTIVES, CallPlan
 from lowbitcc.backend.call_schedule import DEVIATE, EXCHANGE, PLANNED, Entry, Plan, Poisoned
@@ -113,13 +114,18 @@ class Reductions:
 
     def _run_exact(self, issuer: Issuer, entry: Entry, collective: str, like: torch.Tensor,
                    output: torch.Tensor, numel: int, op: Any,
-                   start: Callable[[Any, int], Any]) -> Any:
+                   start: Callable[[Any, int], Any], start_counts: bool = False) -> Any:
         """Run a call as its place's exact ``entry``: counted, started by ``start(size_class,
-        nbytes)``, and (all-reduce) its output's canary kept at the place."""
+        nbytes)``, and (all-reduce) its output's canary kept at the place. ``start_counts``:
+        ``start`` counts the call in the statistics itself (an issuer's ``leased``, through
+        `ExactReduction.count`), save the cost model's choice of it."""
         nbytes = numel * like.element_size()
         size_class = self._compressed.count_planned(collective, like, numel, op, entry)
-        count_exact(collective, nbytes, self._world,
-                    model_exact=entry.by_model and size_class is not None)
+        by_model = entry.by_model and size_class is not None
+        if not start_counts:
+            count_exact(collective, nbytes, self._world, model_exact=by_model)
+        elif by_model:
+            state.STATS.add("exact", model_exact=1)
         work = start(size_class, nbytes)
         if collective == "all_reduce":
             entry.canary = issuer.canary(output, work)
@@ -141,7 +147,8 @@ class Reductions:
         ticket = None
         if plans is not None and plans[0].kind == PLANNED and plans[0].entry.exact:
             return self._run_exact(issuer, plans[0].entry, collective, like, like, numels[0],
-                                   op, lambda size_class, _: issuer.leased(whole, size_class))
+                                   op, lambda size_class, _: issuer.leased(whole, size_class),
+                                   start_counts=True)
         if plans is None and len(parts) == 1:
             now, ticket = self._compressed.goes_exact(collective, like, numels[0], compress,
                                                       issuer.inline)

@@ -234,3 +234,27 @@ def test_ranks_that_all_deviate_alike_at_an_exact_place_go_on_without_an_error(w
         assert all(set(row) == {"ok"} for row in outcomes), outcomes
         assert all(same), same
         assert exchanges[5:] == [1, 0], exchanges
+
+
+def _counted_steps(rank, world, gloo, issuer, steps):
+    """The exact calls and bytes the statistics count over ``steps`` steps of `STEADY` (an AVG
+    among them: gloo has no AVG, so its place's call is the issuer's ``leased`` one, not the
+    inner group's own)."""
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer=issuer))
+    before = lowbitcc.stats()["exact"]
+    for _ in range(steps):
+        for numel, dtype, op in STEADY:
+            dist.all_reduce(torch.ones(numel, dtype=dtype), op=op, group=group)
+        lowbitcc.end_step()
+    after = lowbitcc.stats()["exact"]
+    return after["calls"] - before["calls"], after["tensor_bytes"] - before["tensor_bytes"]
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_each_exact_call_is_counted_once_at_its_place(issuer):
+    """Learning, agreeing and running at their places, every call of every step counts once in
+    the statistics (an AVG at its place counted twice until 2026-11-28)."""
+    steps = 40
+    calls, nbytes = run_ranks(_counted_steps, 2, issuer, steps)[0]
+    assert calls == steps * len(STEADY)
+    assert nbytes == steps * sum(numel * dtype.itemsize for numel, dtype, _ in STEADY)
