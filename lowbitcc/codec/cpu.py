@@ -31,7 +31,8 @@ from lowbitcc.codec.framing import TorchFraming
 from lowbitcc.codec.interface import EncodeArgs
 
 SOURCES = [CSRC / "cpu_codec.cpp", CSRC / "cpu_encode_fp32.cpp", CSRC / "cpu_encode_fp16.cpp"]
-"""The translation units, which ninja compiles in parallel (the encodes' without torch's headers)."""
+"""The translation units, which ninja compiles in parallel (the encodes' with c10's BFloat16 and
+Half headers only)."""
 HEADERS = [HEADER, CSRC / "cpu_codec.h", CSRC / "cpu_encode.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
@@ -101,8 +102,9 @@ def _import(name: str, path: Path) -> ModuleType:
 def _build_digest() -> str:
     """Hash of everything that changes the built module (see the module docstring)."""
     h = hashlib.sha256()
-    for path in [*SOURCES, *HEADERS]:
-        h.update(path.read_bytes())
+    for path in [*SOURCES, *HEADERS]:  # each file's name and length: a move between files shows
+        data = path.read_bytes()
+        h.update(f"{path.name}\0{len(data)}\0".encode() + data)
     for part in (" ".join(CFLAGS), " ".join(LDFLAGS), str(CSRC.resolve()), torch.__version__,
                  os.path.dirname(torch.__file__), sys.version, os.environ.get("CXX", "c++")):
         h.update(part.encode() + b"\0")

@@ -55,3 +55,15 @@ def test_a_build_being_made_unimportable_or_missing_goes_through_torch(case, tmp
         assert cpu.load.__wrapped__() == "torch's module"
     assert [c["build_directory"] for c in calls] == [str(directory)]
     assert imported == ([name] if case == "unimportable" else [])
+
+
+def test_the_build_name_hashes_every_file_the_sources_include():
+    """Every file a source or header includes from the codec's directory, and every CPU source
+    there, is one the build's name hashes (`cpu.SOURCES`, `cpu.HEADERS`)."""
+    import re
+
+    hashed = {p.name for p in [*cpu.SOURCES, *cpu.HEADERS]}
+    for path in [*cpu.SOURCES, *cpu.HEADERS]:
+        for name in re.findall(r'#include "([^"]+)"', path.read_text()):
+            assert name in hashed, (path.name, name)
+    assert {p.name for p in cpu.CSRC.glob("cpu_*")} <= hashed

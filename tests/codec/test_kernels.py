@@ -164,7 +164,7 @@ SCALES = [3.0, 0.0, 1e-39, 1e-30, 1e37]
 def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, wire, error_dtype,
                                                    with_state, beta, factor, scale, error_scale,
                                                    poison, seed):
-    """The explicit-SIMD encode (fp32, nearest rounding, no/int8/fp32 state; see cpu_codec.cpp:
+    """The explicit-SIMD encode (fp32, nearest rounding, no/int8/fp32 state; see cpu_encode.h:
     AVX-512, or AVX2 for 4 and 8 bits, on int codes of group 128; AVX2 on MXFP4 blocks of four
     groups of 32 and NVFP4 blocks of 16 groups of 16, whose unit ``groups`` counts here) gives
     the reference's bytes over three chained calls, so the LoCo blend runs on a state the

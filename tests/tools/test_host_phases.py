@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_phases.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import host_phases  # noqa: E402
+PHASES = re.search(r"PHASES = \((.*?)\)\n", SCRIPT.read_text(), re.S).group(1)
 
 
 @pytest.mark.slow
@@ -22,7 +21,7 @@ def test_host_phases_prints_every_phase_of_each_rank_and_they_add_up():
         planned = int(re.match(r" (\d+) planned calls", block).group(1))
         assert 0 < planned <= 200, block
         phases = {p: float(re.search(rf"{re.escape(p)}\s+(-?\d+\.\d+) us", block).group(1))
-                  for p in host_phases.PHASES}
-        assert all(phases[p] > 0 for p in host_phases.PHASES if p != "launch, no codec/wire")
+                  for p in re.findall(r'"([^"]+)"', PHASES)}
+        assert all(phases[p] > 0 for p in phases if p != "launch, no codec/wire")
         if planned < 200:  # the place's re-agreements
             assert f"{200 - planned} calls exchanged a descriptor" in block, block

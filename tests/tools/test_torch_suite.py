@@ -11,9 +11,12 @@ import pytest
 from lowbitcc.tools.torch_suite import runner
 
 REDUCING = [name for name in runner.CURATED
-            if any(w in name for w in ("reduce", "DistributedDataParallel", "grads", "ddp",
-                                       "static_graph", "get_future"))]
-"""The curated tests that reduce floating-point tensors: those forced compression can change."""
+            if any(w in name for w in ("all_reduce_sum", "all_reduce_coalesced_sum", "allreduce",
+                                       "DistributedDataParallel", "grads", "ddp", "static_graph",
+                                       "get_future"))
+            and "complex" not in name]
+"""The curated tests that all-reduce real floating-point tensors by a sum: those forced
+compression can change (MAX, complex values and `reduce` travel exact)."""
 
 
 def test_curated_subset_of_torchs_suite_passes_over_loco(tmp_path):

@@ -1,6 +1,7 @@
 // Internal to the CPU codec's translation units, which ninja compiles in parallel: the encodes
-// (cpu_encode_fp32.cpp, cpu_encode_fp16.cpp, of the templates in cpu_encode.h, without torch's
-// headers) and cpu_codec.cpp (the decodes, the framing and the Python bindings, with them).
+// (cpu_encode_fp32.cpp, cpu_encode_fp16.cpp, of the templates in cpu_encode.h, with c10's
+// BFloat16 and Half headers only) and cpu_codec.cpp (the decodes, the framing and the Python
+// bindings, with torch's pybind header).
 // What they share is defined here once.
 #pragma once
 

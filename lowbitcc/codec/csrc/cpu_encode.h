@@ -1,7 +1,7 @@
 // The CPU codec's encode kernels (C++/OpenMP) built from loco_codec.cuh; bit-exact with reference.py.
 // Templates on the source's element type, instantiated by cpu_encode_fp32.cpp (fp32) and
 // cpu_encode_fp16.cpp (bf16, fp16), which ninja compiles in parallel with cpu_codec.cpp and
-// without torch's headers; cpu_codec.cpp checks the arguments and calls them (cpu_codec.h).
+// without torch's headers (c10's BFloat16 and Half only); cpu_codec.cpp checks the arguments and calls them (cpu_codec.h).
 //
 // encode: one pass per group of G elements: read the source (fp32/bf16/fp16, times `factor`),
 //   add the stored error, group max, quantize, pack codes and the scale (fp32, or an E8M0 byte
@@ -35,11 +35,11 @@
 namespace lowbitcc_cpu {
 namespace {
 
-inline const at::BFloat16* error_bf16(const EncodeArgs& a) {
-  return reinterpret_cast<const at::BFloat16*>(a.ebf16);
+inline const c10::BFloat16* error_bf16(const EncodeArgs& a) {
+  return reinterpret_cast<const c10::BFloat16*>(a.ebf16);
 }
-inline at::BFloat16* error_bf16_out(const EncodeArgs& a) {
-  return reinterpret_cast<at::BFloat16*>(a.ebf16);
+inline c10::BFloat16* error_bf16_out(const EncodeArgs& a) {
+  return reinterpret_cast<c10::BFloat16*>(a.ebf16);
 }
 
 constexpr int kLanes = 8;  // G is a multiple of 8
@@ -960,7 +960,7 @@ inline __attribute__((always_inline)) bool emit_group(const EncodeArgs& a, int64
     for (int j = 0; j < G; ++j) a.ef32[off + j] = e[j];
   } else if (MODE == kBf16) {
 #pragma omp simd
-    for (int j = 0; j < G; ++j) error_bf16_out(a)[off + j] = at::BFloat16(e[j]);
+    for (int j = 0; j < G; ++j) error_bf16_out(a)[off + j] = c10::BFloat16(e[j]);
   }
   return true;
 }
