@@ -27,7 +27,7 @@ from typing import Any
 
 PHASES = ("c10d in", "to the issuer", "to the plan", "plan before launch", "launch, no codec/wire",
           "plan after launch", "back to the issuer", "back to loco", "c10d out")
-"""A planned call's phases, in order (the marks between them: `_marks`)."""
+"""A planned call's phases, in order (the spans between `MARKS`' times: `_phases`)."""
 MARKS = (("loco", "LocoProcessGroup", "allreduce"), ("issuer", "InlineIssuer", "run_plan"),
          ("plan", "CallPlan", "run"), ("launch", "CallPlan", "launch"))
 """The methods timed: (name, class, method)."""

@@ -76,6 +76,9 @@ extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
         self._library = ctypes.CDLL(str(library))
         self._library.lowbitcc_host_launch.restype = ctypes.c_int
         self.launched: list[str] = []
+        kinds = cuda_build.CSRC / "cuda_codec.cu"
+        self._access_kinds = {kind: abi.constant(name, kinds)
+                              for kind, name in VECTOR_ACCESSES.items()}
 
     def launch(self, name: str, device: torch.device, grid: int | tuple[int, int],
                args: tuple) -> None:
@@ -99,5 +102,4 @@ extern "C" int lowbitcc_host_launch(const char* name, unsigned gx, unsigned gy,
         """The vector accesses (`VECTOR_ACCESSES`) of every CUDA thread since the last call."""
         counts = (ctypes.c_ulonglong * 8)()
         self._library.lowbitcc_host_vector_accesses(counts)
-        source = cuda_build.CSRC / "cuda_codec.cu"
-        return {kind: counts[abi.constant(name, source)] for kind, name in VECTOR_ACCESSES.items()}
+        return {kind: counts[index] for kind, index in self._access_kinds.items()}
