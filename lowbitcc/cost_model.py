@@ -90,14 +90,17 @@ class CostModel:
     def size_class(collective: str, nbytes: int, device: str = "cpu") -> SizeClass:
         return (collective, device, max(nbytes, 1).bit_length() - 1)
 
-    def suggest(self, collective: str, nbytes: int, device: str = "cpu") -> Suggestion:
+    def suggest(self, collective: str, nbytes: int, device: str = "cpu",
+                counts: bool = True) -> Suggestion:
         """This rank's suggestion for the next call of ``nbytes`` input bytes on ``device``
-        tensors (counts it; call it once per call, in issue order)."""
+        tensors (counts it; call it once per call, in issue order). ``counts`` False: the
+        call is counted where it runs (`count`): a place's renewal asks a period ahead of the
+        run it decides (`lowbitcc.backend.call_schedule`)."""
         key = self.size_class(collective, nbytes, device)
         with self._lock:
             c = self._class(key)
             n = c.calls
-            c.calls += 1
+            c.calls += counts
             if n < self.warmup:
                 return Suggestion(False, key, explore=True)
             if n < 2 * self.warmup:

@@ -17,7 +17,10 @@ than an exact call on a fast link. The schedule removes it from the steady state
 - each agreement leaves its place an `Entry`: the agreed call and its outcome, for
   ``REAGREE_EVERY - 1`` more runs where the outcome can run without an exchange (`runs_for`),
   else for none; every rank derives the count from the agreed descriptors alike, so the next
-  agreement (with rank 0's cost-model suggestion) falls on the same call everywhere;
+  agreement (with rank 0's cost-model suggestion) falls on the same call everywhere. That
+  next agreement is a *renewal* (`lowbitcc.backend.renewal`): started in the background by
+  the run that leaves the entry `renew_ahead` runs, taken by the place's run after the
+  entry's last, which runs as its outcome says without waiting for an exchange;
 - a call whose place holds an entry with runs left, and which is the entry's call
   (`Entry.matches`: collective, dtype, op, size, form, parent), runs as the entry says without
   an exchange: *compressed* entries (the direct schedule) run the compressed call at once,
@@ -32,7 +35,7 @@ the same call, every rank starts its schedule again (`restart`) and agrees on th
 every rank raises `CollectiveMismatchError` at that call. At an exact entry it contributes a
 buffer of NaN with a few -0.0 elements: where every rank deviated, those elements come back
 -0.0 and every rank starts again; else this rank raises, the others' outputs of that call are
-NaN, and they raise at the next exchange, where this rank's descriptor carries
+NaN, and they raise at the next exchange or renewal, where this rank's descriptor carries
 `wire.DESC_DEVIATED` (`take_deviated`). Every rank exchanges again at the place's next run
 when the last output of its previous run there was NaN (its *canary*, read by the issuer; the
 same on every rank for an all-reduce), so that next exchange is at most a period away.
@@ -42,23 +45,36 @@ exchanges and compressed deviations run later on the group's worker, which recor
 outcomes (`agreed`, `restart`). A decision must see every earlier outcome on every rank alike,
 so a call that will record one *opens* it (`open`) and the next call waits until it is
 *settled* (`wait_settled`): the calling thread waits for the worker only behind exchanges, not
-in the steady state.
+in the steady state. A renewal's outcome is recorded by the calling thread, where it takes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lowbitcc import policy
+from lowbitcc.backend.call_agreement import DeviatedPeerError
 from lowbitcc.backend.exact import ReduceOp
 from lowbitcc.codec import wire
 
 REAGREE_EVERY = 64
-"""Runs of a place between two descriptor exchanges (the first of them exchanges)."""
+"""Runs of a place per agreement on its call: the first agreement is the exchange of the
+place's call, the later ones renewals in the background (`lowbitcc.backend.renewal`)."""
+
+
+def renew_ahead() -> int:
+    """Runs of an entry left when its renewal starts (`lowbitcc.backend.renewal`): half a
+    cycle, so that the exchange has that many periods to complete on the worker before the
+    place's run after the entry's last takes its outcome (a CUDA call is issued in tens of
+    microseconds, a gloo exchange takes 0.4-5 ms); the outcome lags rank 0's model by as much."""
+    return REAGREE_EVERY // 2
+
+
 CAPACITY = 4096
 """Calls kept while the period is unknown; past it, learning starts again."""
 EXACT_OPS = frozenset({int(ReduceOp.SUM), int(ReduceOp.AVG), int(ReduceOp.PREMUL_SUM)})
@@ -136,6 +152,12 @@ class Entry:
     by_model: bool = False
     canary: Any = None
     plan: Any = None
+    eligible: bool = True
+    """This rank's tensor and op could be compressed (`policy.eligible`): what its
+    descriptor says of the call at a renewal, with the policy in force then."""
+    renewal: Any = None
+    """The place's next agreement (`renewal.PlaceRenewal`), started in the background by a run
+    of the entry (`CallSchedule.ran`), taken by the run after its last (`CallSchedule.entry`)."""
 
     def __post_init__(self) -> None:
         self.key = call_key(self.desc)
@@ -143,12 +165,24 @@ class Entry:
     def matches(self, key: tuple) -> bool:
         return key == self.key
 
+    @property
+    def renews(self) -> bool:
+        """Whether the place agrees again on this entry's call in the background (a renewal)
+        rather than at its next run: not for one tensor of several, whose exploration calls
+        (`cost_model`) could not run as an entry (an exact entry needs one tensor)."""
+        return not self.desc.part
+
 
 class CallSchedule:
     """The places and entries of one group's route (see the module docstring). All of this
     depends only on the calls and the agreements, the same on every rank."""
 
-    def __init__(self, settle_timeout_s: float = 1800.0) -> None:
+    def __init__(self, settle_timeout_s: float = 1800.0,
+                 renew: Callable[[Entry, bool], Any] | None = None) -> None:
+        """``renew(entry, deviated)``: start agreeing on ``entry``'s call again in the
+        background (`renewal.PlaceRenewal`), reporting this rank's deviation where
+        ``deviated`` (None: every place exchanges at its run after its entry's last)."""
+        self._renew = renew
         self._settled = threading.Condition()
         self._open = 0
         self._timeout = settle_timeout_s
@@ -222,17 +256,58 @@ class CallSchedule:
             return None
         place = self._place(index)
         entry = self._entries.get(place)
-        if entry is None or entry.left <= 0:
+        if entry is None:
             return None
         if entry.canary is not None and entry.canary.nan():
+            if entry.renewal is not None:  # it may report a deviation: every rank raises
+                self._taken(place, entry)
             del self._entries[place]
             return None
+        if entry.left <= 0:
+            return None if entry.renewal is None else self._renewed(place, entry)
         return entry
 
-    @staticmethod
-    def ran(entry: Entry) -> None:
-        """A call runs as ``entry`` without an exchange."""
+    def _taken(self, place: int, entry: Entry) -> Any:
+        """The `renewal.Outcome` of ``entry``'s renewal (waited for; None: no entry). Where the
+        exchange raised (every rank alike, but for a corrupt frame or a dead peer), the place
+        has no entry; where a rank reported a deviation (`call_agreement.DeviatedPeerError`),
+        every rank starts its schedule again, as after such an exchange."""
+        renewal, entry.renewal = entry.renewal, None
+        assert renewal is not None
+        try:
+            return renewal.outcome()
+        except DeviatedPeerError:
+            self.forget()
+            raise
+        except BaseException:
+            self._entries.pop(place, None)
+            raise
+
+    def _renewed(self, place: int, entry: Entry) -> Entry | None:
+        """``entry``'s renewal taken: the entry again (or, where the agreement chose the other
+        path, a new one) with its runs, else None (the place exchanges)."""
+        outcome = self._taken(place, entry)
+        if outcome is None:
+            del self._entries[place]
+            return None
+        if (outcome.exact, outcome.by_model) != (entry.exact, entry.by_model):
+            # a compressed entry's plan is kept across an exploration of the exact path
+            kept = entry.plan if outcome.explore or not outcome.exact else None
+            entry = self._entries[place] = Entry(entry.desc, outcome.left, outcome.exact,
+                                                 outcome.by_model, plan=kept,
+                                                 eligible=entry.eligible)
+        entry.left = outcome.left
+        return entry
+
+    def ran(self, entry: Entry) -> None:
+        """A call runs as ``entry`` without an exchange; where that leaves it `renew_ahead`
+        runs or fewer, its renewal starts (`Entry.renews`), for the place's run after the
+        entry's last to take; it reports this rank's deviation since its last exchange
+        (`take_deviated`), as an exchange would."""
         entry.left -= 1
+        if (entry.left <= renew_ahead() and entry.renewal is None and self._renew is not None
+                and entry.renews):
+            entry.renewal = self._renew(entry, self.take_deviated())
 
     def take_deviated(self) -> bool:
         """Whether this rank deviated since its last exchange (`wire.DESC_DEVIATED`); the call
@@ -263,10 +338,11 @@ class CallSchedule:
             self._settled.notify_all()
 
     def agreed(self, index: int, desc: wire.CallDescriptor, runs: int, exact: bool,
-               by_model: bool = False) -> None:
+               by_model: bool = False, eligible: bool = True) -> None:
         """The ranks agreed at ``index`` on ``desc``'s call, ``exact`` (``by_model``) or
-        compressed, which keeps ``runs`` runs without an exchange (`runs_for`)."""
-        entry = Entry(desc, runs, exact, by_model)
+        compressed, which keeps ``runs`` runs without an exchange (`runs_for`); ``eligible``:
+        this rank's tensor and op could be compressed (`Entry.eligible`)."""
+        entry = Entry(desc, runs, exact, by_model, eligible=eligible)
         if self._period is None:
             self._learn(index, entry)
         elif index < self._next:
@@ -279,11 +355,20 @@ class CallSchedule:
     def forget(self) -> None:
         """Forget everything (every rank raised at the same exchange): the next call issued is
         index 0."""
+        self._drop_renewals()
         self._reset()
+
+    def _drop_renewals(self) -> None:
+        """Forget the places' renewals not yet taken (every rank alike): a deviation one of
+        them reported is reported again at this rank's next exchange (`take_deviated`)."""
+        for entry in self._entries.values():
+            if entry.renewal is not None and entry.renewal.deviated:
+                self.deviated = True
 
     def restart(self, plan: Plan | None = None) -> int:
         """Forget everything (every rank deviated alike): the call issued now is index 0, and
         ``plan``, its plan, becomes an exchange there (open)."""
+        self._drop_renewals()
         self._reset()
         index = self.advance()
         if plan is not None:

@@ -86,7 +86,7 @@ class CallGroup(Protocol):
     leases: Leases
     scratch: Scratch
     graphs: LiveGraphs
-    on_worker: Callable[[Callable[[], None]], None] | None
+    submit: Callable[[Callable[[], Any]], Any] | None
 
     def route(self, device: torch.device) -> Route: ...
     def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]: ...
@@ -95,7 +95,7 @@ class CallGroup(Protocol):
     def harvest_timings(self) -> None: ...
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]: ...
     def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any: ...
-    def schedule_for(self, source: Source, route: Route) -> str: ...
+    def schedule_for(self, nbytes: int, route: Route, device_type: str) -> str: ...
     def chunk(self, route: Route, m: int) -> int: ...
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
               route: Route) -> ShardCodec: ...
@@ -214,7 +214,8 @@ class CompressedCall:
         runs = runs_for(dataclasses.replace(self.desc, explore=explore), compressed, direct,
                         self.group.size)
         plan.schedule.agreed(plan.index, self.desc, runs, exact=not compressed,
-                             by_model=by_model)
+                             by_model=by_model,
+                             eligible=policy.eligible(self.source, op_type(self.op)))
         plan.settle()
 
     def run_planned(self) -> None:
@@ -271,8 +272,7 @@ class CompressedCall:
 
     def schedule_name(self) -> str:
         """The compressed schedule this call runs on."""
-        n = self.group.size
-        return self.group.schedule_for(Source(self.source, n, -(-self.numel // n)), self.route)
+        return self.group.schedule_for(self.nbytes, self.route, self.source.device.type)
 
     def take_lease(self) -> bool:
         """Whether a lease is left for the call's size class (then it runs exact, without an
@@ -301,9 +301,9 @@ class CompressedCall:
         group = self.group
         if not group.config.check or group.size == 1:
             return call, None
-        if self.route.inline and group.on_worker is not None:
+        if self.route.inline and group.submit is not None:
             agreed: list[wire.CallDescriptor] = []
-            group.on_worker(lambda: agreed.append(group.agreement.agree(call)))
+            group.submit(lambda: agreed.append(group.agreement.agree(call)) or []).wait()
             return agreed[0], None
         mine = self.reduction.scaled(self.source.detach().reshape(-1)) if self.framed else None
         return group.agreement.exchange(call, mine)
@@ -367,7 +367,7 @@ class AllReduceCall(CompressedCall):
     def schedule(self, source: Source, comp: CallCompressor) -> None:
         tensor, route = self.source, self.route
         out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(source.tensor)
-        schedules.all_reduce(self.group.schedule_for(source, route), source, out, comp,
+        schedules.all_reduce(self.schedule_name(), source, out, comp,
                              route.links, self.group.chunk(route, source.m))
         if out.data_ptr() != tensor.data_ptr():
             tensor.copy_(out.view(tensor.shape))
@@ -384,7 +384,7 @@ class ReduceScatterCall(CompressedCall):
 
     def schedule(self, source: Source, comp: CallCompressor) -> None:
         route = self.route
-        reduced = schedules.reduce_scatter(self.group.schedule_for(source, route), source, comp,
+        reduced = schedules.reduce_scatter(self.schedule_name(), source, comp,
                                            route.links, self.group.chunk(route, source.m))
         self.output.copy_(reduced.view(self.output.shape))
 

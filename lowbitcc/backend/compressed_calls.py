@@ -12,6 +12,7 @@ ordinals, the worker's decode buffer, and the CUDA calls' stream timings.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -36,11 +37,12 @@ from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.backend.place_graph import LiveGraphs
+from lowbitcc.backend.renewal import PlaceRenewal
 from lowbitcc.backend.routes import Route, choose_schedule
 from lowbitcc.backend.works import InnerWork
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
-from lowbitcc.compressor import CallCompressor, Scratch, Source
+from lowbitcc.compressor import CallCompressor, Scratch
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.schedules.chunking import chunk_width
@@ -55,19 +57,19 @@ class CompressedCalls:
     """The compressed calls of one group of ``size`` ranks (see the module docstring).
 
     ``agreement`` is the group's inner gloo transport (descriptor exchange, unmetered);
-    ``routes`` maps a device type to its `Route`; ``on_worker(fn)`` runs ``fn`` on the group's
-    worker thread and waits (for inline routes). `group_name` is set by c10d after creation.
+    ``routes`` maps a device type to its `Route`; ``submit(job)`` queues ``job`` on the group's
+    worker thread and returns its Work (inline routes' exchanges, the places' renewals).
+    `group_name` is set by c10d after creation.
     """
 
     def __init__(self, rank: int, size: int, config: LocoConfig, agreement: GlooTransport,
-                 routes: dict[str, Route],
-                 on_worker: Callable[[Callable[[], None]], None] | None = None,
+                 routes: dict[str, Route], submit: Callable[[Job], Any] | None = None,
                  timeout_s: float = 1800.0) -> None:
         self.rank = rank
         self.size = size
         self.config = config
         self.agreement = CallAgreement(rank, agreement)
-        self.on_worker = on_worker
+        self.submit = submit
         self.cost_model = CostModel()
         self.leases = Leases(self.cost_model)
         self.scratch = Scratch()  # the worker thread's decode buffer
@@ -75,8 +77,9 @@ class CompressedCalls:
         self._routes = routes
         self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
         scheduled = self.exchanges() and config.call_schedule
-        self._call_schedules = {device: CallSchedule(timeout_s) for device in routes
-                                if scheduled}
+        self._call_schedules = {
+            device: CallSchedule(timeout_s, None if submit is None else functools.partial(
+                PlaceRenewal, self, device)) for device in routes if scheduled}
         self.places = CallPlaces(self._call_schedules, config)
         self._codecs: dict[tuple, ShardCodec] = {}
         self._lock = threading.Lock()
@@ -384,13 +387,14 @@ class CompressedCalls:
             return 0
         return chunk_width(m, self.config.chunk_size, self.config.max_chunks)
 
-    def schedule_for(self, source: Source, route: Route) -> str:
-        nbytes = source.tensor.numel() * source.tensor.element_size()
+    def schedule_for(self, nbytes: int, route: Route, device_type: str) -> str:
+        """The compressed schedule of a call of ``nbytes`` input bytes on ``route``'s
+        ``device_type`` tensors."""
         name = choose_schedule(self.config, nbytes, self.size, route.links.layout)
         if route.schedules is None or name in route.schedules:
             return name
         if self.config.schedule == "auto":
             return route.schedules[0]
         raise ValueError(
-            f"lowbitcc: LOCO_SCHEDULE={name} cannot run on {source.tensor.device.type} tensors; "
+            f"lowbitcc: LOCO_SCHEDULE={name} cannot run on {device_type} tensors; "
             f"their transport runs {', '.join(route.schedules)} (or auto)")

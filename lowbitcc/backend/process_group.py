@@ -100,7 +100,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                                    self._nccl)
         self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
         self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
-                                           on_worker=self._on_worker,
+                                           submit=self._queue.submit,
                                            timeout_s=timeout.total_seconds())
         self._issuers: dict[str, Issuer] = {"cpu": InlineIssuer(self._direct, self._queue) if inline else (
             WorkerIssuer(self._queue, self._direct, self._compressed.clock))}
@@ -169,10 +169,6 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._nccl.abort()
 
     # -- what the reductions share ------------------------------------------------------------
-    def _on_worker(self, fn: Any) -> None:
-        """Run ``fn`` on the worker thread, after the CPU calls queued before, and wait."""
-        self._queue.submit(lambda: fn() or []).wait()
-
     def _refuse_invalid_op(self, op: Any, issuer: Issuer, outputs: list[torch.Tensor],
                            collective: str = "reduce_scatter") -> None:
         """`Reductions.refuse` if ``op`` cannot reduce ``outputs`` (`arguments.op_problem`)."""

@@ -294,7 +294,8 @@ NaN-filled buffer (`lowbitcc.backend.deviation.ExactDeviation`): every rank rais
 DESC_EXPLORE = 32
 """Descriptor flag, advisory, with a cost-model suggestion: the suggestion is a warm-up or an
 exploration call (`lowbitcc.cost_model`), so the outcome holds for this call only (its place
-in the call schedule agrees again at its next run)."""
+in the call schedule agrees again at its next run; decided by a place's renewal, the place
+runs the other path once and renews at once, `lowbitcc.backend.renewal`)."""
 DESC_PART = 64
 """Descriptor flag: the call is one tensor of a call of several (coalesced). Part of the call:
 a place in the call schedule keeps an exact entry only for calls of one tensor."""

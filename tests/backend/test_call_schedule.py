@@ -14,7 +14,7 @@ import torch.distributed as dist
 import lowbitcc
 from lowbitcc.backend import call_schedule
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
-from tests.support.exchanges import counting_exchanges
+from tests.support.exchanges import counting_exchanges, counting_renewals
 from tests.support.ranks import run_ranks
 
 SIZES = [65536, 3 * 65536 + 5, 100_000]
@@ -30,11 +30,12 @@ def _backward_pass(issue) -> None:
 def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu", per_call=False):
     """Backward passes on a loco group of ``issuer``, each all-reducing the tensors
     ``plan(rank, p)`` gives for pass ``p`` (sizes, or (size, dtype, op); None: stop); returns
-    every result (as CPU tensors), the agreements per pass and the errors raised (by pass: a
+    every result (as CPU tensors), the agreements per pass (the exchanges calls made, apart
+    from the places' renewals, `lowbitcc.backend.renewal`), the errors raised (by pass: a
     call that raises ends its pass, or with ``per_call`` only itself, the pass's later calls
     still issued: where ranks raise at different calls, as on CUDA, the others' later calls
-    need theirs). ``device`` "cuda": the tensors live on the rank's GPU
-    (tests/gpu/test_multirank.py)."""
+    need theirs) and the renewals started per pass. ``device`` "cuda": the tensors live on
+    the rank's GPU (tests/gpu/test_multirank.py)."""
     if device == "cuda":
         from lowbitcc.tools import spawn
 
@@ -43,12 +44,12 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu", p
         call_schedule.REAGREE_EVERY = reagree_every
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
         cost_model=False, issuer=issuer, call_schedule=True))
-    seen = counting_exchanges()
+    seen, renewed = counting_exchanges(), counting_renewals()
     gen = torch.Generator().manual_seed(rank)
-    results, agreements, errors = [], [], {}
+    results, agreements, errors, renewals = [], [], {}, []
     p = 0
     while (sizes := plan(rank, p)) is not None:
-        before = len(seen)
+        before, renewed_before = len(seen), len(renewed)
         calls = [c if isinstance(c, tuple) else (c, torch.float32, dist.ReduceOp.SUM)
                  for c in sizes]
         inputs = [torch.randn(n, generator=gen).to(dtype).to(device) for n, dtype, _ in calls]
@@ -68,8 +69,9 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu", p
             errors[p] = str(exc)
         results.append([x.to("cpu", copy=True) for x in inputs])
         agreements.append(len(seen) - before)
+        renewals.append(len(renewed) - renewed_before)
         p += 1
-    return results, agreements, errors
+    return results, agreements, errors, renewals
 
 
 def _same_passes(got, want) -> bool:
@@ -79,7 +81,8 @@ def _same_passes(got, want) -> bool:
 
 def _inline_beside_worker(world, plan):
     """``_passes`` of ``plan`` on the inline path (schedule on) and on the worker (the
-    reference): each rank's ``((results, agreements, errors), (reference results, _, _))``."""
+    reference): each rank's ``((results, agreements, errors, renewals), (reference results,
+    ...))``."""
     inline = run_ranks(_passes, world, "inline", plan)
     return list(zip(inline, run_ranks(_passes, world, "auto", plan), strict=True))
 
@@ -91,23 +94,31 @@ def _steady(rank, p):
 @pytest.mark.parametrize("world", [2, 3])
 def test_agreed_calls_run_without_an_exchange_and_equal_the_workers(world):
     ranks = _inline_beside_worker(world, _steady)
-    for (results, agreements, errors), (ref, _, _) in ranks:
+    for (results, agreements, errors, _), (ref, *_) in ranks:
         assert not errors
         # pass 0 agrees on every call; pass 1's first call, agreed equal to pass 0's, closes
         # the period; every later call runs as agreed
         assert agreements == [len(SIZES), 1, 0, 0, 0, 0], agreements
         assert _same_passes(results, ref)
     first = ranks[0][0][0]
-    for (results, _, _), _ in ranks[1:]:  # bitwise the same on every rank
+    for (results, *_), _ in ranks[1:]:  # bitwise the same on every rank
         assert _same_passes(results, first)
 
 
-def test_positions_agree_again_every_reagree_every_runs():
-    for _, agreements, errors in run_ranks(_passes, 2, "inline", _steady, 2):
+@pytest.mark.parametrize("issuer", ["inline", "auto"])
+def test_positions_agree_again_every_reagree_every_runs_in_the_background(issuer):
+    ranks = run_ranks(_passes, 2, issuer, _steady, 2)
+    for _, agreements, errors, renewals in ranks:
         assert not errors
-        # two runs per agreement: pass 1 closes the period on its first call, then each place
-        # agrees again every other run
-        assert agreements == [3, 1, 2, 1, 2, 1], agreements
+        # pass 1 closes the period on its first call; from then on no call exchanges: each
+        # place agrees again every other run, in a renewal that starts where its entry has
+        # one run left or none (`renew_ahead`) and that the place's run after the entry's
+        # last takes: pass 1's second and third calls start theirs (their entries, left by
+        # pass 0, have one run), pass 2's first (from pass 1's exchange) and its second and
+        # third, which took theirs, and so on
+        assert agreements == [3, 1, 0, 0, 0, 0], agreements
+        assert renewals == [0, 2, 3, 1, 2, 1], renewals
+    assert _same_passes(ranks[0][0], ranks[1][0])  # bitwise the same on every rank
 
 
 DEVIATIONS = {  # what rank 1 issues as the second call of pass 2
@@ -132,7 +143,7 @@ def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goe
                                                                                     issuer):
     plan = functools.partial(_one_rank_deviates, how)
     results = run_ranks(_passes, world, issuer, plan, timeout=120)
-    for _, agreements, errors in results:
+    for _, agreements, errors, _ in results:
         assert list(errors) == [2], errors
         # pass 2 ended at its second call on every rank, so pass 3 starts a place late on
         # every rank alike: the ranks start their schedule again and learn it anew
@@ -150,8 +161,8 @@ def _every_rank_deviates(rank, p):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_all_deviate_alike_agree_again_without_an_error(world):
-    for (got, agreements, errors), (want, _, _) in _inline_beside_worker(world,
-                                                                         _every_rank_deviates):
+    for (got, agreements, errors, _), (want, *_) in _inline_beside_worker(world,
+                                                                          _every_rank_deviates):
         assert not errors
         # pass 2: the first call deviates alike (probe, then agreed), the schedule starts
         # again, so its other two calls agree too; pass 3 closes the period on its first call
@@ -170,7 +181,7 @@ def _one_rank_calls_once_more(rank, p):
 @pytest.mark.parametrize("issuer", ["inline", "auto"])
 def test_a_call_on_one_rank_only_raises_on_every_rank_never_hangs(issuer):
     results = run_ranks(_passes, 2, issuer, _one_rank_calls_once_more, timeout=120)
-    for _, _, errors in results:
+    for _, _, errors, _ in results:
         # the extra call deviates from the agreed second call: both ranks raise there, which
         # ends the pass on both; the next pass agrees again and is in step
         assert 2 in errors and 3 not in errors, errors

@@ -248,3 +248,59 @@ def _forced_and_off(rank, world, gloo):
 def test_forcing_skips_the_model_and_turning_it_off_compresses_every_call():
     for row in run_ranks(_forced_and_off, 2):
         assert row == (6, 0, 0, 6, 0)
+
+
+RENEWED_SUGGESTIONS = {3: (True, False), 5: (False, False), 7: (True, True)}
+"""Rank 0's scripted suggestion (exact, explore) by the pass it is asked in (else compressed):
+exact in the renewal of pass 3, compressed again in pass 5's, an exploration of the exact
+path in pass 7's."""
+
+
+def _renewed_choices(rank, world, gloo, issuer):
+    """12 backward passes of one all-reduce under the call schedule (each place renewed every
+    other run) on a group whose model suggests as `RENEWED_SUGGESTIONS` scripts on rank 0 and
+    always exact on rank 1: per pass whether the call ran compressed, the exchanges calls made,
+    and the results (rank 0 runs exact where rank 1's suggestion would say otherwise)."""
+    from lowbitcc.backend import call_schedule
+    from lowbitcc.cost_model import Suggestion
+    from tests.support.exchanges import counting_exchanges
+
+    call_schedule.REAGREE_EVERY = 2
+    now = [0]
+
+    def scripted(self, collective, nbytes, device="cpu", counts=True):
+        exact, explore = RENEWED_SUGGESTIONS.get(now[0], (False, False)) if rank == 0 else (
+            True, False)
+        return Suggestion(exact, CostModel.size_class(collective, nbytes, device),
+                          explore=explore)
+
+    CostModel.suggest = scripted
+    group = dist.new_group(backend="loco",
+                           pg_options=lowbitcc.LocoConfig(cost_model=True, issuer=issuer))
+    seen = counting_exchanges()
+    values = torch.randn(N, generator=torch.Generator().manual_seed(rank))
+    compressed, exchanges, results = [], [], []
+    for now[0] in range(12):
+        before, exchanged = lowbitcc.stats()["compressed"]["calls"], len(seen)
+        t = values.clone()
+        _in_backward(lambda t=t: dist.all_reduce(t, group=group), 1)
+        lowbitcc.end_step()
+        compressed.append(lowbitcc.stats()["compressed"]["calls"] - before)
+        exchanges.append(len(seen) - exchanged)
+        results.append(t)
+    return compressed, exchanges, results
+
+
+@pytest.mark.parametrize("issuer", ["auto", "inline"])
+def test_a_renewal_switches_every_rank_to_rank_zeros_choice_at_the_same_run(issuer):
+    # passes 0 and 1 exchange (the second closes the period); then the place's renewals
+    # start at passes 2, 3, 5, 7 (where its entry has at most one run left) and passes 3, 5,
+    # 7, 9 take them: exact at 5 and 6 (pass 3's suggestion), compressed at 7 and 8 (pass
+    # 5's), one exact exploration at 9 (pass 7's), whose run starts the next renewal at once:
+    # compressed again from 10
+    ranks = run_ranks(_renewed_choices, 2, issuer)
+    for compressed, exchanges, _ in ranks:
+        assert compressed == [1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1], compressed
+        assert exchanges == [1, 1] + [0] * 10, exchanges
+    for a, b in zip(ranks[0][2], ranks[1][2], strict=True):
+        assert torch.equal(a, b)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import lowbitcc
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.deviation import PROBE
-from tests.support.exchanges import counting_exchanges
+from tests.support.exchanges import counting_exchanges, counting_renewals
 from tests.support.ranks import run_ranks
 
 ISSUERS = ["auto", "inline"]
@@ -105,13 +105,22 @@ def _reagree_every_two(rank, world, gloo, issuer):
     from lowbitcc.backend import call_schedule
 
     call_schedule.REAGREE_EVERY = 2
-    return _steps(rank, world, gloo, issuer, _steady)[0]
+    renewed = counting_renewals()
+    exchanges, outcomes, same = _steps(rank, world, gloo, issuer, _steady)
+    return exchanges, renewed, outcomes, same
 
 
 @pytest.mark.parametrize("issuer", ISSUERS)
-def test_exact_places_agree_again_every_reagree_every_runs(issuer):
-    for exchanges in run_ranks(_reagree_every_two, 2, issuer):
-        assert exchanges == [4, 1, 3, 1, 3, 1], exchanges
+def test_exact_places_agree_again_every_reagree_every_runs_in_the_background(issuer):
+    for exchanges, renewed, outcomes, same in run_ranks(_reagree_every_two, 2, issuer):
+        # no call exchanges after step 1: each place's entry is renewed every other run, in
+        # the background (step 1 starts the renewals of the three entries step 0 left, step 2
+        # that of the first call's, from step 1's exchange, and those of the three it took,
+        # and so on: test_call_schedule), and the renewed entries run exact as before
+        first, others = [STEADY[0][0]], [c[0] for c in STEADY[1:]]
+        assert exchanges == [4, 1, 0, 0, 0, 0], exchanges
+        assert renewed == others + first + others + first + others + first, renewed
+        assert all(set(row) == {"ok"} for row in outcomes) and all(same), (outcomes, same)
 
 
 def _one_group_of_one(rank, world, gloo, issuer):
@@ -258,3 +267,60 @@ def test_each_exact_call_is_counted_once_at_its_place(issuer):
     calls, nbytes = run_ranks(_counted_steps, 2, issuer, steps)[0]
     assert calls == steps * len(STEADY)
     assert nbytes == steps * sum(numel * dtype.itemsize for numel, dtype, _ in STEADY)
+
+
+def _reduce_scatter_deviates(rank, world, gloo, issuer):
+    """10 steps of an exact reduce-scatter (2 x 3000 floats) and an exact all-reduce, every
+    place renewed every 4 runs; rank 1's reduce-scatter of step 4 is of 2 x 3064 floats. Per
+    step and call: "ok", "nan" (some NaN in the output), "mismatch" (raised
+    `CollectiveMismatchError`) or "deviated" (raised `DeviatedPeerError`); and whether the
+    steps after the last error equal gloo's."""
+    from lowbitcc.backend import call_schedule
+    from lowbitcc.backend.call_agreement import DeviatedPeerError
+
+    call_schedule.REAGREE_EVERY = 4
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer=issuer))
+    gen = torch.Generator().manual_seed(rank)
+    outcomes, same = [], []
+    for step in range(10):
+        row, equal = [], True
+        per_rank = 3064 if step == 4 and rank == 1 else 3000
+        inputs = [torch.randn(world * per_rank, generator=gen), torch.randn(100_000, generator=gen)]
+        for i, x in enumerate(inputs):
+            out = torch.empty(per_rank) if i == 0 else x
+            try:
+                if i == 0:
+                    dist.reduce_scatter_tensor(out, x, group=group)
+                else:
+                    dist.all_reduce(x, group=group)
+                row.append("nan" if torch.isnan(out).any() else "ok")
+            except DeviatedPeerError:
+                row.append("deviated")
+            except CollectiveMismatchError:
+                row.append("mismatch")
+            if step != 4:
+                ref = torch.empty(per_rank) if i == 0 else inputs[1].clone()
+                if i == 0:
+                    dist.reduce_scatter_tensor(ref, x, group=gloo)
+                equal = equal and (i == 1 or torch.equal(ref, out))
+        lowbitcc.end_step()
+        outcomes.append(row)
+        same.append(equal)
+    return outcomes, same
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_a_deviation_at_an_exact_reduce_scatter_raises_on_every_rank_at_a_renewal(issuer):
+    """A reduce-scatter's outputs differ between ranks, so its place has no canary: rank 1
+    raises at once, rank 0's output is NaN, and rank 1's report travels in its next place
+    renewal (`lowbitcc.backend.renewal`), at whose place every rank raises
+    `DeviatedPeerError` within a cycle; then the ranks agree anew and go on."""
+    (out0, same0), (out1, same1) = run_ranks(_reduce_scatter_deviates, 2, issuer, timeout=120)
+    assert out0[4][0] == "nan" and out1[4][0] == "mismatch", (out0, out1)
+    raised = [s for s, row in enumerate(out0) if "deviated" in row]
+    assert raised and raised == [s for s, row in enumerate(out1) if "deviated" in row], (
+        out0, out1)
+    assert 4 < raised[0] <= 8 and out0[raised[0]] == out1[raised[0]], (out0, out1)
+    after = raised[0] + 1
+    assert all(row == ["ok", "ok"] for row in out0[after:] + out1[after:]), (out0, out1)
+    assert all(same0[after:]) and all(same1[after:]), (same0, same1)

@@ -145,9 +145,11 @@ def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
     plans = {"steady": schedule._steady, "every rank deviates alike": schedule._every_rank_deviates}
     on_gpu = _ranks(schedule._passes, world, "inline", plans[plan], None, "cuda")
     on_cpu = run_ranks(schedule._passes, world, "inline", plans[plan])
-    for (got, agreements, errors), (want, cpu_agreements, _) in zip(on_gpu, on_cpu):
+    for (got, agreements, errors, renewals), (want, cpu_agreements, _, cpu_renewals) in zip(
+            on_gpu, on_cpu):
         assert not errors, errors
         assert agreements == cpu_agreements, (agreements, cpu_agreements)
+        assert renewals == cpu_renewals, (renewals, cpu_renewals)
         assert schedule._same_passes(got, want)
 
 
