@@ -42,9 +42,9 @@ def counting_renewals() -> list[int]:
     seen: list[int] = []
     init = PlaceRenewal.__init__
 
-    def counted(self, entry, *args, **kwargs):
+    def counted(self, group, device_type, entry, deviated):
         seen.append(entry.desc.numel)
-        init(self, entry, *args, **kwargs)
+        init(self, group, device_type, entry, deviated)
 
     PlaceRenewal.__init__ = counted
     return seen
