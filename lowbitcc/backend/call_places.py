@@ -63,8 +63,15 @@ class CallPlaces:
         schedule = self._schedule_for(like)
         if schedule is None:
             return None
-        return [schedule.plan(("refused", collective, n), wait=i == 0)
-                for i, n in enumerate(numels)]
+        plans: list[Plan] = []
+        try:
+            for n in numels:
+                plans.append(schedule.plan(("refused", collective, n), wait=not plans))
+        except BaseException:  # a renewal's error (`CallSchedule.entry`)
+            for plan in plans:
+                plan.settle()
+            raise
+        return plans
 
     def _schedule_for(self, like: torch.Tensor,
                       device_type: str | None = None) -> CallSchedule | None:

@@ -16,11 +16,10 @@ than an exact call on a fast link. The schedule removes it from the steady state
   shadow calls run outside backward, yet take the places of the calls they shadow);
 - each agreement leaves its place an `Entry`: the agreed call and its outcome, for
   ``REAGREE_EVERY - 1`` more runs where the outcome can run without an exchange (`runs_for`),
-  else for none; every rank derives the count from the agreed descriptors alike, so the next
-  agreement (with rank 0's cost-model suggestion) falls on the same call everywhere. That
-  next agreement is a *renewal* (`lowbitcc.backend.renewal`): started in the background by
-  the run that leaves the entry `renew_ahead` runs, taken by the place's run after the
-  entry's last, which runs as its outcome says without waiting for an exchange;
+  else for none; every rank derives the count from the agreed descriptors alike. The next
+  agreement (with rank 0's cost-model suggestion) is a *renewal* (`lowbitcc.backend.renewal`),
+  started in the background where the entry has `renew_ahead` runs left and taken by the
+  place's run after the entry's last, on every rank alike;
 - a call whose place holds an entry with runs left, and which is the entry's call
   (`Entry.matches`: collective, dtype, op, size, form, parent), runs as the entry says without
   an exchange: *compressed* entries (the direct schedule) run the compressed call at once,
@@ -40,12 +39,11 @@ NaN, and they raise at the next exchange or renewal, where this rank's descripto
 when the last output of its previous run there was NaN (its *canary*, read by the issuer; the
 same on every rank for an all-reduce), so that next exchange is at most a period away.
 
-Threads: the calling threads decide (`advance`, `entry`, `ran`); on the worker route the
-exchanges and compressed deviations run later on the group's worker, which records their
-outcomes (`agreed`, `restart`). A decision must see every earlier outcome on every rank alike,
-so a call that will record one *opens* it (`open`) and the next call waits until it is
-*settled* (`wait_settled`): the calling thread waits for the worker only behind exchanges, not
-in the steady state. A renewal's outcome is recorded by the calling thread, where it takes it.
+Threads: the calling threads decide (`advance`, `entry`, `ran`; they take renewals too); on
+the worker route the exchanges and compressed deviations run later on the group's worker, which
+records their outcomes (`agreed`, `restart`). A decision must see every earlier outcome on every
+rank alike, so a call that will record one *opens* it (`open`) and the next call waits until it
+is *settled* (`wait_settled`): only behind exchanges, not in the steady state.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ place's call, the later ones renewals in the background (`lowbitcc.backend.renew
 
 def renew_ahead() -> int:
     """Runs of an entry left when its renewal starts (`lowbitcc.backend.renewal`): half a
-    cycle, so that the exchange has that many periods to complete on the worker before the
-    place's run after the entry's last takes its outcome (a CUDA call is issued in tens of
-    microseconds, a gloo exchange takes 0.4-5 ms); the outcome lags rank 0's model by as much."""
+    cycle of periods for the exchange to end on the worker (a CUDA call is issued in tens of
+    microseconds, a gloo exchange takes 0.4-5 ms); the outcome lags rank 0's model as much."""
     return REAGREE_EVERY // 2
 
 
@@ -155,6 +152,9 @@ class Entry:
     eligible: bool = True
     """This rank's tensor and op could be compressed (`policy.eligible`): what its
     descriptor says of the call at a renewal, with the policy in force then."""
+    timed: bool = False
+    """Its next run is timed for the cost model (rank 0's model chose it exact at a renewal:
+    timed once per agreement, as the exchange that chose it was)."""
     renewal: Any = None
     """The place's next agreement (`renewal.PlaceRenewal`), started in the background by a run
     of the entry (`CallSchedule.ran`), taken by the run after its last (`CallSchedule.entry`)."""
@@ -167,9 +167,8 @@ class Entry:
 
     @property
     def renews(self) -> bool:
-        """Whether the place agrees again on this entry's call in the background (a renewal)
-        rather than at its next run: not for one tensor of several, whose exploration calls
-        (`cost_model`) could not run as an entry (an exact entry needs one tensor)."""
+        """Whether the place agrees again on this call in the background (not for one tensor
+        of several: an exploration of the exact path could not run as an entry)."""
         return not self.desc.part
 
 
@@ -269,9 +268,8 @@ class CallSchedule:
 
     def _taken(self, place: int, entry: Entry) -> Any:
         """The `renewal.Outcome` of ``entry``'s renewal (waited for; None: no entry). Where the
-        exchange raised (every rank alike, but for a corrupt frame or a dead peer), the place
-        has no entry; where a rank reported a deviation (`call_agreement.DeviatedPeerError`),
-        every rank starts its schedule again, as after such an exchange."""
+        exchange raised, the place has no entry, and where a rank reported a deviation
+        (`call_agreement.DeviatedPeerError`) every rank starts its schedule again."""
         renewal, entry.renewal = entry.renewal, None
         assert renewal is not None
         try:
@@ -297,6 +295,7 @@ class CallSchedule:
                                                  outcome.by_model, plan=kept,
                                                  eligible=entry.eligible)
         entry.left = outcome.left
+        entry.timed = outcome.exact and outcome.by_model
         return entry
 
     def ran(self, entry: Entry) -> None:
@@ -307,7 +306,12 @@ class CallSchedule:
         entry.left -= 1
         if (entry.left <= renew_ahead() and entry.renewal is None and self._renew is not None
                 and entry.renews):
-            entry.renewal = self._renew(entry, self.take_deviated())
+            deviated = self.take_deviated()
+            try:
+                entry.renewal = self._renew(entry, deviated)
+            except BaseException:
+                self.deviated = self.deviated or deviated
+                raise
 
     def take_deviated(self) -> bool:
         """Whether this rank deviated since its last exchange (`wire.DESC_DEVIATED`); the call
@@ -354,22 +358,15 @@ class CallSchedule:
 
     def forget(self) -> None:
         """Forget everything (every rank raised at the same exchange): the next call issued is
-        index 0."""
-        self._drop_renewals()
+        index 0. A deviation a renewal not yet taken reported is reported again."""
+        self.deviated |= any(e.renewal is not None and e.renewal.deviated
+                             for e in self._entries.values())
         self._reset()
-
-    def _drop_renewals(self) -> None:
-        """Forget the places' renewals not yet taken (every rank alike): a deviation one of
-        them reported is reported again at this rank's next exchange (`take_deviated`)."""
-        for entry in self._entries.values():
-            if entry.renewal is not None and entry.renewal.deviated:
-                self.deviated = True
 
     def restart(self, plan: Plan | None = None) -> int:
         """Forget everything (every rank deviated alike): the call issued now is index 0, and
         ``plan``, its plan, becomes an exchange there (open)."""
-        self._drop_renewals()
-        self._reset()
+        self.forget()
         index = self.advance()
         if plan is not None:
             plan.index, plan.kind, plan.entry = index, EXCHANGE, None

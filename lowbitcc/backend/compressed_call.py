@@ -215,7 +215,7 @@ class CompressedCall:
                         self.group.size)
         plan.schedule.agreed(plan.index, self.desc, runs, exact=not compressed,
                              by_model=by_model,
-                             eligible=policy.eligible(self.source, op_type(self.op)))
+                             eligible=policy.eligible(self.output, op_type(self.op)))
         plan.settle()
 
     def run_planned(self) -> None:

@@ -44,6 +44,20 @@ Pairs = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
 """``pairs()``: each tensor's output and flat source, made only when jobs are built."""
 
 
+def _stop_when_done(work: Any, stop: Callable[[], None], device_type: str) -> None:
+    """End a timing (`CompressedCalls.clock`) of an exact call issued now (its ``work``): a
+    CUDA call's at once (the clock's events are recorded on the stream), a CPU call's when its
+    gloo work completes (on gloo's thread; untimed where the work has no future)."""
+    if device_type != "cpu":
+        stop()
+        return
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        return
+    future.add_done_callback(lambda _: stop())
+
+
 class Reductions:
     """The reductions of one group of ``world`` ranks (see the module docstring): ``compressed``
     its compressed calls and schedules, ``issuers`` by device type, ``queue`` its worker."""
@@ -73,8 +87,7 @@ class Reductions:
                 return work
         if kind not in issuer.native_ops:
             return None
-        entry = self._compressed.places.planned(collective, tensor, numel, kind, True,
-                                                device_type)
+        entry = self._planned(collective, tensor, numel, kind, True, device_type)
         if entry is not None:
             return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
                                    lambda size_class, nbytes: issuer.leased_native(
@@ -97,8 +110,7 @@ class Reductions:
         where a graph is being captured, on CUDA)."""
         if collective not in PLAN_COLLECTIVES or not tensor.is_contiguous():
             return None
-        entry = self._compressed.places.planned(collective, tensor, numel, kind, False,
-                                                device_type)
+        entry = self._planned(collective, tensor, numel, kind, False, device_type)
         if entry is None:
             return None
         plan = entry.plan
@@ -126,7 +138,13 @@ class Reductions:
             count_exact(collective, nbytes, self._world, model_exact=by_model)
         elif by_model:
             state.STATS.add("exact", model_exact=1)
-        work = start(size_class, nbytes)
+        timed, entry.timed = entry.timed and size_class is not None, False
+        if timed:  # the issuer's own timing (one in 8 on the worker, else none) left out
+            stop = self._compressed.clock(size_class, True, nbytes)
+            work = start(None, nbytes)
+            _stop_when_done(work, stop, like.device.type)
+        else:
+            work = start(size_class, nbytes)
         if collective == "all_reduce":
             entry.canary = issuer.canary(output, work)
         return issuer.planned(work, [output])
@@ -168,23 +186,40 @@ class Reductions:
         """Each tensor's place (None: no call schedule). A deviation from an exact entry runs
         here, at once (`deviate_exact`)."""
         several = len(numels) > 1
-        plans = []
-        for numel in numels:
-            plan = self._compressed.places.plan(collective, like, numel, op, part=several,
-                                         first=not plans)
-            if plan is None:
-                return None
-            if plan.kind == DEVIATE and plan.entry.exact:
-                try:
+        plans: list[Plan] = []
+        try:
+            for numel in numels:
+                plan = self._compressed.places.plan(collective, like, numel, op, part=several,
+                                                    first=not plans)
+                if plan is None:
+                    return None
+                plans.append(plan)
+                if plan.kind == DEVIATE and plan.entry.exact:
                     self.deviate_exact(issuer, plan, like.device)
-                except BaseException:
-                    for taken in plans:
-                        taken.settle()
-                    for _ in numels:  # the call numbers the others' calls take
-                        self._compressed.agreement.next_seq()
-                    raise
-            plans.append(plan)
+        except BaseException:  # a deviation's error, or a renewal's that a place took
+            for taken in plans:
+                taken.settle()
+            self._take_seqs(len(numels))
+            raise
         return plans
+
+    def _take_seqs(self, count: int) -> None:
+        """A call of ``count`` tensors raised before its jobs took their call numbers: take
+        them, as the other ranks' calls do (every rank raises alike), so that the ranks'
+        numbers stay in step."""
+        for _ in range(count):
+            self._compressed.agreement.next_seq()
+
+    def _planned(self, collective: str, tensor: torch.Tensor, numel: int, kind: Any,
+                 exact: bool, device_type: str) -> Entry | None:
+        """`CallPlaces.planned` of a call of one tensor; where taking its place raised (a
+        place's renewal, `renewal`), the call takes its call number first (`_take_seqs`)."""
+        try:
+            return self._compressed.places.planned(collective, tensor, numel, kind, exact,
+                                                   device_type)
+        except BaseException:
+            self._take_seqs(1)
+            raise
 
     def deviate_exact(self, issuer: Issuer, plan: Plan, device: torch.device,
                       refused: bool = False) -> None:
@@ -227,7 +262,11 @@ class Reductions:
         numels = [o.numel() * world for o in outputs]
         if not self._compressed.agrees_on(numels, inline=issuer.inline):
             raise error
-        plans = self._compressed.places.refusal_plans(collective, outputs[0], numels)
+        try:
+            plans = self._compressed.places.refusal_plans(collective, outputs[0], numels)
+        except BaseException:  # a renewal's error, which every rank raises here
+            self._take_seqs(len(numels))
+            raise
         first = plans[0] if plans else None
         try:
             if first is not None and first.kind != EXCHANGE:

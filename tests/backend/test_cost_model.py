@@ -275,6 +275,14 @@ def _renewed_choices(rank, world, gloo, issuer):
                           explore=explore)
 
     CostModel.suggest = scripted
+    record, exact_timings = CostModel.record, []
+
+    def counted(self, size_class, exact, seconds, nbytes):
+        if exact:
+            exact_timings.append(seconds)
+        record(self, size_class, exact, seconds, nbytes)
+
+    CostModel.record = counted
     group = dist.new_group(backend="loco",
                            pg_options=lowbitcc.LocoConfig(cost_model=True, issuer=issuer))
     seen = counting_exchanges()
@@ -288,7 +296,8 @@ def _renewed_choices(rank, world, gloo, issuer):
         compressed.append(lowbitcc.stats()["compressed"]["calls"] - before)
         exchanges.append(len(seen) - exchanged)
         results.append(t)
-    return compressed, exchanges, results
+    dist.barrier(group=gloo)  # a timed CPU call's timing ends on gloo's thread
+    return compressed, exchanges, results, len(exact_timings)
 
 
 @pytest.mark.parametrize("issuer", ["auto", "inline"])
@@ -299,8 +308,12 @@ def test_a_renewal_switches_every_rank_to_rank_zeros_choice_at_the_same_run(issu
     # 5's), one exact exploration at 9 (pass 7's), whose run starts the next renewal at once:
     # compressed again from 10
     ranks = run_ranks(_renewed_choices, 2, issuer)
-    for compressed, exchanges, _ in ranks:
+    for compressed, exchanges, _, exact_timings in ranks:
         assert compressed == [1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1], compressed
         assert exchanges == [1, 1] + [0] * 10, exchanges
+        # the runs that took the model's exact choices (5, and the exploration at 9) are
+        # timed for it, as the exchanges that chose them were (the worker also times one
+        # exact run in 8 of its own)
+        assert exact_timings >= 2, exact_timings
     for a, b in zip(ranks[0][2], ranks[1][2], strict=True):
         assert torch.equal(a, b)

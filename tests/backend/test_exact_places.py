@@ -176,6 +176,28 @@ def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, iss
         assert exchanges[6:] == [1, 0], exchanges  # learned again
 
 
+def _renewing_steps(rank, world, gloo, issuer, plan, uneven):
+    """`_steps` with every place renewed every 4 runs (renewals pending at any step)."""
+    from lowbitcc.backend import call_schedule
+
+    call_schedule.REAGREE_EVERY = 4
+    return _steps(rank, world, gloo, issuer, plan, False, uneven)
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_an_exact_deviation_at_a_place_with_a_pending_renewal_raises_on_every_rank(issuer):
+    """As above with renewals pending when rank 1 deviates (step 3): the place's canary is
+    NaN at step 4, which takes its renewal first, then exchanges; every rank raises there,
+    and the ranks go on in step (the call numbers of the calls that raised kept alike)."""
+    results = run_ranks(_renewing_steps, 2, issuer, functools.partial(_one_rank_deviates, "size"),
+                        (3,), timeout=120)
+    for rank, (_, outcomes, same) in enumerate(results):
+        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+        assert outcomes[4][1] == "mismatch", outcomes
+        assert [o for s in (0, 1, 2, 5, 6, 7) for o in outcomes[s]] == ["ok"] * 6 * len(STEADY)
+        assert same[5] and same[6] and same[7], same
+
+
 def _one_rank_calls_once_more(rank, step):
     if step >= 6:
         return None

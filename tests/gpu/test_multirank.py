@@ -137,14 +137,18 @@ def test_a_compressed_call_enqueues_without_a_host_sync_and_orders_with_the_stre
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("plan", ["steady", "every rank deviates alike"])
+@pytest.mark.parametrize("plan", ["steady", "every rank deviates alike", "renewed"])
 def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
     """Backward passes of three compressed all-reduces under the call schedule: on CUDA the
     same agreements as on CPU tensors (pass 0 agrees every call, pass 1 closes the period, then
-    none; a new bucket order agreed alike by every rank), and the same bits."""
-    plans = {"steady": schedule._steady, "every rank deviates alike": schedule._every_rank_deviates}
-    on_gpu = _ranks(schedule._passes, world, "inline", plans[plan], None, "cuda")
-    on_cpu = run_ranks(schedule._passes, world, "inline", plans[plan])
+    none; a new bucket order agreed alike by every rank; "renewed": every place agreed again
+    every other run in the background, `lowbitcc.backend.renewal`), the same renewals, and the
+    same bits."""
+    plans = {"steady": schedule._steady, "every rank deviates alike": schedule._every_rank_deviates,
+             "renewed": schedule._steady}
+    reagree_every = 2 if plan == "renewed" else None
+    on_gpu = _ranks(schedule._passes, world, "inline", plans[plan], reagree_every, "cuda")
+    on_cpu = run_ranks(schedule._passes, world, "inline", plans[plan], reagree_every)
     for (got, agreements, errors, renewals), (want, cpu_agreements, _, cpu_renewals) in zip(
             on_gpu, on_cpu):
         assert not errors, errors
