@@ -75,9 +75,10 @@ for phase in $phases; do
         verdict graphs "$out/graphs.txt"
         timeout "${GRAPHS_AB_S:-120}" $py benchmarks/issue47_goals.py --sizes 65536 1048576 --iters 50 \
             --profiled 5 --graphs --json "$out/graphs-goals.json" 2>&1 | tee "$out/graphs-goals.txt" ;;
-    plans)  # call plans on CUDA (83b502f+; first run 2026-11-27) and their host records (unrun): bits
+    plans)  # call plans on CUDA (83b502f+; first run 2026-11-27), their host records and place
+            # renewals (unrun): bits
         timeout "${PLANS_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
-            tests/gpu/test_multirank.py -k "call_plans or call_records or compressed_cuda_call_that_deviates" \
+            tests/gpu/test_multirank.py -k "call_plans or call_records or compressed_cuda_call_that_deviates or renewed" \
             2>&1 | tee "$out/plans.txt"
         verdict plans "$out/plans.txt" ;;  # host time: goals47 (plans against jobs, same run)
     demo)  # the README's demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks

@@ -11,9 +11,10 @@ through, when the call entered
 A call's codec and wire time (`lowbitcc.stats()`, read between calls) is taken out of the
 launch phase, so the phases add up to the call's host time. Printed per rank: the median of
 each phase over the planned calls, and the calls that exchanged a descriptor instead (the
-place's agreement, its first run and one run in `call_schedule.REAGREE_EVERY` after: the whole
-job path, on the worker), with their mean host time and what they add to the mean over all
-calls. The wrappers cost a few microseconds per call.
+place's first agreement: the whole job path, on the worker; since 2026-11-28 its later ones are
+renewals in the background, `lowbitcc.backend.renewal`, so none among the timed calls), with
+their mean host time and what they add to the mean over all calls. The wrappers cost a few
+microseconds per call.
 
     python benchmarks/host_phases.py --calls 1000
 """
