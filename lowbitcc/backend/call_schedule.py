@@ -238,13 +238,14 @@ class CallSchedule:
         return plan
 
     def advance(self) -> int:
-        """The index of the call issued now (counts it)."""
+        """The index of the call issued now (counts it; while the period is unknown, a call
+        of a new epoch starts one)."""
         index = self._next
         self._next += 1
-        epoch = policy.epoch()
-        if epoch != self._epoch:
-            self._epoch = epoch
-            if self._period is None:
+        if self._period is None:
+            epoch = policy.epoch()
+            if epoch != self._epoch:
+                self._epoch = epoch
                 self._starts.append(index)
         return index
 
