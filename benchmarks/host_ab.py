@@ -7,9 +7,11 @@ CPU tensors) from a scratch directory with one of the two trees first on ``PYTHO
 times ``--calls`` forced all-reduces of ``--elements`` fp32 elements (after 100 untimed) the
 way `lowbitcc perf` does (``lowbitcc.compressed()``, ``feedback_key``, ``end_step``). Per call
 it subtracts that call's codec and wire time (`lowbitcc.stats()`, read between calls) from
-its wall time, and reports the median over calls and ranks: `lowbitcc perf`'s ``host_us`` is
-the mean, which the place's re-agreement (one call in 64) and the machine's hiccups move.
-Prints each run and the ratio of the means of the medians (< 1: this checkout is faster).
+its wall time, and reports the median and the mean over calls and ranks (`lowbitcc perf`'s
+``host_us`` is the mean, which the machine's hiccups move, and before 2026-11-28 the place's
+re-agreement, one call in 64). The two trees run in turn, their order alternating between
+rounds (the first run of a pair tends to be the faster one here). Prints each run and the
+ratios of the means of the medians and of the means (< 1: this checkout is faster).
 
     python benchmarks/host_ab.py --rev HEAD~1 --rounds 6
 """
@@ -58,8 +60,9 @@ def probe(rank: int, world: int, elements: int, calls: int) -> list[float]:
     return hosts
 
 
-def run_once(tree: Path, args: argparse.Namespace) -> float:
-    """One run with ``tree`` first on ``PYTHONPATH``: the median host time per call (us)."""
+def run_once(tree: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One run with ``tree`` first on ``PYTHONPATH``: the median and mean host time per call
+    (us)."""
     env = dict(os.environ, PYTHONPATH=str(tree), LOCO_ISSUER="inline")
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: its root would win
         out = subprocess.run(
@@ -67,7 +70,7 @@ def run_once(tree: Path, args: argparse.Namespace) -> float:
              "--ranks", str(args.ranks), "--elements", str(args.elements),
              "--calls", str(args.calls)],
             cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["median_us"]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def child(tree: str, args: argparse.Namespace) -> None:
@@ -78,7 +81,8 @@ def child(tree: str, args: argparse.Namespace) -> None:
         raise SystemExit(f"host_ab: imported {lowbitcc.__file__}, not the tree {tree}")
     per_rank = spawn.run_ranks(probe, args.ranks, args.elements, args.calls, backend="loco")
     hosts = [h for rank in per_rank for h in rank]
-    print(json.dumps({"median_us": statistics.median(hosts) * 1e6}))
+    print(json.dumps({"median_us": statistics.median(hosts) * 1e6,
+                      "mean_us": statistics.mean(hosts) * 1e6}))
 
 
 def checkout(rev: str) -> Path:
@@ -102,19 +106,23 @@ def main() -> None:
         child(args.child, args)
         return
     base = checkout(args.rev)
-    medians: dict[str, list[float]] = {"this checkout": [], args.rev: []}
+    runs: dict[str, list[dict[str, float]]] = {"this checkout": [], args.rev: []}
+    pair = [("this checkout", REPO), (args.rev, base)]
     try:
         for round_ in range(1, args.rounds + 1):
-            for name, tree in (("this checkout", REPO), (args.rev, base)):
-                medians[name].append(run_once(tree, args))
-                print(f"round {round_}: {name:>14} median host {medians[name][-1]:7.1f} us",
-                      flush=True)
+            # the first run of a pair was the faster in most pairs here, whichever tree it
+            # was: the order alternates (ABBA)
+            for name, tree in pair if round_ % 2 else pair[::-1]:
+                runs[name].append(run_once(tree, args))
+                print(f"round {round_}: {name:>14} median host {runs[name][-1]['median_us']:7.1f}"
+                      f" us, mean {runs[name][-1]['mean_us']:7.1f} us", flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=False)
         shutil.rmtree(base.parent, ignore_errors=True)
-    ours, theirs = (statistics.mean(medians[k]) for k in medians)
-    print(f"mean of medians: this checkout {ours:.1f} us, {args.rev} {theirs:.1f} us, "
-          f"ratio {ours / theirs:.2f}x")
+    for stat in ("median_us", "mean_us"):
+        ours, theirs = (statistics.mean(r[stat] for r in runs[k]) for k in runs)
+        print(f"mean of {stat[:-3]}s: this checkout {ours:.1f} us, {args.rev} {theirs:.1f} us, "
+              f"ratio {ours / theirs:.2f}x")
 
 
 if __name__ == "__main__":
