@@ -2,7 +2,8 @@
 run in one method.
 
 Under the call schedule (`call_schedule`) a place whose entry is compressed runs the same call
-step after step, without a descriptor exchange, for 63 runs out of 64. Everything such a call
+step after step without a descriptor exchange (its agreement renewed in the background every 64
+runs, `renewal`). Everything such a call
 needs that does not change between its runs is made once, by the place's first planned run,
 and kept with the place's entry (`call_schedule.Entry.plan`; carried to the next entry the
 ranks agree on at the place while its call stays the same): the call's codec, one
