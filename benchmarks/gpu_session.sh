@@ -77,7 +77,7 @@ for phase in $phases; do
             --profiled 5 --graphs --json "$out/graphs-goals.json" 2>&1 | tee "$out/graphs-goals.txt" ;;
     plans)  # call plans on CUDA (83b502f+; first run 2026-11-27), their host records and place
             # renewals (unrun): bits
-        timeout "${PLANS_S:-200}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
+        timeout "${PLANS_S:-240}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
             tests/gpu/test_multirank.py -k "call_plans or call_records or compressed_cuda_call_that_deviates or renewed" \
             2>&1 | tee "$out/plans.txt"
         verdict plans "$out/plans.txt" ;;  # host time: goals47 (plans against jobs, same run)
