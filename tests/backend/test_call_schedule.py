@@ -196,3 +196,40 @@ def test_ddp_join_with_uneven_inputs_completes_under_the_schedule():
 
     env = {"LOCO_ISSUER": "inline", "LOCO_CALL_SCHEDULE": "1"}
     assert run_ranks(_join_uneven_inputs, 2, env=env, timeout=120) == [(True, True, True)] * 2
+
+
+def _ddp_with_the_cost_model(rank, world, gloo, steps):
+    """DDP over a loco group at its defaults (cost model on, call schedule on), two buckets,
+    every place renewed every 8 runs: the exchanges and renewals per step, and the
+    parameters after ``steps`` steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    call_schedule.REAGREE_EVERY = 8
+    seen, renewed = counting_exchanges(), counting_renewals()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 256))
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    exchanges, renewals = [], []
+    for _ in range(steps):
+        before, renewed_before = len(seen), len(renewed)
+        loss = ddp(torch.randn(32, 256, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        exchanges.append(len(seen) - before)
+        renewals.append(len(renewed) - renewed_before)
+    return exchanges, renewals, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_ddp_with_the_cost_model_exchanges_only_while_it_learns():
+    """The cost model's warm-up exchanges at every call (3 compressed, 3 exact runs per size
+    class); from then on rank 0's choices and explorations reach every rank through renewals,
+    with no call exchanging, and the replicas stay equal."""
+    (ex0, rn0, p0), (ex1, rn1, p1) = run_ranks(_ddp_with_the_cost_model, 2, 40, timeout=120)
+    assert ex0 == ex1 and rn0 == rn1, (ex0, rn0, ex1, rn1)
+    assert sum(ex0[:10]) > 0 and sum(ex0[10:]) == 0, ex0
+    assert sum(rn0[10:]) >= 6, rn0
+    assert torch.equal(p0, p1)
