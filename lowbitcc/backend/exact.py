@@ -252,6 +252,17 @@ def reduce_scatter_flat_into(output: torch.Tensor) -> Issue:
     return issue
 
 
+def when_done(work: dist.Work, callback: Callable[[], None]) -> None:
+    """Run ``callback()`` once gloo's ``work`` has completed, on the gloo thread that completes
+    it (or here, if it has); never where gloo gives the operation no future (its flat
+    reduce-scatter)."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return
+    future.add_done_callback(lambda _: callback())
+
+
 def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None = None,
               complete: Callable[[InnerWork], dist.Work] | None = None) -> dist.Work:
     """Start ``call`` in the calling thread and return its Work, whose value is the call's

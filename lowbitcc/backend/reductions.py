@@ -36,7 +36,7 @@ from lowbitcc.backend.call_plan import PLAN_COLLECTIVES, CallPlan
 from lowbitcc.backend.call_schedule import DEVIATE, EXCHANGE, PLANNED, Entry, Plan, Poisoned
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviation
-from lowbitcc.backend.exact import ExactReduction, count_exact, op_type
+from lowbitcc.backend.exact import ExactReduction, count_exact, op_type, when_done
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
 
@@ -50,12 +50,8 @@ def _stop_when_done(work: Any, stop: Callable[[], None], device_type: str) -> No
     gloo work completes (on gloo's thread; untimed where the work has no future)."""
     if device_type != "cpu":
         stop()
-        return
-    try:
-        future = work.get_future()
-    except RuntimeError:
-        return
-    future.add_done_callback(lambda _: stop())
+    else:
+        when_done(work, stop)
 
 
 class Reductions:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowbitcc.backend.exact import PLAIN_OPS, ExactReduction, HostCanary, start_now
+from lowbitcc.backend.exact import PLAIN_OPS, ExactReduction, HostCanary, start_now, when_done
 from lowbitcc.backend.issue_queue import IssueQueue, Job
 from lowbitcc.backend.works import InnerWork, LocoWork
 from lowbitcc.transports.gloo import GlooTransport
@@ -64,11 +64,7 @@ class WorkerIssuer:
             return issue(*args)
         stop = self._clock(size_class, True, nbytes)
         work = issue(*args)
-        try:
-            future = work.get_future()
-        except RuntimeError:  # gloo's op has no future: untimed
-            return work
-        future.add_done_callback(lambda _: self._timed(stop, work))
+        when_done(work, lambda: self._timed(stop, work))  # untimed where gloo's op has no future
         return work
 
     def _times_next(self) -> bool:
