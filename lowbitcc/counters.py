@@ -86,6 +86,33 @@ class Stats:
         with self._lock:
             c.wire_s += seconds
 
+    def add_sent(self, category: str, seconds: float, intra_node: int, inter_node: int) -> None:
+        """`add` of a transfer started in ``seconds`` (``wire_s``) that sends ``intra_node`` and
+        ``inter_node`` bytes (``wire_bytes`` their sum)."""
+        c = self._counters[category]
+        with self._lock:
+            c.wire_s += seconds
+            c.wire_bytes += intra_node + inter_node
+            c.intra_node_bytes += intra_node
+            c.inter_node_bytes += inter_node
+
+    def add_run(self, category: str, run: RunTally) -> None:
+        """`add` of everything one call counted in ``run`` (`RunTally.flush`), under one lock."""
+        sums = run.sums.tolist() if run.sums is not None else None
+        c = self._counters[category]
+        with self._lock:
+            c.calls += run.calls
+            c.tensor_bytes += run.tensor_bytes
+            c.logical_bytes += run.logical_bytes
+            c.codec_s += run.codec_s
+            c.wire_s += run.wire_s
+            c.wire_bytes += run.intra_node_bytes + run.inter_node_bytes
+            c.intra_node_bytes += run.intra_node_bytes
+            c.inter_node_bytes += run.inter_node_bytes
+            if sums is not None:
+                c.residual_sq += sums[0]
+                c.input_sq += sums[1]
+
     def sent(self, category: str) -> dict[str, int]:
         """The bytes a category's calls sent so far (`add`'s keywords: ``wire_bytes``,
         ``intra_node_bytes``, ``inter_node_bytes``)."""
@@ -144,3 +171,55 @@ class Stats:
             self._read = {}
 
 
+
+
+class RunTally:
+    """What one call counts in one category of ``stats`` while it runs, added to ``stats`` at
+    once by `flush` (`Stats.add_run`): a call place's plan (`backend.call_plan.CallPlan`) hands
+    it to its compressor and its transport as their ``stats`` (`add_codec`, `add_wire`,
+    `add_sent`, `add_sums`: `Stats`' methods, the category argument ignored), so that a
+    steady-state call takes the statistics' lock once instead of once per encode, decode and
+    transfer. One thread at a time (the plan's); nothing is locked here."""
+
+    def __init__(self, stats: Stats, category: str = "compressed") -> None:
+        self.stats, self.category = stats, category
+        self._clear()
+
+    def _clear(self) -> None:
+        self.calls = self.tensor_bytes = self.logical_bytes = 0
+        self.codec_s = self.wire_s = 0.0
+        self.intra_node_bytes = self.inter_node_bytes = 0
+        self.sums: torch.Tensor | None = None
+        """float64 ``[residual_sq, input_sq]`` of the call's host encodes (None: none)."""
+
+    def add_call(self, category: str, tensor_bytes: int, logical_bytes: int) -> None:
+        self.calls += 1
+        self.tensor_bytes += tensor_bytes
+        self.logical_bytes += logical_bytes
+
+    def add_codec(self, category: str, seconds: float) -> None:
+        self.codec_s += seconds
+
+    def add_wire(self, category: str, seconds: float) -> None:
+        self.wire_s += seconds
+
+    def add_sent(self, category: str, seconds: float, intra_node: int, inter_node: int) -> None:
+        self.wire_s += seconds
+        self.intra_node_bytes += intra_node
+        self.inter_node_bytes += inter_node
+
+    def add_sums(self, category: str, sums: torch.Tensor) -> None:
+        """Keep host ``sums`` (`Stats.add_sums`'), read once by `flush`."""
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def add(self, category: str, **deltas: float) -> None:
+        """Anything else goes to ``stats`` at once."""
+        self.stats.add(category, **deltas)
+
+    def accumulator(self, category: str, device: torch.device) -> torch.Tensor:
+        return self.stats.accumulator(category, device)
+
+    def flush(self) -> None:
+        """Add what was counted since the last flush to ``stats``, and start again."""
+        self.stats.add_run(self.category, self)
+        self._clear()

@@ -42,19 +42,19 @@ class CallPlaces:
         return schedule.plan(self.call_key(collective, like.dtype, op, numel, part),
                              self._wish(like, op, numel), wait=first)
 
-    def planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
+    def planned(self, collective: str, like: torch.Tensor, numel: int, kind: Any,
                 exact: bool, device_type: str) -> Entry | None:
         """`CallSchedule.planned` for a reduction of one tensor (on a ``device_type`` device)
-        issued now: its place's ``exact`` (else compressed) entry where it runs as it (the place
-        taken), else None (nothing taken)."""
-        schedule = self._schedule_for(like, device_type)
-        if schedule is None:
+        by an op of type ``kind`` (`exact.op_type`) issued now: its place's ``exact`` (else
+        compressed) entry where it runs as it (the place taken), else None (nothing taken)."""
+        schedule = self._schedules.get(device_type)
+        if schedule is None or not self._takes_place(device_type):
             return None
-        if exact and self._wish(like, op, numel) == "compressed":
+        if exact and self._wish(like, kind, numel) == "compressed":
             return None
         if not exact and policy.mode(self._config.policy) == "never":  # `_wish`'s "exact"
             return None
-        return schedule.planned(self.call_key(collective, like.dtype, op, numel, False), exact)
+        return schedule.planned((collective, like.dtype, int(kind), numel, False, 0), exact)
 
     def refusal_plans(self, collective: str, like: torch.Tensor,
                       numels: list[int]) -> list[Plan] | None:
@@ -83,11 +83,14 @@ class CallPlaces:
         ``device_type``: ``like``'s, where the caller has it."""
         device_type = device_type or like.device.type
         schedule = self._schedules.get(device_type)
-        if schedule is None or callback_parent():
-            return None
-        if device_type == "cpu" and threading.get_ident() != _MAIN_THREAD:
-            return None
-        return schedule
+        return schedule if schedule is not None and self._takes_place(device_type) else None
+
+    @staticmethod
+    def _takes_place(device_type: str) -> bool:
+        """Whether a reduction of a ``device_type`` device issued now takes a place
+        (`_schedule_for`)."""
+        return not callback_parent() and (device_type != "cpu"
+                                          or threading.get_ident() == _MAIN_THREAD)
 
     def _wish(self, like: torch.Tensor, op: Any, numel: int) -> str | None:
         """What the policy in force demands of a call issued now: "exact" (`lowbitcc.exact`, a
@@ -104,5 +107,6 @@ class CallPlaces:
 
     @staticmethod
     def call_key(collective: str, dtype: torch.dtype, op: Any, numel: int, part: bool) -> tuple:
-        """`call_schedule.call_key` of a call issued now (taking a place: parent 0)."""
+        """`call_schedule.call_key` of a call issued now (taking a place: parent 0; `planned`
+        writes its own)."""
         return (collective, dtype, int(op_type(op)), numel, part, 0)

@@ -51,6 +51,7 @@ from lowbitcc.codec.interface import CallCount, unfused
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
+from lowbitcc.counters import RunTally
 
 PLAN_COLLECTIVES = ("all_reduce", "reduce_scatter")
 """The collectives a plan runs."""
@@ -76,11 +77,26 @@ class CallPlan:
         self.size_class = CostModel.size_class(collective, self.nbytes, self.device.type)
         self.codec = group.codec(collective, like.dtype, self.numel, self.device.type, route)
         self.comp = group.compressor(self.codec)
+        self._own_codec = self.codec.with_seq(0) if self._cpu else None
+        """On the CPU, the plan's own copy of its codec, renumbered for each run."""
+        self._modelled = group.modelled(self.numel)
+        self._source_cleared = like.new_empty(0)
+        self._source = Source(self._source_cleared, n, m)  # each run's tensor and op's factor
         self.transport = route.links.world
+        self.tally: RunTally | None = None
+        """On the CPU, what a run counts (`counters.RunTally`: its compressor's and its
+        transport's statistics), added to `state.STATS` once at its end; on a device each step
+        adds its own (a graph's capture counts the bytes of its replays, `place_graph`)."""
+        if self._cpu:
+            self.tally = self.comp.stats = RunTally(state.STATS)
+            metering = getattr(self.transport, "metering", None)
+            if metering is not None:
+                self.transport = metering(self.tally)
         self._kept: dict[str, tuple[torch.Tensor, int, torch.dtype]] = {}  # `kept`'s, and as made
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # `_sent`'s, likewise
         self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
         self._rows_at = 0
+        self._row_sizes: list[int] = []  # each of `_rows`' hi - lo
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `_verdict_slot`'s
         self.turn = 0
         """Which of the plan's two verdict words the run has (`_verdict_slot`)."""
@@ -120,24 +136,38 @@ class CallPlan:
         else:  # counted all the same: a `feedback_key` block may also name another group's calls
             policy.explicit_key()
         stop = None
-        if group.modelled(self.numel) and not policy.forced():
+        if self._modelled and not policy.forced():
             group.cost_model.count(self.size_class)
             stop = group.clock(self.size_class, False, self.nbytes)
-        state.STATS.add_call("compressed", self.nbytes, self.logical_bytes)
-        comp.restart(self.codec.with_seq(self.seq, None if self._cpu else self._count()), key,
-                     buffer, self._verdict_slot())
-        source = Source(tensor if tensor.dim() == 1 else tensor.view(-1), group.size, self.m,
-                        input_factor(op, group.size))
-        self.runs += 1
-        if self.graph is None or not self.graph.run(self, source, output):
-            self.launch(source, output)
-        if self._call_count is not None:  # what its last launch left there
-            self._counter_next = self._call_count.value
-        self.verdict = comp.foreign()
-        comp.finish()
-        comp.raise_deferred(CollectiveMismatchError)
-        if stop is not None:
-            stop()
+        tally = self.tally
+        (tally or state.STATS).add_call("compressed", self.nbytes, self.logical_bytes)
+        source = self._source
+        try:
+            if self._cpu:
+                codec = self._own_codec
+                codec.renumber(self.seq)
+                comp.restart(codec, key, buffer)
+            else:
+                comp.restart(self.codec.with_seq(self.seq, self._count()), key, buffer,
+                             self._verdict_slot())
+            source.tensor = tensor if tensor.dim() == 1 else tensor.view(-1)
+            source.factor = input_factor(op, group.size)
+            self.runs += 1
+            if self.graph is None or not self.graph.run(self, source, output):
+                self.launch(source, output)
+            if self._call_count is not None:  # what its last launch left there
+                self._counter_next = self._call_count.value
+            if not self._cpu:
+                self.verdict = comp.foreign()
+            comp.finish()
+            if comp.wire_error is not None:
+                comp.raise_deferred(CollectiveMismatchError)
+            if stop is not None:
+                stop()
+        finally:
+            source.tensor = self._source_cleared  # the call's tensor is not kept
+            if tally is not None:
+                tally.flush()
 
     def launch(self, source: Source, output: torch.Tensor | None) -> None:
         """The run's launches and transfers (eager, or captured by `place_graph`): ``source``'s
@@ -177,7 +207,8 @@ class CallPlan:
                                        numel, dtype)
         buffer, made_numel, made_dtype = kept
         assert made_numel == numel and made_dtype == dtype, name
-        self._used_by_stream(buffer)
+        if self._cuda:
+            self._used_by_stream(buffer)
         return buffer
 
     def addresses(self) -> torch.Tensor:
@@ -241,7 +272,7 @@ class CallPlan:
                 self.kept(f"sent {stage}", rows * size, torch.uint8).view(rows, size),
                 self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
                           torch.uint8))
-        else:
+        elif self._cuda:
             self._used_by_stream(*pair)
         return pair
 
@@ -255,6 +286,7 @@ class CallPlan:
             by_sender = gathered.view(n, n, -1)
             self._rows = [(r, min(r * m, self.numel), min((r + 1) * m, self.numel),
                            by_sender[:, r]) for r in range(n) if r * m < self.numel]
+            self._row_sizes = [hi - lo for _, lo, hi, _ in self._rows]
             self._rows_at = gathered.data_ptr()
         return self._rows
 
@@ -277,7 +309,7 @@ class CallPlan:
         # the decodes' views are made while the transfer runs: the first Python after a wait
         # runs several times slower (caches, a woken core)
         rows = self._columns(kept)
-        places = [out[lo:hi] for _, lo, hi, _ in rows]
+        places = out.split_with_sizes(self._row_sizes)  # row r's [lo, hi), as in `rows`
         received = pending.wait()
         if received.data_ptr() != kept.data_ptr():  # a transport that received elsewhere
             rows = self._columns(received)

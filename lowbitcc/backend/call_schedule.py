@@ -66,9 +66,8 @@ place's call, the later ones renewals in the background (`lowbitcc.backend.renew
 
 
 def renew_ahead() -> int:
-    """Runs of an entry left when its renewal starts (`lowbitcc.backend.renewal`): half a
-    cycle of periods for the exchange to end on the worker (a CUDA call is issued in tens of
-    microseconds, a gloo exchange takes 0.4-5 ms); the outcome lags rank 0's model as much."""
+    """Runs of an entry left when its renewal starts (`lowbitcc.backend.renewal`): half a cycle for
+    the exchange to end on the worker (gloo's take 0.4-5 ms); the outcome lags rank 0's model as much."""
     return REAGREE_EVERY // 2
 
 
@@ -221,14 +220,18 @@ class CallSchedule:
     def planned(self, key: tuple, exact: bool) -> Entry | None:
         """Where the next place holds an ``exact`` (else compressed) entry that the call of
         ``key`` matches, take the place and return the entry (it runs as it); else take
-        nothing (`plan` takes it)."""
-        self.wait_settled()
+        nothing (`plan` takes it). The steady state's entry is read where it lies."""
+        if self._open:
+            self.wait_settled()
+        index = self._next
         if self._period is None:
             return None
-        entry = self.entry(self._next)
-        if entry is None or entry.exact != exact or not entry.matches(key):
+        entry = self._entries.get(self._origin + (index - self._origin) % self._period)
+        if entry is None or entry.canary is not None or entry.left <= 0:
+            entry = self.entry(index)
+        if entry is None or entry.exact != exact or entry.key != key:
             return None
-        self.advance()
+        self._next = index + 1  # `advance`: the period is known
         self.ran(entry)
         return entry
 

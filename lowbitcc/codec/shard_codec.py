@@ -112,6 +112,12 @@ class ShardCodec(MessageChecks):
         other.__dict__["count"] = count
         return other
 
+    def renumber(self, seq: int) -> None:
+        """Give this codec call number ``seq`` in place: only for a copy its holder owns and
+        lends to one call at a time (a CPU call place's, `backend.call_plan.CallPlan`), where
+        `with_seq` would make a new one per call."""
+        self.__dict__["seq"] = seq
+
     def keys(self, stream: int) -> tuple[int, int] | None:
         """Random-stream keys of an encode by ``stream`` in this call (None: nearest rounding)."""
         if self.rounding == "nearest":

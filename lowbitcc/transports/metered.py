@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 
@@ -69,8 +70,16 @@ class MeteredTransport:
                              self._to_peers(send.shape[1]))
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        n = send.numel()
         return self._started(self.inner.all_gather_async, (send,) if out is None else (send, out),
-                             self._to_peers(send.numel()))
+                             (self._peers[0] * n, self._peers[1] * n))  # `_to_peers`'s
+
+    def metering(self, stats: Stats) -> MeteredTransport:
+        """This transport (the same inner one and nodes) adding to ``stats`` instead, e.g. a
+        call's `counters.RunTally`."""
+        other = copy.copy(self)
+        other.stats = stats
+        return other
 
     @property
     def records(self) -> bool:
@@ -103,9 +112,7 @@ class MeteredTransport:
     def _started(self, fn, args: tuple, sent: tuple[int, int]) -> Pending:
         start = time.perf_counter()
         pending = fn(*args)
-        self.stats.add(self.category, wire_s=time.perf_counter() - start,
-                       wire_bytes=sent[0] + sent[1], intra_node_bytes=sent[0],
-                       inter_node_bytes=sent[1])
+        self.stats.add_sent(self.category, time.perf_counter() - start, sent[0], sent[1])
         return _MeteredPending(pending, self.stats, self.category)
 
     def _metered(self, fn, send: torch.Tensor, row_bytes: int) -> torch.Tensor:

@@ -23,8 +23,9 @@ CALLS = [  # (shape, dtype, op, collective): not a multiple of 3 ranks, a cast, 
     ((33_333,), torch.bfloat16, dist.ReduceOp.AVG, "reduce_scatter"),
 ]
 COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "intra_node_bytes",
-           "inter_node_bytes")
-"""`lowbitcc.stats()` counters of compressed calls that plans and jobs count alike."""
+           "inter_node_bytes", "residual_sq", "input_sq")
+"""`lowbitcc.stats()` counters of compressed calls that plans and jobs count alike (a plan's
+run adds its own at its end, `counters.RunTally`; the sums in the same order)."""
 PASSES = 7
 
 
@@ -91,6 +92,7 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto",
     if deviate_at is not None:
         return raised, per_pass
     counted = lowbitcc.stats()["compressed"]
+    assert counted["codec_s"] > 0 and counted["wire_s"] > 0
     return results, (states, {k: counted[k] for k in COUNTED}), runs[0], made[0]
 
 

@@ -65,3 +65,29 @@ def test_a_device_accumulator_is_read_as_what_was_added_since_the_last_read():
     assert stats.snapshot()["compressed"]["residual_sq"] == 0.0
     acc += torch.tensor([1.0, 4.0], dtype=torch.float64)
     assert stats.snapshot()["compressed"]["relative_error"] == 0.5
+
+
+def test_a_run_tally_adds_a_call_once_at_its_flush():
+    """`RunTally`: what a plan's run counts reaches the statistics only at `flush`, all of it,
+    and the tally starts again."""
+    from lowbitcc.counters import RunTally, Stats
+
+    stats = Stats()
+    tally = RunTally(stats)
+    tally.add_call("compressed", 400, 200)
+    tally.add_codec("compressed", 0.25)
+    tally.add_sent("compressed", 0.5, 30, 70)
+    tally.add_wire("compressed", 0.25)
+    tally.add_sums("compressed", torch.tensor([1.0, 4.0], dtype=torch.float64))
+    tally.add_sums("compressed", torch.tensor([3.0, 12.0], dtype=torch.float64))
+    assert stats.snapshot()["compressed"]["calls"] == 0
+    tally.flush()
+    comp = stats.snapshot()["compressed"]
+    assert {k: comp[k] for k in ("calls", "tensor_bytes", "logical_bytes", "codec_s", "wire_s",
+                                 "wire_bytes", "intra_node_bytes", "inter_node_bytes",
+                                 "residual_sq", "input_sq")} == {
+        "calls": 1, "tensor_bytes": 400, "logical_bytes": 200, "codec_s": 0.25, "wire_s": 0.75,
+        "wire_bytes": 100, "intra_node_bytes": 30, "inter_node_bytes": 70, "residual_sq": 4.0,
+        "input_sq": 16.0}
+    tally.flush()  # nothing more
+    assert stats.snapshot()["compressed"]["calls"] == 1
