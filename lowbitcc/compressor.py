@@ -15,8 +15,8 @@ schedule has finished. So every rank completes the same transfers, the group sta
 its next call, and each rank that received a bad message, or a message built from one, raises.
 
 On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag stays a
-0-dim device tensor, the encodes add their residual sums into the statistics' device
-accumulator (`Stats.accumulator`), and `finish` stores the new error states with the call's
+0-dim device tensor, the encodes add their residual sums into the statistics' accumulator
+(`Stats.accumulator`, as on the CPU), and `finish` stores the new error states with the call's
 verdict as their poison word (`ErrorState.poison`: where the call was non-finite or met a
 foreign message the state counts as zero, which compensates exactly like a dropped one)
 instead of dropping them, so a call is enqueued without waiting for the GPU.
@@ -114,7 +114,6 @@ class CallCompressor:
         self.key = key
         self.buffer = buffer
         self.nonfinite: Flag = False
-        self._sums: torch.Tensor | None = None
         self._new_states.clear()
         self.wire_error: wire.WireFormatError | None = None
         self._verdict: torch.Tensor | None = verdict
@@ -149,13 +148,11 @@ class CallCompressor:
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream, out,
-            sums=self.stats.accumulator("compressed", device) if on_device else None,
+            sums=self.stats.accumulator("compressed", device),
             verdict=self._device_verdict(device, cleared_by_encode=first), clear_verdict=first,
             nonfinite=nonfinite, summed=summed,
         )
         self._flag(result.any_nonfinite)
-        if not on_device:
-            self._sums = result.sums if self._sums is None else self._sums + result.sums
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
         if self.wire_error is not None:
@@ -317,16 +314,13 @@ class CallCompressor:
         """Store the new error states, or drop them all if the call saw a non-finite value or
         a foreign message (on a device, unless the host knows already: each state keeps the
         call's verdict as its ``poison`` word, which voids it where a byte is set; no work is
-        queued), and add host residual sums to the statistics."""
+        queued)."""
         bad = self.nonfinite
         for key, (state, uses) in self._new_states.items():
             if not bad and self._verdict is not None and state is not None:
                 state.poison = self._verdict
             self.store.put(key, state, uses, bad)
         self._new_states.clear()
-        if self._sums is not None:
-            self.stats.add_sums("compressed", self._sums)
-            self._sums = None
 
 
 @functools.lru_cache(maxsize=256)

@@ -57,8 +57,8 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters = {"compressed": Counters(), "exact": Counters()}
-        self._accumulators: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._read: dict[tuple[str, torch.device], list[float]] = {}
+        self._accumulators: dict[tuple, torch.Tensor] = {}  # by `accumulator`'s key
+        self._read: dict[tuple, list[float]] = {}
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -98,7 +98,6 @@ class Stats:
 
     def add_run(self, category: str, run: RunTally) -> None:
         """`add` of everything one call counted in ``run`` (`RunTally.flush`), under one lock."""
-        sums = run.sums.tolist() if run.sums is not None else None
         c = self._counters[category]
         with self._lock:
             c.calls += run.calls
@@ -109,9 +108,6 @@ class Stats:
             c.wire_bytes += run.intra_node_bytes + run.inter_node_bytes
             c.intra_node_bytes += run.intra_node_bytes
             c.inter_node_bytes += run.inter_node_bytes
-            if sums is not None:
-                c.residual_sq += sums[0]
-                c.input_sq += sums[1]
 
     def sent(self, category: str) -> dict[str, int]:
         """The bytes a category's calls sent so far (`add`'s keywords: ``wire_bytes``,
@@ -121,18 +117,14 @@ class Stats:
             return {"wire_bytes": c.wire_bytes, "intra_node_bytes": c.intra_node_bytes,
                     "inter_node_bytes": c.inter_node_bytes}
 
-    def add_sums(self, category: str, sums: torch.Tensor) -> None:
-        """Add float64 ``[residual_sq, input_sq]`` held on the CPU (kernels on a device add
-        theirs into `accumulator`)."""
-        residual_sq, input_sq = sums.tolist()
-        self.add(category, residual_sq=residual_sq, input_sq=input_sq)
-
     def accumulator(self, category: str, device: torch.device) -> torch.Tensor:
-        """float64 ``[residual_sq, input_sq]`` on ``device`` (not the CPU) that kernels add a
-        category's sums into, on any stream, without a launch of their own: made once and kept
-        for the process (`snapshot` reads what was added since its last read; `reset` zeroes
-        it)."""
-        key = (category, device)
+        """float64 ``[residual_sq, input_sq]`` on ``device`` that encodes add a category's sums
+        into without a step of their own (on a device on any stream, without a launch): made
+        once and kept for the process, on the CPU one per thread (the C++ encodes of two
+        threads would race on one). `snapshot` reads what was added since its last read;
+        `reset` zeroes them."""
+        key = (category, device) if device.type != "cpu" else (category, device,
+                                                                 threading.get_ident())
         acc = self._accumulators.get(key)
         if acc is None:
             with self._lock:
@@ -171,13 +163,11 @@ class Stats:
             self._read = {}
 
 
-
-
 class RunTally:
     """What one call counts in one category of ``stats`` while it runs, added to ``stats`` at
     once by `flush` (`Stats.add_run`): a call place's plan (`backend.call_plan.CallPlan`) hands
     it to its compressor and its transport as their ``stats`` (`add_codec`, `add_wire`,
-    `add_sent`, `add_sums`: `Stats`' methods, the category argument ignored), so that a
+    `add_sent`: `Stats`' methods, the category argument ignored), so that a
     steady-state call takes the statistics' lock once instead of once per encode, decode and
     transfer. One thread at a time (the plan's); nothing is locked here."""
 
@@ -189,8 +179,6 @@ class RunTally:
         self.calls = self.tensor_bytes = self.logical_bytes = 0
         self.codec_s = self.wire_s = 0.0
         self.intra_node_bytes = self.inter_node_bytes = 0
-        self.sums: torch.Tensor | None = None
-        """float64 ``[residual_sq, input_sq]`` of the call's host encodes (None: none)."""
 
     def add_call(self, category: str, tensor_bytes: int, logical_bytes: int) -> None:
         self.calls += 1
@@ -207,10 +195,6 @@ class RunTally:
         self.wire_s += seconds
         self.intra_node_bytes += intra_node
         self.inter_node_bytes += inter_node
-
-    def add_sums(self, category: str, sums: torch.Tensor) -> None:
-        """Keep host ``sums`` (`Stats.add_sums`'), read once by `flush`."""
-        self.sums = sums if self.sums is None else self.sums + sums
 
     def add(self, category: str, **deltas: float) -> None:
         """Anything else goes to ``stats`` at once."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -44,10 +46,10 @@ def test_step_metrics_count_each_step_once():
             assert r["loco/compression"] == 1.0 and r["loco/relative_error"] == 0.0
 
 
-def test_a_device_accumulator_is_read_as_what_was_added_since_the_last_read():
-    """`Stats.accumulator`: kernels add into one tensor per device for the process; each
-    snapshot adds what arrived since the previous one, and a reset zeroes it (no new tensor
-    per reset: users reset every step)."""
+def test_an_accumulator_is_read_as_what_was_added_since_the_last_read():
+    """`Stats.accumulator`: kernels add into one tensor per device for the process (on the CPU
+    one per thread); each snapshot adds what arrived since the previous one, and a reset zeroes
+    it (no new tensor per reset: users reset every step)."""
     from lowbitcc.counters import Stats
 
     stats = Stats()
@@ -65,6 +67,14 @@ def test_a_device_accumulator_is_read_as_what_was_added_since_the_last_read():
     assert stats.snapshot()["compressed"]["residual_sq"] == 0.0
     acc += torch.tensor([1.0, 4.0], dtype=torch.float64)
     assert stats.snapshot()["compressed"]["relative_error"] == 0.5
+    other: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: other.append(
+        stats.accumulator("compressed", torch.device("cpu"))))
+    thread.start()
+    thread.join()
+    assert other[0] is not acc
+    other[0] += torch.tensor([2.0, 2.0], dtype=torch.float64)
+    assert stats.snapshot()["compressed"]["residual_sq"] == 3.0
 
 
 def test_a_run_tally_adds_a_call_once_at_its_flush():
@@ -78,8 +88,8 @@ def test_a_run_tally_adds_a_call_once_at_its_flush():
     tally.add_codec("compressed", 0.25)
     tally.add_sent("compressed", 0.5, 30, 70)
     tally.add_wire("compressed", 0.25)
-    tally.add_sums("compressed", torch.tensor([1.0, 4.0], dtype=torch.float64))
-    tally.add_sums("compressed", torch.tensor([3.0, 12.0], dtype=torch.float64))
+    tally.accumulator("compressed", torch.device("cpu")).add_(
+        torch.tensor([4.0, 16.0], dtype=torch.float64))  # as an encode adds its sums
     assert stats.snapshot()["compressed"]["calls"] == 0
     tally.flush()
     comp = stats.snapshot()["compressed"]
