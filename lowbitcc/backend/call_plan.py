@@ -38,12 +38,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import policy, state
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_call import CallGroup
-from lowbitcc.backend.exact import input_factor
+from lowbitcc.backend.exact import input_factor, op_type
 from lowbitcc.backend.place_graph import PlaceGraph
 from lowbitcc.backend.routes import Route
 from lowbitcc.codec import wire
@@ -80,6 +81,9 @@ class CallPlan:
         self._own_codec = self.codec.with_seq(0) if self._cpu else None
         """On the CPU, the plan's own copy of its codec, renumbered for each run."""
         self._modelled = group.modelled(self.numel)
+        self._factor: float | None = None
+        """The runs' input factor, where their op's type fixes it (every run of a plan has
+        the op type of the place's entry: `call_schedule.call_key`)."""
         self._source_cleared = like.new_empty(0)
         self._source = Source(self._source_cleared, n, m)  # each run's tensor and op's factor
         self.transport = route.links.world
@@ -151,7 +155,12 @@ class CallPlan:
                 comp.restart(self.codec.with_seq(self.seq, self._count()), key, buffer,
                              self._verdict_slot())
             source.tensor = tensor if tensor.dim() == 1 else tensor.view(-1)
-            source.factor = input_factor(op, group.size)
+            factor = self._factor
+            if factor is None:
+                factor = input_factor(op, group.size)
+                if op_type(op) != ReduceOp.PREMUL_SUM:  # fixed by the op's type and the world
+                    self._factor = factor
+            source.factor = factor
             self.runs += 1
             if self.graph is None or not self.graph.run(self, source, output):
                 self.launch(source, output)
