@@ -86,16 +86,7 @@ class CallPlan:
         the op type of the place's entry: `call_schedule.call_key`)."""
         self._source_cleared = like.new_empty(0)
         self._source = Source(self._source_cleared, n, m)  # each run's tensor and op's factor
-        self.transport = route.links.world
-        self.tally: RunTally | None = None
-        """On the CPU, what a run counts (`counters.RunTally`: its compressor's and its
-        transport's statistics), added to `state.STATS` once at its end; on a device each step
-        adds its own (a graph's capture counts the bytes of its replays, `place_graph`)."""
-        if self._cpu:
-            self.tally = self.comp.stats = RunTally(state.STATS)
-            metering = getattr(self.transport, "metering", None)
-            if metering is not None:
-                self.transport = metering(self.tally)
+        self.tally, self.transport = self._tallied(route.links.world)
         self._kept: dict[str, tuple[torch.Tensor, int, torch.dtype]] = {}  # `kept`'s, and as made
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # `_sent`'s, likewise
         self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
@@ -124,6 +115,17 @@ class CallPlan:
         before set it, having guessed this run's stride)."""
         self.graph = PlaceGraph.of(self)
         """The place's graphs or host records, where it replays them (`place_graph`)."""
+
+    def _tallied(self, transport: Any) -> tuple[RunTally | None, Any]:
+        """On the CPU, what a run counts (`counters.RunTally`: the compressor's statistics,
+        and ``transport`` metering into it), added to `state.STATS` once at the run's end;
+        on a device none (each step adds its own: a graph's capture counts the bytes of its
+        replays, `place_graph`) and ``transport`` as it is."""
+        if not self._cpu:
+            return None, transport
+        tally = self.comp.stats = RunTally(state.STATS)
+        metering = getattr(transport, "metering", None)
+        return tally, transport if metering is None else metering(tally)
 
     def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None = None) -> None:
         """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, or (a
