@@ -89,8 +89,11 @@ class CallCompressor:
         self, codec: ShardCodec, store: FeedbackStore, key: str, stats: Stats, *,
         error_dtype: str | None, beta: float, reset_interval: int, rank: int = 0,
         scratch: Scratch | None = None, buffer: StorageWeakRef | None = None,
+        count_sums: bool = True,
     ) -> None:
         self.rank = rank
+        self.count_sums = count_sums
+        """Whether the encodes add their residual sums to ``stats`` (`Stats.accumulator`)."""
         self._scratch = scratch
         self.error_dtype = error_dtype
         self.beta = beta
@@ -148,7 +151,7 @@ class CallCompressor:
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream, out,
-            sums=self.stats.accumulator("compressed", device),
+            sums=self.stats.accumulator("compressed", device) if self.count_sums else None,
             verdict=self._device_verdict(device, cleared_by_encode=first), clear_verdict=first,
             nonfinite=nonfinite, summed=summed,
         )

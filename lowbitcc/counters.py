@@ -56,6 +56,7 @@ class Stats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # `snapshot`'s reads of the accumulators, and `reset`
         self._counters = {"compressed": Counters(), "exact": Counters()}
         self._accumulators: dict[tuple, torch.Tensor] = {}  # by `accumulator`'s key
         self._read: dict[tuple, list[float]] = {}
@@ -134,13 +135,14 @@ class Stats:
 
     def snapshot(self) -> dict[str, Any]:
         """The counters (waits for the device sums still being computed on this stream)."""
-        with self._lock:
-            accumulators = dict(self._accumulators)
-        for key, acc in accumulators.items():
-            now = acc.tolist()
-            before = self._read.get(key, [0.0, 0.0])
-            self._read[key] = now
-            self.add(key[0], residual_sq=now[0] - before[0], input_sq=now[1] - before[1])
+        with self._reading:  # one reader at a time: each delta is added once
+            with self._lock:
+                accumulators = dict(self._accumulators)
+            for key, acc in accumulators.items():
+                now = acc.tolist()
+                before = self._read.get(key, [0.0, 0.0])
+                self._read[key] = now
+                self.add(key[0], residual_sq=now[0] - before[0], input_sq=now[1] - before[1])
         with self._lock:
             out = {k: dataclasses.asdict(v) for k, v in self._counters.items()}
         comp = out["compressed"]
@@ -154,7 +156,7 @@ class Stats:
         return out
 
     def reset(self) -> None:
-        with self._lock:
+        with self._reading, self._lock:
             self._counters = {"compressed": Counters(), "exact": Counters()}
             # zeroed on the current stream: sums of kernels still running elsewhere may count in
             # the new period (statistics only), and the tensors kernels may use stay alive

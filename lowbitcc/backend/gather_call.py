@@ -66,7 +66,7 @@ class GatherCall:
             kernels=self.route.kernels, checksum=cfg.checksum_for(source.device.type))
         # no feedback, and no residual sums: the statistics' error is the gradients'
         comp = CallCompressor(codec, state.FEEDBACK, "", state.STATS, error_dtype=None, beta=0.0,
-                              reset_interval=0, rank=group.rank)
+                              reset_interval=0, rank=group.rank, count_sums=False)
         out = output.view(-1) if output.is_contiguous() else torch.empty_like(output).view(-1)
         flat = source.detach().reshape(-1).contiguous()
         schedules.all_gather(Source(flat, 1, numel), out, comp, self.route.links)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 from torch import nn
@@ -101,3 +102,36 @@ def test_a_run_tally_adds_a_call_once_at_its_flush():
         "input_sq": 16.0}
     tally.flush()  # nothing more
     assert stats.snapshot()["compressed"]["calls"] == 1
+
+
+def test_snapshots_from_several_threads_count_each_sum_once():
+    """Readers of `Stats.snapshot` on several threads while an accumulator grows: every delta
+    is added once (`snapshot` reads the accumulators one reader at a time). Each read of the
+    last value seen is made slow, so that unlocked readers would overlap there."""
+    from lowbitcc.counters import Stats
+
+    class SlowReads(dict):
+        def get(self, *args):
+            seen = super().get(*args)
+            time.sleep(0.002)  # another reader may read the same value meanwhile
+            return seen
+
+    stats = Stats()
+    stats._read = SlowReads()
+    acc = stats.accumulator("compressed", torch.device("cpu"))
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            stats.snapshot()
+
+    readers = [threading.Thread(target=reader) for _ in range(3)]
+    for thread in readers:
+        thread.start()
+    for _ in range(100):
+        acc += 1.0
+        time.sleep(0.001)
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert stats.snapshot()["compressed"]["residual_sq"] == 100.0
