@@ -97,7 +97,7 @@ class Stats:
             c.intra_node_bytes += intra_node
             c.inter_node_bytes += inter_node
 
-    def add_run(self, category: str, run: RunTally) -> None:
+    def add_run(self, category: str, run: Counters) -> None:
         """`add` of everything one call counted in ``run`` (`RunTally.flush`), under one lock."""
         c = self._counters[category]
         with self._lock:
@@ -106,7 +106,7 @@ class Stats:
             c.logical_bytes += run.logical_bytes
             c.codec_s += run.codec_s
             c.wire_s += run.wire_s
-            c.wire_bytes += run.intra_node_bytes + run.inter_node_bytes
+            c.wire_bytes += run.wire_bytes
             c.intra_node_bytes += run.intra_node_bytes
             c.inter_node_bytes += run.inter_node_bytes
 
@@ -175,28 +175,27 @@ class RunTally:
 
     def __init__(self, stats: Stats, category: str = "compressed") -> None:
         self.stats, self.category = stats, category
-        self._clear()
-
-    def _clear(self) -> None:
-        self.calls = self.tensor_bytes = self.logical_bytes = 0
-        self.codec_s = self.wire_s = 0.0
-        self.intra_node_bytes = self.inter_node_bytes = 0
+        self.counted = Counters()
+        """What the call counted so far (its residual sums go to ``stats``' accumulator)."""
 
     def add_call(self, category: str, tensor_bytes: int, logical_bytes: int) -> None:
-        self.calls += 1
-        self.tensor_bytes += tensor_bytes
-        self.logical_bytes += logical_bytes
+        c = self.counted
+        c.calls += 1
+        c.tensor_bytes += tensor_bytes
+        c.logical_bytes += logical_bytes
 
     def add_codec(self, category: str, seconds: float) -> None:
-        self.codec_s += seconds
+        self.counted.codec_s += seconds
 
     def add_wire(self, category: str, seconds: float) -> None:
-        self.wire_s += seconds
+        self.counted.wire_s += seconds
 
     def add_sent(self, category: str, seconds: float, intra_node: int, inter_node: int) -> None:
-        self.wire_s += seconds
-        self.intra_node_bytes += intra_node
-        self.inter_node_bytes += inter_node
+        c = self.counted
+        c.wire_s += seconds
+        c.wire_bytes += intra_node + inter_node
+        c.intra_node_bytes += intra_node
+        c.inter_node_bytes += inter_node
 
     def add(self, category: str, **deltas: float) -> None:
         """Anything else goes to ``stats`` at once."""
@@ -207,5 +206,5 @@ class RunTally:
 
     def flush(self) -> None:
         """Add what was counted since the last flush to ``stats``, and start again."""
-        self.stats.add_run(self.category, self)
-        self._clear()
+        self.stats.add_run(self.category, self.counted)
+        self.counted = Counters()

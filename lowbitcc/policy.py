@@ -115,10 +115,7 @@ def wants_compression(policy: str) -> bool:
 def forced() -> bool:
     """Whether a `compressed()` block is the innermost active one: compression is then forced
     and the cost model not consulted."""
-    try:  # `mode("") == "always"`, read as `mode` reads it
-        return _mode_stack[-1] == "always"
-    except IndexError:
-        return False
+    return mode("") == "always"
 
 
 def eligible(tensor: torch.Tensor, op: dist.ReduceOp) -> bool:

@@ -54,7 +54,7 @@ class CallPlaces:
             return None
         if not exact and policy.mode(self._config.policy) == "never":  # `_wish`'s "exact"
             return None
-        return schedule.planned((collective, like.dtype, int(kind), numel, False, 0), exact)
+        return schedule.planned(self.call_key(collective, like.dtype, kind, numel, False), exact)
 
     def refusal_plans(self, collective: str, like: torch.Tensor,
                       numels: list[int]) -> list[Plan] | None:
@@ -107,6 +107,5 @@ class CallPlaces:
 
     @staticmethod
     def call_key(collective: str, dtype: torch.dtype, op: Any, numel: int, part: bool) -> tuple:
-        """`call_schedule.call_key` of a call issued now (taking a place: parent 0; `planned`
-        writes its own)."""
+        """`call_schedule.call_key` of a call issued now (taking a place: parent 0)."""
         return (collective, dtype, int(op_type(op)), numel, part, 0)

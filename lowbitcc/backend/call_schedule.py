@@ -226,7 +226,7 @@ class CallSchedule:
         index = self._next
         if self._period is None:
             return None
-        entry = self._entries.get(self._origin + (index - self._origin) % self._period)
+        entry = self._entries.get(self._place(index))
         if entry is None or entry.canary is not None or entry.left <= 0:
             entry = self.entry(index)
         if entry is None or entry.exact != exact or entry.key != key:

@@ -95,7 +95,7 @@ class Reduction:
 def input_factor(op: ReduceOp | Any, world: int) -> float:
     """`Reduction.of` ``(op, world)``'s ``input_factor()``, built once per op type and world
     where it does not depend on the op's own factor (every op but PREMUL_SUM)."""
-    kind = op if type(op) is _RED_OP_TYPE else op.op  # `op_type`'s
+    kind = op_type(op)
     if kind == ReduceOp.PREMUL_SUM:
         return Reduction.of(op, world).input_factor()
     return _fixed_factor(kind, world)

@@ -70,9 +70,8 @@ class MeteredTransport:
                              self._to_peers(send.shape[1]))
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
-        n = send.numel()
         return self._started(self.inner.all_gather_async, (send,) if out is None else (send, out),
-                             (self._peers[0] * n, self._peers[1] * n))  # `_to_peers`'s
+                             self._to_peers(send.numel()))
 
     def metering(self, stats: Stats) -> MeteredTransport:
         """This transport (the same inner one and nodes) adding to ``stats`` instead, e.g. a
