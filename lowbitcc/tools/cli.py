@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_arguments(sub.add_parser(
         "demo", help="train a small model with DDP over loco and gloo (nccl on GPUs), side by side"))
+    from lowbitcc.tools import call_count
+
+    call_count.add_arguments(sub.add_parser(
+        "calls", help="Python calls per DDP bucket call, beyond gloo's (steady state, 2 ranks)"))
     bench = sub.add_parser("codec-bench", help="codec encode/decode throughput vs copy bandwidth")
     bench.add_argument("-b", type=_size, default=64 << 10, help="smallest size (default 64K)")
     bench.add_argument("-e", type=_size, default=256 << 20, help="largest size (default 256M)")

@@ -1,0 +1,19 @@
+"""Python calls per steady DDP bucket call beyond gloo's (`lowbitcc.tools.call_count`): a budget
+that only goes down. Counted over 64 steps, one cycle of a place's agreement (its renewal's
+calls included), on 2 real ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowbitcc.tools.call_count import count_calls
+
+BUDGET = {"compressed": 250, "exact": 90}
+"""Python calls per bucket call beyond gloo's, on the default issuer."""
+
+
+@pytest.mark.parametrize("mode", sorted(BUDGET))
+def test_a_steady_bucket_call_stays_within_its_python_call_budget(mode):
+    counted = count_calls(mode, warmup=70, steps=64)
+    assert 5 <= counted["gloo"] <= 40, counted  # DDP's own Python, the same on both groups
+    assert counted["extra"] <= BUDGET[mode], counted
