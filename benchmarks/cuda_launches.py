@@ -6,10 +6,9 @@ and counts, with torch.profiler (CUPTI: every kernel, CuPy's included), the kern
 and host<->device copies of ``--profiled`` calls. Rows: compressed (``lowbitcc.compressed()``),
 and the same call exact (``lowbitcc.exact()``, the inner NCCL all-reduce) as the baseline
 measured in the same run; ``exchanges`` counts the host-side descriptor agreements per call.
-The group's config is the environment's (``LOCO_CALL_SCHEDULE=1`` measures the call schedule's
-path) with ``min_size`` 1 and the cost model off. At world size 1 nothing crosses a wire: a
-compressed call is two encodes and two decodes plus the bookkeeping, which is what this
-counts.
+The group's config is the environment's with ``min_size`` 1 and the cost model off. At world
+size 1 nothing crosses a wire: a compressed call is two encodes and two decodes plus the
+bookkeeping, which is what this counts.
 
     python benchmarks/cuda_launches.py [--sizes 65536 1048576 16777216] [--iters 50]
 """
@@ -107,8 +106,7 @@ def main() -> None:
         dist.init_process_group(
             "loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
             pg_options=config, device_id=torch.device("cuda", 0))
-        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-              f"call_schedule={config.call_schedule}")
+        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
         print(f"{'elements':>10} {'mode':>10} {'host us':>9} {'+gpu us':>9} {'exchanges':>9} "
               f"{'kernels':>8} {'memsets':>8} {'copies':>7}")
         try:

@@ -153,12 +153,10 @@ print(f"{'PASS' if loco <= 1.2 * nccl else 'FAIL'} exactperf loco-exact/nccl {lo
 EOF
         ;;
     schedule)
-        LOCO_CALL_SCHEDULE=1 timeout 240 $py -m pytest -m gpu -q -p no:cacheprovider -rs \
+        timeout 240 $py -m pytest -m gpu -q -p no:cacheprovider -rs \
             --timeout 200 tests/gpu/test_multirank.py 2>&1 | tee "$out/pytest-schedule.txt" ;;
     launches)
-        for schedule in 0 1; do
-            LOCO_CALL_SCHEDULE=$schedule timeout 150 $py benchmarks/cuda_launches.py --names
-        done 2>&1 | tee "$out/launches.txt" ;;
+        timeout 150 $py benchmarks/cuda_launches.py --names 2>&1 | tee "$out/launches.txt" ;;
     perf)
         for np in 1 2; do
             timeout 150 $py -m lowbitcc perf all_reduce --device cuda --np $np \

@@ -126,11 +126,6 @@ class LocoConfig:
             (in the calling thread, as CUDA calls always are: a test and measurement mode that
             runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
             reductions are issued inline either way.
-        call_schedule: every reduction takes a place in the cycle of calls the ranks repeat;
-            a call that its place agreed on before runs without a descriptor exchange, exact
-            ones as the inner group's own call (`lowbitcc.backend.call_schedule`); a rank whose
-            call differs from its place's makes every rank raise, never hang. On by default
-            (``LOCO_CALL_SCHEDULE=0``: every call exchanges, as before).
         call_plans: a place whose agreed call is a compressed all-reduce of one tensor keeps
             what its runs share and runs the call in one method (`lowbitcc.backend.call_plan`;
             CUDA, and CPU issued inline); the same bytes as without. On by default
@@ -174,7 +169,6 @@ class LocoConfig:
     auto_tree_ranks: int = 4
     auto_ring_ranks: int = 0
     issuer: str = "auto"
-    call_schedule: bool = True
     call_plans: bool = True
     call_graphs: bool = False
     call_replay: bool = True
@@ -284,7 +278,7 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
-        for field in ("call_schedule", "call_plans", "call_graphs", "call_replay"):
+        for field in ("call_plans", "call_graphs", "call_replay"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "a bool")
         if self.call_graphs and not self.call_plans:  # every rank's graphs need its plans

@@ -20,8 +20,8 @@ The counts that drive steps 1-2 follow the calls in issue order, the same on eve
 timings, and so the choices and gaps, do not (each rank measures its own). So the model only
 *suggests*: each rank writes its suggestion into the call descriptor it exchanges anyway
 (``LocoConfig.check``), and every rank follows rank 0's (`lowbitcc.backend.compressed_call`).
-An exact suggestion also carries a *lease*: the calls of the class before rank 0's next
-exploration, which every rank then runs exact without the exchange. Without the descriptor
+Under the call schedule the ranks agree on a place's path once per cycle of the place
+(`lowbitcc.backend.renewal`), with rank 0's suggestion for the place's next cycle. Without the descriptor
 exchange the model is not consulted and every compressible call is compressed.
 
 Timings of CPU calls are wall seconds from the start of the call on the group's worker to its
@@ -44,7 +44,7 @@ costs error-state memory and quantization error)."""
 EXPLORE_COST = 0.05
 """At most this fraction of a class's time goes to exploration calls (see `CostModel`)."""
 MAX_GAP = 4096
-"""Calls between explorations at most (a lease fits the descriptor's 24 bits)."""
+"""Calls between explorations at most."""
 
 
 SizeClass = tuple[str, str, int]
@@ -63,14 +63,10 @@ class _Class:
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     """What the model suggests for one call: ``exact`` (else compressed), ``size_class`` to
-    report the call's timing under, and for an exact suggestion that is not an exploration the
-    ``lease``: how many calls of the class after this one stay exact before the next
-    exploration (0 during warm-up and explorations); ``explore``: a warm-up or exploration
-    call."""
+    report the call's timing under; ``explore``: a warm-up or exploration call."""
 
     exact: bool
     size_class: SizeClass
-    lease: int = 0
     explore: bool = False
     """A warm-up or exploration call: the suggestion holds for this call only."""
 
@@ -115,7 +111,7 @@ class CostModel:
             if n >= c.explore_at:
                 c.explore_at = n + self._gap(c, best_exact)
                 return Suggestion(not best_exact, key, explore=True)
-            return Suggestion(best_exact, key, lease=c.explore_at - n - 1 if best_exact else 0)
+            return Suggestion(best_exact, key)
 
     def _class(self, key: SizeClass) -> _Class:
         """Under the lock: the class ``key``, created on first use."""
@@ -134,7 +130,8 @@ class CostModel:
         return int(min(MAX_GAP, max(self.explore_every, extra / EXPLORE_COST)))
 
     def count(self, size_class: SizeClass) -> None:
-        """Count a call of ``size_class`` that did not ask for a suggestion (a lease's)."""
+        """Count a call of ``size_class`` that did not ask for a suggestion (one that ran as
+        its place's entry)."""
         with self._lock:
             self._class(size_class).calls += 1
 

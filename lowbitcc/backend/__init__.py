@@ -8,8 +8,7 @@ under ``LOCO_ISSUER=inline``, `cuda_issue` for CUDA: streams and Works), `issue_
 worker: CPU issue order), `works` (its Works and futures), `exact` (exact reductions on gloo),
 `reductions` (how a reduction is issued: its place, exact entries at once, deviations, jobs),
 `call_schedule` and `call_places` (every reduction's place in the cycle of calls, agreed once),
-`deviation` (what a rank whose call differs from its place's runs), `leases` (which calls the cost
-model leased to the exact path without the call schedule), `call_agreement` (the per-call
+`deviation` (what a rank whose call differs from its place's runs), `call_agreement` (the per-call
 descriptor exchange), `routes` (a device's kernels and links), `compressed_call` (one compressed
 call and its phases), `compressed_calls` (what a group's compressed calls share), `watchdog` and
 `cuda_verdicts` (what CUDA calls leave to read later, and the watch over them), `rendezvous`

@@ -4,7 +4,7 @@ Before a reduction (and, under ``check_all``, an exact data movement), every ran
 one `wire.FRAME_BYTES` frame on the group's inner gloo group, `wire.FRAME_COPIES` times over: a
 `wire.CallDescriptor` naming the call (collective, dtype, op, size, call number, bits, the
 parent call whose callback issued it, whether this rank would compress it, its cost model's
-suggestion and lease), then, for an exact reduction of at most `wire.FRAME_PAYLOAD` bytes, the
+suggestion), then, for an exact reduction of at most `wire.FRAME_PAYLOAD` bytes, the
 rank's input itself, then a check of the frame. `CallAgreement.exchange` compares the intact
 frames and raises on every rank where the calls differ (`CollectiveMismatchError`), where a
 rank refused its own arguments (`InvalidPeerCallError`, flag `wire.DESC_INVALID`) or where a

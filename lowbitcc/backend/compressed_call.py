@@ -1,19 +1,16 @@
 """One compressed call of a "loco" group, as an object whose methods are its phases.
 
 A `CompressedCall` is built in the issuing thread, when c10d's call arrives: it takes the call's
-number and error-feedback key (`CompressedCalls.key`), builds its `wire.CallDescriptor` and
-its lease `Ticket` (`lowbitcc.backend.leases`). Calling it runs it, as the call's job on the
-group's worker (or in the issuing thread, on an inline route), phase by phase:
+number and error-feedback key (`CompressedCalls.key`) and builds its `wire.CallDescriptor`.
+Calling it runs it, as the call's job on the group's worker (or in the issuing thread, on an
+inline route), phase by phase:
 
 1. under the call schedule (`lowbitcc.backend.call_schedule`), its ``plan``, taken when it was
    issued: a call that its place agreed on before to compress runs compressed without an
    exchange (`run_planned`), and one that differs from its place's compressed entry
-   `deviate`s; without the schedule, `take_lease`: a lease left for its size class means the
-   exact call, without an exchange; otherwise rank 0's cost model may `suggest` a path
-   (`lowbitcc.cost_model`);
-2. `agree`: the descriptor exchange (`call_agreement.CallAgreement`), whose outcome decides the
-   lease ticket: the call is compressed only if every rank would compress it and rank 0's model
-   did not choose exact;
+   `deviate`s; otherwise rank 0's cost model may `suggest` a path (`lowbitcc.cost_model`);
+2. `agree`: the descriptor exchange (`call_agreement.CallAgreement`): the call is compressed
+   only if every rank would compress it and rank 0's model did not choose exact;
 3. `record`: the outcome becomes its place's entry; then one of `run_exact` (the caller's exact
    fallback, timed for the cost model where it chose), `reduce_framed` (a small exact
    reduction carried in the frames themselves) and `compress`: the call's `ShardCodec` and
@@ -62,7 +59,6 @@ from lowbitcc.backend.exact import (
     reduces_in_rank_order,
 )
 from lowbitcc.backend.issue_queue import Job
-from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.routes import Route
 from lowbitcc.backend.works import callback_parent
@@ -76,23 +72,20 @@ from lowbitcc.cost_model import CostModel, SizeClass, Suggestion
 
 class CallGroup(Protocol):
     """What a call needs of its group (`compressed_calls.CompressedCalls`): its settings, ranks,
-    descriptor exchanges, cost model and leases, and the group-wide helpers below."""
+    descriptor exchanges, cost model, and the group-wide helpers below."""
 
     rank: int
     size: int
     config: LocoConfig
     agreement: CallAgreement
     cost_model: CostModel
-    leases: Leases
     scratch: Scratch
     graphs: LiveGraphs
     submit: Callable[[Callable[[], Any]], Any] | None
 
     def route(self, device: torch.device) -> Route: ...
     def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]: ...
-    def leasable(self, numel: int) -> bool: ...
     def modelled(self, numel: int) -> bool: ...
-    def harvest_timings(self) -> None: ...
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]: ...
     def timed_exact(self, exact: Job, size_class: SizeClass, nbytes: int) -> Any: ...
     def schedule_for(self, nbytes: int, route: Route, device_type: str) -> str: ...
@@ -109,9 +102,7 @@ class CompressedCall:
     ``output``: where the result goes; ``op``: the c10d reduction; ``exact``: the exact
     fallback after an exchange (a job on the group's worker, or on an inline route an exact
     call issued in the calling thread); ``wants``: whether this rank would compress it (its
-    policy said so); ``ticket``: the call's lease decision if the issuing thread already began
-    it (`CompressedCalls.ticket`), else begun here; ``leased``: what runs when the call takes
-    a lease on the worker (default ``exact``); ``plan``: its place in the call schedule and
+    policy said so); ``plan``: its place in the call schedule and
     what it does there (`call_schedule.Plan`; None: no schedule), taken by the issuing
     thread: an exchange, a compressed entry's call, or a deviation from a compressed entry
     (exact entries never reach a job); ``part``: one tensor of a call of several.
@@ -120,12 +111,10 @@ class CompressedCall:
     collective: ClassVar[str]
 
     def __init__(self, group: CallGroup, output: torch.Tensor, source: torch.Tensor, op: Any,
-                 exact: Job, wants: bool, ticket: Ticket | None = None,
-                 leased: Job | None = None, plan: Plan | None = None,
-                 part: bool = False) -> None:
+                 exact: Job, wants: bool, plan: Plan | None = None, part: bool = False) -> None:
         cfg = group.config
         self.group, self.output, self.source, self.op = group, output, source, op
-        self.exact, self.leased = exact, leased or exact
+        self.exact = exact
         self.numel = source.numel()
         self.nbytes = self.numel * source.element_size()
         self.route = group.route(source.device)
@@ -133,7 +122,6 @@ class CompressedCall:
         self.key, derived = group.key(self.collective, source, self.numel) if wants else ("", False)
         # a derived key's layout is checked by the buffer it reduces; an explicit one is trusted
         self.buffer = StorageWeakRef(source.untyped_storage()) if derived else None
-        leasable = group.leasable(self.numel)
         self.modelled = group.modelled(self.numel) and not policy.forced()
         self.framed = (cfg.check and not self.route.inline and self.nbytes <= wire.FRAME_PAYLOAD
                        and source.layout == torch.strided
@@ -144,10 +132,6 @@ class CompressedCall:
         (`CallCompressor.foreign`), which the issuer turns into the Work's verdict word."""
         self.desc = self.descriptor(wants)
         self.reduction = Reduction.of(op, group.size)
-        if leasable and ticket is None:
-            ticket = group.leases.begin(CostModel.size_class(
-                self.collective, self.nbytes, source.device.type), now=False)
-        self.ticket = ticket
 
     def descriptor(self, wants: bool) -> wire.CallDescriptor:
         """What this rank says of the call in the exchange."""
@@ -169,15 +153,11 @@ class CompressedCall:
 
     def close(self) -> None:
         """The call ran, or will not run (an earlier call of its sequence raised): settle its
-        lease ticket and its place's plan (both idempotent)."""
-        if self.ticket is not None:
-            self.ticket.settle()
+        place's plan (idempotent)."""
         if self.plan is not None:
             self.plan.settle()
 
     def run(self) -> Any:
-        if self.take_lease():
-            return self.group.timed_exact(self.leased, self.ticket.size_class, self.nbytes)
         plan = self.plan
         if plan is not None and plan.kind == PLANNED:
             return self.run_planned()
@@ -198,8 +178,6 @@ class CompressedCall:
         if suggestion is not None and leader.prefer_exact:
             self.record(compressed=False, by_model=True, explore=leader.explore)
             return self.run_exact(leader, suggestion)
-        if self.ticket is not None:  # decided: later calls need not wait for the schedule
-            self.ticket.settle()
         self.record(compressed=True, explore=suggestion is not None and leader.explore)
         return self.compress(suggestion)
 
@@ -232,8 +210,6 @@ class CompressedCall:
                                               self.source.device.type)
             self.group.cost_model.count(size_class)
             suggestion = Suggestion(False, size_class)
-        if self.ticket is not None:
-            self.ticket.settle()
         self.compress(suggestion)
 
     def deviate(self, plan: Plan) -> None:
@@ -274,15 +250,6 @@ class CompressedCall:
         """The compressed schedule this call runs on."""
         return self.group.schedule_for(self.nbytes, self.route, self.source.device.type)
 
-    def take_lease(self) -> bool:
-        """Whether a lease is left for the call's size class (then it runs exact, without an
-        exchange); decided here, on the worker, in issue order (`Leases`)."""
-        if self.ticket is None:
-            return False
-        if self.route.inline:
-            self.group.harvest_timings()
-        return self.ticket.take()
-
     def suggest(self) -> Suggestion | None:
         """This rank's cost model's suggestion where the model chooses the path (None: it does
         not; every rank follows rank 0's)."""
@@ -296,7 +263,7 @@ class CompressedCall:
         """The descriptor exchange: rank 0's descriptor as agreed, and for a framed call every
         rank's frame (`CallAgreement.exchange`); without ``check``, this rank's own."""
         call = self.desc if suggestion is None else dataclasses.replace(
-            self.desc, prefer_exact=suggestion.exact, lease=suggestion.lease,
+            self.desc, prefer_exact=suggestion.exact,
             explore=suggestion.explore)
         group = self.group
         if not group.config.check or group.size == 1:
@@ -309,11 +276,8 @@ class CompressedCall:
         return group.agreement.exchange(call, mine)
 
     def run_exact(self, leader: wire.CallDescriptor, suggestion: Suggestion) -> Any:
-        """Rank 0's model chose the exact path: take its lease (every rank holds the same) and
-        run the exact call, timed for the model."""
+        """Rank 0's model chose the exact path: run the exact call, timed for the model."""
         state.STATS.add("exact", model_exact=1)
-        if leader.lease and self.ticket is not None:
-            self.ticket.settle(leader.lease)
         return self.group.timed_exact(self.exact, suggestion.size_class, self.nbytes)
 
     def reduce_framed(self, inputs: torch.Tensor) -> None:

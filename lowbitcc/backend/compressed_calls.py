@@ -1,11 +1,10 @@
 """`CompressedCalls`: what one "loco" group needs to build and run its compressed calls.
 
 The group's process group asks it, in the issuing thread, whether a call must exchange a
-descriptor (`agrees_on`, `checks_data_movement`), for the call's lease decision (`ticket`,
-`goes_exact`; `lowbitcc.backend.leases`) and for the call itself: `all_reduce`,
-`reduce_scatter` and `all_gather` return a `compressed_call.CompressedCall` (the job). It holds
-what the calls of the group share: the settings, the `Route` per device type, the descriptor
-exchanges (`call_agreement.CallAgreement`), the cost model and its leases, the feedback keys'
+descriptor (`agrees_on`, `checks_data_movement`) and for the call itself: `call` and
+`all_gather` return a `compressed_call.CompressedCall` (the job). It holds what the calls of the
+group share: the settings, the `Route` per device type, the call schedule per device type, the
+descriptor exchanges (`call_agreement.CallAgreement`), the cost model, the feedback keys'
 ordinals, the worker's decode buffer, and the CUDA calls' stream timings.
 """
 
@@ -32,10 +31,9 @@ from lowbitcc.backend.call_places import CallPlaces
 from lowbitcc.backend.call_schedule import CallSchedule, Entry, Plan
 from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
-from lowbitcc.backend.exact import PLAIN_OPS, op_type
+from lowbitcc.backend.exact import op_type
 from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import Job
-from lowbitcc.backend.leases import Leases, Ticket
 from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.renewal import PlaceRenewal
 from lowbitcc.backend.routes import Route, choose_schedule
@@ -48,7 +46,6 @@ from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.schedules.chunking import chunk_width
 from lowbitcc.transports.gloo import GlooTransport
 
-_MAIN_THREAD = threading.main_thread().ident
 CODECS_KEPT = 1024
 """Codec templates kept per group (`CompressedCalls.codec`), the oldest dropped first."""
 
@@ -71,12 +68,11 @@ class CompressedCalls:
         self.agreement = CallAgreement(rank, agreement)
         self.submit = submit
         self.cost_model = CostModel()
-        self.leases = Leases(self.cost_model)
         self.scratch = Scratch()  # the worker thread's decode buffer
         self.graphs = LiveGraphs()  # the places' CUDA graphs (`place_graph`)
         self._routes = routes
         self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
-        scheduled = self.exchanges() and config.call_schedule
+        scheduled = self.exchanges()
         self._call_schedules = {
             device: CallSchedule(timeout_s, None if submit is None else functools.partial(
                 PlaceRenewal, self, device)) for device in routes if scheduled}
@@ -94,20 +90,15 @@ class CompressedCalls:
     def group_name(self, name: str) -> None:
         self.agreement.group_name = name
 
-    def agrees_on(self, numels: list[int], inline: bool = False) -> bool:
+    def agrees_on(self, numels: list[int]) -> bool:
         """Whether a reduction that this rank will not compress must still exchange descriptors
         (with ``wants=False``): another rank may be about to compress the same call, or to
         issue another one (a size, dtype or op mismatch then raises instead of hanging). Its
-        calls have ``numels`` elements (the whole input of each). Issued by the worker, every
-        such call exchanges (``check``, and a policy that may compress); the small ones carry
-        their input in the frame (`wire.FRAME_PAYLOAD`) and need no second exchange. Issued
-        ``inline`` (CUDA, or ``LOCO_ISSUER=inline``) without the call schedule, calls under
-        ``min_size`` go straight to the inner group without it (docs/reliability.md); with it,
-        every call takes a place and exchanges until its place holds an entry."""
-        if not self.exchanges() or not numels:
-            return False
-        return not inline or bool(self._call_schedules) or all(
-            n >= self.config.min_size for n in numels)
+        calls have ``numels`` elements (the whole input of each). Every such call takes a
+        place in the call schedule and exchanges until its place holds an entry (``check``, and
+        a policy that may compress); issued by the worker, the small ones carry their input in
+        the frame (`wire.FRAME_PAYLOAD`) and need no second exchange."""
+        return bool(numels) and self.exchanges()
 
     def exchanges(self) -> bool:
         """Whether the group's reductions exchange descriptors at all: ``check``, a policy that
@@ -135,34 +126,20 @@ class CompressedCalls:
         so that every other rank raises `InvalidPeerCallError` for the same call instead of
         pairing its exchange with this rank's next call, then raises ``error``. ``numels``:
         the whole input of each call (tensor) the valid call would be, as this rank's outputs
-        say, of ``like``'s dtype and device: it takes as many sequence numbers. Where the cost
-        model has leased the first one's size class to the exact path, the valid ranks skip the
-        exchange: this rank takes the lease and raises without one (the others then wait in
-        gloo until the group's timeout, as on gloo). Data movements pass ``[0]`` and None (one
-        call, never leased). ``plan``: the first call's place, an exchange (under the call
-        schedule)."""
+        say: it takes as many sequence numbers. Data movements pass ``[0]`` and None (one
+        call). ``plan``: the first call's place, an exchange (under the call schedule)."""
         seqs = [self.agreement.next_seq() for _ in numels]
         desc = wire.CallDescriptor(collective=collective, dtype=torch.float32, op=0, numel=0,
                                    seq=seqs[0], bits=0, group_size=0, compressed=False,
                                    invalid=True,
                                    deviated=plan is not None and plan.schedule.take_deviated())
-        ticket = None
-        if like is not None and self.leasable(numels[0]):
-            ticket = self.leases.begin(CostModel.size_class(
-                collective, numels[0] * like.element_size(), like.device.type))
 
         def run() -> Any:
-            try:
-                if ticket is not None and (ticket.leased or ticket.take()):
-                    raise error
-                # this rank's own error says more than any the exchange raises
-                with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
-                                         CollectiveMismatchError):
-                    self.agreement.agree(desc)
-                raise error
-            finally:
-                if ticket is not None:
-                    ticket.settle()
+            # this rank's own error says more than any the exchange raises
+            with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
+                                     CollectiveMismatchError):
+                self.agreement.agree(desc)
+            raise error
 
         return run
 
@@ -199,24 +176,6 @@ class CompressedCalls:
             self._ordinals[signature] = ordinal + 1
         return ordinal
 
-    def ticket(self, collective: str, like: torch.Tensor, numel: int,
-               wants: bool) -> Ticket | None:
-        """The lease decision (`leases`) of a reduction of ``numel`` elements of ``like``'s
-        dtype and device, issued now by the calling thread; None where the call does not count
-        against leases (`leasable`). A ticket decided at once (``leased``) means the caller
-        issues the exact call itself, with its own options (no job, no descriptor exchange;
-        counted as its job would count it: the lease, the model's count, the feedback key's
-        ordinal where the call ``wants`` compression, its call number, statistics); otherwise
-        the caller passes the ticket to the call's job (`all_reduce`, `reduce_scatter`), which
-        decides."""
-        if not self.leasable(numel):
-            return None
-        ticket = self.leases.begin(CostModel.size_class(
-            collective, numel * like.element_size(), like.device.type))
-        if ticket.leased:
-            self._count_leased(collective, like, numel, wants)
-        return ticket
-
     def wants(self, op: Any, outputs: list[torch.Tensor]) -> bool:
         """Whether this rank would compress a reduction by ``op`` (a ``RedOpType``) into
         ``outputs``, issued now (the policy, and the op and dtypes: `policy.eligible`)."""
@@ -224,55 +183,22 @@ class CompressedCalls:
         return (cfg.policy != "never" and all(policy.eligible(t, op) for t in outputs)
                 and policy.wants_compression(cfg.policy))
 
-    def lease_at_issue(self, collective: str, tensor: torch.Tensor,
-                       op: Any) -> SizeClass | None:
-        """`ticket`'s decision at once, for a reduction of one dense ``tensor`` in place by
-        one of gloo's own ops (``op``; not AVG or PREMUL_SUM), which the caller can issue
-        itself only when leased (`Leases.take_at_issue`): its size class, the lease taken and
-        the call counted as `ticket` counts it; None: not such a call, or no lease now;
-        nothing taken or counted (ask `ticket`)."""
-        if self.leases.none_held():
-            return None
-        kind = op_type(op)
-        if (kind not in PLAIN_OPS or type(tensor) is not torch.Tensor
-                or tensor.layout != torch.strided):
-            return None
-        numel = tensor.numel()
-        if not self.leasable(numel):
-            return None
-        size_class = CostModel.size_class(collective, numel * tensor.element_size(),
-                                          tensor.device.type)
-        if not self.leases.take_at_issue(size_class):
-            return None
-        self._count_leased(collective, tensor, numel, self.wants(kind, [tensor]))
-        return size_class
-
-    def _count_leased(self, collective: str, like: torch.Tensor, numel: int,
-                      wants: bool) -> None:
-        """Count a call leased at issue as its job would: its call number (the ranks' numbers
-        stay in step) and, where it ``wants`` compression, its feedback key's ordinal."""
+    def _count_at_issue(self, collective: str, like: torch.Tensor, numel: int,
+                        wants: bool) -> None:
+        """Count a call that runs as its place's exact entry as its job would: its call number
+        (the ranks' numbers stay in step) and, where it ``wants`` compression, its feedback
+        key's ordinal."""
         self.agreement.next_seq()
         if wants and policy.explicit_key() is None:  # counted as `key` counts it
             self._ordinal(collective, like.dtype, numel)
 
-    def goes_exact(self, collective: str, like: torch.Tensor, numel: int, wants: bool,
-                   inline: bool) -> tuple[bool, Ticket | None]:
-        """For a reduction of one tensor, issued now: whether the caller should issue the exact
-        call itself (``inline``: calls under ``min_size``, exact on every rank whatever the
-        policy, see `agrees_on`; and calls leased at once, see `ticket`), and the call's
-        ticket otherwise."""
-        if inline and numel < self.config.min_size and not self._call_schedules:
-            return True, None
-        ticket = self.ticket(collective, like, numel, wants)
-        return ticket is not None and ticket.leased, ticket
-
     def count_planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
                       entry: Entry) -> SizeClass | None:
         """Count a call that runs as its place's exact ``entry`` as its job would count it
-        (`_count_leased`; the cost model's count); its size class where the cost model times
+        (`_count_at_issue`; the cost model's count); its size class where the cost model times
         it, else None (the caller counts it in the statistics, ``model_exact`` where the model
         chose the entry and times it: `exact.count_exact`)."""
-        self._count_leased(collective, like, numel, self.wants(op_type(op), [like]))
+        self._count_at_issue(collective, like, numel, self.wants(op_type(op), [like]))
         if not self.modelled(numel) or policy.forced():
             return None
         size_class = CostModel.size_class(collective, numel * like.element_size(),
@@ -317,26 +243,15 @@ class CompressedCalls:
         cfg = self.config
         return cfg.cost_model and self.exchanges() and numel >= cfg.min_size
 
-    def leasable(self, numel: int) -> bool:
-        """Whether a reduction of ``numel`` elements counts against the cost model's leases.
-        Every rank counts the same calls, whatever its policy says (in a `compressed()` block
-        too: the ranks holding the lease skip the exchange, so a rank that did not would hang).
-        Under the call schedule nothing is leased: a place's exact entry does what a lease
-        did."""
-        return self.modelled(numel) and not self._call_schedules
-
     def call(self, collective: str, output: torch.Tensor, source: torch.Tensor, op: Any,
-             exact: Job, wants: bool = True, ticket: Ticket | None = None,
-             leased: Job | None = None, plan: Plan | None = None, part: bool = False) -> Job:
+             exact: Job, wants: bool = True, plan: Plan | None = None,
+             part: bool = False) -> Job:
         """The job of a compressed ``collective`` (`compressed_call.CALLS`) of flat or in-place
         ``source`` into ``output`` (``exact``: the fallback after an exchange; ``wants``:
-        whether this rank would compress it, see `agrees_on`; ``ticket``: the call's undecided
-        lease decision from `ticket`, None: taken here; ``leased``: what runs when the job
-        takes a lease, default ``exact``; ``plan``: its place (`plan`); ``part``: one tensor
-        of several)."""
+        whether this rank would compress it, see `agrees_on`; ``plan``: its place (`plan`);
+        ``part``: one tensor of several)."""
         try:
-            return CALLS[collective](self, output, source, op, exact, wants, ticket, leased,
-                                     plan, part)
+            return CALLS[collective](self, output, source, op, exact, wants, plan, part)
         except BaseException:
             if plan is not None:
                 plan.settle()
@@ -347,10 +262,6 @@ class CompressedCalls:
         """The job of a ``param_bits`` all-gather of flat ``source`` into ``output``
         (`gather_call.GatherCall`)."""
         return GatherCall(self, output, source, exact, wants)
-
-    def harvest_timings(self) -> None:
-        """Hand the cost model the CUDA calls' timings that the GPU has passed."""
-        self._stream_timings.harvest(self.cost_model)
 
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]:
         """Start timing a call of ``size_class`` on one path; the returned function ends it,

@@ -164,12 +164,12 @@ class CudaIssuer:
         method, args = call.native
         return self.native(method, call.outputs, *args)
 
-    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+    def exact_now(self, call: ExactReduction, size_class: Any) -> dist.Work:
         call.count()
         method, args = call.native
         return self.native(method, call.outputs, *args)
 
-    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+    def native_now(self, method: str, args: tuple, outputs: list[torch.Tensor],
                       size_class: Any, nbytes: int) -> dist.Work:
         return self.native(method, outputs, *args)
 
@@ -179,7 +179,7 @@ class CudaIssuer:
     def canary(self, output: torch.Tensor, work: dist.Work) -> DeviceCanary:
         return DeviceCanary(output, work)
 
-    def fallback(self, part: ExactReduction, leased: bool = False) -> Callable[[], Any]:
+    def fallback(self, part: ExactReduction) -> Callable[[], Any]:
         """One tensor's exact call on NCCL, synchronous (enqueued on the current stream)."""
         method, args = part.native
         issue = getattr(self.nccl, method)
@@ -327,8 +327,7 @@ class StreamTimings:
     its kernels, but the issuing thread still spent the host time on it. Used from the threads
     that issue the group's CUDA calls; ``event`` makes the events (``torch.cuda.Event``; tests
     pass a fake). With ``model``, each `start` first harvests into it, so that what is kept
-    stays bounded wherever calls are timed (under the call schedule no lease decision, which
-    harvests too, is ever made)."""
+    stays bounded wherever calls are timed."""
 
     def __init__(self, event: Callable[..., Any] | None = None,
                  model: _Model | None = None) -> None:

@@ -4,9 +4,10 @@ Gloo has no AVG and no PREMUL_SUM. `Reduction.of(op, world)` says how a reductio
 gloo op: AVG is a SUM whose outputs are divided by the group size afterwards; PREMUL_SUM is a
 SUM of the inputs multiplied by the factor first (on copies, copied back for in-place calls).
 `ExactReduction` is one such call on one gloo group, run as a job on the group's worker (or,
-leased, issued at once by the calling thread: `start_now`); its ``issue(group, buffers, opts)``
-starts the gloo op on the (possibly scaled) input buffers. `reduce_in_rank_order` reduces
-inputs already gathered (the small calls that travel in a descriptor frame).
+run as its place's exact entry, issued at once by the calling thread: `start_now`); its
+``issue(group, buffers, opts)`` starts the gloo op on the (possibly scaled) input buffers.
+`reduce_in_rank_order` reduces inputs already gathered (the small calls that travel in a
+descriptor frame).
 """
 
 from __future__ import annotations

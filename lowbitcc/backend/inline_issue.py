@@ -1,9 +1,8 @@
 """`InlineIssuer`: CPU reductions issued in the calling thread, as the CUDA path issues its own.
 
 Selected by ``LOCO_ISSUER=inline``; **a test and measurement mode on CPU**, not a faster path:
-it runs the logic of the CUDA path (`cuda_issue`: lease decisions at issue, calls under
-``min_size`` exact without an exchange, compressed jobs run in call order by the calling
-thread, no chunks, the descriptor exchange handed to the worker) with the C++ kernels, so that
+it runs the logic of the CUDA path (`cuda_issue`: compressed jobs run in call order by the
+calling thread, no chunks, the descriptor exchange handed to the worker) with the C++ kernels, so that
 CPU CI covers it and its host cost per call can be measured without a GPU. Exact calls and the
 compressed schedules' transfers go over the group's direct gloo group (the role NCCL plays on
 CUDA), which only the calling thread uses; a compressed call's Work is complete when returned
@@ -38,10 +37,10 @@ class InlineIssuer:
             return self.run([p.on(self._direct) for p in parts], parts, [], call.outputs, False)
         return start_now(call.on(self._direct))
 
-    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
+    def exact_now(self, call: ExactReduction, size_class: Any) -> dist.Work:
         return start_now(call.on(self._direct))
 
-    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+    def native_now(self, method: str, args: tuple, outputs: list[torch.Tensor],
                       size_class: Any, nbytes: int) -> dist.Work:
         return getattr(self._direct, method)(*args)
 
@@ -51,7 +50,7 @@ class InlineIssuer:
     def canary(self, output: torch.Tensor, work: Any) -> HostCanary:
         return HostCanary(output, work)
 
-    def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
+    def fallback(self, part: ExactReduction) -> Job:
         return part.on(self._direct)
 
     def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],

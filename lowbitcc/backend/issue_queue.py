@@ -46,7 +46,7 @@ COMPLETERS = 64
 class closing:  # noqa: N801 (used as a context manager, like contextlib.closing)
     """Around running a call's ``jobs`` in order: whatever happens, ``close()`` each job that
     has one (`compressed_call.CompressedCall.close`, idempotent), so that jobs left unrun after
-    an earlier one raised still settle their lease tickets and call-schedule places."""
+    an earlier one raised still settle their call-schedule places."""
 
     def __init__(self, jobs: list[Job]) -> None:
         self.jobs = jobs

@@ -8,7 +8,7 @@ neither imports the other:
 
 - `worker_issue.WorkerIssuer` (CPU tensors, ``LOCO_ISSUER=auto``): the group's worker thread
   runs the jobs in issue order (`issue_queue`), exact calls on the inner gloo group, calls
-  leased to the exact path at once on the direct gloo group;
+  that run as their place's exact entry at once on the direct gloo group;
 - `inline_issue.InlineIssuer` (CPU tensors under ``LOCO_ISSUER=inline``, a test and
   measurement mode): every reduction issued in the calling thread, in call order, as the CUDA
   path issues them, over the direct gloo group (the descriptor exchange still goes to the
@@ -46,17 +46,18 @@ class Issuer(Protocol):
         same call a tensor at a time, for where the inner backend has no one operation)."""
         ...
 
-    def leased(self, call: ExactReduction, size_class: Any) -> dist.Work:
-        """Issue ``call``, which the cost model leased to the exact path (``size_class``; None:
-        under ``min_size``), in the calling thread now."""
+    def exact_now(self, call: ExactReduction, size_class: Any) -> dist.Work:
+        """Issue ``call``, which runs as its place's exact entry, in the calling thread now
+        (``size_class``: the cost model's, timed for it now and then; None: not timed)."""
         ...
 
-    def leased_native(self, method: str, args: tuple, outputs: list[torch.Tensor],
+    def native_now(self, method: str, args: tuple, outputs: list[torch.Tensor],
                       size_class: Any, nbytes: int) -> dist.Work:
         """Issue ``inner.<method>(*args)``, a reduction of one tensor by one of the inner
         backend's own ops exactly as c10d asked for it (the caller's options included), which
-        the cost model leased to the exact path (``size_class``; ``nbytes`` input bytes), in
-        the calling thread now; ``outputs``: what it writes. The caller has counted it.
+        runs as its place's exact entry (``size_class``: the cost model's, timed for it now and
+        then; ``nbytes`` input bytes), in the calling thread now; ``outputs``: what it writes.
+        The caller has counted it.
         ``size_class`` None: not timed for the cost model (a place's deviation)."""
         ...
 
@@ -73,9 +74,8 @@ class Issuer(Protocol):
         (`call_schedule`; waiting for the call if it has not completed)."""
         ...
 
-    def fallback(self, part: ExactReduction, leased: bool = False) -> Job:
-        """The exact job of one tensor of a compressed call: after an exchange, or (``leased``)
-        when the job itself takes a lease."""
+    def fallback(self, part: ExactReduction) -> Job:
+        """The exact job of one tensor of a compressed call, after an exchange."""
         ...
 
     def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],

@@ -10,7 +10,8 @@ links or falls back to the exact call), and hands them to the `issuer.Issuer` of
 device, chosen once when the group is created:
 
 - CPU tensors: `worker_issue.WorkerIssuer` (the group's worker thread, `issue_queue`, in
-  issue order; calls leased to the exact path start at once on a direct gloo group), or under
+  issue order; calls that run as their place's exact entry start at once on a direct gloo
+  group), or under
   ``LOCO_ISSUER=inline`` `inline_issue.InlineIssuer` (the calling thread, a test mode);
 - CUDA tensors (torch with CUDA and NCCL, a visible GPU): `cuda_issue.CudaIssuer` (the calling
   thread, the caller's stream, the inner ``ProcessGroupNCCL``; docs/gpu.md).
@@ -77,12 +78,12 @@ class LocoProcessGroup(dist.ProcessGroup):
             dist.PrefixStore("lowbitcc/gloo", store), rank, size, timeout)
         self._gloo = GlooTransport(self._inner)
         inline = config.issuer == "inline"
-        # exact reductions issued by the calling thread (a place's exact entry, a lease; and,
-        # inline, every CPU reduction), in issue order, apart from the worker's inner group
+        # exact reductions issued by the calling thread (a place's exact entry; and, inline,
+        # every CPU reduction), in issue order, apart from the worker's inner group
         exchanges = config.check and config.policy != "never" and size > 1
         self._direct = dist.ProcessGroupGloo(
             dist.PrefixStore("lowbitcc/gloo-direct", store), rank, size, timeout
-        ) if inline or (exchanges and (config.cost_model or config.call_schedule)) else self._inner
+        ) if inline or exchanges else self._inner
         world = GlooTransport(self._direct) if inline else self._gloo
         routes = {"cpu": cpu_route(config, world, store, global_ranks or list(range(size)),
                                    rank, timeout)}

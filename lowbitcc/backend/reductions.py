@@ -3,11 +3,11 @@
 The process group writes each c10d reduction once (`process_group`): it checks the call and
 builds its exact forms (`exact.ExactReduction`: the whole call, and one per tensor). Here, in
 the calling thread, each tensor of the call takes its place in the route's call schedule
-(`call_schedule`, on by default) and does what the place says:
+(`call_schedule`) and does what the place says:
 
 - a place whose *exact* entry the call matches runs the inner group's own call at once, counted
   as its job would count it (call number, feedback-key ordinal, statistics, the cost model's
-  count and one timing in `worker_issue.LEASED_TIMED`); for an all-reduce the issuer keeps a
+  count and one timing in `worker_issue.EXACT_TIMED`); for an all-reduce the issuer keeps a
   view of the output's last element, the place's *canary*. `at_issue` serves the commonest such
   call (one dense tensor by one of the inner group's own ops) before the process group builds
   anything, with the arguments c10d passed;
@@ -18,8 +18,7 @@ the calling thread, each tensor of the call takes its place in the route's call 
   which exchanges a descriptor, runs its place's compressed entry, or deviates from it, issued
   by the device's `issuer.Issuer`.
 
-Without the schedule, the cost model's leases (`leases`) send calls exact at issue instead. A
-call this rank refuses (its own arguments are invalid) takes its place too (`refuse`), so that
+A call this rank refuses (its own arguments are invalid) takes its place too (`refuse`), so that
 the others do not wait on it.
 """
 
@@ -67,10 +66,10 @@ class Reductions:
     def at_issue(self, collective: str, tensor: torch.Tensor, output: torch.Tensor,
                  numel: int, op: Any, method: str, args: tuple) -> Any:
         """The commonest call at its cheapest: a reduction of one dense ``tensor`` (``numel``
-        elements in all, into ``output``) that its place's exact entry, or (without the call
-        schedule) a lease, sends exact, by an op the inner group runs itself; started now as
-        c10d asked for it (``method``, ``args``). None: not such a call, nothing taken (the
-        process group builds it and calls `reduce`)."""
+        elements in all, into ``output``) that its place's exact entry sends exact, by an op
+        the inner group runs itself; started now as c10d asked for it (``method``, ``args``).
+        None: not such a call, nothing taken (the process group builds it and calls
+        `reduce`)."""
         device_type = "cpu" if tensor.is_cpu else tensor.device.type  # (no torch.device made)
         issuer = self._issuers.get(device_type)
         if issuer is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
@@ -84,16 +83,11 @@ class Reductions:
         if kind not in issuer.native_ops:
             return None
         entry = self._planned(collective, tensor, numel, kind, True, device_type)
-        if entry is not None:
-            return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
-                                   lambda size_class, nbytes: issuer.leased_native(
-                                       method, args, [output], size_class, nbytes))
-        size_class = self._compressed.lease_at_issue(collective, tensor, op)
-        if not size_class:
+        if entry is None:
             return None
-        nbytes = numel * tensor.element_size()
-        count_exact(collective, nbytes, self._world)
-        return issuer.leased_native(method, args, [output], size_class, nbytes)
+        return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
+                               lambda size_class, nbytes: issuer.native_now(
+                                   method, args, [output], size_class, nbytes))
 
     def _run_plan(self, issuer: Issuer, collective: str, tensor: torch.Tensor,
                   output: torch.Tensor, numel: int, op: Any, kind: Any, device_type: str,
@@ -125,7 +119,7 @@ class Reductions:
                    start: Callable[[Any, int], Any], start_counts: bool = False) -> Any:
         """Run a call as its place's exact ``entry``: counted, started by ``start(size_class,
         nbytes)``, and (all-reduce) its output's canary kept at the place. ``start_counts``:
-        ``start`` counts the call in the statistics itself (an issuer's ``leased``, through
+        ``start`` counts the call in the statistics itself (an issuer's ``exact_now``, through
         `ExactReduction.count`), save the cost model's choice of it."""
         nbytes = numel * like.element_size()
         size_class = self._compressed.count_planned(collective, like, numel, op, entry)
@@ -149,29 +143,22 @@ class Reductions:
     def reduce(self, issuer: Issuer, collective: str, whole: ExactReduction,
                parts: list[ExactReduction], pairs: Pairs, opts: Any) -> Any:
         """Issue a reduction: ``whole`` exact where no rank may compress it and no descriptor
-        is exchanged, as its places say, or at once where it is leased; else one compressed
-        job per part (each part's output and flat source from ``pairs()``)."""
+        is exchanged, or as its place's exact entry; else one compressed job per part (each
+        part's output and flat source from ``pairs()``)."""
         like = parts[0].outputs[0]
         op = opts.reduceOp
         compress = self._compressed.wants(op_type(op), [t for p in parts for t in p.outputs])
         numels = [sum(t.numel() for t in p.inputs) for p in parts]
-        if not compress and not self._compressed.agrees_on(numels, issuer.inline):
+        if not compress and not self._compressed.agrees_on(numels):
             return issuer.exact(whole, parts)
         plans = self._plans(issuer, collective, like, numels, op)
-        ticket = None
         if plans is not None and plans[0].kind == PLANNED and plans[0].entry.exact:
             return self._run_exact(issuer, plans[0].entry, collective, like, like, numels[0],
-                                   op, lambda size_class, _: issuer.leased(whole, size_class),
+                                   op, lambda size_class, _: issuer.exact_now(whole, size_class),
                                    start_counts=True)
-        if plans is None and len(parts) == 1:
-            now, ticket = self._compressed.goes_exact(collective, like, numels[0], compress,
-                                                      issuer.inline)
-            if now:
-                return issuer.leased(whole, ticket and ticket.size_class)
         outputs, sources = pairs()
         several = len(parts) > 1
         jobs = [self._compressed.call(collective, out, src, op, issuer.fallback(p), compress,
-                                      ticket, issuer.fallback(p, leased=True),
                                       plan=plans and plans[i], part=several)
                 for i, (out, src, p) in enumerate(zip(outputs, sources, parts))]
         return issuer.run(jobs, parts, [*whole.outputs, *sources, *whole.inputs], outputs,
@@ -226,7 +213,7 @@ class Reductions:
         entry = plan.entry
         assert entry is not None
         alike = ExactDeviation(entry, self._world, device,
-                               lambda method, args, outputs: issuer.leased_native(
+                               lambda method, args, outputs: issuer.native_now(
                                    method, args, outputs, None, 0)).run()
         if alike and not refused:
             plan.schedule.restart(plan)
@@ -252,11 +239,10 @@ class Reductions:
         tensor), after taking part in what the valid call does: the descriptor exchange it
         would make, flagged invalid (`CompressedCalls.refused`); under the call schedule, at a
         place with an entry, the entry's call run as a deviation (so that the others raise at
-        this call, or, at an exact entry, at their next exchange). Without the schedule, issued
-        ``inline``, only calls of at least ``min_size`` elements exchange."""
+        this call, or, at an exact entry, at their next exchange)."""
         world = self._world if collective == "reduce_scatter" else 1
         numels = [o.numel() * world for o in outputs]
-        if not self._compressed.agrees_on(numels, inline=issuer.inline):
+        if not self._compressed.agrees_on(numels):
             raise error
         try:
             plans = self._compressed.places.refusal_plans(collective, outputs[0], numels)

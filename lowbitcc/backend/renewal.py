@@ -88,7 +88,7 @@ class PlaceRenewal:
         s = self._suggestion
         self._call = dataclasses.replace(
             desc, compressed=wants and desc.numel >= config.min_size, deviated=deviated,
-            prefer_exact=s is not None and s.exact, lease=0 if s is None else s.lease,
+            prefer_exact=s is not None and s.exact,
             explore=s is not None and s.explore)
         self._leader: wire.CallDescriptor | None = None
         assert group.submit is not None

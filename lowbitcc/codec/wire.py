@@ -299,8 +299,6 @@ runs the other path once and renews at once, `lowbitcc.backend.renewal`)."""
 DESC_PART = 64
 """Descriptor flag: the call is one tensor of a call of several (coalesced). Part of the call:
 a place in the call schedule keeps an exact entry only for calls of one tensor."""
-DESC_LEASE_SHIFT = 8
-"""The flags word's bits from here up hold the descriptor's ``lease`` (24 bits)."""
 COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
 
 
@@ -319,9 +317,6 @@ class CallDescriptor:
     prefer_exact: bool = False
     """Advisory, not part of the call: this rank's cost model suggests the exact path (every
     rank follows rank 0's suggestion; see `lowbitcc.cost_model`)."""
-    lease: int = 0
-    """Advisory, with ``prefer_exact``: calls of this size class after this one that stay exact
-    without a descriptor exchange (rank 0's counts for every rank)."""
     fmt: str | None = "int"
     """The code format (carried with ``bits`` as `width_byte`; None: unknown to this build)."""
     framed: bool = False
@@ -345,13 +340,11 @@ class CallDescriptor:
     def pack(self) -> bytes:
         dtype_code = (DESCRIPTOR_DTYPES.index(self.dtype) if self.dtype in DESCRIPTOR_DTYPES
                       else 255)
-        if not 0 <= self.lease < 1 << (32 - DESC_LEASE_SHIFT):
-            raise ValueError(f"lowbitcc: a descriptor's lease must fit 24 bits, got {self.lease}")
         flags = (DESC_COMPRESSED if self.compressed else 0) | (
             DESC_PREFER_EXACT if self.prefer_exact else 0) | (
             DESC_FRAMED if self.framed else 0) | (DESC_INVALID if self.invalid else 0) | (
             DESC_DEVIATED if self.deviated else 0) | (DESC_EXPLORE if self.explore else 0) | (
-            DESC_PART if self.part else 0) | (self.lease << DESC_LEASE_SHIFT)
+            DESC_PART if self.part else 0)
         return _CALL.pack(
             CALL_MAGIC, VERSION, COLLECTIVE_CODES[self.collective], dtype_code, self.op,
             self.numel, self.seq & 0xFFFFFFFF, width_byte(self.bits, self.fmt), self.group_size,
@@ -361,7 +354,7 @@ class CallDescriptor:
     def call(self) -> CallDescriptor:
         """The call itself, without the advisory fields (what must match across ranks):
         whether this rank would compress it is not compared, the ranks settle it together."""
-        return dataclasses.replace(self, compressed=False, prefer_exact=False, lease=0,
+        return dataclasses.replace(self, compressed=False, prefer_exact=False,
                                    deviated=False, explore=False)
 
     @classmethod
@@ -375,7 +368,7 @@ class CallDescriptor:
         dtype = DESCRIPTOR_DTYPES[dtype_code] if dtype_code < len(DESCRIPTOR_DTYPES) else None
         return cls(COLLECTIVE_NAMES[coll], dtype, op, numel, seq, bits, group_size,
                    bool(flags & DESC_COMPRESSED), bool(flags & DESC_PREFER_EXACT),
-                   flags >> DESC_LEASE_SHIFT, fmt if width < 0x100 else None,
+                   fmt if width < 0x100 else None,
                    bool(flags & DESC_FRAMED), bool(flags & DESC_INVALID), parent,
                    bool(flags & DESC_DEVIATED), bool(flags & DESC_EXPLORE),
                    bool(flags & DESC_PART))

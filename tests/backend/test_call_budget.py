@@ -41,7 +41,7 @@ class _Counted(TorchDispatchMode):
 
 def _planned_call_ops(rank, world, gloo):
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        issuer="inline", call_schedule=True))
+        issuer="inline"))
     x = torch.randn(1 << 18)
 
     def step() -> None:

@@ -43,7 +43,7 @@ def _passes(rank, world, gloo, issuer, plan, reagree_every=None, device="cpu", p
     if reagree_every:
         call_schedule.REAGREE_EVERY = reagree_every
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, issuer=issuer, call_schedule=True))
+        cost_model=False, issuer=issuer))
     seen, renewed = counting_exchanges(), counting_renewals()
     gen = torch.Generator().manual_seed(rank)
     results, agreements, errors, renewals = [], [], {}, []
@@ -194,7 +194,7 @@ def test_ddp_join_with_uneven_inputs_completes_under_the_schedule():
     stuck until the timeout)."""
     from tests.backend.test_faults import _join_uneven_inputs
 
-    env = {"LOCO_ISSUER": "inline", "LOCO_CALL_SCHEDULE": "1"}
+    env = {"LOCO_ISSUER": "inline"}
     assert run_ranks(_join_uneven_inputs, 2, env=env, timeout=120) == [(True, True, True)] * 2
 
 

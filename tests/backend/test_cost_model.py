@@ -26,7 +26,7 @@ def test_warmup_then_the_faster_path_then_exploration():
     model = CostModel(warmup=2, explore_every=4)
     first = [model.suggest("all_reduce", NBYTES) for _ in range(4)]
     assert [s.exact for s in first] == [False, False, True, True]
-    assert not any(s.lease for s in first)  # warm-up: no choice to keep yet
+    assert all(s.explore for s in first)  # warm-up: no choice to keep yet
     cls = CostModel.size_class("all_reduce", NBYTES)
     assert cls == ("all_reduce", "cpu", NBYTES.bit_length() - 1)
     model.record(cls, True, 5.0, NBYTES)  # the first timing of a path is not kept
@@ -35,12 +35,12 @@ def test_warmup_then_the_faster_path_then_exploration():
     model.record(cls, False, 1.15, NBYTES)
     model.record(cls, False, 1.15, NBYTES)
     # compressed is 15% slower: exploring it costs 0.15 of a call, under 5% of 4 calls, so
-    # it is retried every 4 calls; an exact suggestion leases the calls up to that retry
+    # it is retried every 4 calls
     steady = [model.suggest("all_reduce", NBYTES) for _ in range(8)]
     assert [s.exact for s in steady] == [True, True, True, False] * 2
-    assert [s.lease for s in steady] == [2, 1, 0, 0] * 2
-    model.count(cls)  # a leased call counts as a call of its class
-    assert [model.suggest("all_reduce", NBYTES).lease for _ in range(3)] == [1, 0, 0]
+    assert [s.explore for s in steady] == [False, False, False, True] * 2
+    model.count(cls)  # a call that ran as its place's entry counts as a call of its class
+    assert [model.suggest("all_reduce", NBYTES).exact for _ in range(3)] == [True, True, False]
     # another size class starts its own warm-up
     assert model.suggest("all_reduce", 64 * NBYTES).exact is False
 
@@ -60,13 +60,18 @@ def test_explorations_cost_at_most_a_twentieth_of_the_time():
     # compressed takes 31x: an exploration costs 30 exact calls, so one call in 600 explores
     # (30 / 600 = 5%), not one in explore_every
     model = _timed_model(1.0, 31.0)
+    cls = CostModel.size_class("all_reduce", NBYTES, "cuda")
     first = model.suggest("all_reduce", NBYTES, "cuda")
-    assert first.exact and first.lease == 598
-    for _ in range(first.lease):
-        model.count(CostModel.size_class("all_reduce", NBYTES, "cuda"))
+    assert first.exact and not first.explore
+    for _ in range(597):
+        model.count(cls)
+    assert model.suggest("all_reduce", NBYTES, "cuda").exact  # the 599th: not yet
     assert model.suggest("all_reduce", NBYTES, "cuda").exact is False  # the 600th: explores
     # and the gap is capped
-    assert _timed_model(1.0, 1e6).suggest("all_reduce", NBYTES, "cuda").lease == MAX_GAP - 2
+    capped = _timed_model(1.0, 1e6)
+    for _ in range(MAX_GAP - 1):
+        assert capped.suggest("all_reduce", NBYTES, "cuda").exact
+    assert capped.suggest("all_reduce", NBYTES, "cuda").exact is False
 
 
 def test_device_types_are_separate_size_classes():
@@ -128,8 +133,7 @@ def test_stream_timings_report_finished_calls_in_order_and_never_wait():
 
 
 def test_stream_timings_with_a_model_hand_it_finished_calls_at_each_start():
-    """Under the call schedule nothing asks for a lease decision, which harvested before: the
-    next timed call's start hands over what the GPU has passed, so nothing piles up."""
+    """The next timed call's start hands over what the GPU has passed, so nothing piles up."""
     model = _Recorder()
     timings = StreamTimings(event=_FakeEvent, model=model)
     _FakeEvent.gpu_ms = _FakeEvent.host_ms = 0.0
@@ -160,8 +164,8 @@ def test_a_call_costs_at_least_its_host_time():
 def test_descriptors_that_differ_only_in_the_suggestion_describe_the_same_call():
     a = wire.CallDescriptor("all_reduce", torch.float32, 0, N, 3, 4, 128, True, False)
     b = wire.CallDescriptor.unpack(wire.CallDescriptor(
-        "all_reduce", torch.float32, 0, N, 3, 4, 128, True, True, lease=MAX_GAP).pack())
-    assert b.prefer_exact and b.lease == MAX_GAP and a != b and a.call() == b.call()
+        "all_reduce", torch.float32, 0, N, 3, 4, 128, True, True, explore=True).pack())
+    assert b.prefer_exact and b.explore and a != b and a.call() == b.call()
 
 
 def _in_backward(issue: Callable[[], None], times: int) -> None:

@@ -269,7 +269,7 @@ def test_ranks_that_all_deviate_alike_at_an_exact_place_go_on_without_an_error(w
 
 def _counted_steps(rank, world, gloo, issuer, steps):
     """The exact calls and bytes the statistics count over ``steps`` steps of `STEADY` (an AVG
-    among them: gloo has no AVG, so its place's call is the issuer's ``leased`` one, not the
+    among them: gloo has no AVG, so its place's call is the issuer's ``exact_now`` one, not the
     inner group's own)."""
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer=issuer))
     before = lowbitcc.stats()["exact"]

@@ -1079,40 +1079,6 @@ def test_exact_reductions_that_differ_raise_on_every_rank(kind):
     assert run_ranks(_mismatched_exact_reductions, 2, kind, timeout=60) == [True, True]
 
 
-def _forced_on_one_rank_during_a_lease(rank, world, gloo):
-    # leases: the cost model's exact path without the call schedule
-    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=True, call_schedule=False))
-    size_class = lowbitcc.cost_model.CostModel.size_class("all_reduce", BIG * 4)
-    for _ in range(3):  # exact calls have been far faster on every rank
-        group.cost_model.record(size_class, True, 1e-9, BIG * 4)
-        group.cost_model.record(size_class, False, 10.0, BIG * 4)
-    x = torch.randn(BIG, generator=torch.Generator().manual_seed(rank))
-
-    def in_backward(grad):
-        for _ in range(2 * group.cost_model.warmup + 1):  # warm-up, then the lease granted
-            dist.all_reduce(x.clone(), group=group)
-
-    w = torch.zeros(1, requires_grad=True)
-    w.register_hook(in_backward)
-    w.sum().backward()
-    leased = group._compressed.leases.held()
-    y, expected = x.clone(), x.clone()
-    if rank == 1:
-        with lowbitcc.compressed():
-            dist.all_reduce(y, group=group)
-    else:
-        dist.all_reduce(y, group=group)
-    dist.all_reduce(expected, group=gloo)
-    return leased > 0, torch.equal(y, expected)
-
-
-def test_compressed_on_one_rank_while_the_cost_model_holds_a_lease():
-    """The leased ranks skip the descriptor exchange; the forced rank used not to (stuck until
-    the timeout). Every rank now counts the call against the lease: exact, gloo's sum."""
-    assert run_ranks(_forced_on_one_rank_during_a_lease, 2, timeout=60) == [(True, True)] * 2
-
-
 def _issue(kind: str, rank: int, world: int) -> None:
     """One collective of ``kind`` on the default group (the same call on every rank)."""
     t = torch.ones(2 * BIG if kind.startswith("compressed") else 8)
