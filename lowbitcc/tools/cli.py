@@ -5,10 +5,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools import link_spec
+
+
+def _exit_code(run: Callable[[], int], errors: tuple = (ValueError, RuntimeError)) -> int:
+    """``run()``'s exit code; 2 where it raised one of ``errors`` (logged: a user's mistake or
+    what the ranks met, not a traceback)."""
+    try:
+        return run()
+    except errors as exc:
+        logging.getLogger("lowbitcc").error("%s", exc)
+        return 2
 
 
 def _codec_bench(args: argparse.Namespace) -> int:
@@ -85,11 +96,7 @@ def _perf(args: argparse.Namespace) -> int:
         schedules=tuple(args.schedule), json_path=args.json, plot_path=args.plot,
         device=args.device,
     )
-    try:
-        return perf.main(opts, args.np, link_spec.from_arguments(args), args.argv)
-    except (ValueError, RuntimeError) as exc:
-        logging.getLogger("lowbitcc").error("%s", exc)
-        return 2
+    return _exit_code(lambda: perf.main(opts, args.np, link_spec.from_arguments(args), args.argv))
 
 
 def _bench_train(args: argparse.Namespace) -> int:
@@ -99,11 +106,8 @@ def _bench_train(args: argparse.Namespace) -> int:
     opts = bench_train.BenchOptions(config=args.config, schemes=schemes, steps=args.steps,
                                     warmup=args.warmup, json_path=args.json, device=args.device,
                                     dtype=args.dtype)
-    try:
-        return bench_train.main(opts, args.np, link_spec.from_arguments(args), args.argv)
-    except (ValueError, RuntimeError) as exc:
-        logging.getLogger("lowbitcc").error("%s", exc)
-        return 2
+    return _exit_code(
+        lambda: bench_train.main(opts, args.np, link_spec.from_arguments(args), args.argv))
 
 
 def _add_project(sub: Any) -> None:
@@ -125,11 +129,7 @@ def _hybrid(args: argparse.Namespace) -> int:
     opts = hybrid.HybridOptions(config=args.config, schemes=tuple(args.schemes),
                                 seeds=tuple(args.seeds), steps=args.steps, warmup=args.warmup,
                                 dp=args.dp, tp=args.tp, json_path=args.json)
-    try:
-        return hybrid.main(opts, args.link, args.argv)
-    except (ValueError, RuntimeError) as exc:
-        logging.getLogger("lowbitcc").error("%s", exc)
-        return 2
+    return _exit_code(lambda: hybrid.main(opts, args.link, args.argv))
 
 
 def _netem(args: argparse.Namespace) -> int:
@@ -156,12 +156,8 @@ def _torch_suite(args: argparse.Namespace) -> int:
 
     from lowbitcc.tools.torch_suite import runner
 
-    try:
-        return runner.main(args.config, args.tests, args.world_size, args.jobs, Path(args.out),
-                           args.start)
-    except ValueError as exc:
-        logging.getLogger("lowbitcc").error("%s", exc)
-        return 2
+    return _exit_code(lambda: runner.main(args.config, args.tests, args.world_size, args.jobs,
+                                          Path(args.out), args.start), (ValueError,))
 
 
 def _size(text: str) -> int:
