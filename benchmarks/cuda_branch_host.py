@@ -13,7 +13,7 @@ from a worktree of each in turn (it imports the package of the checkout it lies 
 and ``tests/support/cuda_trace.py`` into a worktree of a revision that lacks them);
 ``--profile`` prints the runs' cProfile by own time.
 
-Each size runs with ``call_replay`` on (host records, `launch_record`: the run issued from its
+Each size runs with host records on (the default, `launch_record`: the run issued from its
 record) and off (every run makes its arguments anew), in turn, ``--rounds`` times.
 
     python benchmarks/cuda_branch_host.py [--worlds 2 4] [--formats nvfp4 mxfp4] [--runs 3000]
@@ -59,7 +59,7 @@ def calls_per_run(plan, x) -> tuple[int, int]:
 def per_run(world: int, fmt: str, feedback: bool, runs: int, profile: bool,
             replay: bool = True) -> tuple[float, tuple[int, int]]:
     """Microseconds per steady-state run of the plan (after 3 untimed), and its calls;
-    ``replay``: ``call_replay`` (host records, `launch_record`)."""
+    ``replay``: host records (`launch_record`; False: every run eager)."""
     cuda._launch = lambda name, device, grid, args: None
     state.FEEDBACK, state.STATS = FeedbackStore(), Stats()
     plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback, replay=replay)

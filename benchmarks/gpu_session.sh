@@ -80,7 +80,7 @@ for phase in $phases; do
         timeout "${PLANS_S:-240}" $py -m pytest -m gpu -v -p no:cacheprovider -rs --timeout 150 \
             tests/gpu/test_multirank.py -k "call_plans or call_records or compressed_cuda_call_that_deviates or renewed" \
             2>&1 | tee "$out/plans.txt"
-        verdict plans "$out/plans.txt" ;;  # host time: goals47 (plans against jobs, same run)
+        verdict plans "$out/plans.txt" ;;  # host time: goals47 (plans against NCCL, same run)
     demo)  # the README's demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
         timeout 200 $py -m lowbitcc demo --steps 40 --link none 2>&1 | tee "$out/demo.txt"
         if grep -q "x nccl's speed" "$out/demo.txt"; then
@@ -112,7 +112,7 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/train-*.json")):
 EOF
         ;;
     goals47)  # issue 47's goals: host us, launches, uploads, allocations per planned call,
-              # against the jobs (LOCO_CALL_PLANS=0) and the exact NCCL call, 2 ranks
+              # against the exact call and NCCL's own, 2 ranks
         timeout "${GOALS47_S:-240}" $py benchmarks/issue47_goals.py --host-profile 200 ${GOALS47_ARGS:-} --json "$out/goals47.json" \
             2>&1 | tee "$out/goals47.txt" ;;
     hier)  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)

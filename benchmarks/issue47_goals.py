@@ -1,7 +1,6 @@
-"""Issue 47's goals on a GPU, 2 ranks sharing it: one PASS/FAIL line per goal, the new path
-(call plans, on by default) against the old one (``LOCO_CALL_PLANS=0``: every call runs its job),
-the exact call (loco's, which is the inner NCCL all-reduce) and NCCL's own (a plain "nccl"
-group; "gloo" on CPU) measured in the same run.
+"""Issue 47's goals on a GPU, 2 ranks sharing it: one PASS/FAIL line per goal, the steady call
+(a place's plan) against the exact call (loco's, which is the inner NCCL all-reduce) and NCCL's
+own (a plain "nccl" group; "gloo" on CPU) measured in the same run.
 
 Per rank and size (fp32, default 64 Ki, 1 Mi and 16 Mi elements), steady-state compressed
 all-reduces (``lowbitcc.compressed()``, op AVG so that repeated in-place calls stay finite,
@@ -33,6 +32,7 @@ import io
 import json
 import pstats
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,9 +44,9 @@ import lowbitcc
 from lowbitcc.backend import place_graph
 from lowbitcc.tools import spawn
 
-PATHS = ("plan", "eager", "job", "exact", "nccl")
-"""The plan (host records on, the default: `launch_record`), the plan making its arguments anew
-every run (``call_replay`` off), the job (``call_plans`` off), the exact call, NCCL's own."""
+PATHS = ("plan", "eager", "exact", "nccl")
+"""The plan (host records, the default: `launch_record`), the plan making its arguments anew
+every run (its place's records off, another group's), the exact call, NCCL's own."""
 PROFILED = ("plan", "exact", "nccl")
 """The paths whose host time ``--host-profile`` breaks down (rank 0, the largest size)."""
 GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
@@ -140,6 +140,18 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
     return row
 
 
+@contextlib.contextmanager
+def _eager_plans() -> Iterator[None]:
+    """Compressed calls whose places' plans, made inside, never replay (every run eager)."""
+    of = place_graph.PlaceGraph.of
+    place_graph.PlaceGraph.of = staticmethod(lambda plan: None)
+    try:
+        with lowbitcc.compressed():
+            yield
+    finally:
+        place_graph.PlaceGraph.of = of
+
+
 def _replays() -> int:
     """Graph launches of every place of this process so far (`place_graph.PlaceGraph`)."""
     return sum(p.replays for p in gc.get_objects() if isinstance(p, place_graph.PlaceGraph))
@@ -149,19 +161,16 @@ def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
           device_type: str, graphs: bool, host_profile: int) -> dict:
     device = spawn.gpu_device(rank) if device_type == "cuda" else torch.device("cpu")
     config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
-    groups = {"plan": dist.new_group(backend="loco", pg_options=config.replace(call_plans=True)),
-              "eager": dist.new_group(backend="loco", pg_options=config.replace(
-                  call_plans=True, call_replay=False)),
-              "job": dist.new_group(backend="loco", pg_options=config.replace(call_plans=False))}
+    groups = {"plan": dist.new_group(backend="loco", pg_options=config),
+              "eager": dist.new_group(backend="loco", pg_options=config)}
     groups["exact"] = groups["plan"]
     groups["nccl"] = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
-    modes = {"plan": lowbitcc.compressed, "eager": lowbitcc.compressed,
-             "job": lowbitcc.compressed, "exact": lowbitcc.exact,
+    modes = {"plan": lowbitcc.compressed, "eager": _eager_plans, "exact": lowbitcc.exact,
              "nccl": contextlib.nullcontext, "graph": lowbitcc.compressed}
     paths = PATHS
     if graphs:
         groups["graph"] = dist.new_group(backend="loco", pg_options=config.replace(
-            call_plans=True, call_graphs=True))
+            call_graphs=True))
         paths = (*PATHS, "graph")
     rows = {}
     for numel in sizes:

@@ -2,10 +2,14 @@
 
 A schedule sees only these operations, on shard sources (see `lowbitcc.codec.shard_codec`):
 ``encode(stage, source, shard_ids)`` compensates the source with the error state of
-``(key, stage)``, quantizes and frames it; ``decode_sum`` and ``decode_into`` validate and decode
-received messages; ``scratch`` lends a reusable fp32 buffer. New error states are kept until
-`finish`, which stores them, or drops every stage's state if anything in the call was
-non-finite. Error state, statistics and the codec stay out of the schedule.
+``(key, stage)``, quantizes and frames it; ``decode_sum``, ``decode_rows`` and ``decode_into``
+validate and decode received messages (``encode_sum`` decodes, sums and encodes again);
+``scratch`` lends a reusable fp32 buffer and ``received`` the buffer a transfer receives into.
+New error states are kept until `finish`, which stores them, or drops every stage's state if
+anything in the call was non-finite. Error state, statistics and the codec stay out of the
+schedule; so do the buffers (`Buffers`): a call place that runs the same call again and again
+(`lowbitcc.backend.call_plan.CallPlan`) keeps every buffer its schedule uses, and its steady
+call allocates nothing.
 
 A received message that fails validation (`wire.WireFormatError`: corrupt, truncated, or of
 another call) does not stop the schedule: the decode that met it yields NaN, the error is kept,
@@ -32,6 +36,7 @@ import zlib
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lowbitcc.buffers import Buffers
 from lowbitcc.codec import framing, wire
 from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.codec.interface import SumSpec
@@ -45,25 +50,6 @@ def mark_deviated(messages: torch.Tensor, signature: int) -> None:
     messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_DEVIATED
     named = torch.tensor(list(signature.to_bytes(4, "little")), dtype=torch.uint8)
     messages[:, wire.SIGNATURE_OFFSET:wire.SIGNATURE_OFFSET + 4] = named.to(messages.device)
-
-
-class Scratch:
-    """One reusable fp32 buffer per device, grown to the largest request and kept.
-
-    Owned by one process group and used only by its worker thread, which runs calls one at a
-    time: a view from `fp32` is valid until the next `fp32` call. It exists because a fresh
-    tensor above glibc's mmap threshold (32 MiB) page-faults on every call.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-
-    def fp32(self, n: int, device: torch.device) -> torch.Tensor:
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(n, dtype=torch.float32, device=device)
-            self._buffers[device] = buf
-        return buf[:n]
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,13 +74,13 @@ class CallCompressor:
     def __init__(
         self, codec: ShardCodec, store: FeedbackStore, key: str, stats: Stats, *,
         error_dtype: str | None, beta: float, reset_interval: int, rank: int = 0,
-        scratch: Scratch | None = None, buffer: StorageWeakRef | None = None,
+        scratch: Buffers | None = None, buffer: StorageWeakRef | None = None,
         count_sums: bool = True,
     ) -> None:
         self.rank = rank
         self.count_sums = count_sums
         """Whether the encodes add their residual sums to ``stats`` (`Stats.accumulator`)."""
-        self._scratch = scratch
+        self._buffers = scratch
         self.error_dtype = error_dtype
         self.beta = beta
         self.reset_interval = reset_interval
@@ -133,9 +119,13 @@ class CallCompressor:
                out: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None,
                summed: SumSpec | None = None) -> torch.Tensor:
         """Messages ``uint8 [rows, P]`` for the rows of ``source`` (in ``out`` where given, and
-        the groups' non-finite bytes in ``nonfinite``; ``summed``: `encode_sum`'s; all three
-        `ShardCodec.encode`'s)."""
+        the groups' non-finite bytes in ``nonfinite``, else in the buffers the compressor keeps
+        for ``stage`` where it keeps them, `Buffers.messages`; ``summed``: `encode_sum`'s; all
+        three `ShardCodec.encode`'s)."""
         start = time.perf_counter()
+        if out is None and self._buffers is not None and self._buffers.keeps_messages:
+            out, nonfinite = self._buffers.messages(stage, source.rows, source.m, self.codec,
+                                                    source.tensor.device)
         error_dtype = self.error_dtype
         key, state, uses = "", None, 0
         if error_dtype:
@@ -230,9 +220,17 @@ class CallCompressor:
 
     def scratch(self, n: int, device: torch.device) -> torch.Tensor:
         """fp32 ``[n]`` to decode into, valid until the next `scratch` call of this group."""
-        if self._scratch is None:
+        if self._buffers is None:
             return torch.empty(n, dtype=torch.float32, device=device)
-        return self._scratch.fp32(n, device)
+        return self._buffers.fp32(n, device)
+
+    def received(self, name: str, numel: int, device: torch.device) -> torch.Tensor | None:
+        """The uint8 ``[numel]`` buffer transfer ``name`` (a stage's) receives into, where the
+        compressor's buffers keep messages (`Buffers.received`); else None (the transport
+        makes one)."""
+        if self._buffers is None:
+            return None
+        return self._buffers.received(name, numel, device)
 
     def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -126,20 +126,13 @@ class LocoConfig:
             (in the calling thread, as CUDA calls always are: a test and measurement mode that
             runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
             reductions are issued inline either way.
-        call_plans: a place whose agreed call is a compressed all-reduce of one tensor keeps
-            what its runs share and runs the call in one method (`lowbitcc.backend.call_plan`;
-            CUDA, and CPU issued inline); the same bytes as without. On by default
-            (``LOCO_CALL_PLANS=0``: every call runs through its job, as before).
-        call_graphs: a planned CUDA place without error feedback captures its run in CUDA
-            graphs at its third and fourth runs and replays them from then on
-            (`lowbitcc.backend.place_graph`; the ranks agree on it, as NCCL requires; needs
-            ``call_plans``). Off by default: its first GPU run did not finish (docs/gpu.md;
-            ``LOCO_CALL_GRAPHS=1``).
-        call_replay: a planned CUDA place that could replay graphs (without ``call_graphs``)
-            records its run's launches and NCCL transfers once, on the host, and issues them
-            again from the record while its tensors keep their addresses
-            (`lowbitcc.backend.launch_record`): the same launches and bytes with less host
-            work. On by default (``LOCO_CALL_REPLAY=0``: every run makes its arguments anew).
+        call_graphs: a CUDA place whose compressed entry runs without error feedback on the
+            direct schedule captures its run in CUDA graphs at its third and fourth runs and
+            replays them from then on (`lowbitcc.backend.place_graph`; the ranks agree on it,
+            as NCCL requires); without it such a place records its run's launches and NCCL
+            transfers once, on the host, and issues them again from the record while its
+            tensors keep their addresses (`lowbitcc.backend.launch_record`). Off by default:
+            its first GPU run did not finish (docs/gpu.md; ``LOCO_CALL_GRAPHS=1``).
     """
 
     bits: int = 4
@@ -169,9 +162,7 @@ class LocoConfig:
     auto_tree_ranks: int = 4
     auto_ring_ranks: int = 0
     issuer: str = "auto"
-    call_plans: bool = True
     call_graphs: bool = False
-    call_replay: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -278,11 +269,8 @@ class LocoConfig:
             raise bad("chunk_size", "an integer >= 0 (0: no pipelining)")
         if not _is_int(self.max_chunks) or self.max_chunks < 0:
             raise bad("max_chunks", "an integer >= 0 (0: no limit)")
-        for field in ("call_plans", "call_graphs", "call_replay"):
-            if not isinstance(getattr(self, field), bool):
-                raise bad(field, "a bool")
-        if self.call_graphs and not self.call_plans:  # every rank's graphs need its plans
-            raise bad("call_graphs", "false where call_plans is off")
+        if not isinstance(self.call_graphs, bool):
+            raise bad("call_graphs", "a bool")
         if self.issuer not in ISSUERS:
             raise bad("issuer", "one of " + ", ".join(ISSUERS))
         if self.transport not in TRANSPORTS:

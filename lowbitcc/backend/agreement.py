@@ -12,8 +12,8 @@ Ranks also publish what their settings resolve to (`RESOLVED`: the wire format, 
 feedback that "auto" and the defaults give), so that two builds whose defaults differ (NVFP4
 became the default on 2026-11-27) raise here rather than at the first compressed call.
 
-Three settings are each rank's own: ``codec`` (every implementation gives the same bytes),
-``max_keys`` (a local memory bound) and ``call_plans`` (a plan issues its call's transfers).
+Two settings are each rank's own: ``codec`` (every implementation gives the same bytes) and
+``max_keys`` (a local memory bound).
 Each rank also publishes its build's `PROTOCOL` (the wire
 format version and the size of a descriptor exchange): ranks running lowbitcc builds that speak
 different protocols raise a ``ValueError`` naming them, instead of exchanging frames of
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lowbitcc.codec import wire
 from lowbitcc.config import LocoConfig
 
-LOCAL_SETTINGS = ("codec", "max_keys", "call_plans")
+LOCAL_SETTINGS = ("codec", "max_keys")
 """`LocoConfig` fields that may differ between the ranks of a group."""
 
 RESOLVED = ("wire_format", "wire_group_size", "wire_feedback")

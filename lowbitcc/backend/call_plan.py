@@ -1,36 +1,35 @@
-"""`CallPlan`: one call place's steady-state compressed all-reduce or reduce-scatter, read and
-run in one method.
+"""`CallPlan`: what one call place keeps for its steady-state compressed runs, and `PlanRun`,
+one such run.
 
 Under the call schedule (`call_schedule`) a place whose entry is compressed runs the same call
 step after step without a descriptor exchange (its agreement renewed in the background every 64
-runs, `renewal`). Everything such a call
-needs that does not change between its runs is made once, by the place's first planned run,
-and kept with the place's entry (`call_schedule.Entry.plan`; carried to the next entry the
-ranks agree on at the place while its call stays the same): the call's codec, one
-`CallCompressor` bound to each run in turn (`CallCompressor.restart`), the decode buffer, the
-statistics' byte counts and the cost model's size class. `CallPlan.run` is then the whole
-call: call number, feedback key, encode, transfers, decodes, new error states, deferred
-errors; the same arithmetic, transfers, keys and error states as the direct schedule
-(`schedules.direct`) run through `compressed_call.AllReduceCall` or `ReduceScatterCall`, so
-that ranks may differ in which of the two runs a call (`tests/backend/test_call_plans.py` holds
-them equal bit for bit).
+runs, `renewal`). Everything such a call needs that does not change between its runs is made
+once, by the place's first run, and kept with the place's entry (`call_schedule.Entry.plan`;
+carried to the next entry the ranks agree on at the place while its call stays the same): the
+call's codec (its own copy, renumbered for each run on the CPU), one `CallCompressor` bound to
+each run in turn (`CallCompressor.restart`) with every buffer the schedule uses
+(`compressor.Buffers`: messages, received messages, decodes), the schedule's name and chunk
+width, the statistics' byte counts and the cost model's size class. `CallPlan.run` is then the
+whole call: encode, transfers, decodes and new error states, by **the schedule's own code**
+(`schedules.all_reduce` / `reduce_scatter`, the same as a call's job runs after an exchange,
+`compressed_call`), so a run's bytes, keys and error states are the job's.
 
-Served (`Reductions.at_issue`): an all-reduce of one contiguous dense tensor, or a
-reduce-scatter of one into one output (`_reduce_scatter_base`, `reduce_scatter_tensor`), on an
-issuer with
-``plans`` (`LOCO_ISSUER=inline` on CPU, and CUDA outside a graph capture, whose issuer runs
-`run` on the call's stream, `cuda_issue.CudaIssuer.compressed`), ``LocoConfig.call_plans``
-on. A place's compressed entry always runs the direct schedule (`call_schedule.runs_for`),
-and inline routes never cut rows into chunks. Not yet served: calls of several tensors
-(a list of outputs, coalesced calls); those run their jobs as before.
+A `PlanRun` is one run as its issuer takes it (`issuer.Issuer.run_plan`): its call number and
+feedback key taken in the calling thread, in issue order, and the plan's ``run`` called where
+the issuer runs it (the group's worker on the CPU, the calling thread inline and on CUDA, on
+the call's stream).
+
+Served (`reductions.Reductions`): every compressed entry: an all-reduce of one tensor (in
+place), a reduce-scatter of one input into one output, and each tensor of a coalesced call,
+on every issuer and schedule. A tensor that is not contiguous is staged through a kept buffer.
 
 On a device a run also keeps the place's call counter (`_count`, `interface.CallCount`), and
 with ``LocoConfig.call_graphs`` its launches and transfers (`launch`) are captured in CUDA
-graphs and replayed from the place's third run on (`place_graph.PlaceGraph`); without it, where
-``LocoConfig.call_replay`` is on, they are recorded on the host once and issued from the record
-(`launch_record.LaunchRecord`).
+graphs and replayed from the place's third run on (`place_graph.PlaceGraph`); without it they
+are recorded on the host once and issued from the record (`launch_record.LaunchRecord`), where
+the direct schedule runs unchunked.
 
-Threads: the calling thread only (the issuer's), one call at a time.
+Threads: one run at a time, on the issuer's thread (the worker runs its jobs in order).
 """
 
 from __future__ import annotations
@@ -41,14 +40,14 @@ import torch
 from torch.distributed import ReduceOp
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lowbitcc import policy, state
+from lowbitcc import schedules, state
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.compressed_call import CallGroup
 from lowbitcc.backend.exact import input_factor, op_type
 from lowbitcc.backend.place_graph import PlaceGraph
 from lowbitcc.backend.routes import Route
-from lowbitcc.codec import wire
-from lowbitcc.codec.interface import CallCount, unfused
+from lowbitcc.buffers import Buffers
+from lowbitcc.codec.interface import CallCount
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
 from lowbitcc.cost_model import CostModel
@@ -59,9 +58,9 @@ PLAN_COLLECTIVES = ("all_reduce", "reduce_scatter")
 
 
 class CallPlan:
-    """The steady-state compressed ``collective`` (one of `PLAN_COLLECTIVES`) of one place of ``group``,
-    on ``route``, of input tensors like ``like`` (dtype, device, number of elements; see the
-    module docstring)."""
+    """The steady-state compressed ``collective`` (one of `PLAN_COLLECTIVES`) of one place of
+    ``group``, on ``route``, of flat input tensors like ``like`` (dtype, device, number of
+    elements; see the module docstring)."""
 
     def __init__(self, group: CallGroup, route: Route, like: torch.Tensor,
                  collective: str = "all_reduce") -> None:
@@ -76,29 +75,26 @@ class CallPlan:
         self._cpu, self._cuda = like.device.type == "cpu", like.device.type == "cuda"
         self.logical_bytes = COLLECTIVES[collective].logical_bytes(n * m * like.element_size(), n)
         self.size_class = CostModel.size_class(collective, self.nbytes, self.device.type)
+        self.schedule = group.schedule_for(self.nbytes, route, self.device.type)
+        self.chunk = group.chunk(route, m)
         self.codec = group.codec(collective, like.dtype, self.numel, self.device.type, route)
-        self.comp = group.compressor(self.codec)
+        self.kept_buffers = Buffers(keeps_messages=True,
+                                    on_use=self._used_by_stream if self._cuda else None)
+        self.comp = group.compressor(self.codec, scratch=self.kept_buffers)
         self._own_codec = self.codec.with_seq(0) if self._cpu else None
         """On the CPU, the plan's own copy of its codec, renumbered for each run."""
-        self._modelled = group.modelled(self.numel)
+        self.modelled = group.modelled(self.numel)
         self._factor: float | None = None
         """The runs' input factor, where their op's type fixes it (every run of a plan has
         the op type of the place's entry: `call_schedule.call_key`)."""
         self._source_cleared = like.new_empty(0)
         self._source = Source(self._source_cleared, n, m)  # each run's tensor and op's factor
-        self.tally, self.transport = self._tallied(route.links.world)
-        self._kept: dict[str, tuple[torch.Tensor, int, torch.dtype]] = {}  # `kept`'s, and as made
-        self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # `_sent`'s, likewise
-        self._rows: list[tuple[int, int, int, torch.Tensor]] | None = None  # `_columns`'
-        self._rows_at = 0
-        self._row_sizes: list[int] = []  # each of `_rows`' hi - lo
+        self.tally, world = self._tallied(route.links.world)
+        self._links = route.links
+        self.links = route.links if world is route.links.world else route.links.with_world(world)
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `_verdict_slot`'s
         self.turn = 0
         """Which of the plan's two verdict words the run has (`_verdict_slot`)."""
-        self.shards = list(range(n))
-        self.canary_entry: Any = None
-        """The place's entry a run runs as, while the caller runs it: on CUDA its verdict
-        becomes the entry's canary (`cuda_verdicts.keep_canaries`)."""
         self.verdict: torch.Tensor | None = None
         """After a run on a device: the call's flag of a foreign message received
         (`CallCompressor.foreign`), which the CUDA issuer turns into the Work's verdict word."""
@@ -116,6 +112,16 @@ class CallPlan:
         self.graph = PlaceGraph.of(self)
         """The place's graphs or host records, where it replays them (`place_graph`)."""
 
+    @property
+    def transport(self) -> Any:
+        """The world transport the plan's runs use (`launch_record` lends it another while it
+        records a run)."""
+        return self.links.world
+
+    @transport.setter
+    def transport(self, world: Any) -> None:
+        self.links = self._links.with_world(world)
+
     def _tallied(self, transport: Any) -> tuple[RunTally | None, Any]:
         """On the CPU, what a run counts (`counters.RunTally`: the compressor's statistics,
         and ``transport`` metering into it), added to `state.STATS` once at the run's end;
@@ -127,36 +133,33 @@ class CallPlan:
         metering = getattr(transport, "metering", None)
         return tally, transport if metering is None else metering(tally)
 
-    def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None = None) -> None:
-        """All-reduce ``tensor`` (contiguous, like the plan's) by ``op`` in place, or (a
-        reduce-scatter plan) reduce-scatter it into ``output`` (this rank's ``numel / size``
-        elements), compressed; raises what the call met (a peer's deviation, a corrupt
-        message) once every transfer of the call is done, as
+    def run(self, tensor: torch.Tensor, op: Any, output: torch.Tensor | None, seq: int,
+            key: str, buffer: StorageWeakRef | None, timed: bool) -> None:
+        """All-reduce ``tensor`` (like the plan's) by ``op`` in place, or (a reduce-scatter
+        plan) reduce-scatter flat ``tensor`` into ``output`` (this rank's ``numel / size``
+        elements), compressed, as call number ``seq`` under feedback key ``key`` (``buffer``:
+        the storage a derived key's layout is checked by; `CallCompressor`'s); ``timed``: the
+        run's wall (CUDA: stream) time goes to the cost model. Raises what the call met (a
+        peer's deviation, a corrupt message) once every transfer of the call is done, as
         `compressed_call.CompressedCall` does."""
         group, comp = self.group, self.comp
-        self.seq = group.agreement.next_seq()
-        key, buffer = "", None
-        if comp.error_dtype is not None:  # keys name error states, which a call without feedback lacks
-            key, derived = group.key(self.collective, tensor, self.numel)
-            buffer = StorageWeakRef(tensor.untyped_storage()) if derived else None
-        else:  # counted all the same: a `feedback_key` block may also name another group's calls
-            policy.explicit_key()
-        stop = None
-        if self._modelled and not policy.forced():
-            group.cost_model.count(self.size_class)
-            stop = group.clock(self.size_class, False, self.nbytes)
+        self.seq = seq
+        stop = group.clock(self.size_class, False, self.nbytes) if timed else None
         tally = self.tally
         (tally or state.STATS).add_call("compressed", self.nbytes, self.logical_bytes)
         source = self._source
         try:
             if self._cpu:
                 codec = self._own_codec
-                codec.renumber(self.seq)
+                codec.renumber(seq)
                 comp.restart(codec, key, buffer)
             else:
-                comp.restart(self.codec.with_seq(self.seq, self._count()), key, buffer,
+                comp.restart(self.codec.with_seq(seq, self._count()), key, buffer,
                              self._verdict_slot())
-            source.tensor = tensor if tensor.dim() == 1 else tensor.view(-1)
+            staged = not tensor.is_contiguous()
+            flat = self._staged(tensor) if staged else (
+                tensor if tensor.dim() == 1 else tensor.view(-1))
+            source.tensor = flat
             factor = self._factor
             if factor is None:
                 factor = input_factor(op, group.size)
@@ -166,6 +169,8 @@ class CallPlan:
             self.runs += 1
             if self.graph is None or not self.graph.run(self, source, output):
                 self.launch(source, output)
+            if staged and output is None:
+                tensor.copy_(flat.view(tensor.shape))
             if self._call_count is not None:  # what its last launch left there
                 self._counter_next = self._call_count.value
             if not self._cpu:
@@ -180,20 +185,31 @@ class CallPlan:
             if tally is not None:
                 tally.flush()
 
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor that is not contiguous, copied into the plan's flat staging buffer."""
+        flat = self.kept("staged", self.numel, tensor.dtype)
+        flat.view(tensor.shape).copy_(tensor)
+        return flat
+
     def launch(self, source: Source, output: torch.Tensor | None) -> None:
-        """The run's launches and transfers (eager, or captured by `place_graph`): ``source``'s
-        tensor all-reduced in place, or reduce-scattered into ``output``."""
-        if output is not None:
-            self._reduce_scatter(source, output)
-        elif self.group.size == 2:
-            self._gather(source, source.tensor)
-        else:
-            self._scatter_gather(source, source.tensor)
+        """The run's launches and transfers (eager, or captured by `place_graph`): the
+        schedule's own code on ``source``: its tensor all-reduced in place, or reduce-scattered
+        into ``output`` (straight where it is contiguous fp32, else through the decode buffer
+        and a cast)."""
+        comp, links, chunk = self.comp, self.links, self.chunk
+        if output is None:
+            schedules.all_reduce(self.schedule, source, source.tensor, comp, links, chunk)
+            return
+        straight = output.dtype == torch.float32 and output.is_contiguous()
+        target = output.view(-1) if straight else self.kept("reduced", self.m, torch.float32)
+        reduced = schedules.reduce_scatter(self.schedule, source, comp, links, chunk, target)
+        if not straight:
+            output.copy_(reduced.view(output.shape))
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device buffer the plan keeps (what a replay of its graph uses besides the
         call's tensors)."""
-        kept = [buffer for buffer, _, _ in self._kept.values()]
+        kept = self.kept_buffers.tensors()
         count = self._call_count
         return kept if count is None else [*kept, count.word, count.frame]
 
@@ -202,25 +218,9 @@ class CallPlan:
         return f"{self.collective} of {self.numel} {self.codec_dtype} elements (call #{self.seq})"
 
     def kept(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """``dtype [numel]`` on the plan's device, made by the first run that asks for ``name`` and
-        kept for every later run of the plan: the decode buffer ("decoded": fp32 ``[m]``, the
-        reduced own row of more than two ranks, or a row decoded before its cast into the
-        output), each stage's messages ("sent <stage>": uint8 ``[rows * P]``) and non-finite
-        bytes ("flags <stage>": uint8 ``[rows * groups]``), and the received messages
-        ("received <stage>": the all-gather's or the all-to-all's). A run's transfers and
-        decodes of a buffer end before the next run writes it: inline calls wait for them; on
-        CUDA the runs of a place are ordered on the issuer's stream, and each run marks the
-        buffer used by its stream (a side stream for ``async_op``), so that the caching
-        allocator hands it on only after every stream that used it, once the plan is gone."""
-        kept = self._kept.get(name)
-        if kept is None:
-            kept = self._kept[name] = (torch.empty(numel, dtype=dtype, device=self.device),
-                                       numel, dtype)
-        buffer, made_numel, made_dtype = kept
-        assert made_numel == numel and made_dtype == dtype, name
-        if self._cuda:
-            self._used_by_stream(buffer)
-        return buffer
+        """``dtype [numel]`` on the plan's device, made by the first run that asks for ``name``
+        and kept for every later run of the plan (`compressor.Buffers`)."""
+        return self.kept_buffers.get(name, numel, dtype, self.device)
 
     def addresses(self) -> torch.Tensor:
         """The place's int64 ``[2]`` device word of its call's source and output addresses,
@@ -230,10 +230,9 @@ class CallPlan:
 
     def _used_by_stream(self, *buffers: torch.Tensor) -> None:
         """On CUDA, mark kept ``buffers`` used by the run's (current) stream (`kept`)."""
-        if self._cuda:
-            stream = torch.cuda.current_stream(self.device)
-            for buffer in buffers:
-                buffer.record_stream(stream)
+        stream = torch.cuda.current_stream(self.device)
+        for buffer in buffers:
+            buffer.record_stream(stream)
 
     def _count(self) -> CallCount:
         """On a device (never asked on the CPU: the C++ codec keeps none), the place's call
@@ -248,9 +247,7 @@ class CallPlan:
                 torch.zeros(2, dtype=torch.int32, device=self.device), False, None,
                 torch.zeros(self.group.size + 1, dtype=torch.int64, device=self.device))
         elif self._cuda:
-            stream = torch.cuda.current_stream(self.device)
-            count.word.record_stream(stream)
-            count.frame.record_stream(stream)
+            self._used_by_stream(count.word, count.frame)
         self.stride = self.seq - last if last else 0
         self.counter_holds_seq, self._counter_next = self._counter_next == self.seq, None
         count.value = self.seq + self.stride if last else None
@@ -273,102 +270,32 @@ class CallPlan:
         self.turn ^= 1
         return self._slots[self.turn]
 
-    def _sent(self, stage: str, rows: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept messages ``uint8 [rows, P]`` and non-finite bytes of ``stage``'s encode of
-        ``rows`` rows of ``m`` elements (the pair made by the first run, as `kept`'s)."""
-        pair = self._pairs.get(stage)
-        if pair is None:
-            size = self.codec.message_bytes(m)
-            pair = self._pairs[stage] = (
-                self.kept(f"sent {stage}", rows * size, torch.uint8).view(rows, size),
-                self.kept(f"flags {stage}", rows * wire.ngroups(m, self.codec.group_size),
-                          torch.uint8))
-        elif self._cuda:
-            self._used_by_stream(*pair)
-        return pair
 
-    def _columns(self, gathered: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
-        """Two ranks: per row ``r`` with elements, ``(r, lo, hi, column)``: its place
-        ``[lo, hi)`` in the output and its messages in ``gathered`` (the received messages,
-        contiguous, ``senders * rows * P`` bytes: the kept buffer unless a transport received
-        into another), viewed again only where ``gathered`` moved."""
-        if self._rows is None or self._rows_at != gathered.data_ptr():
-            m, n = self.m, self.group.size
-            by_sender = gathered.view(n, n, -1)
-            self._rows = [(r, min(r * m, self.numel), min((r + 1) * m, self.numel),
-                           by_sender[:, r]) for r in range(n) if r * m < self.numel]
-            self._row_sizes = [hi - lo for _, lo, hi, _ in self._rows]
-            self._rows_at = gathered.data_ptr()
-        return self._rows
+class PlanRun:
+    """One run of ``plan``, its place's ``entry``, as its issuer takes it: ``tensor`` by ``op``
+    (into ``output``: a reduce-scatter), call number ``seq``, feedback key ``key`` and
+    ``buffer``, ``timed`` for the cost model (`CallPlan.run`'s), all taken in the calling
+    thread. Calling it runs it (on the issuer's thread) and returns the call's outputs; the
+    CUDA issuer also reads ``verdict`` and ``canary_entry`` after it ran (`cuda_verdicts`)."""
 
-    def _gather(self, source: Source, out: torch.Tensor) -> None:
-        """Two ranks: every row encoded (stage "gather"), all-gathered, and each row's two
-        messages decoded and summed in rank order into its place in ``out``: on a device every
-        row in one launch where the kernels can (`CallCompressor.decode_rows`), else row by
-        row."""
-        comp, n, m = self.comp, self.group.size, self.m
-        messages = comp.encode("gather", source, self.shards, *self._sent("gather", n, m))
-        kept = self.kept("received gather", n * messages.numel(), torch.uint8)
-        pending = self.transport.all_gather_async(messages, kept)
-        if not self._cpu:
-            received = pending.wait()
-            if not comp.decode_rows(received.view(n * n, -1), n, m, out):
-                unfused(comp.codec.count, "row-by-row decode")  # each row's launch counts
-                rows = self._columns(received)
-                self._decode_rows(rows, [out[lo:hi] for _, lo, hi, _ in rows])
-            return
-        # the decodes' views are made while the transfer runs: the first Python after a wait
-        # runs several times slower (caches, a woken core)
-        rows = self._columns(kept)
-        places = out.split_with_sizes(self._row_sizes)  # row r's [lo, hi), as in `rows`
-        received = pending.wait()
-        if received.data_ptr() != kept.data_ptr():  # a transport that received elsewhere
-            rows = self._columns(received)
-        self._decode_rows(rows, places)
+    __slots__ = ("plan", "canary_entry", "tensor", "op", "output", "seq", "key", "buffer",
+                 "timed")
 
-    def _decode_rows(self, rows: list[tuple[int, int, int, torch.Tensor]],
-                     places: list[torch.Tensor]) -> None:
-        """Each row's messages (`_columns`) decoded and summed into its ``place`` (a slice of
-        the output): straight where it is fp32 and whole, else through the decode buffer."""
-        comp, m = self.comp, self.m
-        for (r, lo, hi, column), place in zip(rows, places):
-            if place.dtype == torch.float32 and hi - lo == m:
-                comp.decode_sum(column, m, r, place)
-            else:
-                decoded = comp.decode_sum(column, m, r,
-                                          self.kept("decoded", m, torch.float32))
-                place.copy_(decoded[:hi - lo])
+    def __init__(self, plan: CallPlan, entry: Any, tensor: torch.Tensor, op: Any,
+                 output: torch.Tensor | None, seq: int, key: str,
+                 buffer: StorageWeakRef | None, timed: bool) -> None:
+        self.plan, self.canary_entry, self.tensor, self.op, self.output = (
+            plan, entry, tensor, op, output)
+        self.seq, self.key, self.buffer, self.timed = seq, key, buffer, timed
 
-    def _reduce_scatter(self, source: Source, output: torch.Tensor) -> None:
-        """Every row encoded (stage "rs") and sent to its owner, the own row's messages summed
-        in rank order into ``output`` (straight where it is contiguous fp32, else through the
-        decode buffer and a cast)."""
-        comp, m, rank = self.comp, self.m, self.group.rank
-        straight = output.dtype == torch.float32 and output.is_contiguous()
-        target = output.view(-1) if straight else self.kept("decoded", m, torch.float32)
-        received = self._scatter(source)  # (the target made before the wait, as in `_gather`)
-        decoded = comp.decode_sum(received, m, rank, target)
-        if not straight:
-            output.copy_(decoded.view(output.shape))
+    def __call__(self) -> list[torch.Tensor]:
+        output = self.output
+        self.plan.run(self.tensor, self.op, output, self.seq, self.key, self.buffer, self.timed)
+        return [self.tensor if output is None else output]
 
-    def _scatter_gather(self, source: Source, out: torch.Tensor) -> None:
-        """More ranks: every row encoded (stage "rs") and sent to its owner, the own row's
-        messages summed in rank order and re-encoded (stage "ag"; on CUDA in one launch,
-        `CallCompressor.encode_sum`), all-gathered and decoded into ``out``."""
-        comp, m, rank = self.comp, self.m, self.group.rank
-        decoded = self.kept("decoded", m, torch.float32)
-        mine = comp.encode_sum("ag", self._scatter(source), m, rank, decoded,
-                               *self._sent("ag", 1, m))
-        gathered = self.transport.all_gather_async(mine[0], self.kept(
-            "received ag", self.group.size * mine.numel(), torch.uint8)).wait()
-        comp.decode_into(gathered, m, self.shards, out)
+    @property
+    def verdict(self) -> torch.Tensor | None:
+        return self.plan.verdict
 
-    def _scatter(self, source: Source) -> torch.Tensor:
-        """Every row of ``source`` encoded (stage "rs") and sent to its owner: the received
-        messages of the own row, one per rank."""
-        rows = len(self.shards)
-        messages = self.comp.encode("rs", source, self.shards,
-                                    *self._sent("rs", rows, self.m))
-        return self.transport.all_to_all_async(messages, self.kept(
-            "received rs", messages.numel(), torch.uint8)).wait()
-
+    def describe(self) -> str:
+        return self.plan.describe()

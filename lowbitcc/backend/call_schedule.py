@@ -100,16 +100,17 @@ def runs_for(leader: wire.CallDescriptor, compressed: bool, direct: bool, world:
     return REAGREE_EVERY - 1 if nan_capable else 0
 
 
-EXCHANGE, PLANNED, DEVIATE = "exchange", "planned", "deviate"
-"""What a call does at its place (`Plan.kind`): exchange a descriptor (no entry, or none left),
-run as its place's entry, or deviate from it."""
+EXCHANGE, DEVIATE = "exchange", "deviate"
+"""What a call that does not run as its place's entry does there (`Place.kind`): exchange a
+descriptor (no entry, or none left), or deviate from the entry."""
 
 
 @dataclasses.dataclass
-class Plan:
-    """A reduction's place in ``schedule`` (``index``) and what it does there (``kind``, with
-    the place's ``entry`` where it runs as it or deviates from it). A plan whose outcome is
-    recorded later is open in the schedule until `settle` (idempotent)."""
+class Place:
+    """A reduction's place in ``schedule`` (``index``) where it does not run as the place's
+    entry, and what it does there (``kind``, with the place's ``entry`` where it deviates from
+    it). A place whose outcome is recorded later is open in the schedule until `settle`
+    (idempotent)."""
 
     schedule: CallSchedule
     index: int
@@ -198,47 +199,38 @@ class CallSchedule:
         self._next = 0
 
     # -- in the calling thread -------------------------------------------------------------
-    def plan(self, key: tuple, wish: str | None = None, wait: bool = True) -> Plan:
-        """The next place and what the call of ``key`` (`call_key`) does there (see the module
-        docstring); ``wish``: "exact" where the caller demands the exact path
-        (`lowbitcc.exact`), "compressed" where it demands compression (`lowbitcc.compressed`),
-        so that an entry of the other path does not match. An exchange, and a deviation from
-        a compressed entry, open the plan. ``wait`` False: the call is a later tensor of one
-        call, whose places are all taken before any of its jobs runs (on every rank alike)."""
-        if wait:
-            self.wait_settled()
-        index = self.advance()
-        entry = self.entry(index)
-        if entry is None:
-            return self._opened(Plan(self, index, EXCHANGE))
-        self.ran(entry)  # a deviating call runs the entry's call in its place too
-        if entry.matches(key) and wish != ("compressed" if entry.exact else "exact"):
-            return Plan(self, index, PLANNED, entry)
-        plan = Plan(self, index, DEVIATE, entry)
-        return plan if entry.exact else self._opened(plan)
-
-    def planned(self, key: tuple, exact: bool) -> Entry | None:
-        """Where the next place holds an ``exact`` (else compressed) entry that the call of
-        ``key`` matches, take the place and return the entry (it runs as it); else take
-        nothing (`plan` takes it). The steady state's entry is read where it lies."""
-        if self._open:
+    def take(self, key: tuple, wish: str | None = None, wait: bool = True) -> Entry | Place:
+        """Take the next place for the call of ``key`` (`call_key`): its entry where the call
+        runs as it (the steady state, read where it lies), else the `Place` and what the call
+        does there (see the module docstring). ``wish``: "exact" where the caller demands the
+        exact path (`lowbitcc.exact`), "compressed" where it demands compression
+        (`lowbitcc.compressed`), so that an entry of the other path does not match. An
+        exchange, and a deviation from a compressed entry, open the place. ``wait`` False: the
+        call is a later tensor of one call, whose places are all taken before any of its jobs
+        runs (on every rank alike)."""
+        if wait and self._open:
             self.wait_settled()
         index = self._next
         if self._period is None:
-            return None
-        entry = self._entries.get(self._place(index))
-        if entry is None or entry.canary is not None or entry.left <= 0:
-            entry = self.entry(index)
-        if entry is None or entry.exact != exact or entry.key != key:
-            return None
-        self._next = index + 1  # `advance`: the period is known
-        self.ran(entry)
-        return entry
+            index = self.advance()
+            entry = None
+        else:
+            self._next = index + 1  # `advance`: the period is known
+            entry = self._entries.get(self._origin + (index - self._origin) % self._period)
+            if entry is None or entry.canary is not None or entry.left <= 0:
+                entry = self.entry(index)
+        if entry is None:
+            return self._opened(Place(self, index, EXCHANGE))
+        self.ran(entry)  # a deviating call runs the entry's call in its place too
+        if entry.key == key and wish != ("compressed" if entry.exact else "exact"):
+            return entry
+        place = Place(self, index, DEVIATE, entry)
+        return place if entry.exact else self._opened(place)
 
-    def _opened(self, plan: Plan) -> Plan:
+    def _opened(self, place: Place) -> Place:
         self.open()
-        plan.opened = True
-        return plan
+        place.opened = True
+        return place
 
     def advance(self) -> int:
         """The index of the call issued now (counts it; while the period is unknown, a call
@@ -367,15 +359,15 @@ class CallSchedule:
                              for e in self._entries.values())
         self._reset()
 
-    def restart(self, plan: Plan | None = None) -> int:
+    def restart(self, place: Place | None = None) -> int:
         """Forget everything (every rank deviated alike): the call issued now is index 0, and
-        ``plan``, its plan, becomes an exchange there (open)."""
+        ``place``, its place, becomes an exchange there (open)."""
         self.forget()
         index = self.advance()
-        if plan is not None:
-            plan.index, plan.kind, plan.entry = index, EXCHANGE, None
-            if not plan.opened:
-                self._opened(plan)
+        if place is not None:
+            place.index, place.kind, place.entry = index, EXCHANGE, None
+            if not place.opened:
+                self._opened(place)
         return index
 
     def _place(self, index: int) -> int:

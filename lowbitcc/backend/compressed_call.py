@@ -6,9 +6,9 @@ Calling it runs it, as the call's job on the group's worker (or in the issuing t
 inline route), phase by phase:
 
 1. under the call schedule (`lowbitcc.backend.call_schedule`), its ``plan``, taken when it was
-   issued: a call that its place agreed on before to compress runs compressed without an
-   exchange (`run_planned`), and one that differs from its place's compressed entry
-   `deviate`s; otherwise rank 0's cost model may `suggest` a path (`lowbitcc.cost_model`);
+   issued: a call that differs from its place's compressed entry `deviate`s (a call that runs
+   as its place's entry is no job: `call_plan.PlanRun`); otherwise rank 0's cost model may
+   `suggest` a path (`lowbitcc.cost_model`);
 2. `agree`: the descriptor exchange (`call_agreement.CallAgreement`): the call is compressed
    only if every rank would compress it and rank 0's model did not choose exact;
 3. `record`: the outcome becomes its place's entry; then one of `run_exact` (the caller's exact
@@ -45,8 +45,7 @@ from lowbitcc.backend.call_agreement import (
 from lowbitcc.backend.call_schedule import (
     DEVIATE,
     EXCHANGE,
-    PLANNED,
-    Plan,
+    Place,
     Poisoned,
     runs_for,
 )
@@ -62,10 +61,11 @@ from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.routes import Route
 from lowbitcc.backend.works import callback_parent
+from lowbitcc.buffers import Buffers
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.collectives import COLLECTIVES
-from lowbitcc.compressor import CallCompressor, Scratch, Source
+from lowbitcc.compressor import CallCompressor, Source
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass, Suggestion
 
@@ -79,7 +79,7 @@ class CallGroup(Protocol):
     config: LocoConfig
     agreement: CallAgreement
     cost_model: CostModel
-    scratch: Scratch
+    scratch: Buffers
     graphs: LiveGraphs
     submit: Callable[[Callable[[], Any]], Any] | None
 
@@ -93,7 +93,7 @@ class CallGroup(Protocol):
     def codec(self, collective: str, dtype: torch.dtype, numel: int, device_type: str,
               route: Route) -> ShardCodec: ...
     def compressor(self, codec: ShardCodec, key: str = "", buffer: StorageWeakRef | None = None,
-                   scratch: Scratch | None = None) -> CallCompressor: ...
+                   scratch: Buffers | None = None) -> CallCompressor: ...
 
 
 class CompressedCall:
@@ -103,15 +103,16 @@ class CompressedCall:
     fallback after an exchange (a job on the group's worker, or on an inline route an exact
     call issued in the calling thread); ``wants``: whether this rank would compress it (its
     policy said so); ``plan``: its place in the call schedule and
-    what it does there (`call_schedule.Plan`; None: no schedule), taken by the issuing
-    thread: an exchange, a compressed entry's call, or a deviation from a compressed entry
-    (exact entries never reach a job); ``part``: one tensor of a call of several.
+    what it does there (`call_schedule.Place`; None: no schedule), taken by the issuing
+    thread: an exchange, or a deviation from a compressed entry (an entry's run is its place's
+    `call_plan.PlanRun`, and exact entries never reach a job); ``part``: one tensor of a call
+    of several.
     """
 
     collective: ClassVar[str]
 
     def __init__(self, group: CallGroup, output: torch.Tensor, source: torch.Tensor, op: Any,
-                 exact: Job, wants: bool, plan: Plan | None = None, part: bool = False) -> None:
+                 exact: Job, wants: bool, plan: Place | None = None, part: bool = False) -> None:
         cfg = group.config
         self.group, self.output, self.source, self.op = group, output, source, op
         self.exact = exact
@@ -159,8 +160,6 @@ class CompressedCall:
 
     def run(self) -> Any:
         plan = self.plan
-        if plan is not None and plan.kind == PLANNED:
-            return self.run_planned()
         if plan is not None and plan.kind == DEVIATE:
             self.deviate(plan)  # raises, unless every rank deviated to this call
         suggestion = self.suggest()
@@ -196,23 +195,7 @@ class CompressedCall:
                              eligible=policy.eligible(self.output, op_type(self.op)))
         plan.settle()
 
-    def run_planned(self) -> None:
-        """Run the call as its place's agreed compressed entry, without an exchange (counted by
-        the cost model as a call of its class, and timed), also where this rank alone would
-        not have compressed it (the agreement at its place decided for every rank)."""
-        if not self.key:
-            self.key, derived = self.group.key(self.collective, self.source, self.numel)
-            if derived:
-                self.buffer = StorageWeakRef(self.source.untyped_storage())
-        suggestion = None
-        if self.modelled:
-            size_class = CostModel.size_class(self.collective, self.nbytes,
-                                              self.source.device.type)
-            self.group.cost_model.count(size_class)
-            suggestion = Suggestion(False, size_class)
-        self.compress(suggestion)
-
-    def deviate(self, plan: Plan) -> None:
+    def deviate(self, plan: Place) -> None:
         """This rank's call is not its place's compressed entry: run the entry in its place
         (`deviation.Deviation`) and raise; unless every rank deviated to this call: then
         every rank restarts its schedule with this call, which the caller agrees on as on a
@@ -236,11 +219,6 @@ class CompressedCall:
                 f"{self.source.dtype} elements where the ranks had agreed on a "
                 f"{expected.collective} of {expected.numel} {expected.dtype} elements (this "
                 "call's place in the sequence of calls); every rank raises")
-
-    @property
-    def canary_entry(self) -> Any:
-        """The place's entry this call ran as (`run_planned`), else None."""
-        return self.plan.entry if self.plan is not None and self.plan.kind == PLANNED else None
 
     def describe(self) -> str:
         """The call, for messages."""

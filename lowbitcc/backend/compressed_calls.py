@@ -27,8 +27,7 @@ from lowbitcc.backend.call_agreement import (
     CorruptFrameError,
     InvalidPeerCallError,
 )
-from lowbitcc.backend.call_places import CallPlaces
-from lowbitcc.backend.call_schedule import CallSchedule, Entry, Plan
+from lowbitcc.backend.call_schedule import CallSchedule, Entry, Place
 from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import op_type
@@ -38,9 +37,10 @@ from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.renewal import PlaceRenewal
 from lowbitcc.backend.routes import Route, choose_schedule
 from lowbitcc.backend.works import InnerWork
+from lowbitcc.buffers import Buffers
 from lowbitcc.codec import wire
 from lowbitcc.codec.shard_codec import ShardCodec
-from lowbitcc.compressor import CallCompressor, Scratch
+from lowbitcc.compressor import CallCompressor
 from lowbitcc.config import LocoConfig
 from lowbitcc.cost_model import CostModel, SizeClass
 from lowbitcc.schedules.chunking import chunk_width
@@ -48,6 +48,10 @@ from lowbitcc.transports.gloo import GlooTransport
 
 CODECS_KEPT = 1024
 """Codec templates kept per group (`CompressedCalls.codec`), the oldest dropped first."""
+
+
+def _untimed() -> None:
+    """The end of a timing that was not taken (`CompressedCalls.clock`)."""
 
 
 class CompressedCalls:
@@ -68,15 +72,14 @@ class CompressedCalls:
         self.agreement = CallAgreement(rank, agreement)
         self.submit = submit
         self.cost_model = CostModel()
-        self.scratch = Scratch()  # the worker thread's decode buffer
+        self.scratch = Buffers()  # the worker thread's decode buffer
         self.graphs = LiveGraphs()  # the places' CUDA graphs (`place_graph`)
         self._routes = routes
         self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
         scheduled = self.exchanges()
-        self._call_schedules = {
+        self.call_schedules: dict[str, CallSchedule] = {
             device: CallSchedule(timeout_s, None if submit is None else functools.partial(
                 PlaceRenewal, self, device)) for device in routes if scheduled}
-        self.places = CallPlaces(self._call_schedules, config)
         self._codecs: dict[tuple, ShardCodec] = {}
         self._lock = threading.Lock()
         self._epoch: tuple[str, int] | None = None
@@ -120,7 +123,7 @@ class CompressedCalls:
         return self.agreement.checked(collective, dtype, numel, job, op=op, root=root)
 
     def refused(self, collective: str, error: Exception, numels: list[int],
-                like: torch.Tensor | None, plan: Plan | None = None) -> Job:
+                like: torch.Tensor | None, plan: Place | None = None) -> Job:
         """The job of a call whose arguments this rank found invalid (``error``), where a
         valid call would exchange a descriptor: it exchanges one flagged `wire.DESC_INVALID`,
         so that every other rank raises `InvalidPeerCallError` for the same call instead of
@@ -207,7 +210,7 @@ class CompressedCalls:
         return size_class
 
     def compressor(self, codec: ShardCodec, key: str = "", buffer: StorageWeakRef | None = None,
-                   scratch: Scratch | None = None) -> CallCompressor:
+                   scratch: Buffers | None = None) -> CallCompressor:
         """A `CallCompressor` of ``codec`` under the group's feedback settings (``key``,
         ``buffer``, ``scratch``: `CallCompressor`'s)."""
         cfg = self.config
@@ -244,7 +247,7 @@ class CompressedCalls:
         return cfg.cost_model and self.exchanges() and numel >= cfg.min_size
 
     def call(self, collective: str, output: torch.Tensor, source: torch.Tensor, op: Any,
-             exact: Job, wants: bool = True, plan: Plan | None = None,
+             exact: Job, wants: bool = True, plan: Place | None = None,
              part: bool = False) -> Job:
         """The job of a compressed ``collective`` (`compressed_call.CALLS`) of flat or in-place
         ``source`` into ``output`` (``exact``: the fallback after an exchange; ``wants``:
@@ -267,8 +270,11 @@ class CompressedCalls:
         """Start timing a call of ``size_class`` on one path; the returned function ends it,
         and its time goes to the cost model: wall time for CPU calls (on the worker, or on the
         calling thread under ``LOCO_ISSUER=inline``), GPU time on the current stream for CUDA
-        calls, reported once the GPU has passed it."""
+        calls, reported once the GPU has passed it (none while a graph is captured: no event
+        is recorded inside a capture)."""
         if size_class[1] != "cpu":
+            if torch.cuda.is_current_stream_capturing():
+                return _untimed
             timings = self._stream_timings
             begun = timings.start()
             return lambda: timings.stop(begun, size_class, exact, nbytes)

@@ -176,7 +176,11 @@ class CudaIssuer:
     def planned(self, work: dist.Work, outputs: list[torch.Tensor]) -> dist.Work:
         return work  # NCCL completes its futures when the call is enqueued
 
-    def canary(self, output: torch.Tensor, work: dist.Work) -> DeviceCanary:
+    def canary(self, output: torch.Tensor, work: dist.Work) -> DeviceCanary | None:
+        """None while a graph is captured (no pinned buffer or event inside a capture: the
+        place's next run reads no canary)."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
         return DeviceCanary(output, work)
 
     def fallback(self, part: ExactReduction) -> Callable[[], Any]:
@@ -204,20 +208,17 @@ class CudaIssuer:
         return self.compressed(run_jobs, lambda: [f() for f in fallbacks], tensors, outputs,
                                async_op, jobs)
 
-    @property
-    def plans(self) -> bool:
-        """`Issuer.plans`: not while a graph is captured (the call's job then counts the call
-        and runs c10d's own call, as every captured compressed call does)."""
-        return not torch.cuda.is_current_stream_capturing()
-
-    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any, native: tuple[str, tuple],
-                 output: torch.Tensor | None = None) -> dist.Work:
-        """`Issuer.run_plan`: the plan's run on the call's stream, as a compressed job's
-        (`compressed`)."""
+    def run_plan(self, run: Any, native: tuple[str, tuple]) -> dist.Work:
+        """`Issuer.run_plan`: the run on the call's stream, as a compressed job's
+        (`compressed`); while a graph is captured, c10d's own call (``native``), as every
+        captured compressed call runs (the compressed path reads Python-side state that a
+        graph would freeze)."""
+        tensor, output = run.tensor, run.output
         outputs = [tensor if output is None else output]
-        return self.compressed(lambda: plan.run(tensor, op, output), None,
+        method, args = native
+        return self.compressed(run, lambda: getattr(self.nccl, method)(*args),
                                [tensor] + ([] if output is None else [output]), outputs,
-                               native[1][-1].asyncOp, [plan])
+                               args[-1].asyncOp, [run])
 
     def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
         """``nccl.<method>(*args)`` (the caller's options included); its Work, or a
@@ -243,10 +244,11 @@ class CudaIssuer:
         device = outputs[0].device
         with self._lock, torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
-            if torch.cuda.is_current_stream_capturing():
-                if exact is None:
-                    raise RuntimeError("lowbitcc: a call plan was run during a graph capture")
-                exact()
+            if torch.cuda.is_current_stream_capturing():  # nothing of the call left open
+                with closing(calls):
+                    if exact is None:
+                        raise RuntimeError("lowbitcc: a call plan was run during a graph capture")
+                    exact()
                 return ready_work(outputs, device)
             stream = self._side_stream(device) if async_op else current
             if stream != current:

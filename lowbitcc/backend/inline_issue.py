@@ -25,7 +25,6 @@ class InlineIssuer:
     """Issues CPU reductions in the calling thread over ``direct`` (see the module docstring)."""
 
     inline = True
-    plans = True
     native_ops = PLAIN_OPS
 
     def __init__(self, direct: dist.ProcessGroup, queue: IssueQueue) -> None:
@@ -63,11 +62,8 @@ class InlineIssuer:
                     result.finish()
         return self._queue.completed(outputs)
 
-    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any, native: tuple[str, tuple],
-                 output: torch.Tensor | None = None) -> dist.Work:
-        if tensor.requires_grad or (output is not None and output.requires_grad):
+    def run_plan(self, run: Any, native: tuple[str, tuple]) -> dist.Work:
+        if run.tensor.requires_grad or (run.output is not None and run.output.requires_grad):
             with torch.no_grad():  # written in place, as by `run`'s jobs
-                plan.run(tensor, op, output)
-        else:
-            plan.run(tensor, op, output)
-        return self._queue.completed([tensor if output is None else output])
+                return self._queue.completed(run())
+        return self._queue.completed(run())

@@ -124,7 +124,7 @@ class IssueQueue:
         `reductions`): tagged as `submit` tags its calls, and completed by the waiter, in order,
         once ``work`` is done, with ``outputs``. Not gloo's own Work: a callback added to
         gloo's future runs on gloo's thread, or in the caller's if the call already completed,
-        and a call it issues must not look like the calling thread's (`call_places`)."""
+        and a call it issues must not look like the calling thread's (`reductions`)."""
         return FollowedWork(self, self._next_tag(), work, outputs)
 
     def complete_later(self, inner: InnerWork, future: torch.futures.Future) -> None:

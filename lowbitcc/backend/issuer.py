@@ -35,8 +35,6 @@ class Issuer(Protocol):
     raised without one)."""
 
     inline: bool
-    plans: bool
-    """Whether a place's compressed all-reduce runs by its `call_plan.CallPlan` (`run_plan`)."""
     native_ops: frozenset
     """The reduction ops (``RedOpType``) the inner backend runs itself (gloo: not AVG or
     PREMUL_SUM)."""
@@ -84,10 +82,8 @@ class Issuer(Protocol):
         ``tensors``: every tensor the call reads or writes; ``outputs`` the Work's value."""
         ...
 
-    def run_plan(self, plan: Any, tensor: torch.Tensor, op: Any, native: tuple[str, tuple],
-                 output: torch.Tensor | None = None) -> dist.Work:
-        """Issue a place's compressed all-reduce of ``tensor`` (or reduce-scatter of ``tensor``
-        into ``output``) by ``op`` by the place's `call_plan.CallPlan` (``plan.run(tensor, op,
-        output)``; ``native``: c10d's method and arguments, for where the call must run exact);
-        only where `plans`. The Work's value is ``[output]`` (``[tensor]`` for an all-reduce)."""
+    def run_plan(self, run: Any, native: tuple[str, tuple]) -> dist.Work:
+        """Issue ``run``, a call's run as its place's compressed entry (`call_plan.PlanRun`:
+        calling it runs it and returns its outputs, the Work's value); ``native``: c10d's
+        method and arguments, for where the call must run exact (a CUDA graph's capture)."""
         ...

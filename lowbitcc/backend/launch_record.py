@@ -1,6 +1,6 @@
 """`LaunchRecord`: a call place's steady-state run recorded once on the host, as the list of
 its CUDA launches and NCCL transfers with their arguments, and issued again from that list
-(`LocoConfig.call_replay`, on by default; issue 47's "packed kernel arguments made once").
+(wherever a place can replay and ``call_graphs`` is off: "packed kernel arguments made once").
 
 What a planned call does on the host is mostly making the same arguments again: the codec's
 views and checks, the kernels' packed ``EncodeArgs``, ``RowCheck`` and ``FrameArgs``, the
@@ -87,6 +87,14 @@ class _RecordingTransport:
 
     def __init__(self, transport: Any, steps: list[Callable[[], Any]]) -> None:
         self._transport, self._steps = transport, steps
+
+    @property
+    def rank(self) -> int:
+        return self._transport.rank
+
+    @property
+    def size(self) -> int:
+        return self._transport.size
 
     def all_gather_async(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Enqueued:
         return self._recorded(self._transport.prepare_all_gather(send, out))

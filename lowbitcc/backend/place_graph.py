@@ -20,8 +20,8 @@ ranks participating in the launch", and "the launch of a graph ... containing a 
 operation is considered collective for the same set of ranks that were present in the capture,
 and each of those ranks must be using the graph derived from that collective capture" (its user
 guide, CUDA graphs). So whether a run launches a graph, and which, depends only on what the
-ranks of a place share, the plan's run count (plans are on at every rank: ``call_graphs``,
-which the ranks agree on, needs ``call_plans``): runs 1 and 2 are eager (the second writes the
+ranks of a place share, the plan's run count (every compressed entry runs by its plan, and
+``call_graphs`` is one of the settings the ranks agree on): runs 1 and 2 are eager (the second writes the
 place's next call number into its counter); from run `CAPTURE_AT` on, every run launches the
 graph of its verdict word, captured once, by the first run that needs it (runs 3 and 4, on
 every rank alike). A graph's first launch reads the call's source, and its last writes the
@@ -38,12 +38,12 @@ contiguity differs between ranks, a rank whose call at the place deviates from t
 or takes the job path (a non-contiguous tensor) while the others replay; NCCL may then hang,
 which the group's watchdog ends.
 
-**Host records** (`PlaceRecords`; `LocoConfig.call_replay`, on by default, where ``call_graphs``
-is off): the same decisions with `launch_record.LaunchRecord` in place of a CUDA graph, save
-that a record's replay issues the eager run's NCCL calls and bytes, so ranks may differ: a
-place replays only runs whose counter holds their own call number (`CallPlan.counter_holds_seq`)
-and records again wherever its tensors, stride or input factor changed, until it has recorded
-`RECORDS_IN_A_ROW` times without a replay of an earlier record; no teardown is needed.
+**Host records** (`PlaceRecords`, where ``call_graphs`` is off): the same decisions with
+`launch_record.LaunchRecord` in place of a CUDA graph, save that a record's replay issues the
+eager run's NCCL calls and bytes, so ranks may differ: a place replays only runs whose counter
+holds their own call number (`CallPlan.counter_holds_seq`) and records again wherever its
+tensors, stride or input factor changed, until it has recorded `RECORDS_IN_A_ROW` times
+without a replay of an earlier record; no teardown is needed.
 
 Served (`of`): CUDA (and ``device="meta"`` in the tests' trace), error feedback off
 (an error state's poison word and its reset every ``reset_interval`` uses change per run),
@@ -138,16 +138,17 @@ class PlaceGraph:
 
     @staticmethod
     def of(plan: Any) -> PlaceGraph | None:
-        """``plan``'s graphs: CUDA graphs (``call_graphs``), or host records (``call_replay``,
-        over a transport whose transfers can be recorded), where its place can replay at all
-        (see the module docstring); else None."""
+        """``plan``'s graphs: CUDA graphs (``call_graphs``), or host records (over a transport
+        whose transfers can be recorded), where its place can replay at all (see the module
+        docstring; the direct schedule, unchunked); else None."""
         codec, config = plan.codec, plan.group.config
         if (plan.device.type == "cpu" or plan.comp.error_dtype is not None
-                or codec.rounding != "nearest" or codec.checksum or codec.host_check):
+                or codec.rounding != "nearest" or codec.checksum or codec.host_check
+                or plan.schedule != "direct" or plan.chunk):
             return None
         if config.call_graphs:
             return PlaceGraph()
-        if config.call_replay and launch_record.recordable(plan.transport):
+        if launch_record.recordable(plan.transport):
             return PlaceRecords()
         return None
 

@@ -1,13 +1,13 @@
 """`LocoProcessGroup`: the torch ``ProcessGroup`` behind ``init_process_group("loco")``.
 
 This module answers c10d. Each reduction (all-reduce, reduce-scatter, their coalesced forms) is
-written once: it checks the call, asks the policy (`lowbitcc.policy`) whether it is
-compressible, builds its exact form (`exact.ExactReduction`: as gloo runs it, AVG and
-PREMUL_SUM emulated, and as c10d asked for it) and, where the call may be compressed or must
-exchange a descriptor, its compressed jobs (`compressed_calls.CompressedCalls`: one
-`compressed_call.CompressedCall` per tensor, which runs a compressed schedule over the route's
-links or falls back to the exact call), and hands them to the `issuer.Issuer` of the tensors'
-device, chosen once when the group is created:
+written once. A reduction of one tensor first takes its place in its device's call schedule
+(`reductions.Reductions.take`); where the place's entry is the call (the steady state) it runs
+as that entry and that is the whole call (`Reductions.run`). Otherwise the reduction checks the
+call, builds its exact form (`exact.ExactReduction`: as gloo runs it, AVG and PREMUL_SUM
+emulated, and as c10d asked for it) and hands it, with the place it took, to
+`Reductions.reduce`, which issues its jobs through the `issuer.Issuer` of the tensors' device,
+chosen once when the group is created:
 
 - CPU tensors: `worker_issue.WorkerIssuer` (the group's worker thread, `issue_queue`, in
   issue order; calls that run as their place's exact entry start at once on a direct gloo
@@ -32,6 +32,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from lowbitcc.backend import BACKEND_NAME
 from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter_list_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
+from lowbitcc.backend.call_schedule import Entry
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.cuda_issue import CudaIssuer, cuda_usable, inner_nccl
 from lowbitcc.backend.data_movement import DataMovements
@@ -170,13 +171,6 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._nccl.abort()
 
     # -- what the reductions share ------------------------------------------------------------
-    def _refuse_invalid_op(self, op: Any, issuer: Issuer, outputs: list[torch.Tensor],
-                           collective: str = "reduce_scatter") -> None:
-        """`Reductions.refuse` if ``op`` cannot reduce ``outputs`` (`arguments.op_problem`)."""
-        wrong = op_problem(op, outputs)
-        if wrong is not None:
-            self._reductions.refuse(wrong, issuer, outputs, collective)
-
     def _issuer(self, what: str, tensors: list[Any]) -> Issuer:
         """The issuer of the call's tensors (checked: one device type, served)."""
         return self._issuers["cuda" if self._moves.on_cuda(what, tensors) else "cpu"]
@@ -197,14 +191,15 @@ class LocoProcessGroup(dist.ProcessGroup):
         return self._all_reduce("allreduce_coalesced", tensors, opts)
 
     def _all_reduce(self, method: str, tensors: list[torch.Tensor], opts: Any) -> Any:
+        taken = None
         if len(tensors) == 1 and type(opts) is dist.AllreduceOptions:
             t = tensors[0]
-            work = self._reductions.at_issue("all_reduce", t, t, t.numel(), opts.reduceOp,
-                                             method, (tensors, opts))
-            if work is not None:
-                return work
+            taken = self._reductions.take("all_reduce", t, t.numel(), opts.reduceOp)
+            if type(taken) is Entry and self._reductions.runs(taken, t, opts.reduceOp):
+                return self._reductions.run(taken, "all_reduce", t, t, t.numel(),
+                                            opts.reduceOp, (method, (tensors, opts)))
         issuer = self._issuer(method, tensors)
-        self._refuse_invalid_op(opts.reduceOp, issuer, tensors, "all_reduce")
+        self._reductions.refuse_invalid_op(opts.reduceOp, issuer, tensors, "all_reduce", taken)
         single = opts
         if not isinstance(opts, dist.AllreduceOptions):
             single = dist.AllreduceOptions()
@@ -215,7 +210,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._exact(single, [t], [t], all_reduce_of, ("allreduce", ([t], single)),
                         in_place=True, collective="all_reduce") for t in tensors]
         return self._reductions.reduce(issuer, "all_reduce", whole, parts,
-                                       lambda: (tensors, tensors), opts)
+                                       lambda: (tensors, tensors), opts, taken)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
@@ -227,7 +222,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         wrong = scatter_list_problem(output, inputs, self._world)
         if wrong is not None:
             self._reductions.refuse(ValueError(wrong), issuer, [output])
-        self._refuse_invalid_op(opts.reduceOp, issuer, [output])
+        self._reductions.refuse_invalid_op(opts.reduceOp, issuer, [output])
         whole = self._exact(opts, inputs, [output], reduce_scatter_into(output),
                             ("reduce_scatter", (output_tensors, input_tensors, opts)),
                             in_place=False, collective="reduce_scatter")
@@ -247,18 +242,19 @@ class LocoProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if len(outputs) != len(inputs):
             raise ValueError("lowbitcc: reduce_scatter needs as many outputs as inputs")
+        taken = None
         if (len(outputs) == 1 and outputs[0].numel() * self._world == inputs[0].numel()
                 and outputs[0].dtype == inputs[0].dtype):
-            work = self._reductions.at_issue(
-                "reduce_scatter", inputs[0], outputs[0], inputs[0].numel(), opts.reduceOp,
-                "_reduce_scatter_base", (outputs[0], inputs[0], opts))
-            if work is not None:
-                return work
+            i, o = inputs[0], outputs[0]
+            taken = self._reductions.take("reduce_scatter", i, i.numel(), opts.reduceOp)
+            if type(taken) is Entry and self._reductions.runs(taken, i, opts.reduceOp):
+                return self._reductions.run(taken, "reduce_scatter", i, o, i.numel(),
+                                            opts.reduceOp, ("_reduce_scatter_base", (o, i, opts)))
         issuer = self._issuer("reduce_scatter", [*outputs, *inputs])
         wrong = scatter_flat_problem(outputs, inputs, self._world)
         if wrong is not None:
-            self._reductions.refuse(ValueError(wrong), issuer, outputs)
-        self._refuse_invalid_op(opts.reduceOp, issuer, outputs)
+            self._reductions.refuse(ValueError(wrong), issuer, outputs, first=taken)
+        self._reductions.refuse_invalid_op(opts.reduceOp, issuer, outputs, first=taken)
         parts = [self._exact(opts, [i], [o], reduce_scatter_flat_into(o),
                              ("_reduce_scatter_base", (o, i, opts)), in_place=False,
                              collective="reduce_scatter") for o, i in zip(outputs, inputs)]
@@ -267,7 +263,7 @@ class LocoProcessGroup(dist.ProcessGroup):
             ("reduce_scatter_tensor_coalesced", (outputs, inputs, opts)), in_place=False,
             collective="reduce_scatter")
         return self._reductions.reduce(issuer, "reduce_scatter", whole, parts,
-                                       lambda: (outputs, inputs), opts)
+                                       lambda: (outputs, inputs), opts, taken)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

@@ -35,7 +35,6 @@ class WorkerIssuer:
     direct gloo group, ``clock`` times an exact call issued at once for the cost model."""
 
     inline = False
-    plans = False
     native_ops = PLAIN_OPS
 
     def __init__(self, queue: IssueQueue, direct: dist.ProcessGroup, clock: Clock) -> None:
@@ -95,3 +94,6 @@ class WorkerIssuer:
     def run(self, jobs: list[Job], parts: list[ExactReduction], tensors: list[torch.Tensor],
             outputs: list[torch.Tensor], async_op: bool) -> LocoWork:
         return self._queue.submit(self._queue.sequence(jobs, outputs))
+
+    def run_plan(self, run: Job, native: tuple[str, tuple]) -> LocoWork:
+        return self._queue.submit(run)

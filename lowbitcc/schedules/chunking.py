@@ -27,6 +27,15 @@ def chunk_width(m: int, chunk_size: int, max_chunks: int) -> int:
     return max(chunk_size, -(-m // max_chunks))
 
 
+def into(out: torch.Tensor | None, reduced: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's result ``reduced`` (fp32 ``[m]``), in ``out`` where the caller gave
+    one."""
+    if out is None:
+        return reduced
+    out.copy_(reduced)
+    return out
+
+
 def stage(name: str, k: int, count: int) -> str:
     """Chunk ``k``'s stage name (``name`` itself when there is one chunk)."""
     return name if count == 1 else f"{name}.{k}"

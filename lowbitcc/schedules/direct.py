@@ -20,6 +20,13 @@ chunk is encoded where it lies, without a copy. Quantization groups never
 straddle a chunk edge, so with nearest rounding the codes, and the results, are the same bytes
 as without chunks (stochastic rounding draws its random bits per chunk).
 
+Where the codec's kernels fuse steps (CUDA), the all-reduce of one chunk takes fewer launches:
+step 4 decodes, sums and re-quantizes in one encode (`CallCompressor.encode_sum`), and on two
+ranks every row of the all-gathered codes is decoded in one launch
+(`CallCompressor.decode_rows`); the same bytes either way. Every transfer receives into the
+compressor's buffer for its stage where it keeps one (`CallCompressor.received`: a call place's
+plan), and so does every encode.
+
 Two ranks: the all-reduce is one phase instead. Each rank quantizes its whole input (every
 row, stage ``"gather"``), the ranks all-gather these codes, and every rank decodes both ranks'
 messages of each row and sums them in fp32 in rank order (its own codes, not its own values),
@@ -82,8 +89,10 @@ def _pipeline(
         on_gathered(k, a, b, pending.wait())
 
     for k, (a, b) in enumerate(ranges):
-        messages = encode_columns(comp, stage(prefix + "rs", k, len(ranges)), source, a, b)
-        scattering.append((k, a, b, transport.all_to_all_async(messages)))
+        name = stage(prefix + "rs", k, len(ranges))
+        messages = encode_columns(comp, name, source, a, b)
+        scattering.append((k, a, b, transport.all_to_all_async(
+            messages, comp.received(name, messages.numel(), device))))
         if len(scattering) > 1:
             reduce_oldest()
         if len(gathering) > 1:
@@ -95,11 +104,14 @@ def _pipeline(
 
 
 def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
-                   chunk: int = 0, prefix: str = "") -> torch.Tensor:
-    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``. ``prefix`` goes before the
-    stage names (a schedule that runs this one inside names its own stages)."""
+                   chunk: int = 0, prefix: str = "", out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]`` (in ``out`` where given).
+    ``prefix`` goes before the stage names (a schedule that runs this one inside names its own
+    stages)."""
     transport = links.world
-    out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
+    if out is None:
+        out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
     _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
               lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
     return out
@@ -117,15 +129,37 @@ def all_reduce(
     if transport.size == 2:
         _gather_all_reduce(source, out, comp, transport, ranges, prefix)
         return
+    device = source.tensor.device
+    if count == 1:
+        _scatter_gather(source, out, comp, transport, prefix)
+        return
 
     def requantize(k: int, a: int, b: int, reduced: torch.Tensor) -> Pending:
-        message = comp.encode(stage(prefix + "ag", k, count), Source(reduced, 1, b - a), [rank])
-        return transport.all_gather_async(message[0])
+        name = stage(prefix + "ag", k, count)
+        message = comp.encode(name, Source(reduced, 1, b - a), [rank])
+        return transport.all_gather_async(
+            message[0], comp.received(name, transport.size * message.numel(), device))
 
     def place(k: int, a: int, b: int, gathered: torch.Tensor) -> None:
         decode_columns(comp, gathered, rows, m, a, b, out)
 
     _pipeline(source, comp, transport, ranges, requantize, place, prefix)
+
+
+def _scatter_gather(source: Source, out: torch.Tensor, comp: CallCompressor,
+                    transport: Transport, prefix: str) -> None:
+    """Steps 1-5 of one chunk: the own row's messages summed and re-quantized by one
+    `CallCompressor.encode_sum` (one launch where the kernels fuse it)."""
+    rank, rows, m, device = transport.rank, source.rows, source.m, source.tensor.device
+    name = prefix + "rs"
+    messages = encode_columns(comp, name, source, 0, m)
+    received = transport.all_to_all_async(
+        messages, comp.received(name, messages.numel(), device)).wait()
+    name = prefix + "ag"
+    mine = comp.encode_sum(name, received, m, rank, comp.scratch(m, device))
+    gathered = transport.all_gather_async(
+        mine[0], comp.received(name, transport.size * mine.numel(), device)).wait()
+    decode_columns(comp, gathered, rows, m, 0, m, out)
 
 
 def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
@@ -157,19 +191,24 @@ def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
         if row is not None:
             place(row, a, b, gathered.view(n, -1))
             return
+        if comp.decode_rows(gathered.view(n * rows, -1), n, m, out):
+            return
         gathered = gathered.view(n, rows, -1)
         for r in range(rows):
             place(r, a, b, gathered[:, r])
 
     if len(ranges) == 1:
-        messages = encode_columns(comp, prefix + "gather", source, 0, m)
-        in_flight.append((0, m, None, transport.all_gather_async(messages)))
+        name = prefix + "gather"
+        messages = encode_columns(comp, name, source, 0, m)
+        in_flight.append((0, m, None, transport.all_gather_async(
+            messages, comp.received(name, n * messages.numel(), device))))
     else:
         for k, (a, b) in enumerate(ranges):
             name = stage(prefix + "gather", k, len(ranges))
             for r in range(rows):
                 messages = encode_row(comp, name, source, r, a, b)
-                in_flight.append((a, b, r, transport.all_gather_async(messages)))
+                in_flight.append((a, b, r, transport.all_gather_async(
+                    messages, comp.received(f"{name}.{r}", n * messages.numel(), device))))
                 if len(in_flight) > rows:
                     place_oldest()
     while in_flight:

@@ -28,7 +28,7 @@ import torch
 
 from lowbitcc.compressor import CallCompressor, Source
 from lowbitcc.schedules import direct
-from lowbitcc.schedules.chunking import all_values
+from lowbitcc.schedules.chunking import all_values, into
 from lowbitcc.transports.links import Links
 
 PREFIX = "hier."
@@ -58,15 +58,16 @@ def _node_reduce(source: Source, links: Links) -> torch.Tensor:
     return total
 
 
-def reduce_scatter(source: Source, comp: CallCompressor, links: Links, chunk: int = 0) -> torch.Tensor:
-    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``."""
+def reduce_scatter(source: Source, comp: CallCompressor, links: Links, chunk: int = 0,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]`` (in ``out`` where given)."""
     _check(links, source.rows)
     lay = links.layout
     partial = _node_reduce(source, links)
     if lay.nodes == 1:
-        return partial
-    return direct.reduce_scatter(Source(partial, lay.nodes, source.m), comp, Links.of(links.rail()), chunk,
-                                 prefix=PREFIX)
+        return into(out, partial)
+    return direct.reduce_scatter(Source(partial, lay.nodes, source.m), comp,
+                                 Links.of(links.rail()), chunk, prefix=PREFIX, out=out)
 
 
 def all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor, links: Links,

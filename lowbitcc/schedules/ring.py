@@ -31,7 +31,14 @@ from __future__ import annotations
 import torch
 
 from lowbitcc.compressor import CallCompressor, Source
-from lowbitcc.schedules.chunking import chunks, decode_columns, row_slice, row_values, stage
+from lowbitcc.schedules.chunking import (
+    chunks,
+    decode_columns,
+    into,
+    row_slice,
+    row_values,
+    stage,
+)
 from lowbitcc.transports.base import Pending, Transport
 from lowbitcc.transports.links import Links
 
@@ -68,13 +75,13 @@ def _reduce_scatter_chunks(source: Source, comp: CallCompressor, transport: Tran
 
 
 def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
-                   chunk: int = 0) -> torch.Tensor:
-    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``."""
+                   chunk: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]`` (in ``out`` where given)."""
     transport = links.world
     ranges = chunks(source.m, chunk, comp.codec.group_size)
     if transport.size == 1:
-        return row_values(source, 0, 0, source.m)
-    return torch.cat(_reduce_scatter_chunks(source, comp, transport, ranges))
+        return into(out, row_values(source, 0, 0, source.m))
+    return into(out, torch.cat(_reduce_scatter_chunks(source, comp, transport, ranges)))
 
 
 def all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor, links: Links,

@@ -61,12 +61,13 @@ def _reduce_and_broadcast(source: Source, comp: CallCompressor, transport: Trans
 
 
 def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
-                   chunk: int = 0) -> torch.Tensor:
-    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]`` (``chunk`` unused)."""
+                   chunk: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``, in ``out`` where given
+    (``chunk`` unused)."""
     transport = links.world
     codes = _reduce_and_broadcast(source, comp, transport)
     r = transport.rank
-    return comp.decode_sum(codes[r:r + 1], source.m, r)
+    return comp.decode_sum(codes[r:r + 1], source.m, r, out)
 
 
 def all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor, links: Links,

@@ -26,6 +26,7 @@ class Links:
         self._make = make
         self._node: Transport | None = None
         self._rail: Transport | None = None
+        self._shared: Links | None = None  # `with_world`'s: whose node and rail links these are
 
     @classmethod
     def of(cls, transport: Transport) -> Links:
@@ -34,18 +35,29 @@ class Links:
         layout = NodeLayout(transport.size, 1, transport.rank, 0)
         return cls(transport, layout, None)
 
+    def with_world(self, world: Transport) -> Links:
+        """These links with ``world`` in place of their world transport (a call's own metered
+        copy of it, say); the node and rail links stay these links' own, built once."""
+        other = Links(world, self.layout, None)
+        other._shared = self if self._shared is None else self._shared
+        return other
+
     def _sub(self, name: str, color: int, key: int, size: int) -> Transport:
         if self._make is None:
             raise RuntimeError(f"lowbitcc: these links have no {name} transport")
         return self._make(name, color, key, size)
 
     def node(self) -> Transport:
+        if self._shared is not None:
+            return self._shared.node()
         if self._node is None:
             lay = self.layout
             self._node = self._sub("node", lay.node, lay.local, lay.node_size)
         return self._node
 
     def rail(self) -> Transport:
+        if self._shared is not None:
+            return self._shared.rail()
         if self._rail is None:
             lay = self.layout
             self._rail = self._sub("rail", lay.local, lay.node, lay.nodes)

@@ -1,7 +1,8 @@
-"""Call plans (`lowbitcc.backend.call_plan`): a place's compressed all-reduce run by its plan,
-on 2 and 3 real ranks under ``LOCO_ISSUER=inline``, gives the bytes and error states of the
-same call run through its job (``call_plans`` off), one plan per place, kept across the
-place's agreements, and used for every planned run."""
+"""Call plans (`lowbitcc.backend.call_plan`): a place's compressed all-reduce or reduce-scatter
+run by its plan, on 2 and 3 real ranks on the worker and inline, gives the bytes and error
+states of the same call run through its job after a descriptor exchange (the reference: the
+schedule's own code with fresh buffers, every call of the group agreed alone), one plan per
+place, kept across the place's agreements, and used for every run of its entry."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
-from lowbitcc.backend import call_plan, call_schedule
+from lowbitcc.backend import call_plan, call_schedule, reductions
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from tests.support.ranks import run_ranks
 
@@ -29,12 +30,13 @@ run adds its own at its end, `counters.RunTally`; the sums in the same order).""
 PASSES = 7
 
 
-def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto", feedback=None):
+def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto", feedback=None,
+            issuer="inline"):
     """``PASSES`` backward passes of the compressed all-reduces and reduce-scatters of `CALLS`
-    on a group with
-    ``call_plans`` = ``plans`` (a list: each rank's; the schedule agrees again every 3 runs of
-    a place): every result, the error states after, how many calls ran by a plan and how many plans were
-    made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
+    on a group of ``issuer`` whose calls take their places (``plans``; the schedule agrees
+    again every 3 runs of a place), else take none (each exchanges a descriptor and runs its
+    job): every result, the error states after, how many calls ran by a plan and how many
+    plans were made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
     longer (then also: the passes that raised `CollectiveMismatchError`, and each pass's plan
     runs). ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py);
     ``fmt``, ``feedback``: the group's code format and feedback setting (`LocoConfig`'s)."""
@@ -51,10 +53,10 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto",
         init(self, *args)
 
     call_plan.CallPlan.run, call_plan.CallPlan.__init__ = counted_run, counted_init
-    if isinstance(plans, list):
-        plans = plans[rank]
+    if not plans:  # the reference: no call takes a place, as a callback's calls
+        reductions.Reductions._takes_place = staticmethod(lambda device_type: False)
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, issuer="inline", call_plans=plans, format=fmt, feedback=feedback))
+        cost_model=False, issuer=issuer, format=fmt, feedback=feedback))
     if device == "cuda":
         from lowbitcc.tools import spawn
 
@@ -96,13 +98,15 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto",
     return results, (states, {k: counted[k] for k in COUNTED}), runs[0], made[0]
 
 
-@pytest.mark.parametrize("world,fmt,feedback", [
-    (2, "auto", None), (3, "mxfp4", None), (3, "nvfp4", True)])
-def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt, feedback):
+@pytest.mark.parametrize("world,fmt,feedback,issuer", [
+    (2, "auto", None, "auto"), (2, "auto", None, "inline"), (3, "mxfp4", None, "inline"),
+    (3, "nvfp4", True, "auto")])
+def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt, feedback, issuer):
     """The default (NVFP4, no error state), MXFP4 (its own default: feedback on) and NVFP4 with
-    feedback."""
-    planned = run_ranks(_passes, world, True, None, "cpu", fmt, feedback, timeout=180)
-    jobs = run_ranks(_passes, world, False, None, "cpu", fmt, feedback, timeout=180)
+    feedback; on the worker (its route cuts rows into chunks: a plan runs the same chunks) and
+    inline."""
+    planned = run_ranks(_passes, world, True, None, "cpu", fmt, feedback, issuer, timeout=180)
+    jobs = run_ranks(_passes, world, False, None, "cpu", fmt, feedback, issuer, timeout=180)
     kept = lowbitcc.LocoConfig(format=fmt, feedback=feedback).wire_feedback
     for (got, got_states, runs, made), (want, want_states, no_runs, none_made) in zip(planned,
                                                                                     jobs):
@@ -130,26 +134,12 @@ def test_planned_calls_equal_their_jobs_bit_for_bit(world, fmt, feedback):
                    for a, b, call in zip(pa, pb, CALLS) if call[3] == "all_reduce")
 
 
-def test_ranks_may_differ_in_call_plans():
-    mixed = run_ranks(_passes, 2, [True, False], timeout=180)
-    jobs = run_ranks(_passes, 2, False, timeout=180)
-    assert mixed[0][2] > 0 and mixed[1][2] == 0  # rank 0 ran plans, rank 1 jobs
-    for (got, _, _, _), (want, _, _, _) in zip(mixed, jobs):
-        assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_that_deviates_while_plans_run_makes_every_rank_raise(world):
-    for raised, per_pass in run_ranks(_passes, world, True, 3, timeout=180):
+@pytest.mark.parametrize("world,issuer", [(2, "inline"), (3, "inline"), (2, "auto")])
+def test_a_rank_that_deviates_while_plans_run_makes_every_rank_raise(world, issuer):
+    for raised, per_pass in run_ranks(_passes, world, True, 3, "cpu", "auto", None, issuer,
+                                      timeout=180):
         # pass 3's second call: the others run it by its place's plan, the last rank runs the
         # agreed call in its place on flagged messages; every rank raises at that call, and
         # the passes after it run (agreed anew)
         assert raised == [3], (raised, per_pass)
         assert per_pass[2] > 0 and per_pass[3] > 0, per_pass
-
-
-def test_call_plans_setting():
-    assert lowbitcc.LocoConfig.from_env({"LOCO_CALL_PLANS": "0"}).call_plans is False
-    assert lowbitcc.LocoConfig().call_plans is True
-    with pytest.raises(ValueError, match="call_plans"):
-        lowbitcc.LocoConfig(call_plans="yes")

@@ -177,53 +177,62 @@ def test_graph_capture_takes_the_exact_path(fake_cuda):
     assert log == [("exact", "current"), ("ready", "current", ["out"])]
 
 
-class _FakePlan:
-    """A place's `call_plan.CallPlan` as the issuer sees it: ``run`` logged."""
+class _FakeRun:
+    """A place's run (`call_plan.PlanRun`) as the issuer sees it: calling it is logged."""
 
     verdict = None
     canary_entry = None
 
-    def __init__(self, log: list, state: dict) -> None:
-        self.log, self.state = log, state
+    def __init__(self, log: list, state: dict, tensor, output=None) -> None:
+        self.log, self.state, self.tensor, self.output = log, state, tensor, output
 
-    def run(self, tensor, op, output=None) -> None:
-        self.log.append(("plan", self.state["current"].name, tensor.name, op)
-                        + (() if output is None else (output.name,)))
+    def __call__(self) -> list:
+        self.log.append(("plan", self.state["current"].name, self.tensor.name)
+                        + (() if self.output is None else (self.output.name,)))
+        return [self.tensor if self.output is None else self.output]
 
     def describe(self) -> str:
         return "the plan's call"
 
 
-def test_a_place_plan_runs_on_the_calls_stream_and_never_while_captured(fake_cuda):
+class _FakeNccl:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def allreduce(self, tensors, options) -> None:
+        self.log.append(("nccl allreduce", [t.name for t in tensors]))
+
+
+def test_a_place_plan_runs_on_the_calls_stream_and_goes_exact_while_captured(fake_cuda):
     import torch.distributed as dist
 
     log, state = fake_cuda
-    issuer = cuda_issue.CudaIssuer(nccl=None)
+    issuer = cuda_issue.CudaIssuer(nccl=_FakeNccl(log))
     out = FakeTensor(log, "out")
     options = dist.AllreduceOptions()
     options.asyncOp = True
-    work = issuer.run_plan(_FakePlan(log, state), out, "sum", ("allreduce", ([out], options)))
-    assert issuer.plans and isinstance(work, cuda_issue.StreamWork)
-    assert log == [("wait_stream", "side1", "current"), ("plan", "side1", "out", "sum"),
+    work = issuer.run_plan(_FakeRun(log, state, out), ("allreduce", ([out], options)))
+    assert isinstance(work, cuda_issue.StreamWork)
+    assert log == [("wait_stream", "side1", "current"), ("plan", "side1", "out"),
                    ("record_stream", "out", "side1")]
     log.clear()  # a reduce-scatter's plan: the input read, the output written and returned
     inp = FakeTensor(log, "inp")
     rs_options = dist.ReduceScatterOptions()
     rs_options.asyncOp = False
-    work = issuer.run_plan(_FakePlan(log, state), inp, "sum",
-                           ("_reduce_scatter_base", (out, inp, rs_options)), out)
+    work = issuer.run_plan(_FakeRun(log, state, inp, out),
+                           ("_reduce_scatter_base", (out, inp, rs_options)))
     # the previous call's event first (it ran on the side stream), then the plan on the current
-    assert log == [("wait_event", "current", "side1"), ("plan", "current", "inp", "sum", "out")]
+    assert log == [("wait_event", "current", "side1"), ("plan", "current", "inp", "out")]
     assert work._outputs == [out]  # the Work's value: the reduce-scatter's output
-    state["capturing"] = True  # the call's job runs instead: it counts and goes exact
-    assert not issuer.plans
-    with pytest.raises(RuntimeError, match="graph capture"):
-        issuer.run_plan(_FakePlan(log, state), out, "sum", ("allreduce", ([out], options)))
+    log.clear()
+    state["capturing"] = True  # c10d's own call instead, and nothing of the call left open
+    issuer.run_plan(_FakeRun(log, state, out), ("allreduce", ([out], options)))
+    assert log == [("nccl allreduce", ["out"]), ("ready", "current", ["out"])]
 
 
-class _RaisingPlan(_FakePlan):
-    def run(self, tensor, op, output=None) -> None:
-        super().run(tensor, op, output)
+class _RaisingRun(_FakeRun):
+    def __call__(self) -> list:
+        super().__call__()
         raise RuntimeError("a peer deviated")
 
 
@@ -239,10 +248,10 @@ def test_a_plan_that_raises_still_orders_the_next_call_after_its_work(fake_cuda)
     options = dist.AllreduceOptions()
     options.asyncOp = True
     with pytest.raises(RuntimeError, match="deviated"):
-        issuer.run_plan(_RaisingPlan(log, state), out, "sum", ("allreduce", ([out], options)))
+        issuer.run_plan(_RaisingRun(log, state, out), ("allreduce", ([out], options)))
     log.clear()
     options.asyncOp = False
-    issuer.run_plan(_FakePlan(log, state), out, "sum", ("allreduce", ([out], options)))
+    issuer.run_plan(_FakeRun(log, state, out), ("allreduce", ([out], options)))
     assert log[0] == ("wait_event", "current", "side1"), log
 
 

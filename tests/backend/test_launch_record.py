@@ -1,4 +1,4 @@
-"""Host records of a call place's run (`launch_record.LaunchRecord`, ``LocoConfig.call_replay``),
+"""Host records of a call place's run (`launch_record.LaunchRecord`, wherever a place can replay),
 without a GPU: a place's `CallPlan` on the CUDA code branch (``device="meta"``, the CUDA
 launcher and the NCCL group recorded, `tests.support.cuda_trace`) beside an eager plan of the
 same calls; and `PlaceGraph`'s decisions on a stand-in plan with CPU tensors (real addresses).
@@ -169,11 +169,13 @@ def test_a_run_that_queues_work_of_its_own_is_never_recorded():
     assert graph.off and plan.comp.rebinds == 1 and torch.equal(x, torch.ones(8))
 
 
-def test_call_replay_is_on_by_default_and_graphs_take_its_place(monkeypatch, launched):
-    assert LocoConfig().call_replay and not LocoConfig.from_env({"LOCO_CALL_REPLAY": "0"}).call_replay
+def test_places_record_where_they_can_replay_and_graphs_take_its_place(monkeypatch, launched):
+    with pytest.raises(ValueError, match="LOCO_CALL_REPLAY"):  # no switch: records always
+        LocoConfig.from_env({"LOCO_CALL_REPLAY": "0"})
     monkeypatch.setattr(state, "STATS", Stats())
+    recorded, _, _ = meta_plan(GpuWork(), 2, 1 << 16, "nvfp4", feedback=False)
+    assert recorded.graph is not None and recorded.graph.recorded
     graphs, _, _ = meta_plan(GpuWork(), 2, 1 << 16, "nvfp4", feedback=False, graphs=True)
     assert graphs.graph is not None and not graphs.graph.recorded
-    off, _, _ = meta_plan(GpuWork(), 2, 1 << 16, "nvfp4", feedback=False, replay=False)
     fed, _, _ = meta_plan(GpuWork(), 2, 1 << 16, "nvfp4", feedback=True)
-    assert off.graph is None and fed.graph is None  # an error state changes every run
+    assert fed.graph is None  # an error state changes every run

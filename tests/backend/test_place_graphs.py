@@ -163,11 +163,11 @@ def test_a_failed_capture_runs_the_call_eagerly_and_turns_the_place_s_graphs_off
     assert plan.graph.off and len(FakeGraph.made) == 1 and plan.graph.replays == 0
 
 
-def test_graphs_need_call_plans():
+def test_call_graphs_is_a_bool():
     from lowbitcc.config import LocoConfig
 
     with pytest.raises(ValueError, match="call_graphs"):
-        LocoConfig(call_graphs=True, call_plans=False)
+        LocoConfig(call_graphs="yes")
 
 
 class _Comp:

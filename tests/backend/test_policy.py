@@ -11,8 +11,10 @@ import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc import policy, state
+from lowbitcc.backend.call_schedule import Entry
 from lowbitcc.backend.exact import Reduction, input_factor
-from lowbitcc.codec import cuda
+from lowbitcc.backend.reductions import Reductions
+from lowbitcc.codec import cuda, wire
 from lowbitcc.counters import Stats
 from lowbitcc.feedback import FeedbackStore
 from tests.support.cuda_trace import GpuWork, meta_plan
@@ -81,9 +83,15 @@ def test_a_planned_call_counts_in_a_feedback_key_block_with_or_without_feedback(
     monkeypatch.setattr(state, "STATS", Stats())
     plan, x, _ = meta_plan(GpuWork(), 2, 4096, "nvfp4", feedback=feedback)
     plan.group.key = lambda *args: (policy.explicit_key(), False)  # the group's own counts
+    reductions = object.__new__(Reductions)  # what a steady call's run takes in issue order
+    reductions._compressed = plan.group
+    entry = Entry(wire.CallDescriptor("all_reduce", torch.float32, 0, 4096, 1, 4, 16, True), 63)
+    entry.plan = plan
     with lowbitcc.feedback_key("g"):
-        plan.run(x, dist.ReduceOp.SUM)
+        run = reductions._plan_run(entry, "all_reduce", x, dist.ReduceOp.SUM, None)
         assert policy.explicit_key() == "g#1"
+        assert run.key == ("g" if feedback else "")
+        run()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

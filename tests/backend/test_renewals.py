@@ -11,7 +11,7 @@ import torch
 import lowbitcc
 from lowbitcc.backend import call_schedule
 from lowbitcc.backend.call_agreement import DeviatedPeerError
-from lowbitcc.backend.call_schedule import EXCHANGE, PLANNED, CallSchedule
+from lowbitcc.backend.call_schedule import EXCHANGE, CallSchedule, Entry
 from lowbitcc.backend.exact import ReduceOp
 from lowbitcc.backend.renewal import Outcome
 from lowbitcc.codec import wire
@@ -51,18 +51,25 @@ def _learned(renewals: list, result: object, exact: bool = False) -> CallSchedul
 
     schedule = CallSchedule(renew=renew)
     for _ in range(2):  # the second epoch's first call closes the period
-        plan = schedule.plan(KEY)
-        assert plan.kind == EXCHANGE
-        schedule.agreed(plan.index, DESC, call_schedule.REAGREE_EVERY - 1, exact=exact)
-        plan.settle()
+        place = schedule.take(KEY)
+        assert place.kind == EXCHANGE
+        schedule.agreed(place.index, DESC, call_schedule.REAGREE_EVERY - 1, exact=exact)
+        place.settle()
         lowbitcc.end_step()
     return schedule
+
+
+def _steady(schedule: CallSchedule, exact: bool = False) -> Entry | None:
+    """The next place's entry, where the call of `KEY` runs as it and it is ``exact`` (else
+    compressed), else None (the place is taken either way)."""
+    taken = schedule.take(KEY)
+    return taken if type(taken) is Entry and taken.exact == exact else None
 
 
 def _run_out(schedule: CallSchedule, exact: bool = False) -> None:
     """The entry's three runs (the second starts its renewal)."""
     for _ in range(3):
-        assert schedule.planned(KEY, exact) is not None
+        assert _steady(schedule, exact) is not None
 
 
 def test_a_confirmed_renewal_runs_the_place_on_without_an_exchange(renewals):
@@ -70,46 +77,45 @@ def test_a_confirmed_renewal_runs_the_place_on_without_an_exchange(renewals):
     _run_out(schedule)
     assert len(renewals) == 1  # started where two runs were left, not again
     for _ in range(4):  # the run that takes it, and three more
-        assert schedule.planned(KEY, False) is not None
+        assert _steady(schedule) is not None
     assert renewals[0].taken == 1 and len(renewals) == 2
 
 
 def test_a_renewal_choosing_the_other_path_makes_a_new_entry(renewals):
     schedule = _learned(renewals, Outcome(True, True, 4))
     _run_out(schedule)
-    assert schedule.planned(KEY, False) is None  # taken: the entry is exact now
-    entry = schedule.planned(KEY, True)
+    entry = _steady(schedule, True)  # taken: the entry is exact now
     assert entry is not None and entry.exact and entry.by_model and entry.timed
 
 
 def test_a_renewal_without_an_entry_leaves_the_place_to_exchange(renewals):
     schedule = _learned(renewals, None)
     _run_out(schedule)
-    assert schedule.plan(KEY).kind == EXCHANGE
+    assert schedule.take(KEY).kind == EXCHANGE
 
 
 def test_a_renewal_that_raised_drops_the_entry_and_keeps_the_period(renewals):
     schedule = _learned(renewals, RuntimeError("a peer is gone"))
     _run_out(schedule)
     with pytest.raises(RuntimeError, match="a peer is gone"):
-        schedule.planned(KEY, False)
-    plan = schedule.plan(KEY)
-    assert plan.kind == EXCHANGE and plan.index > 0
+        schedule.take(KEY)
+    place = schedule.take(KEY)
+    assert place.kind == EXCHANGE and place.index > 0
 
 
 def test_a_reported_deviation_raises_and_starts_the_schedule_again(renewals):
     schedule = _learned(renewals, DeviatedPeerError("rank 1 deviated"))
     _run_out(schedule)
     with pytest.raises(DeviatedPeerError):
-        schedule.planned(KEY, False)
-    assert schedule.plan(KEY).index == 0
+        schedule.take(KEY)
+    assert schedule.take(KEY).index == 0
 
 
 def test_a_deviation_in_a_dropped_renewal_is_reported_again(renewals):
     schedule = _learned(renewals, Outcome(False, False, 4))
     schedule.deviated = True
-    assert schedule.planned(KEY, False) is not None
-    assert schedule.planned(KEY, False) is not None  # starts the renewal: it takes the report
+    assert _steady(schedule) is not None
+    assert _steady(schedule) is not None  # starts the renewal: it takes the report
     assert renewals[0].deviated and not schedule.deviated
     schedule.forget()  # every rank raised elsewhere: the renewal is dropped
     assert schedule.take_deviated()
@@ -117,11 +123,11 @@ def test_a_deviation_in_a_dropped_renewal_is_reported_again(renewals):
 
 def test_a_nan_canary_takes_the_pending_renewal_before_the_place_exchanges(renewals):
     schedule = _learned(renewals, DeviatedPeerError("rank 1 deviated"), exact=True)
-    entry = schedule.planned(KEY, True)
-    assert schedule.planned(KEY, True) is entry and len(renewals) == 1
+    entry = _steady(schedule, True)
+    assert _steady(schedule, True) is entry and len(renewals) == 1
     entry.canary = call_schedule.Poisoned()  # the last run's output ended in NaN
     with pytest.raises(DeviatedPeerError):  # the renewal's report, before any exchange
-        schedule.plan(KEY)
+        schedule.take(KEY)
     assert renewals[0].taken == 1
 
 
@@ -136,8 +142,18 @@ def test_one_tensor_of_several_is_not_renewed(renewals):
     assert renewals == [] and entry.left == 1
 
 
-def test_a_planned_run_of_a_renewed_entry_is_its_own(renewals):
+def test_a_run_of_a_renewed_entry_is_its_own(renewals):
     schedule = _learned(renewals, Outcome(False, False, 4))
     _run_out(schedule)
-    plan = schedule.plan(KEY)
-    assert plan.kind == PLANNED and plan.entry.left == 3
+    entry = schedule.take(KEY)
+    assert type(entry) is Entry and entry.left == 3
+
+
+def test_a_call_that_is_not_the_entry_or_wishes_the_other_path_deviates(renewals):
+    schedule = _learned(renewals, Outcome(False, False, 4))
+    other = (*KEY[:3], KEY[3] + 1, *KEY[4:])
+    for key, wish in ((other, None), (KEY, "exact")):  # another size; `lowbitcc.exact`
+        place = schedule.take(key, wish)
+        assert place.kind == call_schedule.DEVIATE and place.opened  # until its job settles it
+        place.settle()
+    assert type(schedule.take(KEY, "compressed")) is Entry

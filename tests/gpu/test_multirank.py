@@ -5,7 +5,7 @@ its own ``NCCL_HOSTID`` (NCCL then takes them for separate nodes over its socket
 and the test ids say so. Timings mean nothing there; results do: compressed all-reduce and
 reduce-scatter identical on every rank and equal to the same call on CPU tensors (the C++
 codec, gloo) bit for bit, a mismatched call raising on every rank, no host synchronisation,
-the call schedule's steady state and agreed re-learning (`LocoConfig.call_schedule`), and a
+the call schedule's steady state and agreed re-learning (`backend.call_schedule`), and a
 rank's invalid arguments refused on every rank. Runs and results: docs/gpu.md.
 """
 
@@ -169,9 +169,9 @@ def test_hierarchical_on_nccl_equals_the_cpu_calls_bit_for_bit():
 @pytest.mark.parametrize("fmt,feedback", [("auto", None), ("mxfp4", None), ("nvfp4", True)])
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world, fmt, feedback):
-    """A place's `CallPlan` on CUDA (on by default) against the same calls run by their jobs
-    (``call_plans`` off): the same results and error states on every rank; the default (NVFP4,
-    no error state), MXFP4 (feedback on) and NVFP4 with feedback."""
+    """A place's `CallPlan` on CUDA against the same calls run by their jobs (no call taking a
+    place: each exchanges): the same results and error states on every rank; the default
+    (NVFP4, no error state), MXFP4 (feedback on) and NVFP4 with feedback."""
     planned = _ranks(call_plans._passes, world, True, None, "cuda", fmt, feedback)
     jobs = _ranks(call_plans._passes, world, False, None, "cuda", fmt, feedback)
     for (got, got_states, runs, made), (want, want_states, _, _) in zip(planned, jobs):
@@ -186,7 +186,7 @@ def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world, fmt, feedback):
 def _graph_steps(rank, world, gloo, mode):
     """12 steps of one compressed all-reduce place (a DDP bucket's: the tensor kept, here and
     there another one) on a group whose places replay by ``mode``: "graphs" (``call_graphs``),
-    "records" (``call_replay``, the default), "records on rank 0" (the others eager: ranks may
+    "records" (host records, the default), "records on rank 0" (the others eager: ranks may
     differ in it) or "eager" (neither): every result, and how many runs replayed
     (`place_graph`)."""
     from lowbitcc.backend import place_graph
@@ -199,10 +199,10 @@ def _graph_steps(rank, world, gloo, mode):
         return replay(self, *args, **kwargs)
 
     place_graph.PlaceGraph._replay = counted
-    if mode == "records on rank 0" and rank != 0:
+    if mode == "eager" or (mode == "records on rank 0" and rank != 0):
         place_graph.PlaceGraph.of = staticmethod(lambda plan: None)
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        cost_model=False, call_graphs=mode == "graphs", call_replay=mode != "eager"))
+        cost_model=False, call_graphs=mode == "graphs"))
     device = spawn.gpu_device(rank)
     gen = torch.Generator().manual_seed(rank)
     bucket = torch.empty(N, device=device)
@@ -233,7 +233,7 @@ def test_cuda_call_graphs_replay_the_eager_calls_bit_for_bit(world):
 @pytest.mark.parametrize("mode", ["records", "records on rank 0"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_call_records_issue_the_eager_calls_bit_for_bit(world, mode):
-    """``call_replay`` (on by default: from its plan's third run a place issues its run from a
+    """Host records (the default: from its plan's third run a place issues its run from a
     host record, made again where the tensor moved) against the same calls run eagerly: the
     same bits on every rank, also where only rank 0 replays."""
     replayed = _ranks(_graph_steps, world, mode)

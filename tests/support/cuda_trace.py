@@ -65,9 +65,9 @@ class PlanGroup:
     (an int8 error state) or off."""
 
     def __init__(self, world: int, codec: ShardCodec, feedback: bool = True,
-                 graphs: bool = False, replay: bool = True) -> None:
+                 graphs: bool = False) -> None:
         self.rank, self.size, self._codec = 0, world, codec
-        self.config = LocoConfig(feedback=feedback, call_graphs=graphs, call_replay=replay)
+        self.config = LocoConfig(feedback=feedback, call_graphs=graphs)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
         self.graphs = LiveGraphs()
 
@@ -80,7 +80,25 @@ class PlanGroup:
     def modelled(self, numel: int) -> bool:
         return False
 
+    def schedule_for(self, *args) -> str:
+        return "direct"
+
+    def chunk(self, *args) -> int:
+        return 0
+
     compressor = CompressedCalls.compressor  # the group's own: config and rank
+
+
+class TracedPlan(CallPlan):
+    """A `CallPlan` whose ``run(tensor, op, output=None)`` takes its call number from its
+    group and its feedback key "bucket", as `reductions.Reductions` hands them to a run (where
+    they are given, `CallPlan.run` itself)."""
+
+    def run(self, tensor, op, output=None, *taken) -> None:  # type: ignore[override]
+        if not taken:
+            key = "" if self.comp.error_dtype is None else "bucket"
+            taken = (self.group.agreement.next_seq(), key, None, False)
+        super().run(tensor, op, output, *taken)
 
 
 def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
@@ -90,7 +108,7 @@ def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
     kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``,
-    ``replay``: ``call_replay``), its transfers metered into ``stats`` (default `state.STATS`
+    ``replay`` False: every run eager), its transfers metered into ``stats`` (default `state.STATS`
     now) as `transports.open_nccl_links`' are, its
     NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output. The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
@@ -101,4 +119,7 @@ def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
     route = types.SimpleNamespace(links=Links.of(transport))
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
-    return CallPlan(PlanGroup(world, codec, feedback, graphs, replay), route, x, collective), x, out
+    plan = TracedPlan(PlanGroup(world, codec, feedback, graphs), route, x, collective)
+    if not replay and not graphs:  # every run eager
+        plan.graph = None
+    return plan, x, out

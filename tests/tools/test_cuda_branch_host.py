@@ -18,7 +18,7 @@ BUDGET = {("nvfp4", 2, "records"): (37, 38), ("nvfp4", 4, "records"): (50, 53),
           ("nvfp4", 2, "eager"): (109, 107), ("nvfp4", 4, "eager"): (194, 186),
           ("mxfp4", 2, "eager"): (110, 107), ("mxfp4", 4, "eager"): (196, 186)}
 """(Python calls, builtin calls) per planned 1 Mi fp32 all-reduce without feedback, issued from
-its host record (the default) or eagerly (``call_replay`` off), on the group's metered NCCL
+its host record (the default) or eagerly (its records off), on the group's metered NCCL
 transport (its counts rose by 14-16 and 16-34 when the trace took it on, 2026-11-28)."""
 
 

@@ -20,7 +20,7 @@ def test_issue47_goals_times_every_path_on_cpu_tensors(tmp_path):
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2
     for rank in ranks:
-        assert set(rank["rows"]) == {f"4096 {p}" for p in ("plan", "eager", "job", "exact", "nccl",
+        assert set(rank["rows"]) == {f"4096 {p}" for p in ("plan", "eager", "exact", "nccl",
                                                            "graph")}
         for row in rank["rows"].values():
             assert row["host_us"] > 0 and row["time_us"] > 0 and row["allocations"] == 0
