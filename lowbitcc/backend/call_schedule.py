@@ -11,9 +11,11 @@ than an exact call on a fast link. The schedule removes it from the steady state
   while ranks issue the same calls;
 - while the *period* is not known every call exchanges; it becomes known when the first call
   of an epoch (`policy.epoch`: a backward pass, or the calls between optimizer steps) is
-  agreed equal to the first call of an earlier epoch. From then on a call's *place* is its
-  index modulo the period, and epochs no longer matter (DDP's ``Join``: the joined rank's
-  shadow calls run outside backward, yet take the places of the calls they shadow);
+  agreed equal to the first call of an earlier epoch, or, where no epoch marks it, when the
+  calls have repeated a cycle a few times in a row (`call_cycle.CycleLearner`). From then on a
+  call's *place* is its index modulo the period, and epochs no longer matter (DDP's ``Join``:
+  the joined rank's shadow calls run outside backward, yet take the places of the calls they
+  shadow);
 - each agreement leaves its place an `Entry`: the agreed call and its outcome, for
   ``REAGREE_EVERY - 1`` more runs where the outcome can run without an exchange (`runs_for`),
   else for none; every rank derives the count from the agreed descriptors alike. The next
@@ -55,8 +57,8 @@ from typing import Any
 
 import torch
 
-from lowbitcc import policy
 from lowbitcc.backend.call_agreement import DeviatedPeerError
+from lowbitcc.backend.call_cycle import CycleLearner
 from lowbitcc.backend.exact import ReduceOp
 from lowbitcc.codec import wire
 
@@ -71,8 +73,6 @@ def renew_ahead() -> int:
     return REAGREE_EVERY // 2
 
 
-CAPACITY = 4096
-"""Calls kept while the period is unknown; past it, learning starts again."""
 EXACT_OPS = frozenset({int(ReduceOp.SUM), int(ReduceOp.AVG), int(ReduceOp.PREMUL_SUM)})
 """The ops of calls that may keep an exact entry: a NaN in one rank's input makes every
 output NaN (`deviation.ExactDeviation`)."""
@@ -188,14 +188,14 @@ class CallSchedule:
         self.deviated = False
         """This rank ran a place's exact entry in place of another call since its last
         exchange (`take_deviated`)."""
+        self._learner = CycleLearner()
         self._reset()
 
     def _reset(self) -> None:
-        self._entries: dict[int, Entry] = {}
-        self._starts: list[int] = []  # while learning: the index of each epoch's first call
+        self._learner.reset()
+        self._entries: dict[int, Entry] = self._learner.entries  # learning: by index
         self._period: int | None = None
         self._origin = 0
-        self._epoch: tuple[str, int] | None = None
         self._next = 0
 
     # -- in the calling thread -------------------------------------------------------------
@@ -238,10 +238,7 @@ class CallSchedule:
         index = self._next
         self._next += 1
         if self._period is None:
-            epoch = policy.epoch()
-            if epoch != self._epoch:
-                self._epoch = epoch
-                self._starts.append(index)
+            self._learner.advance(index)
         return index
 
     def entry(self, index: int) -> Entry | None:
@@ -361,7 +358,10 @@ class CallSchedule:
 
     def restart(self, place: Place | None = None) -> int:
         """Forget everything (every rank deviated alike): the call issued now is index 0, and
-        ``place``, its place, becomes an exchange there (open)."""
+        ``place``, its place, becomes an exchange there (open). Where the period was a guess
+        from the calls themselves, the next guess needs more repeats."""
+        if self._period is not None:
+            self._learner.wrong_guess()
         self.forget()
         index = self.advance()
         if place is not None:
@@ -375,18 +375,9 @@ class CallSchedule:
         return self._origin + (index - self._origin) % self._period
 
     def _learn(self, index: int, entry: Entry) -> None:
-        """Keep the call agreed at ``index``; close the period where it repeats the first call
-        of an earlier epoch."""
-        if self._starts and index == self._starts[-1]:
-            for start in self._starts[:-1]:
-                first = self._entries.get(start)
-                if first is not None and first.matches(entry.key):
-                    self._period, self._origin = index - start, start
-                    self._entries = {i: e for i, e in self._entries.items() if i >= start}
-                    self._starts = []
-                    self._entries[self._place(index)] = entry
-                    return
-        if self._starts and index - self._starts[0] >= CAPACITY:
-            self._entries.clear()
-            self._starts = [index]
-        self._entries[index] = entry
+        """Keep the call agreed at ``index`` while learning; where that closes the period
+        (`call_cycle.CycleLearner.learn`), the schedule's places are its cycle's calls."""
+        found = self._learner.learn(index, entry)
+        self._entries = self._learner.entries
+        if found is not None:
+            self._period, self._origin = found

@@ -233,3 +233,49 @@ def test_ddp_with_the_cost_model_exchanges_only_while_it_learns():
     assert sum(ex0[:10]) > 0 and sum(ex0[10:]) == 0, ex0
     assert sum(rn0[10:]) >= 6, rn0
     assert torch.equal(p0, p1)
+
+
+def _plain_loop(rank, world, gloo, issuer, pattern, compressed, steps):
+    """``steps`` rounds of ``pattern`` (element counts) all-reduced in a plain loop: no backward
+    pass, no optimizer step (nothing marks an epoch), ``compressed``: in a
+    `lowbitcc.compressed` block. Returns the exchanges per round, whether every call's result
+    equals gloo's (exact calls: bitwise; compressed: within the codec's error) and the errors."""
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        cost_model=False, issuer=issuer))
+    seen = counting_exchanges()
+    gen = torch.Generator().manual_seed(rank)
+    exchanges, close, errors = [], True, []
+    block = lowbitcc.compressed if compressed else lowbitcc.exact
+    for _ in range(steps):
+        before = len(seen)
+        for numel in pattern:
+            x = torch.randn(numel, generator=gen)
+            want = x.clone()
+            try:
+                with block():
+                    dist.all_reduce(x, group=group)
+            except CollectiveMismatchError as exc:
+                errors.append(str(exc))
+                continue
+            dist.all_reduce(want, group=gloo)
+            close &= (float((x - want).norm() / want.norm()) < 0.2 if compressed
+                      else torch.equal(x, want))
+        exchanges.append(len(seen) - before)
+    return exchanges, close, errors
+
+
+@pytest.mark.parametrize("issuer", ["auto", "inline"])
+@pytest.mark.parametrize("pattern,compressed", [
+    ((262_144,), True), ((100_000, 3000), False), ((70_000, 70_000, 70_000, 80_000), True)],
+    ids=["one compressed call", "two exact calls", "a pattern that starts with repeats"])
+def test_a_plain_loop_learns_its_period_from_the_calls_themselves(issuer, pattern, compressed):
+    """A loop of all-reduces with no backward and no optimizer step (a benchmark, a user's own
+    sync loop) reaches the steady state: no descriptor exchange once its calls have repeated
+    their cycle a few times. Where the cycle begins with repeats (A A A B), the first guess
+    (A, period 1) is wrong: every rank deviates alike at B, starts again without an error, and
+    learns the cycle with more repeats."""
+    steps = 40
+    for exchanges, close, errors in run_ranks(_plain_loop, 2, issuer, pattern, compressed, steps):
+        assert close and errors == [], (close, errors)
+        assert sum(exchanges[-20:]) == 0, exchanges  # the steady state: renewals only
+        assert sum(exchanges) <= 16 * len(pattern), exchanges
