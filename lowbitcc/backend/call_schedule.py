@@ -24,22 +24,28 @@ than an exact call on a fast link. The schedule removes it from the steady state
   place's run after the entry's last, on every rank alike;
 - a call whose place holds an entry with runs left, and which is the entry's call
   (`Entry.matches`: collective, dtype, op, size, form, parent), runs as the entry says without
-  an exchange: *compressed* entries (the direct schedule) run the compressed call at once,
-  *exact* ones (floating-point SUM, AVG and PREMUL_SUM of one tensor of at least 2 elements
-  per rank) are the inner group's own call, issued by the calling thread.
+  an exchange: *compressed* entries (every schedule) run the place's plan at once, *exact* ones
+  (floating-point SUM, AVG and PREMUL_SUM of one tensor of at least 2 elements per rank) are
+  the inner group's own call, issued by the calling thread.
 
 A rank whose call is not its place's entry *deviates* and knows it locally
 (`lowbitcc.backend.deviation`). It never waits on a transfer of another size than the
-others': it runs the entry's call in place of its own. At a compressed entry it sends zeros in
-messages flagged `wire.FLAG_DEVIATED`, which every rank reads: where every rank deviated to
-the same call, every rank starts its schedule again (`restart`) and agrees on the call; else
-every rank raises `CollectiveMismatchError` at that call. At an exact entry it contributes a
+others': it runs the entry's call in place of its own. At a compressed entry of the direct
+schedule it sends zeros in messages flagged `wire.FLAG_DEVIATED`, which every rank reads: where
+every rank deviated to the same call, every rank starts its schedule again (`restart`) and
+agrees on the call; else every rank raises `CollectiveMismatchError` at that call. At a
+compressed entry of another schedule (ring, tree, hierarchical: not every rank reads every
+rank's messages) it contributes NaN in flagged messages and raises; the ranks that read a
+flagged message, or one built from it, raise at that call, and the others' outputs are NaN,
+which their canary (below) turns into an exchange at the place's next run. At an exact entry
+it contributes a
 buffer of NaN with a few -0.0 elements: where every rank deviated, those elements come back
 -0.0 and every rank starts again; else this rank raises, the others' outputs of that call are
 NaN, and they raise at the next exchange or renewal, where this rank's descriptor carries
 `wire.DESC_DEVIATED` (`take_deviated`). Every rank exchanges again at the place's next run
-when the last output of its previous run there was NaN (its *canary*, read by the issuer; the
-same on every rank for an all-reduce), so that next exchange is at most a period away.
+when the last output of its previous run there was NaN (its *canary*, read by the issuer,
+kept by exact all-reduces and by compressed calls off the direct schedule; the same on every
+rank for an all-reduce), so that next exchange is at most a period away.
 
 Threads: the calling threads decide (`advance`, `entry`, `ran`; they take renewals too); on
 the worker route the exchanges and compressed deviations run later on the group's worker, which
@@ -50,7 +56,9 @@ is *settled* (`wait_settled`): only behind exchanges, not in the steady state.
 
 from __future__ import annotations
 
-import dataclasses
+__all__ = ["DEVIATE", "EXCHANGE", "CallSchedule", "Entry", "Place", "Poisoned", "call_key",
+           "renew_ahead", "runs_for", "takes_place"]
+
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +67,15 @@ import torch
 
 from lowbitcc.backend.call_agreement import DeviatedPeerError
 from lowbitcc.backend.call_cycle import CycleLearner
+from lowbitcc.backend.call_entry import (
+    DEVIATE,
+    EXCHANGE,
+    Entry,
+    Place,
+    Poisoned,
+    call_key,
+    takes_place,
+)
 from lowbitcc.backend.exact import ReduceOp
 from lowbitcc.codec import wire
 
@@ -79,97 +96,21 @@ output NaN (`deviation.ExactDeviation`)."""
 EXACT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
-def call_key(desc: wire.CallDescriptor) -> tuple:
-    """What must be the same on every rank for a call to run as its place's entry (not whether
-    this rank would compress it: the agreement at the place decided that for every rank)."""
-    return (desc.collective, desc.dtype, desc.op, desc.numel, desc.part, desc.parent)
-
-
-def runs_for(leader: wire.CallDescriptor, compressed: bool, direct: bool, world: int) -> int:
+def runs_for(leader: wire.CallDescriptor, compressed: bool, schedulable: bool,
+             world: int) -> int:
     """Runs without an exchange that the agreed call ``leader`` (rank 0's descriptor) keeps at
     its place: none after a cost-model warm-up or exploration (``leader.explore``), for a
-    compressed call off the direct schedule, or for an exact call whose deviation cannot be made
+    compressed call whose schedule cannot run on its route (``schedulable`` False: the place's
+    run exchanges, and raises there), or for an exact call whose deviation cannot be made
     visible (`EXACT_OPS`, `EXACT_DTYPES`, one tensor, at least 2 elements per rank)."""
     if leader.explore:
         return 0
     if compressed:
-        return REAGREE_EVERY - 1 if direct else 0
+        return REAGREE_EVERY - 1 if schedulable else 0
     per_rank = leader.numel // world if leader.collective == "reduce_scatter" else leader.numel
     nan_capable = (leader.op in EXACT_OPS and leader.dtype in EXACT_DTYPES
                    and not leader.part and per_rank >= 2)
     return REAGREE_EVERY - 1 if nan_capable else 0
-
-
-EXCHANGE, DEVIATE = "exchange", "deviate"
-"""What a call that does not run as its place's entry does there (`Place.kind`): exchange a
-descriptor (no entry, or none left), or deviate from the entry."""
-
-
-@dataclasses.dataclass
-class Place:
-    """A reduction's place in ``schedule`` (``index``) where it does not run as the place's
-    entry, and what it does there (``kind``, with the place's ``entry`` where it deviates from
-    it). A place whose outcome is recorded later is open in the schedule until `settle`
-    (idempotent)."""
-
-    schedule: CallSchedule
-    index: int
-    kind: str
-    entry: Entry | None = None
-    opened: bool = False
-
-    def settle(self) -> None:
-        if self.opened:
-            self.opened = False
-            self.schedule.settle()
-
-
-class Poisoned:
-    """The canary of an exact place whose last run this rank ran on a NaN-filled buffer
-    (`deviation.ExactDeviation`): the others' outputs ended in NaN, and so would its own."""
-
-    @staticmethod
-    def nan() -> bool:
-        return True
-
-
-@dataclasses.dataclass
-class Entry:
-    """The call the ranks agreed on at one place (``desc``: this rank's descriptor then), how
-    it ran (``exact``; ``by_model``: because rank 0's cost model chose it), and how many more
-    runs it may make without an exchange (``left``). ``canary``: for an exact all-reduce, the
-    issuer's view of its last run's output (`Issuer.canary`), whose ``nan()`` says whether
-    that output ended in NaN. ``plan``: for a compressed entry, what its runs keep
-    (`call_plan.CallPlan`, made by the first; passed on to the place's next entry of the
-    same call)."""
-
-    desc: wire.CallDescriptor
-    left: int
-    exact: bool = False
-    by_model: bool = False
-    canary: Any = None
-    plan: Any = None
-    eligible: bool = True
-    """This rank's tensor and op could be compressed (`policy.eligible`): what its
-    descriptor says of the call at a renewal, with the policy in force then."""
-    timed: bool = False
-    """Its next run is timed for the cost model (rank 0's model chose it exact at a renewal:
-    timed once per agreement, as the exchange that chose it was)."""
-    renewal: Any = None
-    """The place's next agreement (`renewal.PlaceRenewal`), started in the background by a run
-    of the entry (`CallSchedule.ran`), taken by the run after its last (`CallSchedule.entry`)."""
-
-    def __post_init__(self) -> None:
-        self.key = call_key(self.desc)
-
-    def matches(self, key: tuple) -> bool:
-        return key == self.key
-
-    @property
-    def renews(self) -> bool:
-        """Whether the place agrees again on this call in the background (not for one tensor
-        of several: an exploration of the exact path could not run as an entry)."""
-        return not self.desc.part
 
 
 class CallSchedule:

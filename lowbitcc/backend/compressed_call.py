@@ -40,7 +40,7 @@ from lowbitcc.backend.call_agreement import (
     CallAgreement,
     CollectiveMismatchError,
     CorruptFrameError,
-    DeviatedPeerError,
+    InvalidPeerCallError,
 )
 from lowbitcc.backend.call_schedule import (
     DEVIATE,
@@ -84,6 +84,7 @@ class CallGroup(Protocol):
     submit: Callable[[Callable[[], Any]], Any] | None
 
     def route(self, device: torch.device) -> Route: ...
+    def forget_places(self) -> None: ...
     def key(self, collective: str, tensor: torch.Tensor, numel: int) -> tuple[str, bool]: ...
     def modelled(self, numel: int) -> bool: ...
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]: ...
@@ -167,9 +168,9 @@ class CompressedCall:
             leader, inputs = self.agree(suggestion)
         except CorruptFrameError as exc:
             return self.group.agreement.then_raise(exc, self.exact)
-        except DeviatedPeerError:
+        except (CollectiveMismatchError, InvalidPeerCallError):
             if plan is not None:  # every rank raises here: every rank starts again
-                plan.schedule.forget()
+                self.group.forget_places()
             raise
         if not leader.compressed:  # some rank would not compress it (or it is too small)
             self.record(compressed=False)
@@ -187,8 +188,9 @@ class CompressedCall:
         plan = self.plan
         if plan is None:
             return
-        direct = compressed and self.schedule_name() == "direct"
-        runs = runs_for(dataclasses.replace(self.desc, explore=explore), compressed, direct,
+        if compressed:
+            self.schedule_name()  # raises where the configured schedule cannot run here
+        runs = runs_for(dataclasses.replace(self.desc, explore=explore), compressed, True,
                         self.group.size)
         plan.schedule.agreed(plan.index, self.desc, runs, exact=not compressed,
                              by_model=by_model,
@@ -203,14 +205,16 @@ class CompressedCall:
         see only NaN, and every rank must keep counting alike.)"""
         assert plan.entry is not None
         signature = wire.call_signature(self.collective, self.numel, self.source.dtype)
-        alike = Deviation(self.group, self.route, self.seq, self.source.device, plan.entry,
-                          signature).run()
+        deviation = Deviation(self.group, self.route, self.seq, self.source.device, plan.entry,
+                              signature)
+        alike = deviation.run()
         if alike:
             plan.schedule.restart(plan)
         else:
-            # the others see it at this call from the headers on CPU; on CUDA only as NaN and
-            # a verdict word: every rank exchanges at the place's next run and raises there
-            if self.source.device.type != "cpu":
+            # the others see it at this call from the headers on CPU and the direct schedule;
+            # on CUDA only as NaN and a verdict word, and off the direct schedule some only as
+            # NaN: every rank exchanges at the place's next run and raises there
+            if self.source.device.type != "cpu" or not deviation.direct:
                 plan.schedule.deviated = True
                 plan.entry.canary = Poisoned()
             expected = plan.entry.desc

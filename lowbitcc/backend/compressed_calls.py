@@ -27,7 +27,7 @@ from lowbitcc.backend.call_agreement import (
     CorruptFrameError,
     InvalidPeerCallError,
 )
-from lowbitcc.backend.call_schedule import CallSchedule, Entry, Place
+from lowbitcc.backend.call_schedule import CallSchedule, Entry, Place, takes_place
 from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
 from lowbitcc.backend.exact import op_type
@@ -119,8 +119,42 @@ class CompressedCalls:
 
     def checked(self, collective: str, dtype: torch.dtype, numel: int, job: Job, *,
                 op: int = 0, root: int = 0) -> Job:
-        """`CallAgreement.checked`: ``job`` preceded by a descriptor exchange."""
-        return self.agreement.checked(collective, dtype, numel, job, op=op, root=root)
+        """`CallAgreement.checked`: ``job`` preceded by a descriptor exchange, `unplaced`."""
+        return self.unplaced(self.agreement.checked(collective, dtype, numel, job, op=op,
+                                                    root=root))
+
+    def unplaced(self, job: Job) -> Job:
+        """``job``, a call that exchanges a descriptor but takes no place (a data movement
+        under ``check_all``, a ``param_bits`` all-gather), issued now. Issued where calls take
+        places (`call_schedule.takes_place`), it opens every schedule until its exchange is
+        done, so that the next reduction takes its place knowing the outcome, and where the
+        exchange raised on every rank (another rank issued another call) it forgets every
+        place (`forget_places`), as each rank does at this call: a call one rank issued as a
+        reduction and another as a data movement took a place on one rank only."""
+        schedules = list(self.call_schedules.values()) if takes_place("cpu") else []
+        if not schedules:
+            return job
+        for schedule in schedules:
+            schedule.open()
+
+        def run() -> Any:
+            try:
+                return job()
+            except (CollectiveMismatchError, InvalidPeerCallError):
+                self.forget_places()
+                raise
+            finally:
+                for schedule in schedules:
+                    schedule.settle()
+
+        return run
+
+    def forget_places(self) -> None:
+        """Every rank raised at one exchange because the ranks' calls differed: forget every
+        place, on every schedule (`CallSchedule.forget`), the next call being index 0 on every
+        rank whatever places the differing calls took."""
+        for schedule in self.call_schedules.values():
+            schedule.forget()
 
     def refused(self, collective: str, error: Exception, numels: list[int],
                 like: torch.Tensor | None, plan: Place | None = None) -> Job:
@@ -142,6 +176,8 @@ class CompressedCalls:
             with contextlib.suppress(CorruptFrameError, InvalidPeerCallError,
                                      CollectiveMismatchError):
                 self.agreement.agree(desc)
+            if plan is not None:  # the others raise here too, and forget theirs
+                self.forget_places()
             raise error
 
         return run
@@ -264,7 +300,7 @@ class CompressedCalls:
                    wants: bool = True) -> Job:
         """The job of a ``param_bits`` all-gather of flat ``source`` into ``output``
         (`gather_call.GatherCall`)."""
-        return GatherCall(self, output, source, exact, wants)
+        return self.unplaced(GatherCall(self, output, source, exact, wants))
 
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]:
         """Start timing a call of ``size_class`` on one path; the returned function ends it,

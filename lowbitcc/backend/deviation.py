@@ -9,7 +9,12 @@ values that tell the ranks what happened:
   phase hands every rank a message of every rank, so every rank reads every rank's flag: where
   every rank deviated to the same call, every rank starts its schedule again; else every rank
   raises `CollectiveMismatchError` at this call (on CUDA the ranks that did not deviate see the
-  call's outputs NaN and its flag non-finite instead, without a host synchronisation).
+  call's outputs NaN and its flag non-finite instead, without a host synchronisation). On
+  another schedule (ring, tree, hierarchical) not every rank reads every rank's messages, and
+  the hierarchical one sums inside a node exactly: there the agreed call runs on NaN, this rank
+  raises, every rank that reads a flagged message (or one built from it) raises at this call,
+  and the others' outputs are NaN, which the place's canary (`call_schedule`) turns into an
+  exchange at its next run, where this rank's descriptor reports the deviation.
 - `ExactDeviation`, at an *exact* entry (floating-point SUM, AVG or PREMUL_SUM of one tensor):
   the agreed exact call on a buffer of NaN whose first `PROBE` elements (of each rank's part,
   for a reduce-scatter) are -0.0. Where every rank deviated, every contribution there is -0.0
@@ -40,21 +45,28 @@ INVALID_SIGNATURE = 0xFFFFFFFF
 
 
 class Deviation:
-    """A rank's call that is not its place's compressed ``entry``, run as the entry's call on
-    zeros with flagged messages (see the module docstring), on ``group`` (the
-    `compressed_calls.CompressedCalls`) over ``route``, as call number ``seq``, on ``device``;
-    ``signature``: `wire.call_signature` of this rank's own call (`INVALID_SIGNATURE` for a
-    call this rank refused). `run` returns whether every rank deviated to this rank's call."""
+    """A rank's call that is not its place's compressed ``entry``, run as the entry's call
+    (its schedule and chunks) with flagged messages (see the module docstring), on ``group``
+    (the `compressed_calls.CompressedCalls`) over ``route``, as call number ``seq``, on
+    ``device``; ``signature``: `wire.call_signature` of this rank's own call
+    (`INVALID_SIGNATURE` for a call this rank refused). `run` returns whether every rank
+    deviated to this rank's call; ``direct``, once it ran, whether the entry's schedule is the
+    direct one (else the call contributed NaN, and the others' outputs are NaN where no flagged
+    message reached them)."""
 
     def __init__(self, group: Any, route: Any, seq: int, device: torch.device, entry: Entry,
                  signature: int) -> None:
         self.group, self.route, self.seq, self.device = group, route, seq, device
         self.entry, self.signature = entry, signature
+        self.direct = True
 
     def run(self) -> bool:
         group, expected, device = self.group, self.entry.desc, self.device
         n = group.size
         m = -(-expected.numel // n)
+        name = group.schedule_for(expected.numel * expected.dtype.itemsize, self.route,
+                                  device.type)
+        self.direct = name == "direct"
         # the agreed call's codec (the group's settings are agreed too), its headers read on
         # the host even on CUDA: the verdict needs every rank's
         codec = dataclasses.replace(
@@ -63,15 +75,17 @@ class Deviation:
         comp = CallCompressor(codec, state.FEEDBACK, "", state.STATS, error_dtype=None, beta=0.0,
                               reset_interval=0, rank=group.rank)
         comp.deviated = self.signature
-        source = Source(torch.zeros(n * m, dtype=expected.dtype, device=device), n, m)
+        source = Source(torch.full((n * m,), 0.0 if self.direct else float("nan"),
+                                   dtype=expected.dtype, device=device), n, m)
         chunk = group.chunk(self.route, m)
         if expected.collective == "all_reduce":
-            schedules.all_reduce("direct", source, torch.empty_like(source.tensor), comp,
+            schedules.all_reduce(name, source, torch.empty_like(source.tensor), comp,
                                  self.route.links, chunk)
         else:
-            schedules.reduce_scatter("direct", source, comp, self.route.links, chunk)
+            schedules.reduce_scatter(name, source, comp, self.route.links, chunk)
         seen = comp.wire_error
-        return (self.signature != INVALID_SIGNATURE and isinstance(seen, wire.DeviatedCallError)
+        return (self.direct and self.signature != INVALID_SIGNATURE
+                and isinstance(seen, wire.DeviatedCallError)
                 and all(s == self.signature for s in seen.signatures))
 
 

@@ -30,7 +30,6 @@ do not wait on it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -41,20 +40,25 @@ from lowbitcc import policy, state
 from lowbitcc.backend.arguments import op_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.call_plan import CallPlan, PlanRun
-from lowbitcc.backend.call_schedule import DEVIATE, EXCHANGE, Entry, Place, Poisoned
+from lowbitcc.backend.call_schedule import (
+    DEVIATE,
+    EXCHANGE,
+    Entry,
+    Place,
+    Poisoned,
+    takes_place,
+)
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviation
 from lowbitcc.backend.exact import ExactReduction, count_exact, op_type, when_done
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
-from lowbitcc.backend.works import callback_parent
 
 Pairs = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
 """``pairs()``: each tensor's output and flat source, made only when jobs are built."""
 Taken = Entry | Place
 """What a tensor of a reduction got at its place (`CallSchedule.take`)."""
 
-_MAIN_THREAD = threading.main_thread().ident
 _STRIDED = torch.strided
 
 
@@ -66,6 +70,17 @@ def _stop_when_done(work: Any, stop: Callable[[], None], device_type: str) -> No
         stop()
     else:
         when_done(work, stop)
+
+
+def _keep_canaries(issuer: Issuer, jobs: list[Any], work: Any) -> None:
+    """Each of ``jobs`` that runs as its place's compressed entry off the direct schedule
+    (`call_plan.PlanRun`) keeps its output's canary at the place (`Issuer.canary`: ``work``'s,
+    read at the place's next run): there a deviation shows on some ranks only as NaN
+    (`deviation.Deviation`)."""
+    for job in jobs:
+        if type(job) is PlanRun and job.plan.schedule != "direct":
+            job.canary_entry.canary = issuer.canary(
+                job.tensor if job.output is None else job.output, work)
 
 
 class Reductions:
@@ -102,11 +117,8 @@ class Reductions:
 
     @staticmethod
     def _takes_place(device_type: str) -> bool:
-        """Whether a reduction of a ``device_type`` device issued now takes a place: not one
-        issued by a future's callback (`works.callback_parent`), nor, of CPU tensors, one
-        issued by another thread than the main one (see the module docstring)."""
-        return not callback_parent() and (device_type != "cpu"
-                                          or threading.get_ident() == _MAIN_THREAD)
+        """`call_schedule.takes_place` (tests that want every call to exchange replace it)."""
+        return takes_place(device_type)
 
     def _wish(self, like: torch.Tensor, kind: Any, numel: int) -> str | None:
         """What the policy in force demands of a call issued now: "exact" (`lowbitcc.exact`, a
@@ -176,9 +188,11 @@ class Reductions:
             return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
                                    lambda size_class, nbytes: issuer.native_now(
                                        method, args, [output], size_class, nbytes))
-        return issuer.run_plan(self._plan_run(entry, collective, tensor, op,
-                                              None if collective == "all_reduce" else output),
-                               native)
+        run = self._plan_run(entry, collective, tensor, op,
+                             None if collective == "all_reduce" else output)
+        work = issuer.run_plan(run, native)
+        _keep_canaries(issuer, [run], work)
+        return work
 
     def _plan_run(self, entry: Entry, collective: str, source: torch.Tensor, op: Any,
                   output: torch.Tensor | None) -> PlanRun:
@@ -250,8 +264,10 @@ class Reductions:
         jobs = [self._job(issuer, collective, out, src, op, p, compress,
                           places and places[i], several)
                 for i, (out, src, p) in enumerate(zip(outputs, sources, parts))]
-        return issuer.run(jobs, parts, [*whole.outputs, *sources, *whole.inputs], outputs,
+        work = issuer.run(jobs, parts, [*whole.outputs, *sources, *whole.inputs], outputs,
                           opts.asyncOp)
+        _keep_canaries(issuer, jobs, work)
+        return work
 
     def _job(self, issuer: Issuer, collective: str, output: torch.Tensor,
              source: torch.Tensor, op: Any, part: ExactReduction, compress: bool,

@@ -99,17 +99,17 @@ class PlaceRenewal:
         self._leader = self._group.agreement.agree(self._call)
         return []
 
-    def _direct(self) -> bool:
-        """Whether a compressed run of the call takes the direct schedule (the only one a
-        compressed entry runs); False where the configured schedule cannot run on the
-        route (the place exchanges, and the call raises there as before)."""
+    def _schedulable(self) -> bool:
+        """Whether a compressed run of the call has a schedule on its route; False where the
+        configured schedule cannot run there (the place exchanges, and the call raises there
+        as before)."""
         group, device_type = self._group, self._device_type
         try:
-            name = group.schedule_for(self._nbytes, group.route(torch.device(device_type)),
-                                      device_type)
+            group.schedule_for(self._nbytes, group.route(torch.device(device_type)),
+                               device_type)
         except ValueError:
             return False
-        return name == "direct"
+        return True
 
     def outcome(self) -> Outcome | None:
         """Wait for the exchange and return what every rank takes (None: the place has no
@@ -124,7 +124,7 @@ class PlaceRenewal:
         else:
             exact, by_model, explore = False, False, s is not None and leader.explore
         runs = runs_for(dataclasses.replace(self._desc, explore=False), not exact,
-                        not exact and self._direct(), self._group.size)
+                        not exact and self._schedulable(), self._group.size)
         if runs == 0:
             return None
         return Outcome(exact, by_model, 1 if explore else runs + 1, explore)

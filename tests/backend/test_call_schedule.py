@@ -279,3 +279,79 @@ def test_a_plain_loop_learns_its_period_from_the_calls_themselves(issuer, patter
         assert close and errors == [], (close, errors)
         assert sum(exchanges[-20:]) == 0, exchanges  # the steady state: renewals only
         assert sum(exchanges) <= 16 * len(pattern), exchanges
+
+
+def _scheduled(rank, world, gloo, schedule, node_size, deviate_at=None, passes=8):
+    """``passes`` backward passes of two compressed all-reduces and a compressed
+    reduce-scatter on ``schedule`` (``node_size`` ranks per node; the worker issuer): the
+    exchanges per pass, the passes that raised (`CollectiveMismatchError` or a wire error
+    naming a foreign message), whether every pass without an error is close to gloo's sums, and
+    the passes whose outputs were all finite. ``deviate_at``: the pass where the last rank's
+    first all-reduce is 64 elements longer."""
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        cost_model=False, schedule=schedule, node_size=node_size))
+    seen = counting_exchanges()
+    gen = torch.Generator().manual_seed(rank)
+    exchanges, raised, close, finite = [], [], True, []
+    for p in range(passes):
+        longer = 64 * (p == deviate_at and rank == world - 1)
+        xs = [torch.randn(n + longer * (i == 0), generator=gen)
+              for i, n in enumerate((4 * 70_000, 3 * 65_536 + 8))]
+        rs_in = torch.randn(world * 70_000, generator=gen)
+        rs_out = torch.empty(70_000)
+        wants = [x.clone() for x in xs] + [rs_in.clone()]
+        before = len(seen)
+
+        def issue(xs=xs, rs_in=rs_in, rs_out=rs_out, p=p):
+            # a call that raises ends only itself: where ranks raise at different calls, the
+            # others' later calls need theirs
+            calls = [functools.partial(dist.all_reduce, x, group=group) for x in xs]
+            calls.append(functools.partial(dist.reduce_scatter_tensor, rs_out, rs_in,
+                                           group=group))
+            for call in calls:
+                try:
+                    with lowbitcc.compressed():
+                        call()
+                except (CollectiveMismatchError, lowbitcc.codec.wire.WireFormatError):
+                    if p not in raised:
+                        raised.append(p)
+
+        _backward_pass(issue)
+        exchanges.append(len(seen) - before)
+        if all(bool(t.isfinite().all()) for t in (*xs, rs_out)):
+            finite.append(p)
+        lowbitcc.end_step()
+        if p not in raised and p != deviate_at:
+            for want in wants:
+                dist.all_reduce(want, group=gloo)
+            got = [*xs, rs_out]
+            wants[-1] = wants[-1].view(world, -1)[rank]
+            close &= all(float((a - b).norm() / b.norm()) < 0.2 for a, b in zip(got, wants))
+    return exchanges, raised, close, finite
+
+
+@pytest.mark.parametrize("schedule,world,node_size", [
+    ("hierarchical", 4, 2), ("ring", 3, 0), ("tree", 4, 0)], ids=["hierarchical 2x2", "ring",
+                                                                  "tree"])
+def test_every_schedule_runs_its_places_without_an_exchange(schedule, world, node_size):
+    """Compressed entries of the ring, tree and hierarchical schedules keep their runs, as the
+    direct schedule's: no descriptor exchange once the period is known (renewals aside)."""
+    for exchanges, raised, close, _ in run_ranks(_scheduled, world, schedule, node_size,
+                                                 timeout=240):
+        assert raised == [] and close, (raised, close)
+        assert exchanges[:2] == [3, 1] and exchanges[2:] == [0] * 6, exchanges
+
+
+@pytest.mark.parametrize("schedule,world,node_size", [
+    ("hierarchical", 4, 2), ("ring", 3, 0)], ids=["hierarchical 2x2", "ring"])
+def test_a_deviation_off_the_direct_schedule_raises_on_every_rank(schedule, world, node_size):
+    """A rank whose call is not its place's ring or hierarchical entry runs the entry on NaN in
+    flagged messages and raises; the others raise at that call (a flagged message reached
+    them) or, their outputs NaN, at the place's next run (its canary); never a hang, never a
+    silent result."""
+    for rank, (exchanges, raised, close, finite) in enumerate(
+            run_ranks(_scheduled, world, schedule, node_size, 4, 10, timeout=240)):
+        assert raised and raised[0] in (4, 5) and set(raised) <= {4, 5}, (rank, raised)
+        assert 4 in raised or 4 not in finite, (rank, raised, finite)  # no silent result
+        assert close, rank
+        assert exchanges[-1] == 0, exchanges  # agreed anew, steady again
