@@ -79,6 +79,8 @@ class CallCompressor:
     ) -> None:
         self.rank = rank
         self.count_sums = count_sums
+        self._sums: torch.Tensor | None = None  # `_accumulator`'s, and for which stats
+        self._sums_of: Stats | None = None
         """Whether the encodes add their residual sums to ``stats`` (`Stats.accumulator`)."""
         self._buffers = scratch
         self.error_dtype = error_dtype
@@ -103,6 +105,7 @@ class CallCompressor:
         self.key = key
         self.buffer = buffer
         self.nonfinite: Flag = False
+        self._codec_s = 0.0  # the call's codec seconds, added to the statistics by `finish`
         self._new_states.clear()
         self.wire_error: wire.WireFormatError | None = None
         self._verdict: torch.Tensor | None = verdict
@@ -141,9 +144,9 @@ class CallCompressor:
         result = self.codec.encode(
             source.tensor, source.rows, source.m, source.factor, state, self.beta, shard_ids,
             error_dtype, stream, out,
-            sums=self.stats.accumulator("compressed", device) if self.count_sums else None,
-            verdict=self._device_verdict(device, cleared_by_encode=first), clear_verdict=first,
-            nonfinite=nonfinite, summed=summed,
+            sums=self._accumulator(device) if self.count_sums else None,
+            verdict=self._device_verdict(device, cleared_by_encode=first) if on_device else None,
+            clear_verdict=first, nonfinite=nonfinite, summed=summed,
         )
         self._flag(result.any_nonfinite)
         if error_dtype:
@@ -152,8 +155,18 @@ class CallCompressor:
             result.messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_PEER_ERROR
         if self.deviated is not None:
             mark_deviated(result.messages, self.deviated)
-        self.stats.add_codec("compressed", time.perf_counter() - start)
+        self._codec_s += time.perf_counter() - start
         return result.messages
+
+    def _accumulator(self, device: torch.device) -> torch.Tensor:
+        """The statistics' accumulator of the residual sums on ``device`` (`Stats.accumulator`;
+        this thread's on the CPU: a compressor is used by one thread), kept while ``stats``
+        stays the same."""
+        sums, stats = self._sums, self.stats
+        if sums is None or self._sums_of is not stats or sums.device != device:
+            sums = self._sums = stats.accumulator("compressed", device)
+            self._sums_of = stats
+        return sums
 
     def encode_sum(self, stage: str, received: torch.Tensor, m: int, shard: int,
                    scratch: torch.Tensor, out: torch.Tensor | None = None,
@@ -178,6 +191,9 @@ class CallCompressor:
     def _flag(self, nonfinite: Flag) -> None:
         """OR a host ``nonfinite`` into the call's flag (a device flag is already in the call's
         verdict)."""
+        if nonfinite is True or nonfinite is False:
+            self.nonfinite = self.nonfinite or nonfinite
+            return
         if isinstance(nonfinite, torch.Tensor):
             if nonfinite.device.type != "cpu":
                 return
@@ -237,14 +253,19 @@ class CallCompressor:
         """fp32 ``[m]`` sum of the messages of ``shard``, in ``out`` when given (``messages``:
         rows contiguous, at any distance, e.g. a column of gathered messages)."""
         start = time.perf_counter()
+        device = messages.device
         try:
-            total, nonfinite = self.codec.decode_sum(messages, m, shard, out,
-                                                     self._device_verdict(messages.device))
+            total, nonfinite = self.codec.decode_sum(
+                messages, m, shard, out, None if device.type == "cpu" else
+                self._device_verdict(device))
         except wire.WireFormatError as exc:
-            total = out if out is not None else torch.empty(m, device=messages.device)
+            total = out if out is not None else torch.empty(m, device=device)
             nonfinite = self._deferred(exc, total)
-        self._flag(nonfinite)
-        self.stats.add_codec("compressed", time.perf_counter() - start)
+        if nonfinite is True:
+            self.nonfinite = True
+        elif nonfinite is not False:
+            self._flag(nonfinite)
+        self._codec_s += time.perf_counter() - start
         return total
 
     def decode_rows(self, gathered: torch.Tensor, senders: int, m: int,
@@ -254,6 +275,8 @@ class CallCompressor:
         in one launch where the codec's kernels can (`ShardCodec.decode_rows`): True; False
         where they cannot, nothing done (`decode_sum` row by row, which also defers a size
         that does not fit)."""
+        if gathered.device.type == "cpu":  # (no verdict: the CPU checks every row on the host)
+            return False
         start = time.perf_counter()
         verdict = self._device_verdict(gathered.device)
         if verdict is None:
@@ -265,7 +288,7 @@ class CallCompressor:
         if nonfinite is None:
             return False
         self._flag(nonfinite)
-        self.stats.add_codec("compressed", time.perf_counter() - start)
+        self._codec_s += time.perf_counter() - start
         return True
 
     def decode_into(
@@ -277,7 +300,7 @@ class CallCompressor:
                                               self._device_verdict(messages.device)))
         except wire.WireFormatError as exc:
             self._flag(self._deferred(exc, out))
-        self.stats.add_codec("compressed", time.perf_counter() - start)
+        self._codec_s += time.perf_counter() - start
 
     def _deferred(self, exc: wire.WireFormatError, out: torch.Tensor) -> bool:
         """Keep the first ``exc`` for `raise_deferred`, fill ``out`` with NaN (the call's error
@@ -315,7 +338,10 @@ class CallCompressor:
         """Store the new error states, or drop them all if the call saw a non-finite value or
         a foreign message (on a device, unless the host knows already: each state keeps the
         call's verdict as its ``poison`` word, which voids it where a byte is set; no work is
-        queued)."""
+        queued); and add the call's codec time to the statistics."""
+        if self._codec_s:
+            self.stats.add_codec("compressed", self._codec_s)
+            self._codec_s = 0.0
         bad = self.nonfinite
         for key, (state, uses) in self._new_states.items():
             if not bad and self._verdict is not None and state is not None:

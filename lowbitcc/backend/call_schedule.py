@@ -123,6 +123,7 @@ class CallSchedule:
         background (`renewal.PlaceRenewal`), reporting this rank's deviation where
         ``deviated`` (None: every place exchanges at its run after its entry's last)."""
         self._renew = renew
+        self._renew_at = renew_ahead()
         self._settled = threading.Condition()
         self._open = 0
         self._timeout = settle_timeout_s
@@ -158,11 +159,15 @@ class CallSchedule:
         else:
             self._next = index + 1  # `advance`: the period is known
             entry = self._entries.get(self._origin + (index - self._origin) % self._period)
-            if entry is None or entry.canary is not None or entry.left <= 0:
-                entry = self.entry(index)
+            if entry is None or entry.left <= 0 or (entry.canary is not None
+                                                    and entry.canary.nan()):
+                entry = self.entry(index)  # (it reads the canary again)
         if entry is None:
             return self._opened(Place(self, index, EXCHANGE))
-        self.ran(entry)  # a deviating call runs the entry's call in its place too
+        # `ran` (a deviating call runs the entry's call in its place too), its test inline
+        left = entry.left = entry.left - 1
+        if left <= self._renew_at and entry.renewal is None:
+            self._renewing(entry)
         if entry.key == key and wish != ("compressed" if entry.exact else "exact"):
             return entry
         place = Place(self, index, DEVIATE, entry)
@@ -238,8 +243,13 @@ class CallSchedule:
         entry's last to take; it reports this rank's deviation since its last exchange
         (`take_deviated`), as an exchange would."""
         entry.left -= 1
-        if (entry.left <= renew_ahead() and entry.renewal is None and self._renew is not None
-                and entry.renews):
+        if entry.left <= self._renew_at and entry.renewal is None:
+            self._renewing(entry)
+
+    def _renewing(self, entry: Entry) -> None:
+        """``entry`` has `renew_ahead` runs left or fewer and no renewal: start one where the
+        schedule renews and the entry is renewed (`ran`)."""
+        if self._renew is not None and entry.renews:
             deviated = self.take_deviated()
             try:
                 entry.renewal = self._renew(entry, deviated)

@@ -30,7 +30,6 @@ from lowbitcc.backend.call_agreement import (
 from lowbitcc.backend.call_schedule import CallSchedule, Entry, Place, takes_place
 from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
-from lowbitcc.backend.exact import op_type
 from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.place_graph import LiveGraphs
@@ -77,6 +76,7 @@ class CompressedCalls:
         self._routes = routes
         self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
         scheduled = self.exchanges()
+        self._modelling = config.cost_model and self.exchanges()
         self.call_schedules: dict[str, CallSchedule] = {
             device: CallSchedule(timeout_s, None if submit is None else functools.partial(
                 PlaceRenewal, self, device)) for device in routes if scheduled}
@@ -222,23 +222,20 @@ class CompressedCalls:
         return (cfg.policy != "never" and all(policy.eligible(t, op) for t in outputs)
                 and policy.wants_compression(cfg.policy))
 
-    def _count_at_issue(self, collective: str, like: torch.Tensor, numel: int,
-                        wants: bool) -> None:
-        """Count a call that runs as its place's exact entry as its job would: its call number
-        (the ranks' numbers stay in step) and, where it ``wants`` compression, its feedback
-        key's ordinal."""
-        self.agreement.next_seq()
-        if wants and policy.explicit_key() is None:  # counted as `key` counts it
-            self._ordinal(collective, like.dtype, numel)
-
-    def count_planned(self, collective: str, like: torch.Tensor, numel: int, op: Any,
+    def count_planned(self, collective: str, like: torch.Tensor, numel: int,
                       entry: Entry) -> SizeClass | None:
-        """Count a call that runs as its place's exact ``entry`` as its job would count it
-        (`_count_at_issue`; the cost model's count); its size class where the cost model times
-        it, else None (the caller counts it in the statistics, ``model_exact`` where the model
-        chose the entry and times it: `exact.count_exact`)."""
-        self._count_at_issue(collective, like, numel, self.wants(op_type(op), [like]))
-        if not self.modelled(numel) or policy.forced():
+        """Count a call that runs as its place's exact ``entry`` as its job would count it:
+        its call number (the ranks' numbers stay in step), its feedback key's ordinal where
+        this rank would compress it (`wants`: the entry's call eligible, `Entry.eligible`, and
+        the policy in force), the cost model's count; its size class where the cost model
+        times it, else None (the caller counts it in the statistics, ``model_exact`` where the
+        model chose the entry and times it: `exact.count_exact`)."""
+        self.agreement.next_seq()
+        mode = self.config.policy
+        if (entry.eligible and mode != "never" and policy.wants_compression(mode)
+                and policy.explicit_key() is None):  # counted as `key` counts it
+            self._ordinal(collective, like.dtype, numel)
+        if not self._modelling or numel < self.config.min_size or policy.forced():
             return None
         size_class = CostModel.size_class(collective, numel * like.element_size(),
                                           like.device.type)
@@ -279,8 +276,7 @@ class CompressedCalls:
     def modelled(self, numel: int) -> bool:
         """Whether the cost model may choose the path of a reduction of ``numel`` elements
         (with the policy's consent: not under `lowbitcc.compressed`, which forces it)."""
-        cfg = self.config
-        return cfg.cost_model and self.exchanges() and numel >= cfg.min_size
+        return self._modelling and numel >= self.config.min_size
 
     def call(self, collective: str, output: torch.Tensor, source: torch.Tensor, op: Any,
              exact: Job, wants: bool = True, plan: Place | None = None,

@@ -218,9 +218,15 @@ def count_exact(collective: str, size_bytes: int, world: int, model_exact: bool 
     """Count an exact call of ``collective`` with ``size_bytes`` (its size as
     `lowbitcc.collectives` defines it) in the statistics: its logical bytes are its wire bytes;
     ``model_exact``: the cost model sent it exact."""
-    sent = COLLECTIVES[collective].logical_bytes(size_bytes, world)
+    sent = _logical_bytes(collective, size_bytes, world)
     state.STATS.add("exact", calls=1, tensor_bytes=size_bytes, logical_bytes=sent, wire_bytes=sent,
                     model_exact=int(model_exact))
+
+
+@functools.lru_cache(maxsize=1024)
+def _logical_bytes(collective: str, size_bytes: int, world: int) -> int:
+    """`Collective.logical_bytes`, kept per size: a steady call counts the same size again."""
+    return COLLECTIVES[collective].logical_bytes(size_bytes, world)
 
 
 def all_reduce_of(group: dist.ProcessGroup, buffers: list[torch.Tensor], opts: Any) -> dist.Work:

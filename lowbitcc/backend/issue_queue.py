@@ -10,8 +10,8 @@ and a recv posted in either order cannot deadlock.
 
 Each call returns a `works.LocoWork` (the Works and futures: `lowbitcc.backend.works`).
 
-Jobs and finishes run without autograd (``torch.no_grad()``; the worker and waiter are this
-module's threads, whose grad mode is their own): a collective writes its outputs in place, as
+Jobs and finishes run without autograd (grad mode is per thread: the worker and waiter, this
+module's threads, turn it off once when they start): a collective writes its outputs in place, as
 gloo's C++ does, also into a parameter that requires grad. Futures with Python callbacks are
 completed on a third kind of thread, a pool of completers, never by the worker or the waiter
 (futures whose only callbacks are C++ ones, DDP's reducer's, are completed where they are
@@ -145,11 +145,11 @@ class IssueQueue:
         return self._group_tag | next(self._issued) & 0xFFFFFFFF  # next() holds the GIL throughout
 
     def complete(self, inner: InnerWork) -> list[torch.Tensor]:
-        """Wait for ``inner``'s gloo work, retire it, and finish the call (without autograd)."""
+        """Wait for ``inner``'s gloo work, retire it, and finish the call (on the waiter: without
+        autograd)."""
         inner.work.wait()
         self._retire(inner.work)
-        with torch.no_grad():
-            return inner.finish()
+        return inner.finish()
 
     def sequence(self, jobs: list[Job], outputs: list[torch.Tensor]) -> Job:
         """One job running ``jobs`` in order. Inner work they leave in flight (exact fallbacks)
@@ -195,6 +195,7 @@ class IssueQueue:
             self._completers.submit(future.set_result, result)
 
     def _run_jobs(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's own mode: every job without autograd
         while True:
             item = self._jobs.get()
             if item is None:
@@ -202,8 +203,7 @@ class IssueQueue:
                 return
             job, future = item
             try:
-                with torch.no_grad():
-                    result = job()
+                result = job()
             except BaseException as exc:  # noqa: BLE001 (delivered to the caller's wait())
                 self._settle(future, error=exc)
                 continue
@@ -213,6 +213,7 @@ class IssueQueue:
                 self._settle(future, result)
 
     def _complete_in_order(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's own mode: every finish without autograd
         while True:
             item = self._in_flight.get()
             if item is None:

@@ -111,6 +111,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         self._moves = DataMovements(rank, size, self._inner, self._queue, self._compressed,
                                     self._cuda, timeout)
         self._reductions = Reductions(size, self._compressed, self._issuers, self._queue)
+        self._native = self._reductions.native
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -195,7 +196,9 @@ class LocoProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and type(opts) is dist.AllreduceOptions:
             t = tensors[0]
             taken = self._reductions.take("all_reduce", t, t.numel(), opts.reduceOp)
-            if type(taken) is Entry and self._reductions.runs(taken, t, opts.reduceOp):
+            # as its entry, unbuilt: compressed, or exact by an op the inner backend runs
+            if type(taken) is Entry and (not taken.exact or taken.desc.op in self._native[
+                    "cpu" if t.is_cpu else t.device.type]):
                 return self._reductions.run(taken, "all_reduce", t, t, t.numel(),
                                             opts.reduceOp, (method, (tensors, opts)))
         issuer = self._issuer(method, tensors)
@@ -247,7 +250,8 @@ class LocoProcessGroup(dist.ProcessGroup):
                 and outputs[0].dtype == inputs[0].dtype):
             i, o = inputs[0], outputs[0]
             taken = self._reductions.take("reduce_scatter", i, i.numel(), opts.reduceOp)
-            if type(taken) is Entry and self._reductions.runs(taken, i, opts.reduceOp):
+            if type(taken) is Entry and (not taken.exact or taken.desc.op in self._native[
+                    "cpu" if i.is_cpu else i.device.type]):  # (as in `_all_reduce`)
                 return self._reductions.run(taken, "reduce_scatter", i, o, i.numel(),
                                             opts.reduceOp, ("_reduce_scatter_base", (o, i, opts)))
         issuer = self._issuer("reduce_scatter", [*outputs, *inputs])

@@ -93,6 +93,9 @@ class Reductions:
         self._world, self._compressed, self._issuers, self._queue = (
             world, compressed, issuers, queue)
         self._schedules = compressed.call_schedules
+        self.native = {device: frozenset(int(op) for op in issuer.native_ops)
+                       for device, issuer in issuers.items()}
+        """Per device type, the ops (`wire.CallDescriptor.op`) its inner backend runs itself."""
         self._policy = compressed.config.policy
         self._min_size = compressed.config.min_size
 
@@ -105,7 +108,7 @@ class Reductions:
         device_type = "cpu" if tensor.is_cpu else tensor.device.type  # (no torch.device made)
         schedule = self._schedules.get(device_type)
         if (schedule is None or type(tensor) is not torch.Tensor or tensor.layout != _STRIDED
-                or not self._takes_place(device_type)):
+                or not takes_place(device_type)):
             return None
         kind = op_type(op)
         try:
@@ -114,11 +117,6 @@ class Reductions:
         except BaseException:  # a renewal's, which every rank raises here
             self._take_seqs(1)
             raise
-
-    @staticmethod
-    def _takes_place(device_type: str) -> bool:
-        """`call_schedule.takes_place` (tests that want every call to exchange replace it)."""
-        return takes_place(device_type)
 
     def _wish(self, like: torch.Tensor, kind: Any, numel: int) -> str | None:
         """What the policy in force demands of a call issued now: "exact" (`lowbitcc.exact`, a
@@ -139,7 +137,7 @@ class Reductions:
         here, at once (`deviate_exact`)."""
         device_type = like.device.type
         schedule = self._schedules.get(device_type)
-        if first is None and (schedule is None or not self._takes_place(device_type)):
+        if first is None and (schedule is None or not takes_place(device_type)):
             return None
         several = len(numels) > 1
         kind = op_type(op)
@@ -170,12 +168,6 @@ class Reductions:
             self._compressed.agreement.next_seq()
 
     # -- the steady call -------------------------------------------------------------------
-    def runs(self, entry: Entry, tensor: torch.Tensor, op: Any) -> bool:
-        """Whether a call of ``tensor`` by ``op`` runs as its place's ``entry`` without being
-        built: a compressed entry, or an exact one whose op the inner group runs itself (else
-        the exact call is built, AVG and PREMUL_SUM emulated on gloo, `reduce`)."""
-        return not entry.exact or op_type(op) in self._issuers[tensor.device.type].native_ops
-
     def run(self, entry: Entry, collective: str, tensor: torch.Tensor, output: torch.Tensor,
             numel: int, op: Any, native: tuple[str, tuple]) -> Any:
         """Run a reduction of one tensor as its place's ``entry``: an exact entry as the inner
@@ -184,14 +176,12 @@ class Reductions:
         plan. Its Work; its value ``[output]``."""
         issuer = self._issuers[tensor.device.type]
         if entry.exact:
-            method, args = native
-            return self._run_exact(issuer, entry, collective, tensor, output, numel, op,
-                                   lambda size_class, nbytes: issuer.native_now(
-                                       method, args, [output], size_class, nbytes))
+            return self._run_exact(issuer, entry, collective, tensor, output, numel, native)
         run = self._plan_run(entry, collective, tensor, op,
                              None if collective == "all_reduce" else output)
         work = issuer.run_plan(run, native)
-        _keep_canaries(issuer, [run], work)
+        if run.plan.schedule != "direct":
+            _keep_canaries(issuer, [run], work)
         return work
 
     def _plan_run(self, entry: Entry, collective: str, source: torch.Tensor, op: Any,
@@ -216,26 +206,29 @@ class Reductions:
         return PlanRun(plan, entry, source, op, output, seq, key, buffer, timed)
 
     def _run_exact(self, issuer: Issuer, entry: Entry, collective: str, like: torch.Tensor,
-                   output: torch.Tensor, numel: int, op: Any,
-                   start: Callable[[Any, int], Any], start_counts: bool = False) -> Any:
-        """Run a call as its place's exact ``entry``: counted, started by ``start(size_class,
-        nbytes)``, and (all-reduce) its output's canary kept at the place. ``start_counts``:
-        ``start`` counts the call in the statistics itself (an issuer's ``exact_now``, through
-        `ExactReduction.count`), save the cost model's choice of it."""
+                   output: torch.Tensor, numel: int,
+                   call: tuple[str, tuple] | ExactReduction) -> Any:
+        """Run a call as its place's exact ``entry``: counted, started (``call``: c10d's
+        method and arguments, `Issuer.native_now`, or the exact reduction,
+        `Issuer.exact_now`, which counts itself in the statistics, save the cost model's choice
+        of it), and (all-reduce) its output's canary kept at the place."""
         nbytes = numel * like.element_size()
-        size_class = self._compressed.count_planned(collective, like, numel, op, entry)
+        size_class = self._compressed.count_planned(collective, like, numel, entry)
         by_model = entry.by_model and size_class is not None
-        if not start_counts:
+        native = type(call) is tuple
+        if native:
             count_exact(collective, nbytes, self._world, model_exact=by_model)
         elif by_model:
             state.STATS.add("exact", model_exact=1)
         timed, entry.timed = entry.timed and size_class is not None, False
         if timed:  # the issuer's own timing (one in 8 on the worker, else none) left out
             stop = self._compressed.clock(size_class, True, nbytes)
-            work = start(None, nbytes)
+            work = (issuer.native_now(call[0], call[1], [output], None, nbytes) if native
+                    else issuer.exact_now(call, None))
             _stop_when_done(work, stop, like.device.type)
         else:
-            work = start(size_class, nbytes)
+            work = (issuer.native_now(call[0], call[1], [output], size_class, nbytes) if native
+                    else issuer.exact_now(call, size_class))
         if collective == "all_reduce":
             entry.canary = issuer.canary(output, work)
         return issuer.planned(work, [output])
@@ -256,9 +249,7 @@ class Reductions:
             return issuer.exact(whole, parts)
         places = self._places(issuer, collective, like, numels, op, first)
         if places is not None and type(places[0]) is Entry and places[0].exact:
-            return self._run_exact(issuer, places[0], collective, like, like, numels[0],
-                                   op, lambda size_class, _: issuer.exact_now(whole, size_class),
-                                   start_counts=True)
+            return self._run_exact(issuer, places[0], collective, like, like, numels[0], whole)
         outputs, sources = pairs()
         several = len(parts) > 1
         jobs = [self._job(issuer, collective, out, src, op, p, compress,
@@ -356,7 +347,7 @@ class Reductions:
         matches no entry."""
         device_type = like.device.type
         schedule = self._schedules.get(device_type)
-        if first is None and (schedule is None or not self._takes_place(device_type)):
+        if first is None and (schedule is None or not takes_place(device_type)):
             return None
         places: list[Place] = [] if first is None else [first]
         try:

@@ -138,20 +138,22 @@ class LocoWork(dist.Work):
         super().__init__()
         self._future = future
         self._source = source_rank
-        self._done = threading.Event()
-        add = future.on_done if isinstance(future, LocoFuture) else future.add_done_callback
-        add(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until the call completed and re-raise its error. A positive ``timeout`` bounds
         the wait (c10d's default, zero, means no bound)."""
         seconds = 0.0 if timeout is None else timeout.total_seconds()
-        if seconds > 0 and not self._done.wait(seconds):
-            raise dist.DistBackendError(
-                f"lowbitcc: Work.wait timed out after {seconds:g} s (the call is still queued or "
-                "in flight; a peer may be stalled)"
-            )
-        self._future.wait()
+        future = self._future
+        if seconds > 0 and not future.done():
+            done = threading.Event()  # set by the completion (at once where it came meanwhile)
+            add = future.on_done if isinstance(future, LocoFuture) else future.add_done_callback
+            add(lambda _: done.set())
+            if not done.wait(seconds):
+                raise dist.DistBackendError(
+                    f"lowbitcc: Work.wait timed out after {seconds:g} s (the call is still queued "
+                    "or in flight; a peer may be stalled)"
+                )
+        future.wait()
         return True
 
     def get_future(self) -> torch.futures.Future:

@@ -111,6 +111,10 @@ def _build_digest() -> str:
     return h.hexdigest()[:12]
 
 
+_CHECKSUM_STEP = reference.as_int64(wire.CHECKSUM_STEP)
+"""`wire.CHECKSUM_STEP` as the C++ checksum takes it."""
+
+
 class CpuKernels(TorchFraming):
     """`kernels.Kernels` on the C++ module; CPU tensors only."""
 
@@ -135,7 +139,7 @@ class CpuKernels(TorchFraming):
                            torch.get_num_threads())
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
-        return load().checksum(messages, reference.as_int64(wire.CHECKSUM_STEP),
+        return load().checksum(messages, _CHECKSUM_STEP,
                                torch.get_num_threads())
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
@@ -143,12 +147,12 @@ class CpuKernels(TorchFraming):
               verdict: torch.Tensor | None = None) -> bool:
         """The answer is a host bool (``verdict`` is for calls on a device)."""
         return load().frame(messages, header, shards, nonfinite, used, flags, checksum,
-                            reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
+                            _CHECKSUM_STEP, torch.get_num_threads())
 
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int:
         return load().verify(messages, header, shards, checksum,
-                             reference.as_int64(wire.CHECKSUM_STEP), torch.get_num_threads())
+                             _CHECKSUM_STEP, torch.get_num_threads())
 
 
 KERNELS = CpuKernels()

@@ -124,29 +124,20 @@ class EncodeArgs:
     """Kernels with ``fuses_sum`` only: the one row (``rows`` 1, ``factor`` 1, ``m`` > 0) is
     ``summed``'s sum, decoded as the encode reads it; ``source`` (fp32 ``[m]``) is not read."""
 
-    @property
-    def format_code(self) -> int:
-        return FORMAT_CODES[self.fmt]
+    def __post_init__(self) -> None:
+        """What the kernels read besides the fields, made once (a C++ encode reads each as an
+        attribute: a property would cost a Python call per read): ``format_code``
+        (`FORMAT_CODES`), ``mode`` (`ERROR_MODES` of the state's storage), ``stochastic``, and
+        the random stream's keys ``k0`` and ``k1`` (0 without)."""
+        keys = self.keys
+        self.format_code = FORMAT_CODES[self.fmt]
+        self.mode = ERROR_MODES[None if self.state is None else self.state.dtype]
+        self.stochastic = keys is not None
+        self.k0, self.k1 = (0, 0) if keys is None else keys
 
     @property
     def ng(self) -> int:
         return wire.ngroups(self.m, self.group_size)
-
-    @property
-    def mode(self) -> int:
-        return ERROR_MODES[None if self.state is None else self.state.dtype]
-
-    @property
-    def stochastic(self) -> bool:
-        return self.keys is not None
-
-    @property
-    def k0(self) -> int:
-        return 0 if self.keys is None else self.keys[0]
-
-    @property
-    def k1(self) -> int:
-        return 0 if self.keys is None else self.keys[1]
 
     def _state_part(self, dtype: str | tuple[str, ...], part: str) -> torch.Tensor | None:
         dtypes = (dtype,) if isinstance(dtype, str) else dtype

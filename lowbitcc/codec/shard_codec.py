@@ -38,7 +38,7 @@ from lowbitcc.codec.interface import (
     unfused,
 )
 from lowbitcc.codec.kernels import REFERENCE
-from lowbitcc.codec.message_checks import MessageChecks
+from lowbitcc.codec.shard_decode import ShardDecodes
 
 __all__ = ["EncodeResult", "Flag", "ShardCodec"]
 
@@ -74,7 +74,7 @@ class EncodeResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardCodec(MessageChecks):
+class ShardCodec(ShardDecodes):
     """Encode and decode shard messages for one call: ``bits``, group size, code format, header
     fields, and the ``kernels`` that do the arithmetic (for tensors on their device)."""
 
@@ -248,9 +248,15 @@ class ShardCodec(MessageChecks):
 
     def header(self, m: int) -> bytes:
         """The header of this call's messages of ``m`` elements, with shard 0 and flags 0 (the
-        kernels write each row's own: `interface.Kernels.frame`)."""
-        return framing.call_header(self.bits, self.dtype_code, self.group_size, m, self.seq,
-                                   self.world, self.signature, self.fmt)
+        kernels write each row's own: `interface.Kernels.frame`); the last one made is kept
+        (a call frames and checks the same header several times)."""
+        seq, kept = self.seq, self.__dict__.get("_header")
+        if kept is not None and kept[0] == seq and kept[1] == m:
+            return kept[2]
+        header = framing.call_header(self.bits, self.dtype_code, self.group_size, m, seq,
+                                     self.world, self.signature, self.fmt)
+        self.__dict__["_header"] = (seq, m, header)
+        return header
 
     def sum_spec(self, messages: torch.Tensor, m: int, shard: int,
                  verdict: torch.Tensor | None) -> SumSpec | None:
@@ -269,128 +275,3 @@ class ShardCodec(MessageChecks):
                 unfused(self.count, "sum")
             return None
         return SumSpec(messages, fused[0], verdict, self.count)
-
-    # -- decode ---------------------------------------------------------------------------------
-    def decode_sum(self, messages: torch.Tensor, m: int, shard: int,
-                   out: torch.Tensor | None = None,
-                   verdict: torch.Tensor | None = None) -> tuple[torch.Tensor, Flag]:
-        """Sum in fp32, in row order, of ``k`` messages of the same shard: ``([m], nonfinite)``.
-
-        ``out`` (fp32 ``[m]``, contiguous, on the messages' device), when given, receives the
-        sum and is returned; otherwise a new tensor is allocated. ``nonfinite`` is a bool for
-        CPU messages and a 0-dim bool tensor for CUDA ones (see `check_on_device`, where a
-        message that does not belong to the call turns the sum into NaN and counts as
-        non-finite). ``verdict``: the call's (`framing.new_verdict`), which CUDA checks set:
-        ``nonfinite`` is then its non-finite byte only (a foreign message shows in its foreign
-        byte, which the caller reads with it), and the NaN follows any foreign message of the
-        call so far."""
-        shards = [shard] * messages.shape[0]
-        fused = self._fused_check(messages, m, shards, verdict)
-        nonfinite = fused[1] if fused else self._check_before(messages, m, shards, verdict)
-        if out is None:
-            out = torch.empty(m, dtype=torch.float32, device=messages.device)
-        elif (out.numel() != m or out.dtype != torch.float32 or not out.is_contiguous()
-              or out.device != messages.device):
-            raise ValueError(f"decode_sum: out must be a contiguous float32 tensor of {m} elements "
-                             f"on {messages.device}, got {out.dtype} {tuple(out.shape)} on "
-                             f"{out.device}")
-        if fused:
-            self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt,
-                                    out.view(-1), verdict, check=fused[0], count=self.count)
-            return out, nonfinite
-        if self.count is not None:
-            unfused(self.count, "decode")
-        self.kernels.decode_sum(messages, m, self.bits, self.group_size, self.fmt, out.view(-1),
-                                self._first(messages, verdict))
-        return out, self._check_after(messages, m, shards, out, nonfinite, verdict)
-
-    def decode_rows(self, messages: torch.Tensor, senders: int, m: int, out: torch.Tensor,
-                    verdict: torch.Tensor | None) -> Flag | None:
-        """Where the kernels decode every row of gathered ``messages`` at once (``fuses_rows``;
-        a device, the call's ``verdict``, checksums off, no host check: `_fused_check`, which
-        checks their sizes, raising `wire.WireFormatError`; ``out`` not empty): row ``r`` of
-        flat ``out`` (fp32, bf16 or fp16, contiguous, at most ``n * m`` elements) becomes the sum
-        in sender order of the ``senders``' messages of row ``r`` (``messages``: uint8
-        ``[senders * n, P]``, contiguous, sender by sender, row ``q`` of shard ``q % n``),
-        cast, as `decode_sum` and a cast would write it, but NaN everywhere where any row is
-        foreign (as `decode_into`; every row is checked, also one past ``out``, which row by
-        row no decode read); returns the non-finite answer (a view of the verdict). None:
-        nothing done (decode row by row with `decode_sum`)."""
-        if (out.numel() == 0 or not messages.is_contiguous()
-                or not getattr(self.kernels, "fuses_rows", False)):
-            if self.count is not None:
-                unfused(self.count, "decode")
-            return None
-        n = messages.shape[0] // senders
-        fused = self._fused_check(messages, m, list(range(n)) * senders, verdict)
-        if fused is None or verdict is None:
-            if self.count is not None:
-                unfused(self.count, "decode")
-            return None
-        if out.numel() > n * m or not out.is_contiguous() or out.device != messages.device:
-            raise ValueError(f"decode_rows: out must be contiguous, on {messages.device}, with at "
-                             f"most {n * m} elements; got {out.numel()} on {out.device}")
-        self.kernels.decode_rows(messages, senders, m, self.bits, self.group_size, self.fmt,
-                                 out.view(-1), verdict, fused[0][0], self.count)
-        return fused[1]
-
-    def decode_into(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                    out: torch.Tensor, verdict: torch.Tensor | None = None) -> Flag:
-        """Decode rows into flat ``out`` (row ``r`` -> ``out[r*m ...]``, cast); returns nonfinite
-        (as `decode_sum`, and ``verdict`` likewise)."""
-        fused = self._fused_check(messages, m, shard_ids, verdict)
-        nonfinite = fused[1] if fused else self._check_before(messages, m, shard_ids, verdict)
-        if out.numel() > messages.shape[0] * m or not out.is_contiguous():
-            raise ValueError("decode_into: out must be contiguous and hold at most rows * m elements")
-        if out.device != messages.device:
-            raise ValueError(f"decode_into: out is on {out.device}, the messages on {messages.device}")
-        if fused:
-            self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
-                                     verdict, check=fused[0], count=self.count)
-            return nonfinite
-        if self.count is not None:
-            unfused(self.count, "decode")
-        self.kernels.decode_into(messages, m, self.bits, self.group_size, self.fmt, out,
-                                 self._first(messages, verdict))
-        return self._check_after(messages, m, shard_ids, out, nonfinite, verdict)
-
-    def _fused_check(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                     verdict: torch.Tensor | None
-                     ) -> tuple[tuple[bytes, list[int]], torch.Tensor] | None:
-        """Where the kernels check the rows in the decode itself (``fuses_check``: a device,
-        the call's ``verdict``, checksums off, no host check): the sizes checked, the decode's
-        ``check`` argument and the non-finite answer (a view of the verdict); else None."""
-        if (verdict is None or self.checksum or self.host_check
-                or messages.device.type == "cpu" or not getattr(self.kernels, "fuses_check", False)):
-            return None
-        self.check_size(messages, m, shard_ids)
-        return (self.header(m), shard_ids), framing.verdict_flag(verdict, framing.VERDICT_NONFINITE)
-
-    def _first(self, messages: torch.Tensor, verdict: torch.Tensor | None) -> torch.Tensor | None:
-        """The call's ``verdict`` where the device check runs before the decode (which then
-        writes NaN itself where a message was foreign), else None."""
-        if verdict is None or messages.device.type == "cpu" or self.host_check:
-            return None
-        return verdict
-
-    def _check_before(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                      verdict: torch.Tensor | None = None) -> Flag:
-        """CPU (or ``host_check``): the whole check, before any kernel reads the messages;
-        CUDA: sizes, and with the call's ``verdict`` the device check (`_first`)."""
-        if messages.device.type == "cpu" or self.host_check:
-            return self.check_on_host(messages, m, shard_ids)
-        self.check_size(messages, m, shard_ids)
-        if verdict is not None:
-            return self.check_on_device(messages, m, shard_ids, verdict)[0]
-        return False
-
-    def _check_after(self, messages: torch.Tensor, m: int, shard_ids: list[int],
-                     out: torch.Tensor, nonfinite: bool,
-                     verdict: torch.Tensor | None = None) -> Flag:
-        """CUDA without the call's verdict: the header check on the device after the decode; a
-        foreign message's values become NaN."""
-        if messages.device.type == "cpu" or self.host_check or verdict is not None:
-            return nonfinite
-        flagged, foreign = self.check_on_device(messages, m, shard_ids)
-        out.masked_fill_(foreign, float("nan"))
-        return flagged | foreign

@@ -8,8 +8,9 @@ import pytest
 
 from lowbitcc.tools.call_count import count_calls
 
-BUDGET = {"compressed": 250, "exact": 90}
-"""Python calls per bucket call beyond gloo's, on the default issuer."""
+BUDGET = {"compressed": 110, "exact": 50}
+"""Python calls per bucket call beyond gloo's, on the default issuer (2026-11-28: 104 and 45;
+244 and 71 before the steady call ran by its place's entry on every issuer)."""
 
 
 @pytest.mark.parametrize("mode", sorted(BUDGET))
