@@ -162,6 +162,30 @@ def _scatter_gather(source: Source, out: torch.Tensor, comp: CallCompressor,
     decode_columns(comp, gathered, rows, m, 0, m, out)
 
 
+def _gather_one_chunk(columns: torch.Tensor, pending: Pending, out: torch.Tensor,
+                      comp: CallCompressor, m: int, device: torch.device) -> None:
+    """The two-rank all-reduce of one chunk on the CPU, into a buffer the compressor keeps:
+    ``columns`` (``[n, rows, P]``) its view, in which every rank's messages of row ``r`` lie
+    side by side (``columns[:, r]``); each row decoded and summed into its place of flat
+    ``out`` (straight where it is fp32 and whole, else through the decode buffer) once
+    ``pending`` is done."""
+    places = []
+    for r in range(columns.shape[1]):
+        lo, hi = min(r * m, out.numel()), min((r + 1) * m, out.numel())
+        if lo < hi:
+            places.append((r, columns[:, r], out[lo:hi],
+                           out.dtype == torch.float32 and hi - lo == m))
+    received = pending.wait()
+    if received.data_ptr() != columns.data_ptr():  # a transport that received elsewhere
+        columns = received.view(columns.shape)
+        places = [(r, columns[:, r], target, straight) for r, _, target, straight in places]
+    for r, messages, target, straight in places:
+        if straight:
+            comp.decode_sum(messages, m, r, target)
+        else:
+            target.copy_(comp.decode_sum(messages, m, r, comp.scratch(m, device))[:target.numel()])
+
+
 def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
                        transport: Transport, ranges: list[tuple[int, int]], prefix: str) -> None:
     """The two-rank all-reduce (module docstring): all-gather the codes of every row and
@@ -200,8 +224,14 @@ def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
     if len(ranges) == 1:
         name = prefix + "gather"
         messages = encode_columns(comp, name, source, 0, m)
-        in_flight.append((0, m, None, transport.all_gather_async(
-            messages, comp.received(name, n * messages.numel(), device))))
+        received = comp.received(name, n * messages.numel(), device)
+        pending = transport.all_gather_async(messages, received)
+        if received is None or device.type != "cpu":
+            in_flight.append((0, m, None, pending))
+        else:  # the decodes' views made while the transfer runs: the first Python after a
+            # wait runs several times slower here (caches, a core woken up)
+            _gather_one_chunk(received.view(n, rows, -1), pending, out, comp, m, device)
+            return
     else:
         for k, (a, b) in enumerate(ranges):
             name = stage(prefix + "gather", k, len(ranges))
