@@ -122,10 +122,11 @@ class LocoConfig:
         max_chunks: the most chunks a row is cut into: a row longer than ``max_chunks *
             chunk_size`` gets wider chunks, so that a large call pays the host work of a chunk
             (about a millisecond) fewer times (0: no limit, ``chunk_size`` alone decides).
-        issuer: how CPU reductions are issued: "auto" (the group's worker thread) or "inline"
-            (in the calling thread, as CUDA calls always are: a test and measurement mode that
-            runs the CUDA path's logic on CPU tensors with the C++ kernels; not faster). CUDA
-            reductions are issued inline either way.
+        issuer: how CPU reductions are issued: "auto" (the group's worker thread: the caller
+            goes on while a call runs) or "inline" (in the calling thread, as CUDA calls always
+            are: less host time per synchronous call, the caller waiting for each; it also runs
+            the CUDA path's logic on CPU tensors with the C++ kernels). CUDA reductions are
+            issued inline either way.
         call_graphs: a CUDA place whose compressed entry runs without error feedback on the
             direct schedule captures its run in CUDA graphs at its third and fourth runs and
             replays them from then on (`lowbitcc.backend.place_graph`; the ranks agree on it,

@@ -1,9 +1,10 @@
 """`InlineIssuer`: CPU reductions issued in the calling thread, as the CUDA path issues its own.
 
-Selected by ``LOCO_ISSUER=inline``; **a test and measurement mode on CPU**, not a faster path:
-it runs the logic of the CUDA path (`cuda_issue`: compressed jobs run in call order by the
-calling thread, no chunks, the descriptor exchange handed to the worker) with the C++ kernels, so that
-CPU CI covers it and its host cost per call can be measured without a GPU. Exact calls and the
+Selected by ``LOCO_ISSUER=inline``: less host time per synchronous call than the worker, which
+it spares, but the caller waits for the whole call (docs/configuration.md). It runs the logic
+of the CUDA path (`cuda_issue`: steady calls and compressed jobs run in call order by the
+calling thread, no chunks, the descriptor exchange handed to the worker) with the C++ kernels,
+so that CPU CI covers it and its host cost per call can be measured without a GPU. Exact calls and the
 compressed schedules' transfers go over the group's direct gloo group (the role NCCL plays on
 CUDA), which only the calling thread uses; a compressed call's Work is complete when returned
 (on CUDA: ordered on the stream), and its errors raise from the call itself.

@@ -9,10 +9,10 @@ neither imports the other:
 - `worker_issue.WorkerIssuer` (CPU tensors, ``LOCO_ISSUER=auto``): the group's worker thread
   runs the jobs in issue order (`issue_queue`), exact calls on the inner gloo group, calls
   that run as their place's exact entry at once on the direct gloo group;
-- `inline_issue.InlineIssuer` (CPU tensors under ``LOCO_ISSUER=inline``, a test and
-  measurement mode): every reduction issued in the calling thread, in call order, as the CUDA
-  path issues them, over the direct gloo group (the descriptor exchange still goes to the
-  worker, which owns the inner gloo group), so that the CUDA path's logic runs in CPU CI;
+- `inline_issue.InlineIssuer` (CPU tensors under ``LOCO_ISSUER=inline``): every reduction
+  issued in the calling thread, in call order, as the CUDA path issues them, over the direct
+  gloo group (the descriptor exchange still goes to the worker, which owns the inner gloo
+  group): the least host time per synchronous call, and the CUDA path's logic in CPU CI;
 - `cuda_issue.CudaIssuer` (CUDA tensors): the calling thread, streams and NCCL.
 """
 

@@ -12,7 +12,7 @@ chosen once when the group is created:
 - CPU tensors: `worker_issue.WorkerIssuer` (the group's worker thread, `issue_queue`, in
   issue order; calls that run as their place's exact entry start at once on a direct gloo
   group), or under
-  ``LOCO_ISSUER=inline`` `inline_issue.InlineIssuer` (the calling thread, a test mode);
+  ``LOCO_ISSUER=inline`` `inline_issue.InlineIssuer` (the calling thread);
 - CUDA tensors (torch with CUDA and NCCL, a visible GPU): `cuda_issue.CudaIssuer` (the calling
   thread, the caller's stream, the inner ``ProcessGroupNCCL``; docs/gpu.md).
 
