@@ -18,7 +18,7 @@ inline route), phase by phase:
    states stored).
 
 Subclasses say which schedule runs and where results go: `AllReduceCall` and
-`ReduceScatterCall` (the ``param_bits`` all-gather is `gather_call.GatherCall`).
+`ReduceScatterCall` (the ``param_bits`` all-gather is `data_movement.GatherCall`).
 
 A `Route` is the device-specific part: which codec kernels and which links (transports) serve
 tensors of one device type, whether its jobs run in the calling thread (``inline``: CUDA, see

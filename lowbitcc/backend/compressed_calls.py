@@ -30,7 +30,6 @@ from lowbitcc.backend.call_agreement import (
 from lowbitcc.backend.call_schedule import CallSchedule, Entry, Place, takes_place
 from lowbitcc.backend.compressed_call import CALLS
 from lowbitcc.backend.cuda_issue import StreamTimings
-from lowbitcc.backend.gather_call import GatherCall
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.renewal import PlaceRenewal
@@ -291,12 +290,6 @@ class CompressedCalls:
             if plan is not None:
                 plan.settle()
             raise
-
-    def all_gather(self, output: torch.Tensor, source: torch.Tensor, exact: Job,
-                   wants: bool = True) -> Job:
-        """The job of a ``param_bits`` all-gather of flat ``source`` into ``output``
-        (`gather_call.GatherCall`)."""
-        return self.unplaced(GatherCall(self, output, source, exact, wants))
 
     def clock(self, size_class: SizeClass, exact: bool, nbytes: int) -> Callable[[], None]:
         """Start timing a call of ``size_class`` on one path; the returned function ends it,
