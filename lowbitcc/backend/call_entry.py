@@ -74,9 +74,11 @@ class Poisoned:
 class Entry:
     """The call the ranks agreed on at one place (``desc``: this rank's descriptor then), how
     it ran (``exact``; ``by_model``: because rank 0's cost model chose it), and how many more
-    runs it may make without an exchange (``left``). ``canary``: for an exact all-reduce, the
-    issuer's view of its last run's output (`Issuer.canary`), whose ``nan()`` says whether
-    that output ended in NaN. ``plan``: for a compressed entry, what its runs keep
+    runs it may make without an exchange (``left``). ``canary``: for an exact all-reduce (and
+    a compressed entry off the direct schedule), the issuer's view of the output of the run
+    before its last (`Issuer.canary`, kept by `keep`), whose ``nan()`` says whether that
+    output ended in NaN; ``latest``: its last run's, read one run later. ``plan``: for a
+    compressed entry, what its runs keep
     (`call_plan.CallPlan`, made by the first; passed on to the place's next entry of the
     same call)."""
 
@@ -85,6 +87,7 @@ class Entry:
     exact: bool = False
     by_model: bool = False
     canary: Any = None
+    latest: Any = None
     plan: Any = None
     eligible: bool = True
     """This rank's tensor and op could be compressed (`policy.eligible`): what its
@@ -98,6 +101,15 @@ class Entry:
 
     def __post_init__(self) -> None:
         self.key = call_key(self.desc)
+
+    def keep(self, canary: Any) -> None:
+        """Keep ``canary`` as the view of this run's output (None: no view, as in a CUDA graph
+        capture). The place's next run reads the canary of the run before this one, never
+        this one's: a run issued just before (on CUDA still running, on the worker still
+        queued) is not waited for, so back-to-back runs of one place overlap, and every rank
+        reads the same run's output. A NaN output thus makes the ranks exchange at the
+        place's second run after it."""
+        self.canary, self.latest = self.latest, canary
 
     def matches(self, key: tuple) -> bool:
         return key == self.key

@@ -29,23 +29,24 @@ than an exact call on a fast link. The schedule removes it from the steady state
   the inner group's own call, issued by the calling thread.
 
 A rank whose call is not its place's entry *deviates* and knows it locally
-(`lowbitcc.backend.deviation`). It never waits on a transfer of another size than the
-others': it runs the entry's call in place of its own. At a compressed entry of the direct
-schedule it sends zeros in messages flagged `wire.FLAG_DEVIATED`, which every rank reads: where
-every rank deviated to the same call, every rank starts its schedule again (`restart`) and
-agrees on the call; else every rank raises `CollectiveMismatchError` at that call. At a
-compressed entry of another schedule (ring, tree, hierarchical: not every rank reads every
-rank's messages) it contributes NaN in flagged messages and raises; the ranks that read a
-flagged message, or one built from it, raise at that call, and the others' outputs are NaN,
-which their canary (below) turns into an exchange at the place's next run. At an exact entry
-it contributes a
-buffer of NaN with a few -0.0 elements: where every rank deviated, those elements come back
--0.0 and every rank starts again; else this rank raises, the others' outputs of that call are
-NaN, and they raise at the next exchange or renewal, where this rank's descriptor carries
-`wire.DESC_DEVIATED` (`take_deviated`). Every rank exchanges again at the place's next run
-when the last output of its previous run there was NaN (its *canary*, read by the issuer,
-kept by exact all-reduces and by compressed calls off the direct schedule; the same on every
-rank for an all-reduce), so that next exchange is at most a period away.
+(`lowbitcc.backend.deviation`). It never waits on a transfer of another size than the others':
+it runs the entry's call in place of its own. At a compressed entry of the direct schedule it
+sends zeros in messages flagged `wire.FLAG_DEVIATED`, which every rank reads: where every rank
+deviated to the same call, every rank starts its schedule again (`restart`) and agrees on the
+call; else every rank raises `CollectiveMismatchError` at that call. At a compressed entry of
+another schedule (ring, tree, hierarchical: not every rank reads every rank's messages) it
+contributes NaN in flagged messages and raises; the ranks that read a flagged message, or one
+built from it, raise at that call, and the others' outputs are NaN, which their canary (below)
+turns into an exchange at the place's run after next. At an exact entry it contributes a buffer
+of NaN with a few -0.0 elements: where every rank deviated, those elements come back -0.0 and
+every rank starts again; else this rank raises, the others' outputs of that call are NaN, and
+they raise at the next exchange or renewal, where this rank's descriptor carries
+`wire.DESC_DEVIATED` (`take_deviated`). Every rank exchanges again at a place where the output
+of the run before its last ended in NaN (its *canary*, read by the issuer, kept by exact
+all-reduces and by compressed calls on CUDA or off the direct schedule; the same on every rank
+for an all-reduce), so that exchange is at most two periods away. The canary read is one run
+behind (`Entry.keep`) so that a run never waits for the one issued just before it at its place:
+on CUDA the host would otherwise wait for the GPU whenever one place runs back to back.
 
 Threads: the calling threads decide (`advance`, `entry`, `ran`; they take renewals too); on
 the worker route the exchanges and compressed deviations run later on the group's worker, which

@@ -213,10 +213,10 @@ class CompressedCall:
         else:
             # the others see it at this call from the headers on CPU and the direct schedule;
             # on CUDA only as NaN and a verdict word, and off the direct schedule some only as
-            # NaN: every rank exchanges at the place's next run and raises there
+            # NaN: every rank exchanges at the place's run after next and raises there
             if self.source.device.type != "cpu" or not deviation.direct:
                 plan.schedule.deviated = True
-                plan.entry.canary = Poisoned()
+                plan.entry.keep(Poisoned())
             expected = plan.entry.desc
             raise CollectiveMismatchError(
                 f"lowbitcc: rank {self.group.rank} issued a {self.collective} of {self.numel} "

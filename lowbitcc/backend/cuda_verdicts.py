@@ -9,8 +9,9 @@ copied by the GPU into pinned host memory on the call's stream, behind an event:
 - the *canary* of a call that ran as its place's entry in the call schedule (`call_schedule`):
   for an exact all-reduce, the last element of its output (`DeviceCanary`: NaN where a rank
   ran the place's call on a NaN-filled buffer, see `deviation.ExactDeviation`); for a
-  compressed call, its verdict flag (`FlagCanary`, `keep_canaries`). The place's next run, one
-  period later, reads it (waiting for the event, long passed by then): every rank reads the
+  compressed call, its verdict flag (`FlagCanary`, `keep_canaries`). The place's second run
+  after it, two periods later, reads it (`call_entry.Entry.keep`; waiting for the event, long
+  passed by then, while the run just before may still be on the GPU): every rank reads the
   same there, and exchanges a descriptor where it says something went wrong.
 """
 
@@ -44,7 +45,7 @@ def keep_canaries(calls: list[Any]) -> None:
     for call in calls:
         entry, flag = getattr(call, "canary_entry", None), getattr(call, "verdict", None)
         if entry is not None and isinstance(flag, torch.Tensor):
-            entry.canary = FlagCanary(flag)
+            entry.keep(FlagCanary(flag))
 
 
 class FlagCanary:

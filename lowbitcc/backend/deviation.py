@@ -22,7 +22,8 @@ values that tell the ranks what happened:
   (a rank that did not deviate added its own; only inputs that are themselves -0.0 at every
   such element on every such rank would look alike), this rank raises, and the others' outputs
   are NaN everywhere else; they raise at their next exchange (`wire.DESC_DEVIATED`), which
-  their NaN canary brings forward to the place's next run.
+  their NaN canary brings forward to the place's second run after this one
+  (`call_entry.Entry.keep`).
 """
 
 from __future__ import annotations

@@ -314,7 +314,7 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
 
 class HostCanary:
     """The last element of a CPU all-reduce's ``output``, read once its ``work`` completed
-    (waiting for it if needed: `call_schedule` reads a place's canary at the place's next run).
+    (waiting for it if needed: `call_schedule` reads a place's canary at the place's run after next).
     A work that failed reads as NaN (the place then exchanges again)."""
 
     __slots__ = ("_work", "_output")

@@ -75,12 +75,12 @@ def _stop_when_done(work: Any, stop: Callable[[], None], device_type: str) -> No
 def _keep_canaries(issuer: Issuer, jobs: list[Any], work: Any) -> None:
     """Each of ``jobs`` that runs as its place's compressed entry off the direct schedule
     (`call_plan.PlanRun`) keeps its output's canary at the place (`Issuer.canary`: ``work``'s,
-    read at the place's next run): there a deviation shows on some ranks only as NaN
+    read at the place's run after next, `Entry.keep`): there a deviation shows on some ranks only as NaN
     (`deviation.Deviation`)."""
     for job in jobs:
         if type(job) is PlanRun and job.plan.schedule != "direct":
-            job.canary_entry.canary = issuer.canary(
-                job.tensor if job.output is None else job.output, work)
+            job.canary_entry.keep(issuer.canary(
+                job.tensor if job.output is None else job.output, work))
 
 
 class Reductions:
@@ -230,7 +230,7 @@ class Reductions:
             work = (issuer.native_now(call[0], call[1], [output], size_class, nbytes) if native
                     else issuer.exact_now(call, size_class))
         if collective == "all_reduce":
-            entry.canary = issuer.canary(output, work)
+            entry.keep(issuer.canary(output, work))
         return issuer.planned(work, [output])
 
     # -- the general path ------------------------------------------------------------------
@@ -289,7 +289,7 @@ class Reductions:
         if not alike:
             place.schedule.deviated = True
         if entry.desc.collective == "all_reduce":  # its next run exchanges, as the others'
-            entry.canary = Poisoned()
+            entry.keep(Poisoned())
         if refused:
             return
         expected = entry.desc

@@ -129,7 +129,7 @@ DEVIATIONS = {  # what rank 1 issues as the second call of pass 2
 
 
 def _one_rank_deviates(how, rank, p):
-    if p >= 5:
+    if p >= 6:
         return None
     if p == 2 and rank == 1:
         return [SIZES[0], DEVIATIONS[how], SIZES[2]]
@@ -147,7 +147,7 @@ def test_a_call_that_deviates_on_one_rank_raises_on_every_rank_and_the_group_goe
         assert list(errors) == [2], errors
         # pass 2 ended at its second call on every rank, so pass 3 starts a place late on
         # every rank alike: the ranks start their schedule again and learn it anew
-        assert agreements[3:] == [len(SIZES), 1], agreements
+        assert agreements[3:] == [len(SIZES), 1, 0], agreements
     later = [r[0][4] for r in results]  # pass 4 is the same call everywhere again
     for other in later[1:]:
         assert all(torch.equal(a, b) for a, b in zip(later[0], other))
@@ -347,11 +347,12 @@ def test_every_schedule_runs_its_places_without_an_exchange(schedule, world, nod
 def test_a_deviation_off_the_direct_schedule_raises_on_every_rank(schedule, world, node_size):
     """A rank whose call is not its place's ring or hierarchical entry runs the entry on NaN in
     flagged messages and raises; the others raise at that call (a flagged message reached
-    them) or, their outputs NaN, at the place's next run (its canary); never a hang, never a
-    silent result."""
+    them) or, their outputs NaN, at the place's run after next (its canary, read one run
+    behind); never a hang, never a silent result. Pass 5 runs as agreed on every rank."""
     for rank, (exchanges, raised, close, finite) in enumerate(
             run_ranks(_scheduled, world, schedule, node_size, 4, 10, timeout=240)):
-        assert raised and raised[0] in (4, 5) and set(raised) <= {4, 5}, (rank, raised)
+        assert raised and raised[0] in (4, 6) and set(raised) <= {4, 6}, (rank, raised)
+        assert 5 in finite, (rank, finite)
         assert 4 in raised or 4 not in finite, (rank, raised, finite)  # no silent result
         assert close, rank
         assert exchanges[-1] == 0, exchanges  # agreed anew, steady again

@@ -177,6 +177,32 @@ def test_graph_capture_takes_the_exact_path(fake_cuda):
     assert log == [("exact", "current"), ("ready", "current", ["out"])]
 
 
+class _ClosingCall:
+    """A compressed call as `closing` settles it: ``close()`` counted."""
+
+    verdict = None
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_call_issued_during_a_graph_capture_leaves_no_place_open_and_no_canary(fake_cuda):
+    """While a graph is captured the compressed call runs c10d's own call: its jobs are closed
+    (their places settled, so the next call does not wait a timeout for them), and no canary,
+    pinned buffer or event is made inside the capture."""
+    log, state = fake_cuda
+    state["capturing"] = True
+    issuer = cuda_issue.CudaIssuer(nccl=None)
+    out, call = FakeTensor(log, "out"), _ClosingCall()
+    work = issuer.compressed(_job(log, state), _job(log, state, "exact"), [out], [out], True,
+                             [call])
+    assert call.closed == 1 and log == [("exact", "current"), ("ready", "current", ["out"])]
+    assert issuer.canary(out, work) is None
+
+
 class _FakeRun:
     """A place's run (`call_plan.PlanRun`) as the issuer sees it: calling it is logged."""
 

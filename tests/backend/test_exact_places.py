@@ -152,7 +152,7 @@ DEVIATIONS = {  # what rank 1 issues in place of step 3's second call
 
 
 def _one_rank_deviates(how, rank, step):
-    if step >= 8:
+    if step >= 9:
         return None
     if step == 3 and rank == 1:
         return [STEADY[0], DEVIATIONS[how], *STEADY[2:]]
@@ -163,17 +163,19 @@ def _one_rank_deviates(how, rank, step):
 @pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, issuer, how):
-    """Rank 1 raises at once; the others' outputs of that call are NaN, and at the place's next
-    run (its canary NaN) every rank exchanges, sees rank 1's report and raises; then the ranks
-    agree anew and their results are gloo's again."""
+    """Rank 1 raises at once; the others' outputs of that call are NaN. The place's next run
+    (step 4) reads the canary of the run before (`Entry.keep`) and runs as agreed; at the run
+    after (step 5), the canary NaN, every rank exchanges, sees rank 1's report and raises; then
+    the ranks agree anew and their results are gloo's again."""
     results = run_ranks(_steps, world, issuer, functools.partial(_one_rank_deviates, how),
                         False, (3,), timeout=120)
     for rank, (exchanges, outcomes, same) in enumerate(results):
         assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
-        assert outcomes[4][1] == "mismatch", outcomes
-        assert [o for s in (0, 1, 2, 5, 6, 7) for o in outcomes[s]] == ["ok"] * 6 * len(STEADY)
-        assert same[5] and same[6] and same[7], same
-        assert exchanges[6:] == [1, 0], exchanges  # learned again
+        assert outcomes[5][1] == "mismatch", outcomes
+        assert exchanges[4] == 0, exchanges
+        assert [o for s in (0, 1, 2, 4, 6, 7, 8) for o in outcomes[s]] == ["ok"] * 7 * len(STEADY)
+        assert same[4] and same[6] and same[7] and same[8], same
+        assert exchanges[7:] == [1, 0], exchanges  # learned again
 
 
 def _renewing_steps(rank, world, gloo, issuer, plan, uneven):
@@ -187,15 +189,16 @@ def _renewing_steps(rank, world, gloo, issuer, plan, uneven):
 @pytest.mark.parametrize("issuer", ISSUERS)
 def test_an_exact_deviation_at_a_place_with_a_pending_renewal_raises_on_every_rank(issuer):
     """As above with renewals pending when rank 1 deviates (step 3): the place's canary is
-    NaN at step 4, which takes its renewal first, then exchanges; every rank raises there,
-    and the ranks go on in step (the call numbers of the calls that raised kept alike)."""
+    NaN at step 5 (read one run behind), which takes its renewal first, then exchanges; every
+    rank raises there, and the ranks go on in step (the call numbers of the calls that raised
+    kept alike)."""
     results = run_ranks(_renewing_steps, 2, issuer, functools.partial(_one_rank_deviates, "size"),
                         (3,), timeout=120)
     for rank, (_, outcomes, same) in enumerate(results):
         assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
-        assert outcomes[4][1] == "mismatch", outcomes
-        assert [o for s in (0, 1, 2, 5, 6, 7) for o in outcomes[s]] == ["ok"] * 6 * len(STEADY)
-        assert same[5] and same[6] and same[7], same
+        assert outcomes[5][1] == "mismatch", outcomes
+        assert [o for s in (0, 1, 2, 4, 6, 7, 8) for o in outcomes[s]] == ["ok"] * 7 * len(STEADY)
+        assert same[4] and same[6] and same[7] and same[8], same
 
 
 def _one_rank_calls_once_more(rank, step):

@@ -125,7 +125,8 @@ def test_a_nan_canary_takes_the_pending_renewal_before_the_place_exchanges(renew
     schedule = _learned(renewals, DeviatedPeerError("rank 1 deviated"), exact=True)
     entry = _steady(schedule, True)
     assert _steady(schedule, True) is entry and len(renewals) == 1
-    entry.canary = call_schedule.Poisoned()  # the last run's output ended in NaN
+    entry.keep(call_schedule.Poisoned())  # a run's output ended in NaN
+    entry.keep(None)  # and the place ran once more (the canary is read one run behind)
     with pytest.raises(DeviatedPeerError):  # the renewal's report, before any exchange
         schedule.take(KEY)
     assert renewals[0].taken == 1
@@ -157,3 +158,35 @@ def test_a_call_that_is_not_the_entry_or_wishes_the_other_path_deviates(renewals
         assert place.kind == call_schedule.DEVIATE and place.opened  # until its job settles it
         place.settle()
     assert type(schedule.take(KEY, "compressed")) is Entry
+
+
+class RecordingCanary:
+    """A canary whose reads are logged in ``reads``; ``nan`` its answer."""
+
+    def __init__(self, name: int, reads: list, nan: bool = False) -> None:
+        self.name, self.reads, self.is_nan = name, reads, nan
+
+    def nan(self) -> bool:
+        self.reads.append(self.name)
+        return self.is_nan
+
+
+def test_a_run_reads_the_canary_of_the_run_before_the_last_never_the_last():
+    """The canary of the run just issued (on CUDA possibly still on the GPU: its read would wait
+    for it) is never read by the place's next run, only by the run after; a NaN there makes the
+    place exchange."""
+    schedule = _learned([], Outcome(False, False, 4), exact=True)
+    reads: list = []
+    entry = None
+    for run in range(5):
+        taken = schedule.take(KEY)
+        assert type(taken) is Entry and taken.exact, run
+        entry = taken
+        assert reads == list(range(run - 1)), (run, reads)  # run k read run k-2's canary
+        entry.keep(RecordingCanary(run, reads, nan=(run == 4)))
+    assert entry is not None
+    assert type(schedule.take(KEY)) is Entry  # reads run 4's predecessor: no NaN yet
+    entry.keep(RecordingCanary(5, reads))
+    place = schedule.take(KEY)  # reads run 4's: NaN, the place exchanges
+    assert type(place) is not Entry and place.kind == EXCHANGE
+    assert reads[-1] == 4

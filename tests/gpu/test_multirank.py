@@ -291,33 +291,36 @@ def test_exact_cuda_calls_run_as_their_places_agreed_without_an_exchange(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_an_exact_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world):
-    """Rank 1 raises at once; the others' outputs are NaN and they raise at the place's next
-    run (its canary copied to pinned memory behind an event); then the ranks agree anew."""
+    """Rank 1 raises at once; the others' outputs are NaN; the place's next run (step 4) runs
+    as agreed, and every rank raises at the run after it (step 5: its canary, copied to pinned
+    memory behind an event, read one run behind); then the ranks agree anew."""
     plan = functools.partial(places._one_rank_deviates, "size")
     for rank, (exchanges, outcomes, same) in enumerate(
             _ranks(places._steps, world, "auto", plan, False, (3,), "cuda")):
         assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
-        assert outcomes[4][1] == "mismatch", outcomes
-        assert same[6] and same[7] and exchanges[7] == 0, (same, exchanges)
+        assert outcomes[4][1] == "ok" and exchanges[4] == 0, (outcomes, exchanges)
+        assert outcomes[5][1] == "mismatch", outcomes
+        assert same[7] and same[8] and exchanges[8] == 0, (same, exchanges)
 
 
 def _compressed_deviation(rank, world, gloo):
-    results, _, errors = schedule._passes(
+    results, _, errors, _ = schedule._passes(
         rank, world, gloo, "auto", functools.partial(schedule._one_rank_deviates, "size"),
         device="cuda", per_call=True)
-    return errors, results[4]
+    return errors, results[5]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_compressed_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world):
     """The deviating rank raises at once; on CUDA the others see the flagged messages as NaN
-    and a set verdict word, and every rank raises at the place's next run (pass 3), never
-    hangs; pass 4 is the same call everywhere again. Each rank issues every call of a pass
-    (a call that raises ends only itself): rank 1 raises at its second call of pass 2 while
-    the others go on to the third, which needs rank 1's."""
+    and a set verdict word, pass 3 runs as agreed (the canary is read one run behind), and
+    every rank raises at the place's run after (pass 4), never hangs; pass 5 is the same call
+    everywhere again. Each rank issues every call of a pass (a call that raises ends only
+    itself): rank 1 raises at its second call of pass 2 while the others go on to the third,
+    which needs rank 1's."""
     ranks = _ranks(_compressed_deviation, world)
     for rank, (errors, _) in enumerate(ranks):
-        assert (2 in errors) == (rank == 1) and 3 in errors, (rank, errors)
+        assert (2 in errors) == (rank == 1) and 4 in errors and 3 not in errors, (rank, errors)
     later = [r[1] for r in ranks]
     for other in later[1:]:
         assert all(torch.equal(a, b) for a, b in zip(later[0], other, strict=True))

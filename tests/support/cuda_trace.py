@@ -23,6 +23,7 @@ from lowbitcc.counters import Stats
 from lowbitcc.transports.links import Links
 from lowbitcc.transports.metered import MeteredTransport
 from lowbitcc.transports.nccl import NcclTransport
+from lowbitcc.transports.topology import NodeLayout
 
 
 @dataclasses.dataclass
@@ -65,8 +66,8 @@ class PlanGroup:
     (an int8 error state) or off."""
 
     def __init__(self, world: int, codec: ShardCodec, feedback: bool = True,
-                 graphs: bool = False) -> None:
-        self.rank, self.size, self._codec = 0, world, codec
+                 graphs: bool = False, schedule: str = "direct") -> None:
+        self.rank, self.size, self._codec, self._schedule = 0, world, codec, schedule
         self.config = LocoConfig(feedback=feedback, call_graphs=graphs)
         self.agreement = types.SimpleNamespace(next_seq=itertools.count(1).__next__)
         self.graphs = LiveGraphs()
@@ -81,7 +82,7 @@ class PlanGroup:
         return False
 
     def schedule_for(self, *args) -> str:
-        return "direct"
+        return self._schedule
 
     def chunk(self, *args) -> int:
         return 0
@@ -103,23 +104,32 @@ class TracedPlan(CallPlan):
 
 def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
               collective: str = "all_reduce", feedback: bool = True, graphs: bool = False,
-              replay: bool = True, stats: Stats | None = None,
+              replay: bool = True, stats: Stats | None = None, node_size: int = 0,
               ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
     kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``,
     ``replay`` False: every run eager), its transfers metered into ``stats`` (default `state.STATS`
     now) as `transports.open_nccl_links`' are, its
-    NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output. The caller replaces
+    NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output.
+    ``node_size`` > 0: the hierarchical schedule over nodes of that many ranks (rank 0's node and
+    rail links recorded in ``work`` too). The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
     codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
                        world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     transport = MeteredTransport(NcclTransport(RecordingGroup(work, 0, world)),  # as on a GPU
                                  state.STATS if stats is None else stats)
-    route = types.SimpleNamespace(links=Links.of(transport))
+    if node_size:
+        layout = NodeLayout(world // node_size, node_size, 0, 0)
+        links = Links(transport, layout, lambda name, color, key, size: NcclTransport(
+            RecordingGroup(work, 0, size)))
+    else:
+        links = Links.of(transport)
+    route = types.SimpleNamespace(links=links)
     x = torch.empty(numel, device="meta")
     out = torch.empty(numel // world, device="meta") if collective == "reduce_scatter" else None
-    plan = TracedPlan(PlanGroup(world, codec, feedback, graphs), route, x, collective)
+    plan = TracedPlan(PlanGroup(world, codec, feedback, graphs,
+                                "hierarchical" if node_size else "direct"), route, x, collective)
     if not replay and not graphs:  # every run eager
         plan.graph = None
     return plan, x, out
