@@ -31,7 +31,6 @@ waits.
 from __future__ import annotations
 
 import collections
-import datetime
 import threading
 import time
 from collections.abc import Callable
@@ -84,6 +83,11 @@ class StreamWork(dist.Work):
         self.event = torch.cuda.Event()
         self.event.record(stream)
         self._future: torch.futures.Future | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the call runs (its stream's device)."""
+        return self._stream.device
 
     def wait(self, timeout: Any = None) -> bool:
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 0)
@@ -297,20 +301,6 @@ def sync_options(options: Any) -> Any:
 def cuda_usable() -> bool:
     """Whether this process can serve CUDA tensors: torch with CUDA and NCCL, and a GPU."""
     return dist.is_nccl_available() and torch.cuda.is_available()
-
-
-def inner_nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-               global_ranks: list[int] | None, group_id: str) -> Any:
-    """A group's inner ``ProcessGroupNCCL`` on its own store prefix, named and numbered as
-    c10d names and numbers the NCCL groups it creates itself."""
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    options.is_high_priority_stream = False
-    options.global_ranks_in_group = global_ranks or list(range(size))
-    options.group_name = f"{group_id}/lowbitcc" if group_id else "lowbitcc"
-    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("lowbitcc/nccl", store), rank, size, options)
-    nccl._set_sequence_number_for_group()
-    return nccl
 
 
 class _Model(Protocol):

@@ -34,7 +34,7 @@ from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.call_schedule import Entry
 from lowbitcc.backend.compressed_calls import CompressedCalls
-from lowbitcc.backend.cuda_issue import CudaIssuer, cuda_usable, inner_nccl
+from lowbitcc.backend.cuda_issue import CudaIssuer, cuda_usable
 from lowbitcc.backend.data_movement import DataMovements
 from lowbitcc.backend.eager import eager_methods
 from lowbitcc.backend.exact import (
@@ -49,7 +49,7 @@ from lowbitcc.backend.inline_issue import InlineIssuer
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
 from lowbitcc.backend.reductions import Reductions
-from lowbitcc.backend.routes import cpu_route, cuda_route
+from lowbitcc.backend.routes import cpu_route, cuda_route, end_device_work, inner_nccl
 from lowbitcc.backend.watchdog import Watchdog
 from lowbitcc.backend.worker_issue import WorkerIssuer
 from lowbitcc.backend.works import LocoWork
@@ -92,12 +92,14 @@ class LocoProcessGroup(dist.ProcessGroup):
                                self._inner)
         self._nccl: Any = None
         self._cuda: CudaIssuer | None = None
+        self._cuda_links: Any = None  # the CUDA route's links: their node and rail groups
         if cuda_usable():
             self._nccl = inner_nccl(store, rank, size, timeout, global_ranks, group_id)
             self._cuda = CudaIssuer(self._nccl, Watchdog(timeout.total_seconds(),
                                                          self._abort_nccl))
             routes["cuda"] = cuda_route(config, self._nccl, store,
                                         global_ranks or list(range(size)), rank, timeout)
+            self._cuda_links = routes["cuda"].links
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                    self._nccl)
         self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
@@ -154,22 +156,16 @@ class LocoProcessGroup(dist.ProcessGroup):
             self._inner.shutdown()
             if self._direct is not self._inner:
                 self._direct.shutdown()
-            if self._cuda is not None:  # and so its inner NCCL group
+            if self._cuda is not None:  # and so its inner NCCL groups, graphs first
                 alive = self._cuda.watchdog.dead is None
-                try:
-                    self._compressed.graphs.release(self.timeout.total_seconds() if alive else 0)
-                finally:
-                    self._nccl.shutdown()
+                end_device_work(self._compressed.graphs, self._cuda_links, self._nccl,
+                                self.timeout.total_seconds() if alive else 0, abort=False)
 
     abort = shutdown
 
     def _abort_nccl(self) -> None:
-        """The watchdog's end of the group's device work: its graphs, then its communicator
-        (`place_graph`'s teardown)."""
-        try:
-            self._compressed.graphs.release(0.0)
-        finally:
-            self._nccl.abort()
+        """The watchdog's end of the group's device work (`end_device_work`, aborting)."""
+        end_device_work(self._compressed.graphs, self._cuda_links, self._nccl, 0.0, abort=True)
 
     # -- what the reductions share ------------------------------------------------------------
     def _issuer(self, what: str, tensors: list[Any]) -> Issuer:

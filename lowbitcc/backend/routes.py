@@ -5,6 +5,10 @@ type, whether its jobs run in the calling thread (``inline``: CUDA, see `cuda_is
 schedules its links can run; `cpu_route` and `cuda_route` build a group's. Schedules, keys,
 feedback, descriptor agreement and byte accounting are shared by every device.
 `choose_schedule` is ``LOCO_SCHEDULE=auto``'s rule.
+
+The CUDA route runs over the group's inner NCCL groups: its world group (`inner_nccl`) and the
+hierarchical schedule's node and rail groups, all with `inner_timeout` (lowbitcc's watchdog
+owns the group's timeout), ended with the group in the order NCCL needs (`end_device_work`).
 """
 
 from __future__ import annotations
@@ -77,8 +81,57 @@ def cuda_route(config: LocoConfig, nccl: Any, store: dist.Store, global_ranks: l
                rank: int, timeout: datetime.timedelta) -> Route:
     """The `Route` of CUDA tensors: the CUDA kernels and the links over ``nccl``, the group's
     inner ``ProcessGroupNCCL`` (node and rail NCCL groups on ``store`` where the hierarchical
-    schedule asks); inline, the schedules NCCL's links can run."""
+    schedule asks, with the inner groups' timeout, `cuda_issue.inner_timeout`, where the
+    group's is ``timeout``); inline, the schedules NCCL's links can run."""
     return Route(kernels=kernels.select(config.codec, "cuda", config.wire_group_size),
                  links=open_nccl_links(nccl, state.STATS, store=store, global_ranks=global_ranks,
-                                       rank=rank, timeout=timeout, node_size=config.node_size),
+                                       rank=rank, timeout=inner_timeout(timeout),
+                                       node_size=config.node_size),
                  inline=True, schedules=NCCL_SCHEDULES)
+
+
+def end_device_work(graphs: Any, links: Any, nccl: Any, timeout_s: float, abort: bool) -> None:
+    """End a group's CUDA work in the order NCCL needs, each step even where one before it
+    raised: its places' ``graphs`` (`place_graph.LiveGraphs.release`, waiting at most
+    ``timeout_s``), then the node and rail groups of its ``links`` (`Links.close`), then its
+    inner world group ``nccl``; the groups shut down, or where ``abort`` aborted (the
+    watchdog's end of a group past its timeout)."""
+    try:
+        graphs.release(timeout_s)
+    finally:
+        try:
+            links.close(abort=abort)
+        finally:
+            (nccl.abort if abort else nccl.shutdown)()
+
+
+INNER_TIMEOUT_SLACK = datetime.timedelta(seconds=60)
+"""What the inner NCCL groups' timeout adds to twice the group's (`inner_timeout`)."""
+
+
+def inner_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """The timeout of a group's inner NCCL groups (its world group and its node and rail
+    groups) where the group's own is ``timeout``: twice it plus `INNER_TIMEOUT_SLACK`.
+
+    lowbitcc's watchdog owns the group's timeout (`watchdog.Watchdog`): at ``timeout`` it fails
+    the call by name and aborts the inner groups, and ``ProcessGroupNCCL.abort`` stops torch's
+    own NCCL watchdog for them without taking the process down. torch's watchdog, which with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default ends the process at its own timeout, is given
+    a longer one, so that it acts only where lowbitcc's did not (a process that stopped
+    polling, say)."""
+    return timeout * 2 + INNER_TIMEOUT_SLACK
+
+
+def inner_nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+               global_ranks: list[int] | None, group_id: str) -> Any:
+    """A group's inner ``ProcessGroupNCCL`` on its own store prefix, named and numbered as
+    c10d names and numbers the NCCL groups it creates itself; ``timeout``: the group's (the
+    inner group's is `inner_timeout`'s)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = inner_timeout(timeout)
+    options.is_high_priority_stream = False
+    options.global_ranks_in_group = global_ranks or list(range(size))
+    options.group_name = f"{group_id}/lowbitcc" if group_id else "lowbitcc"
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("lowbitcc/nccl", store), rank, size, options)
+    nccl._set_sequence_number_for_group()
+    return nccl

@@ -17,17 +17,25 @@ waiting on the GPU:
 
 Works are watched in issue order, and those of one group complete in that order on the GPU
 (one communicator, chained events), so the oldest one in flight decides when to look again.
+
+The thread works on the device of the first Work it watches (``torch.cuda.set_device``: its
+event queries, the frees of the Works it lets go and a graph's reset make no context on
+another GPU), and in the relaxed stream-capture mode (`relax_capture_mode`), so that its event
+queries are legal, and invalidate nothing, while another thread captures a CUDA graph in the
+default ("global") mode.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -35,11 +43,46 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 """Seconds between two looks at the Works in flight."""
 
+CAPTURE_MODE_RELAXED = 2
+"""``cudaStreamCaptureModeRelaxed``: the calling thread is not prohibited from "potentially
+unsafe" CUDA calls by another thread's capture (the CUDA runtime's ``cudaStreamCaptureMode``)."""
+
+
+def relax_capture_mode() -> bool:
+    """Put the calling thread in the relaxed stream-capture mode
+    (``cudaThreadExchangeStreamCaptureMode``, through the CUDA runtime torch was built with):
+    where another thread captures a CUDA graph in the global mode, this thread's event queries
+    then neither fail nor invalidate that capture. Whether it took (False, logged, where the
+    runtime or the call is missing)."""
+    name = f"libcudart.so.{(torch.version.cuda or '12').split('.')[0]}"
+    try:
+        runtime = ctypes.CDLL(name)
+        mode = ctypes.c_int(CAPTURE_MODE_RELAXED)
+        status = runtime.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+    except (OSError, AttributeError) as exc:
+        log.warning("lowbitcc: the watchdog could not relax its CUDA stream-capture mode (%s): "
+                    "a CUDA graph captured in the global mode while calls are in flight may "
+                    "be invalidated by its event queries", exc)
+        return False
+    if status != 0:
+        log.warning("lowbitcc: cudaThreadExchangeStreamCaptureMode returned %d", status)
+    return status == 0
+
+
+def enter_device(device: torch.device | None) -> None:
+    """What the watchdog thread does first: work on ``device`` (a CUDA device; None: leave
+    the thread's device as it is) in the relaxed capture mode (`relax_capture_mode`)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    relax_capture_mode()
+
 
 class Watched(Protocol):
-    """What the watchdog needs of a Work (`cuda_issue.StreamWork`)."""
+    """What the watchdog needs of a Work (`cuda_issue.StreamWork`); ``device``: where its
+    device work runs."""
 
     name: str
+    device: Any
 
     def done(self) -> bool: ...
     def verdict(self) -> BaseException | None: ...
@@ -66,8 +109,9 @@ class Watchdog:
         with self._lock:
             self._flight.append((self._clock() + self.timeout_s, work))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"lowbitcc-watchdog{self.group}")
+                self._thread = threading.Thread(target=self._run,
+                                                args=(getattr(work, "device", None),),
+                                                daemon=True, name=f"lowbitcc-watchdog{self.group}")
                 self._thread.start()
 
     def check(self) -> None:
@@ -117,7 +161,12 @@ class Watchdog:
         except Exception:
             log.exception("lowbitcc: aborting group '%s' after a timeout failed", self.group)
 
-    def _run(self) -> None:
+    def _run(self, device: torch.device | None) -> None:
+        try:
+            enter_device(device)
+        except Exception:
+            log.exception("lowbitcc: the watchdog of group '%s' could not enter device %s",
+                          self.group, device)
         while self.dead is None:
             time.sleep(POLL_S)
             try:

@@ -38,20 +38,20 @@ def open_nccl_links(group: object, stats: Stats, *, store: dist.Store,
                     node_size: int) -> Links:
     """The `Links` for CUDA tensors of a group whose rank ``i`` is global rank
     ``global_ranks[i]``: the world link over ``group`` (a ``ProcessGroupNCCL``), node and rail
-    links over NCCL groups on ``store`` made on first use (`nccl.sub_group`); every link
-    metered into ``stats`` by link class, as `open_links`' are."""
-    from lowbitcc.transports.nccl import NcclTransport, sub_group
+    links over NCCL groups on ``store`` made on first use with ``timeout`` (`nccl.SubGroups`,
+    shut down or aborted by `Links.close`); every link metered into ``stats`` by link class, as
+    `open_links`' are."""
+    from lowbitcc.transports.nccl import NcclTransport, SubGroups
 
     node_size = topology.node_size_from(node_size)
     layout = topology.layout(global_ranks, rank, node_size)
     same_node = topology.same_node(global_ranks, rank, node_size)
 
-    def nccl_group(name: str, color: int, key: int, size: int) -> Transport:
-        return MeteredTransport(NcclTransport(sub_group(store, name, color, key, size, timeout)),
-                                stats, same_node=_sub_same_node(name, key, size))
+    def metered(name: str, key: int, size: int, link: Transport) -> Transport:
+        return MeteredTransport(link, stats, same_node=_sub_same_node(name, key, size))
 
     return Links(MeteredTransport(NcclTransport(group), stats, same_node=same_node), layout,
-                 nccl_group)
+                 SubGroups(store, timeout, metered))
 
 
 def _sub_same_node(name: str, key: int, size: int) -> list[bool]:

@@ -47,6 +47,14 @@ class Links:
             raise RuntimeError(f"lowbitcc: these links have no {name} transport")
         return self._make(name, color, key, size)
 
+    def close(self, abort: bool = False) -> None:
+        """Shut down (``abort``: abort) the node and rail links' groups made so far, where
+        their maker keeps them (`nccl.SubGroups`); the world transport is the caller's."""
+        if self._shared is None:
+            close = getattr(self._make, "abort" if abort else "shutdown", None)
+            if close is not None:
+                close()
+
     def node(self) -> Transport:
         if self._shared is not None:
             return self._shared.node()

@@ -139,3 +139,54 @@ def test_a_dead_groups_cuda_calls_raise_at_issue():
         issuer.native("allreduce", [], [], None)
     with pytest.raises(dist.DistBackendError, match="dead"):
         issuer.compressed(lambda: None, lambda: None, [], [torch.ones(1)], False)
+
+
+def test_the_watchdog_thread_works_on_the_device_of_its_works_in_the_relaxed_capture_mode(
+        monkeypatch):
+    """Its event queries and frees run on the group's GPU (not device 0), and a graph another
+    thread captures in the global mode is not invalidated by them."""
+    from lowbitcc.backend import watchdog
+
+    entered: list = []
+    monkeypatch.setattr(watchdog.torch.cuda, "set_device", lambda d: entered.append(d))
+    monkeypatch.setattr(watchdog, "relax_capture_mode", lambda: entered.append("relaxed"))
+    dog = Watchdog(10.0, lambda: None, "g")
+    work = FakeWork("w")
+    work.device = torch.device("cuda", 3)
+    work.finished = True
+    dog.watch(work)
+    deadline = time.monotonic() + 10
+    while len(entered) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert entered == [torch.device("cuda", 3), "relaxed"]
+
+
+class FakeRuntime:
+    """The CUDA runtime's ``cudaThreadExchangeStreamCaptureMode``: records the mode asked."""
+
+    def __init__(self) -> None:
+        self.modes: list[int] = []
+
+    def cudaThreadExchangeStreamCaptureMode(self, mode) -> int:  # noqa: N802 (CUDA's name)
+        self.modes.append(mode._obj.value)
+        mode._obj.value = 0  # the thread's previous mode, global
+        return 0
+
+
+def test_relaxing_the_capture_mode_asks_the_cuda_runtime_and_survives_its_absence(
+        monkeypatch, caplog):
+    from lowbitcc.backend import watchdog
+
+    runtime = FakeRuntime()
+    names: list = []
+    monkeypatch.setattr(watchdog.torch.version, "cuda", "12.8")
+    monkeypatch.setattr(watchdog.ctypes, "CDLL", lambda name: names.append(name) or runtime)
+    assert watchdog.relax_capture_mode()
+    assert names == ["libcudart.so.12"] and runtime.modes == [watchdog.CAPTURE_MODE_RELAXED]
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(watchdog.ctypes, "CDLL", missing)
+    assert not watchdog.relax_capture_mode()
+    assert "stream-capture mode" in caplog.text
