@@ -2,8 +2,8 @@
 exact, broadcasts and all-gathers.
 
 Since issue 18, every all-reduce on CPU tensors exchanges a call descriptor frame
-(``wire.EXCHANGE_BYTES``), also when this rank will not compress it (another rank might, or might
-issue another call); one of at most ``wire.FRAME_PAYLOAD`` bytes travels in the frame, and needs
+(``exchange_frame.EXCHANGE_BYTES``), also when this rank will not compress it (another rank might, or might
+issue another call); one of at most ``exchange_frame.FRAME_PAYLOAD`` bytes travels in the frame, and needs
 no gloo all-reduce after it. This times such calls (issued outside backward, so exact under the
 default policy) on 2 local ranks with ``LOCO_CHECK=1`` (the default) and ``LOCO_CHECK=0`` (no
 exchange), alternating the two twice, and prints the best time of each and their ratio.

@@ -62,7 +62,7 @@ class LocoConfig:
         min_size: tensors with fewer elements than this travel exact.
         policy: which eligible calls are compressed: "backward" (calls issued while autograd runs
             a backward pass), "always" or "never".
-        check: exchange a call descriptor (`wire.EXCHANGE_BYTES` per rank) before each
+        check: exchange a call descriptor (`exchange_frame.EXCHANGE_BYTES` per rank) before each
             all-reduce / reduce-scatter on CPU tensors, and before each one on CUDA tensors
             that could be compressed or has at least ``min_size`` elements, so that a size,
             dtype or op mismatch across ranks raises on every rank instead of hanging, and a

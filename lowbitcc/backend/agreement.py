@@ -28,7 +28,7 @@ import json
 
 import torch.distributed as dist
 
-from lowbitcc.codec import wire
+from lowbitcc.codec import exchange_frame, wire
 from lowbitcc.config import LocoConfig
 
 LOCAL_SETTINGS = ("codec", "max_keys")
@@ -39,7 +39,7 @@ RESOLVED = ("wire_format", "wire_group_size", "wire_feedback")
 
 _KEY = "lowbitcc/config/{}"
 
-PROTOCOL = {"wire format": wire.VERSION, "descriptor exchange bytes": wire.EXCHANGE_BYTES}
+PROTOCOL = {"wire format": wire.VERSION, "descriptor exchange bytes": exchange_frame.EXCHANGE_BYTES}
 """What ranks' builds must share to talk to each other (compared at group creation)."""
 
 

@@ -1,16 +1,17 @@
 """The per-call agreement protocol of a "loco" group: call descriptors, frames, refusals.
 
 Before a reduction (and, under ``check_all``, an exact data movement), every rank all-gathers
-one `wire.FRAME_BYTES` frame on the group's inner gloo group, `wire.FRAME_COPIES` times over: a
-`wire.CallDescriptor` naming the call (collective, dtype, op, size, call number, bits, the
-parent call whose callback issued it, whether this rank would compress it, its cost model's
-suggestion), then, for an exact reduction of at most `wire.FRAME_PAYLOAD` bytes, the
-rank's input itself, then a check of the frame. `CallAgreement.exchange` compares the intact
-frames and raises on every rank where the calls differ (`CollectiveMismatchError`), where a
-rank refused its own arguments (`InvalidPeerCallError`, flag `wire.DESC_INVALID`) or where a
-frame arrived corrupt in every copy (`CorruptFrameError`); otherwise every rank follows rank
-0's descriptor. Runs where the group's inner gloo operations are issued: on the worker thread
-(docs/architecture.md "Descriptor check", docs/reliability.md).
+one `exchange_frame.FRAME_BYTES` frame on the group's inner gloo group,
+`exchange_frame.FRAME_COPIES` times over: a `wire.CallDescriptor` naming the call (collective,
+dtype, op, size, call number, bits, the parent call whose callback issued it, whether this rank
+would compress it, its cost model's suggestion), then, for an exact reduction of at most
+`exchange_frame.FRAME_PAYLOAD` bytes, the rank's input itself, then a check of the frame.
+`CallAgreement.exchange` compares the intact frames and raises on every rank where the calls
+differ (`CollectiveMismatchError`), where a rank refused its own arguments
+(`InvalidPeerCallError`, flag `wire.DESC_INVALID`) or where a frame arrived corrupt in every
+copy (`CorruptFrameError`); otherwise every rank follows rank 0's descriptor. Runs where the
+group's inner gloo operations are issued: on the worker thread (docs/architecture.md
+"Descriptor check", docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.works import InnerWork, callback_parent
-from lowbitcc.codec import wire
+from lowbitcc.codec import exchange_frame, wire
 from lowbitcc.transports.gloo import GlooTransport
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,11 @@ class InvalidPeerCallError(ValueError):
 
 
 class CorruptFrameError(wire.WireFormatError):
-    """Every copy of a descriptor frame arrived corrupt on this rank (`wire.pick_frames`). ``exact_known``:
-    the intact frames settle the call's path anyway (this rank, or another whose frame arrived
-    intact, would not compress the call, and the call does not travel in the frames), so this
-    rank can still take the exact path with the ranks that received every frame intact, and
-    raise once the call is done."""
+    """Every copy of a descriptor frame arrived corrupt on this rank
+    (`exchange_frame.pick_frames`). ``exact_known``: the intact frames settle the call's path
+    anyway (this rank, or another whose frame arrived intact, would not compress the call, and
+    the call does not travel in the frames), so this rank can still take the exact path with
+    the ranks that received every frame intact, and raise once the call is done."""
 
     def __init__(self, message: str, exact_known: bool) -> None:
         super().__init__(message)
@@ -98,25 +99,21 @@ class CallAgreement:
 
     def exchange(self, desc: wire.CallDescriptor, own: torch.Tensor | None = None
                   ) -> tuple[wire.CallDescriptor, torch.Tensor | None]:
-        """All-gather one `wire.FRAME_BYTES` frame per rank (`wire.FRAME_COPIES` times over):
-        ``desc``, then ``own`` (this rank's contribution to a reduction of at most
-        `wire.FRAME_PAYLOAD` bytes, flat). A frame counts as intact if one of its copies passes
-        its check (a warning names a corrected one). Raises `CollectiveMismatchError` on every
-        rank if the calls differ, and `CorruptFrameError` on a rank that received a frame none
-        of whose copies passes (the intact frames are compared first). Returns rank 0's
-        descriptor (whose advisory fields every rank follows), marked compressed only if every
-        rank's is, and with ``own`` every rank's frame after the descriptor (uint8, one row per
-        rank: the first ``own``'s bytes of each are that rank's contribution; the descriptors
-        agreeing, the dtypes and sizes do)."""
-        frame = np.zeros((wire.FRAME_COPIES, wire.FRAME_BYTES), dtype=np.uint8)
-        frame[0, :wire.DESCRIPTOR_BYTES] = np.frombuffer(desc.pack(), dtype=np.uint8)
-        if own is not None:
-            raw = own.contiguous().view(-1).view(torch.uint8).numpy()
-            frame[0, wire.DESCRIPTOR_BYTES:wire.DESCRIPTOR_BYTES + raw.size] = raw
-        frame[0, -wire.FRAME_CHECK_BYTES:] = wire.frame_checks(frame[:1]).view(np.uint8)
-        frame[1:] = frame[0]
+        """All-gather one `exchange_frame.FRAME_BYTES` frame per rank
+        (`exchange_frame.FRAME_COPIES` times over): ``desc``, then ``own`` (this rank's
+        contribution to a reduction of at most `exchange_frame.FRAME_PAYLOAD` bytes, flat). A
+        frame counts as intact if one of its copies passes its check (a warning names a
+        corrected one). Raises `CollectiveMismatchError` on every rank if the calls differ, and
+        `CorruptFrameError` on a rank that received a frame none of whose copies passes (the
+        intact frames are compared first). Returns rank 0's descriptor (whose advisory fields
+        every rank follows), marked compressed only if every rank's is, and with ``own`` every
+        rank's frame after the descriptor (uint8, one row per rank: the first ``own``'s bytes
+        of each are that rank's contribution; the descriptors agreeing, the dtypes and sizes
+        do)."""
+        payload = None if own is None else own.contiguous().view(-1).view(torch.uint8).numpy()
+        frame = exchange_frame.exchange_row(desc.pack(), payload)
         gathered = self._transport.all_gather(torch.from_numpy(frame.reshape(-1)))
-        rows, intact, corrected = wire.pick_frames(gathered.numpy())
+        rows, intact, corrected = exchange_frame.pick_frames(gathered.numpy())
         for r in np.flatnonzero(corrected):
             log.warning("lowbitcc: a copy of rank %d's call descriptor frame arrived corrupt on "
                         "rank %d of group '%s' (its check fails); another copy passed and "

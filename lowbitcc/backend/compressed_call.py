@@ -62,7 +62,7 @@ from lowbitcc.backend.place_graph import LiveGraphs
 from lowbitcc.backend.routes import Route
 from lowbitcc.backend.works import callback_parent
 from lowbitcc.buffers import Buffers
-from lowbitcc.codec import wire
+from lowbitcc.codec import exchange_frame, wire
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import CallCompressor, Source
@@ -125,7 +125,7 @@ class CompressedCall:
         # a derived key's layout is checked by the buffer it reduces; an explicit one is trusted
         self.buffer = StorageWeakRef(source.untyped_storage()) if derived else None
         self.modelled = group.modelled(self.numel) and not policy.forced()
-        self.framed = (cfg.check and not self.route.inline and self.nbytes <= wire.FRAME_PAYLOAD
+        self.framed = (cfg.check and not self.route.inline and self.nbytes <= exchange_frame.FRAME_PAYLOAD
                        and source.layout == torch.strided
                        and reduces_in_rank_order(op, source.dtype))
         self.plan, self.part = plan, part

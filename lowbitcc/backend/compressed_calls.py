@@ -99,7 +99,7 @@ class CompressedCalls:
         calls have ``numels`` elements (the whole input of each). Every such call takes a
         place in the call schedule and exchanges until its place holds an entry (``check``, and
         a policy that may compress); issued by the worker, the small ones carry their input in
-        the frame (`wire.FRAME_PAYLOAD`) and need no second exchange."""
+        the frame (`exchange_frame.FRAME_PAYLOAD`) and need no second exchange."""
         return bool(numels) and self.exchanges()
 
     def exchanges(self) -> bool:

@@ -77,8 +77,9 @@ def constant(name: str, source: Path = HEADER) -> int:
 
 _HEADER_FIELDS = {"kHeaderBytes": wire.HEADER_BYTES, "kFlagsOffset": wire.FLAGS_OFFSET,
                   "kShardOffset": wire.SHARD_OFFSET, "kSeqOffset": wire.SEQ_OFFSET,
-                  "kFlagNonfinite": wire.FLAG_NONFINITE}
-"""The shard header's layout as the kernels frame and verify messages, and wire.py's own."""
+                  "kFlagNonfinite": wire.FLAG_NONFINITE, "kCodesAlign": wire.CODES_ALIGN}
+"""The shard message's layout as the kernels frame and verify messages (its header, and where
+its codes start), and wire.py's own."""
 if any(constant(name) != value for name, value in _HEADER_FIELDS.items()):
     raise RuntimeError(f"lowbitcc: {HEADER}'s shard header constants differ from wire.py's "
                        f"{_HEADER_FIELDS}")

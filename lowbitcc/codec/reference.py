@@ -237,29 +237,33 @@ def e8m0_scale(byte: torch.Tensor) -> torch.Tensor:
 
 def scale_field(scales: torch.Tensor, fmt: str, row_groups: int | None = None) -> torch.Tensor:
     """The wire bytes (uint8 ``[rows * wire.scale_field_bytes(row_groups, fmt)]``) of the scales
-    from `quantize`, row after row (``row_groups`` None: one row)."""
+    from `quantize`, row after row (``row_groups`` None: one row), each row's field padded with
+    zeros (`wire.CODES_ALIGN`)."""
+    ng = row_groups or scales.numel()
+    rows = scales.reshape(-1, ng)
     if fmt == "nvfp4":
-        rows = scales.view(-1, row_groups or scales.numel())
         blocks = rows[:, ::NV_BLOCK] >> 8
-        return torch.cat([rows & 0xFF, blocks], dim=1).to(torch.uint8).reshape(-1)
-    if fmt == "mxfp4":
-        return ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    return scales.contiguous().view(torch.uint8).reshape(-1)
+        raw = torch.cat([rows & 0xFF, blocks], dim=1).to(torch.uint8)
+    elif fmt == "mxfp4":
+        raw = ((rows.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    else:
+        raw = rows.contiguous().view(torch.uint8)
+    pad = wire.scale_field_bytes(ng, fmt) - raw.shape[1]
+    return torch.nn.functional.pad(raw, (0, pad)).reshape(-1)
 
 
-def scales_from_field(raw: torch.Tensor, fmt: str, row_groups: int | None = None) -> torch.Tensor:
-    """Inverse of `scale_field`: the scales from contiguous uint8 wire bytes (a row's field per
-    row of ``raw`` for "nvfp4", whose rows hold ``row_groups`` groups)."""
+def scales_from_field(raw: torch.Tensor, fmt: str, row_groups: int) -> torch.Tensor:
+    """Inverse of `scale_field`: the scales from contiguous uint8 wire bytes, a row's field
+    (padding included) per row of ``raw``, whose rows hold ``row_groups`` groups."""
+    ng = row_groups
+    rows = raw.reshape(-1, wire.scale_field_bytes(ng, fmt))
     if fmt == "nvfp4":
-        if row_groups is None:
-            raise ValueError("scales_from_field: nvfp4 scales need their row's group count")
-        ng = row_groups
-        rows = raw.reshape(-1, wire.scale_field_bytes(ng, fmt)).to(torch.int32)
+        rows = rows.to(torch.int32)
         blocks = rows[:, ng:].repeat_interleave(NV_BLOCK, dim=1)[:, :ng]
         return (blocks << 8 | rows[:, :ng]).reshape(-1)
     if fmt == "mxfp4":
-        return e8m0_scale(raw.reshape(-1))
-    return raw.contiguous().view(torch.float32).reshape(-1)
+        return e8m0_scale(rows[:, :ng].reshape(-1))
+    return rows[:, :4 * ng].contiguous().view(torch.float32).reshape(-1)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "int") -> torch.Tensor:

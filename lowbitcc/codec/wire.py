@@ -41,7 +41,6 @@ import functools
 import struct
 import zlib
 
-import numpy as np
 import torch
 
 from lowbitcc.codec import formats
@@ -50,11 +49,16 @@ from lowbitcc.collectives import COLLECTIVES
 HEADER_BYTES = 32
 SHARD_MAGIC = b"LBCS"
 CALL_MAGIC = b"LBCD"
-VERSION = 5
+VERSION = 6
 """1: no checksum trailer (padding to 4 bytes); 2: the trailer held a sum of MurmurHash3
 finalizers (about 4 GB/s per core, too slow to be on by default); 3: call descriptors of 32
 bytes, without ``parent``; 4: descriptors without the flags `DESC_DEVIATED`, `DESC_EXPLORE`
-and `DESC_PART` (every call place's schedule entry, exact ones included)."""
+and `DESC_PART` (every call place's schedule entry, exact ones included); 5: the scale field
+unpadded (codes at any byte offset) and messages padded to 8 bytes."""
+CODES_ALIGN = 16
+"""A shard message's codes start at a multiple of this (`codes_offset`: the scale field is
+padded with zeros to it), and its size is one (`payload_bytes`), so in a buffer of messages
+every row's codes are as aligned as the buffer (``loco::kCodesAlign``)."""
 
 FLAG_NONFINITE = 1
 FLAG_PEER_ERROR = 2
@@ -109,16 +113,23 @@ FORMATS = formats.NAMES
 checks the header agrees)."""
 
 
-def scale_field_bytes(ng: int, fmt: str) -> int:
-    """Bytes of the scales of a message of ``ng`` groups (``loco::scale_field_bytes``): one scale
-    of `formats.Format.scale_bytes` per group, and for a format with blocks
-    (`formats.Format.block`) one byte per block."""
+def scale_bytes_used(ng: int, fmt: str) -> int:
+    """Bytes of the scales of a message of ``ng`` groups, before the field's padding
+    (``loco::scale_bytes_used``): one scale of `formats.Format.scale_bytes` per group, and for a
+    format with blocks (`formats.Format.block`) one byte per block."""
     spec = formats.FORMATS[fmt]
     return spec.scale_bytes * ng + (-(-ng // spec.block) if spec.block else 0)
 
 
+def scale_field_bytes(ng: int, fmt: str) -> int:
+    """Bytes of the scale field of a message of ``ng`` groups (``loco::scale_field_bytes``): its
+    scales (`scale_bytes_used`), then zero bytes up to a multiple of `CODES_ALIGN`."""
+    return -(-scale_bytes_used(ng, fmt) // CODES_ALIGN) * CODES_ALIGN
+
+
 def codes_offset(numel: int, group_size: int, fmt: str = "int") -> int:
-    """Byte offset of the packed codes in a shard message (the scales end there)."""
+    """Byte offset of the packed codes in a shard message (the scale field ends there): a
+    multiple of `CODES_ALIGN`."""
     return HEADER_BYTES + scale_field_bytes(ngroups(numel, group_size), fmt)
 
 
@@ -131,9 +142,11 @@ def used_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:
 
 @functools.lru_cache(maxsize=1024)
 def payload_bytes(numel: int, bits: int, group_size: int, fmt: str = "int") -> int:
-    """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 8,
-    then the checksum trailer."""
-    return -(-used_bytes(numel, bits, group_size, fmt) // 8) * 8 + TRAILER_BYTES
+    """Size in bytes of one shard message of ``numel`` elements: `used_bytes` padded to 8, then
+    the checksum trailer, the whole padded to a multiple of `CODES_ALIGN` (zeros before the
+    trailer)."""
+    body = -(-used_bytes(numel, bits, group_size, fmt) // 8) * 8 + TRAILER_BYTES
+    return -(-body // CODES_ALIGN) * CODES_ALIGN
 
 
 def width_byte(bits: int, fmt: str) -> int:
@@ -209,63 +222,6 @@ DESC_FLAGS_OFFSET = 28
 byte for byte (`CallDescriptor.call` where they differ), and so is the ``parent`` after it."""
 DESC_PARENT_OFFSET = 32
 """Where ``parent`` starts (8 bytes, to the descriptor's end)."""
-FRAME_PAYLOAD = 96
-"""Input bytes a frame carries: an exact reduction of at most this many bytes is done from the
-gathered frames, in one exchange."""
-FRAME_CHECK_BYTES = 8
-FRAME_BYTES = DESCRIPTOR_BYTES + FRAME_PAYLOAD + FRAME_CHECK_BYTES
-"""A rank's descriptor frame: the descriptor, then (an exact reduction small enough, see
-`FRAME_PAYLOAD`) the call's input, then zeros, then the frame's check (`frame_checks`). Every
-descriptor exchange all-gathers `FRAME_COPIES` of it per rank. One size for every call, so
-that ranks that issued different calls still exchange frames alike."""
-_FRAME_KEYS = np.array([((j + 1) * CHECKSUM_STEP | 1) % 2**64
-                        for j in range((FRAME_BYTES - FRAME_CHECK_BYTES) // 4)], dtype=np.uint64)
-
-
-def frame_checks(frames: np.ndarray) -> np.ndarray:
-    """uint64 ``[rows]``: the check of each descriptor frame (``uint8 [rows, FRAME_BYTES]``),
-    ``sum_j u_j * K_j mod 2**64`` over the little-endian 32-bit words ``u_j`` of its bytes
-    before the check, with odd keys ``K_j = (j + 1) * CHECKSUM_STEP | 1``: a change within one
-    word always changes it (an odd key is invertible modulo 2**64). The sender writes it into
-    the frame's last `FRAME_CHECK_BYTES`."""
-    words = np.ascontiguousarray(frames[:, :FRAME_BYTES - FRAME_CHECK_BYTES]).view("<u4")
-    return (words.astype(np.uint64) * _FRAME_KEYS).sum(axis=1, dtype=np.uint64)
-
-FRAME_COPIES = 2
-"""Each rank's row of a descriptor exchange holds its frame this many times over
-(`EXCHANGE_BYTES`); a receiver takes the first copy that passes its check (`pick_frames`), so a
-row corrupted in one place still settles the call on every rank."""
-EXCHANGE_BYTES = FRAME_COPIES * FRAME_BYTES
-"""Bytes each rank contributes to a descriptor exchange."""
-
-
-def pick_frames(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """From the gathered rows ``uint8 [ranks, EXCHANGE_BYTES]`` of a descriptor exchange, return
-    ``(frames, intact, corrected)``: ``frames`` ``uint8 [ranks, FRAME_BYTES]``, each rank's first
-    copy that passes its check (its first copy where none does; a view of ``rows`` when every
-    first copy passes); ``intact`` bool ``[ranks]``, whether one did; ``corrected``, whether
-    only a later copy did."""
-    frames = rows[:, :FRAME_BYTES]
-    intact = frame_checks(frames) == _carried_checks(frames)
-    corrected = np.zeros(len(intact), dtype=bool)
-    if intact.all():
-        return frames, intact, corrected
-    frames = frames.copy()
-    for copy in range(1, FRAME_COPIES):
-        bad = np.flatnonzero(~intact)
-        later = np.ascontiguousarray(rows[bad, copy * FRAME_BYTES:(copy + 1) * FRAME_BYTES])
-        good = frame_checks(later) == _carried_checks(later)
-        frames[bad[good]] = later[good]
-        intact[bad[good]] = corrected[bad[good]] = True
-        if intact.all():
-            break
-    return frames, intact, corrected
-
-
-def _carried_checks(frames: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(frames[:, -FRAME_CHECK_BYTES:]).view("<u8")[:, 0]
-
-
 COLLECTIVE_CODES = {c.name: c.code for c in COLLECTIVES.values()}
 """The kinds of call a descriptor names (`lowbitcc.collectives`): the reductions (1, 2), the
 all-gather (3, compressed or exact) and, under ``check``, the exact data movements (4-9), whose
@@ -279,7 +235,7 @@ ranks compress it only if every rank would (and the cost model agrees)."""
 DESC_PREFER_EXACT = 2
 """Descriptor flag: this rank's cost model suggests the exact path."""
 DESC_FRAMED = 4
-"""Descriptor flag: this rank's frame carries its input (`FRAME_PAYLOAD`). Part of the call:
+"""Descriptor flag: this rank's frame carries its input (`exchange_frame.FRAME_PAYLOAD`). Part of the call:
 every rank decides it alike from the call, so ranks that differ issued different calls (e.g.
 CPU tensors on one, CUDA tensors on another)."""
 DESC_INVALID = 8

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
+import lowbitcc.codec.exchange_frame
 import lowbitcc.codec.wire
 from lowbitcc.backend.exact import op_type
 from tests.support.ranks import run_ranks
@@ -332,7 +333,7 @@ def test_monitored_barrier_names_the_rank_that_did_not_arrive():
 
 
 def _small_reductions(rank, world, gloo):
-    """Reductions that fit a descriptor frame (``wire.FRAME_PAYLOAD`` bytes), against gloo's."""
+    """Reductions that fit a descriptor frame (``exchange_frame.FRAME_PAYLOAD`` bytes), against gloo's."""
     R = dist.ReduceOp
     report = []
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
@@ -340,7 +341,7 @@ def _small_reductions(rank, world, gloo):
         floating = dtype.is_floating_point
         ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX]
         ops += [R.AVG, dist._make_nccl_premul_sum(0.5)] if floating else [R.BAND, R.BOR, R.BXOR]
-        n = lowbitcc.codec.wire.FRAME_PAYLOAD // dtype.itemsize // world * world
+        n = lowbitcc.codec.exchange_frame.FRAME_PAYLOAD // dtype.itemsize // world * world
         for op in ops:
             x = _data(rank, n, dtype) if dtype.itemsize > 1 else torch.randint(
                 -9 * dtype.is_signed, 9, (n,), generator=torch.Generator().manual_seed(rank),

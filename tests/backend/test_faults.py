@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lowbitcc
 import lowbitcc.backend.call_agreement
 import lowbitcc.backend.process_group
+import lowbitcc.codec.exchange_frame
 import lowbitcc.codec.wire
 import lowbitcc.cost_model
 from tests.support.ranks import run_ranks
@@ -500,7 +501,7 @@ class _Corrupted:
 
     def wait(self):
         got = self.pending.wait()
-        if got.shape[-1] <= lowbitcc.codec.wire.EXCHANGE_BYTES:  # the descriptor frames' all-gather
+        if got.shape[-1] <= lowbitcc.codec.exchange_frame.EXCHANGE_BYTES:  # the descriptor frames' all-gather
             return got
         if self.how == "truncate":
             return got[:, :-4].contiguous()
@@ -563,7 +564,7 @@ def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_sur
 
 
 def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
-                                          copies=lowbitcc.codec.wire.FRAME_COPIES):
+                                          copies=lowbitcc.codec.exchange_frame.FRAME_COPIES):
     """Run ``call()``; in the first exchange, byte ``offset`` of the first ``copies`` copies of
     rank 0's descriptor frame gets flipped as rank 1 receives it (every copy by default).
     Returns "nothing", "raised" (the `WireFormatError` naming that frame) or the text of
@@ -578,7 +579,7 @@ def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
         if not state["done"]:
             state["done"] = True
             for copy in range(copies):
-                got[0, copy * lowbitcc.codec.wire.FRAME_BYTES + offset] ^= 0x01
+                got[0, copy * lowbitcc.codec.exchange_frame.FRAME_BYTES + offset] ^= 0x01
         return got
 
     if rank == 1:
@@ -993,7 +994,7 @@ class _FirstCorrupted:
 
     def wait(self):
         got = self.pending.wait()
-        if not _FirstCorrupted.hit and got.shape[-1] > lowbitcc.codec.wire.EXCHANGE_BYTES:
+        if not _FirstCorrupted.hit and got.shape[-1] > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES:
             _FirstCorrupted.hit = True
             got.view(-1)[28] ^= 0xFF
         return got

@@ -2,7 +2,7 @@
 a GPU: a place's `CallPlan` on the CUDA code branch (``device="meta"``, the CUDA launcher and
 the NCCL group recorded, `tests.support.cuda_trace`) with a fake graph that records what its
 capture issues and counts its replays. What a real capture and replay do on a GPU is
-``benchmarks/gpu_session.sh graphs``'."""
+``benchmarks/gpu_suite.sh graphs``'."""
 
 from __future__ import annotations
 
@@ -267,9 +267,12 @@ def test_a_group_destroys_its_graphs_before_its_communicator(traced):
     order = []
     nccl = type("Nccl", (), {"abort": lambda self: order.append(
         ("abort", [g.reset_ for g in FakeGraph.made]))})()
-    group = type("Group", (), {"_compressed": plan.group, "_nccl": nccl})()
+    links = type("Links", (), {"close": lambda self, abort: order.append(
+        ("close node and rail", abort, [g.reset_ for g in FakeGraph.made]))})()
+    group = type("Group", (), {"_compressed": plan.group, "_nccl": nccl, "_cuda_links": links})()
     LocoProcessGroup._abort_nccl(group)  # the watchdog's abort
-    assert order == [("abort", [True, True])] and plan.graph.off
+    assert order == [("close node and rail", True, [True, True]), ("abort", [True, True])]
+    assert plan.graph.off
     launched.clear()
     plan.run(x, dist.ReduceOp.SUM)  # eager again, no replay of a destroyed graph
     assert launched and sum(g.replays for g in FakeGraph.made) == 3

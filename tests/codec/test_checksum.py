@@ -94,15 +94,19 @@ def test_a_message_carries_its_checksum_and_decodes(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("where", ["first scale", "a code", "last code", "padding", "trailer"])
+@pytest.mark.parametrize("where", ["first scale", "scale padding", "a code", "last code",
+                                   "padding", "trailer"])
 def test_one_flipped_bit_anywhere_after_the_header_is_refused(impl, where):
-    m = 960  # 15 groups of 64: scales at 32..92, codes at 92..572, padding to 576, trailer
+    # 15 groups of 64: scales at 32..92, their field's zero padding to 96 (the codes 16-byte
+    # aligned), codes at 96..576, padding to 584, the trailer to 592 (a multiple of 16)
+    m = 960
     codec = _codec(impl)
     messages = codec.encode(torch.randn(2 * m), 2, m, 1.0, None, 0.0, [0, 1], None).messages
     used = wire.used_bytes(m, 4, 64)
-    assert (used, messages.shape[1]) == (572, 584)
-    offset = {"first scale": wire.HEADER_BYTES, "a code": 300, "last code": used - 1,
-              "padding": messages.shape[1] - wire.TRAILER_BYTES - 1,
+    assert (wire.codes_offset(m, 64), used, messages.shape[1]) == (96, 576, 592)
+    assert not messages[:, 92:96].any()  # the scale field's padding is zeros
+    offset = {"first scale": wire.HEADER_BYTES, "scale padding": 93, "a code": 300,
+              "last code": used - 1, "padding": messages.shape[1] - wire.TRAILER_BYTES - 1,
               "trailer": messages.shape[1] - 1}[where]
     assert where != "padding" or offset >= used
     messages[1, offset] ^= 0x10

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbitcc.codec import reference, wire
+from lowbitcc.codec import exchange_frame, formats, reference, wire
 from lowbitcc.codec.kernels import select
 from lowbitcc.codec.shard_codec import ShardCodec
 
@@ -121,37 +121,41 @@ def test_call_descriptors_name_every_dtype_and_whether_the_frame_carries_the_inp
     assert all(o.call() != d.call() for o in others)  # int32 and int64 differ, and so on
     assert wire.CallDescriptor.unpack(dataclasses.replace(d, framed=False).pack()).call() != d
     assert wire.CallDescriptor.unpack(dataclasses.replace(d, invalid=True).pack()).invalid
-    assert wire.DESCRIPTOR_BYTES + wire.FRAME_PAYLOAD + wire.FRAME_CHECK_BYTES == wire.FRAME_BYTES
+    assert (wire.DESCRIPTOR_BYTES + exchange_frame.FRAME_PAYLOAD + exchange_frame.FRAME_CHECK_BYTES
+            == exchange_frame.FRAME_BYTES)
 
 
-@given(seed=st.integers(0, 2**31), offset=st.integers(0, wire.FRAME_BYTES - 9),
+@given(seed=st.integers(0, 2**31), offset=st.integers(0, exchange_frame.FRAME_BYTES - 9),
        flip=st.integers(1, 255))
 @settings(max_examples=200, deadline=None)
 def test_any_changed_byte_of_a_descriptor_frame_changes_its_check(seed, offset, flip):
-    frames = np.random.default_rng(seed).integers(0, 256, (3, wire.FRAME_BYTES), dtype=np.uint8)
+    frames = np.random.default_rng(seed).integers(0, 256, (3, exchange_frame.FRAME_BYTES),
+                                                  dtype=np.uint8)
     changed = frames.copy()
     changed[1, offset] ^= flip
-    before, after = wire.frame_checks(frames), wire.frame_checks(changed)
+    before, after = exchange_frame.frame_checks(frames), exchange_frame.frame_checks(changed)
     assert before[1] != after[1] and before[0] == after[0] and before[2] == after[2]
 
 
 
 @given(seed=st.integers(0, 2**31), row=st.integers(0, 2),
-       spans=st.lists(st.tuples(st.integers(0, wire.EXCHANGE_BYTES - 1), st.integers(1, 255)),
+       spans=st.lists(st.tuples(st.integers(0, exchange_frame.EXCHANGE_BYTES - 1), st.integers(1, 255)),
                       min_size=1, max_size=4, unique_by=lambda span: span[0]))
 @settings(max_examples=200, deadline=None)
 def test_pick_frames_takes_a_copy_that_passes_and_flags_rows_where_none_does(seed, row, spans):
-    frames = np.random.default_rng(seed).integers(0, 256, (3, wire.FRAME_BYTES), dtype=np.uint8)
-    frames[:, -wire.FRAME_CHECK_BYTES:] = wire.frame_checks(frames).view(np.uint8).reshape(3, -1)
-    rows = np.tile(frames, wire.FRAME_COPIES)
+    frames = np.random.default_rng(seed).integers(0, 256, (3, exchange_frame.FRAME_BYTES),
+                                                  dtype=np.uint8)
+    frames[:, -exchange_frame.FRAME_CHECK_BYTES:] = (
+        exchange_frame.frame_checks(frames).view(np.uint8).reshape(3, -1))
+    rows = np.tile(frames, exchange_frame.FRAME_COPIES)
     for offset, flip in spans:
         rows[row, offset] ^= flip
-    copies_hit = {offset // wire.FRAME_BYTES for offset, _ in spans}
-    picked, intact, corrected = wire.pick_frames(rows)
+    copies_hit = {offset // exchange_frame.FRAME_BYTES for offset, _ in spans}
+    picked, intact, corrected = exchange_frame.pick_frames(rows)
     others = [r for r in range(3) if r != row]
     assert intact[others].all() and not corrected[others].any()
     assert np.array_equal(picked[others], frames[others])
-    assert intact[row] == (len(copies_hit) < wire.FRAME_COPIES)
+    assert intact[row] == (len(copies_hit) < exchange_frame.FRAME_COPIES)
     assert corrected[row] == (intact[row] and 0 in copies_hit)
     if intact[row]:
         assert np.array_equal(picked[row], frames[row])
@@ -254,7 +258,7 @@ def test_mxfp4_non_finite_group_decodes_to_nan():
     y = torch.zeros(2, 32)
     y[1, 3] = float("inf")
     codes, scales = reference.quantize(y, 4, fmt="mxfp4")
-    assert list(reference.scale_field(scales, "mxfp4")) == [1, 255]
+    assert list(reference.scale_field(scales, "mxfp4")) == [1, 255] + [0] * 14  # padded to 16
     assert int(codes.abs().sum()) == 0
     out = reference.dequantize(codes, scales, "mxfp4")
     assert torch.equal(out[0], torch.zeros(32)) and torch.isnan(out[1]).all()
@@ -262,7 +266,9 @@ def test_mxfp4_non_finite_group_decodes_to_nan():
 
 def test_mxfp4_message_is_4_25_bits_per_element_and_names_its_format():
     m = 32 * 1000
-    assert wire.used_bytes(m, 4, 32, "mxfp4") - wire.HEADER_BYTES == m * 4.25 / 8
+    pad = wire.scale_field_bytes(1000, "mxfp4") - wire.scale_bytes_used(1000, "mxfp4")
+    assert 0 <= pad < wire.CODES_ALIGN and wire.codes_offset(m, 32, "mxfp4") % wire.CODES_ALIGN == 0
+    assert wire.used_bytes(m, 4, 32, "mxfp4") - wire.HEADER_BYTES - pad == m * 4.25 / 8
     mx = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5, fmt="mxfp4")
     plain = ShardCodec(bits=4, group_size=32, dtype_code=0, seq=1, world=1, signature=5)
     x = torch.randn(m)
@@ -294,3 +300,17 @@ def test_descriptor_carries_the_format():
     desc = wire.CallDescriptor("all_reduce", torch.float32, 0, 100, 3, 4, 32, True, fmt="mxfp4")
     back = wire.CallDescriptor.unpack(desc.pack())
     assert back == desc and back.call() != dataclasses.replace(desc, fmt="int").call()
+
+
+@pytest.mark.parametrize("fmt", wire.FORMATS)
+def test_codes_and_messages_start_16_byte_aligned_at_every_size(fmt):
+    """Wire format 6: the scale field is padded (`wire.CODES_ALIGN`), so the codes start
+    16-byte aligned in every message, and every message's size is a multiple of 16, so every
+    row of a buffer of messages starts as aligned as the buffer."""
+    spec = formats.FORMATS[fmt]
+    groups = [spec.default_group] if fmt != "int" else [32, 64, 128]
+    for group in groups:
+        for m in (*range(1, 300), 98_324, 2**20 + 3, 2**24, 6_563 * 16 + 5):
+            assert wire.codes_offset(m, group, fmt) % wire.CODES_ALIGN == 0, (m, group)
+            for bits in ((4,) if fmt != "int" else (2, 4, 8)):
+                assert wire.payload_bytes(m, bits, group, fmt) % wire.CODES_ALIGN == 0, (m, bits)

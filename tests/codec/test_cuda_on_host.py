@@ -3,7 +3,7 @@
 defines them) through `cuda.CudaKernels` itself, its launcher's grids and arguments included,
 on CPU tensors: the C++ codec's bytes, error states, values and verdicts, bit for bit. No GPU:
 what a GPU's memory model, scheduling or speed would show is not held here (`-m gpu` and
-``benchmarks/gpu_session.sh`` run the same comparisons on one)."""
+``benchmarks/gpu_suite.sh`` run the same comparisons on one)."""
 
 from __future__ import annotations
 
@@ -231,22 +231,20 @@ def _expected_accesses(m: int, fmt: str, bits: int, group: int, dtype: torch.dty
     """The vector accesses of `test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words`'s
     encode (source loads, code stores) and decode (code loads, output stores; fp32 output) of 3
     rows of ``m`` elements, the last 5 missing. 1024: every whole chunk's source in one load
-    where the source is aligned (the last is short), none an element off; every lane's codes in
-    one word (a lane's 8 of the row's groups' codes, padding included). 1003: the rows' chunks
-    whose start is 16-byte aligned (125 in all where fp32 rows start 4 bytes apart; 2-byte
-    elements an element off never are); codes in words but NVFP4's (67 scale bytes: codes off
-    a word); no decode in chunks (m not a multiple of 8).
-    1152: as 1024, save codes in bytes where they start off their word (NVFP4's and 8-bit
-    codes at byte 100 and 68)."""
+    where the source is aligned (the last is short), none an element off. 1003: the rows'
+    chunks whose start is 16-byte aligned (125 in all where fp32 rows start 4 bytes apart;
+    2-byte elements an element off never are); no decode in chunks (m not a multiple of 8).
+    1152: as 1024. At every size every lane's codes in one word (a lane's 8 of the row's
+    groups' codes, padding included): the codes start 16-byte aligned (`wire.CODES_ALIGN`;
+    before wire format 6, NVFP4's at 1003 and 1152 and 8-bit codes at 1152 started off their
+    word and went byte by byte)."""
     chunks, lanes = 3 * m // 8, 3 * wire.ngroups(m, group) * group // 8
     if m == 1003:
         source = 0 if not aligned and dtype != torch.float32 else 125
-        words = 0 if fmt == "nvfp4" else lanes
-        return {"source loads": source, "code stores": words, "code loads": 0,
+        return {"source loads": source, "code stores": lanes, "code loads": 0,
                 "output stores": 0}
-    words = 0 if m == 1152 and (fmt == "nvfp4" or bits == 8) else lanes
-    return {"source loads": chunks - 1 if aligned else 0, "code stores": words,
-            "code loads": words, "output stores": chunks}
+    return {"source loads": chunks - 1 if aligned else 0, "code stores": lanes,
+            "code loads": lanes, "output stores": chunks}
 
 
 def _access_cases() -> list:
@@ -264,8 +262,9 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
     """`TensorSource::chunk` and `store_codes`: a source that starts 16-byte aligned (rows of
     1024 elements: every whole chunk in one load) or one element after (every chunk element by
     element), 1003-element rows (some rows' chunks aligned, the row ends element by element),
-    messages whose codes start on a word (NVFP4 at 1024: 68 scale bytes) or not (at 1003: 67;
-    int at 1152: 9 groups of 128, codes at byte 68), MXFP4, NVFP4, 2- and 8-bit codes: the C++
+    messages whose scales end off a word (NVFP4 at 1003: 67 scale bytes; int at 1152: 9 groups
+    of 128, 36 bytes) and whose codes start aligned all the same (the field's padding), MXFP4,
+    NVFP4, 2- and 8-bit codes: the C++
     codec's bytes; and `decode_into` of them (`load_codes`: the codes of a chunk in one load
     where aligned) its values. The harness counts the vector accesses (`_expected_accesses`)."""
     fmt, bits, group, rounding = wire_case
@@ -289,6 +288,33 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
         assert encoded == {**expected, "code loads": 0, "output stores": 0}, (m, encoded)
         assert decoded_accesses == {**expected, "source loads": 0, "code stores": 0}, (
             m, decoded_accesses)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [98_324, pytest.param(2**20 + 3, marks=SLOW),
+                               pytest.param(2**24, marks=SLOW)])
+def test_codes_are_stored_and_loaded_in_words_at_real_sizes(on_host, fmt, m):
+    """At a real bucket's shard sizes (98,324 elements: NVFP4's scales end at byte 6,563) the
+    encode stores every lane's codes in one word and the decode (m a multiple of 8) loads them
+    in one: the codes start 16-byte aligned whatever the scales' length (wire format 6; in
+    format 5 every access here was byte by byte). Two rows, fp32, the C++ codec's bytes."""
+    rows, group = 2, FORMATS[fmt].default_group
+    assert wire.codes_offset(m, group, fmt) % 16 == 0
+    want_codec = _codec(fmt, 4, None, "nearest", rows)
+    got_codec = _codec(fmt, 4, None, "nearest", rows, kernels=cuda.KERNELS)
+    x = _input(rows * m, m)
+    on_host.vector_accesses()
+    got = got_codec.encode(x, rows, m, 1.0, None, 0.0, list(range(rows)), None)
+    encoded = on_host.vector_accesses()
+    want = want_codec.encode(x, rows, m, 1.0, None, 0.0, list(range(rows)), None)
+    assert torch.equal(got.messages, want.messages)
+    lanes = rows * wire.ngroups(m, group) * group // 8
+    assert encoded["code stores"] == lanes, encoded
+    decoded = torch.empty(rows * m)
+    cuda.KERNELS.decode_into(got.messages, m, 4, group, fmt, decoded,
+                             torch.zeros(8, dtype=torch.uint8))
+    loads = on_host.vector_accesses()["code loads"]
+    assert loads == (lanes if m % 8 == 0 else 0), loads
 
 
 @pytest.mark.parametrize("fmt,bits,group,rounding", _fast_first(WIRES, 2))

@@ -99,15 +99,18 @@ def test_scale_field_holds_e4m3_bytes_then_block_bytes_per_row():
     y = torch.randn(2 * 20, 16, generator=torch.Generator().manual_seed(1))
     _, scales = reference.quantize(y, 4, fmt="nvfp4", row_groups=20)
     field = reference.scale_field(scales, "nvfp4", 20).view(2, -1)
-    assert field.shape[1] == wire.scale_field_bytes(20, "nvfp4") == 20 + 2
+    assert field.shape[1] == wire.scale_field_bytes(20, "nvfp4") == 32  # 20 + 2, padded to 16
     assert torch.equal(field[:, :20].reshape(-1).int(), scales & 0xFF)
-    assert torch.equal(field[:, 20:].int(), (scales.view(2, 20)[:, ::16] >> 8))
+    assert torch.equal(field[:, 20:22].int(), (scales.view(2, 20)[:, ::16] >> 8))
+    assert not field[:, 22:].any()
     assert torch.equal(reference.scales_from_field(field, "nvfp4", 20), scales)
 
 
 def test_message_is_4_53_bits_per_element_names_its_format_and_takes_groups_of_16():
     m = 16 * 16 * 100
-    assert wire.used_bytes(m, 4, 16, "nvfp4") - wire.HEADER_BYTES == m * 4.53125 / 8
+    pad = wire.scale_field_bytes(1600, "nvfp4") - wire.scale_bytes_used(1600, "nvfp4")
+    assert 0 <= pad < wire.CODES_ALIGN and wire.codes_offset(m, 16, "nvfp4") % wire.CODES_ALIGN == 0
+    assert wire.used_bytes(m, 4, 16, "nvfp4") - wire.HEADER_BYTES - pad == m * 4.53125 / 8
     assert formats.FORMATS["nvfp4"].bits_per_element == 4.53125
     nv = ShardCodec(bits=4, group_size=16, dtype_code=0, seq=1, world=1, signature=5, fmt="nvfp4")
     x = torch.randn(m)

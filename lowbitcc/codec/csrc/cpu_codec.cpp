@@ -107,6 +107,7 @@ void encode(const py::object& args) {
   a.k0 = args.attr("k0").cast<uint32_t>();
   a.k1 = args.attr("k1").cast<uint32_t>();
   const int threads = args.attr("threads").cast<int>();
+  for (int64_t r = 0; r < a.rows; ++r) loco::clear_scale_padding(a.msgs + r * a.P, a.ng, a.format);
   switch (source.scalar_type()) {
     case at::kFloat: return encode_fp32(a, bits, threads);
     case at::kBFloat16: return encode_bf16(a, bits, threads);
@@ -220,7 +221,8 @@ inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int 
   constexpr int kPer = 8 / BITS;
   float scale;
   std::memcpy(&scale, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
-  const uint8_t* packed = msg + loco::kHeaderBytes + 4 * ng + gcol * G * BITS / 8;
+  const uint8_t* packed =
+      msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, kInt) + gcol * G * BITS / 8;
 #if defined(__AVX2__)
   if constexpr (BITS == 4 || BITS == 8) {
     for (int j = 0; j < G; j += 8)

@@ -277,7 +277,8 @@ bool encode_group(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
 
   uint8_t* row_msg = a.msgs + row * a.P;
   std::memcpy(row_msg + loco::kHeaderBytes + 4 * gcol, &s.scale, sizeof(float));
-  uint8_t* packed = row_msg + loco::kHeaderBytes + 4 * a.ng + gcol * kFastGroup * BITS / 8;
+  uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, kInt) +
+                    gcol * kFastGroup * BITS / 8;
   const __m512 inv = _mm512_set1_ps(s.inv), scale = _mm512_set1_ps(s.scale);
   const __m512 beta = _mm512_set1_ps(a.beta), omb = _mm512_set1_ps(a.omb);
   __m512 r2 = _mm512_setzero_ps(), y2 = _mm512_setzero_ps();  // fp32 sums of squares over the group, lane-wise
@@ -542,7 +543,7 @@ bool encode_block(const float* x, const EncodeArgs& a, int64_t gi, int64_t row, 
   loco::GroupScale s[NG];
   for (int g = 0; g < NG; ++g) s[g] = store_scale<BITS, FMT>(top[g], row_msg, gcol + g);
   uint8_t* packed =
-      row_msg + loco::kHeaderBytes + loco::scale_bytes(FMT) * a.ng + gcol * GS * BITS / 8;
+      row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, FMT) + gcol * GS * BITS / 8;
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
   __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();  // fp32 sums of squares, lane-wise
   __m256 t[NG][kVecs];

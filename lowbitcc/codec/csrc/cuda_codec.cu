@@ -233,7 +233,7 @@ __device__ __forceinline__ float decode_one(const unsigned char* msg, long long 
   const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
   const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
                                       ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
-  const unsigned byte = msg[loco::kHeaderBytes + 4 * ng + j / kPer];
+  const unsigned byte = msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / kPer];
   return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
 }
 
@@ -401,6 +401,7 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Lo
     }
     scale = s.scale, inv = s.inv, finite = s.finite;
   }
+  if (leader && gcol == a.ng - 1) loco::clear_scale_padding(row_msg, a.ng, FMT);
   unsigned char* packed =
       row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, FMT) + col0 * BITS / 8;
   const float qf = (float)loco::qmax(BITS);

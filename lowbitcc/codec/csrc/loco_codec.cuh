@@ -28,6 +28,10 @@ typedef unsigned long long uint64_t;
 namespace loco {
 
 constexpr int kHeaderBytes = 32;
+// A message's codes start this aligned (the scale field is padded to it: scale_field_bytes), so
+// the kernels' 16-byte loads and stores of codes apply wherever the message row is aligned
+// (every row is: a message's size is a multiple of it too, lowbitcc/codec/wire.py).
+constexpr int kCodesAlign = 16;
 // Where a shard header (lowbitcc/codec/wire.py, ShardHeader) holds the fields that differ
 // between the rows of one encode: the flags byte and the shard (uint16, little-endian);
 // lowbitcc/codec/abi.py checks them against wire.py.
@@ -211,11 +215,24 @@ LOCO_HD int field_to_code(uint32_t byte, int k, int bits) {
 // Bytes of one group's scale on the wire.
 LOCO_HD int scale_bytes(int format) { return format == kFormatInt ? 4 : 1; }
 
-// Bytes of the scales of a row of ng groups (NVFP4: its E4M3 bytes, then one E8M0 byte per
-// block of kNvBlock groups, the last block possibly shorter): where the codes start after the
-// header.
-LOCO_HD int64_t scale_field_bytes(int64_t ng, int format) {
+// Bytes of the scales of a row of ng groups, before the field's padding (NVFP4: its E4M3
+// bytes, then one E8M0 byte per block of kNvBlock groups, the last block possibly shorter).
+LOCO_HD int64_t scale_bytes_used(int64_t ng, int format) {
   return scale_bytes(format) * ng + (format == kFormatNvfp4 ? (ng + kNvBlock - 1) / kNvBlock : 0);
+}
+
+// Bytes of the scale field of a row of ng groups: its scales, then zero bytes up to a multiple
+// of kCodesAlign, so that the codes, which start after it (the header's kHeaderBytes being a
+// multiple of kCodesAlign too), are kCodesAlign-byte aligned in a message that is.
+LOCO_HD int64_t scale_field_bytes(int64_t ng, int format) {
+  return (scale_bytes_used(ng, format) + kCodesAlign - 1) / kCodesAlign * kCodesAlign;
+}
+
+// Writes the zero padding of the scale field of message row `row_msg` of ng groups (what the
+// encode of the row's last group does: the encodes write every byte from the header to `used`).
+LOCO_HD void clear_scale_padding(unsigned char* row_msg, int64_t ng, int format) {
+  const int64_t end = kHeaderBytes + scale_field_bytes(ng, format);
+  for (int64_t b = kHeaderBytes + scale_bytes_used(ng, format); b < end; ++b) row_msg[b] = 0;
 }
 
 LOCO_HD float bits_as_float(uint32_t bits) {
