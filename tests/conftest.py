@@ -7,6 +7,9 @@ import pytest
 # Its own tests turn it on (tests/backend/test_cost_model.py).
 os.environ.setdefault("LOCO_COST_MODEL", "0")
 
+# LOWBITCC_REQUIRE_GPU=1: a GPU test that skips fails instead (tests/support/require_gpu.py).
+pytest_plugins = ["tests.support.require_gpu"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _build_cpu_codec_once():

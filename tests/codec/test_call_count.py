@@ -73,18 +73,23 @@ def test_an_encode_reading_the_counter_frames_the_call_of_that_number(device, fm
 
 
 @pytest.mark.parametrize("fmt,bits,group,rounding", NEAREST)
-@pytest.mark.parametrize("world,m,numel", [(2, 1000, 1999), (2, 4096, 8192)])
+@pytest.mark.parametrize("world,m,numel,blocks", [
+    (2, 1000, 1999, 1),
+    (2, 2 * cuda.DECODE_SPAN, 4 * cuda.DECODE_SPAN, 4),
+    (2, 2 * cuda.DECODE_SPAN, 3 * cuda.DECODE_SPAN + 5, 4),  # the last block partly used
+], ids=["one block", "four blocks", "four blocks, the last partial"])
 def test_the_last_launch_advances_the_counter_by_the_stride_once_every_block_read_it(
-        device, fmt, bits, group, rounding, world, m, numel):
+        device, fmt, bits, group, rounding, world, m, numel, blocks):
     """decode_rows (the two-rank call's last launch) of messages of call #77: reading 77 from
     the counter, every row is the call's and the counter becomes 77 + stride (one add for the
-    whole grid of several blocks); reading 76, every row is foreign (NaN) and the counter still
-    advances; writing (an eager run) puts the next call number there."""
+    whole grid, of one block or of several, each reading 77 before it); reading 76, every row is
+    foreign (NaN) and the counter still advances; writing (an eager run) puts the next call
+    number there."""
     reference = _codec(fmt, bits, group, rounding, world).with_seq(77)
     gathered = torch.cat([torch.stack([_received(reference, 1, m, r, 10 * s + r + m)[0]
                                        for r in range(world)]) for s in range(world)]).to(device)
     header9 = _codec(fmt, bits, group, rounding, world).header(m)  # the header's own seq: 9
-    assert -(-numel // cuda.DECODE_SPAN) >= 1
+    assert -(-numel // cuda.DECODE_SPAN) == blocks  # the launch's grid (`CudaKernels.decode_rows`)
     results = {}
     for name, count in (("read", CallCount(_counter(77, device), True, 3)),
                         ("stale", CallCount(_counter(76, device), True, 3)),
