@@ -305,7 +305,7 @@ def test_an_error_state_dropped_on_the_host_outlives_its_use_on_the_side_stream(
     tensors bit for bit, and the caller's tensors must keep their values: the state is marked
     as used on the side stream (`ErrorState.record_stream`), so the allocator cannot hand its
     memory to the caller while the side stream still uses it. On the H200 (2026-11-26) this
-    test passed also with that marking disabled (`benchmarks/gpu_session.sh unfixed`): the
+    test passed also with that marking disabled (`benchmarks/gpu_suite.sh unfixed`): the
     allocator did not reuse the memory here, so it checks the behaviour, not the race."""
     device = torch.device("cuda", 0)
     lifetimes = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
