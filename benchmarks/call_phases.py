@@ -1,5 +1,9 @@
 """Where a compressed all-reduce's time goes, and how fast this machine could run it at best.
 
+Feeds docs/performance.md, "Collectives": the table of one 64 MiB compressed call per link
+against gloo's, and "Where a compressed call's time goes" (the split, the frontier, the
+chunk-size sweep).
+
 Every rank times, in turn and with a barrier before each, ``--calls`` times:
 
 - ``gloo``: an all-reduce of ``--mib`` MiB of fp32 on a gloo group;
@@ -34,15 +38,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
-import lowbitcc
-from lowbitcc.codec import kernels
-from lowbitcc.codec.error_state import ErrorState
-from lowbitcc.codec.shard_codec import ShardCodec
-from lowbitcc.tools import spawn
+    import lowbitcc
 
 ROWS = ("gloo", "loco", "codec", "wire", "other", "alone", "codes", "gather")
 
@@ -50,6 +51,12 @@ ROWS = ("gloo", "loco", "codec", "wire", "other", "alone", "codes", "gather")
 def _codec_alone(config: lowbitcc.LocoConfig, x: torch.Tensor, world: int) -> Callable[[], None]:
     """The call's codec work with the call's settings (int8 or other error state as
     configured), on fresh buffers kept across repetitions, as the process group keeps its own."""
+    import torch
+
+    from lowbitcc.codec import kernels
+    from lowbitcc.codec.error_state import ErrorState
+    from lowbitcc.codec.shard_codec import ShardCodec
+
     group = config.wire_group_size
     codec = ShardCodec(bits=config.bits, group_size=group, dtype_code=0, seq=1, world=world,
                        signature=0, kernels=kernels.select(config.codec, "cpu", group),
@@ -73,6 +80,11 @@ def _codec_alone(config: lowbitcc.LocoConfig, x: torch.Tensor, world: int) -> Ca
 
 
 def _measure(rank: int, world: int, mib: int, calls: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    import lowbitcc
+
     config = lowbitcc.LocoConfig.from_env()
     loco = dist.new_group(backend="loco", pg_options=config)
     gloo = dist.new_group(backend="gloo")
@@ -122,6 +134,8 @@ def _measure(rank: int, world: int, mib: int, calls: int) -> dict[str, float]:
 
 
 def _report(result: dict[str, float], mib: int, world: int) -> None:
+    import lowbitcc
+
     config = lowbitcc.LocoConfig.from_env()
     ms = {name: result[name] * 1e3 for name in ROWS}
     frontier = max(ms["alone"], ms["codes"])
@@ -148,6 +162,11 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=2,
                         help="local ranks to spawn (ignored under a launcher that sets RANK)")
     args = parser.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    from lowbitcc.tools import spawn
+
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
         world = dist.get_world_size()

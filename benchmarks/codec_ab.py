@@ -2,6 +2,10 @@
 interleaved in one process, so a change in the kernels is measured without the run-to-run
 drift of a shared machine (which moves a single run's GB/s by 30% and more).
 
+Feeds docs/performance.md, "Codec bandwidth (CPU)" (the encode and decode GB/s of the formats,
+and NVFP4's against MXFP4's, also quoted in docs/convergence.md), and CHANGELOG.md's before and
+after of each change to the C++ kernels.
+
 Builds ``lowbitcc/codec/csrc`` of ``--rev`` (default HEAD) next to this checkout's build, then
 runs `lowbitcc codec-bench`'s measurement (`codec_bench.measure`: steady-state encode with an
 int8 error state into a preallocated message, decode-sum of 4 messages of a quarter each) on
@@ -19,18 +23,17 @@ import argparse
 import subprocess
 import tempfile
 from pathlib import Path
-
-from torch.utils import cpp_extension
-
-from lowbitcc.codec import cpu
-from lowbitcc.codec.formats import FORMATS
-from lowbitcc.tools import codec_bench
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def build_revision(rev: str) -> object:
     """The codec module built from ``rev``'s sources (cached by torch under a name per commit)."""
+    from torch.utils import cpp_extension
+
+    from lowbitcc.codec import cpu
+
     commit = subprocess.run(["git", "rev-parse", rev], cwd=REPO, check=True, capture_output=True,
                             text=True).stdout.strip()
     src = Path(tempfile.mkdtemp(prefix=f"lowbitcc-ab-{commit[:12]}-"))
@@ -47,10 +50,13 @@ def build_revision(rev: str) -> object:
                               extra_ldflags=["-fopenmp"])
 
 
-def compare(modules: dict[str, object], fmt: str, threads: int, size: int, rounds: int,
+def compare(modules: dict[str, Any], fmt: str, threads: int, size: int, rounds: int,
             min_time: float) -> dict[tuple[str, str], float]:
     """Best GB/s per (module name, "encode" | "decode"), `codec_bench.measure` run on each
     module in turn, ``rounds`` times."""
+    from lowbitcc.codec import cpu
+    from lowbitcc.tools import codec_bench
+
     best: dict[tuple[str, str], float] = {}
     loaded = cpu.load
     try:
@@ -70,12 +76,19 @@ def main() -> None:
     parser.add_argument("--rev", default="HEAD", help="git revision to compare against")
     parser.add_argument("--mib", type=int, default=64, help="MiB of fp32 input (default 64)")
     parser.add_argument("--formats", nargs="+", default=["mxfp4", "int"],
-                        choices=list(FORMATS))
+                        help="wire formats (names of lowbitcc.codec.formats.FORMATS; default "
+                             "mxfp4 int)")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--min-time", type=float, default=0.2,
                         help="seconds per measurement (codec-bench's --min-time)")
     args = parser.parse_args()
+    from lowbitcc.codec import cpu
+    from lowbitcc.codec.formats import FORMATS
+
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if unknown:
+        parser.error(f"unknown format(s) {', '.join(unknown)} (choose from {', '.join(FORMATS)})")
     modules = {args.rev: build_revision(args.rev), "checkout": cpu.load()}
     size = args.mib << 20
     print(f"{'format':>7} {'thr':>3} {'size':>9} {'what':>6} {args.rev + ' GB/s':>14} "

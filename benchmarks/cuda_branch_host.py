@@ -1,7 +1,11 @@
 """Host time of a steady-state planned all-reduce on the CUDA code branch, without a GPU.
 
-Issue 47 asks for at most 100 us of host time per compressed call on a GPU. Most of what a
-planned call does on the host is the same Python whether or not a GPU is there: the plan's
+Feeds docs/gpu.md, "Without a GPU" (the plan's own host work per run, from a host record against
+eager), and docs/gpu/cuda-path.md; tests/tools/test_cuda_branch_host.py holds its call counts
+to a budget.
+
+The goal on a GPU is at most 100 us of host time per compressed call. Most of what a planned
+call does on the host is the same Python whether or not a GPU is there: the plan's
 bookkeeping, the codec's argument checks and the kernels' packed arguments. This runs rank
 0's `call_plan.CallPlan` (`tests/support/cuda_trace.py`: ``device="meta"`` tensors, the CUDA
 kernels' launcher replaced by a no-op and NCCL by a recorder) ``--runs`` times after 3 and
@@ -27,21 +31,16 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package and tests
-
-import torch.distributed as dist
-
-import lowbitcc
-from lowbitcc import state
-from lowbitcc.codec import cuda
-from lowbitcc.counters import Stats
-from lowbitcc.feedback import FeedbackStore
-from tests.support.cuda_trace import GpuWork, meta_plan
+ROOT = Path(__file__).resolve().parents[1]
+"""This checkout: its package and tests are imported from here (first on ``sys.path``)."""
 
 
-def calls_per_run(plan, x) -> tuple[int, int]:
+def calls_per_run(plan: Any, x: Any) -> tuple[int, int]:
     """Python and builtin function calls of one run of ``plan``."""
+    import torch.distributed as dist
+
     events = {"call": 0, "c_call": 0}
 
     def count(frame, event, arg):
@@ -60,6 +59,14 @@ def per_run(world: int, fmt: str, feedback: bool, runs: int, profile: bool,
             replay: bool = True) -> tuple[float, tuple[int, int]]:
     """Microseconds per steady-state run of the plan (after 3 untimed), and its calls;
     ``replay``: host records (`launch_record`; False: every run eager)."""
+    import torch.distributed as dist
+
+    from lowbitcc import state
+    from lowbitcc.codec import cuda
+    from lowbitcc.counters import Stats
+    from lowbitcc.feedback import FeedbackStore
+    from tests.support.cuda_trace import GpuWork, meta_plan
+
     cuda._launch = lambda name, device, grid, args: None
     state.FEEDBACK, state.STATS = FeedbackStore(), Stats()
     plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback, replay=replay)
@@ -89,6 +96,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds alternating host records and eager runs")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import lowbitcc
+
     print(f"lowbitcc from {Path(lowbitcc.__file__).parent}")
     for fmt in args.formats:
         for world in args.worlds:

@@ -1,16 +1,21 @@
-"""Per compressed all-reduce on one GPU: host time, GPU kernels and copies (issue 36's table).
+"""Per compressed all-reduce on one GPU: host time, GPU kernels and copies, world size 1.
+
+Feeds the records of GPU runs (docs/gpu/runs-2026-11.md: the table of a world-size-1
+all-reduce's host time, descriptor exchanges, kernels and copies per call) and the ``launches``
+phase of `benchmarks/gpu_suite.sh`, whose lines docs/gpu.md's "What has run on which GPU" cites.
+Needs a GPU.
 
 One process, world size 1 ("loco" with its inner NCCL group on GPU 0), fp32 tensors of each
 size; each row times ``--iters`` calls on the host (enqueue only, then with the GPU's finish)
 and counts, with torch.profiler (CUPTI: every kernel, CuPy's included), the kernels, memsets
 and host<->device copies of ``--profiled`` calls. Rows: compressed (``lowbitcc.compressed()``),
 and the same call exact (``lowbitcc.exact()``, the inner NCCL all-reduce) as the baseline
-measured in the same run; ``exchanges`` counts the host-side descriptor agreements per call.
-The group's config is the environment's with ``min_size`` 1 and the cost model off. At world
-size 1 nothing crosses a wire: a compressed call is two encodes and two decodes plus the
-bookkeeping, which is what this counts.
+measured in the same run; ``exchanges`` counts the host-side descriptor agreements per call
+(`CallAgreement.agree` wrapped: `agreements`). The group's config is the environment's with
+``min_size`` 1 and the cost model off. At world size 1 nothing crosses a wire: a compressed call
+is two encodes and two decodes plus the bookkeeping, which is what this counts.
 
-    python benchmarks/cuda_launches.py [--sizes 65536 1048576 16777216] [--iters 50]
+    python benchmarks/cuda_launches.py [--sizes 65536 1048576 16777216] [--iters 50] [--names]
 """
 
 from __future__ import annotations
@@ -18,20 +23,19 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import tempfile
 import time
+from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
-
-import lowbitcc
-from lowbitcc.backend.call_agreement import CallAgreement
+_AGREEMENTS: list[int] | None = None
+"""This process's descriptor agreements since `agreements` was first called (one entry each)."""
 
 
-def device_events(prof: profile) -> tuple[dict[str, int], collections.Counter]:
-    """Kernels, memsets and copies the GPU ran, and how often each name ran."""
+def device_events(prof: Any) -> tuple[dict[str, int], collections.Counter]:
+    """Kernels, memsets and copies the GPU ran in the torch.profiler ``prof``, and how often
+    each name ran."""
+    import torch
+
     counts = {"kernels": 0, "memsets": 0, "copies": 0}
     names: collections.Counter = collections.Counter()
     for e in prof.events():
@@ -44,25 +48,34 @@ def device_events(prof: profile) -> tuple[dict[str, int], collections.Counter]:
     return counts, names
 
 
-def _counting_agreements() -> list[int]:
-    """Count this process's descriptor agreements from now on (`AGREEMENTS`, which
-    issue47_goals.py reads too)."""
-    seen: list[int] = []
-    agree = CallAgreement.agree
+def agreements() -> list[int]:
+    """This process's descriptor agreements from the first call on, one entry each: the first
+    call wraps `CallAgreement.agree` (once per process; `planned_call_goals.py` reads it too)."""
+    global _AGREEMENTS
+    if _AGREEMENTS is None:
+        from lowbitcc.backend.call_agreement import CallAgreement
 
-    def counted(self, call):
-        seen.append(1)
-        return agree(self, call)
+        seen: list[int] = []
+        agree = CallAgreement.agree
 
-    CallAgreement.agree = counted
-    return seen
+        def counted(self: Any, call: Any) -> Any:
+            seen.append(1)
+            return agree(self, call)
+
+        CallAgreement.agree = counted
+        _AGREEMENTS = seen
+    return _AGREEMENTS
 
 
-AGREEMENTS = _counting_agreements()
+def _row(x: Any, mode: str, iters: int, profiled: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
 
+    import lowbitcc
 
-def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, float]:
     ctx = lowbitcc.compressed if mode == "compressed" else lowbitcc.exact
+    seen = agreements()
 
     def call() -> None:
         with ctx():
@@ -72,12 +85,12 @@ def _row(x: torch.Tensor, mode: str, iters: int, profiled: int) -> dict[str, flo
     for _ in range(70):  # past the call schedule's learning and the descriptor's first uses
         call()
     torch.cuda.synchronize()
-    before = len(AGREEMENTS)
+    before = len(seen)
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
     t1 = time.perf_counter()
-    exchanges = (len(AGREEMENTS) - before) / iters
+    exchanges = (len(seen) - before) / iters
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -99,10 +112,15 @@ def main() -> None:
     parser.add_argument("--names", action="store_true",
                         help="also list what the GPU ran per compressed call, by name")
     opts = parser.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    import lowbitcc
+
+    agreements()
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
-        config = dataclasses.replace(lowbitcc.LocoConfig.from_env(), min_size=1,
-                                     cost_model=False)
+        config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
         dist.init_process_group(
             "loco", init_method=f"file://{tmp}/store", rank=0, world_size=1,
             pg_options=config, device_id=torch.device("cuda", 0))

@@ -1,6 +1,9 @@
 """DDP over "loco" with its calls exact, against DDP over gloo and over the floor of any Python
 process group: one that only forwards each call to a gloo group of its own.
 
+Feeds docs/performance.md, "Training end to end" (its "DDP on loopback": the pass-through group
+and loco against gloo's step rate).
+
 A process group written in Python costs DDP something on every bucket whatever it does: the
 reducer calls it from C++ through the GIL, in the thread that runs backward, while gloo's
 threads reduce the bucket before it on the same cores. This measures that floor beside loco, so
@@ -16,50 +19,49 @@ three take turns on the same batches, in a rotating order, and the mean step tim
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-import lowbitcc
-from lowbitcc.tools import spawn
 
 PASS_THROUGH = "lowbitcc-bench-pass-through"
 """The floor's backend name (registered in each rank)."""
 
 
-class PassThrough(dist.ProcessGroup):
-    """A Python process group that forwards each call DDP makes to a gloo group of its own."""
+def _pass_through(store: Any, rank: int, size: int, timeout: Any) -> Any:
+    """A Python process group that forwards each call DDP makes to a gloo group of its own (the
+    class made here, so that torch is imported only in the ranks)."""
+    import torch
+    import torch.distributed as dist
 
-    def __init__(self, store: dist.Store, rank: int, size: int,
-                 timeout: datetime.timedelta) -> None:
-        super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pass-through", store), rank, size,
-                                           timeout)
+    class PassThrough(dist.ProcessGroup):
+        def __init__(self) -> None:
+            super().__init__(rank, size)
+            self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pass-through", store), rank,
+                                               size, timeout)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        return self._gloo.allreduce(tensors, opts or dist.AllreduceOptions())
+        def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+            return self._gloo.allreduce(tensors, opts or dist.AllreduceOptions())
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        return self._gloo.broadcast(tensors, opts or dist.BroadcastOptions())
+        def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+            return self._gloo.broadcast(tensors, opts or dist.BroadcastOptions())
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: Any = None) -> dist.Work:
-        return self._gloo.allgather(outputs, inputs, opts or dist.AllgatherOptions())
+        def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                      opts: Any = None) -> dist.Work:
+            return self._gloo.allgather(outputs, inputs, opts or dist.AllgatherOptions())
 
-    def barrier(self, opts: Any = None) -> dist.Work:
-        return self._gloo.barrier(opts or dist.BarrierOptions())
+        def barrier(self, opts: Any = None) -> dist.Work:
+            return self._gloo.barrier(opts or dist.BarrierOptions())
 
-    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
-        return PASS_THROUGH
+        def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+            return PASS_THROUGH
+
+    return PassThrough()
 
 
-def _model() -> nn.Module:
+def _model() -> Any:
     """The demo's MLP (`lowbitcc.tools.demo`): 0.86 M parameters, two DDP buckets."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(128, 512), nn.GELU()]
     for _ in range(3):
@@ -69,10 +71,16 @@ def _model() -> nn.Module:
 
 
 def _rank(rank: int, world: int, steps: int, warmup: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lowbitcc
+
     if PASS_THROUGH not in dist.Backend.backend_list:
         dist.Backend.register_backend(
-            PASS_THROUGH, lambda o, _opts=None: PassThrough(o.store, o.group_rank, o.group_size,
-                                                            o.timeout),
+            PASS_THROUGH, lambda o, _opts=None: _pass_through(o.store, o.group_rank, o.group_size,
+                                                              o.timeout),
             extended_api=True, devices=["cpu"])
     groups = {"gloo": dist.new_group(backend="gloo"),
               "loco": dist.new_group(backend="loco",
@@ -103,6 +111,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--np", type=int, default=2)
     args = parser.parse_args()
+    from lowbitcc.tools import spawn
+
     result = spawn.run_ranks(_rank, args.np, args.steps, args.warmup, backend="gloo")[0]
     print(f"{'process group':>14} {'ms/step':>8} {'x gloo':>7}")
     for name, seconds in result.items():

@@ -1,42 +1,54 @@
 """What the call-descriptor exchange costs calls that travel exact: all-reduces the policy leaves
-exact, broadcasts and all-gathers.
+exact, broadcasts and all-gathers, with ``LOCO_CHECK`` (and ``LOCO_CHECK_ALL``) on against off.
 
-Since issue 18, every all-reduce on CPU tensors exchanges a call descriptor frame
-(``exchange_frame.EXCHANGE_BYTES``), also when this rank will not compress it (another rank might, or might
-issue another call); one of at most ``exchange_frame.FRAME_PAYLOAD`` bytes travels in the frame, and needs
-no gloo all-reduce after it. This times such calls (issued outside backward, so exact under the
-default policy) on 2 local ranks with ``LOCO_CHECK=1`` (the default) and ``LOCO_CHECK=0`` (no
-exchange), alternating the two twice, and prints the best time of each and their ratio.
-Broadcasts and all-gathers are timed alike, with ``LOCO_CHECK_ALL=1`` in the checked runs (the
-exact data movements then exchange a descriptor too; without it they exchange none, as with
-``LOCO_CHECK=0``).
+Feeds docs/reliability.md, "How mismatches are caught": the table of exact all-reduces (figures of
+2026-11-23, when every such call exchanged a descriptor) and the table of data movements under
+``LOCO_CHECK_ALL=1`` (what that switch costs, and why it is off by default).
 
-    python benchmarks/descriptor_overhead.py
+Times such calls (issued outside backward, so exact under the default policy) on 2 local ranks
+with ``LOCO_CHECK=1`` (the default) and ``LOCO_CHECK=0`` (no exchange), alternating the two
+twice, and prints the best time of each and their ratio. An exact all-reduce exchanges its
+descriptor (``exchange_frame.EXCHANGE_BYTES``; one of at most ``exchange_frame.FRAME_PAYLOAD``
+bytes travels in the frame and needs no gloo all-reduce after it) only where its call place has
+not settled or renews its agreement (the call schedule; docs/reliability.md): about one call in
+50 here, so its rows now compare the call schedule's exact path with ``LOCO_CHECK=0``'s, not an
+exchange on every call as the first table's figures did. Broadcasts and all-gathers are timed
+alike, with ``LOCO_CHECK_ALL=1`` in the checked runs (the exact data movements then exchange a
+descriptor on every call; without it they exchange none, as with ``LOCO_CHECK=0``).
+
+    python benchmarks/descriptor_overhead.py [--calls 50]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
-
-import torch
-import torch.distributed as dist
-
-from lowbitcc.tools import spawn
+from collections.abc import Callable
+from typing import Any
 
 SIZES = (1, 24, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # elements (fp32)
-CALLS = 50
+KINDS = ("all_reduce", "broadcast", "all_gather")
 
 
-KINDS = {
-    "all_reduce": lambda x, world: dist.all_reduce(x),
-    "broadcast": lambda x, world: dist.broadcast(x, src=0),
-    "all_gather": lambda x, world: dist.all_gather_single(torch.empty(world * x.numel()), x),
-}
+def _calls() -> dict[str, Callable[[Any, int], Any]]:
+    """Each of `KINDS` as a call ``(tensor, world)`` on the default group."""
+    import torch
+    import torch.distributed as dist
+
+    return {
+        "all_reduce": lambda x, world: dist.all_reduce(x),
+        "broadcast": lambda x, world: dist.broadcast(x, src=0),
+        "all_gather": lambda x, world: dist.all_gather_single(torch.empty(world * x.numel()), x),
+    }
 
 
-def _time_calls(rank: int, world: int) -> dict[tuple[str, int], float]:
+def _time_calls(rank: int, world: int, calls: int) -> dict[tuple[str, int], float]:
+    """Seconds per call of each kind and size on this rank, after 5 untimed calls of each."""
+    import torch
+    import torch.distributed as dist
+
     seconds = {}
-    for kind, call in KINDS.items():
+    for kind, call in _calls().items():
         for n in SIZES:  # warm every size up first (the first calls of a process are slower)
             for _ in range(5):
                 call(torch.ones(n), world)
@@ -44,16 +56,21 @@ def _time_calls(rank: int, world: int) -> dict[tuple[str, int], float]:
             x = torch.ones(n)
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(CALLS):
+            for _ in range(calls):
                 call(x, world)
-            seconds[kind, n] = (time.perf_counter() - start) / CALLS
+            seconds[kind, n] = (time.perf_counter() - start) / calls
     return seconds
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=50, help="timed calls per kind and size")
+    args = parser.parse_args()
+    from lowbitcc.tools import spawn
+
     best: dict[tuple[str, int, str], float] = {}
     for check in ("1", "0", "1", "0"):
-        times = spawn.run_ranks(_time_calls, 2, backend="loco", timeout_s=600,
+        times = spawn.run_ranks(_time_calls, 2, args.calls, backend="loco", timeout_s=600,
                                 env={"LOCO_CHECK": check, "LOCO_CHECK_ALL": check})[0]
         for (kind, n), s in times.items():
             best[kind, n, check] = min(best.get((kind, n, check), s), s)

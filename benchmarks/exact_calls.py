@@ -1,9 +1,12 @@
 """What an exact all-reduce through "loco" costs against gloo's own, with the default settings.
 
-Issue 46: every call place has a schedule entry, so a call that stays exact (here: issued
-outside backward, so the policy leaves it exact) exchanges its descriptor on its place's first
-runs only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`). Each
-rank makes a "loco" group with the environment's config and a plain gloo group, then times
+Feeds docs/performance.md, "Host time per call and Python calls per call" (its "Exact calls":
+loco over gloo at 1 MiB and 16 MiB).
+
+Every call place has a schedule entry, so a call that stays exact (here: issued outside
+backward, so the policy leaves it exact) exchanges its descriptor on its place's first runs
+only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`). Each rank
+makes a "loco" group with the environment's config and a plain gloo group, then times
 synchronous all-reduces on both in blocks of ``--block`` calls back to back (each call one
 step, ``lowbitcc.end_step``), alternating the two and which goes first, a barrier before each
 block, and prints per size the median time per call and loco's over gloo's (2 local ranks
@@ -18,18 +21,17 @@ import argparse
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
-
-import lowbitcc
-from lowbitcc.tools import spawn
-
 WARMUP = 4
 """Untimed calls per size first: the place agrees (and the period closes) there."""
 
 
 def _rank(rank: int, world: int, sizes: list[int], calls: int,
           block: int) -> dict[int, tuple[float, float]]:
+    import torch
+    import torch.distributed as dist
+
+    import lowbitcc
+
     gloo = dist.new_group(backend="gloo")
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig.from_env())
     out = {}
@@ -62,6 +64,8 @@ def main() -> None:
                         help="calls timed back to back, alternating loco's and gloo's blocks")
     parser.add_argument("--np", type=int, default=2)
     args = parser.parse_args()
+    from lowbitcc.tools import spawn
+
     result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls, args.block)[0]
     print(f"{'bytes':>10} {'loco ms':>9} {'gloo ms':>9} {'loco/gloo':>9}")
     for n, (loco_s, gloo_s) in result.items():

@@ -1,5 +1,8 @@
 """The frontier of wire cost against quality, from one or more `lowbitcc study` outputs.
 
+Feeds docs/convergence.md, "Every format and feedback setting measured": its table and
+docs/study/formats/frontier.{png,json} (the commands that made the studies are in that doc).
+
 Reads each ``study.json`` given (their ``summary`` rows: variant, seed, gap to the exact run of
 the same seed, bytes against exact), merges them by (variant, seed), and prints per variant its
 bits per element (averaged over the phases of a direct all-reduce, scales included), the mean
@@ -23,15 +26,14 @@ import math
 import statistics
 from pathlib import Path
 
-from lowbitcc.tools.study.formats import LAB_VARIANTS
-from lowbitcc.tools.study.report import across_seeds
-
 SAME = {"lab-int4-g128": "loco4", "lab-int4-g128-nofb": "loco4-nofb", "lab-int4-g64": "loco4-g64"}
 
 
 def load(paths: list[Path]) -> tuple[list[dict], dict[str, float]]:
     """The studies' summary rows (lab variants that are loco's arithmetic renamed to loco's
     variant), and bits per element by variant."""
+    from lowbitcc.tools.study.formats import LAB_VARIANTS
+
     rows: list[dict] = []
     bits: dict[str, float] = {}
     for path in paths:
@@ -48,6 +50,8 @@ def load(paths: list[Path]) -> tuple[list[dict], dict[str, float]]:
 def table(summary: list[dict], bits: dict[str, float]) -> list[dict]:
     """`across_seeds` of the merged rows (a later study's run of the same variant and seed
     replaces an earlier one), with bits per element and standard errors."""
+    from lowbitcc.tools.study.report import across_seeds
+
     rows = []
     for r in across_seeds(summary):
         n = len(r["seeds"])

@@ -2,13 +2,14 @@
 # The GPU suite: lowbitcc's checks on one lent GPU machine (an H200: 15 minutes of device time
 # in all, at most 10 minutes a call), in phases, under one deadline. It measures the CUDA
 # kernels against the reference bit for bit; call plans, graph replay and the hierarchical
-# schedule on 2 and 4 ranks sharing the GPU; issue 47's goals per call (host time, launches,
-# uploads, allocations); issue 46's exact places and deviations; the codec's throughput against
-# a copy; DDP over loco against DDP over nccl; and the whole `pytest -m gpu` suite.
-# docs/gpu.md, "Running the GPU suite", says what has run and what to run next.
+# schedule on 2 and 4 ranks sharing the GPU; the per-call goals of a planned call (host time,
+# launches, uploads, allocations); exact places, deviations and a stalled peer; the codec's
+# throughput against a copy; DDP over loco against DDP over nccl; and the whole `pytest -m gpu`
+# suite. docs/gpu.md, "Running the GPU suite", says what has run and what to run next; each
+# phase's result line feeds its records of runs.
 #
 # Usage: bash benchmarks/gpu_suite.sh [--dry] [PHASE ... | all]
-#   no PHASE: plans goals47 (the recommended first command); all: every phase, more than one
+#   no PHASE: plans goals (the recommended first command); all: every phase, more than one
 #   call holds (the plan is refused: pick). env runs first whatever is asked.
 #
 # Phases in order of value, with their planned seconds (the table the script reads; PHASE_S=N,
@@ -16,12 +17,12 @@
 #| env       150  pip install -e . (no deps), versions, the C++ codec's build, the NVRTC compile
 #| frame     120  pytest: frame, check, encode_sum, decode_rows kernels, the call counter
 #| plans     210  pytest: call plans on CUDA, their host records, place renewals (2, 4 ranks)
-#| graphs    240  pytest: graph replay bit for bit; issue47_goals.py --graphs: host time
-#| goals47   180  issue47_goals.py: issue 47's goals per planned call (GOALS47_ARGS: 2 sizes)
+#| graphs    240  pytest: graph replay bit for bit; planned_call_goals.py --graphs: host time
+#| goals     180  planned_call_goals.py: the goals per planned call (GOALS_ARGS: 2 sizes)
 #| hier      200  pytest: the hierarchical schedule on NCCL node and rail groups
 #| demo      200  lowbitcc demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
 #| train     240  lowbitcc bench-train, fp32 and bf16: loco against nccl (TRAIN_LINK: + a link)
-#| issue46   300  pytest: exact places, a deviation on one rank, a stalled peer (2, 4 ranks)
+#| places    300  pytest: exact places, a deviation on one rank, a stalled peer (2, 4 ranks)
 #| exactperf 120  lowbitcc perf: an exact 1 MiB all-reduce over loco against nccl's (<= 1.2x)
 #| selftest  240  lowbitcc selftest --ranks 4 (CASES cases, 400)
 #| pytest    420  pytest -m gpu: every GPU test
@@ -46,15 +47,15 @@
 # ./gpu-suite-out. Exit 0 where every phase passed, 1 where one did not, 2 for a refused plan.
 #
 # Recommended first command, one device call with timeout_s 600 (env 150 + plans 210 +
-# goals47 180 = 540 s):
-#   bash benchmarks/gpu_suite.sh plans goals47
+# goals 180 = 540 s):
+#   bash benchmarks/gpu_suite.sh plans goals
 #
 # Dry mode, here on the CPU before any call: --dry (or GPU_SUITE_DRY=1) runs the same plumbing,
 # each phase's commands printed into its log instead of run (the files they name checked), then
 # a stand-in writing the log lines and JSON the phase would; a plan that does not fit is refused
 # as it would be on the GPU. GPU_SUITE_DRY_SLEEP=S: each stand-in first sleeps S seconds,
 # ignoring TERM (a hung phase: it is cut at its limit).
-#   bash benchmarks/gpu_suite.sh --dry plans goals47
+#   bash benchmarks/gpu_suite.sh --dry plans goals
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 self=$root/benchmarks/gpu_suite.sh
@@ -146,22 +147,22 @@ phase_plans() {  # call plans on CUDA, their host records and place renewals: bi
 }
 
 phase_graphs() {  # graph replay of a place (LOCO_CALL_GRAPHS=1): bits against the eager calls,
-    # then issue47_goals with --graphs: host time per call, graphs against eager plans (each
+    # then planned_call_goals.py --graphs: host time per call, graphs against eager plans (each
     # call issued to an idle GPU; back to back, 2 ranks on one GPU time sockets)
     step 55 "${gpu_pytest[@]}" --timeout 120 tests/gpu/test_multirank.py -k "call_graphs"
-    echo "--- issue47_goals.py --graphs"
-    x "$py" benchmarks/issue47_goals.py --sizes 65536 1048576 --iters 50 --profiled 5 --graphs \
+    echo "--- planned_call_goals.py --graphs"
+    x "$py" benchmarks/planned_call_goals.py --sizes 65536 1048576 --iters 50 --profiled 5 --graphs \
         --json "$out/graphs-goals.json"
 }
 
-phase_goals47() {  # issue 47's goals: host us, launches, uploads, allocations per planned call,
-    # against the exact call and NCCL's own, 2 ranks (16 Mi elements: GOALS47_ARGS=)
-    # shellcheck disable=SC2086  # GOALS47_ARGS: words
-    x "$py" benchmarks/issue47_goals.py --host-profile 200 ${GOALS47_ARGS---sizes 65536 1048576} \
-        --json "$out/goals47.json"
+phase_goals() {  # the goals per planned call: host us, launches, uploads, allocations,
+    # against the exact call and NCCL's own, 2 ranks (16 Mi elements: GOALS_ARGS=)
+    # shellcheck disable=SC2086  # GOALS_ARGS: words
+    x "$py" benchmarks/planned_call_goals.py --host-profile 200 ${GOALS_ARGS---sizes 65536 1048576} \
+        --json "$out/goals.json"
 }
 
-phase_hier() {  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2 (issue 49)
+phase_hier() {  # the hierarchical schedule on NCCL node and rail groups, 2 nodes of 2
     x "${gpu_pytest[@]}" --timeout 180 tests/gpu/test_multirank.py -k "hierarchical"
 }
 
@@ -169,7 +170,7 @@ phase_demo() {  # the README's demo on GPUs: DDP over loco beside DDP over nccl,
     x "$py" -m lowbitcc demo --steps 40 --link none
 }
 
-phase_train() {  # issue 49's end-to-end number: DDP over loco against DDP over nccl
+phase_train() {  # the end-to-end number: DDP over loco against DDP over nccl
     x "$py" -c "from lowbitcc.tools import netem
 print('emulated links:', '; '.join(netem.missing_requirements()) or 'possible',
       '| kernel netem qdisc:', netem.kernel_netem_available())"
@@ -185,7 +186,7 @@ print('emulated links:', '; '.join(netem.missing_requirements()) or 'possible',
     fi
 }
 
-phase_issue46() {  # exact places, deviations seen on the GPU, the watchdog (2 and 4 ranks)
+phase_places() {  # exact places, deviations seen on the GPU, the watchdog (2 and 4 ranks)
     x "${gpu_pytest[@]}" --timeout 200 tests/gpu/test_multirank.py \
         -k "exact_cuda or deviates_on_one_rank or stalled_peer"
 }
@@ -229,7 +230,7 @@ phase_perf() {
         --backend loco4 loco-model nccl -b 256K -e 64M -f 4 -n 50 -w 10 --json "$out/perf-np2.json"
 }
 
-phase_codec() {  # issue 47: encode and decode at >= 0.5x of a copy from 16 MiB
+phase_codec() {  # the codec's goal: encode and decode at >= 0.5x of a copy from 16 MiB
     x "$py" -m lowbitcc codec-bench --device cuda -b "${CODEC_MIN:-1M}" -e 256M -f 4 \
         --min-time 0.2 --formats mxfp4 nvfp4 int --json "$out/codec.json"
 }
@@ -274,7 +275,7 @@ for arg in "$@"; do
         [[ " ${asked[*]} " == *" $arg "* ]] || asked+=("$arg") ;;
     esac
 done
-[ ${#asked[@]} -gt 0 ] || asked=(plans goals47)
+[ ${#asked[@]} -gt 0 ] || asked=(plans goals)
 plan=(env "${asked[@]}")
 deadline=${GPU_SUITE_DEADLINE_S:-540}
 total=0 sum=""

@@ -1,14 +1,18 @@
 """The result line of each phase of `benchmarks/gpu_suite.sh`, read from the phase's log and JSON
-files, and the stand-ins its dry mode writes in their place.
+files, and the stand-ins its dry mode writes in their place. The suite runs it; its lines feed
+docs/gpu.md's records of runs on a GPU.
 
+Usage:
     python benchmarks/gpu_suite_report.py verdict PHASE OUT RC LIMIT_S
     python benchmarks/gpu_suite_report.py stub PHASE OUT
+    python benchmarks/gpu_suite_report.py --help
 
 ``verdict`` prints one line, ``PASS <phase> <number> ...`` or ``FAIL <phase> <reason>``, from
 ``OUT/<phase>.log`` and the JSON the phase writes into OUT; RC is the phase's exit status (124 or
 137: cut at its LIMIT_S). It never prints a traceback: a missing or broken JSON is a FAIL with its
 reason. ``stub`` prints the log lines and writes the JSON a phase would, for the dry mode.
-Standard library only: the dry mode runs it where there is no torch."""
+``--help`` prints this text (exit 0); anything else, the usage on stderr (exit 2). Standard
+library only: the dry mode runs it where there is no torch."""
 
 from __future__ import annotations
 
@@ -135,12 +139,12 @@ def pytest_phase(run: Run) -> tuple[bool, str]:
 
 
 def graphs(run: Run) -> tuple[bool, str]:
-    tests, marked, goals = run.log.rpartition(f"{MARK}issue47_goals.py")
+    tests, marked, goals = run.log.rpartition(f"{MARK}planned_call_goals.py")
     if not marked:
         tests, goals = run.log, ""
     ok, said = pytest_result(run, tests)
     if not goals:
-        return False, f"{said}; issue47_goals.py did not run ({run.ended()})"
+        return False, f"{said}; planned_call_goals.py did not run ({run.ended()})"
     try:
         run.json("graphs-goals.json")
     except PhaseFailedError as exc:
@@ -151,13 +155,13 @@ def graphs(run: Run) -> tuple[bool, str]:
     return ok and host[1] == "PASS" and run.rc == 0, f"{said}; graphs-host {host[2]} {host[1]}"
 
 
-def goals47(run: Run) -> tuple[bool, str]:
-    run.json("goals47.json")
-    lines = re.findall(r"^(PASS|FAIL|SKIP) (issue47-\S+|records-host) (\S+)", run.log, re.M)
+def goals(run: Run) -> tuple[bool, str]:
+    run.json("goals.json")
+    lines = re.findall(r"^(PASS|FAIL|SKIP) (goal-\S+|records-host) (\S+)", run.log, re.M)
     if not lines:
-        raise PhaseFailedError(f"goals47.json written, but no goal lines ({run.ended()})")
+        raise PhaseFailedError(f"goals.json written, but no goal lines ({run.ended()})")
     met = sum(v == "PASS" for v, _, _ in lines)
-    said = ", ".join(f"{name.removeprefix('issue47-')} {value}" + ("" if v == "PASS" else " (missed)")
+    said = ", ".join(f"{name.removeprefix('goal-')} {value}" + ("" if v == "PASS" else " (missed)")
                      for v, name, value in lines)
     return met == len(lines) and run.rc == 0, f"{met} of {len(lines)} goals met: {said}"
 
@@ -258,7 +262,7 @@ def codec(run: Run) -> tuple[bool, str]:
     if not rows:
         raise PhaseFailedError("codec.json has no CUDA rows of 16 MiB or more")
     worst = {}
-    for kind in ("encode", "decode"):  # the kernels' GPU time (issue 47's goal), the whole call
+    for kind in ("encode", "decode"):  # the kernels' GPU time (the codec's goal), the whole call
         for on, copy in ((f"{kind}_device_GBps", "copy_device_GBps"), (f"{kind}_GBps", "copy_GBps")):
             worst[on.removesuffix("_GBps")] = min(r[on] / r[copy] for r in rows)
     low = min(worst.values())
@@ -269,8 +273,8 @@ def codec(run: Run) -> tuple[bool, str]:
 
 VERDICTS: dict[str, Callable[[Run], tuple[bool, str]]] = {
     "env": env, "frame": pytest_phase, "plans": pytest_phase, "graphs": graphs,
-    "goals47": goals47, "hier": pytest_phase, "demo": demo, "train": train,
-    "issue46": pytest_phase, "exactperf": exactperf, "selftest": selftest,
+    "goals": goals, "hier": pytest_phase, "demo": demo, "train": train,
+    "places": pytest_phase, "exactperf": exactperf, "selftest": selftest,
     "pytest": pytest_phase, "unfixed": unfixed, "schedule": pytest_phase,
     "launches": launches, "perf": perf, "codec": codec,
 }
@@ -302,7 +306,7 @@ def _write(out: Path, name: str, data: object) -> None:
 
 def _goals_lines(graphs_host: bool) -> None:
     for goal in ("host_us", "launches", "uploads", "allocations"):
-        print(f"PASS issue47-{goal} 0.00 (dry stand-in)")
+        print(f"PASS goal-{goal} 0.00 (dry stand-in)")
     print("PASS records-host 0.500 (dry stand-in)")
     if graphs_host:
         print("PASS graphs-host 0.500 (dry stand-in)")
@@ -314,15 +318,15 @@ def _stub(phase: str, out: Path) -> None:
         print("gpus 1 (dry stand-in)")
         print("C++ codec: True (0 s)")
         print("NVRTC: compiled 1 kernels in 0 s")
-    elif phase in ("frame", "plans", "hier", "issue46", "pytest", "schedule"):
+    elif phase in ("frame", "plans", "hier", "places", "pytest", "schedule"):
         _pytest_stub(out)
     elif phase == "graphs":
         _pytest_stub(out)
-        print(f"{MARK}issue47_goals.py --graphs")
+        print(f"{MARK}planned_call_goals.py --graphs")
         _write(out, "graphs-goals.json", [{"format": "dry", "rows": {}}])
         _goals_lines(graphs_host=True)
-    elif phase == "goals47":
-        _write(out, "goals47.json", [{"format": "dry", "rows": {}}])
+    elif phase == "goals":
+        _write(out, "goals.json", [{"format": "dry", "rows": {}}])
         _goals_lines(graphs_host=False)
     elif phase == "demo":
         print("mean step over the last 20 steps (the cost model has settled): nccl 1.0 ms, "
@@ -359,6 +363,9 @@ def _stub(phase: str, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if len(argv) == 5 and argv[0] == "verdict" and argv[1] in VERDICTS:
         try:
             rc, limit = int(argv[3]), int(argv[4])

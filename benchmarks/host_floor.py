@@ -1,6 +1,11 @@
 """The least host time a compressed all-reduce can have through a Python process group on this
 machine: `lowbitcc perf`'s ``host_us`` of "loco"'s planned call beside a floor that does the
-same work with none of lowbitcc's Python (issue 47's <= 150 us under ``LOCO_ISSUER=inline``).
+same work with none of lowbitcc's Python (against the goal of <= 150 us per call under
+``LOCO_ISSUER=inline``).
+
+Feeds docs/performance.md, "Host time per call and Python calls per call" (the floor, and the
+floor/loco shares of the one steady-state call); tests/tools/test_host_floor.py runs it
+(``-m slow``).
 
 Each rank runs ``--calls`` forced all-reduces of ``--elements`` fp32 elements (one training
 step each, as `lowbitcc perf` times them) on a "loco" group, ``LOCO_ISSUER=inline``, in rounds

@@ -2,6 +2,10 @@
 ``LOCO_ISSUER=inline`` (the CUDA path's issuing logic on CPU tensors): `lowbitcc perf`'s
 ``host_us`` split up.
 
+Feeds docs/performance.md, "Host time per call and Python calls per call" (its
+"Re-agreements": the calls that exchanged a descriptor among the timed ones);
+tests/tools/test_host_phases.py runs it (``-m slow``).
+
 Each rank times ``--calls`` forced all-reduces of ``--elements`` fp32 elements (after 100
 untimed; one training step each, as `lowbitcc perf` times them) and marks, with
 `time.perf_counter_ns` (inside the policy blocks) around the methods a planned call passes

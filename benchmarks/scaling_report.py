@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 PERF = ROOT / "docs" / "perf"
@@ -90,6 +89,8 @@ def _codec() -> tuple[float, float]:
 
 def fit_ring(times: dict[int, float], n: int) -> tuple[float, float]:
     """``(alpha, B)`` of ``T = 2(n-1) alpha + 2(n-1)/n S / B`` by least squares."""
+    import numpy as np
+
     sizes = np.array(sorted(times), dtype=float)
     t = np.array([times[int(s)] for s in sizes])
     slope, intercept = np.polyfit(sizes, t, 1)
@@ -120,6 +121,8 @@ def fit_loco(times: dict[int, float], n: int, alpha: float, bandwidth: float, en
     """``(fixed_s, k)``: loco's fixed cost per call and the factor by which its codec runs
     slower in the ranks than alone (ranks share cores and memory bandwidth), least squares
     on ``times`` (loopback, where the wire is cheapest)."""
+    import numpy as np
+
     sizes = sorted(times)
     codec = [loco_direct(n, s, 0.0, float("inf"), encode, decode) for s in sizes]
     rest = [times[s] - loco_direct(n, s, alpha, bandwidth, float("inf"), float("inf"))
@@ -163,7 +166,7 @@ def validate() -> list[dict]:
 def exact_allreduce(n: int, size: float, alpha: float, bandwidth: float) -> float:
     """An exact all-reduce as NCCL would give it at scale, favourably: a tree's latency
     (2 log2 n hops) with a ring's bandwidth term."""
-    return 2 * np.log2(n) * alpha + 2 * (n - 1) / n * size / bandwidth
+    return 2 * math.log2(n) * alpha + 2 * (n - 1) / n * size / bandwidth
 
 
 def hierarchical(n: int, size: float, alpha: float, bandwidth: float,

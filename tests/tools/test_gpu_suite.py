@@ -45,7 +45,7 @@ def _logs(tmp_path: Path) -> dict[str, str]:
 
 def test_the_table_holds_every_phase_and_the_first_command_fits_the_deadline():
     assert list(PLANNED)[:3] == ["env", "frame", "plans"] and len(PLANNED) == 17
-    assert PLANNED["env"] + PLANNED["plans"] + PLANNED["goals47"] <= 540
+    assert PLANNED["env"] + PLANNED["plans"] + PLANNED["goals"] <= 540
 
 
 def test_help_prints_the_usage_with_the_phases_and_their_planned_seconds(tmp_path):
@@ -61,16 +61,16 @@ def test_a_dry_run_of_the_default_phases_prints_one_result_line_each(tmp_path):
     done = _suite(tmp_path, GPU_SUITE_DRY="1")
     assert done.returncode == 0, done.stdout + done.stderr
     results = RESULT.findall(done.stdout)
-    assert results == [("PASS", "env"), ("PASS", "plans"), ("PASS", "goals47")], done.stdout
-    for name in ("env", "plans", "goals47"):
+    assert results == [("PASS", "env"), ("PASS", "plans"), ("PASS", "goals")], done.stdout
+    for name in ("env", "plans", "goals"):
         line = re.search(rf"^PASS {name} .*$", done.stdout, re.M)[0]
         assert line.endswith(f"planned {PLANNED[name]}s)") and "(dry, took " in line, line
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert RESULT.findall(summary) == results
     logs = _logs(tmp_path)
-    assert set(logs) == {"env.log", "plans.log", "goals47.log", "goals47.json"}
-    assert re.search(r"would run: \S+ benchmarks/issue47_goals.py .*--json \S+/goals47.json",
-                     logs["goals47.log"])
+    assert set(logs) == {"env.log", "plans.log", "goals.log", "goals.json"}
+    assert re.search(r"would run: \S+ benchmarks/planned_call_goals.py .*--json \S+/goals.json",
+                     logs["goals.log"])
     assert "env LOWBITCC_REQUIRE_GPU=1" in logs["plans.log"]
 
 
@@ -80,13 +80,13 @@ def test_a_dry_run_of_every_phase_passes_each_through_its_stand_in(tmp_path):
     assert RESULT.findall(done.stdout) == [("PASS", name) for name in PLANNED], done.stdout
     logs = _logs(tmp_path)
     assert {f"{name}.log" for name in PLANNED} <= set(logs)
-    for name in ("frame", "plans", "graphs", "hier", "issue46", "pytest", "schedule", "unfixed"):
+    for name in ("frame", "plans", "graphs", "hier", "places", "pytest", "schedule", "unfixed"):
         assert "LOWBITCC_REQUIRE_GPU=1" in logs[f"{name}.log"], name  # a GPU skip fails there
     assert " -n " not in logs["pytest.log"]  # no pytest-xdist in the test extra
 
 
 def test_a_plan_over_the_deadline_is_refused_before_anything_runs(tmp_path):
-    need = PLANNED["env"] + PLANNED["plans"] + PLANNED["goals47"]
+    need = PLANNED["env"] + PLANNED["plans"] + PLANNED["goals"]
     done = _suite(tmp_path, "--dry", GPU_SUITE_DEADLINE_S=str(need - 1))
     assert done.returncode == 2
     assert f"refused: the plan needs {need}s" in done.stderr, done.stderr

@@ -10,7 +10,7 @@ of the all-reduce and of Adam's update, per tensor). ``--wide quick`` is the sho
 
 The study is resumable: every finished run is appended to ``wide.json`` in the output folder
 and a rerun skips the runs and trackings found there, so an interrupted study (or one run over
-several sessions) goes on where it stopped. `wide_report` turns the file into tables and the
+several parts) goes on where it stopped. `wide_report` turns the file into tables and the
 choice of the default (the worst cell decides).
 """
 

@@ -1,16 +1,17 @@
-"""`benchmarks/issue47_goals.py` on CPU tensors (its ``--device cpu`` check): every path it
+"""`benchmarks/planned_call_goals.py` on CPU tensors (its ``--device cpu`` check): every path it
 times, the graph replay's included, runs on two local ranks and gets a row; the GPU's goal
-lines say SKIP. A GPU session runs this script once: a break here would cost it."""
+lines say SKIP. A lent GPU machine runs this script in the suite's ``goals`` and ``graphs``
+phases: a break here would cost a call there."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "issue47_goals.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "planned_call_goals.py"
 
 
-def test_issue47_goals_times_every_path_on_cpu_tensors(tmp_path):
+def test_planned_call_goals_times_every_path_on_cpu_tensors(tmp_path):
     out = tmp_path / "goals.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sizes", "4096",
                            "--iters", "3", "--profiled", "1", "--graphs", "--host-profile", "2",
@@ -24,7 +25,7 @@ def test_issue47_goals_times_every_path_on_cpu_tensors(tmp_path):
                                                            "graph")}
         for row in rank["rows"].values():
             assert row["host_us"] > 0 and row["time_us"] > 0 and row["allocations"] == 0
-    assert done.stdout.count("SKIP issue47-") == 4, done.stdout
+    assert done.stdout.count("SKIP goal-") == 4, done.stdout
     assert "SKIP graphs-host " in done.stdout, done.stdout  # no graphs on CPU tensors
     assert "SKIP records-host " in done.stdout, done.stdout  # nor host records
     for path in ("plan", "exact", "nccl"):  # the host profiles, rank 0's

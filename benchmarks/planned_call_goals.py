@@ -1,6 +1,11 @@
-"""Issue 47's goals on a GPU, 2 ranks sharing it: one PASS/FAIL line per goal, the steady call
-(a place's plan) against the exact call (loco's, which is the inner NCCL all-reduce) and NCCL's
-own (a plain "nccl" group; "gloo" on CPU) measured in the same run.
+"""The per-call goals of a steady-state compressed all-reduce on a GPU, 2 ranks sharing it: one
+PASS/FAIL line per goal, the steady call (a place's plan) against the exact call (loco's, which
+is the inner NCCL all-reduce) and NCCL's own (a plain "nccl" group; "gloo" on CPU) measured in
+the same run.
+
+Runs as the ``goals`` phase of `benchmarks/gpu_suite.sh` (with ``--graphs``, in the ``graphs``
+phase), which docs/gpu.md's "Running the GPU suite" describes; its lines feed "What has run on
+which GPU" there and the records of runs under docs/gpu/.
 
 Per rank and size (fp32, default 64 Ki, 1 Mi and 16 Mi elements), steady-state compressed
 all-reduces (``lowbitcc.compressed()``, op AVG so that repeated in-place calls stay finite,
@@ -13,13 +18,15 @@ re-agreement runs its job, one call in 64), over ``--profiled`` calls with torch
 (CUPTI) the GPU work lowbitcc launched per call (kernels and memsets whose names do not start
 with ``nccl``) and the host-to-device copies per call, and per call the caching allocator's
 allocations (``torch.cuda.memory_stats()["allocation.all.allocated"]``), the most of any
-call. Goals (issue 47): host <= 100 us at every size, <= 3 launches, 0 uploads, 0
-allocations. Timings of two ranks sharing one GPU over NCCL's socket transport say little
-about a real node; the counts hold anywhere.
-``--device cpu`` runs the same calls on CPU tensors (``LOCO_ISSUER=inline`` for the plans): a
-check of this script without a GPU, its GPU columns empty.
+call. The goals (`GOALS`, lines ``goal-<name>``): host <= 100 us at every size, <= 3 launches,
+0 uploads, 0 allocations. Timings of two ranks sharing one GPU over NCCL's socket transport say
+little about a real node; the counts hold anywhere. A ``records-host`` line compares the plan's
+host records with the same plan run eagerly (``graphs-host`` likewise graph replay, with
+``--graphs``). ``--device cpu`` runs the same calls on CPU tensors (``LOCO_ISSUER=inline`` for
+the plans): a check of this script without a GPU (tests/tools/test_planned_call_goals.py), its
+GPU columns empty and its goal lines SKIP.
 
-    python benchmarks/issue47_goals.py [--sizes 65536 1048576 16777216] [--iters 100]
+    python benchmarks/planned_call_goals.py [--sizes 65536 1048576 16777216] [--iters 100]
 """
 
 from __future__ import annotations
@@ -35,27 +42,20 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from cuda_launches import AGREEMENTS, device_events  # the sibling script's counters
-from torch.profiler import ProfilerActivity, profile
-
-import lowbitcc
-from lowbitcc.backend import place_graph
-from lowbitcc.tools import spawn
-
 PATHS = ("plan", "eager", "exact", "nccl")
 """The plan (host records, the default: `launch_record`), the plan making its arguments anew
 every run (its place's records off, another group's), the exact call, NCCL's own."""
 PROFILED = ("plan", "exact", "nccl")
 """The paths whose host time ``--host-profile`` breaks down (rank 0, the largest size)."""
 GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
-"""Issue 47's "must reach" per steady-state compressed all-reduce."""
+"""The most each steady-state compressed all-reduce may take (docs/gpu.md)."""
 
 
-def _gpu_work(prof: profile) -> dict[str, int]:
+def _gpu_work(prof: Any) -> dict[str, int]:
     """lowbitcc's kernels and memsets (not NCCL's) and the host-to-device copies the GPU ran
     (`cuda_launches.device_events`' names)."""
+    from cuda_launches import device_events  # the sibling script's counters
+
     counts = {"launches": 0, "uploads": 0}
     for name, count in device_events(prof)[1].items():
         name = name.lower()
@@ -66,11 +66,17 @@ def _gpu_work(prof: profile) -> dict[str, int]:
     return counts
 
 
-EXCHANGES = AGREEMENTS
-"""This process's descriptor exchanges so far (one entry each)."""
+def _exchanges() -> list[int]:
+    """This process's descriptor exchanges so far, one entry each (`cuda_launches.agreements`:
+    counted from this process's first call on)."""
+    from cuda_launches import agreements  # the sibling script's counter
+
+    return agreements()
 
 
-def _allocated(device: torch.device) -> float:
+def _allocated(device: Any) -> float:
+    import torch
+
     if device.type != "cuda":
         return float("nan")
     return torch.cuda.memory_stats(device)["allocation.all.allocated"]
@@ -90,8 +96,16 @@ def _host_profile(call, sync, calls: int) -> str:
     return text.getvalue()
 
 
-def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
+def _path(x: Any, group: Any, mode: Any, iters: int, profiled: int,
           host_profile: int = 0) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import lowbitcc
+
+    agreed = _exchanges()
+
     def call() -> None:
         with mode():
             dist.all_reduce(x, op=dist.ReduceOp.AVG, group=group)
@@ -102,7 +116,7 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
     for _ in range(70):
         call()
     sync()
-    exchanges = len(EXCHANGES)
+    exchanges = len(agreed)
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
@@ -118,21 +132,21 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
     sync()
     allocations = 0.0
     for _ in range(iters):  # per call, outside the timed loop: reading the counter costs
-        before, seen = _allocated(x.device), len(EXCHANGES)
+        before, seen = _allocated(x.device), len(agreed)
         call()
-        if len(EXCHANGES) == seen:
+        if len(agreed) == seen:
             allocations = max(allocations, _allocated(x.device) - before)
     row: dict[str, Any] = {"host_us": host, "time_us": elapsed, "allocations": allocations,
-                           "exchanges": (len(EXCHANGES) - exchanges) / (3 * iters),
+                           "exchanges": (len(agreed) - exchanges) / (3 * iters),
                            "launches": float("nan"), "uploads": float("nan")}
     if cuda:
         for _ in range(3):  # a window without a re-agreement
-            seen = len(EXCHANGES)
+            seen = len(agreed)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(profiled):
                     call()
                 sync()
-            if len(EXCHANGES) == seen:
+            if len(agreed) == seen:
                 break
         row.update({k: v / profiled for k, v in _gpu_work(prof).items()})
     if host_profile:
@@ -143,6 +157,9 @@ def _path(x: torch.Tensor, group, mode, iters: int, profiled: int,
 @contextlib.contextmanager
 def _eager_plans() -> Iterator[None]:
     """Compressed calls whose places' plans, made inside, never replay (every run eager)."""
+    import lowbitcc
+    from lowbitcc.backend import place_graph
+
     of = place_graph.PlaceGraph.of
     place_graph.PlaceGraph.of = staticmethod(lambda plan: None)
     try:
@@ -154,11 +171,20 @@ def _eager_plans() -> Iterator[None]:
 
 def _replays() -> int:
     """Graph launches of every place of this process so far (`place_graph.PlaceGraph`)."""
+    from lowbitcc.backend import place_graph
+
     return sum(p.replays for p in gc.get_objects() if isinstance(p, place_graph.PlaceGraph))
 
 
 def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
           device_type: str, graphs: bool, host_profile: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import lowbitcc
+    from lowbitcc.tools import spawn
+
+    _exchanges()  # counted from here on
     device = spawn.gpu_device(rank) if device_type == "cuda" else torch.device("cpu")
     config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
     groups = {"plan": dist.new_group(backend="loco", pg_options=config),
@@ -203,6 +229,10 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="also the place's graph replay (call_graphs), after the others")
     opts = parser.parse_args()
+    import torch
+
+    from lowbitcc.tools import spawn
+
     cuda = opts.device == "cuda"
     env = spawn.gpu_rank_env(opts.np, torch.cuda.device_count()) if cuda else None
     ranks = spawn.run_ranks(_rank, opts.np, opts.sizes, opts.iters, opts.profiled, opts.device,
@@ -228,10 +258,10 @@ def main() -> None:
             print(f"--- host profile, rank 0, {key}:\n{row['profile']}")
     for goal, limit in GOALS.items():
         if not cuda:
-            print(f"SKIP issue47-{goal} (CPU tensors: the goals are a GPU's)")
+            print(f"SKIP goal-{goal} (CPU tensors: the goals are a GPU's)")
             continue
         verdict = "PASS" if worst[goal] <= limit else "FAIL"
-        print(f"{verdict} issue47-{goal} {worst[goal]:.2f} (at most {limit:g}, planned "
+        print(f"{verdict} goal-{goal} {worst[goal]:.2f} (at most {limit:g}, planned "
               "compressed all-reduce, worst size and rank)")
     _against_eager(ranks, opts.sizes, "plan", "records-host", cuda,
                    "the plan's host records' host time per call over the eager plan's")

@@ -1,0 +1,181 @@
+"""The docs a new user reads first stay short, current and sourced.
+
+- **One page each.** docs/performance.md and docs/gpu.md hold the figures and facts that hold
+  for today's code, at most 400 lines each; superseded figures go to CHANGELOG.md under the
+  day of the change, the run-by-run GPU record to docs/gpu/.
+- **The README's figures have a source.** A *figure* is a number with a unit of measurement:
+  a percentage (``0.3%``, ``+0.08%``), a time (``1.1 ms``, ``20-24 us``), a bandwidth
+  (``549 GB/s``), and, written with a decimal point, a ratio (``1.40x``, ``4.1-5.2x``) or a bit
+  count (``4.53 bits``). Whole-number ratios and bit counts are left out on purpose: in the
+  README they are format names (``4 bits``), shapes (``2 x 2``) or round approximations
+  (``about 7x fewer bytes``), not measurements. Commands and flags (inline code, code blocks:
+  ``--loss 0.01%``) are not figures. Each figure of a README paragraph (or list item) must be
+  stated, with its unit, in docs/performance.md, docs/convergence.md, docs/gpu.md (with its
+  record under docs/gpu/), or in a doc that the same paragraph links or names
+  (``docs/hybrid.md``). A range passes where the doc states it, or states each end with the
+  same unit in one paragraph (``4.1x`` ... ``5.2x`` for ``4.1-5.2x``); nothing is rounded or
+  converted. So a README figure that no doc states, or one left behind when a doc's figure
+  changed, fails here; that the doc's figure measures the same thing is the reader's check.
+- **No word about how the project was made.** No line of README.md, docs/*.md, benchmarks/ or
+  lowbitcc/ names a round of work: "session" as a word (any case, plural too), "round of
+  work", or "stop" with a number (the rounds' old names). Dates say when; CHANGELOG.md (not
+  under docs/) is the history and is not checked.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+MAX_LINES = 400
+SOURCES = ("docs/performance.md", "docs/convergence.md", "docs/gpu.md")
+
+_NUM = r"\d+(?:\.\d+)?"
+FIGURE = re.compile(
+    rf"(?<![\w.,/+-])[+]?(?P<lo>-?{_NUM})(?:-(?P<hi>{_NUM}))?"
+    r"(?:(?P<tight>%|x)|\s?(?P<unit>ms|us|µs|GB/s|bits))(?![\w/])")
+"""A number or a range of two, then its unit; `%` and `x` written against the number."""
+
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+DOC_REF = re.compile(r"\bdocs/[\w./-]+\.md\b")
+ROUND_OF_WORK = re.compile(r"\bsessions?\b|\bround of work\b|\bstop \d+\b", re.I)
+TEXT_SUFFIXES = {".py", ".sh", ".md", ".cu", ".cuh", ".cpp", ".h", ".hpp", ".txt", ".toml"}
+
+
+def _figures(text: str) -> list[tuple[str, str | None, str]]:
+    """(low, high or None, unit) of every figure in `text`, code spans left out."""
+    found = []
+    for m in FIGURE.finditer(CODE.sub(" ", text)):
+        unit = m["tight"] or m["unit"]
+        found.append((m["lo"], m["hi"], "us" if unit == "µs" else unit))
+    return found
+
+
+def _is_measure(lo: str, hi: str | None, unit: str) -> bool:
+    """Whether a README figure is one the rule covers (see the module docstring)."""
+    if unit in ("x", "bits"):
+        return "." in lo or (hi is not None and "." in hi)
+    return True
+
+
+def _stated(text: str) -> tuple[set, list[set]]:
+    """The figures `text` states whole, and per paragraph (or table) the numbers it states with
+    their units: single figures and the ends of ranges."""
+    whole, per_block = set(), []
+    for _, block in _blocks(text):
+        ends = set()
+        for lo, hi, unit in _figures(block):
+            whole.add((lo, hi, unit))
+            ends.add((lo, unit))
+            if hi is not None:
+                ends.add((hi, unit))
+        per_block.append(ends)
+    return whole, per_block
+
+
+def _blocks(text: str) -> list[tuple[int, str]]:
+    """Paragraphs and list items of a markdown text with their first line, code blocks out."""
+    blocks, start, lines = [], 0, []
+    in_fence = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            in_fence = not in_fence
+            continue
+        new = not line.strip() or re.match(r"\s{0,2}[-*] |#", line) or in_fence
+        if new and lines:
+            blocks.append((start, "\n".join(lines)))
+            lines = []
+        if line.strip() and not in_fence:
+            if not lines:
+                start = number
+            lines.append(line)
+    if lines:
+        blocks.append((start, "\n".join(lines)))
+    return blocks
+
+
+def _source_text(paths) -> str:
+    parts = []
+    for rel in paths:
+        path = ROOT / rel
+        if path.is_file():
+            parts.append(path.read_text())
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("doc", ["docs/performance.md", "docs/gpu.md"])
+def test_the_figure_pages_are_one_page_each(doc):
+    lines = (ROOT / doc).read_text().splitlines()
+    assert len(lines) <= MAX_LINES, f"{doc}: {len(lines)} lines, at most {MAX_LINES}"
+
+
+def test_the_figure_rule_reads_figures_as_the_docstring_says():
+    figs = _figures("worst +0.08% (every 0.3%), 4.53 bits, 4 bits, 2 x 2, about 7x, 1.40x, "
+                    "4.1-5.2x, 20-24 us, 1.1 ms, 549 GB/s, `--loss 0.01%`, 3.3 MiB")
+    covered = [f for f in figs if _is_measure(*f)]
+    assert covered == [("0.08", None, "%"), ("0.3", None, "%"), ("4.53", None, "bits"),
+                       ("1.40", None, "x"), ("4.1", "5.2", "x"), ("20", "24", "us"),
+                       ("1.1", None, "ms"), ("549", None, "GB/s")]
+    whole, blocks = _stated("3.82x and 3.26x; 0.95-0.97x; **5.2x**\n\n1.15 ms\n")
+    assert ("3.26", None, "x") in whole and ("0.95", "0.97", "x") in whole
+    assert {("0.97", "x"), ("5.2", "x")} <= blocks[0] and ("0.9", "x") not in blocks[0]
+    assert _stated_in("3.26-5.2x", whole, blocks) and not _stated_in("1.1 ms", whole, blocks)
+    # the ends of a range must be stated in one paragraph of the doc
+    assert not _stated_in("3.26-1.15 ms", whole, blocks)
+
+
+def _stated_in(figure: str, whole: set, blocks: list[set]) -> bool:
+    """Whether one figure (as the README writes it) is stated in the doc text read into
+    `whole` and `blocks`: whole, or for a range both ends in one paragraph."""
+    ((lo, hi, unit),) = _figures(figure)
+    if (lo, hi, unit) in whole:
+        return True
+    return hi is not None and any((lo, unit) in ends and (hi, unit) in ends for ends in blocks)
+
+
+def test_every_figure_of_the_readme_is_stated_in_a_doc():
+    base = _stated(_source_text(
+        [*SOURCES, *(p.relative_to(ROOT) for p in sorted((ROOT / "docs" / "gpu").glob("*.md")))]))
+    missing = []
+    for line, block in _blocks(README.read_text()):
+        linked = sorted(set(DOC_REF.findall(block)))
+        whole, blocks = base
+        if linked:
+            extra_whole, extra_blocks = _stated(_source_text(linked))
+            whole, blocks = whole | extra_whole, blocks + extra_blocks
+        for lo, hi, unit in _figures(block):
+            if not _is_measure(lo, hi, unit):
+                continue
+            shown = f"{lo}-{hi}" if hi else lo
+            shown += unit if unit in ("%", "x") else f" {unit}"
+            if not _stated_in(shown, whole, blocks):
+                missing.append(f"README.md:{line} (paragraph): {shown} (docs searched: "
+                               f"{', '.join([*SOURCES, 'docs/gpu/', *linked])})")
+    assert not missing, "README figures no doc states:\n" + "\n".join(missing)
+
+
+def _checked_files():
+    yield README
+    yield from sorted((ROOT / "docs").glob("*.md"))
+    for folder in ("benchmarks", "lowbitcc"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if (path.is_file() and path.suffix in TEXT_SUFFIXES
+                    and "__pycache__" not in path.parts and "build" not in path.parts):
+                yield path
+
+
+def test_no_line_names_a_round_of_work():
+    hits = []
+    for path in _checked_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if ROUND_OF_WORK.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "lines that name a round of work (say the date instead):\n" + "\n".join(hits)
