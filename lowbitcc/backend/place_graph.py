@@ -1,7 +1,7 @@
 """`PlaceGraph`: a call place's steady-state compressed run captured in CUDA graphs and replayed
-(`LocoConfig.call_graphs`, off by default; issue 47's graph replay). On its first GPU run (one
-H200, 2026-11-27) its test did not finish: most likely at the group's teardown, which
-`LiveGraphs` now handles (below); not yet run on a GPU since.
+(`LocoConfig.call_graphs`, off by default; the graph replay of the per-call goals). On its
+first GPU run (one H200, 2026-11-27) its test did not finish: most likely at the group's
+teardown, which `LiveGraphs` now handles (below); not yet run on a GPU since.
 
 A replay is one ``cudaGraphLaunch`` on the call's stream in place of the plan's launches and
 NCCL calls (`call_plan.CallPlan`; an encode, an all-gather and a decode at two ranks). What a

@@ -20,7 +20,7 @@ ends with a device synchronisation, and the thread count does not apply). Below 
 sample is bound by the host (the codec call's Python and launches), so on CUDA each row also
 gives the *device* throughput (``*_device_GBps``): input bytes over the GPU time of the work the
 call enqueued (its kernels, memsets and copies, summed from torch.profiler's CUPTI records),
-the copy's measured the same way; issue 47's bandwidth goal reads these.
+the copy's measured the same way; the per-call goals' bandwidth goal reads these.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`lowbitcc hybrid`: the naive-versus-hybrid study of issue 17 (arXiv 2409.02423 on a small
+"""`lowbitcc hybrid`: the naive-versus-hybrid study (arXiv 2409.02423 on a small
 scale): a GPT with tensor-parallel attention and MLP x FSDP2 data parallelism, trained per
 scheme, side by side in the same ranks.
 

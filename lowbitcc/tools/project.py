@@ -54,7 +54,7 @@ class Inputs:
     format: str = "mxfp4"
     host_s: float = 2.4e-3
     """Host time per compressed call: 2.2-2.6 ms on the H200 with the call schedule (docs/gpu.md,
-    issue 47's table); the call plans and fused kernels aim at <= 100 us."""
+    the per-call goals' table); the call plans and fused kernels aim at <= 100 us."""
     encode_rate: float = 549e9
     """MXFP4 encode kernel on the H200, fp32 input bytes/s (docs/gpu.md, `lowbitcc selftest`)."""
     decode_rate: float = 510e9

@@ -18,8 +18,22 @@
   changed, fails here; that the doc's figure measures the same thing is the reader's check.
 - **No word about how the project was made.** No line of README.md, docs/*.md, benchmarks/ or
   lowbitcc/ names a round of work: "session" as a word (any case, plural too), "round of
-  work", or "stop" with a number (the rounds' old names). Dates say when; CHANGELOG.md (not
-  under docs/) is the history and is not checked.
+  work", or "stop" with a number (the rounds' old names); nor an issue by its number: "issue"
+  or "issues" with a number (``issue 48``, ``Issue 37's``, ``issues 16 and 17``, ``issue-47``,
+  ``issue #47``, ``issue47_goals``, the number also on the next line) or a bare ``#47``
+  (``(#47)``; not ``name#1`` nor a format's ``#018x``). The verb is not a number's name:
+  ``issues 2 kernels`` (a number then what is counted, `COUNTED`) passes. Say what it was (the
+  feature, the goal, the change) and, where history matters, its date. Dates say when;
+  CHANGELOG.md (not under docs/) is the history and is not checked, nor is docs/gpu/ (the
+  run-by-run record, verbatim).
+- **docs/architecture.md draws the code as it is.** Every file it names as code (in backticks
+  or a code block) exists: a path from the repository root (``lowbitcc/buffers.py``,
+  ``tests/...``), from the package (``backend/reductions.py``, ``codec/csrc/...``) or from the
+  codec (``csrc/cpu_codec.cpp``); a bare name (``cli.py``) or folder (``perf/``) in a row of the
+  module table, in the folder the row names (``lowbitcc/tools/``) or in ``lowbitcc/``. Names in
+  a paragraph that begins "Deleted" are the exception: they must be gone. And the backend row
+  names every module of ``lowbitcc/backend/``. Bare names outside the module table
+  (``stats.py``, named as what the package avoids) are prose, not checked.
 """
 
 from __future__ import annotations
@@ -43,6 +57,13 @@ FIGURE = re.compile(
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 DOC_REF = re.compile(r"\bdocs/[\w./-]+\.md\b")
 ROUND_OF_WORK = re.compile(r"\bsessions?\b|\bround of work\b|\bstop \d+\b", re.I)
+COUNTED = ("kernels?", "calls?", "launch(?:es)?", "cop(?:y|ies)", "uploads?", "allocations?",
+           "collectives?", "operations?", "messages?", "transfers?", "jobs?", "reads?", "writes?",
+           "all-reduces?")
+"""What the verb "issue(s)" counts: ``issues 2 kernels`` names no issue."""
+ISSUE_NUMBER = re.compile(
+    rf"\bissues?[\s_-]*#?\d+(?!\d)(?!\s+(?:{'|'.join(COUNTED)})\b)|(?<![\w&#])#\d+\b", re.I)
+"""An issue named by its number (see the module docstring); may span a line break."""
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".cu", ".cuh", ".cpp", ".h", ".hpp", ".txt", ".toml"}
 
 
@@ -168,7 +189,18 @@ def _checked_files():
                 yield path
 
 
-def test_no_line_names_a_round_of_work():
+def test_the_issue_rule_reads_issue_numbers_as_the_docstring_says():
+    named = ("issue 48", "(Issue 37's candidates)", "issues 16 and 17", "issue-47", "issue #47",
+             "benchmarks/issue47_goals.py", "the host time issue\n47 aims at", "fixed (#47)",
+             "see #12.", "the goals of issue 47's table")
+    not_named = ("a planned call issues 2 kernels of its own", "may issue 3 calls", "issue 1 launch",
+                 "keys name, name#1, name#2", "f'{x:#018x}'", "cuda_issue.py", "issue order",
+                 "the issue's bar", "&#160;")
+    assert [s for s in named if not ISSUE_NUMBER.search(s)] == []
+    assert [s for s in not_named if ISSUE_NUMBER.search(s)] == []
+
+
+def test_no_line_names_a_round_of_work_or_an_issue_number():
     hits = []
     for path in _checked_files():
         try:
@@ -178,4 +210,105 @@ def test_no_line_names_a_round_of_work():
         for number, line in enumerate(text.splitlines(), 1):
             if ROUND_OF_WORK.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not hits, "lines that name a round of work (say the date instead):\n" + "\n".join(hits)
+        for m in ISSUE_NUMBER.finditer(text):
+            number = text.count("\n", 0, m.start()) + 1
+            hits.append(f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}")
+    assert not hits, ("lines that name a round of work or an issue by its number (say the date, "
+                      "or what the issue was, instead):\n" + "\n".join(hits))
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "lowbitcc"
+FILE_NAME = re.compile(
+    r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|cpp|cu|cuh|h|hpp|toml|md|sh|txt))(?![\w/])")
+"""A file named in code; ``../`` paths (outside the repository) are left out."""
+BRACES = re.compile(r"([\w/-]+/)\{([^}]*)\}")
+FENCED = re.compile(r"```.*?```", re.S)
+INLINE = re.compile(r"`([^`\n]+)`")
+
+
+def _code_names(text: str) -> list[str]:
+    """File names written in code in `text` (``dir/{a, b, ...}`` read as ``dir/a dir/b``)."""
+    code = [m.group(0) for m in FENCED.finditer(text)]
+    code += INLINE.findall(FENCED.sub(" ", text))
+    names = []
+    for part in code:
+        part = BRACES.sub(lambda m: " ".join(m[1] + n.strip() for n in m[2].split(",")), part)
+        names += FILE_NAME.findall(part)
+    return names
+
+
+def _resolve(name: str) -> Path | None:
+    """Where a path with a folder lies: from the root, the package, or the codec."""
+    first = name.split("/", 1)[0]
+    for base in (ROOT, PACKAGE, PACKAGE / "codec"):
+        if (base / first).is_dir():
+            return base / name
+    return None
+
+
+def _module_rows(text: str) -> list[str]:
+    """The rows of the module table (``| layer | modules | owns |``), header and rule out."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| layer | modules |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def _row_folder(row: str) -> Path:
+    named = re.search(r"`(lowbitcc/[\w/]+/)`", row)
+    return ROOT / named[1] if named else PACKAGE
+
+
+def _architecture_problems(text: str) -> list[str]:
+    problems = []
+    deleted = [block for _, block in _blocks(text) if block.startswith("Deleted")]
+    for block in deleted:
+        for name in _code_names(block):
+            path = _resolve(name)
+            if path is not None and path.exists():
+                problems.append(f"{name}: listed as deleted, but it exists")
+    rest = text
+    for block in deleted:
+        rest = rest.replace(block, " ")
+    for name in _code_names(rest):
+        if "/" not in name:
+            continue  # bare names: the module table's rows, below
+        path = _resolve(name)
+        if path is None or not path.exists():
+            problems.append(f"{name}: no such file")
+    for row in _module_rows(text):
+        folder = _row_folder(row)
+        layer = row.split("|")[1].strip()
+        bare = [n for n in _code_names(row) if "/" not in n]
+        bare += [span for span in INLINE.findall(row) if re.fullmatch(r"\w+/", span)]
+        for name in bare:
+            if not ((folder / name).exists() or (PACKAGE / name).exists()):
+                problems.append(f"{name} (row {layer}): not in {folder.relative_to(ROOT)}/ "
+                                f"nor lowbitcc/")
+        if layer == "backend":
+            named = {Path(n).name for n in _code_names(row)
+                     if "/" not in n or n.startswith(("backend/", "lowbitcc/backend/"))}
+            for module in sorted((PACKAGE / "backend").glob("*.py")):
+                if module.name not in named:
+                    problems.append(f"backend/{module.name}: not named in the backend row")
+    return problems
+
+
+def test_the_architecture_rule_reads_names_as_the_docstring_says():
+    names = _code_names("`backend/a.py` and `x.py`, not ../shared/b.md or `../shared/c.md`\n"
+                        "```\n  csrc/{d.cuh, ...}  (tests/e.py::test_f)\n```\n`lowbitcc.g`")
+    assert sorted(names) == ["backend/a.py", "csrc/d.cuh", "tests/e.py", "x.py"]
+    assert _resolve("backend/a.py") == PACKAGE / "backend" / "a.py"
+    assert _resolve("csrc/d.cuh") == PACKAGE / "codec" / "csrc" / "d.cuh"
+    assert _resolve("tests/e.py") == ROOT / "tests" / "e.py"
+    assert _resolve("nowhere/f.py") is None
+
+
+def test_architecture_names_only_files_that_exist_and_every_backend_module():
+    problems = _architecture_problems(ARCHITECTURE.read_text())
+    assert not problems, "docs/architecture.md against the tree:\n" + "\n".join(problems)

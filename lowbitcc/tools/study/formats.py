@@ -291,7 +291,7 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-int2-g128-nofb": _spec(Stage(Format(bits=2), beta=None)),
     "lab-int4-g1024": _spec(Stage(Format(group=1024))),
     "lab-int4-g1024-nofb": _spec(Stage(Format(group=1024), beta=None)),
-    # issue 37's candidates at <= 4.5 bits per element, around MXFP4 (lab-mxfp4 above)
+    # the wide study's candidates at <= 4.5 bits per element, around MXFP4 (lab-mxfp4 above)
     "lab-nvfp4": _spec(Stage(NVFP4)),
     "lab-nvfp4-nofb": _spec(Stage(NVFP4, beta=None)),
     "lab-mxfp4-had32": _spec(Stage(MXFP4, rotate=32)),

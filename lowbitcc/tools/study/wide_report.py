@@ -17,7 +17,7 @@ from lowbitcc.tools.study.formats import LAB_VARIANTS
 
 MAX_BITS = 4.6
 GOAL_GAP = 0.003
-"""Issue 48's goal: the default's mean gap within 0.3% of exact in every cell."""
+"""The wide study's goal: the default's mean gap within 0.3% of exact in every cell."""
 CODEC_BITS = {name: FORMATS[fmt].bits_per_element for fmt in ("mxfp4", "nvfp4")
               for name in (fmt, f"{fmt}-nofb")}
 """Wire bits per element of the codec's 4-bit variants (`lowbitcc.codec.formats`); the format
