@@ -15,12 +15,16 @@ complete futures and run callbacks added to gloo's futures, as ``exact.when_done
 Modes (`MODES`): ``compressed`` (the cost model off: every bucket call compressed),
 ``exact`` (the steps under `lowbitcc.exact`: every bucket call runs its place's exact entry)
 and ``default`` (the settings as they are: on loopback the cost model sends the call exact
-once it has timed both paths). ``lowbitcc calls`` prints the table (docs/performance.md).
+once it has timed both paths). ``lowbitcc calls`` prints the table (docs/performance.md);
+``--by-function`` also lists, per mode, the Python functions one loco bucket call runs (per
+step, by module and thread): where the calls go.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -37,17 +41,24 @@ MODES = {
 
 
 class _Counter:
-    """Counts profile events of every thread while `on`."""
+    """Counts profile events of every thread while `on`; with ``functions`` (a Counter), also
+    each Python function called, as ``module.py:function [thread]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, functions: collections.Counter | None = None) -> None:
         self.on = False
         self.calls = 0
         self.builtins = 0
+        self.functions = functions
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if self.on:
             if event == "call":
                 self.calls += 1
+                if self.functions is not None:
+                    code = frame.f_code
+                    thread = threading.current_thread().name.split("-")[-1]
+                    self.functions[f"{os.path.basename(code.co_filename)}:{code.co_name} "
+                                   f"[{thread}]"] += 1
             elif event == "c_call":
                 self.builtins += 1
 
@@ -60,7 +71,8 @@ class _Counter:
             self.on = False
 
 
-def _rank(rank: int, world: int, mode: str, warmup: int, steps: int) -> dict[str, float]:
+def _rank(rank: int, world: int, mode: str, warmup: int, steps: int,
+          by_function: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -73,8 +85,9 @@ def _rank(rank: int, world: int, mode: str, warmup: int, steps: int) -> dict[str
     sys.setprofile(counter)
     try:
         groups = {"gloo": dist.new_group(backend="gloo"), "loco": dist.new_group(backend="loco")}
-        out: dict[str, float] = {}
+        out: dict[str, Any] = {}
         for name, group in groups.items():
+            counter.functions = collections.Counter() if by_function and name == "loco" else None
             torch.manual_seed(0)
             model = DistributedDataParallel(nn.Linear(512, 512), process_group=group)
             x = torch.randn(8, 512)
@@ -96,6 +109,8 @@ def _rank(rank: int, world: int, mode: str, warmup: int, steps: int) -> dict[str
                 builtins += counter.builtins - before[1]
             out[name] = calls / steps
             out[f"{name} builtins"] = builtins / steps
+            if counter.functions is not None:
+                out["functions"] = {f: n / steps for f, n in counter.functions.items()}
             dist.barrier(group=group)
         return out
     finally:
@@ -104,12 +119,14 @@ def _rank(rank: int, world: int, mode: str, warmup: int, steps: int) -> dict[str
 
 
 def count_calls(mode: str = "compressed", warmup: int = 140, steps: int = 60,
-                env: dict[str, str] | None = None, world: int = 2) -> dict[str, float]:
+                env: dict[str, str] | None = None, world: int = 2,
+                by_function: bool = False) -> dict[str, Any]:
     """Python calls (``call`` events) and builtins per steady bucket call on rank 0, over gloo
     and over "loco" in ``mode`` (`MODES`), and loco's beyond gloo's (``extra``, ``extra
-    builtins``): means over ``steps`` steps after ``warmup``."""
-    ranks = spawn.run_ranks(_rank, world, mode, warmup, steps, backend="gloo", threads=1,
-                            env={**MODES[mode], **(env or {})}, timeout_s=600)
+    builtins``): means over ``steps`` steps after ``warmup``; ``by_function``: also
+    ``functions``, each function loco's steps called and its calls per step."""
+    ranks = spawn.run_ranks(_rank, world, mode, warmup, steps, by_function, backend="gloo",
+                            threads=1, env={**MODES[mode], **(env or {})}, timeout_s=600)
     out = dict(ranks[0])
     out["extra"] = out["loco"] - out["gloo"]
     out["extra builtins"] = out["loco builtins"] - out["gloo builtins"]
@@ -122,6 +139,8 @@ def add_arguments(parser: Any) -> None:
                         help="what the bucket calls do (default: every mode)")
     parser.add_argument("--warmup", type=int, default=140, help="steps before counting")
     parser.add_argument("--steps", type=int, default=60, help="steps counted")
+    parser.add_argument("--by-function", action="store_true",
+                        help="also list the Python functions of one loco bucket call per mode")
     parser.set_defaults(func=command)
 
 
@@ -129,8 +148,14 @@ def command(args: Any) -> int:
     """Print the table of `count_calls` per mode (Markdown, as docs/performance.md holds it)."""
     print("| mode | gloo calls | loco calls | extra calls | extra builtins |")
     print("|---|---|---|---|---|")
+    listed = {}
     for mode in args.modes:
-        r = count_calls(mode, args.warmup, args.steps)
+        r = count_calls(mode, args.warmup, args.steps, by_function=args.by_function)
         print(f"| {mode} | {r['gloo']:.1f} | {r['loco']:.1f} | {r['extra']:.1f} | "
               f"{r['extra builtins']:.1f} |", flush=True)
+        listed[mode] = r.get("functions", {})
+    for mode, functions in listed.items() if args.by_function else ():
+        print(f"\n{mode}: calls per step of the loco group's backward, by function")
+        for name, n in sorted(functions.items(), key=lambda kv: (kv[0].split("[")[-1], kv[0])):
+            print(f"{n:7.2f}  {name}")
     return 0

@@ -15,6 +15,10 @@ BUDGET = {"compressed": 110, "exact": 50}
 
 @pytest.mark.parametrize("mode", sorted(BUDGET))
 def test_a_steady_bucket_call_stays_within_its_python_call_budget(mode):
-    counted = count_calls(mode, warmup=70, steps=64)
+    counted = count_calls(mode, warmup=70, steps=64, by_function=True)
     assert 5 <= counted["gloo"] <= 40, counted  # DDP's own Python, the same on both groups
     assert counted["extra"] <= BUDGET[mode], counted
+    # `lowbitcc calls --by-function`: every call counted is listed under its function
+    functions = counted["functions"]
+    assert abs(sum(functions.values()) - counted["loco"]) < 1e-6, functions
+    assert functions["call_schedule.py:take [MainThread]"] == 1.0, functions
