@@ -291,13 +291,14 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("m", [98_324, pytest.param(2**20 + 3, marks=SLOW),
-                               pytest.param(2**24, marks=SLOW)])
+@pytest.mark.parametrize("m", [98_324, pytest.param(2**20 + 3, marks=SLOW)])
 def test_codes_are_stored_and_loaded_in_words_at_real_sizes(on_host, fmt, m):
     """At a real bucket's shard sizes (98,324 elements: NVFP4's scales end at byte 6,563) the
     encode stores every lane's codes in one word and the decode (m a multiple of 8) loads them
     in one: the codes start 16-byte aligned whatever the scales' length (wire format 6; in
-    format 5 every access here was byte by byte). Two rows, fp32, the C++ codec's bytes."""
+    format 5 every access here was byte by byte). Two rows, fp32, the C++ codec's bytes. (At
+    2^24 elements the host harness, a thread per CUDA thread, takes over 300 s per case; there
+    `test_codes_and_messages_start_16_byte_aligned_at_every_size` holds the offset.)"""
     rows, group = 2, FORMATS[fmt].default_group
     assert wire.codes_offset(m, group, fmt) % 16 == 0
     want_codec = _codec(fmt, 4, None, "nearest", rows)
