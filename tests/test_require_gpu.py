@@ -118,7 +118,8 @@ def test_the_suite_registers_the_plugin(request: pytest.FixtureRequest):
     assert request.config.pluginmanager.has_plugin("tests.support.require_gpu")
 
 
-@pytest.mark.parametrize("switch", [None, "0", ""])
+@pytest.mark.parametrize("switch", [None, pytest.param("0", marks=pytest.mark.slow),
+                                    pytest.param("", marks=pytest.mark.slow)])
 def test_without_the_switch_gpu_tests_skip(pytester, monkeypatch, switch):
     result = _run(pytester, monkeypatch, switch)
     result.assert_outcomes(passed=1, skipped=10, xfailed=1)  # the module skipped: one

@@ -79,6 +79,7 @@ def _train_2d(rank, world, gloo, schemes, steps):
     return hybrid.train_seed(rank, world, opts, 0, dist.new_group(backend="gloo"))
 
 
+@pytest.mark.slow  # about 17 s on 2 cores (`lowbitcc hybrid`'s GPT on 4 ranks); with `-m slow`
 def test_a_2x2_gpt_mesh_trains_and_each_scheme_keeps_its_own_groups():
     """`lowbitcc hybrid`'s GPT (tensor-parallel attention and MLP x FSDP2), 6 steps: the
     exact scheme, built after the naive one in the same processes, compresses nothing (each

@@ -290,7 +290,7 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
             m, decoded_accesses)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("mxfp4", marks=SLOW)])
 @pytest.mark.parametrize("m", [98_324, pytest.param(2**20 + 3, marks=SLOW)])
 def test_codes_are_stored_and_loaded_in_words_at_real_sizes(on_host, fmt, m):
     """At a real bucket's shard sizes (98,324 elements: NVFP4's scales end at byte 6,563) the

@@ -20,6 +20,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env=clean_env())
 
 
+@pytest.mark.slow  # about 13 s; with `-m slow`
 def test_every_scheme_trains_and_is_reported(tmp_path):
     done = _bench("--config", "quick", "--steps", "3", "--warmup", "1",
                   "--json", str(tmp_path / "b.json"))
