@@ -79,9 +79,9 @@ class CallCompressor:
     ) -> None:
         self.rank = rank
         self.count_sums = count_sums
+        """Whether the encodes add their residual sums to ``stats`` (`Stats.accumulator`)."""
         self._sums: torch.Tensor | None = None  # `_accumulator`'s, and for which stats
         self._sums_of: Stats | None = None
-        """Whether the encodes add their residual sums to ``stats`` (`Stats.accumulator`)."""
         self._buffers = scratch
         self.error_dtype = error_dtype
         self.beta = beta
@@ -191,9 +191,6 @@ class CallCompressor:
     def _flag(self, nonfinite: Flag) -> None:
         """OR a host ``nonfinite`` into the call's flag (a device flag is already in the call's
         verdict)."""
-        if nonfinite is True or nonfinite is False:
-            self.nonfinite = self.nonfinite or nonfinite
-            return
         if isinstance(nonfinite, torch.Tensor):
             if nonfinite.device.type != "cpu":
                 return
@@ -261,10 +258,7 @@ class CallCompressor:
         except wire.WireFormatError as exc:
             total = out if out is not None else torch.empty(m, device=device)
             nonfinite = self._deferred(exc, total)
-        if nonfinite is True:
-            self.nonfinite = True
-        elif nonfinite is not False:
-            self._flag(nonfinite)
+        self._flag(nonfinite)
         self._codec_s += time.perf_counter() - start
         return total
 

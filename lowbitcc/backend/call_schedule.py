@@ -165,10 +165,7 @@ class CallSchedule:
                 entry = self.entry(index)  # (it reads the canary again)
         if entry is None:
             return self._opened(Place(self, index, EXCHANGE))
-        # `ran` (a deviating call runs the entry's call in its place too), its test inline
-        left = entry.left = entry.left - 1
-        if left <= self._renew_at and entry.renewal is None:
-            self._renewing(entry)
+        self.ran(entry)  # a deviating call runs the entry's call in its place too
         if entry.key == key and wish != ("compressed" if entry.exact else "exact"):
             return entry
         place = Place(self, index, DEVIATE, entry)
@@ -244,13 +241,8 @@ class CallSchedule:
         entry's last to take; it reports this rank's deviation since its last exchange
         (`take_deviated`), as an exchange would."""
         entry.left -= 1
-        if entry.left <= self._renew_at and entry.renewal is None:
-            self._renewing(entry)
-
-    def _renewing(self, entry: Entry) -> None:
-        """``entry`` has `renew_ahead` runs left or fewer and no renewal: start one where the
-        schedule renews and the entry is renewed (`ran`)."""
-        if self._renew is not None and entry.renews:
+        if (entry.left <= self._renew_at and entry.renewal is None and self._renew is not None
+                and entry.renews):
             deviated = self.take_deviated()
             try:
                 entry.renewal = self._renew(entry, deviated)

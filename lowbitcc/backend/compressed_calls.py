@@ -75,7 +75,7 @@ class CompressedCalls:
         self._routes = routes
         self._stream_timings = StreamTimings(model=self.cost_model)  # the issuing thread's
         scheduled = self.exchanges()
-        self._modelling = config.cost_model and self.exchanges()
+        self._modelling = config.cost_model and scheduled
         self.call_schedules: dict[str, CallSchedule] = {
             device: CallSchedule(timeout_s, None if submit is None else functools.partial(
                 PlaceRenewal, self, device)) for device in routes if scheduled}
@@ -234,7 +234,7 @@ class CompressedCalls:
         if (entry.eligible and mode != "never" and policy.wants_compression(mode)
                 and policy.explicit_key() is None):  # counted as `key` counts it
             self._ordinal(collective, like.dtype, numel)
-        if not self._modelling or numel < self.config.min_size or policy.forced():
+        if not self.modelled(numel) or policy.forced():
             return None
         size_class = CostModel.size_class(collective, numel * like.element_size(),
                                           like.device.type)

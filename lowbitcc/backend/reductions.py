@@ -75,8 +75,8 @@ def _stop_when_done(work: Any, stop: Callable[[], None], device_type: str) -> No
 def _keep_canaries(issuer: Issuer, jobs: list[Any], work: Any) -> None:
     """Each of ``jobs`` that runs as its place's compressed entry off the direct schedule
     (`call_plan.PlanRun`) keeps its output's canary at the place (`Issuer.canary`: ``work``'s,
-    read at the place's run after next, `Entry.keep`): there a deviation shows on some ranks only as NaN
-    (`deviation.Deviation`)."""
+    read at the place's run after next, `Entry.keep`): there a deviation shows on some ranks
+    only as NaN (`deviation.Deviation`)."""
     for job in jobs:
         if type(job) is PlanRun and job.plan.schedule != "direct":
             job.canary_entry.keep(issuer.canary(
@@ -221,14 +221,13 @@ class Reductions:
         elif by_model:
             state.STATS.add("exact", model_exact=1)
         timed, entry.timed = entry.timed and size_class is not None, False
-        if timed:  # the issuer's own timing (one in 8 on the worker, else none) left out
-            stop = self._compressed.clock(size_class, True, nbytes)
-            work = (issuer.native_now(call[0], call[1], [output], None, nbytes) if native
-                    else issuer.exact_now(call, None))
+        # timed here: the issuer's own timing (one in 8 on the worker, else none) left out
+        stop = self._compressed.clock(size_class, True, nbytes) if timed else None
+        issued_class = None if timed else size_class
+        work = (issuer.native_now(call[0], call[1], [output], issued_class, nbytes) if native
+                else issuer.exact_now(call, issued_class))
+        if stop is not None:
             _stop_when_done(work, stop, like.device.type)
-        else:
-            work = (issuer.native_now(call[0], call[1], [output], size_class, nbytes) if native
-                    else issuer.exact_now(call, size_class))
         if collective == "all_reduce":
             entry.keep(issuer.canary(output, work))
         return issuer.planned(work, [output])

@@ -162,28 +162,46 @@ def _scatter_gather(source: Source, out: torch.Tensor, comp: CallCompressor,
     decode_columns(comp, gathered, rows, m, 0, m, out)
 
 
+def _row_target(out: torch.Tensor, m: int, r: int, a: int, b: int
+                ) -> tuple[torch.Tensor, bool] | None:
+    """Where elements ``a .. b`` of row ``r`` (rows of ``m``) go in flat ``out``: the view of
+    ``out`` they fill, and whether they are decoded straight into it (fp32 and whole, else
+    through the decode buffer); None where none of them lies in ``out`` (the last row's
+    padding)."""
+    lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
+    if lo == hi:
+        return None
+    return out[lo:hi], out.dtype == torch.float32 and hi - lo == b - a
+
+
+def _decode_row(comp: CallCompressor, messages: torch.Tensor, r: int, width: int,
+                target: torch.Tensor, straight: bool, device: torch.device) -> None:
+    """Decode and sum every rank's ``messages`` of row ``r`` (``width`` elements) into
+    ``target``, its `_row_target`."""
+    if straight:
+        comp.decode_sum(messages, width, r, target)
+    else:
+        target.copy_(comp.decode_sum(messages, width, r, comp.scratch(width, device))[
+            :target.numel()])
+
+
 def _gather_one_chunk(columns: torch.Tensor, pending: Pending, out: torch.Tensor,
                       comp: CallCompressor, m: int, device: torch.device) -> None:
     """The two-rank all-reduce of one chunk on the CPU, into a buffer the compressor keeps:
     ``columns`` (``[n, rows, P]``) its view, in which every rank's messages of row ``r`` lie
     side by side (``columns[:, r]``); each row decoded and summed into its place of flat
-    ``out`` (straight where it is fp32 and whole, else through the decode buffer) once
-    ``pending`` is done."""
+    ``out`` (`_decode_row`) once ``pending`` is done, the places found before."""
     places = []
     for r in range(columns.shape[1]):
-        lo, hi = min(r * m, out.numel()), min((r + 1) * m, out.numel())
-        if lo < hi:
-            places.append((r, columns[:, r], out[lo:hi],
-                           out.dtype == torch.float32 and hi - lo == m))
+        target = _row_target(out, m, r, 0, m)
+        if target is not None:
+            places.append((r, columns[:, r], *target))
     received = pending.wait()
     if received.data_ptr() != columns.data_ptr():  # a transport that received elsewhere
         columns = received.view(columns.shape)
         places = [(r, columns[:, r], target, straight) for r, _, target, straight in places]
     for r, messages, target, straight in places:
-        if straight:
-            comp.decode_sum(messages, m, r, target)
-        else:
-            target.copy_(comp.decode_sum(messages, m, r, comp.scratch(m, device))[:target.numel()])
+        _decode_row(comp, messages, r, m, target, straight, device)
 
 
 def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
@@ -199,15 +217,9 @@ def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
     in_flight: collections.deque = collections.deque()
 
     def place(r: int, a: int, b: int, messages: torch.Tensor) -> None:
-        lo, hi = min(r * m + a, out.numel()), min(r * m + b, out.numel())
-        if lo == hi:
-            return
-        target = out[lo:hi]
-        in_place = out.dtype == torch.float32 and hi - lo == b - a
-        reduced = comp.decode_sum(messages, b - a, r,
-                                  target if in_place else comp.scratch(b - a, device))
-        if not in_place:
-            target.copy_(reduced[:hi - lo])
+        target = _row_target(out, m, r, a, b)
+        if target is not None:
+            _decode_row(comp, messages, r, b - a, *target, device)
 
     def place_oldest() -> None:
         a, b, row, pending = in_flight.popleft()
