@@ -44,7 +44,8 @@ def _study(args: argparse.Namespace) -> int:
         from lowbitcc.tools.study import wide
 
         return wide.command(args.wide, args.out, args.steps)
-    cfg = study.StudyConfig(steps=args.steps, world=args.np, **(study.QUICK if args.quick else {}))
+    cfg = study.StudyConfig(steps=args.steps or 300, world=args.np,
+                            **(study.QUICK if args.quick else {}))
     if args.diloco:
         return _study_diloco(args, cfg)
     if any((args.link, args.delay, args.jitter, args.loss, args.wan)):
@@ -198,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_codec_bench)
     st = sub.add_parser("study", help="convergence study: a small GPT trained per variant")
     st.add_argument("--np", type=int, default=2, help="local ranks (default 2)")
-    st.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    st.add_argument("--steps", type=int,
+                    help="training steps (default 300; --wide long: 3000)")
     from lowbitcc.tools.study import variants as study_variants
 
     st.add_argument("--variants", nargs="+",
@@ -220,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "DiLoCo with fp32, int8, 4-bit and 4-bit LoCo outer sync at H 10 and 50, "
                     "3 seeds each; then each variant timed behind an emulated link (default "
                     "--wan cross-continent; root)")
-    st.add_argument("--wide", nargs="?", const="full", choices=["full", "quick"],
+    st.add_argument("--wide", nargs="?", const="full", choices=["full", "quick", "long"],
                     help="the three-configuration study that chooses the 4-bit default "
-                    "(docs/convergence.md; resumable from --out): full (hours here) or quick")
+                    "(docs/convergence.md; resumable from --out): full (hours here), quick, or "
+                    "long (the two GPTs at 3000 steps: days here)")
     link_spec.add_arguments(st)
     st.set_defaults(func=_study)
     _add_perf(sub)

@@ -151,9 +151,14 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
         assert name.endswith("-nofb") or wide_report.twin(name) in wide.CANDIDATES, name
     assert set(wide.SCREENED_OUT) <= set(VARIANTS) and not set(wide.SCREENED_OUT) & set(
         wide.CANDIDATES)
-    for plan in wide.PLANS.values():
+    for name, plan in wide.PLANS.items():
         assert plan.variants[0] == "exact"
-        assert set(plan.configurations) == set(CONFIGURATIONS)
+        assert set(plan.configurations) <= set(CONFIGURATIONS)
+        assert set(plan.variants) <= set(VARIANTS), name
+    assert set(wide.PLANS["full"].configurations) == set(CONFIGURATIONS)
+    long = wide.PLANS["long"]
+    assert long.steps == 10 * wide.PLANS["full"].steps and long.worlds == (2, 4)
+    assert set(long.configurations) == {"gpt", "gpt-docs"} and len(long.seeds) == 3
     assert not math.isnan(wide_report.bits("mxfp4"))
 
 

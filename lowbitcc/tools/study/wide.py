@@ -60,6 +60,8 @@ class Plan:
     variants: tuple[str, ...]
     tracked: tuple[str, ...]
     steps: int = 300
+    eval_every: int = 25
+    """Steps between the evaluations during a run (the gap-against-step curves' points)."""
 
     def runs(self) -> list[tuple[str, int, int, str]]:
         """``(configuration, world, seed, variant)`` in the order they run: seed by seed (a
@@ -72,11 +74,20 @@ class Plan:
         return [(c, w) for c in self.configurations for w in self.worlds]
 
 
+LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4")
+"""The long form's runs: fp32, the default (NVFP4 without feedback), NVFP4 with LoCo and MXFP4
+with LoCo (the default until 2026-11-27)."""
+
 PLANS = {
     "full": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), ("exact", *CANDIDATES), CANDIDATES),
     "quick": Plan(tuple(CONFIGURATIONS), (2,), (0, 1), ("exact", "mxfp4", "nvfp4", "nvfp4-nofb"),
                   ()),
+    "long": Plan(("gpt", "gpt-docs"), (2, 4), (0, 1, 2), LONG_VARIANTS, (), steps=3000,
+                 eval_every=100),
 }
+"""The forms of ``--wide``: ``full`` and ``quick`` at 300 steps; ``long`` at 3000 (ten times the
+steps, the learning-rate schedule stretched to the run) on the two GPTs, evaluated every 100
+steps so that the gap to exact can be followed over the run (`wide_report.plot_gaps`)."""
 
 SECONDS_HERE = {("gpt", 2): 140.0, ("gpt-docs", 2): 180.0, ("digits-cnn", 2): 20.0}
 """Seconds one 300-step run of a configuration takes on 2 ranks on the 2-core development
@@ -86,9 +97,10 @@ as long."""
 FOUR_RANKS = 2.2
 
 
-def config(configuration: str, world: int, steps: int) -> StudyConfig:
+def config(configuration: str, world: int, steps: int, eval_every: int = 25) -> StudyConfig:
     """The `StudyConfig` of one cell."""
-    return StudyConfig(steps=steps, world=world, **CONFIGURATIONS[configuration])
+    return StudyConfig(steps=steps, world=world, eval_every=eval_every,
+                       **CONFIGURATIONS[configuration])
 
 
 class Results:
@@ -125,15 +137,15 @@ class Results:
         tmp.write_text(json.dumps(self.data, indent=1))
         tmp.replace(self.path)
 
-    def seconds(self, configuration: str, world: int) -> float:
+    def seconds(self, configuration: str, world: int, steps: int = 300) -> float:
         """The expected seconds of one run of the cell: the mean of its finished runs, else
-        `SECONDS_HERE` (times `FOUR_RANKS` beyond 2 ranks)."""
+        `SECONDS_HERE` (times `FOUR_RANKS` beyond 2 ranks, scaled to ``steps``)."""
         times = [r["seconds"] for r in self.data["runs"]
                  if (r["configuration"], r["world"]) == (configuration, world)]
         if times:
             return sum(times) / len(times) * 1.15  # start-up and evaluation beside the loop
         base = SECONDS_HERE.get((configuration, 2), 120.0)
-        return base * (FOUR_RANKS if world > 2 else 1.0)
+        return base * (FOUR_RANKS if world > 2 else 1.0) * steps / 300
 
 
 def jobs_for(world: int) -> int:
@@ -149,8 +161,8 @@ def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
     results = Results(out)
     todo = [r for r in plan.runs() if not results.done(r)]
     cells = [c for c in plan.cells() if plan.tracked and not results.tracked(c)]
-    expected = sum(results.seconds(c, w) for c, w, _, _ in todo) + sum(
-        results.seconds(c, w) * (1 + 0.3 * len(plan.tracked)) for c, w in cells)
+    expected = sum(results.seconds(c, w, plan.steps) for c, w, _, _ in todo) + sum(
+        results.seconds(c, w, plan.steps) * (1 + 0.3 * len(plan.tracked)) for c, w in cells)
     print(f"lowbitcc study --wide: {len(todo)} runs and {len(cells)} trackings to go "
           f"({len(plan.runs()) - len(todo)} runs done in {results.path}); expected "
           f"{expected / 60:.0f} min here", file=sys.stderr, flush=True)
@@ -160,12 +172,11 @@ def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
         at_once = jobs or jobs_for(world)
         threads = max(1, (os.cpu_count() or 1) // (world * at_once))
         with ThreadPoolExecutor(at_once) as pool:
-            for record in pool.map(_one, batch, [plan.steps] * len(batch),
-                                   [threads] * len(batch)):
+            for record in pool.map(_one, batch, [plan] * len(batch), [threads] * len(batch)):
                 results.add_run(record)
                 bar.update(1)
     for configuration, world in cells:
-        cfg = config(configuration, world, plan.steps)
+        cfg = config(configuration, world, plan.steps, plan.eval_every)
         start = time.perf_counter()
         measured = tracking.run(list(plan.tracked), cfg, plan.seeds[0])
         results.add_tracking({"configuration": configuration, "world": world,
@@ -177,22 +188,23 @@ def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
     return results
 
 
-def _one(run_key: tuple[str, int, int, str], steps: int, threads: int) -> dict[str, Any]:
+def _one(run_key: tuple[str, int, int, str], plan: Plan, threads: int) -> dict[str, Any]:
     configuration, world, seed, variant = run_key
-    record = run_variant(VARIANTS[variant], config(configuration, world, steps), seed, threads)
+    cfg = config(configuration, world, plan.steps, plan.eval_every)
+    record = run_variant(VARIANTS[variant], cfg, seed, threads)
     log.info("%s, %d ranks, seed %d, %s: final validation loss %.4f in %.0f s", configuration,
              world, seed, variant, record["val_loss"][-1][1], record["seconds"])
     return {"configuration": configuration, "world": world, **record}
 
 
-def command(form: str, out_dir: str | Path, steps: int) -> int:
+def command(form: str, out_dir: str | Path, steps: int | None = None) -> int:
     """``lowbitcc study --wide FORM``: run the plan (resuming from ``out``), then write
     ``wide.md`` (`wide_report.format_markdown`) and ``frontier.png`` in ``out_dir`` and print
     the tables. Exit status 0."""
     from lowbitcc.tools.study import wide_report
 
     out = Path(out_dir)
-    plan = dataclasses.replace(PLANS[form], steps=steps)
+    plan = PLANS[form] if steps is None else dataclasses.replace(PLANS[form], steps=steps)
     results = run(plan, out)
     runs = [r for r in results.data["runs"] if r["configuration"] in plan.configurations]
     text = wide_report.format_markdown(runs)
