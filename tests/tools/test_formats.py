@@ -10,7 +10,11 @@ import torch
 from lowbitcc.codec import reference
 from lowbitcc.tools.study.formats import (
     E4M3_MAX,
+    FP3,
+    FP3_E2M0,
     FP4_E2M1,
+    INT3,
+    INT3_MX,
     LAB_VARIANTS,
     MXFP4,
     NVFP4,
@@ -81,6 +85,26 @@ def test_nvfp4_values_lie_on_e2m1_codes_times_e4m3_scales():
     assert ((d - y).abs() <= stored * tensor_scale * (1 + 1e-5)).all()  # half the widest step
 
 
+@pytest.mark.parametrize("fmt", [INT3, FP3], ids=["int3", "fp3"])
+def test_three_bit_values_lie_on_their_codes_times_e4m3_scales(fmt):
+    """The 3-bit family under NVFP4's scales: at most 7 signed values per group (3 bits), each
+    the nearest of the grid's (int: 0..3, fp3: E2M0's 0, 1, 2, 4) times the group's stored
+    scale."""
+    y = _groups(16, n=256)
+    d = fmt.roundtrip(y)
+    grid = FP3_E2M0 if fmt.codes == "fp3" else torch.arange(4.0)
+    scales = y.abs().amax(dim=1, keepdim=True) / grid[-1]
+    tensor_scale = scales.max() / E4M3_MAX
+    scale = round_up_e4m3(scales / tensor_scale) * tensor_scale
+    mags = (d / scale).abs()
+    nearest = grid[(mags.unsqueeze(-1) - grid).abs().argmin(-1)]
+    assert torch.allclose(mags, nearest, atol=1e-5)
+    assert all(len(set(row.tolist())) <= 7 for row in d)
+    widest = 2.0 if fmt.codes == "fp3" else 1.0  # half of it: the largest rounding error
+    assert ((d - y).abs() <= widest / 2 * scale * (1 + 1e-5)).all()
+    assert (d - y).norm() > (NVFP4.roundtrip(y) - y).norm()  # fewer bits, more error
+
+
 def test_hadamard_rotation_is_orthonormal_and_spreads_an_outlier():
     r = hadamard(32)
     assert torch.allclose(r @ r.T, torch.eye(32), atol=1e-6)
@@ -103,6 +127,11 @@ def test_bits_per_element():
     assert LAB_VARIANTS["lab-mxfp4-ag8"].bits_per_element == (4.25 + 8.25) / 2
     assert LAB_VARIANTS["lab-asym4-g64-bf16"].bits_per_element == 4.5
     assert LAB_VARIANTS["lab-rs-only"].bits_per_element == (4.25 + 32) / 2
+    assert LAB_VARIANTS["lab-int3"].bits_per_element == LAB_VARIANTS["lab-fp3"].bits_per_element
+    assert LAB_VARIANTS["lab-fp3-nofb"].bits_per_element == 3.5 and INT3.bits_per_element == 3.5
+    assert LAB_VARIANTS["lab-int3-mx"].bits_per_element == INT3_MX.bits_per_element == 3.25
+    with pytest.raises(ValueError, match="fp3 codes are 3 bits"):
+        Format("fp3", bits=4)
 
 
 def test_asymmetric_codes_cover_the_group_range():

@@ -36,7 +36,11 @@ from lowbitcc.codec import reference
 from lowbitcc.codec.error_state import ErrorState
 
 FP4_E2M1 = torch.tensor(reference.E2M1)
-CODES = ("int", "fp4", "asym")
+FP3_E2M0 = torch.tensor((0.0, 1.0, 2.0, 4.0))
+"""FP3 E2M0 magnitudes by 2-bit index (a sign bit beside): zero and three powers of two."""
+GRIDS = {"fp4": FP4_E2M1, "fp3": FP3_E2M0}
+"""The minifloat codes' magnitudes (each with a sign bit): their widths are 4 and 3 bits."""
+CODES = ("int", "fp4", "fp3", "asym")
 SCALE_BITS = {"fp32": 32, "bf16": 16, "e8m0": 8, "e4m3": 8}
 """Bits a stored scale takes, by its kind."""
 SCALES = tuple(SCALE_BITS)
@@ -87,6 +91,8 @@ def hadamard(n: int, seed: int = 0) -> torch.Tensor:
 class Format:
     """One quantizer: ``codes`` ("int": symmetric uniform ``bits``-bit codes in
     ``[-(2^(b-1)-1), 2^(b-1)-1]``; "fp4": E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} and a sign;
+    "fp3": E2M0 magnitudes {0, 1, 2, 4} and a sign (3 bits; E1M1's {0, .5, 1, 1.5} would be
+    "int" at 3 bits, scaled);
     "asym": uniform codes in ``[0, 2^b - 1]`` from the group's minimum, which is stored in the
     scale's format too), one scale per ``group`` elements stored as ``scale``."""
 
@@ -99,8 +105,9 @@ class Format:
     def __post_init__(self) -> None:
         if self.codes not in CODES or self.scale not in SCALES:
             raise ValueError(f"format lab: unknown codes {self.codes!r} or scale {self.scale!r}")
-        if self.codes == "fp4" and (self.bits != 4 or self.stochastic):
-            raise ValueError("format lab: fp4 codes are 4 bits, nearest rounding")
+        width = {"fp4": 4, "fp3": 3}.get(self.codes)
+        if width is not None and (self.bits != width or self.stochastic):
+            raise ValueError(f"format lab: {self.codes} codes are {width} bits, nearest rounding")
 
     @property
     def bits_per_element(self) -> float:
@@ -126,7 +133,8 @@ class Format:
             codes, scales = reference.quantize(y, 4, fmt="mxfp4")
             return reference.dequantize(codes, scales, "mxfp4")
         amax = y.abs().amax(dim=1, keepdim=True)
-        top = float(FP4_E2M1[-1]) if self.codes == "fp4" else float((1 << (self.bits - 1)) - 1)
+        grid = GRIDS.get(self.codes)
+        top = float(grid[-1]) if grid is not None else float((1 << (self.bits - 1)) - 1)
         s = _round_scale(amax / top, self.scale)
         # loco's reference: inv = qmax / amax as one tensor division (not 1 / scale, and not
         # scalar / tensor, which torch computes as a reciprocal times the scalar)
@@ -135,7 +143,7 @@ class Format:
         v = y * inv
         if self.codes == "int":
             return rnd(v).clamp(-top, top) * s
-        grid = FP4_E2M1.to(y.device)
+        grid = grid.to(y.device)
         mid = (grid[1:] + grid[:-1]) / 2
         mag = grid[torch.bucketize(v.abs().clamp(max=top), mid)]
         return torch.sign(v) * mag * s
@@ -260,6 +268,13 @@ NVFP4 = Format("fp4", group=16, scale="e4m3")
 """NVIDIA's NVFP4 layout: FP4 E2M1 codes, an FP8 E4M3 scale per 16 under one fp32 scale for
 the whole call (4.5 bits)."""
 
+INT3 = Format("int", bits=3, group=16, scale="e4m3")
+"""Symmetric 3-bit integer codes (-3 to 3) under NVFP4's scales (3.5 bits)."""
+FP3 = Format("fp3", bits=3, group=16, scale="e4m3")
+"""FP3 E2M0 codes (0, 1, 2, 4 and a sign) under NVFP4's scales (3.5 bits)."""
+INT3_MX = Format("int", bits=3, group=32, scale="e8m0")
+"""Symmetric 3-bit integer codes under MXFP4's power-of-two scale per 32 (3.25 bits)."""
+
 
 LAB_VARIANTS: dict[str, LabSpec] = {
     # loco's default, for fidelity, and the stage ablations
@@ -301,4 +316,8 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-mxfp4-b5": _spec(Stage(MXFP4, beta=0.5)),
     "lab-mxfp4-b9": _spec(Stage(MXFP4, beta=0.9)),
     "lab-mxfp4-ag8": _spec(Stage(MXFP4), Stage(Format(bits=8))),
+    # the 3-bit family, under NVFP4's scales (an E4M3 per 16: 3.5 bits) or MXFP4's (3.25)
+    **{f"lab-{name}{twin}": _spec(Stage(fmt, beta=None if twin else 0.8))
+       for name, fmt in (("int3", INT3), ("fp3", FP3), ("int3-mx", INT3_MX))
+       for twin in ("", "-nofb")},
 }
