@@ -21,6 +21,7 @@ from lowbitcc.tools.study.variants import StudyConfig, Variant
 
 GROUP_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 3600.0
+"""The limit of a 300-step run (killed and raised past it); longer runs get it in proportion."""
 
 
 def ring_bytes_per_step(model: nn.Module, variant: Variant, world: int) -> float:
@@ -179,4 +180,4 @@ def run_variant(variant: Variant, cfg: StudyConfig, seed: int,
     default `lowbitcc.tools.spawn.threads_per_rank`); returns its record (rank 0's)."""
     return run_ranks(train_rank, cfg.world, variant, cfg, seed, backend=variant.backend,
                      env=dict(variant.env), pg_timeout_s=GROUP_TIMEOUT_S,
-                     timeout_s=RUN_TIMEOUT_S, threads=threads)[0]
+                     timeout_s=RUN_TIMEOUT_S * max(1.0, cfg.steps / 300), threads=threads)[0]

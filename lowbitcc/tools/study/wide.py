@@ -200,8 +200,9 @@ def _one(run_key: tuple[str, int, int, str], plan: Plan, threads: int) -> dict[s
 def command(form: str, out_dir: str | Path, steps: int | None = None) -> int:
     """``lowbitcc study --wide FORM``: run the plan (resuming from ``out``), then write
     ``wide.md`` (`wide_report.format_markdown`) and ``frontier.png`` in ``out_dir`` and print
-    the tables. Exit status 0."""
-    from lowbitcc.tools.study import wide_report
+    the tables; the long form adds the gap over the run (`long_report`: ``gaps.md`` and
+    ``gaps.png``). Exit status 0."""
+    from lowbitcc.tools.study import long_report, wide_report
 
     out = Path(out_dir)
     plan = PLANS[form] if steps is None else dataclasses.replace(PLANS[form], steps=steps)
@@ -211,6 +212,11 @@ def command(form: str, out_dir: str | Path, steps: int | None = None) -> int:
     (out / "wide.md").write_text(text + "\n")
     wide_report.plot_frontier(runs, out / "frontier.png")
     print(text)
+    if form == "long":
+        curves = long_report.format_markdown(runs)
+        (out / "gaps.md").write_text(curves + "\n")
+        long_report.plot_gaps(runs, out / "gaps.png")
+        print("\n" + curves)
     for t in results.data["tracking"]:
         print(f"\ntracking: {t['configuration']}, {t['world']} ranks, seed {t['seed']}")
         print(tracking.format_table(t["summary"]))
