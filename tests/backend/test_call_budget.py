@@ -1,6 +1,6 @@
 """What one steady-state compressed call dispatches to torch: a budget that only goes down.
 
-Issue 36 asks for a thin launch path (no allocation in steady state, a handful of launches on
+The launch path is to be thin (no allocation in steady state, a handful of launches on
 CUDA). The CPU path under ``LOCO_ISSUER=inline`` runs the CUDA path's issuing logic, so the
 torch operations it dispatches per call (`TorchDispatchMode`; the C++ codec kernels are called
 directly and not counted) are the budget of Python-side work the GPU path will also pay. The

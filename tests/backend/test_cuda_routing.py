@@ -373,7 +373,7 @@ def test_device_header_check_finds_foreign_and_flagged_messages_on_any_device():
 
 
 def test_nccl_links_make_node_and_rail_groups_on_first_use(monkeypatch):
-    """The hierarchical schedule's links on CUDA (issue 49): NCCL groups of the node's ranks
+    """The hierarchical schedule's links on CUDA: NCCL groups of the node's ranks
     and of the rail's, each on its own store prefix, made when first used, metered by link
     class."""
     import datetime

@@ -1,4 +1,4 @@
-"""Per-dimension settings on a DeviceMesh (issue 17): each dimension's groups get their own
+"""Per-dimension settings on a DeviceMesh: each dimension's groups get their own
 `LocoConfig` through ``init_device_mesh(..., backend_override=...)``, or plain gloo."""
 
 from __future__ import annotations

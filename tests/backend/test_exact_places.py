@@ -1,4 +1,4 @@
-"""Every reduction has a place in the call schedule, exact ones included (issue 46): in steady
+"""Every reduction has a place in the call schedule, exact ones included: in steady
 state no call exchanges a descriptor, through the worker or inline; a rank whose exact call
 deviates makes every rank raise, never hang, and the group goes on; ranks that all deviate
 alike go on without an error. Calls outside backward are exact (the policy), so these are

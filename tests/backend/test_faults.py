@@ -1,4 +1,4 @@
-"""Fault and hostile-input scenarios (issue 18): each must end in the right result or a clear
+"""Fault and hostile-input scenarios: each must end in the right result or a clear
 Python exception on every rank within a hard time limit (``run_ranks``' timeout: a hang fails).
 
 docs/reliability.md lists the scenarios with loco's and gloo's behaviour.

@@ -1,4 +1,4 @@
-"""Compressed parameter all-gathers (issue 17, `LocoConfig.param_bits`): codes identical on
+"""Compressed parameter all-gathers (`LocoConfig.param_bits`): codes identical on
 every rank and within the quantizer's bound, the input untouched, exact where any rank says so,
 and FSDP2 training with 8-bit parameter all-gathers."""
 

@@ -159,7 +159,7 @@ def test_the_call_schedule_on_cuda_equals_the_cpu_inline_path(world, plan):
 
 def test_hierarchical_on_nccl_equals_the_cpu_calls_bit_for_bit():
     """4 ranks as 2 nodes of 2 (``node_size=2``; each rank its own ``NCCL_HOSTID``): node and
-    rail NCCL groups, the same bits as the CPU worker path on every rank (issue 49)."""
+    rail NCCL groups, the same bits as the CPU worker path on every rank."""
     on_gpu = _ranks(hierarchical._hierarchical, 4, "inline", 2, "cuda")
     on_cpu = run_ranks(hierarchical._hierarchical, 4, "auto", 2, timeout=240)
     for got, want in zip(on_gpu, on_cpu, strict=True):
@@ -282,7 +282,7 @@ def test_error_states_checkpoint_to_the_cpu_and_resume_on_every_rank(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_exact_cuda_calls_run_as_their_places_agreed_without_an_exchange(world):
-    """Issue 46: in steady state an exact CUDA call is NCCL's own call, no descriptor exchange."""
+    """In steady state an exact CUDA call is NCCL's own call, no descriptor exchange."""
     for exchanges, outcomes, same in _ranks(places._steps, world, "auto", places._steady,
                                             False, (), "cuda"):
         assert exchanges == [len(places.STEADY), 1, 0, 0, 0, 0], exchanges
@@ -359,7 +359,7 @@ def _stalled_peer(rank, world, gloo):
 
 
 def test_a_stalled_peer_fails_the_call_by_the_watchdog_and_the_group_reports_dead():
-    """Issue 46's watchdog: rank 0's compressed call waits in NCCL for a peer that does not
+    """The watchdog: rank 0's compressed call waits in NCCL for a peer that does not
     call; wait(1 s) raises; after the group's timeout (6 s) the watchdog fails the Work, aborts
     the communicator, and rank 0's next call raises naming it."""
     results = _ranks(_stalled_peer, 2, timeout=120)

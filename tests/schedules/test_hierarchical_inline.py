@@ -1,7 +1,7 @@
 """The hierarchical schedule issued as CUDA issues it (``LOCO_ISSUER=inline``) over links that
 offer only what NCCL's offer (collectives on the world, node and rail groups; every
 point-to-point transfer raises): bit for bit the worker path's, at 4 ranks as 2 nodes of 2 and
-6 ranks as 3 nodes of 2 (issue 49; the same on a GPU: tests/gpu/test_multirank.py)."""
+6 ranks as 3 nodes of 2 (the same on a GPU: tests/gpu/test_multirank.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,9 @@
   ``issues 2 kernels`` (a number then what is counted, `COUNTED`) passes. Say what it was (the
   feature, the goal, the change) and, where history matters, its date. Dates say when;
   CHANGELOG.md (not under docs/) is the history and is not checked, nor is docs/gpu/ (the
-  run-by-run record, verbatim).
+  run-by-run record, verbatim). The tests (but this file, whose examples break it) keep the
+  first half of the issue rule, "issue" with a number: their "session" is pytest's fixture
+  scope and a bare ``#7`` a call's number.
 - **docs/architecture.md draws the code as it is.** Every file it names as code (in backticks
   or a code block) exists: a path from the repository root (``lowbitcc/buffers.py``,
   ``tests/...``), from the package (``backend/reductions.py``, ``codec/csrc/...``) or from the
@@ -64,6 +66,8 @@ COUNTED = ("kernels?", "calls?", "launch(?:es)?", "cop(?:y|ies)", "uploads?", "a
 ISSUE_NUMBER = re.compile(
     rf"\bissues?[\s_-]*#?\d+(?!\d)(?!\s+(?:{'|'.join(COUNTED)})\b)|(?<![\w&#])#\d+\b", re.I)
 """An issue named by its number (see the module docstring); may span a line break."""
+ISSUE_WORD = re.compile(ISSUE_NUMBER.pattern.split("|(?<!")[0], re.I)
+"""`ISSUE_NUMBER`'s first half: "issue" or "issues" with a number (what the tests keep)."""
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".cu", ".cuh", ".cpp", ".h", ".hpp", ".txt", ".toml"}
 
 
@@ -183,10 +187,14 @@ def _checked_files():
     yield README
     yield from sorted((ROOT / "docs").glob("*.md"))
     for folder in ("benchmarks", "lowbitcc"):
-        for path in sorted((ROOT / folder).rglob("*")):
-            if (path.is_file() and path.suffix in TEXT_SUFFIXES
-                    and "__pycache__" not in path.parts and "build" not in path.parts):
-                yield path
+        yield from _text_files(folder)
+
+
+def _text_files(folder: str):
+    for path in sorted((ROOT / folder).rglob("*")):
+        if (path.is_file() and path.suffix in TEXT_SUFFIXES
+                and "__pycache__" not in path.parts and "build" not in path.parts):
+            yield path
 
 
 def test_the_issue_rule_reads_issue_numbers_as_the_docstring_says():
@@ -215,6 +223,15 @@ def test_no_line_names_a_round_of_work_or_an_issue_number():
             hits.append(f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}")
     assert not hits, ("lines that name a round of work or an issue by its number (say the date, "
                       "or what the issue was, instead):\n" + "\n".join(hits))
+
+
+def test_no_test_names_an_issue_by_its_number():
+    assert ISSUE_WORD.search("the hierarchical schedule (issue 49)")
+    assert not ISSUE_WORD.search("call #7 and a session-scoped fixture")
+    hits = [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+            for path in _text_files("tests") if path != Path(__file__)
+            for text in [path.read_text()] for m in ISSUE_WORD.finditer(text)]
+    assert not hits, "tests that name an issue by its number:\n" + "\n".join(hits)
 
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
