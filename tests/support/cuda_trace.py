@@ -1,5 +1,5 @@
 """What traces the CUDA code branch without a GPU (`tests/codec/test_cuda_launch_budget.py`,
-`benchmarks/cuda_branch_host.py`): the GPU work a call issues, a recording stand-in for the
+`tests/probes/cuda_branch_host.py`): the GPU work a call issues, a recording stand-in for the
 inner NCCL group, and the group a `call_plan.CallPlan` asks of, for rank 0 of ``world``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`benchmarks/cuda_branch_host.py`: a planned run on the CUDA code branch, traced without a
+"""`tests/probes/cuda_branch_host.py`: a planned run on the CUDA code branch, traced without a
 GPU, and the host work it counts held to a budget (the Python and builtin functions one
 steady-state run calls: deterministic, unlike its time here). Today's counts (2026-11-27,
 torch 2.13; 185/297 Python calls at 2/4 ranks before that day's trims, 127/186 before
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_branch_host.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tests" / "probes" / "cuda_branch_host.py"
 BUDGET = {("nvfp4", 2, "records"): (37, 38), ("nvfp4", 4, "records"): (50, 53),
           ("mxfp4", 2, "records"): (37, 38), ("mxfp4", 4, "records"): (50, 53),
           ("nvfp4", 2, "eager"): (109, 107), ("nvfp4", 4, "eager"): (194, 186),

@@ -1,4 +1,4 @@
-"""`benchmarks/host_phases.py`: run the script on two local ranks and check what it prints."""
+"""`tests/probes/host_phases.py`: run the script on two local ranks and check what it prints."""
 
 import re
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_phases.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tests" / "probes" / "host_phases.py"
 PHASES = re.search(r"PHASES = \((.*?)\)\n", SCRIPT.read_text(), re.S).group(1)
 
 

@@ -20,7 +20,7 @@ renewals in the background, `lowbitcc.backend.renewal`, so none among the timed 
 their mean host time and what they add to the mean over all calls. The wrappers cost a few
 microseconds per call.
 
-    python benchmarks/host_phases.py --calls 1000
+    python tests/probes/host_phases.py --calls 1000
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ and ``tests/support/cuda_trace.py`` into a worktree of a revision that lacks the
 Each size runs with host records on (the default, `launch_record`: the run issued from its
 record) and off (every run makes its arguments anew), in turn, ``--rounds`` times.
 
-    python benchmarks/cuda_branch_host.py [--worlds 2 4] [--formats nvfp4 mxfp4] [--runs 3000]
+    python tests/probes/cuda_branch_host.py [--worlds 2 4] [--formats nvfp4 mxfp4] [--runs 3000]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 """This checkout: its package and tests are imported from here (first on ``sys.path``)."""
 
 

@@ -23,7 +23,7 @@ Host time per call is the call's wall time less its codec time (the kernel calls
 kernel calls and transfer the same way around the bare calls. Printed per rank and way: the
 median and mean host time per call over every round, and the floor's share of loco's.
 
-    python benchmarks/host_floor.py [--calls 600] [--rounds 4]
+    python tests/probes/host_floor.py [--calls 600] [--rounds 4]
 """
 
 from __future__ import annotations
