@@ -107,3 +107,28 @@ def test_diloco_study_ranks_its_outer_syncs_and_times_them_at_the_link(tmp_path)
     text = diloco.format_report(result["diloco"], result["link"], timed is not None)
     assert "diloco-loco4-h10 - diloco-fp32-h10" in text
     assert (tmp_path / "diloco.json").exists()
+
+
+def test_outer_syncs_at_fewer_bits_are_paired_with_fp32_and_the_fewest_within_the_goal_named():
+    from lowbitcc.tools.study import diloco
+    from lowbitcc.tools.study.variants import DILOCO_VARIANTS, OUTER_BITS_VARIANTS
+
+    assert not set(OUTER_BITS_VARIANTS) & set(DILOCO_VARIANTS)  # the default set stays as it is
+    assert diloco.outer_bits("diloco-int2-h10") == diloco.outer_bits("diloco-loco2-h50") == 2.25
+    assert diloco.outer_bits("diloco-nvfp4-loco-h10") == pytest.approx(4.53, abs=0.01)
+    assert diloco.outer_bits("diloco-loco4-h10") == 4.25 and diloco.outer_bits(
+        "diloco-fp32-h50") == 32.0
+    loss = {"diloco-fp32-h10": 2.0, "diloco-int2-h10": 2.02, "diloco-loco2-h10": 2.004,
+            "diloco-nvfp4-h10": 2.001, "diloco-fp32-h50": 2.0, "diloco-int2-h50": 2.1}
+    summary = [{"variant": v, "seed": s, "final_val_loss": x + 0.001 * s, "seconds": 1.0,
+                "wire_bytes_per_step": 1.0} for v, x in loss.items() for s in (0, 1)]
+    report = diloco.report({"summary": summary}, study.StudyConfig(steps=10))
+    pairs = {(p["a"], p["b"]) for p in report["pairs"]}
+    assert ("diloco-int2-h10", "diloco-fp32-h10") in pairs
+    assert ("diloco-nvfp4-h10", "diloco-fp32-h10") in pairs
+    best = report["fewest_bits"]
+    assert best[10]["variant"] == "diloco-loco2-h10" and best[10]["bits"] == 2.25  # int2: +1%
+    assert best[50] is None  # int2 at H 50 is 5% behind, nothing else ran there
+    text = diloco.format_report(report, "none", False)
+    assert "H 10: fewest bits within 0.3% of the fp32 outer sync: diloco-loco2-h10 (2.25" in text
+    assert "H 50: fewest bits within 0.3% of the fp32 outer sync: none of those run" in text

@@ -34,10 +34,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools import netem, study
 from lowbitcc.tools.link_spec import PRESETS, Link
 from lowbitcc.tools.plotting import pyplot
-from lowbitcc.tools.study.variants import DILOCO_VARIANTS, OUTER_EVERY, StudyConfig
+from lowbitcc.tools.study.variants import (
+    DILOCO_VARIANTS,
+    OUTER_BITS_VARIANTS,
+    OUTER_EVERY,
+    VARIANTS,
+    StudyConfig,
+)
 
 log = logging.getLogger("lowbitcc.tools.study")
 
@@ -132,7 +139,40 @@ def report(result: dict[str, Any], cfg: StudyConfig) -> dict[str, Any]:
             found = paired(summary, a, b)
             if found:
                 pairs.append(found)
-    return {"variants": rows, "pairs": pairs}
+        for a in (n for n in OUTER_BITS_VARIANTS if n.endswith(f"-h{h}")):
+            found = paired(summary, a, f"diloco-fp32-h{h}")
+            if found:
+                pairs.append(found)
+    return {"variants": rows, "pairs": pairs, "fewest_bits": fewest_bits(pairs)}
+
+
+GOAL_GAP = 0.003
+"""An outer sync's goal: within 0.3% of the fp32 outer sync's final validation loss (the mean
+of the paired differences over seeds)."""
+
+
+def outer_bits(variant: str) -> float:
+    """Wire bits per element of a DiLoCo variant's outer sync (32 for fp32): its format's at its
+    code width, the int format's fp32 scale per group of 128 included."""
+    env = dict(VARIANTS[variant].env)
+    if VARIANTS[variant].backend != "loco":
+        return 32.0
+    fmt, bits = FORMATS[env.get("LOCO_FORMAT", "nvfp4")], int(env.get("LOCO_BITS", "4"))
+    if fmt.name == "int":
+        return bits + 8 * fmt.scale_bytes / fmt.default_group
+    return fmt.bits_per_element
+
+
+def fewest_bits(pairs: list[dict[str, Any]]) -> dict[int, dict[str, Any] | None]:
+    """Per H, the outer sync of fewest wire bits whose mean paired difference with the fp32
+    outer sync at that H is within `GOAL_GAP` (None: none measured is)."""
+    out: dict[int, dict[str, Any] | None] = {}
+    for h in OUTER_EVERY:
+        within = [p for p in pairs if p["b"] == f"diloco-fp32-h{h}" and p["mean"] <= GOAL_GAP]
+        best = min(within, key=lambda p: outer_bits(p["a"]), default=None)
+        out[h] = None if best is None else {"variant": best["a"], "bits": outer_bits(best["a"]),
+                                            "gap": best["mean"], "se": best["se"]}
+    return out
 
 
 def format_report(diloco: dict[str, Any], link: str, timed: bool) -> str:
@@ -155,6 +195,10 @@ def format_report(diloco: dict[str, Any], link: str, timed: bool) -> str:
         each = " ".join(f"{100 * d:+.2f}%" for d in p["each"])
         lines.append(f"{p['a'] + ' - ' + p['b']:<44} {100 * p['mean']:>+7.2f}% "
                      f"{100 * p['se']:>6.2f}%  {each}")
+    for h, best in diloco.get("fewest_bits", {}).items():
+        lines.append(f"H {h}: fewest bits within {100 * GOAL_GAP:.1f}% of the fp32 outer sync: "
+                     + (f"{best['variant']} ({best['bits']:.2f} bits, {100 * best['gap']:+.2f}%)"
+                        if best else "none of those run"))
     return "\n".join(lines)
 
 
