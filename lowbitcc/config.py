@@ -28,7 +28,9 @@ from lowbitcc.codec.reference import ROUNDINGS
 ENV_PREFIX = "LOCO_"
 POLICIES = ("backward", "always", "never")
 BITS = tuple(sorted({b for f in formats.TABLE for b in f.bits}))
-"""Every code width some format takes (`lowbitcc.codec.formats`): 2, 4, 8."""
+"""Every code width some format takes (`lowbitcc.codec.formats`): 2, 3, 4, 8."""
+PARAM_BITS = FORMATS["int"].bits
+"""The code widths of ``param_bits`` all-gathers, which travel as int codes: 2, 4, 8."""
 FORMAT_CHOICES = ("auto", *FORMATS)
 SCHEDULES = (*schedules.NAMES, "auto")
 TRANSPORTS = ("auto", *transports.NAMES)
@@ -41,21 +43,24 @@ class LocoConfig:
     """Knobs of LoCo compression for one process group.
 
     Attributes:
-        bits: code width of compressed payloads (2, 4 or 8).
+        bits: code width of compressed payloads (2, 4 or 8; 3 with "nvint3" or "nvfp3").
         format: the codes and scales of compressed payloads: "int" (symmetric integer codes,
             one fp32 scale per group), "mxfp4" (4-bit FP4 E2M1 codes, one power-of-two E8M0
             scale byte per group, nearest rounding only), "nvfp4" (4-bit FP4 E2M1 codes, one FP8
             E4M3 scale byte per group of 16 under one E8M0 byte per 16 groups, nearest rounding
-            only; docs/wire-format.md) or "auto" (the default: "nvfp4" at 4 bits with nearest
-            rounding and group size 0 or 16, "mxfp4" at 4 bits with other group sizes, else
-            "int"; `formats.auto`). Read the resolved value from `wire_format`.
+            only; docs/wire-format.md), "nvint3" or "nvfp3" (3-bit codes, integer magnitudes
+            0..3 or FP3 E2M0 magnitudes 0, 1, 2, 4, under NVFP4's scales, nearest rounding only)
+            or "auto" (the default: "nvfp4" at 4 bits with nearest rounding and group size 0 or
+            16, "mxfp4" at 4 bits with other group sizes, else "int"; `formats.auto`; it takes
+            no 3-bit format: 3 bits name theirs). Read the resolved value from `wire_format`.
         group_size: elements sharing one scale, a multiple of 8; 0 (the default): the
-            format's own, 32 for "mxfp4", 16 for "nvfp4" (its only one) and 128 for "int"
-            (`group_for`).
+            format's own, 32 for "mxfp4", 16 for "nvfp4", "nvint3" and "nvfp3" (their only one)
+            and 128 for "int" (`group_for`).
         beta: LoCo moving-average factor of the error state, in [0, 1); 0 is classic error feedback.
         feedback: keep and apply an error state at all (False: plain quantization); None (the
             default, ``LOCO_FEEDBACK=auto``): the format's own (`formats.Format.feedback`), off
-            for "nvfp4" and on for "mxfp4" and "int", as the wide study found best
+            for "nvfp4" (and "nvint3" and "nvfp3", as NVFP4) and on for "mxfp4" and "int", as
+            the wide study found best
             (docs/convergence.md). Read the resolved value from `wire_feedback`.
         reset_interval: the error state of a key is zeroed every this many uses (0: never).
         error_dtype: storage of the error state: "int8" (per-group scales), "bf16" or "fp32".
@@ -88,9 +93,9 @@ class LocoConfig:
         seed: seed of stochastic rounding's random stream (an integer in [0, 2**32)).
         param_bits: all-gathers of CPU float tensors of at least ``min_size`` elements per rank
             (the parameter all-gathers of FSDP and ZeRO-3) travel as this many bits per element
-            in groups of ``group_size``, without error feedback; every rank's output holds the
-            same dequantized values (its own slot too), its input is untouched. 0 (the
-            default): exact. Off within `lowbitcc.exact()` and under policy "never".
+            (int codes: 2, 4 or 8) in groups of ``group_size``, without error feedback; every
+            rank's output holds the same dequantized values (its own slot too), its input is
+            untouched. 0 (the default): exact. Off within `lowbitcc.exact()` and under policy "never".
         checksum: compressed messages carry a 64-bit checksum of their scales and codes,
             verified on receipt: a message corrupted in transit (or in memory) raises
             ``WireFormatError`` instead of decoding into wrong values (docs/wire-format.md).
@@ -213,12 +218,16 @@ class LocoConfig:
             )
 
         if not _is_int(self.bits) or self.bits not in BITS:
-            raise bad("bits", "one of 2, 4, 8")
+            raise bad("bits", "one of " + ", ".join(map(str, BITS)))
         if self.format not in FORMAT_CHOICES:
             raise bad("format", "one of " + ", ".join(FORMAT_CHOICES))
+        if self.format == "auto" and not formats.auto_takes(self.bits):
+            takes = " or ".join(repr(name) for name in formats.taking(self.bits))
+            raise bad("format", f"{takes} with bits={self.bits} (format 'auto' takes no "
+                      f"{self.bits}-bit codes: name the format)")
         if self.format != "auto" and self.bits not in FORMATS[self.format].bits:
-            takes = [f.name for f in formats.TABLE if self.bits in f.bits]
-            raise bad("format", f'{" or ".join(f"{t!r}" for t in [*takes, "auto"])} with '
+            takes = [*formats.taking(self.bits), *(["auto"] if formats.auto_takes(self.bits) else [])]
+            raise bad("format", f'{" or ".join(f"{t!r}" for t in takes)} with '
                       f"bits={self.bits} ({self.format} codes are "
                       f"{'/'.join(map(str, FORMATS[self.format].bits))} bits)")
         if not _is_int(self.group_size) or self.group_size < 0 or self.group_size % 8:
@@ -260,8 +269,8 @@ class LocoConfig:
                       f'"{self.wire_format}" (its groups are {fixed.default_group} elements)')
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             raise bad("seed", "an integer in [0, 2**32)")
-        if not _is_int(self.param_bits) or self.param_bits not in (0, *BITS):
-            raise bad("param_bits", "0 (exact) or one of 2, 4, 8")
+        if not _is_int(self.param_bits) or self.param_bits not in (0, *PARAM_BITS):
+            raise bad("param_bits", "0 (exact) or one of " + ", ".join(map(str, PARAM_BITS)))
         if self.checksum is not None and not isinstance(self.checksum, bool):
             raise bad("checksum", "a bool, or None for auto")
         if self.schedule not in SCHEDULES:

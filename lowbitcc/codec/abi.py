@@ -3,9 +3,10 @@
 - `ERROR_MODES`: error-state storage name (None: feedback off) -> ``loco::ErrorMode`` value.
 - `FORMAT_CODES`: code format name -> ``loco::Format`` value (the names are
   `wire.FORMATS`, checked here).
-- the shard header's layout (``kFlagsOffset``, ``kShardOffset``, ...) equals `wire`'s, and
-  NVFP4's group and block sizes (``kNvGroup``, ``kNvBlock``) the format table's, checked at
-  import;
+- the shard header's layout (``kFlagsOffset``, ``kShardOffset``, ...) equals `wire`'s,
+  NVFP4's group and block sizes (``kNvGroup``, ``kNvBlock``) those of every format with blocks
+  in the format table, and the element grids of ``loco::grid`` (`grids`) the reference's
+  (`two_level.GRIDS`, with each grid's block rule), checked at import;
 - `encode_args_dtype()`: a NumPy structured dtype with the byte layout of ``loco::EncodeArgs``
   (host ABI, x86-64 and aarch64 alike, which CUDA's device ABI matches for such structs), so the
   CUDA launcher passes one struct by value, as CuPy does for structured scalars
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lowbitcc.codec import formats, wire
+from lowbitcc.codec import formats, two_level, wire
 from lowbitcc.codec.wire import FORMATS
 
 CSRC = Path(__file__).parent / "csrc"
@@ -86,8 +87,34 @@ if any(constant(name) != value for name, value in _HEADER_FIELDS.items()):
 _NVFP4 = {"kNvGroup": formats.FORMATS["nvfp4"].default_group,
           "kNvBlock": formats.FORMATS["nvfp4"].block}
 """NVFP4's group and block sizes as the kernels lay them out, and the format table's."""
-if any(constant(name) != value for name, value in _NVFP4.items()):
+if any(constant(name) != value for name, value in _NVFP4.items()) or any(
+        f.block and (f.default_group, f.block) != tuple(_NVFP4.values()) for f in formats.TABLE):
     raise RuntimeError(f"lowbitcc: {HEADER}'s NVFP4 constants differ from formats.py's {_NVFP4}")
+
+
+@functools.cache
+def grids() -> dict[str, tuple[int, int, int, tuple[float, ...]]]:
+    """``loco::grid``'s rows, one per line: ``case kFormat<Name>`` (or ``default``, every other
+    format's) -> ``(bits, block_exp, block_man, magnitudes)``, keyed "<name>" (or "default")."""
+    body = re.search(r"constexpr Grid grid\(int format\) \{(.*?)\n\}", HEADER.read_text(), re.S)
+    if body is None:
+        raise RuntimeError(f"lowbitcc: {HEADER} defines no loco::grid")
+    rows = {}
+    for case, bits, exp, man, mags in re.findall(
+            r"(case kFormat\w+|default): return Grid\{(\d+), (\d+), (0x[0-9a-f]+)u, \{([^}]*)\}\};",
+            body.group(1)):
+        magnitudes = tuple(float(v.strip().rstrip("f")) for v in mags.split(","))
+        rows[case.removeprefix("case kFormat").lower()] = (int(bits), int(exp), int(man, 16),
+                                                           magnitudes)
+    return rows
+
+
+_GRIDS = {name: (g.bits, *g.block_rule, g.magnitudes) for name, g in two_level.GRIDS.items()}
+"""The reference's grids (`two_level.GRIDS`) as ``loco::grid`` writes them."""
+if any(grids().get(name, grids().get("default")) != row for name, row in _GRIDS.items()) or (
+        grids().get("default", (0, 0, 0, ()))[3] != two_level.E2M1):
+    raise RuntimeError(f"lowbitcc: {HEADER}'s loco::grid {grids()} differs from "
+                       f"two_level.py's {_GRIDS}")
 
 
 @functools.cache

@@ -32,23 +32,31 @@ an E8M0 byte, as the OCP microscaling formats define the element and scale types
 
 NVFP4 quantizer (format "nvfp4": NVIDIA's NVFP4 element and scale types, FP4 E2M1 codes with an
 FP8 E4M3 scale per group of 16, whose one fp32 scale per tensor is here a power-of-two E8M0
-byte per block of 16 groups of a row, the last block of a row possibly shorter):
+byte per block of 16 groups of a row, the last block of a row possibly shorter), and the 3-bit
+formats with its scales, "nvint3" (integer magnitudes {0, 1, 2, 3}) and "nvfp3" (FP3 E2M0
+magnitudes {0, 1, 2, 4}); `two_level` holds their rules and their grids (`two_level.GRIDS`,
+whose largest magnitude ``top`` is 6 for E2M1, 3 and 4):
 
-1. ``amax`` per group; the block's byte ``K`` is the least ``k + 127`` with ``A <= 2688 * 2**k``
-   (``2688 = 6 * 448``), at least 1, where ``A`` is the largest finite ``amax`` of the block (0 if
-   none), computed exactly from A's bits (`loco::nv_block_byte`).
-2. The group's scale ``S = E4M3(t) * 2**(K - 127)``, with ``t = (amax / 6) * 2**(127 - K)`` (one
-   correctly rounded division, an exact product but for subnormal results) rounded up to the
-   next FP8 E4M3 value, at least ``2**-9`` (``t <= 448`` by K's rule). A non-finite group gets
-   E4M3 byte 0x7F (NaN), all codes 0.
-3. The code of ``y`` is the E2M1 magnitude nearest to ``|y| / S`` in exact arithmetic, ties to
+1. ``amax`` per group; the block's byte ``K`` is the least ``k + 127`` with ``A <= top * 448 *
+   2**k`` (2688, 1344 or 1792 times ``2**k``), at least 1, where ``A`` is the largest finite
+   ``amax`` of the block (0 if none), computed exactly from A's bits (`loco::nv_block_byte`).
+2. The group's scale ``S = E4M3(t) * 2**(K - 127)``, with ``t = (amax / top) * 2**(127 - K)``
+   (one correctly rounded division, an exact product but for subnormal results) rounded up to
+   the next FP8 E4M3 value, at least ``2**-9`` (``t <= 448`` by K's rule). A non-finite group
+   gets E4M3 byte 0x7F (NaN), all codes 0.
+3. The code of ``y`` is the grid's magnitude nearest to ``|y| / S`` in exact arithmetic, ties to
    the even index (``|y|`` compared with each midpoint times ``S``, products that are exact),
-   with a sign bit for a negative non-zero code; fields as MXFP4's.
-4. Decode: ``x = (-1)**sign * E2M1[index] * S``. For this format `quantize` returns scale
+   with a sign bit for a negative non-zero code: NVFP4's fields as MXFP4's, the 3-bit formats'
+   the index in bits 0..1 and the sign in bit 2.
+4. Decode: ``x = (-1)**sign * grid[index] * S``. For these formats `quantize` returns scale
    codes (int32 ``K << 8 | E4M3 byte``) instead of fp32 scales; `scale_values` reads them.
 
-Packing: ``u = code + 2**(b-1)`` is stored in ``b`` bits, little-end first: for 4 bits element
-``2i`` is the low nibble of byte ``i``; for 2 bits element ``4i + k`` sits at bits ``2k..2k+1``.
+Packing: ``u = code + 2**(b-1)`` (int codes; the other formats' fields as they are) is stored in
+``b`` bits, little-end first: element ``j`` of a row's codes at bit ``b * j`` of the row's code
+bytes read as one little-endian number. For 4 bits element ``2i`` is the low nibble of byte
+``i``; for 2 bits element ``4i + k`` sits at bits ``2k..2k+1``; for 3 bits every 8 elements fill
+3 bytes, element ``8i + k`` at bit ``3k`` of the 24-bit little-endian word of bytes ``3i ..
+3i + 2`` (a group of 16 is 6 bytes).
 
 LoCo error feedback (`compensate_quantize`), per element of one tensor:
 ``y = g + e``; ``q = Q(y)``; ``r = y - deQ(q)``; ``e' = beta * e + (1 - beta) * r``.
@@ -60,25 +68,35 @@ from __future__ import annotations
 
 import torch
 
-from lowbitcc.codec import formats, wire
+from lowbitcc.codec import formats, two_level, wire
 
 CODE_DTYPE = torch.int8
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-"""FP4 E2M1 magnitudes, by 3-bit index."""
+E2M1 = two_level.E2M1
+"""FP4 E2M1 magnitudes, by 3-bit index (`two_level.E2M1`)."""
+E4M3_NAN = two_level.E4M3_NAN
+"""The E4M3 byte of a non-finite group (NaN)."""
+NV_BLOCK = two_level.NV_BLOCK
+"""Groups per block byte of the `TWO_LEVEL` formats (``loco::kNvBlock``)."""
+e4m3_value = two_level.e4m3_value
 FP4_FORMATS = ("mxfp4", "nvfp4")
-"""The formats whose codes are 4-bit E2M1 fields (``is_fp4`` in ``loco_codec.cuh``)."""
+"""The formats whose codes are 4-bit E2M1 fields (E2M1 magnitudes `E2M1`, ``loco::grid``'s
+row for both)."""
+TWO_LEVEL = tuple(two_level.GRIDS)
+"""The formats with NVFP4's two-level scales (``loco::is_nv``): their scales are scale codes."""
 
 
 def check_format(fmt: str, bits: int, stochastic: bool = False,
                  group_size: int | None = None) -> None:
-    """Raise ValueError unless ``fmt`` is a format that can carry ``bits``-bit codes (in groups
-    of ``group_size``, where given)."""
+    """Raise ValueError unless ``fmt`` is a format that can carry ``bits``-bit codes (rounded
+    stochastically where ``stochastic``; in groups of ``group_size``, where given)."""
     if fmt not in wire.FORMATS:
         raise ValueError(f"lowbitcc: unknown code format {fmt!r} "
                          f"(expected one of {wire.FORMATS})")
-    if fmt in FP4_FORMATS and (bits != 4 or stochastic):
-        raise ValueError(f"lowbitcc: {fmt} codes are 4 bits wide, rounded to nearest")
     spec = formats.FORMATS[fmt]
+    if bits not in spec.bits or (stochastic and "stochastic" not in spec.roundings):
+        nearest = "" if "stochastic" in spec.roundings else ", rounded to nearest"
+        raise ValueError(f"lowbitcc: {fmt} codes are {'/'.join(map(str, spec.bits))} bits "
+                         f"wide{nearest}")
     if spec.fixed_group and group_size is not None and group_size != spec.default_group:
         raise ValueError(f"lowbitcc: {fmt} groups are {spec.default_group} elements, "
                          f"not {group_size}")
@@ -123,19 +141,20 @@ def quantize(
     row_groups: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``y`` ``[groups, G]`` fp32 to int8 codes ``[groups, G]`` and fp32 scales
-    ``[groups]`` in format ``fmt`` (for "mxfp4" and "nvfp4" the codes are the 4-bit fields, for
-    "nvfp4" the scales int32 scale codes: `scale_values`).
+    ``[groups]`` in format ``fmt`` (for every format but "int" the codes are the fields, sign
+    and magnitude index; for the `TWO_LEVEL` formats the scales are int32 scale codes:
+    `scale_values`).
 
     ``keys`` None rounds to nearest (half to even); ``(k0, k1)`` rounds stochastically with the
-    random stream those keys select. ``row_groups``: groups per message row, whose blocks
-    "nvfp4" scales together (None: all the groups are one row)."""
+    random stream those keys select. ``row_groups``: groups per message row, whose blocks the
+    `TWO_LEVEL` formats scale together (None: all the groups are one row)."""
     if y.dtype != torch.float32 or y.dim() != 2:
         raise ValueError(f"quantize expects a 2-D fp32 tensor, got {y.dtype} {tuple(y.shape)}")
     check_format(fmt, bits, keys is not None)
     if fmt == "mxfp4":
         return _quantize_mxfp4(y)
-    if fmt == "nvfp4":
-        return _quantize_nvfp4(y, row_groups or y.shape[0])
+    if fmt in TWO_LEVEL:
+        return two_level.quantize(y, row_groups or y.shape[0], fmt)
     q = float(qmax(bits))
     amax = y.abs().amax(dim=1)
     finite = torch.isfinite(amax)
@@ -167,66 +186,16 @@ def _quantize_mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     byte = torch.where(finite, k.clamp(min=1), 0xFF).to(torch.int32)
     scale = e8m0_scale(byte)
     inv = torch.where(finite, ((254 - byte) << 23).view(torch.float32), 0.0)
-    a = (y * inv[:, None]).abs()
-    index = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
-             + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    index = two_level.grid_index((y * inv[:, None]).abs(), 1.0, two_level.GRIDS["nvfp4"])
     sign = ((y < 0) & (index > 0)).int() << 3
     fields = torch.where(finite[:, None], index | sign, 0)
     return fields.to(CODE_DTYPE), scale
 
 
-NV_BLOCK = formats.FORMATS["nvfp4"].block
-"""Groups per NVFP4 block byte (``loco::kNvBlock``, which `abi` checks)."""
-E4M3_NAN = 0x7F
-
-
-def _quantize_nvfp4(y: torch.Tensor, row_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize` for format "nvfp4" (the module docstring's rules)."""
-    groups = y.shape[0]
-    if groups % row_groups:
-        raise ValueError(f"quantize: {groups} groups are not rows of {row_groups}")
-    amax = y.abs().amax(dim=1)
-    finite = torch.isfinite(amax)
-    blocks = -(-row_groups // NV_BLOCK)
-    tops = torch.zeros(groups // row_groups, blocks * NV_BLOCK, device=y.device)
-    tops[:, :row_groups] = torch.where(finite, amax, 0.0).view(-1, row_groups)
-    top = tops.view(-1, blocks, NV_BLOCK).amax(dim=2).view(torch.int32)
-    block = ((top >> 23) - torch.where((top & 0x7FFFFF) <= 0x280000, 11, 10)).clamp(min=1)
-    block = block.to(torch.int32).repeat_interleave(NV_BLOCK, dim=1)[:, :row_groups].reshape(-1)
-    sixth = torch.where(finite, amax, 0.0) / torch.full_like(amax, 6.0)
-    t = sixth * ((254 - block) << 23).view(torch.float32)
-    sub = torch.ceil(t * 512.0).clamp(min=1).to(torch.int32)
-    up = (t.view(torch.int32) + 0xFFFFF) & ~0xFFFFF
-    normal = (((up >> 23) - 120) << 3) | ((up >> 20) & 7)
-    byte = torch.where(finite, torch.where(t < 2.0 ** -6, sub, normal), E4M3_NAN)
-    codes = block << 8 | byte
-    scale = scale_values(codes, "nvfp4")
-    a = y.abs()
-    s = torch.where(finite, scale, 1.0)[:, None]
-    index = ((a > 0.25 * s).int() + (a >= 0.75 * s).int() + (a > 1.25 * s).int()
-             + (a >= 1.75 * s).int() + (a > 2.5 * s).int() + (a >= 3.5 * s).int()
-             + (a > 5.0 * s).int())
-    sign = ((y < 0) & (index > 0)).int() << 3
-    fields = torch.where(finite[:, None], index | sign, 0)
-    return fields.to(CODE_DTYPE), codes
-
-
-def e4m3_value(byte: torch.Tensor) -> torch.Tensor:
-    """fp32 values of FP8 E4M3 bytes (any integer dtype; bias 7, subnormals ``m * 2**-9``), NaN
-    for 0x7F and above (`loco::e4m3_value`)."""
-    byte = byte.to(torch.int32)
-    exp, man = byte >> 3, byte & 7
-    normal = ((exp + 120) << 23 | man << 20).view(torch.float32)
-    value = torch.where(exp == 0, man.float() * 2.0 ** -9, normal)
-    return torch.where(byte >= E4M3_NAN, float("nan"), value)
-
-
 def scale_values(scales: torch.Tensor, fmt: str) -> torch.Tensor:
     """fp32 ``[groups]``: what each group's codes are multiplied by (NaN for a non-finite group),
-    from `quantize`'s scales (for "nvfp4" its scale codes ``K << 8 | E4M3``)."""
-    if fmt != "nvfp4":
-        return scales
-    return e4m3_value(scales & 0xFF) * ((scales >> 8) << 23).view(torch.float32)
+    from `quantize`'s scales (for the `TWO_LEVEL` formats its scale codes ``K << 8 | E4M3``)."""
+    return two_level.scale_values(scales) if fmt in TWO_LEVEL else scales
 
 
 def e8m0_scale(byte: torch.Tensor) -> torch.Tensor:
@@ -241,7 +210,7 @@ def scale_field(scales: torch.Tensor, fmt: str, row_groups: int | None = None) -
     zeros (`wire.CODES_ALIGN`)."""
     ng = row_groups or scales.numel()
     rows = scales.reshape(-1, ng)
-    if fmt == "nvfp4":
+    if fmt in TWO_LEVEL:
         blocks = rows[:, ::NV_BLOCK] >> 8
         raw = torch.cat([rows & 0xFF, blocks], dim=1).to(torch.uint8)
     elif fmt == "mxfp4":
@@ -257,7 +226,7 @@ def scales_from_field(raw: torch.Tensor, fmt: str, row_groups: int) -> torch.Ten
     (padding included) per row of ``raw``, whose rows hold ``row_groups`` groups."""
     ng = row_groups
     rows = raw.reshape(-1, wire.scale_field_bytes(ng, fmt))
-    if fmt == "nvfp4":
+    if fmt in TWO_LEVEL:
         rows = rows.to(torch.int32)
         blocks = rows[:, ng:].repeat_interleave(NV_BLOCK, dim=1)[:, :ng]
         return (blocks << 8 | rows[:, :ng]).reshape(-1)
@@ -267,23 +236,29 @@ def scales_from_field(raw: torch.Tensor, fmt: str, row_groups: int) -> torch.Ten
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "int") -> torch.Tensor:
-    """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]`` (for "mxfp4"
-    and "nvfp4" each code's signed E2M1 value times the scale)."""
-    if fmt in FP4_FORMATS:
-        fields = codes.to(torch.int64)
-        values = torch.tensor(E2M1, device=codes.device)[fields & 7]
-        values = torch.where((fields & 8) != 0, -values, values)
-        return values * scale_values(scales, fmt)[:, None]
-    return codes.to(torch.float32) * scales[:, None]
+    """Inverse of `quantize`: ``codes * scales[:, None]`` in fp32, ``[groups, G]`` (for every
+    format but "int" each field's signed magnitude of the format's grid times the scale)."""
+    if fmt == "int":
+        return codes.to(torch.float32) * scales[:, None]
+    grid = two_level.GRIDS.get(fmt, two_level.GRIDS["nvfp4"])  # MXFP4's elements are E2M1
+    return two_level.field_values(codes, grid) * scale_values(scales, fmt)[:, None]
 
 
 def pack(codes: torch.Tensor, bits: int, fmt: str = "int") -> torch.Tensor:
-    """Pack int8 codes (any shape, numel a multiple of ``8 // bits``) into a flat uint8 tensor
-    (integer codes as ``code + 2**(bits-1)``, mxfp4 codes as they are: they are fields)."""
-    offset = 0 if fmt in FP4_FORMATS else 1 << (bits - 1)
+    """Pack int8 codes (any shape; numel a multiple of ``8 // bits``, of 8 for 3 bits) into a
+    flat uint8 tensor (integer codes as ``code + 2**(bits-1)``, the other formats' codes as they
+    are: they are fields), little-end first (the module docstring's packing)."""
+    offset = 0 if fmt != "int" else 1 << (bits - 1)
     u = (codes.reshape(-1).to(torch.int16) + offset).to(torch.uint8)
     if bits == 8:
         return u
+    if 8 % bits:  # 8 codes in `bits` bytes: their fields in one word, then its bytes
+        fields = u.view(-1, 8).to(torch.int32)
+        word = fields[:, 0].clone()
+        for k in range(1, 8):
+            word |= fields[:, k] << (bits * k)
+        shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int32, device=codes.device)
+        return ((word[:, None] >> shifts) & 0xFF).to(torch.uint8).reshape(-1)
     per_byte = 8 // bits
     u = u.view(-1, per_byte)
     out = u[:, 0].clone()
@@ -293,17 +268,24 @@ def pack(codes: torch.Tensor, bits: int, fmt: str = "int") -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int, fmt: str = "int") -> torch.Tensor:
-    """Inverse of `pack`: ``numel`` int8 codes from a flat uint8 tensor."""
-    per_byte = 8 // bits
-    if packed.numel() * per_byte < numel:
+    """Inverse of `pack`: ``numel`` int8 codes from a flat uint8 tensor (for 3 bits, of a whole
+    number of 3-byte words)."""
+    if packed.numel() * 8 < numel * bits:
         raise ValueError(f"unpack: {packed.numel()} bytes cannot hold {numel} {bits}-bit codes")
+    mask = (1 << bits) - 1
     if bits == 8:
         u = packed[:numel]
+    elif 8 % bits:  # each `bits` bytes a word of 8 fields
+        raw = packed[:packed.numel() // bits * bits].view(-1, bits).to(torch.int32)
+        word = raw[:, 0].clone()
+        for b in range(1, bits):
+            word |= raw[:, b] << (8 * b)
+        shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int32, device=packed.device)
+        u = ((word[:, None] >> shifts) & mask).reshape(-1)[:numel]
     else:
-        mask = (1 << bits) - 1
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         u = ((packed[:, None] >> shifts) & mask).reshape(-1)[:numel]
-    offset = 0 if fmt in FP4_FORMATS else 1 << (bits - 1)
+    offset = 0 if fmt != "int" else 1 << (bits - 1)
     return (u.to(torch.int16) - offset).to(CODE_DTYPE)
 
 

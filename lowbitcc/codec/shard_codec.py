@@ -91,7 +91,8 @@ class ShardCodec(ShardDecodes):
     """Write each message's checksum trailer and verify it on receipt (`wire`); False writes
     zeros there and checks nothing (every rank of a call must agree)."""
     fmt: str = "int"
-    """The code format (`wire.FORMATS`): "int" codes with fp32 scales, "mxfp4" or "nvfp4"."""
+    """The code format (`wire.FORMATS`): "int" codes with fp32 scales, "mxfp4", "nvfp4", or the
+    3-bit "nvint3" and "nvfp3"."""
     host_check: bool = False
     """Check CUDA messages on the host too (`check_on_host`: a synchronisation, and errors
     raised rather than turned into NaN), as CPU messages always are."""

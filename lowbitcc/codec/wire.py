@@ -7,8 +7,10 @@ A compressed *shard message* carries ``numel`` elements of one shard, quantized 
     0       32             header (`ShardHeader`)
     32      F              scales (`scale_field_bytes`): fp32 per group for format "int", an
                            E8M0 byte per group for "mxfp4", an E4M3 byte per group and then an
-                           E8M0 byte per block of 16 groups for "nvfp4" (`reference.scale_field`)
-    32+F    ng * G * b / 8 packed codes (see `reference.pack`)
+                           E8M0 byte per block of 16 groups for "nvfp4", "nvint3" and "nvfp3"
+                           (`reference.scale_field`)
+    32+F    ng * G * b / 8 packed codes, element j at bit b * j (see `reference.pack`; 3-bit
+                           codes: 6 bytes per group of 16)
     ...     0..7           zero padding to a multiple of 8 bytes
     P - 8   8              checksum of bytes 32 .. P-8 (`checksum`; 0 when checksums are off)
 

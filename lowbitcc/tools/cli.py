@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     bench.add_argument("--json", help="write results to this JSON file")
     bench.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["mxfp4", "int"],
-                       help="4-bit code formats (default mxfp4 / 32 and int / 128; nvfp4 / 16)")
+                       help="code formats at their width (default mxfp4 / 32, int / 128)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="where the tensors live (cuda: the CUDA kernels on the current GPU)")
     bench.set_defaults(func=_codec_bench)

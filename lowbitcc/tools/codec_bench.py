@@ -4,8 +4,9 @@ For each size (bytes of fp32 input) and thread count it times, median of repeats
 
 - ``copy``: ``dst.copy_(src)`` into a preallocated tensor (the memory-bandwidth baseline);
 - ``encode``: the fused LoCo encode of the tensor as one shard row (fp32 input, int8 error state
-  read and written back, 4-bit codes in each format asked for: MXFP4 in groups of 32, int in
-  groups of 128) into a preallocated message buffer, per implementation;
+  read and written back, codes in each format asked for at its width, `formats.Format.width`:
+  4-bit MXFP4 in groups of 32, int in groups of 128, NVFP4 in groups of 16, 3-bit nvint3 and
+  nvfp3 in groups of 16) into a preallocated message buffer, per implementation;
 - ``decode``: decode-and-sum of 4 messages of a quarter of the elements each (the reduce-scatter
   receive side) into a preallocated fp32 output, as the copy writes into one, per
   implementation;
@@ -83,9 +84,13 @@ def _codec(impl: str, bits: int, group: int, device: str, fmt: str) -> ShardCode
                       kernels=kernels.select(choice, device, group), fmt=fmt)
 
 
-def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int | None = None,
-            min_time: float = 0.3, device: str = "cpu", fmt: str = "mxfp4") -> dict[str, float]:
+def measure(size_bytes: int, impl: str, threads: int, bits: int | None = None,
+            group: int | None = None, min_time: float = 0.3, device: str = "cpu",
+            fmt: str = "mxfp4") -> dict[str, float]:
+    """One row of `run`: ``bits``-bit codes (None: the format's `formats.Format.width`) in
+    groups of ``group`` (None: the format's default)."""
     torch.set_num_threads(threads)
+    bits = bits or FORMATS[fmt].width
     group = group or FORMATS[fmt].default_group
     n = size_bytes // 4
     src = torch.randn(n, device=device)
@@ -118,7 +123,7 @@ def measure(size_bytes: int, impl: str, threads: int, bits: int = 4, group: int 
             "decode_device_GBps": size_bytes / _device_time(decode) / 1e9}
     return {**on_device,
         "size_bytes": size_bytes, "impl": impl, "threads": threads, "device": device,
-        "format": fmt, "group": group,
+        "format": fmt, "group": group, "bits": bits,
         "copy_GBps": size_bytes / t_copy / 1e9,
         "encode_GBps": size_bytes / t_enc / 1e9,
         "decode_GBps": size_bytes / t_dec / 1e9,

@@ -68,6 +68,29 @@ def test_invalid_format_raises(kwargs, match):
         LocoConfig(**kwargs)
 
 
+@pytest.mark.parametrize("fmt", ["nvint3", "nvfp3"])
+def test_3_bit_codes_name_their_format(fmt):
+    """``LOCO_BITS=3`` takes "nvint3" or "nvfp3" (groups of 16, error feedback off by default
+    as NVFP4's, on where asked); "auto" takes no 3-bit format and names the two; param_bits
+    gathers (int codes) take no 3 bits."""
+    c = LocoConfig.from_env({"LOCO_BITS": "3", "LOCO_FORMAT": fmt})
+    assert (c.bits, c.wire_format, c.wire_group_size, c.wire_feedback) == (3, fmt, 16, False)
+    fed = LocoConfig.from_env({"LOCO_BITS": "3", "LOCO_FORMAT": fmt, "LOCO_FEEDBACK": "1"})
+    assert fed.wire_feedback is True
+    with pytest.raises(ValueError, match="format='auto'.*'nvint3' or 'nvfp3' with bits=3"):
+        LocoConfig.from_env({"LOCO_BITS": "3"})
+    with pytest.raises(ValueError, match=f"{fmt} codes are 3 bits"):
+        LocoConfig.from_env({"LOCO_BITS": "4", "LOCO_FORMAT": fmt})
+    with pytest.raises(ValueError, match="expected 'nvint3' or 'nvfp3' with bits=3 \\(int"):
+        LocoConfig(bits=3, format="int")
+    with pytest.raises(ValueError, match='"nearest" with format="' + fmt):
+        LocoConfig(bits=3, format=fmt, rounding="stochastic")
+    with pytest.raises(ValueError, match="param_bits=3.*one of 2, 4, 8"):
+        LocoConfig(bits=3, format=fmt, param_bits=3)
+    with pytest.raises(ValueError, match="bits=5.*one of 2, 3, 4, 8"):
+        LocoConfig(bits=5)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("bits", 3, "bits=3"), ("group_size", 100, "multiple of 8"), ("beta", 1.0, "beta"),
     ("beta", -0.1, "beta"), ("reset_interval", -1, "reset_interval"),

@@ -95,6 +95,7 @@ def _nvrtc_or_skip() -> None:
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a != "90" else a
                                   for a in ARCHS])
+@pytest.mark.timeout(600)  # every (format, width) instance: past 300 s on 2 busy cores
 def test_cuda_sources_compile_with_nvrtc_without_spills(arch):
     """The same source through NVRTC, as CuPy's RawModule compiles it at run time (no GPU is
     needed to compile for a named architecture), in a part per core (about 35 s on two cores

@@ -80,7 +80,8 @@ def _steady_state_call(world: int, numel: int, monkeypatch, fmt: str = "mxfp4") 
     out = torch.empty(numel, device="meta")
     m = -(-numel // world)
     for seq in range(3):
-        codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=seq,
+        codec = ShardCodec(bits=FORMATS[fmt].width, group_size=FORMATS[fmt].default_group,
+                           dtype_code=0, seq=seq,
                            world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS,
                            checksum=False)
         comp = CallCompressor(codec, store, "bucket", stats, error_dtype="int8", beta=0.8,
@@ -125,11 +126,12 @@ BUDGET = {2: dict(kernels=2, allocations=4, plan_allocations=1, host_to_device=0
                   synchronisations=0),
           4: dict(kernels=3, allocations=7, plan_allocations=1, host_to_device=0,
                   synchronisations=0)}
-"""Per steady-state compressed all-reduce of 1 Mi fp32 elements (MXFP4 or NVFP4, int8 error
-state, checksums off as on CUDA by default): today's counts, the most a change may leave."""
+"""Per steady-state compressed all-reduce of 1 Mi fp32 elements (MXFP4, NVFP4 or 3-bit nvint3,
+int8 error state, checksums off as on CUDA by default): today's counts, the most a change may
+leave."""
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "nvint3"])
 @pytest.mark.parametrize("planned", [False, True], ids=["job", "plan"])
 @pytest.mark.parametrize("world", sorted(BUDGET))
 def test_a_steady_state_cuda_all_reduce_stays_within_its_launch_budget(world, planned, fmt,

@@ -18,9 +18,10 @@ from lowbitcc.codec.shard_codec import ShardCodec
 
 WIRES = [("nvfp4", 4, None, "nearest"), ("int", 4, None, "stochastic"), ("mxfp4", 4, None, "nearest"),
          ("int", 4, None, "nearest"), ("int", 2, None, "nearest"), ("int", 8, None, "nearest"),
-         ("int", 4, 24, "nearest")]
+         ("int", 4, 24, "nearest"), ("nvint3", 3, None, "nearest"), ("nvfp3", 3, None, "nearest")]
 """(format, bits, group size (None: the format's default), rounding): a group of 24 takes the
-encode's whole-warp segments (24 / 8 lanes is no power of two)."""
+encode's whole-warp segments (24 / 8 lanes is no power of two); the 3-bit formats' lanes store
+and load their 3 code bytes byte by byte."""
 SLOW = pytest.mark.slow
 
 
@@ -237,8 +238,9 @@ def _expected_accesses(m: int, fmt: str, bits: int, group: int, dtype: torch.dty
     1152: as 1024. At every size every lane's codes in one word (a lane's 8 of the row's
     groups' codes, padding included): the codes start 16-byte aligned (`wire.CODES_ALIGN`;
     before wire format 6, NVFP4's at 1003 and 1152 and 8-bit codes at 1152 started off their
-    word and went byte by byte)."""
+    word and went byte by byte). 3-bit codes: 3 bytes a lane, byte by byte at every size."""
     chunks, lanes = 3 * m // 8, 3 * wire.ngroups(m, group) * group // 8
+    lanes = lanes if bits % 2 == 0 else 0
     if m == 1003:
         source = 0 if not aligned and dtype != torch.float32 else 125
         return {"source loads": source, "code stores": lanes, "code loads": 0,
@@ -249,10 +251,10 @@ def _expected_accesses(m: int, fmt: str, bits: int, group: int, dtype: torch.dty
 
 def _access_cases() -> list:
     """(wire, dtype, aligned): every dtype with the default format and every code width with
-    fp32, aligned or not; the other pairs with ``-m slow``."""
-    return [pytest.param(wire, dtype, aligned, marks=() if wire == WIRES[0] or dtype == DTYPES[0]
-                         else SLOW)
-            for wire in (WIRES[0], WIRES[2], WIRES[4], WIRES[5]) for dtype in DTYPES
+    fp32, aligned or not; the other pairs, and 3-bit codes, with ``-m slow``."""
+    return [pytest.param(wire, dtype, aligned, marks=() if wire[1] != 3 and (
+                wire == WIRES[0] or dtype == DTYPES[0]) else SLOW)
+            for wire in (WIRES[0], WIRES[2], WIRES[4], WIRES[5], WIRES[7]) for dtype in DTYPES
             for aligned in (True, False)]
 
 
@@ -264,7 +266,7 @@ def test_the_encode_reads_its_source_in_16_byte_loads_and_writes_codes_in_words(
     element), 1003-element rows (some rows' chunks aligned, the row ends element by element),
     messages whose scales end off a word (NVFP4 at 1003: 67 scale bytes; int at 1152: 9 groups
     of 128, 36 bytes) and whose codes start aligned all the same (the field's padding), MXFP4,
-    NVFP4, 2- and 8-bit codes: the C++
+    NVFP4, 2-, 3- and 8-bit codes: the C++
     codec's bytes; and `decode_into` of them (`load_codes`: the codes of a chunk in one load
     where aligned) its values. The harness counts the vector accesses (`_expected_accesses`)."""
     fmt, bits, group, rounding = wire_case

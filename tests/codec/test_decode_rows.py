@@ -99,7 +99,8 @@ def _cupy_or_skip() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,bits", [("mxfp4", 4), ("nvfp4", 4), ("int", 4), ("int", 8)])
+@pytest.mark.parametrize("fmt,bits", [("mxfp4", 4), ("nvfp4", 4), ("int", 4), ("int", 8),
+                                      ("nvint3", 3), ("nvfp3", 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("world,numel", [(2, 2000), (2, 200_001), (3, 3001)])
 @pytest.mark.parametrize("foreign", [False, True], ids=["own", "foreign"])

@@ -140,7 +140,8 @@ def _two_ways(codec: ShardCodec, received: torch.Tensor, m: int, shard: int,
 @pytest.mark.parametrize("fmt,bits,error_dtype,rounding", [
     ("mxfp4", 4, "int8", "nearest"), ("nvfp4", 4, None, "nearest"),
     ("nvfp4", 4, "bf16", "nearest"), ("int", 4, "fp32", "nearest"),
-    ("int", 8, "int8", "nearest"), ("int", 4, "int8", "stochastic")])
+    ("int", 8, "int8", "nearest"), ("int", 4, "int8", "stochastic"),
+    ("nvint3", 3, "int8", "nearest"), ("nvfp3", 3, None, "nearest")])
 @pytest.mark.parametrize("world,m", [(3, 1000), (4, 100_003), (8, 4096)])
 @pytest.mark.parametrize("foreign", [False, True], ids=["own", "foreign"])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lowbitcc.codec import cpu
 from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.codec.kernels import select
 from lowbitcc.codec.shard_codec import ShardCodec
 from lowbitcc.tools.selftest import same_bits
@@ -153,7 +154,7 @@ SCALES = [3.0, 0.0, 1e-39, 1e-30, 1e37]
 @given(
     rows=st.integers(1, 3), groups=st.integers(1, 24), tail=st.sampled_from([0, 0, 0, 5, 77]),
     wire=st.sampled_from([(2, "int", 128), (4, "int", 128), (8, "int", 128), (4, "mxfp4", 32),
-                          (4, "nvfp4", 16)]),
+                          (4, "nvfp4", 16), (3, "nvint3", 16), (3, "nvfp3", 16)]),
     error_dtype=st.sampled_from([None, "int8", "fp32"]),
     with_state=st.booleans(), beta=st.sampled_from([0.0, 0.5, 0.8]),
     factor=st.sampled_from([1.0, 1 / 3]), scale=st.sampled_from(SCALES),
@@ -166,11 +167,11 @@ def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, wire, err
                                                    poison, seed):
     """The explicit-SIMD encode (fp32, nearest rounding, no/int8/fp32 state; see cpu_encode.h:
     AVX-512, or AVX2 for 4 and 8 bits, on int codes of group 128; AVX2 on MXFP4 blocks of four
-    groups of 32 and NVFP4 blocks of 16 groups of 16, whose unit ``groups`` counts here) gives
-    the reference's bytes over three chained calls, so the LoCo blend runs on a state the
-    kernel itself wrote."""
+    groups of 32 and NVFP4 blocks of 16 groups of 16, whose unit ``groups`` counts here; the
+    3-bit formats' whole blocks, which take the portable loops) gives the reference's bytes
+    over three chained calls, so the LoCo blend runs on a state the kernel itself wrote."""
     bits, fmt, group = wire
-    unit = {"int": 128, "mxfp4": 4 * 32, "nvfp4": 16 * 16}[fmt]
+    unit = {"int": 128, "mxfp4": 4 * 32}.get(fmt, 16 * 16)
     gen = torch.Generator().manual_seed(seed)
     m = groups * unit + tail
     x = torch.randn(rows * m, generator=gen) * scale
@@ -194,7 +195,8 @@ def test_cpu_vector_path_matches_reference_bitwise(rows, groups, tail, wire, err
 
 
 FP4_GROUPS = [("mxfp4", 8), ("mxfp4", 32), ("mxfp4", 32), ("mxfp4", 128), ("nvfp4", 16),
-              ("nvfp4", 16)]
+              ("nvfp4", 16), ("nvint3", 16), ("nvfp3", 16)]
+"""The formats of byte scales and grid fields (the 3-bit ones among them) and their groups."""
 
 
 @given(
@@ -208,11 +210,11 @@ FP4_GROUPS = [("mxfp4", 8), ("mxfp4", 32), ("mxfp4", 32), ("mxfp4", 128), ("nvfp
 @settings(max_examples=400, deadline=None)
 def test_cpu_fp4_formats_match_reference_bitwise(rows, m, wire, dtype, error_dtype, with_state,
                                                  beta, factor, scale, poison, ties, spread, seed):
-    """MXFP4 and NVFP4 encode and decode in C++ give the reference's bytes over three chained
-    calls: any (MXFP4) group size, source dtype and error storage, magnitudes from zero and
-    subnormal to the top of fp32, groups of magnitudes 2^40 apart within one NVFP4 block
-    (``spread``: E4M3 subnormal and clamped scales), and inputs on E2M1's rounding ties
-    (multiples of 1/4 of a power of two)."""
+    """MXFP4, NVFP4 and the 3-bit nvint3 and nvfp3 encode and decode in C++ give the
+    reference's bytes over three chained calls: any (MXFP4) group size, source dtype and error
+    storage, magnitudes from zero and subnormal to the top of fp32, groups of magnitudes 2^40
+    apart within one block (``spread``: E4M3 subnormal and clamped scales), and inputs on the
+    grids' rounding ties (multiples of 1/4 of a power of two: E2M1's, int3's and E2M0's)."""
     fmt, group = wire
     gen = torch.Generator().manual_seed(seed)
     numel = rows * m
@@ -225,7 +227,7 @@ def test_cpu_fp4_formats_match_reference_bitwise(rows, m, wire, dtype, error_dty
         x = x * torch.exp2(torch.randint(-40, 1, (numel // 16 + 1,), generator=gen).float()
                            ).repeat_interleave(16)[:numel]
     x = x.to(dtype)
-    ref, ker = _codecs(4, group, fmt=fmt)
+    ref, ker = _codecs(FORMATS[fmt].width, group, fmt=fmt)
     state_a = state_b = None
     if error_dtype and with_state:
         state_a = ErrorState.encode(torch.randn(rows * ref.padded(m), generator=gen) * 0.1,
@@ -251,7 +253,8 @@ def test_cpu_fp4_formats_match_reference_bitwise(rows, m, wire, dtype, error_dty
 
 @given(
     k=st.integers(1, 5), m=st.integers(1, 700), wire=st.sampled_from(
-        [(2, "int"), (4, "int"), (8, "int"), (4, "mxfp4"), (4, "nvfp4")]),
+        [(2, "int"), (4, "int"), (8, "int"), (4, "mxfp4"), (4, "nvfp4"), (3, "nvint3"),
+         (3, "nvfp3")]),
     group=st.sampled_from([8, 32, 128]), poison=st.sampled_from([None, None, "nan", "inf"]),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -262,7 +265,7 @@ def test_cpu_decode_sum_of_distinct_messages_matches_reference_bitwise(k, m, wir
     possibly non-finite) gives the reference's fp32 sum bit for bit: every row is decoded with
     its own scales and the rows are summed in order, tails included."""
     gen = torch.Generator().manual_seed(seed)
-    group = 16 if wire[1] == "nvfp4" else group
+    group = 16 if FORMATS[wire[1]].fixed_group else group
     ref, ker = _codecs(wire[0], group, fmt=wire[1])
     rows = []
     for r in range(k):
@@ -304,7 +307,7 @@ def test_decode_sum_rejects_an_unfit_output(impl, bad):
 
 @pytest.mark.parametrize("wire", [(b, f, g) for b, f in [(2, "int"), (4, "int"), (8, "int"),
                                                          (4, "mxfp4")] for g in (8, 32, 128)]
-                         + [(4, "nvfp4", 16)])
+                         + [(4, "nvfp4", 16), (3, "nvint3", 16), (3, "nvfp3", 16)])
 @pytest.mark.parametrize("m", [1, 127, 128, 1000, 4100])
 def test_encode_writes_every_byte_of_its_output(wire, m):
     """Messages are allocated uninitialised (or given by the caller): a buffer full of a junk

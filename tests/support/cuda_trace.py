@@ -108,14 +108,15 @@ def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
               ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
-    kernels, 4 bits, ``fmt``'s default group, checksums off; ``graphs``: ``call_graphs``,
+    kernels, ``fmt``'s width and default group, checksums off; ``graphs``: ``call_graphs``,
     ``replay`` False: every run eager), its transfers metered into ``stats`` (default `state.STATS`
     now) as `transports.open_nccl_links`' are, its
     NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output.
     ``node_size`` > 0: the hierarchical schedule over nodes of that many ranks (rank 0's node and
     rail links recorded in ``work`` too). The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
-    codec = ShardCodec(bits=4, group_size=FORMATS[fmt].default_group, dtype_code=0, seq=0,
+    codec = ShardCodec(bits=FORMATS[fmt].width, group_size=FORMATS[fmt].default_group,
+                       dtype_code=0, seq=0,
                        world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
     transport = MeteredTransport(NcclTransport(RecordingGroup(work, 0, world)),  # as on a GPU
                                  state.STATS if stats is None else stats)

@@ -35,12 +35,14 @@ def codec_step(config=None) -> tuple[int, float]:
     error of at most half E2M1's widest gap (4 to 6), 1, times a scale of at most ``amax / 3``:
     a power of two under ``amax / 3`` for MXFP4; for NVFP4 ``amax / 6`` rounded up to E4M3, at
     most ``amax * 1.125 / 6`` while the scale is a normal E4M3 number, as it is for groups
-    whose amax is at least ``2**-13`` of their block's largest, every group of the tests' inputs)."""
+    whose amax is at least ``2**-13`` of their block's largest, every group of the tests' inputs).
+    nvint3 and nvfp3: ``q = 1.5`` too (half their widest gap, 1/2 or 1, times ``amax / 3`` or
+    ``amax / 4`` rounded up: at most ``0.1875 * amax`` or ``0.28125 * amax``)."""
     import lowbitcc
     from lowbitcc.codec import reference
 
     cfg = config or lowbitcc.LocoConfig.from_env()
-    q = 1.5 if cfg.wire_format in reference.FP4_FORMATS else float(reference.qmax(cfg.bits))
+    q = 1.5 if cfg.wire_format != "int" else float(reference.qmax(cfg.bits))
     return cfg.wire_group_size, q
 
 

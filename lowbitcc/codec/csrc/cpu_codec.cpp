@@ -3,8 +3,8 @@
 //
 // encode: checks the Python EncodeArgs' buffers against the shapes they imply, then encodes
 //   (cpu_encode.h: compensate, quantize, pack codes and scales, update the error).
-// decode_sum: decode k messages of one shard and sum them in fp32 in row order (with AVX2, 4-
-//   and 8-bit codes 8 at a time, the sum held in a register).
+// decode_sum: decode k messages of one shard and sum them in fp32 in row order (with AVX2, 3-,
+//   4- and 8-bit codes 8 at a time, the sum held in a register; 2-bit codes group by group).
 // decode_into: decode k messages (row r = elements r*m ...) and write them, cast, into `out`.
 //
 // Shapes: the source is a flat tensor of `numel` elements seen as `rows` rows of `m` elements
@@ -43,6 +43,13 @@ void check_buffer(const at::Tensor& t, at::ScalarType dtype, int64_t numel, cons
   TORCH_CHECK(t.numel() == numel, what, " holds ", t.numel(), " elements, expected ", numel);
 }
 
+// Whether format `fmt` (any integer) is a loco::Format that carries `bits`-bit codes: int codes
+// are 2, 4 or 8 bits wide, the other formats' are their grid's fields (lowbitcc/codec/formats.py).
+bool takes_bits(int64_t fmt, int64_t bits) {
+  if (fmt == kInt) return bits == 2 || bits == 4 || bits == 8;
+  return fmt > kInt && fmt <= kNvFp3 && bits == loco::grid((int)fmt).bits;
+}
+
 // One encode; `args` is a lowbitcc.codec.interface.EncodeArgs. Every buffer is checked against
 // the shapes the arguments imply before anything is written.
 void encode(const py::object& args) {
@@ -57,10 +64,10 @@ void encode(const py::object& args) {
   const int64_t bits = args.attr("bits").cast<int64_t>();
   a.mode = args.attr("mode").cast<int32_t>();
   a.format = args.attr("format_code").cast<int32_t>();
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
-  TORCH_CHECK(a.format == kInt || a.format == kMx || a.format == kNv, "unknown code format ",
-              a.format);
-  TORCH_CHECK(a.format != kNv || a.G == loco::kNvGroup, "nvfp4 groups are 16 elements");
+  TORCH_CHECK(takes_bits(a.format, bits), "unknown code format ", a.format, " for ", bits,
+              " bits");
+  TORCH_CHECK(!is_nv(a.format) || a.G == loco::kNvGroup,
+              "nvfp4, nvint3 and nvfp3 groups are 16 elements");
   TORCH_CHECK(a.G > 0 && a.G % 8 == 0, "group size must be a positive multiple of 8");
   TORCH_CHECK(a.rows >= 0 && a.m >= 0, "rows and m must be >= 0");
   TORCH_CHECK(a.mode >= kNoError && a.mode <= kBf16, "unknown error mode ", a.mode);
@@ -102,8 +109,7 @@ void encode(const py::object& args) {
   a.beta = (float)beta;
   a.omb = (float)(1.0 - beta);
   a.stochastic = args.attr("stochastic").cast<bool>();
-  TORCH_CHECK(a.format == kInt || (bits == 4 && !a.stochastic),
-              "mxfp4 and nvfp4 codes are 4 bits wide, rounded to nearest");
+  TORCH_CHECK(a.format == kInt || !a.stochastic, "only int codes round stochastically");
   a.k0 = args.attr("k0").cast<uint32_t>();
   a.k1 = args.attr("k1").cast<uint32_t>();
   const int threads = args.attr("threads").cast<int>();
@@ -125,7 +131,7 @@ struct E4m3Values {
 };
 const E4m3Values kE4m3;
 
-// loco::fp4_wire_scale, NVFP4's E4M3 value from the table.
+// loco::fp4_wire_scale (MXFP4's, and every is_nv format's), the E4M3 value from the table.
 inline float fp4_scale(const uint8_t* scales, int64_t ng, int64_t gcol, int fmt) {
   if (fmt == kMx) return loco::e8m0_scale(scales[gcol]);
   return kE4m3.v[scales[gcol]] * loco::e8m0_scale(scales[ng + gcol / loco::kNvBlock]);
@@ -142,21 +148,37 @@ inline __m256i fields4x8(const uint8_t* p) {
                           _mm256_set1_epi32(15));
 }
 
+// The 8 3-bit fields of the 3 bytes at p (field k in bits 3k .. 3k + 2 of the little-endian
+// word), one per 32-bit lane, in order.
+inline __m256i fields3x8(const uint8_t* p) {
+  const uint32_t word = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                                            _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21)),
+                          _mm256_set1_epi32(7));
+}
+
 // The values of elements j .. j + 7 of one group whose packed codes start at `packed`, times
 // the group's scale s, as loco::dequantize_one (int codes: the integer code, converted exactly)
-// or loco::fp4_dequantize (MXFP4: the magnitude from the 8 E2M1 values held in a register, the
-// field's sign bit moved onto it; negation commutes exactly with the product) compute them.
-// 4- and 8-bit int codes, 4-bit MXFP4.
+// or loco::field_value (MXFP4, NVFP4: the magnitude from the 8 E2M1 values held in a register,
+// the field's sign bit moved onto it; negation commutes exactly with the product; the 3-bit
+// formats: the field's signed magnitude, the grid's 4 and their negatives in a register)
+// compute them. 4- and 8-bit int codes, 4-bit MXFP4 and NVFP4, 3-bit nvint3 and nvfp3.
 template <int BITS, int FMT>
 inline __m256 values8(const uint8_t* packed, int j, __m256 s) {
   const __m256i f =
-      BITS == 4 ? fields4x8(packed + j / 2)
-                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j)));
-  if constexpr (is_fp4(FMT)) {
-    const __m256 e2m1 = _mm256_setr_ps(loco::e2m1_value(0), loco::e2m1_value(1),
-                                       loco::e2m1_value(2), loco::e2m1_value(3),
-                                       loco::e2m1_value(4), loco::e2m1_value(5),
-                                       loco::e2m1_value(6), loco::e2m1_value(7));
+      BITS == 4   ? fields4x8(packed + j / 2)
+      : BITS == 3 ? fields3x8(packed + j * 3 / 8)
+                  : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j)));
+  if constexpr (is_grid(FMT) && BITS == 3) {
+    constexpr loco::Grid g = loco::grid(FMT);
+    static_assert(loco::grid_sign(g) == 4u, "fields of 2 index bits and a sign bit");
+    const __m256 signed_values = _mm256_setr_ps(g.mag[0], g.mag[1], g.mag[2], g.mag[3],
+                                                -g.mag[0], -g.mag[1], -g.mag[2], -g.mag[3]);
+    return _mm256_mul_ps(_mm256_permutevar8x32_ps(signed_values, f), s);
+  } else if constexpr (is_fp4(FMT)) {
+    constexpr loco::Grid g = loco::grid(FMT);
+    const __m256 e2m1 = _mm256_setr_ps(g.mag[0], g.mag[1], g.mag[2], g.mag[3], g.mag[4],
+                                       g.mag[5], g.mag[6], g.mag[7]);
     const __m256 sign = _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_and_si256(f, _mm256_set1_epi32(8)), 28));
     return _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(e2m1, f), sign), s);
@@ -176,7 +198,7 @@ void decode_sum_group(const uint8_t* msgs, int64_t k, int64_t P, int64_t ng, int
       loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + gcol * G * BITS / 8;
   for (int64_t r = 0; r < k; ++r) {
     const uint8_t* msg = msgs + r * P;
-    if constexpr (is_fp4(FMT)) {
+    if constexpr (is_grid(FMT)) {
       scales[r] = fp4_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
     } else {
       std::memcpy(scales + r, msg + loco::kHeaderBytes + 4 * gcol, sizeof(float));
@@ -238,6 +260,39 @@ inline void decode_group_bits(const uint8_t* msg, int64_t ng, int64_t gcol, int 
 }
 
 #if !defined(__AVX2__)
+// The signed values of the 8 fields of a 3-bit format's grid (loco::field_value with scale 1).
+struct SignedGrid {
+  float v[8];
+  explicit SignedGrid(int fmt) {
+    for (int field = 0; field < 8; ++field) v[field] = loco::field_value((uint32_t)field, 1.0f, fmt);
+  }
+};
+const SignedGrid kNvInt3Values(kNvInt3), kNvFp3Values(kNvFp3);
+#endif
+
+// Decodes group gcol of one message in a 3-bit is_nv format FMT (nvint3, nvfp3) into v[0..G)
+// (G = kNvGroup): each 8 codes are the 3 bytes of one little-endian word, element k at bit 3k,
+// each field's value times the scale, as loco::field_value computes it; with AVX2 8 at a time
+// (values8), otherwise from a table of the signed values (x * 1 is exact: the same values).
+template <int FMT>
+inline void decode_group_3bit(const uint8_t* msg, int64_t ng, int64_t gcol, int G, float* v) {
+  const float scale = fp4_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+  const uint8_t* packed =
+      msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + gcol * G * 3 / 8;
+#if defined(__AVX2__)
+  for (int j = 0; j < G; j += 8)
+    _mm256_storeu_ps(v + j, values8<3, FMT>(packed, j, _mm256_set1_ps(scale)));
+#else
+  const SignedGrid& values = FMT == kNvInt3 ? kNvInt3Values : kNvFp3Values;
+  for (int c = 0; c < G / 8; ++c) {
+    const uint32_t word = (uint32_t)packed[3 * c] | (uint32_t)packed[3 * c + 1] << 8 |
+                          (uint32_t)packed[3 * c + 2] << 16;
+    for (int k = 0; k < 8; ++k) v[8 * c + k] = values.v[(word >> (3 * k)) & 7u] * scale;
+  }
+#endif
+}
+
+#if !defined(__AVX2__)
 // The signed E2M1 values of both fields of every byte (loco::fp4_dequantize with scale 1).
 struct Fp4Pairs {
   float v[256][2];
@@ -272,6 +327,8 @@ inline void decode_group_fp4(const uint8_t* msg, int64_t ng, int64_t gcol, int G
 inline void decode_group(const uint8_t* msg, int64_t ng, int64_t gcol, int bits, int fmt, int G,
                          float* v) {
   if (is_fp4(fmt)) decode_group_fp4(msg, ng, gcol, G, fmt, v);
+  else if (fmt == kNvInt3) decode_group_3bit<kNvInt3>(msg, ng, gcol, G, v);
+  else if (fmt == kNvFp3) decode_group_3bit<kNvFp3>(msg, ng, gcol, G, v);
   else if (bits == 4) decode_group_bits<4>(msg, ng, gcol, G, v);
   else if (bits == 8) decode_group_bits<8>(msg, ng, gcol, G, v);
   else decode_group_bits<2>(msg, ng, gcol, G, v);
@@ -288,10 +345,10 @@ bool rows_contiguous(const at::Tensor& messages) {
 void check_messages(const at::Tensor& messages, int64_t m, int64_t bits, int64_t fmt,
                     int64_t G) {
   TORCH_CHECK(rows_contiguous(messages), "messages must be a 2-D uint8 CPU tensor of contiguous rows");
-  TORCH_CHECK(fmt == kInt || (is_fp4((int)fmt) && bits == 4), "unknown code format ", fmt,
-              " for ", bits, " bits");
+  TORCH_CHECK(takes_bits(fmt, bits), "unknown code format ", fmt, " for ", bits, " bits");
   TORCH_CHECK(G > 0 && G % 8 == 0, "group size must be a positive multiple of 8");
-  TORCH_CHECK(fmt != kNv || G == loco::kNvGroup, "nvfp4 groups are 16 elements");
+  TORCH_CHECK(!is_nv((int)fmt) || G == loco::kNvGroup,
+              "nvfp4, nvint3 and nvfp3 groups are 16 elements");
   const int64_t ng = (m + G - 1) / G;
   TORCH_CHECK(messages.size(1) >= loco::kHeaderBytes + loco::scale_field_bytes(ng, (int)fmt) +
                   ng * G * bits / 8,
@@ -310,9 +367,11 @@ at::Tensor decode_sum(const at::Tensor& messages, int64_t m, int64_t bits, int64
   float* o = out.data_ptr<float>();
   const uint8_t* msgs = messages.data_ptr<uint8_t>();
 #if defined(__AVX2__)
-  if (bits == 4 || bits == 8) {
+  if (bits == 3 || bits == 4 || bits == 8) {
     const auto all = fmt == kMx ? decode_sum_groups<4, kMx>
                      : fmt == kNv ? decode_sum_groups<4, kNv>
+                     : fmt == kNvInt3 ? decode_sum_groups<3, kNvInt3>
+                     : fmt == kNvFp3 ? decode_sum_groups<3, kNvFp3>
                      : bits == 4 ? decode_sum_groups<4, kInt> : decode_sum_groups<8, kInt>;
     all(msgs, k, P, m, ng, (int)G, o, (int)threads);
     return out;

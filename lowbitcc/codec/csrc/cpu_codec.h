@@ -21,6 +21,8 @@ namespace lowbitcc_cpu {
 
 using loco::EncodeArgs;
 using loco::is_fp4;
+using loco::is_grid;
+using loco::is_nv;
 constexpr int kNoError = loco::kErrorNone;
 constexpr int kInt8 = loco::kErrorInt8;
 constexpr int kFp32 = loco::kErrorFp32;
@@ -28,6 +30,8 @@ constexpr int kBf16 = loco::kErrorBf16;
 constexpr int kInt = loco::kFormatInt;
 constexpr int kMx = loco::kFormatMxfp4;
 constexpr int kNv = loco::kFormatNvfp4;
+constexpr int kNvInt3 = loco::kFormatNvint3;
+constexpr int kNvFp3 = loco::kFormatNvfp3;
 
 #if defined(LOCO_AVX512)
 constexpr const char* kVectorPath = "avx512";

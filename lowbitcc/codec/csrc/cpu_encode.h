@@ -5,12 +5,15 @@
 //
 // encode: one pass per group of G elements: read the source (fp32/bf16/fp16, times `factor`),
 //   add the stored error, group max, quantize, pack codes and the scale (fp32, or an E8M0 byte
-//   for MXFP4, or an E4M3 byte for NVFP4, whose block of 16 groups is read before its E8M0
-//   byte is known: encode_nv_block) straight into the message rows, LoCo-update the error and
-//   store it back (int8 + scale, fp32 or bf16) in place. The explicit AVX-512 path covers int
-//   codes with G = 128; the AVX2 path those where the build has no AVX-512, and on every AVX2
-//   build MXFP4 with G = 32 (four groups a call, encode_block) and NVFP4 (a block of 16 groups
-//   a call); everything else runs the portable loops.
+//   for MXFP4, or an E4M3 byte for the is_nv formats, NVFP4 and the 3-bit ones, whose block of
+//   16 groups is read before its E8M0 byte is known: encode_nv_block) straight into the message
+//   rows, LoCo-update the error and store it back (int8 + scale, fp32 or bf16) in place. The
+//   explicit AVX-512 path covers int codes with G = 128; the AVX2 path those where the build has
+//   no AVX-512, and on every AVX2 build MXFP4 with G = 32 (four groups a call, encode_block)
+//   and the is_nv formats, NVFP4 and the 3-bit nvint3 and nvfp3 (a block of 16 groups a call,
+//   their grid read from loco::grid); everything else runs the portable loops (whose quantize
+//   loop the compiler vectorizes: quantize_group; 3-bit codes are packed by a scalar loop,
+//   pack_codes).
 //
 // Shapes: the source is a flat tensor of `numel` elements seen as `rows` rows of `m` elements
 // (element r*m + j; indices >= numel read as 0). ng = ceil(m / G) groups per row, mp = ng * G.
@@ -70,28 +73,41 @@ inline float group_amax(const float* v, int G) {
   return amax;
 }
 
-// Packs G codes (G a multiple of 8) into G * BITS / 8 bytes (MXFP4 codes are their fields).
+// Packs G codes (G a multiple of 8) into G * BITS / 8 bytes, element j at bit BITS * j (the
+// codes of an is_grid format are their fields, int codes go as code_to_field): a byte of
+// 8 / BITS fields at a time where whole fields fill a byte (2, 4 and 8 bits), else every 8
+// codes as the BITS bytes of one little-endian word (3 bits: a group of 16 in 6 bytes).
 template <int BITS, int FMT>
 inline void pack_codes(const int8_t* codes, int G, uint8_t* out) {
-  constexpr int kPer = 8 / BITS;
-  for (int b = 0; b < G / kPer; ++b) {
-    uint32_t byte = 0;
-    for (int k = 0; k < kPer; ++k)
-      byte |= (is_fp4(FMT) ? (uint32_t)codes[b * kPer + k]
-                          : loco::code_to_field(codes[b * kPer + k], BITS)) << (BITS * k);
-    out[b] = (uint8_t)byte;
+  const auto field = [](int8_t code) {
+    return is_grid(FMT) ? (uint32_t)code : loco::code_to_field(code, BITS);
+  };
+  if constexpr (8 % BITS == 0) {
+    constexpr int kPer = 8 / BITS;
+    for (int b = 0; b < G / kPer; ++b) {
+      uint32_t byte = 0;
+      for (int k = 0; k < kPer; ++k) byte |= field(codes[b * kPer + k]) << (BITS * k);
+      out[b] = (uint8_t)byte;
+    }
+  } else {
+    for (int c = 0; c < G / 8; ++c) {
+      uint64_t word = 0;
+      for (int k = 0; k < 8; ++k) word |= (uint64_t)field(codes[8 * c + k]) << (BITS * k);
+      for (int b = 0; b < BITS; ++b) out[BITS * c + b] = (uint8_t)(word >> (8 * b));
+    }
   }
 }
 
 // The scale of a group whose max |y| is amax, in format FMT (loco::group_scale for int codes,
 // loco::mx_scale for MXFP4, whose scale is 2^-k with inv exact, loco::nv_scale under the block
-// byte `block` for NVFP4, whose codes need no inv), written into slot gcol of the scales of
-// its message row. A non-finite group's slot gets NaN (int), 0xFF (MXFP4) or 0x7F (NVFP4).
+// byte `block` for the is_nv formats, whose codes need no inv), written into slot gcol of the
+// scales of its message row. A non-finite group's slot gets NaN (int), 0xFF (MXFP4) or 0x7F
+// (is_nv).
 template <int BITS, int FMT>
 inline loco::GroupScale store_scale(float amax, uint8_t* row_msg, int64_t gcol,
                                     uint32_t block = 0) {
-  if constexpr (FMT == kNv) {
-    const loco::ByteScale s = loco::nv_scale(amax, block);
+  if constexpr (is_nv(FMT)) {
+    const loco::ByteScale s = loco::nv_scale(amax, block, FMT);
     row_msg[loco::kHeaderBytes + gcol] = (uint8_t)s.byte;
     return {s.scale, s.inv, s.finite};
   } else if constexpr (FMT == kMx) {
@@ -121,7 +137,7 @@ inline int update_case(const EncodeArgs& a) {
 }
 
 // Quantizes the G compensated values y of a finite group (format FMT, scale s) into codes
-// (MXFP4: fields), writes the residuals to r and replaces e by the new
+// (is_grid formats: fields), writes the residuals to r and replaces e by the new
 // error (per UPDATE). Adds the squared residual and the squared y, in fp64 per lane, to rs and
 // is (statistics only: their summation order differs from the reference's).
 template <int FMT, bool SR, int UPDATE>
@@ -134,9 +150,9 @@ inline void quantize_group(const float* __restrict y, float* __restrict e, float
   for (int j = 0; j < G; ++j) {
     const float v = y[j];
     float t;
-    if constexpr (FMT == kNv) {
-      t = loco::nv_code(v, scale);
-      codes[j] = (int8_t)loco::nv_field(v, scale);
+    if constexpr (is_nv(FMT)) {
+      t = loco::nv_code(v, scale, FMT);
+      codes[j] = (int8_t)loco::nv_field(v, scale, FMT);
     } else if constexpr (FMT == kMx) {
       t = loco::fp4_code(v, inv);
       codes[j] = (int8_t)loco::fp4_field(v, inv);
@@ -479,9 +495,24 @@ LOCO_VEC_INLINE __m256i bytes32(const __m256i* f) {
 }
 
 // Writes the 32 BITS-bit fields of f[0..3] (one per 32-bit lane, already in range) in lane
-// order: 32 bytes (8 bits) or 16 (4 bits, the even lane in the low nibble).
+// order: 32 bytes (8 bits), 16 (4 bits, the even lane in the low nibble) or 12 (3 bits, each
+// register's 8 fields the 3 bytes of one little-endian word, field k at bit 3k).
 template <int BITS>
 LOCO_VEC_INLINE void pack32_fields(const __m256i* f, uint8_t* out) {
+  if constexpr (BITS == 3) {
+    // lane k shifted to bit 3k, then each register's lanes summed (their bits do not overlap):
+    // two rounds of pairwise sums leave register i's halves in lane i of each 128-bit half
+    const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    __m256i s[4];
+    for (int i = 0; i < 4; ++i) s[i] = _mm256_sllv_epi32(f[i], shifts);
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
+                                        _mm256_hadd_epi32(s[2], s[3]));
+    alignas(16) uint32_t words[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(words),
+                    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    for (int i = 0; i < 4; ++i) std::memcpy(out + 3 * i, words + i, 3);  // little-endian
+    return;
+  }
   const __m256i bytes = bytes32<false>(f);
   if (BITS == 8) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
@@ -649,29 +680,38 @@ LOCO_VEC_INLINE bool try_encode_block(const T* x, const EncodeArgs& a, int64_t g
   }
 }
 
-// loco::nv_code and loco::nv_field of the 8 values y of a finite NVFP4 group whose midpoints
-// times its scale are mid[0..6] (0.25 S, 0.75 S, ..., 5 S): the index counts the midpoints below
-// |y| (> on the even ones, >= on the odd ones: ties to the even index), the value is E2M1's at
-// the index with y's sign, the field's sign bit is set for y < 0 with a non-zero index.
-LOCO_VEC_INLINE __m256 nv_code(__m256 y, const __m256 (&mid)[7], __m256i* field) {
+// The grid of an is_nv format FMT (loco::grid), which the vector block encode below reads, and
+// its count of midpoints (7 for NVFP4's E2M1, 3 for the 3-bit grids).
+template <int FMT>
+constexpr loco::Grid kNvGrid = loco::grid(FMT);
+template <int FMT>
+constexpr int kNvMids = loco::grid_levels(kNvGrid<FMT>) - 1;
+
+// loco::nv_code and loco::nv_field of the 8 values y of a finite group of an is_nv format FMT
+// whose midpoints times its scale are mid[...] (NVFP4: 0.25 S, 0.75 S, ..., 5 S): the index
+// counts the midpoints below |y| (> on the even ones, >= on the odd ones: ties to the even
+// index), the value is the grid's at the index (its magnitudes in one register) with y's sign,
+// the field's sign bit (bit 3 of NVFP4's, bit 2 of the 3-bit formats') is set for y < 0 with a
+// non-zero index.
+template <int FMT>
+LOCO_VEC_INLINE __m256 nv_code(__m256 y, const __m256 (&mid)[kNvMids<FMT>], __m256i* field) {
+  constexpr loco::Grid g = kNvGrid<FMT>;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 a = _mm256_andnot_ps(sign, y);
   __m256i index = _mm256_setzero_si256();
-  for (int k = 0; k < 7; ++k)
+  for (int k = 0; k < kNvMids<FMT>; ++k)
     index = _mm256_sub_epi32(index, _mm256_castps_si256(_mm256_cmp_ps(
                                         a, mid[k], k % 2 ? _CMP_GE_OQ : _CMP_GT_OQ)));
-  const __m256 e2m1 = _mm256_setr_ps(loco::e2m1_value(0), loco::e2m1_value(1),
-                                     loco::e2m1_value(2), loco::e2m1_value(3),
-                                     loco::e2m1_value(4), loco::e2m1_value(5),
-                                     loco::e2m1_value(6), loco::e2m1_value(7));
+  const __m256 magnitudes = _mm256_setr_ps(g.mag[0], g.mag[1], g.mag[2], g.mag[3], g.mag[4],
+                                           g.mag[5], g.mag[6], g.mag[7]);
   const __m256 y_sign = _mm256_and_ps(sign, y);
-  // the sign bit moved to bit 3, where the index is not 0 (|y| above the first midpoint)
+  // the sign bit moved to the field's, where the index is not 0 (|y| above the first midpoint)
   const __m256i negative = _mm256_and_si256(
-      _mm256_srli_epi32(_mm256_castps_si256(y_sign), 28),
+      _mm256_srli_epi32(_mm256_castps_si256(y_sign), 32 - g.bits),
       _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, mid[0], _CMP_GT_OQ)),
-                       _mm256_set1_epi32(8)));
+                       _mm256_set1_epi32(static_cast<int>(loco::grid_sign(g)))));
   *field = _mm256_or_si256(index, negative);
-  return _mm256_or_ps(_mm256_permutevar8x32_ps(e2m1, index), y_sign);
+  return _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, index), y_sign);
 }
 
 // The max |v| of 8 groups of two registers each (g[k][0..1], the sign-cleared bit patterns, as
@@ -691,10 +731,13 @@ LOCO_VEC_INLINE __m256i group_max_bits8(const __m256 (*g)[2]) {
                           _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// loco::nv_scale of 8 finite groups (their max |y| bit patterns `top`) under block byte
-// `block`: the E4M3 bytes into `bytes` and the scales S, the same IEEE operations per lane.
+// loco::nv_scale of 8 finite groups of an is_nv format FMT (their max |y| bit patterns `top`)
+// under block byte `block`: the E4M3 bytes into `bytes` and the scales S, the same IEEE
+// operations per lane.
+template <int FMT>
 LOCO_VEC_INLINE __m256 nv_scale8(__m256i top, uint32_t block, __m256i* bytes) {
-  const __m256 t = _mm256_mul_ps(_mm256_div_ps(_mm256_castsi256_ps(top), _mm256_set1_ps(6.0f)),
+  const __m256 t = _mm256_mul_ps(_mm256_div_ps(_mm256_castsi256_ps(top),
+                                               _mm256_set1_ps(loco::grid_top(kNvGrid<FMT>))),
                                  _mm256_set1_ps(loco::bits_as_float((254u - block) << 23)));
   const __m256 m = _mm256_max_ps(
       _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(512.0f)),
@@ -734,14 +777,16 @@ LOCO_VEC_INLINE __m256 error_scale8(__m256i top, __m256* inv) {
 }
 
 // encode_nv_block's vector form for a whole block (kNvBlock groups of 16, every element within
-// the row and the source) of an fp32 source under nearest rounding with no, int8 or fp32 error
-// state: each stage for every group before the next, pairs of groups packed together (32
-// fields, 16 bytes), the statistics flushed to fp64 after each pair. Returns false before
-// writing anything if a group is non-finite (the caller then runs the generic path).
-template <int MODE, int UPDATE>
+// the row and the source) of an is_nv format FMT, an fp32 source under nearest rounding with
+// no, int8 or fp32 error state: each stage for every group before the next, pairs of groups
+// packed together (32 fields: 16 bytes of NVFP4's, 12 of the 3-bit formats'), the statistics
+// flushed to fp64 after each pair. Returns false before writing anything if a group is
+// non-finite (the caller then runs the generic path).
+template <int FMT, int MODE, int UPDATE>
 bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b,
                      double* res_sq, double* in_sq) {
   constexpr int G = loco::kNvGroup, NG = loco::kNvBlock, kVecs = G / kV;
+  constexpr int kBits = kNvGrid<FMT>.bits, kMids = kNvMids<FMT>;
   static_assert(kVecs == 2 && NG % 2 == 0, "pairs of groups fill the 4 registers of a pack");
   const bool with_error = MODE != kNoError && a.has_error;
   const int64_t gi0 = row * a.ng + b * NG;
@@ -775,22 +820,23 @@ bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b
   uint32_t block_top = 0;
   for (int k = 0; k < kV; ++k) block_top = std::max(block_top, lanes[k]);
   if (block_top >= 0x7f800000u) return false;  // a NaN or an Inf in a group
-  const uint32_t block = loco::nv_block_byte(block_top);
+  const uint32_t block = loco::nv_block_byte(block_top, FMT);
   uint8_t* row_msg = a.msgs + row * a.P;
   row_msg[loco::kHeaderBytes + a.ng + b] = (uint8_t)block;
-  constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-  alignas(32) float S[NG], mids[7][NG];
+  alignas(32) float S[NG], mids[kMids][NG];
   alignas(32) uint32_t bytes[NG];
   for (int h = 0; h < 2; ++h) {
     __m256i e4m3;
-    const __m256 scales = nv_scale8(top[h], block, &e4m3);
+    const __m256 scales = nv_scale8<FMT>(top[h], block, &e4m3);
     _mm256_store_ps(S + h * kV, scales);
-    for (int k = 0; k < 7; ++k)
-      _mm256_store_ps(mids[k] + h * kV, _mm256_mul_ps(scales, _mm256_set1_ps(kMid[k])));
+    for (int k = 0; k < kMids; ++k)
+      _mm256_store_ps(mids[k] + h * kV,
+                      _mm256_mul_ps(scales, _mm256_set1_ps(loco::grid_mid(kNvGrid<FMT>, k))));
     _mm256_store_si256(reinterpret_cast<__m256i*>(bytes + h * kV), e4m3);
   }
   for (int g = 0; g < NG; ++g) row_msg[loco::kHeaderBytes + b * NG + g] = (uint8_t)bytes[g];
-  uint8_t* packed = row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, kNv) + b * NG * G / 2;
+  uint8_t* packed =
+      row_msg + loco::kHeaderBytes + loco::scale_field_bytes(a.ng, FMT) + b * NG * G * kBits / 8;
   const __m256 beta = _mm256_set1_ps(a.beta), omb = _mm256_set1_ps(a.omb);
   Sums sums(res_sq, in_sq);
   for (int g = 0; g < NG; g += 2) {
@@ -799,11 +845,11 @@ bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b
     __m256 r2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps();
     for (int h = 0; h < 2; ++h) {
       const __m256 scale = _mm256_broadcast_ss(S + g + h);
-      __m256 mid[7];
-      for (int k = 0; k < 7; ++k) mid[k] = _mm256_broadcast_ss(mids[k] + g + h);
+      __m256 mid[kMids];
+      for (int k = 0; k < kMids; ++k) mid[k] = _mm256_broadcast_ss(mids[k] + g + h);
       for (int i = 0; i < kVecs; ++i) {
         const __m256 v = y[g + h][i];
-        t[h][i] = nv_code(v, mid, &field[h * kVecs + i]);
+        t[h][i] = nv_code<FMT>(v, mid, &field[h * kVecs + i]);
         const __m256 res = residual(v, t[h][i], scale);
         r2 = _mm256_add_ps(r2, _mm256_mul_ps(res, res));
         y2 = _mm256_add_ps(y2, _mm256_mul_ps(v, v));
@@ -813,7 +859,7 @@ bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b
         if (UPDATE == kBlend) en = _mm256_add_ps(_mm256_mul_ps(en, beta), _mm256_mul_ps(res, omb));
       }
     }
-    pack32_fields<4>(field, packed + g * G / 2);
+    pack32_fields<kBits>(field, packed + g * G * kBits / 8);
     if (!sums.add(r2, y2))
       for (int h = 0; h < 2; ++h)
         for (int i = 0; i < kVecs; ++i) {
@@ -851,15 +897,15 @@ bool encode_nv_block(const float* x, const EncodeArgs& a, int64_t row, int64_t b
 }
 
 // encode_nv_block's dispatch onto the vector path; false: not its case, or a non-finite group.
-template <typename T, int MODE>
+template <typename T, int FMT, int MODE>
 LOCO_VEC_INLINE bool try_encode_nv_block(const T* x, const EncodeArgs& a, int64_t row, int64_t b,
                                          double* rs, double* is) {
   if constexpr (std::is_same_v<T, float> && MODE != kBf16) {
     switch (update_case<MODE>(a)) {
-      case kKeepNothing: return encode_nv_block<MODE, kKeepNothing>(x, a, row, b, rs, is);
-      case kKeepResidual: return encode_nv_block<MODE, kKeepResidual>(x, a, row, b, rs, is);
-      case kDampResidual: return encode_nv_block<MODE, kDampResidual>(x, a, row, b, rs, is);
-      default: return encode_nv_block<MODE, kBlend>(x, a, row, b, rs, is);
+      case kKeepNothing: return encode_nv_block<FMT, MODE, kKeepNothing>(x, a, row, b, rs, is);
+      case kKeepResidual: return encode_nv_block<FMT, MODE, kKeepResidual>(x, a, row, b, rs, is);
+      case kDampResidual: return encode_nv_block<FMT, MODE, kDampResidual>(x, a, row, b, rs, is);
+      default: return encode_nv_block<FMT, MODE, kBlend>(x, a, row, b, rs, is);
     }
   } else {
     return false;
@@ -987,11 +1033,12 @@ bool encode_group(const T* src, const EncodeArgs& a, int64_t gi, int64_t row, in
                                          res_sq, in_sq);
 }
 
-// Encodes NVFP4 block b of `row` (its groups gcol = b * kNvBlock ...): every group read first
-// (y and e hold kNvBlock * G floats of the calling thread), the block byte from the largest
-// finite group max written after the row's E4M3 bytes, then each group encoded under it. Marks
-// bad[g] for each non-finite group g.
-template <typename T, int MODE>
+// Encodes block b of `row` (its groups gcol = b * kNvBlock ...) in FMT, an is_nv format: every
+// group read first (y and e hold kNvBlock * G floats of the calling thread), the block byte from
+// the largest finite group max written after the row's E4M3 bytes, then each group encoded
+// under it. Marks bad[g] for each non-finite group g. Whole blocks of an fp32 source take the
+// AVX2 block encode where the build has AVX2; every other block the portable loops.
+template <typename T, int FMT, int MODE>
 void encode_nv_block(const T* src, const EncodeArgs& a, int64_t row, int64_t b, float* y,
                      float* e, float* r, int8_t* codes, uint8_t* bad, double* res_sq,
                      double* in_sq) {
@@ -1001,7 +1048,8 @@ void encode_nv_block(const T* src, const EncodeArgs& a, int64_t row, int64_t b, 
 #if defined(__AVX2__)
   const int64_t end = (first + loco::kNvBlock) * G;  // the block's end within the row
   if (n == loco::kNvBlock && end <= a.m && row * a.m + end <= a.numel &&
-      avx2::try_encode_nv_block<T, MODE>(src + row * a.m + first * G, a, row, b, res_sq, in_sq)) {
+      avx2::try_encode_nv_block<T, FMT, MODE>(src + row * a.m + first * G, a, row, b, res_sq,
+                                              in_sq)) {
     std::memset(bad + row * a.ng + first, 0, n);
     return;
   }
@@ -1016,17 +1064,18 @@ void encode_nv_block(const T* src, const EncodeArgs& a, int64_t row, int64_t b, 
     const uint32_t bits = loco::float_as_bits(top[g]);
     if (loco::finite(top[g]) && bits > block_top) block_top = bits;
   }
-  const uint32_t block = loco::nv_block_byte(block_top);
+  const uint32_t block = loco::nv_block_byte(block_top, FMT);
   a.msgs[row * a.P + loco::kHeaderBytes + a.ng + b] = (uint8_t)block;
+  constexpr int kBits = loco::grid(FMT).bits;
   for (int g = 0; g < n; ++g) {
     const int64_t gi = row * a.ng + first + g;
-    bad[gi] = !emit_group<4, kNv, MODE, false>(a, gi, row, first + g, G, top[g], block, y + g * G,
-                                               e + g * G, r, codes, res_sq, in_sq);
+    bad[gi] = !emit_group<kBits, FMT, MODE, false>(a, gi, row, first + g, G, top[g], block,
+                                                   y + g * G, e + g * G, r, codes, res_sq, in_sq);
   }
 }
 
-// encode_all for NVFP4: each thread takes a contiguous range of the rows' blocks.
-template <typename T, int MODE>
+// encode_all for an is_nv format FMT: each thread takes a contiguous range of the rows' blocks.
+template <typename T, int FMT, int MODE>
 void encode_nv_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_sq,
                    double& in_sq, int threads) {
   constexpr int G = loco::kNvGroup, kSpan = loco::kNvBlock * loco::kNvGroup;
@@ -1039,8 +1088,8 @@ void encode_nv_all(const T* src, const EncodeArgs& a, uint8_t* bad, double& res_
     double lane_rs[kStatLanes] = {0.0}, lane_is[kStatLanes] = {0.0};
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task)
-      encode_nv_block<T, MODE>(src, a, task / blocks, task % blocks, y.data(), e.data(), r.data(),
-                               codes.data(), bad, lane_rs, lane_is);
+      encode_nv_block<T, FMT, MODE>(src, a, task / blocks, task % blocks, y.data(), e.data(),
+                                    r.data(), codes.data(), bad, lane_rs, lane_is);
     for (int k = 0; k < kStatLanes; ++k) {
       rs += lane_rs[k];
       is += lane_is[k];
@@ -1124,18 +1173,25 @@ void encode_bits(const T* src, const EncodeArgs& a, int64_t mode, uint8_t* bad, 
   return encode_mode<T, BITS, kInt, false>(src, a, mode, bad, rs, is, threads);
 }
 
+// encode_nv_all of the call's error storage.
+template <typename T, int FMT>
+void encode_nv_mode(const T* src, const EncodeArgs& a, double& rs, double& is, int threads) {
+  switch (a.mode) {
+    case kNoError: return encode_nv_all<T, FMT, kNoError>(src, a, a.nonfinite, rs, is, threads);
+    case kInt8: return encode_nv_all<T, FMT, kInt8>(src, a, a.nonfinite, rs, is, threads);
+    case kFp32: return encode_nv_all<T, FMT, kFp32>(src, a, a.nonfinite, rs, is, threads);
+    default: return encode_nv_all<T, FMT, kBf16>(src, a, a.nonfinite, rs, is, threads);
+  }
+}
+
 template <typename T>
 void encode_typed(const EncodeArgs& a, int64_t bits, int threads) {
   const T* src = static_cast<const T*>(a.src);
   double rs = 0.0, is = 0.0;
-  if (a.format == kNv) {
-    switch (a.mode) {
-      case kNoError: encode_nv_all<T, kNoError>(src, a, a.nonfinite, rs, is, threads); break;
-      case kInt8: encode_nv_all<T, kInt8>(src, a, a.nonfinite, rs, is, threads); break;
-      case kFp32: encode_nv_all<T, kFp32>(src, a, a.nonfinite, rs, is, threads); break;
-      default: encode_nv_all<T, kBf16>(src, a, a.nonfinite, rs, is, threads);
-    }
-  } else if (a.format == kMx) encode_mode<T, 4, kMx, false>(src, a, a.mode, a.nonfinite, rs, is, threads);
+  if (a.format == kNv) encode_nv_mode<T, kNv>(src, a, rs, is, threads);
+  else if (a.format == kNvInt3) encode_nv_mode<T, kNvInt3>(src, a, rs, is, threads);
+  else if (a.format == kNvFp3) encode_nv_mode<T, kNvFp3>(src, a, rs, is, threads);
+  else if (a.format == kMx) encode_mode<T, 4, kMx, false>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else if (bits == 2) encode_bits<T, 2>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else if (bits == 4) encode_bits<T, 4>(src, a, a.mode, a.nonfinite, rs, is, threads);
   else encode_bits<T, 8>(src, a, a.mode, a.nonfinite, rs, is, threads);

@@ -17,9 +17,10 @@
 //   element and byte by byte, the same values. Group maxima are shuffle reductions within the segment (every
 //   lane of the warp takes part, so none may leave early); the residual sums stay in each
 //   lane's registers across its warp's groups and reach `sums` with one atomic add per warp
-//   (one per group serialised the kernel on those two addresses). NVFP4 (G = 16, 2 lanes a
-//   group): a warp takes one block of loco::kNvBlock groups of a row, whose byte comes from a
-//   warp max of the finite groups' maxima.
+//   (one per group serialised the kernel on those two addresses). NVFP4 and the other is_nv
+//   formats (G = 16, 2 lanes a group): a warp takes one block of loco::kNvBlock groups of a
+//   row, whose byte comes from a warp max of the finite groups' maxima. A lane's 8 codes are
+//   BITS whole bytes at every width (3 bytes of 3-bit codes, stored and loaded byte by byte).
 // decode_sum: kDecodeVec consecutive elements of the shard per thread (the scale read once per
 //   row and the codes in one load where they lie in one group, 16-byte stores where aligned),
 //   rows summed in row order.
@@ -54,7 +55,6 @@ constexpr int kInt8 = loco::kErrorInt8;
 constexpr int kFp32 = loco::kErrorFp32;
 constexpr int kBf16 = loco::kErrorBf16;
 constexpr int kMx = loco::kFormatMxfp4;
-constexpr int kNv = loco::kFormatNvfp4;
 constexpr int kTrailerBytes = 8;
 
 // The kinds of vector access the kernels make where aligned (16-byte loads of the source and
@@ -219,33 +219,59 @@ struct TensorSource {
   }
 };
 
-// Element j of one message of m elements (ng groups of G).
+// The BITS-bit field of element j of a row's codes (at bit BITS * j of `codes` read as one
+// little-endian number; a 3-bit field may span two bytes).
+template <int BITS>
+__device__ __forceinline__ unsigned field_at(const unsigned char* codes, long long j) {
+  if constexpr (8 % BITS == 0) {  // 8 / BITS whole fields a byte
+    constexpr int kPer = 8 / BITS;
+    return ((unsigned)codes[j / kPer] >> (BITS * (int)(j % kPer))) & ((1u << BITS) - 1u);
+  } else {
+    const long long bit = (long long)BITS * j;
+    const int shift = (int)(bit & 7);
+    unsigned v = (unsigned)codes[bit >> 3] >> shift;
+    if (shift + BITS > 8) v |= (unsigned)codes[(bit >> 3) + 1] << (8 - shift);
+    return v & ((1u << BITS) - 1u);
+  }
+}
+
+// The scale of group gcol of one message of ng groups: a byte scale (loco::fp4_wire_scale) or
+// int codes' fp32.
+template <int FMT>
+__device__ __forceinline__ float wire_scale(const unsigned char* msg, long long ng,
+                                            long long gcol) {
+  if (loco::is_grid(FMT)) return loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
+  return __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) | ((unsigned)sp[2] << 16) |
+                         ((unsigned)sp[3] << 24));
+}
+
+// Element j of one message of m elements (ng groups of G): an is_grid format's field value
+// (loco::field_value), or an int code (u - 2^(BITS-1), loco::dequantize_one), times its
+// group's scale.
 template <int BITS, int FMT>
 __device__ __forceinline__ float decode_one(const unsigned char* msg, long long ng, int G,
                                             long long j) {
-  constexpr int kPer = 8 / BITS;
   const long long gcol = j / G;
-  if (loco::is_fp4(FMT)) {
-    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
-    return loco::fp4_dequantize(
-        msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / 2], (int)(j % 2), scale);
+  const unsigned char* codes = msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT);
+  if constexpr (loco::is_grid(FMT)) {
+    const float scale = wire_scale<FMT>(msg, ng, gcol);
+    return loco::field_value(field_at<BITS>(codes, j), scale, FMT);
+  } else {
+    const float scale = wire_scale<FMT>(msg, ng, gcol);
+    return loco::dequantize_one((int)field_at<BITS>(codes, j) - (1 << (BITS - 1)), scale);
   }
-  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
-  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
-                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
-  const unsigned byte = msg[loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT) + j / kPer];
-  return loco::dequantize_one(loco::field_to_code(byte, (int)(j % kPer), BITS), scale);
 }
 
 constexpr int kDecodeVec = 8;  // consecutive output elements per thread of a decode
 static_assert(kDecodeVec == kChunk, "an encode_sum lane decodes its chunk by decode_vec");
 
-// The `BITS` bytes (BITS 2, 4 or 8: kChunk codes) at p, little-endian first, as one load where
-// p is BITS-aligned, else byte by byte.
+// The `BITS` bytes (kChunk codes of BITS bits) at p, little-endian first, as one load where
+// p is BITS-aligned (BITS 2, 4 or 8), else byte by byte (3 bytes of 3-bit codes always).
 template <int BITS>
 __device__ __forceinline__ unsigned long long load_codes(const unsigned char* p) {
   static_assert(BITS * kChunk % 8 == 0, "a chunk's codes are whole bytes");
-  const bool aligned = reinterpret_cast<unsigned long long>(p) % BITS == 0;
+  const bool aligned = BITS % 2 == 0 && reinterpret_cast<unsigned long long>(p) % BITS == 0;
   if (aligned) LOCO_VECTOR_ACCESS(kCodesLoad);
   if constexpr (BITS == 8) {
     if (aligned) return *reinterpret_cast<const unsigned long long*>(p);
@@ -263,7 +289,7 @@ __device__ __forceinline__ unsigned long long load_codes(const unsigned char* p)
 // load_codes' counterpart: `word`'s low BITS bytes stored at p.
 template <int BITS>
 __device__ __forceinline__ void store_codes(unsigned char* p, unsigned long long word) {
-  const bool aligned = reinterpret_cast<unsigned long long>(p) % BITS == 0;
+  const bool aligned = BITS % 2 == 0 && reinterpret_cast<unsigned long long>(p) % BITS == 0;
   if (aligned) LOCO_VECTOR_ACCESS(kCodesStore);
   if constexpr (BITS == 8) {
     if (aligned) return void(*reinterpret_cast<unsigned long long*>(p) = word);
@@ -282,24 +308,25 @@ __device__ __forceinline__ void store_codes(unsigned char* p, unsigned long long
 template <int BITS, int FMT>
 __device__ __forceinline__ void decode_vec(const unsigned char* msg, long long ng, int G,
                                            long long j0, float (&v)[kDecodeVec]) {
-  constexpr int kPer = 8 / BITS;
   const long long gcol = j0 / G;
   const unsigned char* fields = msg + loco::kHeaderBytes + loco::scale_field_bytes(ng, FMT);
-  const unsigned long long codes = load_codes<BITS>(fields + j0 / kPer);
-  if (loco::is_fp4(FMT)) {
-    const float scale = loco::fp4_wire_scale(msg + loco::kHeaderBytes, ng, gcol, FMT);
+  // j0 * BITS / 8 (j0 a multiple of 8), as j0 / (8 / BITS) where that is whole
+  const unsigned long long codes =
+      load_codes<BITS>(fields + (8 % BITS == 0 ? j0 / (8 / BITS) : j0 * BITS / 8));
+  if constexpr (loco::is_grid(FMT)) {  // field t at bit BITS * t
+    const float scale = wire_scale<FMT>(msg, ng, gcol);
 #pragma unroll
     for (int t = 0; t < kDecodeVec; ++t)
-      v[t] = loco::fp4_dequantize((unsigned)(codes >> (8 * (t / 2))) & 0xffu, t % 2, scale);
-    return;
-  }
-  const unsigned char* sp = msg + loco::kHeaderBytes + 4 * gcol;
-  const float scale = __uint_as_float((unsigned)sp[0] | ((unsigned)sp[1] << 8) |
-                                      ((unsigned)sp[2] << 16) | ((unsigned)sp[3] << 24));
+      v[t] = loco::field_value((unsigned)(codes >> (BITS * t)) & ((1u << BITS) - 1u), scale, FMT);
+  } else {  // 8 / BITS whole fields a byte
+    constexpr int kPer = 8 / BITS;
+    const float scale = wire_scale<FMT>(msg, ng, gcol);
 #pragma unroll
-  for (int t = 0; t < kDecodeVec; ++t)
-    v[t] = loco::dequantize_one(
-        loco::field_to_code((unsigned)(codes >> (8 * (t / kPer))) & 0xffu, t % kPer, BITS), scale);
+    for (int t = 0; t < kDecodeVec; ++t)
+      v[t] = loco::dequantize_one(
+          loco::field_to_code((unsigned)(codes >> (8 * (t / kPer))) & 0xffu, t % kPer, BITS),
+          scale);
+  }
 }
 
 // An encode_sum's source, its one row: column `col` of the sum in row order of k received
@@ -337,7 +364,8 @@ struct SummedSource {
 // One group `gi` by a segment of `width` lanes (`lane`: this one's index in it; `valid`: gi is
 // a group, else the lane only takes part in the segment's shuffles), its elements read through
 // `load` (TensorSource or SummedSource); adds this lane's share of the group's residual and
-// input squares to rs_acc / is_acc (finite groups only). FMT: loco::Format (kMx: BITS 4, !SR).
+// input squares to rs_acc / is_acc (finite groups only). FMT: loco::Format (kMx: BITS 4, !SR;
+// is_nv: BITS the grid's, !SR).
 template <int BITS, int MODE, bool SR, int FMT, typename Load>
 __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Load& load,
                                              long long gi, int lane, bool valid, int width,
@@ -381,12 +409,12 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Lo
   const bool leader = valid && lane == 0;
   float scale, inv;
   bool finite;
-  if (FMT == kNv) {  // the warp is one block of the row: lane 0 holds its first group
+  if (loco::is_nv(FMT)) {  // the warp is one block of the row: lane 0 holds its first group
     const unsigned block_top = warp_max_bits(valid && top < 0x7f800000u ? top : 0u);
-    const unsigned block = loco::nv_block_byte(block_top);
+    const unsigned block = loco::nv_block_byte(block_top, FMT);
     if (valid && (threadIdx.x & 31) == 0)
       row_msg[loco::kHeaderBytes + a.ng + gcol / loco::kNvBlock] = (unsigned char)block;
-    const loco::ByteScale s = loco::nv_scale(bits_to_amax(top), block);
+    const loco::ByteScale s = loco::nv_scale(bits_to_amax(top), block, FMT);
     if (leader) row_msg[loco::kHeaderBytes + gcol] = (unsigned char)s.byte;
     scale = s.scale, inv = 0.0f, finite = s.finite;
   } else if (FMT == kMx) {
@@ -413,11 +441,11 @@ __device__ __forceinline__ void encode_group(const loco::EncodeArgs& a, const Lo
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
     float code = 0.0f;
-    unsigned field = loco::is_fp4(FMT) ? 0u : loco::code_to_field(0, BITS);
+    unsigned field = loco::is_grid(FMT) ? 0u : loco::code_to_field(0, BITS);
     if (finite) {
-      if (FMT == kNv) {
-        code = loco::nv_code(y[t], scale);
-        field = loco::nv_field(y[t], scale);
+      if (loco::is_nv(FMT)) {
+        code = loco::nv_code(y[t], scale, FMT);
+        field = loco::nv_field(y[t], scale, FMT);
       } else if (FMT == kMx) {
         code = loco::fp4_code(y[t], inv);
         field = loco::fp4_field(y[t], inv);
@@ -502,9 +530,10 @@ __device__ __forceinline__ void encode_groups(const loco::EncodeArgs& a, const F
   const long long groups = a.rows * a.ng;
   const int lane = threadIdx.x & 31;
   const int width = segment_lanes(a.G), per_warp = 32 / width;
-  // NVFP4: a task is a block of a row (per_warp = kNvBlock groups), else per_warp groups
+  // is_nv: a task is a block of a row (per_warp = kNvBlock groups), else per_warp groups
   const long long blocks = (a.ng + loco::kNvBlock - 1) / loco::kNvBlock;
-  const long long tasks = FMT == kNv ? a.rows * blocks : (groups + per_warp - 1) / per_warp;
+  const long long tasks =
+      loco::is_nv(FMT) ? a.rows * blocks : (groups + per_warp - 1) / per_warp;
   const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
   double rs = 0.0, is = 0.0;
   // the call's verdict starts at zero; the call's later kernels set its bytes
@@ -515,7 +544,7 @@ __device__ __forceinline__ void encode_groups(const loco::EncodeArgs& a, const F
        task += warps) {
     long long gi = task * per_warp + lane / width;
     bool valid = gi < groups;
-    if (FMT == kNv) {
+    if (loco::is_nv(FMT)) {
       const long long gcol = (task % blocks) * loco::kNvBlock + lane / width;
       gi = task / blocks * a.ng + gcol;
       valid = gcol < a.ng;
@@ -891,11 +920,12 @@ __global__ void check_fold(const unsigned char* __restrict__ msgs, long long P, 
   template __global__ void encode<T, 4, 1, false, 1>(LOCO_ENC_ARGS(T));     \
   template __global__ void encode<T, 4, 2, false, 1>(LOCO_ENC_ARGS(T));     \
   template __global__ void encode<T, 4, 3, false, 1>(LOCO_ENC_ARGS(T));
-#define LOCO_ENC_NV(T)                                                      \
-  template __global__ void encode<T, 4, 0, false, 2>(LOCO_ENC_ARGS(T));     \
-  template __global__ void encode<T, 4, 1, false, 2>(LOCO_ENC_ARGS(T));     \
-  template __global__ void encode<T, 4, 2, false, 2>(LOCO_ENC_ARGS(T));     \
-  template __global__ void encode<T, 4, 3, false, 2>(LOCO_ENC_ARGS(T));
+#define LOCO_ENC_GRID(T, B, F)                                              \
+  template __global__ void encode<T, B, 0, false, F>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, B, 1, false, F>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, B, 2, false, F>(LOCO_ENC_ARGS(T));     \
+  template __global__ void encode<T, B, 3, false, F>(LOCO_ENC_ARGS(T));
+#define LOCO_ENC_NV(T) LOCO_ENC_GRID(T, 4, 2) LOCO_ENC_GRID(T, 3, 3) LOCO_ENC_GRID(T, 3, 4)
 namespace loco_cuda {
 LOCO_ENC(float, 2) LOCO_ENC(float, 4) LOCO_ENC(float, 8) LOCO_ENC_MX(float) LOCO_ENC_NV(float)
 LOCO_ENC(__nv_bfloat16, 2) LOCO_ENC(__nv_bfloat16, 4) LOCO_ENC(__nv_bfloat16, 8)
@@ -910,19 +940,20 @@ LOCO_ENC_NV(__half)
   template __global__ void encode_sum<B, 3, SR, F>(LOCO_ESUM_ARGS);
 LOCO_ESUM(2, 0, false) LOCO_ESUM(4, 0, false) LOCO_ESUM(8, 0, false)
 LOCO_ESUM(2, 0, true) LOCO_ESUM(4, 0, true) LOCO_ESUM(8, 0, true)
-LOCO_ESUM(4, 1, false) LOCO_ESUM(4, 2, false)
+LOCO_ESUM(4, 1, false) LOCO_ESUM(4, 2, false) LOCO_ESUM(3, 3, false) LOCO_ESUM(3, 4, false)
 #define LOCO_DSUM(B, F) \
   template __global__ void decode_sum<B, F>(const unsigned char*, long long, long long, long long, int, float*, unsigned char*, const RowCheck);
-LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1) LOCO_DSUM(4, 2)
+LOCO_DSUM(2, 0) LOCO_DSUM(4, 0) LOCO_DSUM(8, 0) LOCO_DSUM(4, 1) LOCO_DSUM(4, 2) LOCO_DSUM(3, 3)
+LOCO_DSUM(3, 4)
 #define LOCO_DEC1(T, B, F) \
   template __global__ void decode_into<T, B, F>(const unsigned char*, long long, long long, int, long long, T*, unsigned char*, const RowCheck);
 #define LOCO_ROWS1(T, B, F) \
   template __global__ void decode_rows<T, B, F>(const unsigned char*, long long, long long, long long, long long, int, long long, T*, unsigned char*, const RowCheck);
 #define LOCO_ROWS(T) LOCO_ROWS1(T, 2, 0) LOCO_ROWS1(T, 4, 0) LOCO_ROWS1(T, 8, 0) \
-  LOCO_ROWS1(T, 4, 1) LOCO_ROWS1(T, 4, 2)
+  LOCO_ROWS1(T, 4, 1) LOCO_ROWS1(T, 4, 2) LOCO_ROWS1(T, 3, 3) LOCO_ROWS1(T, 3, 4)
 LOCO_ROWS(float) LOCO_ROWS(__nv_bfloat16) LOCO_ROWS(__half)
 #define LOCO_DEC(T) LOCO_DEC1(T, 2, 0) LOCO_DEC1(T, 4, 0) LOCO_DEC1(T, 8, 0) LOCO_DEC1(T, 4, 1) \
-  LOCO_DEC1(T, 4, 2)
+  LOCO_DEC1(T, 4, 2) LOCO_DEC1(T, 3, 3) LOCO_DEC1(T, 3, 4)
 LOCO_DEC(float) LOCO_DEC(__nv_bfloat16) LOCO_DEC(__half)
 }  // namespace loco_cuda
 #endif

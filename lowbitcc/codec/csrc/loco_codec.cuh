@@ -25,6 +25,15 @@ typedef unsigned long long uint64_t;
 #define LOCO_HD static inline
 #endif
 
+// Unrolls the loop that follows (over a grid's magnitudes: a trip count known at compile time),
+// so that a GPU keeps its values in registers and g++ vectorizes the loops that call it (an
+// inner loop left rolled stops g++'s vectorizer).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__clang__)
+#define LOCO_UNROLL _Pragma("unroll")
+#else
+#define LOCO_UNROLL _Pragma("GCC unroll 8")
+#endif
+
 namespace loco {
 
 constexpr int kHeaderBytes = 32;
@@ -58,20 +67,122 @@ enum ErrorMode : int32_t {
 //     microscaling MXFP4 element and scale types; see reference.py for the rounding rules);
 //   kFormatNvfp4: 4-bit FP4 (E2M1) codes, one FP8 E4M3 scale byte per group of 16 (NVIDIA's
 //     NVFP4 element and scale types) under one power-of-two E8M0 byte per kNvBlock groups of a
-//     row (where NVFP4 has one fp32 scale per tensor).
+//     row (where NVFP4 has one fp32 scale per tensor);
+//   kFormatNvint3: 3-bit codes, integer magnitudes {0, 1, 2, 3} and a sign, under NVFP4's
+//     two-level scales;
+//   kFormatNvfp3: 3-bit FP3 (E2M0) codes, magnitudes {0, 1, 2, 4} and a sign, under NVFP4's
+//     two-level scales.
 enum Format : int32_t {
   kFormatInt = 0,
   kFormatMxfp4 = 1,
   kFormatNvfp4 = 2,
+  kFormatNvint3 = 3,
+  kFormatNvfp3 = 4,
 };
 
-// NVFP4: elements per group and groups per block (one E8M0 byte each).
+// NVFP4's scales (every is_nv format's): elements per group and groups per block (one E8M0
+// byte each).
 constexpr int kNvGroup = 16;
 constexpr int kNvBlock = 16;
 
 // Whether a format's codes are 4-bit E2M1 fields (reference.FP4_FORMATS).
 LOCO_HD constexpr bool is_fp4(int format) {
   return format == kFormatMxfp4 || format == kFormatNvfp4;
+}
+
+// Whether a format has NVFP4's two-level scales (reference.TWO_LEVEL): an E4M3 byte per group
+// of kNvGroup under an E8M0 byte per kNvBlock groups, codes on its grid (below). The three are
+// consecutive, so that this is one comparison where the format is only known at run time (the
+// decodes ask it per group).
+static_assert(kFormatNvint3 == kFormatNvfp4 + 1 && kFormatNvfp3 == kFormatNvfp4 + 2,
+              "is_nv's range");
+LOCO_HD constexpr bool is_nv(int format) {
+  return (uint32_t)(format - kFormatNvfp4) <= (uint32_t)(kFormatNvfp3 - kFormatNvfp4);
+}
+
+// Whether a format's codes are sign-and-magnitude fields of a grid (every format but "int",
+// whose codes are offset integers: code_to_field).
+LOCO_HD constexpr bool is_grid(int format) { return format != kFormatInt; }
+
+// The element grid of a format whose codes are fields of one (is_grid): the magnitudes by index,
+// 2^(bits - 1) of them from 0 up (the rest of `mag` 0), and for the is_nv formats the block
+// rule: top * 448 = (1 + block_man * 2^-23) * 2^block_exp, top the largest magnitude
+// (nv_block_byte). A field is the magnitude index in bits 0 .. bits - 2 and a sign bit
+// bits - 1. The one table of the kernels (lowbitcc/codec/two_level.py's GRIDS is the
+// reference's, and lowbitcc/codec/abi.py checks the two agree: keep one row per line).
+struct Grid {
+  int32_t bits;
+  int32_t block_exp;
+  uint32_t block_man;
+  float mag[8];
+};
+
+LOCO_HD constexpr Grid grid(int format) {
+  switch (format) {
+    case kFormatNvint3: return Grid{3, 10, 0x280000u, {0.0f, 1.0f, 2.0f, 3.0f}};
+    case kFormatNvfp3: return Grid{3, 10, 0x600000u, {0.0f, 1.0f, 2.0f, 4.0f}};
+    default: return Grid{4, 11, 0x280000u, {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f}};
+  }
+}  // default: E2M1, the elements of kFormatNvfp4 and kFormatMxfp4
+
+// A grid's magnitudes, its largest, its sign bit, and the midpoint between magnitudes k and
+// k + 1 (exact: every magnitude has at most 3 significant bits).
+LOCO_HD constexpr int grid_levels(const Grid& g) { return 1 << (g.bits - 1); }
+LOCO_HD constexpr float grid_top(const Grid& g) { return g.mag[grid_levels(g) - 1]; }
+LOCO_HD constexpr uint32_t grid_sign(const Grid& g) { return 1u << (g.bits - 1); }
+LOCO_HD constexpr float grid_mid(const Grid& g, int k) {
+  return 0.5f * (g.mag[k] + g.mag[k + 1]);
+}
+
+// Each is_nv grid's block rule is its top times E4M3's largest value, 448, checked here.
+LOCO_HD constexpr bool block_rule_holds(int format) {
+  return grid_top(grid(format)) * 448.0f ==
+         (1.0f + (float)grid(format).block_man * 1.1920928955078125e-07f) *  // 2^-23
+             (float)(1 << grid(format).block_exp);
+}
+static_assert(block_rule_holds(kFormatNvfp4) && block_rule_holds(kFormatNvint3) &&
+                  block_rule_holds(kFormatNvfp3),
+              "a grid's block rule is top * 448");
+
+// The count of g's midpoints times S below a (a >= 0, S > 0): the index of the magnitude nearest
+// to a / S in exact arithmetic, ties to the even index (> on the even midpoints, >= on the odd
+// ones). No division rounds: a is compared with products that are exact (a midpoint has at most
+// 3 significant bits, an NVFP4 scale S at most 4; MXFP4 passes S = 1 and a = |y * inv|).
+LOCO_HD uint32_t grid_index(float a, float S, const Grid& g) {
+  uint32_t index = 0;
+  LOCO_UNROLL
+  for (int k = 0; k + 1 < grid_levels(g); ++k)
+    index += (uint32_t)(k % 2 ? a >= grid_mid(g, k) * S : a > grid_mid(g, k) * S);
+  return index;
+}
+
+// g's magnitude at grid_index(a, S, g), as the sum of the steps between magnitudes whose
+// midpoints lie below a (exact: every partial sum is a magnitude), branch-free so it vectorizes.
+LOCO_HD float grid_round(float a, float S, const Grid& g) {
+  float v = 0.0f;
+  LOCO_UNROLL
+  for (int k = 0; k + 1 < grid_levels(g); ++k)
+    v += (float)(k % 2 ? a >= grid_mid(g, k) * S : a > grid_mid(g, k) * S) *
+         (g.mag[k + 1] - g.mag[k]);
+  return v;
+}
+
+// g's magnitude of index `index` (< grid_levels(g)), as the same sum of steps: no array is
+// indexed at run time (a GPU would keep it in local memory).
+LOCO_HD float grid_value(const Grid& g, uint32_t index) {
+  float v = 0.0f;
+  LOCO_UNROLL
+  for (int k = 1; k < grid_levels(g); ++k)
+    v += index >= (uint32_t)k ? g.mag[k] - g.mag[k - 1] : 0.0f;
+  return v;
+}
+
+// The value of a field of format `format`'s grid (index in the low bits, the sign bit above
+// them), times scale.
+LOCO_HD float field_value(uint32_t field, float scale, int format) {
+  const Grid g = grid(format);
+  const float val = grid_value(g, field & (grid_sign(g) - 1u));
+  return (field & grid_sign(g) ? -val : val) * scale;
 }
 
 // The arguments of one encode, shared by the C++ and the CUDA kernels (passed by value to the
@@ -215,10 +326,10 @@ LOCO_HD int field_to_code(uint32_t byte, int k, int bits) {
 // Bytes of one group's scale on the wire.
 LOCO_HD int scale_bytes(int format) { return format == kFormatInt ? 4 : 1; }
 
-// Bytes of the scales of a row of ng groups, before the field's padding (NVFP4: its E4M3
-// bytes, then one E8M0 byte per block of kNvBlock groups, the last block possibly shorter).
+// Bytes of the scales of a row of ng groups, before the field's padding (is_nv formats: their
+// E4M3 bytes, then one E8M0 byte per block of kNvBlock groups, the last block possibly shorter).
 LOCO_HD int64_t scale_bytes_used(int64_t ng, int format) {
-  return scale_bytes(format) * ng + (format == kFormatNvfp4 ? (ng + kNvBlock - 1) / kNvBlock : 0);
+  return scale_bytes(format) * ng + (is_nv(format) ? (ng + kNvBlock - 1) / kNvBlock : 0);
 }
 
 // Bytes of the scale field of a row of ng groups: its scales, then zero bytes up to a multiple
@@ -288,18 +399,12 @@ LOCO_HD float e8m0_scale(uint32_t byte) {
 }
 
 // The E2M1 value {0, .5, 1, 1.5, 2, 3, 4, 6} nearest to a in [0, 6], ties to the even index
-// (IEEE round-half-even on E2M1's mantissa bit), as a sum of exact steps (branch-free, so it
-// vectorizes).
-LOCO_HD float e2m1_round(float a) {
-  return 0.5f * ((float)(a > 0.25f) + (float)(a >= 0.75f) + (float)(a > 1.25f) +
-                 (float)(a >= 1.75f)) +
-         ((float)(a > 2.5f) + (float)(a >= 3.5f)) + 2.0f * (float)(a > 5.0f);
-}
+// (IEEE round-half-even on E2M1's mantissa bit): grid_round on E2M1 with S = 1, a sum of exact
+// steps (branch-free, so it vectorizes).
+LOCO_HD float e2m1_round(float a) { return grid_round(a, 1.0f, grid(kFormatMxfp4)); }
 
 // The E2M1 value of magnitude index 0..7.
-LOCO_HD float e2m1_value(int index) {
-  return index <= 4 ? 0.5f * (float)index : index == 7 ? 6.0f : (float)(index - 2);
-}
+LOCO_HD float e2m1_value(int index) { return grid_value(grid(kFormatMxfp4), (uint32_t)index); }
 
 // The signed E2M1 code of y in a finite group whose scale gave inv (|y * inv| <= 6, exact up to
 // subnormal rounding since inv is a power of two): e2m1_round with v's sign (a zero code may be
@@ -311,30 +416,27 @@ LOCO_HD float fp4_code(float y, float inv) {
 
 // The 4-bit field of the code fp4_code(y, inv): the magnitude index (the same seven steps as
 // e2m1_round, counted) in bits 0..2 and the sign in bit 3, set for a negative non-zero code
-// (v < -0.25, since the index is 0 up to 0.25).
+// (v below minus the first midpoint, 0.25, since the index is 0 up to it).
 LOCO_HD uint32_t fp4_field(float y, float inv) {
+  const Grid g = grid(kFormatMxfp4);
   const float v = y * inv;
-  const float a = fabsf(v);
-  return (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) +
-         (uint32_t)(a >= 1.75f) + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) +
-         (uint32_t)(a > 5.0f) + 8u * (uint32_t)(v < -0.25f);
+  return grid_index(fabsf(v), 1.0f, g) + grid_sign(g) * (uint32_t)(v < -grid_mid(g, 0));
 }
 
 // The value of the 4-bit field at element k of a byte, times scale.
 LOCO_HD float fp4_dequantize(uint32_t byte, int k, float scale) {
-  const uint32_t field = (byte >> (4 * k)) & 0xfu;
-  const float val = e2m1_value((int)(field & 7u));
-  return (field & 8u ? -val : val) * scale;
+  return field_value((byte >> (4 * k)) & 0xfu, scale, kFormatMxfp4);
 }
 
-// NVFP4's block byte: the E8M0 byte k + 127 with k the least integer such that
-// amax <= 2688 * 2^k (2688 = 6 * 448: no group scale of the block exceeds E4M3's 448 after
-// division by 2^k), at least 1, from the bits of the block's largest finite group amax (0 if
-// none). With amax = (1 + f) 2^(e - 127) and 2688 = 1.3125 * 2^11: byte e - 11 when
-// f <= 0.3125 (mantissa bits <= 0x280000), else e - 10.
-LOCO_HD uint32_t nv_block_byte(uint32_t amax_bits) {
+// The block byte of an is_nv format: the E8M0 byte k + 127 with k the least integer such that
+// amax <= top * 448 * 2^k (no group scale of the block exceeds E4M3's 448 after division by
+// 2^k), at least 1, from the bits of the block's largest finite group amax (0 if none). With
+// amax = (1 + f) 2^(e - 127) and top * 448 = (1 + f0) 2^p (the grid's block rule: NVFP4's
+// 2688 = 1.3125 * 2^11, f0's mantissa bits 0x280000): byte e - p when f <= f0, else e - p + 1.
+LOCO_HD uint32_t nv_block_byte(uint32_t amax_bits, int format) {
+  const Grid g = grid(format);
   const int e = (int)(amax_bits >> 23);
-  const int k = e - ((amax_bits & 0x7fffffu) <= 0x280000u ? 11 : 10);
+  const int k = e - ((amax_bits & 0x7fffffu) <= g.block_man ? g.block_exp : g.block_exp - 1);
   return k < 1 ? 1u : (uint32_t)k;
 }
 
@@ -347,17 +449,17 @@ LOCO_HD float e4m3_value(uint32_t byte) {
   return bits_as_float((exp + 120u) << 23 | man << 20);
 }
 
-// A group's NVFP4 scale S = E4M3 * 2^(block byte - 127) and its E4M3 byte: t = (amax / 6)
-// * 2^(127 - block byte) (a correctly rounded division, then a product by a power of two) rounded
-// up to the next E4M3 value, at least 2^-9 (so S > 0 and a zero group encodes as zeros; t <= 448
-// by the block byte's rule). A non-finite group gets byte 0x7F (E4M3's NaN) and S NaN. S is
-// exact in fp32 (4 significant bits, at least 2^-135). inv is 0: the codes compare |y| with
-// the midpoints times S (nv_index).
-LOCO_HD ByteScale nv_scale(float amax, uint32_t block_byte) {
+// A group's scale in an is_nv format, S = E4M3 * 2^(block byte - 127), and its E4M3 byte:
+// t = (amax / top) * 2^(127 - block byte) (a correctly rounded division by the grid's largest
+// magnitude, then a product by a power of two) rounded up to the next E4M3 value, at least 2^-9
+// (so S > 0 and a zero group encodes as zeros; t <= 448 by the block byte's rule). A non-finite
+// group gets byte 0x7F (E4M3's NaN) and S NaN. S is exact in fp32 (4 significant bits, at least
+// 2^-135). inv is 0: the codes compare |y| with the midpoints times S (grid_index).
+LOCO_HD ByteScale nv_scale(float amax, uint32_t block_byte, int format) {
   ByteScale s;
   s.inv = 0.0f;
   s.finite = finite(amax);
-  const float t = (amax / 6.0f) * bits_as_float((254u - block_byte) << 23);
+  const float t = (amax / grid_top(grid(format))) * bits_as_float((254u - block_byte) << 23);
   uint32_t byte;
   if (t < 0.015625f) {  // below 2^-6: E4M3 subnormals m * 2^-9, m = 1..8 (8 is 2^-6's byte)
     const float m = ceilf(t * 512.0f);
@@ -371,29 +473,23 @@ LOCO_HD ByteScale nv_scale(float amax, uint32_t block_byte) {
   return s;
 }
 
-// The E2M1 magnitude index nearest to a / S for a >= 0 and S > 0, ties to the even index, by
-// comparing a with the midpoints times S (exact products: every midpoint has at most 3
-// significant bits and S at most 4), so no division rounds: the count of midpoints below.
-LOCO_HD uint32_t nv_index(float a, float S) {
-  return (uint32_t)(a > 0.25f * S) + (uint32_t)(a >= 0.75f * S) + (uint32_t)(a > 1.25f * S) +
-         (uint32_t)(a >= 1.75f * S) + (uint32_t)(a > 2.5f * S) + (uint32_t)(a >= 3.5f * S) +
-         (uint32_t)(a > 5.0f * S);
+// The field of y in a finite group of scale S of an is_nv format (the magnitude index of
+// grid_index in the low bits, the sign bit above them set for a negative non-zero code: NVFP4's
+// index in bits 0..2 and sign in bit 3, the 3-bit formats' in bits 0..1 and 2) and its signed
+// magnitude (dequantize_code(value, S) decodes it).
+LOCO_HD uint32_t nv_field(float y, float S, int format) {
+  const Grid g = grid(format);
+  const uint32_t index = grid_index(fabsf(y), S, g);
+  return index + grid_sign(g) * (uint32_t)(y < 0.0f && index > 0u);
 }
 
-// NVFP4's 4-bit field of y in a finite group of scale S (index in bits 0..2, bit 3 the sign of
-// a negative non-zero code) and its signed E2M1 value (dequantize_code(value, S) decodes it).
-LOCO_HD uint32_t nv_field(float y, float S) {
-  const uint32_t index = nv_index(fabsf(y), S);
-  return index + 8u * (uint32_t)(y < 0.0f && index > 0u);
+LOCO_HD float nv_code(float y, float S, int format) {
+  return copysignf(grid_round(fabsf(y), S, grid(format)), y);
 }
 
-LOCO_HD float nv_code(float y, float S) {
-  return copysignf(e2m1_value((int)nv_index(fabsf(y), S)), y);
-}
-
-// The scale of group gcol of a message in an FP4 format (`scales`: the message's scale field
-// after its header, ng groups a row): MXFP4's E8M0 byte, or NVFP4's E4M3 byte times its
-// block's E8M0 byte (an exact product); NaN for a NaN byte.
+// The scale of group gcol of a message in a format with byte scales (`scales`: the message's
+// scale field after its header, ng groups a row): MXFP4's E8M0 byte, or an is_nv format's E4M3
+// byte times its block's E8M0 byte (an exact product); NaN for a NaN byte.
 LOCO_HD float fp4_wire_scale(const uint8_t* scales, int64_t ng, int64_t gcol, int format) {
   if (format == kFormatMxfp4) return e8m0_scale(scales[gcol]);
   return e4m3_value(scales[gcol]) * e8m0_scale(scales[ng + gcol / kNvBlock]);
