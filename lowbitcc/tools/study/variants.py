@@ -41,6 +41,9 @@ INT = ("LOCO_FORMAT", "int")
 4-bit default (docs/convergence.md); the "mxfp4*" variants MXFP4, the default before NVFP4."""
 MX = ("LOCO_FORMAT", "mxfp4")
 NV = ("LOCO_FORMAT", "nvfp4")
+THREE_BIT = ("nvint3", "nvfp3")
+"""The codec's 3-bit formats (3.53 bits per element, docs/wire-format.md): each a variant with
+LoCo and its ``-nofb`` twin."""
 OUTER_EVERY = (10, 50)
 """The H (inner steps per outer step) of the DiLoCo variants."""
 
@@ -55,6 +58,11 @@ VARIANTS = {
         Variant("nvfp4-ef", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
         Variant("nvfp4-fp32e", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
                                         ("LOCO_ERROR_DTYPE", "fp32"))),
+        *(v for fmt in THREE_BIT for v in (
+            Variant(fmt, "loco", (("LOCO_FORMAT", fmt), ("LOCO_BITS", "3"),
+                                  ("LOCO_BETA", "0.8"))),
+            Variant(f"{fmt}-nofb", "loco", (("LOCO_FORMAT", fmt), ("LOCO_BITS", "3"),
+                                            ("LOCO_FEEDBACK", "0"))))),
         Variant("fsdp2-mxfp4", "loco", (MX, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
                 fsdp=True),
         Variant("loco4", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"))),

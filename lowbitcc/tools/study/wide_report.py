@@ -14,11 +14,12 @@ from typing import Any
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools.plotting import pyplot
 from lowbitcc.tools.study.formats import LAB_VARIANTS
+from lowbitcc.tools.study.variants import THREE_BIT
 
 MAX_BITS = 4.6
 GOAL_GAP = 0.003
 """The wide study's goal: the default's mean gap within 0.3% of exact in every cell."""
-CODEC_BITS = {name: FORMATS[fmt].bits_per_element for fmt in ("mxfp4", "nvfp4")
+CODEC_BITS = {name: FORMATS[fmt].bits_per_element for fmt in ("mxfp4", "nvfp4", *THREE_BIT)
               for name in (fmt, f"{fmt}-nofb")}
 """Wire bits per element of the codec's 4-bit variants (`lowbitcc.codec.formats`); the format
 lab's come from their `formats.LabSpec`."""
