@@ -81,8 +81,8 @@ def test_non_finite_inputs_propagate_and_reset_state():
 
 
 def test_invalid_config_raises_at_init(monkeypatch, tmp_path):
-    monkeypatch.setenv("LOCO_BITS", "3")
-    with pytest.raises(ValueError, match="invalid bits=3"):
+    monkeypatch.setenv("LOCO_BITS", "5")
+    with pytest.raises(ValueError, match="invalid bits=5"):
         dist.init_process_group(
             "loco", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
             timeout=datetime.timedelta(seconds=10),
