@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +43,7 @@ from lowbitcc.tools.study.variants import (
     VARIANTS,
     StudyConfig,
 )
+from lowbitcc.tools.study.wide_report import GOAL_GAP, mean_se
 
 log = logging.getLogger("lowbitcc.tools.study")
 
@@ -91,12 +90,6 @@ def time_at_link(names: list[str], cfg: StudyConfig, link: Link) -> dict[str, fl
         return json.loads(out.read_text())
 
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return mean, se
-
-
 def paired(summary: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | None:
     """Mean and standard error over seeds of ``(loss of a - loss of b) / loss of b`` (final
     validation loss), over the seeds both ran; None where they share none."""
@@ -105,7 +98,7 @@ def paired(summary: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | No
     if not seeds:
         return None
     diffs = [(loss[(a, s)] - loss[(b, s)]) / loss[(b, s)] for s in seeds]
-    mean, se = _mean_se(diffs)
+    mean, se = mean_se(diffs)
     return {"a": a, "b": b, "seeds": seeds, "mean": mean, "se": se, "each": diffs}
 
 
@@ -146,11 +139,6 @@ def report(result: dict[str, Any], cfg: StudyConfig) -> dict[str, Any]:
     return {"variants": rows, "pairs": pairs, "fewest_bits": fewest_bits(pairs)}
 
 
-GOAL_GAP = 0.003
-"""An outer sync's goal: within 0.3% of the fp32 outer sync's final validation loss (the mean
-of the paired differences over seeds)."""
-
-
 def outer_bits(variant: str) -> float:
     """Wire bits per element of a DiLoCo variant's outer sync (32 for fp32): its format's at its
     code width, the int format's fp32 scale per group of 128 included."""
@@ -165,7 +153,8 @@ def outer_bits(variant: str) -> float:
 
 def fewest_bits(pairs: list[dict[str, Any]]) -> dict[int, dict[str, Any] | None]:
     """Per H, the outer sync of fewest wire bits whose mean paired difference with the fp32
-    outer sync at that H is within `GOAL_GAP` (None: none measured is)."""
+    outer sync at that H is within `GOAL_GAP` (the wide study's 0.3%; None: none measured
+    is)."""
     out: dict[int, dict[str, Any] | None] = {}
     for h in OUTER_EVERY:
         within = [p for p in pairs if p["b"] == f"diloco-fp32-h{h}" and p["mean"] <= GOAL_GAP]

@@ -11,12 +11,11 @@ standard error): the curves show whether a format's gap drifts as the run goes o
 from __future__ import annotations
 
 import math
-import statistics
 from pathlib import Path
 from typing import Any
 
 from lowbitcc.tools.plotting import pyplot
-from lowbitcc.tools.study.wide_report import GOAL_GAP
+from lowbitcc.tools.study.wide_report import GOAL_GAP, finish_panel, mean_se, pct, save
 
 Cell = tuple[str, int]
 Curve = list[tuple[int, float, float, int]]
@@ -43,10 +42,7 @@ def gap_curves(runs: list[dict[str, Any]]) -> dict[Cell, dict[str, Curve]]:
         for variant, steps in variants.items():
             curve = []
             for step in sorted(steps):
-                values = steps[step]
-                se = (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1
-                      else math.nan)
-                curve.append((step, sum(values) / len(values), se, len(values)))
+                curve.append((step, *mean_se(steps[step]), len(steps[step])))
             out.setdefault(cell, {})[variant] = curve
     return out
 
@@ -66,10 +62,6 @@ def crossings(a: Curve, b: Curve) -> list[int]:
     return steps
 
 
-def _pct(x: float) -> str:
-    return "" if math.isnan(x) else f"{100 * x:+.2f}%"
-
-
 def format_markdown(runs: list[dict[str, Any]], every: int = 500) -> str:
     """Per cell: the mean gap of each variant at every ``every``-th step and at the last (the
     final evaluation, on more batches), the seeds behind it, and where the variants' curves
@@ -87,7 +79,7 @@ def format_markdown(runs: list[dict[str, Any]], every: int = 500) -> str:
             cells = []
             for name in names:
                 point = next((p for p in variants[name] if p[0] == step), None)
-                cells.append("" if point is None else f"{_pct(point[1])} ({point[3]})")
+                cells.append("" if point is None else f"{pct(point[1])} ({point[3]})")
             out.append(f"| {step} | " + " | ".join(cells) + " |")
         for name in names[1:]:
             crossed = crossings(variants[name], variants[names[0]])
@@ -116,13 +108,5 @@ def plot_gaps(runs: list[dict[str, Any]], path: Path) -> None:
                 ax.fill_between(steps, [m - 100 * p[2] for m, p in zip(means, curve, strict=True)],
                                 [m + 100 * p[2] for m, p in zip(means, curve, strict=True)],
                                 alpha=0.2)
-        ax.axhline(0, color="black", linewidth=0.8)
-        for goal in (GOAL_GAP, -GOAL_GAP):
-            ax.axhline(100 * goal, color="gray", linewidth=0.8, linestyle="--")
-        ax.set(title=f"{cell[0]}, {cell[1]} ranks", xlabel="step",
-               ylabel="validation loss gap to exact, %")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        finish_panel(ax, cell, "step", "validation loss gap to exact, %", (GOAL_GAP, -GOAL_GAP))
+    save(plt, fig, path)

@@ -62,7 +62,8 @@ def gaps(runs: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[int, tuple[flo
     return out
 
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error (NaN for a single value)."""
     mean = sum(values) / len(values)
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
     return mean, se
@@ -75,7 +76,7 @@ def cell_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for cell, variants in gaps(runs).items():
         for variant, by_seed in variants.items():
-            mean, se = _mean_se([g for g, _ in by_seed.values()])
+            mean, se = mean_se([g for g, _ in by_seed.values()])
             accs = [a for _, a in by_seed.values() if a is not None]
             row: dict[str, Any] = {
                 "configuration": cell[0], "world": cell[1], "variant": variant,
@@ -85,7 +86,7 @@ def cell_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             other = variants.get(twin(variant) or "")
             paired = [by_seed[s][0] - other[s][0] for s in by_seed if other and s in other]
             if paired:
-                row["vs_twin"], row["vs_twin_se"] = _mean_se(paired)
+                row["vs_twin"], row["vs_twin_se"] = mean_se(paired)
             rows.append(row)
     return rows
 
@@ -120,7 +121,9 @@ def choose(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "twin_measured": any("vs_twin" in r for r in mine)}
 
 
-def _pct(x: float | None, signed: bool = True) -> str:
+def pct(x: float | None, signed: bool = True) -> str:
+    """``x`` as a percentage with two decimals (signed unless ``signed`` is False); "" for
+    None or NaN."""
     if x is None or math.isnan(x):
         return ""
     return f"{100 * x:+.2f}%" if signed else f"{100 * x:.2f}"
@@ -138,19 +141,19 @@ def format_markdown(runs: list[dict[str, Any]]) -> str:
                 + (" accuracy vs exact |" if classifier else ""),
                 "|---|---:|---|---:|---:|---:|" + ("---:|" if classifier else "")]
         for r in mine:
-            each = " ".join(_pct(g) for g in r["each"])
-            twin_cell = (f"{_pct(r['vs_twin'])} ± {_pct(r['vs_twin_se'], False)}"
+            each = " ".join(pct(g) for g in r["each"])
+            twin_cell = (f"{pct(r['vs_twin'])} ± {pct(r['vs_twin_se'], False)}"
                          if "vs_twin" in r else "")
             acc = (f" {100 * r['accuracy_gap']:+.2f} points |" if classifier
                    and r["accuracy_gap"] is not None else (" |" if classifier else ""))
-            out.append(f"| {r['variant']} | {r['bits']:.2f} | {each} | {_pct(r['mean_gap'])} | "
-                       f"{_pct(r['se'], False)} | {twin_cell} |{acc}")
+            out.append(f"| {r['variant']} | {r['bits']:.2f} | {each} | {pct(r['mean_gap'])} | "
+                       f"{pct(r['se'], False)} | {twin_cell} |{acc}")
         out.append("")
     verdict = choose(rows)
     out += ["| variant | worst cell | worst mean gap | mean over cells |", "|---|---|---:|---:|"]
     for r in verdict["ranking"]:
         out.append(f"| {r['variant']} | {r['worst_cell'][0]}, {r['worst_cell'][1]} ranks | "
-                   f"{_pct(r['worst_gap'])} | {_pct(r['mean_of_cells'])} |")
+                   f"{pct(r['worst_gap'])} | {pct(r['mean_of_cells'])} |")
     chosen = verdict["chosen"]
     if chosen:
         if twin(chosen) is None:
@@ -181,12 +184,25 @@ def plot_frontier(runs: list[dict[str, Any]], path: Path) -> None:
             se = 0.0 if math.isnan(r["se"]) else 100 * r["se"]
             ax.errorbar(r["bits"], 100 * r["mean_gap"], yerr=se, fmt="o", capsize=3,
                         label=r["variant"])
-        ax.axhline(0, color="black", linewidth=0.8)
-        ax.axhline(100 * GOAL_GAP, color="gray", linewidth=0.8, linestyle="--")
-        ax.set(title=f"{cell[0]}, {cell[1]} ranks", xlabel="wire bits per element",
-               ylabel="final validation loss gap to exact, %")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        finish_panel(ax, cell, "wire bits per element", "final validation loss gap to exact, %",
+                     (GOAL_GAP,))
+    save(plt, fig, path)
+
+
+def finish_panel(ax: Any, cell: Cell, xlabel: str, ylabel: str,
+                 goals: tuple[float, ...]) -> None:
+    """A cell's panel of a gap plot: the zero line, a dashed line at each of ``goals`` (as
+    fractions), the cell as title, the axes' labels, a grid and the legend."""
+    ax.axhline(0, color="black", linewidth=0.8)
+    for goal in goals:
+        ax.axhline(100 * goal, color="gray", linewidth=0.8, linestyle="--")
+    ax.set(title=f"{cell[0]}, {cell[1]} ranks", xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def save(plt: Any, fig: Any, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` (100 dpi) and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
