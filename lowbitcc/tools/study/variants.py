@@ -95,6 +95,9 @@ VARIANTS = {
     ]
 }
 DILOCO_VARIANTS = ["exact", "mxfp4", *(n for n in VARIANTS if n.startswith("diloco-"))]
+"""`lowbitcc study --diloco` (`lowbitcc.tools.study.diloco`): DDP every step over gloo fp32
+(``exact``, the reference) and over loco (``mxfp4``), and DiLoCo with outer sync in fp32, int8
+without feedback (what INTELLECT-1 sends), 4-bit without feedback and 4-bit LoCo, at each H."""
 _OUTER_BITS = [
     v for h in OUTER_EVERY for v in (
         Variant(f"diloco-int2-h{h}", "loco", (INT, ("LOCO_BITS", "2"), ("LOCO_FEEDBACK", "0")),
@@ -110,9 +113,6 @@ OUTER_BITS_VARIANTS = [v.name for v in _OUTER_BITS]
 """Outer syncs at 2 to 4 bits beside `DILOCO_VARIANTS` (``lowbitcc study --diloco --variants
 ...``; not in its default set): int2 codes (one fp32 scale per 128, 2.25 bits) and NVFP4 (4.53
 bits), each without feedback and with LoCo, at every H. `diloco.fewest_bits` reads them."""
-"""`lowbitcc study --diloco` (`lowbitcc.tools.study.diloco`): DDP every step over gloo fp32
-(``exact``, the reference) and over loco (``mxfp4``), and DiLoCo with outer sync in fp32, int8
-without feedback (what INTELLECT-1 sends), 4-bit without feedback and 4-bit LoCo, at each H."""
 
 
 @dataclasses.dataclass(frozen=True)

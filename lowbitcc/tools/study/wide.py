@@ -60,7 +60,7 @@ class Plan:
     variants: tuple[str, ...]
     tracked: tuple[str, ...]
     steps: int = 300
-    eval_every: int = 25
+    eval_every: int = StudyConfig.eval_every
     """Steps between the evaluations during a run (the gap-against-step curves' points)."""
 
     def runs(self) -> list[tuple[str, int, int, str]]:
@@ -87,7 +87,7 @@ PLANS = {
 }
 """The forms of ``--wide``: ``full`` and ``quick`` at 300 steps; ``long`` at 3000 (ten times the
 steps, the learning-rate schedule stretched to the run) on the two GPTs, evaluated every 100
-steps so that the gap to exact can be followed over the run (`wide_report.plot_gaps`)."""
+steps so that the gap to exact can be followed over the run (`long_report.plot_gaps`)."""
 
 SECONDS_HERE = {("gpt", 2): 140.0, ("gpt-docs", 2): 180.0, ("digits-cnn", 2): 20.0}
 """Seconds one 300-step run of a configuration takes on 2 ranks on the 2-core development
@@ -97,7 +97,8 @@ as long."""
 FOUR_RANKS = 2.2
 
 
-def config(configuration: str, world: int, steps: int, eval_every: int = 25) -> StudyConfig:
+def config(configuration: str, world: int, steps: int,
+           eval_every: int = StudyConfig.eval_every) -> StudyConfig:
     """The `StudyConfig` of one cell."""
     return StudyConfig(steps=steps, world=world, eval_every=eval_every,
                        **CONFIGURATIONS[configuration])
