@@ -116,6 +116,8 @@ def test_outer_syncs_at_fewer_bits_are_paired_with_fp32_and_the_fewest_within_th
     assert not set(OUTER_BITS_VARIANTS) & set(DILOCO_VARIANTS)  # the default set stays as it is
     assert diloco.outer_bits("diloco-int2-h10") == diloco.outer_bits("diloco-loco2-h50") == 2.25
     assert diloco.outer_bits("diloco-nvfp4-loco-h10") == pytest.approx(4.53, abs=0.01)
+    assert diloco.outer_bits("diloco-nvfp3-loco-h50") == diloco.outer_bits(
+        "diloco-nvint3-h10") == pytest.approx(3.53, abs=0.01)
     assert diloco.outer_bits("diloco-loco4-h10") == 4.25 and diloco.outer_bits(
         "diloco-fp32-h50") == 32.0
     loss = {"diloco-fp32-h10": 2.0, "diloco-int2-h10": 2.02, "diloco-loco2-h10": 2.004,

@@ -107,12 +107,18 @@ _OUTER_BITS = [
         Variant(f"diloco-nvfp4-h{h}", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_FEEDBACK", "0")),
                 outer_every=h),
         Variant(f"diloco-nvfp4-loco-h{h}", "loco", (NV, ("LOCO_BITS", "4"),
-                                                    ("LOCO_BETA", "0.8")), outer_every=h))]
+                                                    ("LOCO_BETA", "0.8")), outer_every=h),
+        *(v for fmt in THREE_BIT for v in (
+            Variant(f"diloco-{fmt}-h{h}", "loco", (("LOCO_FORMAT", fmt), ("LOCO_BITS", "3"),
+                                                   ("LOCO_FEEDBACK", "0")), outer_every=h),
+            Variant(f"diloco-{fmt}-loco-h{h}", "loco", (("LOCO_FORMAT", fmt), ("LOCO_BITS", "3"),
+                                                        ("LOCO_BETA", "0.8")), outer_every=h))))]
 VARIANTS.update({v.name: v for v in _OUTER_BITS})
 OUTER_BITS_VARIANTS = [v.name for v in _OUTER_BITS]
 """Outer syncs at 2 to 4 bits beside `DILOCO_VARIANTS` (``lowbitcc study --diloco --variants
-...``; not in its default set): int2 codes (one fp32 scale per 128, 2.25 bits) and NVFP4 (4.53
-bits), each without feedback and with LoCo, at every H. `diloco.fewest_bits` reads them."""
+...``; not in its default set): int2 codes (one fp32 scale per 128, 2.25 bits), the 3-bit
+`THREE_BIT` formats under NVFP4's two-level scales (3.53 bits) and NVFP4 (4.53 bits), each without
+feedback and with LoCo, at every H. `diloco.fewest_bits` reads them."""
 
 
 @dataclasses.dataclass(frozen=True)
