@@ -134,11 +134,12 @@ EOF
 
 phase_frame() {  # the frame kernels, the poison word and the encode-cleared verdict,
     # encode_sum and decode_rows (fused launches), the place's call counter read and advanced on
-    # the device: reference bytes, CUDA calls against CPU calls, one launch against two
+    # the device, the 3-bit formats' calls: reference bytes, CUDA calls against CPU calls, one
+    # launch against two
     x "${gpu_pytest[@]}" --timeout 120 \
         tests/codec/test_cuda_kernels.py tests/codec/test_encode_sum.py tests/codec/test_decode_rows.py \
         tests/codec/test_call_count.py \
-        tests/gpu/test_cuda_backend.py -k "counter or address_word or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or dropped_on_the_host"
+        tests/gpu/test_cuda_backend.py -k "counter or address_word or read_and_count or encode_sum or decode_rows or frame_kernels or check_kernels or from_the_verdict or rows_themselves or every_row_also_past or frames_its_messages or fused_checksum or bitwise or poison_word or voids_its_states or equals_the_cpu_call_bit_for_bit or three_bit or dropped_on_the_host"
 }
 
 phase_plans() {  # call plans on CUDA, their host records and place renewals: bits

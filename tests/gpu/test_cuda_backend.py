@@ -135,6 +135,33 @@ def test_the_default_format_without_feedback_equals_the_cpu_call_bit_for_bit(gro
 
 
 @needs_cupy
+@pytest.mark.parametrize("fmt", ["nvint3", "nvfp3"])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_three_bit_calls_equal_the_cpu_calls_bit_for_bit(group, fmt, feedback):
+    """The 3-bit formats (3-bit fields packed across bytes, docs/wire-format.md) on CUDA
+    against the CPU's C++ codec: all-reduces (three, so that an error state carries over) and
+    a reduce-scatter, with and without feedback, the same bits."""
+    three = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=1, format=fmt, bits=3, feedback=feedback))
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(5))
+    on_cpu, on_gpu = x.clone(), x.cuda()
+    scattered_cpu, scattered_gpu = torch.empty_like(x), torch.empty_like(on_gpu)
+    lowbitcc.reset_stats()
+    with lowbitcc.compressed():
+        for _ in range(3):
+            with lowbitcc.feedback_key(f"cpu-{fmt}-{feedback}"):
+                dist.all_reduce(on_cpu, group=three)
+            with lowbitcc.feedback_key(f"gpu-{fmt}-{feedback}"):
+                dist.all_reduce(on_gpu, group=three)
+        dist.reduce_scatter_tensor(scattered_cpu, x, group=three)
+        dist.reduce_scatter_tensor(scattered_gpu, x.cuda(), group=three)
+    assert torch.equal(on_cpu.view(torch.int32), on_gpu.cpu().view(torch.int32))
+    assert torch.equal(scattered_cpu.view(torch.int32), scattered_gpu.cpu().view(torch.int32))
+    assert not torch.equal(on_cpu, x) and not torch.equal(scattered_cpu, x)  # quantized
+    assert lowbitcc.stats()["compressed"]["calls"] == 8
+
+
+@needs_cupy
 def test_a_non_finite_call_voids_its_states_on_cuda_as_on_the_cpu(group):
     """A call that sees a NaN leaves its states voided by the call's verdict (their ``poison``
     word, read by the next encode: no kernel clears them); the calls after it must equal the
