@@ -29,6 +29,17 @@ def test_loco_4bit_tracks_exact_closer_than_no_feedback(monkeypatch):
 
 
 @pytest.mark.slow  # trains; `pytest -m slow`
+def test_feedback_warm_up_trains_as_without_feedback_until_it_ends():
+    # within its warm-up a LoCo variant's steps are the "-nofb" twin's, bit for bit: every
+    # step's calls start without an error state; LoCo from the first step differs
+    cfg = study.StudyConfig(steps=12, world=2, **study.QUICK)
+    result = study.run(["nvfp4-nofb", "nvfp4-warm100", "nvfp4"], [0], cfg)
+    rows = {r["variant"]: r for r in result["summary"]}
+    assert rows["nvfp4-warm100"]["final_val_loss"] == rows["nvfp4-nofb"]["final_val_loss"]
+    assert rows["nvfp4"]["final_val_loss"] != rows["nvfp4-nofb"]["final_val_loss"]
+
+
+@pytest.mark.slow  # trains; `pytest -m slow`
 def test_tracking_feedback_removes_the_bias_plain_quantization_keeps():
     # the default 128-element groups: on one gradient stream, the sum of LoCo's all-reduces
     # stays close to the sum of exact's while plain 4-bit quantization's drifts, and Adam's

@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 import lowbitcc
+from lowbitcc import state
 from lowbitcc.tools.spawn import run_ranks
 from lowbitcc.tools.study.formats import LAB_VARIANTS, LabState, lab_hook
 from lowbitcc.tools.study.model import optimizer
@@ -148,6 +149,8 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
         loss.backward()
         opt.step()
         sched.step()
+        if step < variant.feedback_warmup:
+            state.FEEDBACK.clear()
         if outer is not None:
             outer.step()
         mean = loss.detach().clone()

@@ -27,6 +27,10 @@ class Variant:
     outer_every: int = 0
     outer_lr: float = 0.7  # DiLoCo's outer SGD: learning rate and Nesterov momentum
     outer_momentum: float = 0.5  # DiLoCo uses 0.9 at H = 500; docs/wan.md
+    feedback_warmup: int = 0
+    """Steps at the start of the run without error feedback: after each of them the error
+    states are dropped (`lowbitcc.state.FEEDBACK`), so that its calls quantize the gradients
+    alone, as the "-nofb" twin's do; from then on LoCo as the variant's ``env`` sets it."""
 
     def __post_init__(self) -> None:
         if self.backend != "loco":
@@ -58,6 +62,10 @@ VARIANTS = {
         Variant("nvfp4-ef", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0"))),
         Variant("nvfp4-fp32e", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
                                         ("LOCO_ERROR_DTYPE", "fp32"))),
+        Variant("nvfp4-reset50", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
+                                          ("LOCO_RESET_INTERVAL", "50"))),
+        Variant("nvfp4-warm100", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
+                feedback_warmup=100),
         *(v for fmt in THREE_BIT for v in (
             Variant(fmt, "loco", (("LOCO_FORMAT", fmt), ("LOCO_BITS", "3"),
                                   ("LOCO_BETA", "0.8"))),
