@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -292,8 +293,9 @@ def create(name: str, schedule: str, device: str = "cpu") -> Backend:
     if name.startswith("loco"):
         bits, _, named = name[4:].partition("-")
         model = named == "model"
-        config = LocoConfig.from_env().replace(
-            bits=int(bits), policy="always", cost_model=model,
+        # the bits before validation: a 3-bit LOCO_FORMAT is invalid at the default 4 bits
+        config = LocoConfig.from_env({**os.environ, "LOCO_BITS": bits}).replace(
+            policy="always", cost_model=model,
             schedule=schedule if model else (named or schedule))
         return LocoBackend(name, dist.new_group(backend="loco", pg_options=config),
                            forced=not model)
