@@ -237,6 +237,16 @@ class CallCompressor:
             return torch.empty(n, dtype=torch.float32, device=device)
         return self._buffers.fp32(n, device)
 
+    def kept(self, name: str, numel: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """``dtype [numel]`` for a schedule's own step ``name`` (its exact phases: values in
+        fp32, sums, staging; not a codec's), any content: kept for the place's later runs where
+        the compressor keeps buffers (a call plan's, `Buffers.get`), else new. Valid until the
+        next request of ``name``."""
+        if self._buffers is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self._buffers.get(name, numel, dtype, device)
+
     def received(self, name: str, numel: int, device: torch.device) -> torch.Tensor | None:
         """The uint8 ``[numel]`` buffer transfer ``name`` (a stage's) receives into, where the
         compressor's buffers keep messages (`Buffers.received`); else None (the transport

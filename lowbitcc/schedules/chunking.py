@@ -48,12 +48,17 @@ def row_slice(source: Source, row: int, a: int, b: int) -> Source:
     return Source(flat[lo:hi], 1, b - a, source.factor)
 
 
-def all_values(source: Source) -> torch.Tensor:
-    """Every row of ``source`` times ``factor``: fp32 ``[rows * m]`` (zero past the end)."""
+def all_values(source: Source, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every row of ``source`` times ``factor``: fp32 ``[rows * m]`` (zero past the end), in
+    ``out`` where given (any content)."""
     flat = source.tensor
-    out = torch.zeros(source.rows * source.m, dtype=torch.float32, device=flat.device)
+    given = out is not None
+    if out is None:
+        out = torch.zeros(source.rows * source.m, dtype=torch.float32, device=flat.device)
     n = min(flat.numel(), out.numel())
     out[:n] = flat[:n]
+    if given and n < out.numel():
+        out[n:].zero_()
     if source.factor != 1.0:
         out *= source.factor
     return out

@@ -44,15 +44,22 @@ def _check(links: Links, rows: int) -> None:
         )
 
 
-def _node_reduce(source: Source, links: Links) -> torch.Tensor:
-    """Step 1: fp32 ``[N * m]``, the node's sum of rows ``v L + l`` (``v`` = 0..N-1)."""
-    lay, m = links.layout, source.m
-    by_local = all_values(source).view(lay.nodes, lay.node_size, m).transpose(0, 1)
+def _node_reduce(source: Source, comp: CallCompressor, links: Links) -> torch.Tensor:
+    """Step 1: fp32 ``[N * m]``, the node's sum of rows ``v L + l`` (``v`` = 0..N-1), in
+    buffers the compressor keeps (`CallCompressor.kept`; a call plan's are the same every run)."""
+    lay, m, device = links.layout, source.m, source.tensor.device
+    size = source.rows * m
+    values = all_values(source, comp.kept(PREFIX + "values", size, torch.float32, device))
+    by_local = values.view(lay.nodes, lay.node_size, m).transpose(0, 1)
     if lay.node_size == 1:
-        return by_local[0].reshape(-1)
-    send = by_local.contiguous().view(lay.node_size, -1).view(torch.uint8)
-    received = links.node().all_to_all(send).view(torch.float32)
-    total = received[0].clone()
+        return values
+    send = comp.kept(PREFIX + "node send", size, torch.float32, device)
+    send.view(lay.node_size, lay.nodes, m).copy_(by_local)
+    received = links.node().all_to_all_async(
+        send.view(lay.node_size, -1).view(torch.uint8),
+        comp.received(PREFIX + "node.rs", 4 * size, device)).wait().view(torch.float32)
+    total = comp.kept(PREFIX + "node sum", lay.nodes * m, torch.float32, device)
+    total.copy_(received[0])
     for row in received[1:]:
         total += row
     return total
@@ -63,7 +70,7 @@ def reduce_scatter(source: Source, comp: CallCompressor, links: Links, chunk: in
     """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]`` (in ``out`` where given)."""
     _check(links, source.rows)
     lay = links.layout
-    partial = _node_reduce(source, links)
+    partial = _node_reduce(source, comp, links)
     if lay.nodes == 1:
         return into(out, partial)
     return direct.reduce_scatter(Source(partial, lay.nodes, source.m), comp,
@@ -74,17 +81,25 @@ def all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor, links: L
                chunk: int = 0) -> None:
     """Sum over ranks of ``source`` into flat ``out``, identical on every rank."""
     _check(links, source.rows)
-    lay, m = links.layout, source.m
-    partial = _node_reduce(source, links)
+    lay, m, device = links.layout, source.m, source.tensor.device
+    partial = _node_reduce(source, comp, links)
     if lay.nodes == 1:
         rail = partial
     else:
-        rail = torch.empty(lay.nodes * m, dtype=torch.float32, device=partial.device)
+        rail = comp.kept(PREFIX + "rail", lay.nodes * m, torch.float32, device)
         direct.all_reduce(Source(partial, lay.nodes, m), rail, comp, Links.of(links.rail()), chunk,
                           prefix=PREFIX)
     if lay.node_size == 1:
-        everything = rail
-    else:
-        rails = links.node().all_gather(rail.view(torch.uint8)).view(torch.float32)
-        everything = rails.view(lay.node_size, lay.nodes, m).transpose(0, 1).reshape(-1)
+        out.copy_(rail[: out.numel()])
+        return
+    rails = links.node().all_gather_async(
+        rail.view(torch.uint8),
+        comp.received(PREFIX + "node.ag", 4 * lay.node_size * rail.numel(), device)
+    ).wait().view(torch.float32)
+    by_node = rails.view(lay.node_size, lay.nodes, m).transpose(0, 1)
+    if out.numel() == source.rows * m and out.is_contiguous():  # straight into the output
+        out.view(lay.nodes, lay.node_size, m).copy_(by_node)
+        return
+    everything = comp.kept(PREFIX + "everything", source.rows * m, torch.float32, device)
+    everything.view(lay.nodes, lay.node_size, m).copy_(by_node)
     out.copy_(everything[: out.numel()])
