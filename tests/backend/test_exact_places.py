@@ -6,6 +6,7 @@ the calls a user who keeps "loco" exact pays for."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -176,6 +177,38 @@ def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, iss
         assert [o for s in (0, 1, 2, 4, 6, 7, 8) for o in outcomes[s]] == ["ok"] * 7 * len(STEADY)
         assert same[4] and same[6] and same[7] and same[8], same
         assert exchanges[7:] == [1, 0], exchanges  # learned again
+
+
+def _one_rank_forces_compression(rank, world, gloo, issuer):
+    """9 steps of one exact 100,000-element all-reduce; at step 3 rank 1 issues it inside
+    `lowbitcc.compressed()`: each step's outcome ("ok", "nan": some element NaN, "mismatch")."""
+    group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer=issuer))
+    outcomes = []
+    for step in range(9):
+        x = torch.full((100_000,), float(rank + 1))
+        forced = step == 3 and rank == 1
+        try:
+            with lowbitcc.compressed() if forced else contextlib.nullcontext():
+                dist.all_reduce(x, group=group)
+            outcomes.append("nan" if torch.isnan(x).any() else "ok" if torch.equal(
+                x, torch.full_like(x, world * (world + 1) / 2)) else "wrong")
+        except CollectiveMismatchError:
+            outcomes.append("mismatch")
+        lowbitcc.end_step()
+    return outcomes
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_a_compressed_block_on_one_rank_at_an_exact_place_deviates_like_another_call(issuer):
+    """A `compressed()` block asks for the other path than the place's exact entry: on one rank
+    only it is a deviation (all ranks alike would agree anew, compressed): that rank raises at
+    once, the others' outputs of that call are NaN, and every rank raises at the place's run
+    after next (the canary); then the results are gloo's again."""
+    results = run_ranks(_one_rank_forces_compression, 2, issuer, timeout=120)
+    for rank, outcomes in enumerate(results):
+        assert outcomes[3] == ("mismatch" if rank == 1 else "nan"), outcomes
+        assert outcomes[5] == "mismatch", outcomes
+        assert [outcomes[s] for s in (0, 1, 2, 4, 6, 7, 8)] == ["ok"] * 7, outcomes
 
 
 def _renewing_steps(rank, world, gloo, issuer, plan, uneven):
