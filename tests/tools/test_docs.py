@@ -36,6 +36,8 @@
   a paragraph that begins "Deleted" are the exception: they must be gone. And the backend row
   names every module of ``lowbitcc/backend/``. Bare names outside the module table
   (``stats.py``, named as what the package avoids) are prose, not checked.
+- **No page names a setting that is gone.** Every ``LOCO_*`` variable README.md and docs/*.md
+  name is a `LocoConfig` setting, but in a paragraph that says what was "Deleted".
 """
 
 from __future__ import annotations
@@ -329,3 +331,22 @@ def test_the_architecture_rule_reads_names_as_the_docstring_says():
 def test_architecture_names_only_files_that_exist_and_every_backend_module():
     problems = _architecture_problems(ARCHITECTURE.read_text())
     assert not problems, "docs/architecture.md against the tree:\n" + "\n".join(problems)
+
+
+def test_every_environment_variable_the_docs_name_exists():
+    """Every ``LOCO_*`` variable that README.md and the pages of docs/ name is a `LocoConfig`
+    setting, so that no page tells a user to set a switch that is gone. A paragraph that says
+    what was deleted names it on purpose; docs/gpu/ keeps the records of runs as they were."""
+    import dataclasses
+
+    from lowbitcc.config import ENV_PREFIX, LocoConfig
+
+    known = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(LocoConfig)}
+    unknown = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for paragraph in page.read_text().split("\n\n"):
+            if "Deleted" in paragraph:
+                continue
+            unknown += [f"{page.name}: {name}" for name in re.findall(r"LOCO_[A-Z0-9_]+", paragraph)
+                        if name not in known]
+    assert not unknown, unknown
