@@ -122,14 +122,14 @@ def test_diloco_study_ranks_its_outer_syncs_and_times_them_at_the_link(tmp_path)
 
 def test_outer_syncs_at_fewer_bits_are_paired_with_fp32_and_the_fewest_within_the_goal_named():
     from lowbitcc.tools.study import diloco
-    from lowbitcc.tools.study.variants import DILOCO_VARIANTS, OUTER_BITS_VARIANTS
+    from lowbitcc.tools.study.variants import DILOCO_VARIANTS, OUTER_BITS_VARIANTS, wire_bits
 
     assert not set(OUTER_BITS_VARIANTS) & set(DILOCO_VARIANTS)  # the default set stays as it is
-    assert diloco.outer_bits("diloco-int2-h10") == diloco.outer_bits("diloco-loco2-h50") == 2.25
-    assert diloco.outer_bits("diloco-nvfp4-loco-h10") == pytest.approx(4.53, abs=0.01)
-    assert diloco.outer_bits("diloco-nvfp3-loco-h50") == diloco.outer_bits(
+    assert wire_bits("diloco-int2-h10") == wire_bits("diloco-loco2-h50") == 2.25
+    assert wire_bits("diloco-nvfp4-loco-h10") == pytest.approx(4.53, abs=0.01)
+    assert wire_bits("diloco-nvfp3-loco-h50") == wire_bits(
         "diloco-nvint3-h10") == pytest.approx(3.53, abs=0.01)
-    assert diloco.outer_bits("diloco-loco4-h10") == 4.25 and diloco.outer_bits(
+    assert wire_bits("diloco-loco4-h10") == 4.25 and wire_bits(
         "diloco-fp32-h50") == 32.0
     loss = {"diloco-fp32-h10": 2.0, "diloco-int2-h10": 2.02, "diloco-loco2-h10": 2.004,
             "diloco-nvfp4-h10": 2.001, "diloco-fp32-h50": 2.0, "diloco-int2-h50": 2.1}

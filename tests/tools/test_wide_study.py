@@ -49,7 +49,7 @@ def test_digits_validation_is_the_same_797_images_however_it_is_cut():
     assert 0 <= job.correct(model, x, y) <= len(y)
 
 
-def test_report_pairs_seeds_with_their_exact_and_the_worst_cell_chooses():
+def test_report_pairs_seeds_with_their_exact_and_the_worst_cell_chooses(monkeypatch):
     # "steady" is better on average, "flat" in its worst cell: the worst cell decides
     runs = []
     losses = {("a", 2): {"steady": (1.000, 1.002), "flat": (1.002, 1.002)},
@@ -65,12 +65,8 @@ def test_report_pairs_seeds_with_their_exact_and_the_worst_cell_chooses():
     assert steady_b["each"] == pytest.approx([0.010, 0.012])
     assert steady_b["mean_gap"] == pytest.approx(0.011)
     assert steady_b["se"] == pytest.approx(0.001)
-    wide_report.CODEC_BITS.setdefault("steady", 4.25)
-    wide_report.CODEC_BITS.setdefault("flat", 4.5)
-    try:
-        verdict = wide_report.choose(list(rows.values()))
-    finally:
-        del wide_report.CODEC_BITS["steady"], wide_report.CODEC_BITS["flat"]
+    monkeypatch.setattr(wide_report, "bits", {"steady": 4.25, "flat": 4.5}.get)
+    verdict = wide_report.choose(list(rows.values()))
     assert [r["variant"] for r in verdict["ranking"]] == ["flat", "steady"]
     assert verdict["chosen"] == "flat"
     assert verdict["ranking"][0]["worst_cell"] == ("b", 2)
@@ -160,6 +156,11 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
     assert long.steps == 10 * wide.PLANS["full"].steps and long.worlds == (2, 4)
     assert set(long.configurations) == {"gpt", "gpt-docs"} and len(long.seeds) == 3
     assert not math.isnan(wide_report.bits("mxfp4"))
+    # every long-form variant has its bits; a feedback variant of a format is paired with the
+    # format's no-feedback twin
+    assert all(not math.isnan(wide_report.bits(v)) for v in long.variants)
+    assert wide_report.twin("nvfp4-warm1000") == wide_report.twin("nvfp4") == "nvfp4-nofb"
+    assert wide_report.bits("loco4-g64") == 4.5 and wide_report.bits("exact") == 32.0
 
 
 @pytest.mark.slow  # trains 10 steps per run; `pytest -m slow`

@@ -32,7 +32,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools import netem, study
 from lowbitcc.tools.link_spec import PRESETS, Link
 from lowbitcc.tools.plotting import pyplot
@@ -40,8 +39,8 @@ from lowbitcc.tools.study.variants import (
     DILOCO_VARIANTS,
     OUTER_BITS_VARIANTS,
     OUTER_EVERY,
-    VARIANTS,
     StudyConfig,
+    wire_bits,
 )
 from lowbitcc.tools.study.wide_report import GOAL_GAP, mean_se
 
@@ -139,18 +138,6 @@ def report(result: dict[str, Any], cfg: StudyConfig) -> dict[str, Any]:
     return {"variants": rows, "pairs": pairs, "fewest_bits": fewest_bits(pairs)}
 
 
-def outer_bits(variant: str) -> float:
-    """Wire bits per element of a DiLoCo variant's outer sync (32 for fp32): its format's at its
-    code width, the int format's fp32 scale per group of 128 included."""
-    env = dict(VARIANTS[variant].env)
-    if VARIANTS[variant].backend != "loco":
-        return 32.0
-    fmt, bits = FORMATS[env.get("LOCO_FORMAT", "nvfp4")], int(env.get("LOCO_BITS", "4"))
-    if fmt.name == "int":
-        return bits + 8 * fmt.scale_bytes / fmt.default_group
-    return fmt.bits_per_element
-
-
 def fewest_bits(pairs: list[dict[str, Any]]) -> dict[int, dict[str, Any] | None]:
     """Per H, the outer sync of fewest wire bits whose mean paired difference with the fp32
     outer sync at that H is within `GOAL_GAP` (the wide study's 0.3%; None: none measured
@@ -158,8 +145,8 @@ def fewest_bits(pairs: list[dict[str, Any]]) -> dict[int, dict[str, Any] | None]
     out: dict[int, dict[str, Any] | None] = {}
     for h in OUTER_EVERY:
         within = [p for p in pairs if p["b"] == f"diloco-fp32-h{h}" and p["mean"] <= GOAL_GAP]
-        best = min(within, key=lambda p: outer_bits(p["a"]), default=None)
-        out[h] = None if best is None else {"variant": best["a"], "bits": outer_bits(best["a"]),
+        best = min(within, key=lambda p: wire_bits(p["a"]), default=None)
+        out[h] = None if best is None else {"variant": best["a"], "bits": wire_bits(best["a"]),
                                             "gap": best["mean"], "se": best["se"]}
     return out
 

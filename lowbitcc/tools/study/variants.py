@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools.study.formats import LAB_VARIANTS
 
 
@@ -64,8 +65,8 @@ VARIANTS = {
                                         ("LOCO_ERROR_DTYPE", "fp32"))),
         Variant("nvfp4-reset50", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
                                           ("LOCO_RESET_INTERVAL", "50"))),
-        Variant("nvfp4-warm100", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
-                feedback_warmup=100),
+        *(Variant(f"nvfp4-warm{n}", "loco", (NV, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8")),
+                  feedback_warmup=n) for n in (100, 1000)),
         *(v for fmt in THREE_BIT for v in (
             Variant(fmt, "loco", (("LOCO_FORMAT", fmt), ("LOCO_BITS", "3"),
                                   ("LOCO_BETA", "0.8"))),
@@ -127,6 +128,25 @@ OUTER_BITS_VARIANTS = [v.name for v in _OUTER_BITS]
 ...``; not in its default set): int2 codes (one fp32 scale per 128, 2.25 bits), the 3-bit
 `THREE_BIT` formats under NVFP4's two-level scales (3.53 bits) and NVFP4 (4.53 bits), each without
 feedback and with LoCo, at every H. `diloco.fewest_bits` reads them."""
+
+
+def wire_bits(name: str) -> float:
+    """Wire bits per element of variant ``name``'s compressed calls: a format lab variant's
+    spec's; a "loco" variant's format at its code width (`lowbitcc.codec.formats`; the int
+    format's fp32 scale per group included, at the variant's group size); 32 for a variant
+    that sends fp32 (gloo, DDP hooks, DiLoCo's fp32 outer sync)."""
+    if name in LAB_VARIANTS:
+        return LAB_VARIANTS[name].bits_per_element
+    variant = VARIANTS[name]
+    if variant.backend != "loco":
+        return 32.0
+    env = dict(variant.env)
+    bits = int(env.get("LOCO_BITS", "4"))
+    fmt = FORMATS[env.get("LOCO_FORMAT", "nvfp4" if bits == 4 else "int")]
+    if fmt.name == "int":
+        group = int(env.get("LOCO_GROUP_SIZE", "0")) or fmt.default_group
+        return bits + 8 * fmt.scale_bytes / group
+    return fmt.bits_per_element
 
 
 @dataclasses.dataclass(frozen=True)

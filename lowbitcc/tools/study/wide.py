@@ -74,9 +74,11 @@ class Plan:
         return [(c, w) for c in self.configurations for w in self.worlds]
 
 
-LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4")
-"""The long form's runs: fp32, the default (NVFP4 without feedback), NVFP4 with LoCo and MXFP4
-with LoCo (the default until 2026-11-27)."""
+LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4", "nvfp4-warm1000")
+"""The long form's runs: fp32, the default (NVFP4 without feedback), NVFP4 with LoCo, MXFP4
+with LoCo (the default until 2026-11-27), and NVFP4 with LoCo after a feedback warm-up of the
+first third of the run (`Variant.feedback_warmup`: at 300 steps, 100 steps of warm-up ended as
+low as no feedback; docs/convergence.md)."""
 
 PLANS = {
     "full": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), ("exact", *CANDIDATES), CANDIDATES),

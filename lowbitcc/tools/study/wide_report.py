@@ -11,31 +11,31 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools.plotting import pyplot
-from lowbitcc.tools.study.formats import LAB_VARIANTS
-from lowbitcc.tools.study.variants import THREE_BIT
+from lowbitcc.tools.study.variants import VARIANTS, wire_bits
 
 MAX_BITS = 4.6
 GOAL_GAP = 0.003
 """The wide study's goal: the default's mean gap within 0.3% of exact in every cell."""
-CODEC_BITS = {name: FORMATS[fmt].bits_per_element for fmt in ("mxfp4", "nvfp4", *THREE_BIT)
-              for name in (fmt, f"{fmt}-nofb")}
-"""Wire bits per element of the codec's 4-bit variants (`lowbitcc.codec.formats`); the format
-lab's come from their `formats.LabSpec`."""
-
 Cell = tuple[str, int]
 
 
 def bits(variant: str) -> float:
-    if variant in LAB_VARIANTS:
-        return LAB_VARIANTS[variant].bits_per_element
-    return CODEC_BITS.get(variant, math.nan)
+    """`variants.wire_bits` of a study variant; NaN for a name that is none."""
+    return wire_bits(variant) if variant in VARIANTS else math.nan
 
 
 def twin(variant: str) -> str | None:
-    """The same format without feedback (``-nofb``), or None for a variant without feedback."""
-    return None if variant.endswith("-nofb") else f"{variant}-nofb"
+    """The same format without feedback: ``<variant>-nofb`` where that variant exists, else the
+    twin of the variant's format (``nvfp4-nofb`` for ``nvfp4-warm100``); None for a variant
+    without feedback."""
+    if variant.endswith("-nofb"):
+        return None
+    own = f"{variant}-nofb"
+    if own in VARIANTS or variant not in VARIANTS:
+        return own
+    fmt = dict(VARIANTS[variant].env).get("LOCO_FORMAT")
+    return f"{fmt}-nofb" if f"{fmt}-nofb" in VARIANTS else own
 
 
 def _final(record: dict[str, Any], key: str) -> float | None:
