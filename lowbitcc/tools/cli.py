@@ -10,6 +10,7 @@ from typing import Any
 
 from lowbitcc.codec.formats import FORMATS
 from lowbitcc.tools import link_spec
+from lowbitcc.tools.study import command as study_command
 
 
 def _exit_code(run: Callable[[], int], errors: tuple = (ValueError, RuntimeError)) -> int:
@@ -35,56 +36,6 @@ def _selftest(args: argparse.Namespace) -> int:
     from lowbitcc.tools import selftest
 
     return selftest.run(count=args.cases, gpu=not args.no_gpu, ranks=args.ranks)
-
-
-def _study(args: argparse.Namespace) -> int:
-    from lowbitcc.tools import study
-
-    if args.wide:
-        from lowbitcc.tools.study import wide
-
-        return wide.command(args.wide, args.out, args.steps)
-    cfg = study.StudyConfig(steps=args.steps or 300, world=args.np,
-                            **(study.QUICK if args.quick else {}))
-    if args.diloco:
-        return _study_diloco(args, cfg)
-    if any((args.link, args.delay, args.jitter, args.loss, args.wan)):
-        logging.getLogger("lowbitcc").error("lowbitcc study: --link, --delay, --jitter, --loss "
-                                            "and --wan apply to --diloco only")
-        return 2
-    try:
-        result = study.run(args.variants or study.DEFAULT_VARIANTS,
-                           args.seeds or study.DEFAULT_SEEDS, cfg, out_dir=args.out,
-                           extra_seed_variants=args.extra_seed_variants or study.EXTRA_SEED_VARIANTS,
-                           tracked=study.DEFAULT_TRACKED if args.track is None else args.track)
-    except ValueError as exc:
-        logging.getLogger("lowbitcc").error("%s", exc)
-        return 2
-    print(study.format_table(result["summary"]))
-    if result["across_seeds"]:
-        print()
-        print(study.format_across_seeds(result["across_seeds"]))
-    if "tracking" in result:
-        from lowbitcc.tools.study import tracking
-
-        print()
-        print(tracking.format_table(result["tracking"]["summary"]))
-    return 0
-
-
-def _study_diloco(args: argparse.Namespace, cfg: Any) -> int:
-    from lowbitcc.tools.study import diloco
-
-    try:
-        link = link_spec.from_arguments(args) or diloco.DEFAULT_LINK
-        result = diloco.run(args.seeds or [0, 1, 2], cfg, link, out_dir=args.out,
-                            variants=args.variants)
-    except (ValueError, RuntimeError) as exc:
-        logging.getLogger("lowbitcc").error("%s", exc)
-        return 2
-    print(diloco.format_report(result["diloco"], result["link"],
-                               result["link_seconds_per_step"] is not None))
-    return 0
 
 
 def _perf(args: argparse.Namespace) -> int:
@@ -197,37 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="where the tensors live (cuda: the CUDA kernels on the current GPU)")
     bench.set_defaults(func=_codec_bench)
-    st = sub.add_parser("study", help="convergence study: a small GPT trained per variant")
-    st.add_argument("--np", type=int, default=2, help="local ranks (default 2)")
-    st.add_argument("--steps", type=int,
-                    help="training steps (default 300; --wide long: 3000)")
-    from lowbitcc.tools.study import variants as study_variants
-
-    st.add_argument("--variants", nargs="+",
-                    help="variants to run (default: " + " ".join(study_variants.DEFAULT_VARIANTS)
-                    + "; an unknown name lists the known ones)")
-    st.add_argument("--seeds", type=int, nargs="+",
-                    help="seeds; all variants run the first (default "
-                    + " ".join(map(str, study_variants.DEFAULT_SEEDS)) + ")")
-    st.add_argument("--extra-seed-variants", nargs="+",
-                    help="variants run for the other seeds too (default: "
-                    + " ".join(study_variants.EXTRA_SEED_VARIANTS) + ")")
-    st.add_argument("--track", nargs="*",
-                    help="variants measured on exact's gradient stream of the first seed (default: "
-                    + " ".join(study_variants.DEFAULT_TRACKED) + "; none given: skip)")
-    st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
-    st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
-    st.add_argument("--diloco", action="store_true",
-                    help="the DiLoCo study instead (docs/wan.md): each rank a site, DDP against "
-                    "DiLoCo with fp32, int8, 4-bit and 4-bit LoCo outer sync at H 10 and 50, "
-                    "3 seeds each; then each variant timed behind an emulated link (default "
-                    "--wan cross-continent; root)")
-    st.add_argument("--wide", nargs="?", const="full", choices=["full", "quick", "long"],
-                    help="the three-configuration study that chooses the 4-bit default "
-                    "(docs/convergence.md; resumable from --out): full (hours here), quick, or "
-                    "long (the two GPTs at 3000 steps: days here)")
-    link_spec.add_arguments(st)
-    st.set_defaults(func=_study)
+    study_command.add_arguments(sub)
     _add_perf(sub)
     _add_project(sub)
     _add_bench_train(sub)

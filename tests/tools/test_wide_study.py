@@ -159,6 +159,9 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
     # every long-form variant has its bits; a feedback variant of a format is paired with the
     # format's no-feedback twin
     assert all(not math.isnan(wide_report.bits(v)) for v in long.variants)
+    from lowbitcc.tools.study import command
+
+    assert list(wide.PLANS) == command.WIDE_FORMS  # `lowbitcc study --wide FORM`'s choices
     assert wide_report.twin("nvfp4-warm1000") == wide_report.twin("nvfp4") == "nvfp4-nofb"
     assert wide_report.bits("loco4-g64") == 4.5 and wide_report.bits("exact") == 32.0
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from lowbitcc.tools.study import tracking
 from lowbitcc.tools.study.training import run_variant
-from lowbitcc.tools.study.variants import CONFIGURATIONS, VARIANTS, StudyConfig
+from lowbitcc.tools.study.variants import CONFIGURATIONS, THREE_BIT, VARIANTS, StudyConfig
 
 log = logging.getLogger("lowbitcc.tools.study.wide")
 
@@ -80,16 +80,30 @@ with LoCo (the default until 2026-11-27), and NVFP4 with LoCo after a feedback w
 first third of the run (`Variant.feedback_warmup`: at 300 steps, 100 steps of warm-up ended as
 low as no feedback; docs/convergence.md)."""
 
+FEEDBACK_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "nvfp4-ef", "nvfp4-fp32e", "nvfp4-reset50",
+                     "nvfp4-warm100")
+"""The feedback form's runs (why NVFP4 with LoCo ends above NVFP4 without at 300 steps): LoCo
+(beta 0.8) against classic error feedback (beta 0), an fp32 error state for int8's, error states
+reset every 50 uses, and feedback after a warm-up of 100 steps."""
+THREE_BIT_VARIANTS = ("exact", *(f"{f}{fb}" for fb in ("-nofb", "") for f in THREE_BIT))
+"""The three-bit form's runs: the codec's 3-bit formats without feedback and with LoCo."""
+
 PLANS = {
     "full": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), ("exact", *CANDIDATES), CANDIDATES),
     "quick": Plan(tuple(CONFIGURATIONS), (2,), (0, 1), ("exact", "mxfp4", "nvfp4", "nvfp4-nofb"),
                   ()),
     "long": Plan(("gpt", "gpt-docs"), (2, 4), (0, 1, 2), LONG_VARIANTS, (), steps=3000,
                  eval_every=100),
+    "feedback": Plan(("gpt",), (2,), (0, 1, 2), FEEDBACK_VARIANTS, ()),
+    "three-bit": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), THREE_BIT_VARIANTS, ()),
 }
 """The forms of ``--wide``: ``full`` and ``quick`` at 300 steps; ``long`` at 3000 (ten times the
 steps, the learning-rate schedule stretched to the run) on the two GPTs, evaluated every 100
-steps so that the gap to exact can be followed over the run (`long_report.plot_gaps`)."""
+steps so that the gap to exact can be followed over the run (`long_report.plot_gaps`);
+``feedback`` (`FEEDBACK_VARIANTS` on the GPT at 2 ranks, its gap over the run too) and
+``three-bit`` (`THREE_BIT_VARIANTS` in every cell) at 300 steps."""
+GAP_FORMS = {"long": 500, "feedback": 50}
+"""The forms whose report adds the gap over the run (`long_report`), and its table's step."""
 
 SECONDS_HERE = {("gpt", 2): 140.0, ("gpt-docs", 2): 180.0, ("digits-cnn", 2): 20.0}
 """Seconds one 300-step run of a configuration takes on 2 ranks on the 2-core development
@@ -215,8 +229,8 @@ def command(form: str, out_dir: str | Path, steps: int | None = None) -> int:
     (out / "wide.md").write_text(text + "\n")
     wide_report.plot_frontier(runs, out / "frontier.png")
     print(text)
-    if form == "long":
-        curves = long_report.format_markdown(runs)
+    if form in GAP_FORMS:
+        curves = long_report.format_markdown(runs, every=GAP_FORMS[form])
         (out / "gaps.md").write_text(curves + "\n")
         long_report.plot_gaps(runs, out / "gaps.png")
         print("\n" + curves)
