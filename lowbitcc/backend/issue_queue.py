@@ -33,8 +33,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from lowbitcc.backend.works import DoneWork, FollowedWork, InnerWork, LocoFuture, LocoWork
+from lowbitcc.backend.works import (
+    DoneWork,
+    FollowedWork,
+    InnerWork,
+    LocoFuture,
+    LocoWork,
+    native_followed,
+)
 
 Job = Callable[[], Any]
 """A call's work on the worker: returns the output tensors or an `InnerWork`."""
@@ -73,6 +81,10 @@ class _AllOf:
             self.retire(inner.work)
 
 
+_GLOO_WORK = dist.Work
+"""The type of an inner gloo call's Work as Python sees it (c10d's own, not a Python subclass)."""
+
+
 class IssueQueue:
     """The worker and waiter threads of one group (see the module docstring).
 
@@ -82,6 +94,8 @@ class IssueQueue:
 
     def __init__(self, name: str, retire: Callable[[Any], None]) -> None:
         self._retire = retire
+        self._native = native_followed()
+        """`works.native_followed`: the C++ Work of calls the calling thread starts (`follow`)."""
         self._group_tag = 0
         self._issued = itertools.count(1)
         self._lock = threading.Lock()
@@ -119,13 +133,21 @@ class IssueQueue:
         name it (`callback_parent`)."""
         return DoneWork(self._next_tag(), outputs)
 
-    def follow(self, work: Any, outputs: list[torch.Tensor]) -> LocoWork:
+    def follow(self, work: Any, outputs: list[torch.Tensor]) -> dist.Work:
         """The Work of a gloo ``work`` the calling thread started itself (a place's exact entry,
-        `reductions`): tagged as `submit` tags its calls, and completed by the waiter, in order,
-        once ``work`` is done, with ``outputs``. Not gloo's own Work: a callback added to
-        gloo's future runs on gloo's thread, or in the caller's if the call already completed,
-        and a call it issues must not look like the calling thread's (`reductions`)."""
-        return FollowedWork(self, self._next_tag(), work, outputs)
+        `reductions`), with ``outputs``: tagged as `submit` tags its calls; the future a Python
+        caller asks for is completed by the waiter, in order, once ``work`` is done. Not gloo's
+        own Work: a Python callback added to gloo's future runs on gloo's thread, or in the
+        caller's if the call already completed, and a call it issues must not look like the
+        calling thread's (`reductions`). Where the C++ Works are built it is their
+        ``FollowedWork`` (`works.native_followed`), whose future for c10d's C++ callers (DDP's
+        reducer) completes on gloo's thread without Python; else `works.FollowedWork`."""
+        native = self._native
+        if native is None or type(work) is not _GLOO_WORK:  # a Python Work: AVG's division
+            return FollowedWork(self, self._next_tag(), work, outputs)
+        followed = native(work, outputs, self._next_tag())
+        followed.queue = self
+        return followed
 
     def complete_later(self, inner: InnerWork, future: torch.futures.Future) -> None:
         """Complete ``future`` with ``inner``'s outputs once its work is done (the waiter, in

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbitcc.backend import native
 from lowbitcc.backend.eager import eager_methods
 
 
@@ -261,3 +263,29 @@ class DoneWork(LocoWork):
 
     def exception(self) -> BaseException | None:
         return None
+
+
+@functools.cache
+def native_followed() -> type | None:
+    """`FollowedWork` in C++ (`native`: waiting, errors and the future c10d's C++ callers ask
+    for, completed on gloo's thread without Python), as a Python class whose ``get_future``
+    serves Python callers as `FollowedWork`'s does (a `LocoFuture` tagged with the call,
+    completed by the queue's waiter, its callbacks run with the tag); its ``queue`` is set by
+    `IssueQueue.follow`. None where the C++ Works cannot be built."""
+    module = native.load()
+    if module is None:
+        return None
+
+    @eager_methods
+    class NativeFollowedWork(module.FollowedWork):
+        __doc__ = native_followed.__doc__
+
+        def get_future(self) -> torch.futures.Future:
+            future = self.__dict__.get("_future")
+            if future is None:
+                future = self._future = LocoFuture(self.tag)
+                outputs = self.outputs
+                self.queue.complete_later(InnerWork(self.inner, lambda: outputs), future)
+            return future
+
+    return NativeFollowedWork

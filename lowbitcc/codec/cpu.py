@@ -1,31 +1,15 @@
 """The fused C++/OpenMP CPU kernels (``csrc/cpu_codec.cpp``, the encodes in ``csrc/cpu_encode.h``),
-built on first use and cached.
-
-Built with torch's ``cpp_extension`` (ninja) into torch's extension cache (`build_directory`)
-when the first "loco" group is created (not inside a collective), with a warning while a build
-runs; every process of an install shares the build (torch serialises concurrent builds with a
-lock file, and a process that finds the build made and unlocked imports it without torch). The cache
-entry's name hashes everything that changes the binary: the sources and flags, where they are
-(torch's own rebuild check hashes the absolute include path, so two checkouts sharing one entry
-rebuilt each other's), torch's version and location, Python's version and the compiler. If no
-compiler is available, `load` returns None after one warning and `kernels.select` falls back to
-the reference. Calls run in the calling thread with ``args.threads`` OpenMP threads.
+built on first use and cached (`cpp_build.Extension`: when the first "loco" group is created,
+not inside a collective). If no compiler is available, `load` returns None after one warning
+and `kernels.select` falls back to the reference. Calls run in the calling thread with
+``args.threads`` OpenMP threads.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
-import os
-import sys
-import warnings
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
-from lowbitcc.codec import reference, wire
+from lowbitcc.codec import cpp_build, reference, wire
 from lowbitcc.codec.abi import CSRC, FORMAT_CODES, HEADER
 from lowbitcc.codec.framing import TorchFraming
 from lowbitcc.codec.interface import EncodeArgs
@@ -39,76 +23,13 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 LDFLAGS = ["-fopenmp"]
 
 
-@functools.cache
-def load() -> ModuleType | None:
-    """The compiled module (``encode``, ``decode_sum``, ``decode_into``, ``checksum``,
-    ``frame``, ``verify``, ``vector_path``, ``encode_args_layout``), or None when it cannot be built.
-    A build that is there and not being made (no lock file of torch's) is imported directly:
-    importing ``cpp_extension`` (setuptools) and its lock took about 0.4 s of every rank's
-    first "loco" group."""
-    name = f"lowbitcc_cpu_codec_{_build_digest()}"
-    directory = build_directory(name)
-    built = directory / f"{name}.so"
-    if built.exists() and not (directory / "lock").exists():
-        try:
-            return _import(name, built)
-        except ImportError:  # torch's path decides: ninja rebuilds only where an input changed,
-            pass             # else its import fails too and the reference codec is used
-    try:
-        from torch.utils import cpp_extension
-
-        if not built.exists():
-            warnings.warn(f"lowbitcc: building the C++ CPU codec into {directory} "
-                          "(once per install; about a minute)", RuntimeWarning, stacklevel=2)
-        directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in SOURCES],
-            extra_include_paths=[str(CSRC)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(directory),
-            verbose=os.environ.get("LOWBITCC_BUILD_VERBOSE") == "1",
-        )
-    except Exception as exc:  # noqa: BLE001 (any build failure means: use the reference)
-        warnings.warn(
-            f"lowbitcc: the C++ CPU codec could not be built ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); "
-            "using the pure-torch reference codec, which is about 20x slower",
-            RuntimeWarning, stacklevel=2,
-        )
-        return None
-
-
-def build_directory(name: str) -> Path:
-    """Where the module ``name`` is built: ``lowbitcc/<name>`` under ``TORCH_EXTENSIONS_DIR``,
-    else under ``torch_extensions`` in the user's cache folder (``XDG_CACHE_HOME`` or
-    ``~/.cache``), as torch's own extensions."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
-    return Path(root) / "lowbitcc" / name
-
-
-def _import(name: str, path: Path) -> ModuleType:
-    """The extension module ``name`` built at ``path`` (as torch's loader imports it)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"lowbitcc: {path} is not an extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _build_digest() -> str:
-    """Hash of everything that changes the built module (see the module docstring)."""
-    h = hashlib.sha256()
-    for path in [*SOURCES, *HEADERS]:  # each file's name and length: a move between files shows
-        data = path.read_bytes()
-        h.update(f"{path.name}\0{len(data)}\0".encode() + data)
-    for part in (" ".join(CFLAGS), " ".join(LDFLAGS), str(CSRC.resolve()), torch.__version__,
-                 os.path.dirname(torch.__file__), sys.version, os.environ.get("CXX", "c++")):
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()[:12]
+EXTENSION = cpp_build.Extension(
+    "lowbitcc_cpu_codec", SOURCES, HEADERS, [CSRC], CFLAGS, LDFLAGS, what="the C++ CPU codec",
+    fallback="using the pure-torch reference codec, which is about 20x slower")
+load = EXTENSION.load
+"""The compiled module (``encode``, ``decode_sum``, ``decode_into``, ``checksum``, ``frame``,
+``verify``, ``vector_path``, ``encode_args_layout``), or None when it cannot be built
+(`cpp_build.Extension.load`)."""
 
 
 _CHECKSUM_STEP = reference.as_int64(wire.CHECKSUM_STEP)

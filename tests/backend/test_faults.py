@@ -474,16 +474,17 @@ def test_codec_build_cache_is_keyed_by_what_changes_the_binary(monkeypatch, tmp_
     hashes the absolute include path): 45-80 s inside init_process_group each time."""
     from lowbitcc.codec import cpu
 
-    here = cpu._build_digest()
-    assert cpu._build_digest() == here
-    monkeypatch.setattr(cpu, "CSRC", tmp_path)
-    assert cpu._build_digest() != here
+    extension = cpu.EXTENSION
+    here = extension.name()
+    assert extension.name() == here
+    monkeypatch.setattr(extension, "include_dirs", [tmp_path])
+    assert extension.name() != here
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert cpu._build_digest() != here
+    assert extension.name() != here
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "clang++")
-    assert cpu._build_digest() != here
+    assert extension.name() != here
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch.utils.cpp_extension
 
-from lowbitcc.codec import cpu
+from lowbitcc.codec import cpp_build, cpu
 
 
 def test_a_made_build_is_imported_without_cpp_extension():
@@ -39,8 +39,8 @@ def test_a_build_being_made_unimportable_or_missing_goes_through_torch(case, tmp
     """A lock file of torch's (a build under way), a build that does not import, or none: the
     module comes from ``cpp_extension.load`` into the same folder."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    name = f"lowbitcc_cpu_codec_{cpu._build_digest()}"
-    directory = cpu.build_directory(name)
+    name = cpu.EXTENSION.name()
+    directory = cpp_build.build_directory(name)
     assert directory == tmp_path / "lowbitcc" / name
     if case != "missing":
         directory.mkdir(parents=True)
@@ -48,8 +48,8 @@ def test_a_build_being_made_unimportable_or_missing_goes_through_torch(case, tmp
     if case == "locked":
         (directory / "lock").touch()
     imported: list[str] = []
-    real_import = cpu._import
-    monkeypatch.setattr(cpu, "_import", lambda n, p: imported.append(n) or real_import(n, p))
+    real_import = cpp_build._import
+    monkeypatch.setattr(cpp_build, "_import", lambda n, p: imported.append(n) or real_import(n, p))
     calls = _torch_load(monkeypatch)
     with pytest.warns(RuntimeWarning, match="building") if case == "missing" else contextlib.nullcontext():
         assert cpu.load.__wrapped__() == "torch's module"

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from lowbitcc.backend import native
 from lowbitcc.tools.call_count import count_calls
 
-BUDGET = {"compressed": 110, "exact": 50}
-"""Python calls per bucket call beyond gloo's, on the default issuer (2026-11-28: 104 and 45;
-244 and 71 before the steady call ran by its place's entry on every issuer)."""
+BUDGET = {"compressed": 110, "exact": 30}
+"""Python calls per bucket call beyond gloo's, on the default issuer (2026-11-29: 107.6 and 28.5,
+the exact entry's Work in C++; 2026-11-28: 104 and 45; 244 and 71 before the steady call ran by
+its place's entry on every issuer)."""
 
 
 @pytest.mark.parametrize("mode", sorted(BUDGET))
@@ -22,3 +24,5 @@ def test_a_steady_bucket_call_stays_within_its_python_call_budget(mode):
     functions = counted["functions"]
     assert abs(sum(functions.values()) - counted["loco"]) < 1e-6, functions
     assert functions["call_schedule.py:take [MainThread]"] == 1.0, functions
+    if mode == "exact" and native.load() is not None:  # the C++ Work completes DDP's future
+        assert not [f for f in functions if f.endswith("[waiter]")], functions

@@ -1,0 +1,32 @@
+"""lowbitcc's C++ Works (``backend/csrc/followed_work.cpp``), built on first use and cached
+(`cpp_build.Extension`, with the C++ codec when the first "loco" group is created).
+
+``FollowedWork``: the Work of a gloo call that the calling thread started itself, a place's
+exact entry (`IssueQueue.follow`): waiting and errors are the gloo Work's, and the future c10d's
+C++ callers ask for (DDP's reducer) is completed with the call's outputs by a C++ callback on
+the thread that completes the gloo Work, without Python. Where the module cannot be built (no
+compiler), `load` returns None after one warning and `works.FollowedWork` (Python, completed by
+the group's waiter thread) serves instead; ``LOWBITCC_NATIVE_WORKS=0`` forces that path (the
+tests run both).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+from lowbitcc.codec import cpp_build
+
+CSRC = Path(__file__).parent / "csrc"
+EXTENSION = cpp_build.Extension(
+    "lowbitcc_works", [CSRC / "followed_work.cpp"], [], [CSRC], ["-O2"], [],
+    what="lowbitcc's C++ Works",
+    fallback="exact steady calls complete through the group's waiter thread instead")
+
+
+def load() -> ModuleType | None:
+    """The compiled module, or None (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``)."""
+    if os.environ.get("LOWBITCC_NATIVE_WORKS", "1") == "0":
+        return None
+    return EXTENSION.load()
