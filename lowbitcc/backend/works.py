@@ -205,9 +205,7 @@ class FollowedWork(LocoWork):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            self._future = LocoFuture(self._tag)
-            self._queue.complete_later(InnerWork(self._work, lambda: self._outputs),
-                                       self._future)
+            self._future = completed_later(self._queue, self._tag, self._work, self._outputs)
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -265,6 +263,15 @@ class DoneWork(LocoWork):
         return None
 
 
+def completed_later(queue: Any, tag: int, work: Any, outputs: list[torch.Tensor]) -> LocoFuture:
+    """The future a Python caller gets of a gloo ``work`` the calling thread started itself: a
+    `LocoFuture` tagged ``tag``, which ``queue``'s waiter completes with ``outputs``, in order,
+    once ``work`` is done (`IssueQueue.complete_later`)."""
+    future = LocoFuture(tag)
+    queue.complete_later(InnerWork(work, lambda: outputs), future)
+    return future
+
+
 @functools.cache
 def native_followed() -> type | None:
     """`FollowedWork` in C++ (`native`: waiting, errors and the future c10d's C++ callers ask
@@ -283,9 +290,8 @@ def native_followed() -> type | None:
         def get_future(self) -> torch.futures.Future:
             future = self.__dict__.get("_future")
             if future is None:
-                future = self._future = LocoFuture(self.tag)
-                outputs = self.outputs
-                self.queue.complete_later(InnerWork(self.inner, lambda: outputs), future)
+                future = self._future = completed_later(self.queue, self.tag, self.inner,
+                                                        self.outputs)
             return future
 
     return NativeFollowedWork

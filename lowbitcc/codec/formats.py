@@ -43,8 +43,14 @@ class Format:
     @property
     def bits_per_element(self) -> float:
         """Wire bits per element of its (default) groups at its `width`, scales included."""
-        block = 8 / (self.block * self.default_group) if self.block else 0.0
-        return self.width + 8 * self.scale_bytes / self.default_group + block
+        return self.wire_bits(self.width)
+
+    def wire_bits(self, width: int, group: int = 0) -> float:
+        """Wire bits per element of ``width``-bit codes in groups of ``group`` elements (0: its
+        `default_group`), scales included (a block's second-level scale byte too)."""
+        group = group or self.default_group
+        block = 8 / (self.block * group) if self.block else 0.0
+        return width + 8 * self.scale_bytes / group + block
 
 
 TABLE = (

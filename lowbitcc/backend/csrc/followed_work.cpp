@@ -1,5 +1,6 @@
 // FollowedWork: the Work of a gloo call that the calling thread started itself at its place's
-// exact entry (lowbitcc/backend/works.py's `followed_work`). Waiting, completion and errors are
+// exact entry (lowbitcc/backend/issue_queue.py's `IssueQueue.follow`; its Python class is
+// works.py's `native_followed`). Waiting, completion and errors are
 // the inner gloo Work's own; the future c10d's C++ callers ask for (DDP's reducer) is made on
 // first use and completed with the call's outputs by a C++ callback on the inner Work's future,
 // on the thread that completes it (gloo's), without Python. A Python caller's `get_future` is the

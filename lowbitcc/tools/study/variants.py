@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowbitcc.codec.formats import FORMATS
+from lowbitcc.codec import formats as codec_formats
 from lowbitcc.tools.study.formats import LAB_VARIANTS
 
 
@@ -132,21 +132,21 @@ feedback and with LoCo, at every H. `diloco.fewest_bits` reads them."""
 
 def wire_bits(name: str) -> float:
     """Wire bits per element of variant ``name``'s compressed calls: a format lab variant's
-    spec's; a "loco" variant's format at its code width (`lowbitcc.codec.formats`; the int
-    format's fp32 scale per group included, at the variant's group size); 32 for a variant
-    that sends fp32 (gloo, DDP hooks, DiLoCo's fp32 outer sync)."""
+    spec's; a "loco" variant's format (its ``LOCO_FORMAT``, else ``auto``'s choice,
+    `lowbitcc.codec.formats.auto`) at its code width and group size, scales included
+    (`Format.wire_bits`); 32 for a variant that sends fp32 (gloo, DDP hooks, DiLoCo's fp32 outer
+    sync)."""
     if name in LAB_VARIANTS:
         return LAB_VARIANTS[name].bits_per_element
     variant = VARIANTS[name]
     if variant.backend != "loco":
         return 32.0
     env = dict(variant.env)
-    bits = int(env.get("LOCO_BITS", "4"))
-    fmt = FORMATS[env.get("LOCO_FORMAT", "nvfp4" if bits == 4 else "int")]
-    if fmt.name == "int":
-        group = int(env.get("LOCO_GROUP_SIZE", "0")) or fmt.default_group
-        return bits + 8 * fmt.scale_bytes / group
-    return fmt.bits_per_element
+    bits, group = int(env.get("LOCO_BITS", "4")), int(env.get("LOCO_GROUP_SIZE", "0"))
+    name = env.get("LOCO_FORMAT", "auto")
+    if name == "auto":
+        name = codec_formats.auto(bits, env.get("LOCO_ROUNDING", "nearest"), group)
+    return codec_formats.FORMATS[name].wire_bits(bits, group)
 
 
 @dataclasses.dataclass(frozen=True)
