@@ -20,9 +20,11 @@ from lowbitcc.codec import cpp_build
 
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
-    "lowbitcc_works", [CSRC / "followed_work.cpp"], [], [CSRC], ["-O2"], [],
+    "lowbitcc_works", [CSRC / "works_module.cpp"],
+    [CSRC / "followed_work.h", CSRC / "exact_runner.h"], [CSRC], ["-O2"], [],
     what="lowbitcc's C++ Works",
-    fallback="exact steady calls complete through the group's waiter thread instead")
+    fallback="exact steady calls run through Python and complete through the group's waiter "
+    "thread instead")
 
 
 def load() -> ModuleType | None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from lowbitcc.backend import BACKEND_NAME
+from lowbitcc.backend import BACKEND_NAME, steady_runner
 from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter_list_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.call_schedule import Entry
@@ -114,6 +114,10 @@ class LocoProcessGroup(dist.ProcessGroup):
                                     self._cuda, timeout)
         self._reductions = Reductions(size, self._compressed, self._issuers, self._queue)
         self._native = self._reductions.native
+        self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
+                                            self._queue, size)
+        """The C++ server of CPU calls that run as their place's exact entry (`steady_runner`;
+        None: every call takes the Python path)."""
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -180,6 +184,10 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._runner is not None:  # a CPU place's exact entry, served whole in C++
+            work = self._runner.serve_all_reduce(tensors, opts)
+            if work is not None:
+                return work
         opts = opts if opts is not None else dist.AllreduceOptions()
         return self._all_reduce("allreduce", tensors, opts)
 
@@ -231,6 +239,10 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> Any:
+        if self._runner is not None:  # (as in `allreduce`)
+            work = self._runner.serve_reduce_scatter(output, input, opts)
+            if work is not None:
+                return work
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 

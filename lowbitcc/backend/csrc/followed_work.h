@@ -5,9 +5,13 @@
 // first use and completed with the call's outputs by a C++ callback on the inner Work's future,
 // on the thread that completes it (gloo's), without Python. A Python caller's `get_future` is the
 // Python subclass's (a tagged LocoFuture, works.py).
+#pragma once
+
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <cmath>
+#include <exception>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -52,6 +56,27 @@ class FollowedWork : public c10d::Work {
     return future_;
   }
 
+  // Whether the call's output ends in NaN (its place's canary, call_schedule.py): waits for the
+  // inner Work (without the GIL where bound so), reads a failed call as NaN, and an empty output
+  // as not NaN; as exact.py's `HostCanary.nan` reads a Python Work.
+  bool nan() {
+    if (outputs_.empty() || outputs_[0].numel() == 0) {
+      return false;
+    }
+    try {
+      if (!inner_->isCompleted()) {
+        inner_->wait();
+      }
+    } catch (const std::exception&) {
+      return true;
+    }
+    if (!inner_->isSuccess()) {
+      return true;
+    }
+    const at::Tensor& out = outputs_[0];
+    return std::isnan(out.reshape(-1)[out.numel() - 1].item<double>());
+  }
+
   uint64_t tag() const { return tag_; }
   c10::intrusive_ptr<c10d::Work> inner() const { return inner_; }
   std::vector<at::Tensor> outputs() const { return outputs_; }
@@ -65,14 +90,3 @@ class FollowedWork : public c10d::Work {
 };
 
 }  // namespace lowbitcc
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lowbitcc's C++ Works (lowbitcc/backend/native.py)";
-  py::class_<lowbitcc::FollowedWork, c10d::Work, c10::intrusive_ptr<lowbitcc::FollowedWork>>(
-      m, "FollowedWork", py::dynamic_attr())
-      .def(py::init<c10::intrusive_ptr<c10d::Work>, std::vector<at::Tensor>, uint64_t>(),
-           py::arg("inner"), py::arg("outputs"), py::arg("tag"))
-      .def_property_readonly("tag", &lowbitcc::FollowedWork::tag)
-      .def_property_readonly("inner", &lowbitcc::FollowedWork::inner)
-      .def_property_readonly("outputs", &lowbitcc::FollowedWork::outputs);
-}

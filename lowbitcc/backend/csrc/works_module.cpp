@@ -1,0 +1,27 @@
+// lowbitcc's C++ Works and the steady exact call (lowbitcc/backend/native.py): the module's
+// Python bindings. `FollowedWork` is followed_work.h's, `ExactRunner` exact_runner.h's.
+#include "exact_runner.h"
+#include "followed_work.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lowbitcc's C++ Works and steady exact calls (lowbitcc/backend/native.py)";
+  py::class_<lowbitcc::FollowedWork, c10d::Work, c10::intrusive_ptr<lowbitcc::FollowedWork>>(
+      m, "FollowedWork", py::dynamic_attr())
+      .def(py::init<c10::intrusive_ptr<c10d::Work>, std::vector<at::Tensor>, uint64_t>(),
+           py::arg("inner"), py::arg("outputs"), py::arg("tag"))
+      .def("nan", &lowbitcc::FollowedWork::nan, py::call_guard<py::gil_scoped_release>(),
+           "Whether the call's output ends in NaN (its place's canary); waits for the call.")
+      .def_property_readonly("tag", &lowbitcc::FollowedWork::tag)
+      .def_property_readonly("inner", &lowbitcc::FollowedWork::inner)
+      .def_property_readonly("outputs", &lowbitcc::FollowedWork::outputs);
+  py::class_<lowbitcc::ExactRunner>(m, "ExactRunner")
+      .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict>(), py::arg("direct"),
+           py::arg("objects"))
+      .def("serve_all_reduce", &lowbitcc::ExactRunner::serve_all_reduce, py::arg("tensors"),
+           py::arg("opts"))
+      .def("serve_reduce_scatter", &lowbitcc::ExactRunner::serve_reduce_scatter,
+           py::arg("output"), py::arg("input"), py::arg("opts"))
+      .def("decline_at_random", &lowbitcc::ExactRunner::decline_at_random, py::arg("p"),
+           py::arg("seed"))
+      .def_property_readonly("served", &lowbitcc::ExactRunner::served);
+}

@@ -1,0 +1,80 @@
+"""The steady exact call in C++: `runner` builds a group's ``ExactRunner``
+(``backend/csrc/exact_runner.h``), which `LocoProcessGroup`'s all-reduce and reduce-scatter ask
+first.
+
+A CPU reduction that runs as its place's exact entry (`reductions`: the steady state of
+`CallSchedule.take` and `Reductions._run_exact` for an op the inner gloo group runs itself) is
+served whole by the runner, without a Python frame: it reads and writes the same objects the
+Python path does (the schedule's index, the entry's runs and canary, the call number, the
+feedback-key ordinal, the cost model's count, the statistics, the issuer's count, the call's
+tag) and starts the call on the group's direct gloo group with the GIL released; its Work is
+the C++ `FollowedWork`. Every other call (an exchange, a deviation, a renewal's run, a timed
+run, a compressed entry, a policy block, a callback's call, another thread's) is answered "not
+mine" with nothing changed, and the Python path takes it. Where the C++ Works cannot be built
+(no compiler, or ``LOWBITCC_NATIVE_WORKS=0``) there is no runner and every call takes the
+Python path.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbitcc import policy, state
+from lowbitcc.backend import exact, native, worker_issue, works
+from lowbitcc.backend.compressed_calls import CompressedCalls
+from lowbitcc.backend.issue_queue import IssueQueue
+from lowbitcc.backend.issuer import Issuer
+
+
+def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
+                   world: int) -> dict[str, Any] | None:
+    """What an ``ExactRunner`` reads and writes, by the names it uses (None: the group has no
+    CPU call schedule, so no call has an exact entry):
+
+    - ``schedule``: the CPU `CallSchedule` (``_next``, ``_period``, ``_origin``, ``_open``,
+      ``_entries``, ``_renew_at``, ``_renew``); ``compressed``: the group's `CompressedCalls`
+      (``_modelling``, ``cost_model``, the ordinals' ``_lock``, ``_epoch``, ``_ordinals``);
+      ``agreement``: its `CallAgreement` (``next_seq``); ``issuer``: the CPU issuer (its
+      ``_issued`` count where ``issuer_counts``: the worker's one timed call in
+      ``timed_every``); ``queue``: the `IssueQueue` (``_issued``, ``_group_tag``: the tags);
+      ``followed``: the `FollowedWork` Python class the queue builds; ``stats``: `state.STATS`;
+    - ``logical_bytes``: `exact._logical_bytes`; ``mode_stack``, ``key_stack``: `policy`'s
+      blocks; ``callback_context``: `works`' per-thread callback parent; ``main_thread``: the
+      main thread's ident; ``tensor_type``, ``allreduce_options_type``,
+      ``reduce_scatter_options_type``: the exact types a served call's arguments have;
+    - ``policy``, ``min_size``, ``world``, ``native_ops``: the group's settings and the ops the
+      inner gloo group runs itself.
+    """
+    schedule = compressed.call_schedules.get("cpu")
+    followed = works.native_followed()
+    if schedule is None or followed is None:
+        return None
+    worker = isinstance(issuer, worker_issue.WorkerIssuer)
+    return {
+        "schedule": schedule, "compressed": compressed, "agreement": compressed.agreement,
+        "issuer": issuer, "queue": queue, "followed": followed, "stats": state.STATS,
+        "logical_bytes": exact._logical_bytes, "mode_stack": policy._mode_stack,
+        "key_stack": policy._key_stack, "callback_context": works._context,
+        "main_thread": threading.main_thread().ident, "tensor_type": torch.Tensor,
+        "allreduce_options_type": dist.AllreduceOptions,
+        "reduce_scatter_options_type": dist.ReduceScatterOptions,
+        "policy": compressed.config.policy, "min_size": compressed.config.min_size,
+        "world": world, "native_ops": sorted(int(op) for op in issuer.native_ops),
+        "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
+    }
+
+
+def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
+           world: int) -> Any:
+    """The group's ``ExactRunner`` over its ``direct`` gloo group (a ``ProcessGroupGloo``,
+    which the calling thread alone uses for exact entries), or None (see the module
+    docstring)."""
+    module = native.load()
+    objects = runner_objects(compressed, issuer, queue, world)
+    if module is None or objects is None:
+        return None
+    return module.ExactRunner(direct, objects)

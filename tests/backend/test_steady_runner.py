@@ -1,0 +1,112 @@
+"""The C++ runner of steady exact calls (`lowbitcc.backend.steady_runner`) against the Python
+path it stands in for. Each rank trains the same DDP model and issues the same reduce-scatters
+three times, on three "loco" groups: every call through Python (no runner), every call the
+runner can serve served by it, and the runner declining at random (half its calls, a
+different draw per rank, so the ranks' paths differ call by call). The three must leave the
+same outputs (gloo's, bit for bit), call numbers, tags, schedule indices, feedback-key
+ordinals, cost-model counts, issuer counts and statistics, on 2 and 3 ranks and both CPU
+issuers; the runner must have served most calls, and the Python path some."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import lowbitcc
+from lowbitcc.backend import native
+from tests.support.ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
+
+STEPS = 80
+"""More than one agreement's runs of a place (`call_schedule.REAGREE_EVERY`): renewals, and the
+Python path's runs that start and take them, fall between the runner's."""
+
+COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "model_exact")
+
+
+def _state(pg):
+    """What a run leaves on its group and in the statistics that the runner also writes."""
+    compressed = pg._compressed
+    issuer = pg._issuers["cpu"]
+    stats = lowbitcc.stats()
+    return {
+        "next_seq": compressed.agreement.next_seq(),
+        "tag": next(pg._queue._issued),
+        "index": compressed.call_schedules["cpu"]._next,
+        "ordinals": sorted((c, str(d), n, k) for (c, d, n), k in compressed._ordinals.items()),
+        "model": sorted((r["collective"], r["bytes_log2"], r["calls"])
+                        for r in pg.cost_model.table()),
+        "issued": getattr(issuer, "_issued", None),
+        "stats": {cat: {k: stats[cat][k] for k in COUNTED} for cat in ("exact", "compressed")},
+    }
+
+
+def _train(rank, world, gloo, mode, issuer):
+    block = lowbitcc.exact if mode == "exact" else contextlib.nullcontext
+    # "exact": the buckets above min_size, so the cost model counts them and times one in 8
+    config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024)
+    runs = {}
+    for variant in ("gloo", "python", "native", "mixed"):
+        lowbitcc.reset_stats()
+        pg = gloo if variant == "gloo" else dist.new_group(backend="loco", pg_options=config)
+        runner = None if variant == "gloo" else pg._runner
+        if variant == "python":
+            pg._runner = None
+        elif variant == "mixed":
+            runner.decline_at_random(0.5, 1000 * world + rank)
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
+                                                      nn.Linear(64, 64)),
+                                        process_group=pg, bucket_cap_mb=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        scattered = []
+        for _ in range(STEPS):
+            x = torch.randn(16, 64, generator=gen)
+            with block():
+                model(x).square().mean().backward()
+                chunk = torch.empty(300)
+                dist.reduce_scatter_tensor(chunk, torch.randn(300 * world, generator=gen),
+                                           group=pg)
+                scattered.append(chunk)
+            opt.step()
+            opt.zero_grad()
+        runs[variant] = {
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "scattered": torch.stack(scattered),
+            "state": None if variant == "gloo" else _state(pg),
+            "served": runner.served if runner is not None else 0,
+        }
+    return runs
+
+
+@pytest.mark.parametrize(("world", "mode", "issuer"), [
+    (2, "exact", "auto"),   # `lowbitcc.exact()`: the cost model counts and times the calls
+    (3, "small", "auto"),   # below min_size: exact by agreement, ordinals counted in backward
+    (2, "small", "inline"),
+])
+def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
+    for rank, runs in enumerate(run_ranks(_train, world, mode, issuer, timeout=400)):
+        gloo = runs["gloo"]
+        for variant in ("python", "native", "mixed"):
+            run = runs[variant]
+            assert torch.equal(run["params"], gloo["params"]), (rank, variant)
+            assert torch.equal(run["scattered"], gloo["scattered"]), (rank, variant)
+            assert run["state"] == runs["python"]["state"], (rank, variant)
+        state = runs["python"]["state"]
+        calls = state["stats"]["exact"]["calls"]
+        served = runs["native"]["served"]
+        assert calls >= 3 * STEPS, state  # DDP's two buckets and a reduce-scatter a step
+        assert runs["python"]["served"] == 0
+        assert served > 0.6 * calls, (rank, calls, served)
+        assert 0.3 * served < runs["mixed"]["served"] < 0.7 * served, (rank, runs["mixed"])
+        if mode == "small":
+            assert state["ordinals"], state  # the runner's ordinals were compared
+        else:
+            assert state["model"] and state["issued"], state  # its cost-model counts were
