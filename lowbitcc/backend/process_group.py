@@ -114,10 +114,9 @@ class LocoProcessGroup(dist.ProcessGroup):
                                     self._cuda, timeout)
         self._reductions = Reductions(size, self._compressed, self._issuers, self._queue)
         self._native = self._reductions.native
+        # CPU calls that run as their place's exact entry, served whole in C++ (`steady_runner`)
         self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
                                             self._queue, size)
-        """The C++ server of CPU calls that run as their place's exact entry (`steady_runner`;
-        None: every call takes the Python path)."""
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -184,12 +183,9 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        if self._runner is not None:  # a CPU place's exact entry, served whole in C++
-            work = self._runner.serve_all_reduce(tensors, opts)
-            if work is not None:
-                return work
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._all_reduce("allreduce", tensors, opts)
+        # a steady exact call served whole in C++ (its Work), else None and the Python path
+        return self._runner.serve_all_reduce(tensors, opts) or self._all_reduce(
+            "allreduce", tensors, opts if opts is not None else dist.AllreduceOptions())
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -239,12 +235,9 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> Any:
-        if self._runner is not None:  # (as in `allreduce`)
-            work = self._runner.serve_reduce_scatter(output, input, opts)
-            if work is not None:
-                return work
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self.reduce_scatter_single_coalesced([output], [input], opts)
+        return self._runner.serve_reduce_scatter(output, input, opts) or (  # (as `allreduce`)
+            self.reduce_scatter_single_coalesced(
+                [output], [input], opts if opts is not None else dist.ReduceScatterOptions()))
 
     _reduce_scatter_base = reduce_scatter_single
 

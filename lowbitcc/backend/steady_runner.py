@@ -11,8 +11,8 @@ tag) and starts the call on the group's direct gloo group with the GIL released;
 the C++ `FollowedWork`. Every other call (an exchange, a deviation, a renewal's run, a timed
 run, a compressed entry, a policy block, a callback's call, another thread's) is answered "not
 mine" with nothing changed, and the Python path takes it. Where the C++ Works cannot be built
-(no compiler, or ``LOWBITCC_NATIVE_WORKS=0``) there is no runner and every call takes the
-Python path.
+(no compiler, or ``LOWBITCC_NATIVE_WORKS=0``), and in a group without a CPU call schedule, the
+runner is a `NoRunner` and every call takes the Python path.
 """
 
 from __future__ import annotations
@@ -68,13 +68,28 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
     }
 
 
+class NoRunner:
+    """The runner of a group without one (see the module docstring): every call is "not
+    mine"."""
+
+    served = 0
+
+    @staticmethod
+    def serve_all_reduce(tensors: Any, opts: Any) -> None:
+        return None
+
+    @staticmethod
+    def serve_reduce_scatter(output: Any, input: Any, opts: Any) -> None:  # noqa: A002
+        return None
+
+
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
            world: int) -> Any:
     """The group's ``ExactRunner`` over its ``direct`` gloo group (a ``ProcessGroupGloo``,
-    which the calling thread alone uses for exact entries), or None (see the module
+    which the calling thread alone uses for exact entries), or a `NoRunner` (see the module
     docstring)."""
     module = native.load()
     objects = runner_objects(compressed, issuer, queue, world)
     if module is None or objects is None:
-        return None
+        return NoRunner()
     return module.ExactRunner(direct, objects)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import lowbitcc
-from lowbitcc.backend import native
+from lowbitcc.backend import native, steady_runner
 from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
@@ -57,7 +57,7 @@ def _train(rank, world, gloo, mode, issuer):
         pg = gloo if variant == "gloo" else dist.new_group(backend="loco", pg_options=config)
         runner = None if variant == "gloo" else pg._runner
         if variant == "python":
-            pg._runner = None
+            pg._runner = steady_runner.NoRunner()
         elif variant == "mixed":
             runner.decline_at_random(0.5, 1000 * world + rank)
         torch.manual_seed(0)

@@ -28,10 +28,12 @@ def _rank(rank: int, world: int, calls: int, rounds: int, elements: int) -> dict
     import torch.distributed as dist
 
     import lowbitcc
+    from lowbitcc.backend import steady_runner
 
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=2))
     gloo = dist.new_group(backend="gloo")
     runner = loco._runner
+    python = steady_runner.NoRunner()
     tensor = torch.ones(elements)
     per_way: dict[str, list[float]] = {w: [] for w in WAYS}
     for _ in range(3):  # the places' agreement: every call after it is its place's entry
@@ -40,7 +42,7 @@ def _rank(rank: int, world: int, calls: int, rounds: int, elements: int) -> dict
     for r in range(rounds):
         order = WAYS if r % 2 == 0 else tuple(reversed(WAYS))
         for way in order:
-            loco._runner = runner if way == "runner" else None
+            loco._runner = runner if way == "runner" else python
             group = gloo if way == "gloo" else loco
             times = []
             for _ in range(calls):
@@ -51,8 +53,7 @@ def _rank(rank: int, world: int, calls: int, rounds: int, elements: int) -> dict
                 lowbitcc.end_step()
             per_way[way].append(statistics.median(times) * 1e6)
     loco._runner = runner
-    served = runner.served if runner is not None else 0
-    return {**{w: statistics.median(v) for w, v in per_way.items()}, "served": served}
+    return {**{w: statistics.median(v) for w, v in per_way.items()}, "served": runner.served}
 
 
 def main() -> None:
