@@ -122,6 +122,7 @@ def test_the_runner_resumes_where_it_stopped(tmp_path, monkeypatch):
     plan = wide.Plan(("gpt", "gpt-docs"), (2,), (0, 1), ("exact", "mxfp4"), ("mxfp4",), steps=7)
     with pytest.raises(KeyboardInterrupt):
         wide.run(plan, tmp_path, jobs=1)
+    assert len(calls) == 3  # no run started after the one that raised
     saved = json.loads((tmp_path / "wide.json").read_text())
     assert [(r["configuration"], r["seed"], r["variant"]) for r in saved["runs"]] == [
         ("gpt", 0, "exact"), ("gpt", 0, "mxfp4")]  # seed 0 of every cell first

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -189,9 +189,7 @@ def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
         at_once = jobs or jobs_for(world)
         threads = max(1, (os.cpu_count() or 1) // (world * at_once))
         with ThreadPoolExecutor(at_once) as pool:
-            for record in pool.map(_one, batch, [plan] * len(batch), [threads] * len(batch)):
-                results.add_run(record)
-                bar.update(1)
+            _run_batch(pool, at_once, batch, plan, threads, results, bar)
     for configuration, world in cells:
         cfg = config(configuration, world, plan.steps, plan.eval_every)
         start = time.perf_counter()
@@ -203,6 +201,31 @@ def run(plan: Plan, out: Path, jobs: int | None = None) -> Results:
         bar.update(1)
     bar.close()
     return results
+
+
+def _run_batch(pool: ThreadPoolExecutor, at_once: int, batch: list[tuple[str, int, int, str]],
+               plan: Plan, threads: int, results: Results, bar: Any) -> None:
+    """Run ``batch``, ``at_once`` runs at a time on ``pool``, recording each run as it
+    finishes. A run that raises stops new runs from starting; it raises once the runs under way
+    have finished and been recorded (nothing runs after a failure unrecorded)."""
+    queue, running = list(batch), set()
+    failure: BaseException | None = None
+    while queue or running:
+        while queue and failure is None and len(running) < at_once:
+            running.add(pool.submit(_one, queue.pop(0), plan, threads))
+        if not running:
+            break
+        done, running = wait(running, return_when=FIRST_COMPLETED)
+        for future in done:
+            try:
+                record = future.result()
+            except BaseException as exc:  # noqa: BLE001 (raised below, after the others)
+                failure = failure or exc
+                continue
+            results.add_run(record)
+            bar.update(1)
+    if failure is not None:
+        raise failure
 
 
 def _one(run_key: tuple[str, int, int, str], plan: Plan, threads: int) -> dict[str, Any]:
