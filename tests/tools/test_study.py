@@ -8,7 +8,10 @@ remove; there LoCo must stay closer to exact than 4-bit without feedback.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from lowbitcc.tools import study
 
@@ -145,3 +148,40 @@ def test_outer_syncs_at_fewer_bits_are_paired_with_fp32_and_the_fewest_within_th
     text = diloco.format_report(report, "none", False)
     assert "H 10: fewest bits within 0.3% of the fp32 outer sync: diloco-loco2-h10 (2.25" in text
     assert "H 50: fewest bits within 0.3% of the fp32 outer sync: none of those run" in text
+
+
+def test_a_study_started_again_in_its_folder_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """`study.run` with ``out_dir`` keeps each finished run (``study.json`` and its parameters):
+    started again after an interruption, it runs only what is missing, and its summary (the
+    weight distances from the kept parameters included) is the uninterrupted study's; a study
+    of another configuration in the folder is refused."""
+    calls = []
+
+    def fake_run_variant(variant, cfg, seed, threads=None):
+        calls.append((variant.name, seed))
+        if len(calls) == 3 and not (tmp_path / "stop").exists():
+            (tmp_path / "stop").touch()
+            raise KeyboardInterrupt  # interrupted during its third run
+        params = torch.full((4,), 1.0 + seed + 0.1 * len(variant.name))
+        return {"variant": variant.name, "seed": seed, "val_loss": [[0, 3.0], [cfg.steps, 2.0 + seed]],
+                "train_loss": [1.0, 0.5], "seconds": 1.0, "wire_bytes_per_step": 100.0,
+                "final_params": params}
+
+    monkeypatch.setattr(study, "run_variant", fake_run_variant)
+    cfg = study.StudyConfig(steps=5, world=2, **study.QUICK)
+    names = ["exact", "loco4", "loco4-nofb"]
+    with pytest.raises(KeyboardInterrupt):
+        study.run(names, [0, 1], cfg, out_dir=str(tmp_path / "out"))
+    calls.clear()
+    resumed = study.run(names, [0, 1], cfg, out_dir=str(tmp_path / "out"))
+    assert calls == [("loco4-nofb", 0), ("exact", 1), ("loco4", 1), ("loco4-nofb", 1)]
+    calls.clear()
+    whole = study.run(names, [0, 1], cfg, out_dir=str(tmp_path / "whole"))
+    assert len(calls) == 6
+    assert resumed["summary"] == whole["summary"]
+    assert all("weight_distance" in row for row in resumed["summary"])
+    calls.clear()
+    study.run(names, [0, 1], cfg, out_dir=str(tmp_path / "out"))
+    assert calls == []  # all done
+    with pytest.raises(ValueError, match="another configuration"):
+        study.run(names, [0, 1], dataclasses.replace(cfg, steps=6), out_dir=str(tmp_path / "out"))

@@ -42,6 +42,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lowbitcc.tools.study import tracking
 from lowbitcc.tools.study.report import (
     across_seeds,
@@ -65,6 +67,9 @@ from lowbitcc.tools.study.variants import (
 
 log = logging.getLogger("lowbitcc.tools.study")
 
+PARAMS = "params"
+"""The folder of ``out_dir`` that holds each finished run's final parameters (`run`)."""
+
 __all__ = ["DEFAULT_SEEDS", "DEFAULT_TRACKED", "DEFAULT_VARIANTS", "EXTRA_SEED_VARIANTS", "QUICK",
            "VARIANTS", "StudyConfig", "Variant", "across_seeds", "format_across_seeds",
            "format_table", "run", "summarize"]
@@ -78,9 +83,10 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
     (`lowbitcc.tools.study.tracking`).
 
     Returns ``{"config", "runs": [records], "summary", "across_seeds"}`` (and ``"tracking"``);
-    with ``out_dir``, writes ``study.json`` (after every run, so that an interrupted study keeps
-    its finished runs) and (matplotlib permitting) ``study.png`` and
-    ``tracking.png`` there."""
+    with ``out_dir``, writes ``study.json`` and each run's final parameters
+    (``params/{variant}-{seed}.pt``) after every run, and (matplotlib permitting) ``study.png``
+    and ``tracking.png`` there. A study started again with the same ``out_dir`` and ``cfg``
+    resumes: the runs ``study.json`` holds with their parameters are not run again (`_resumed`)."""
     unknown = [v for v in [*variants, *(extra_seed_variants or [])] if v not in VARIANTS]
     if unknown:
         raise ValueError(f"lowbitcc study: unknown variants {unknown}; known: {list(VARIANTS)}")
@@ -89,13 +95,17 @@ def run(variants: list[str], seeds: list[int], cfg: StudyConfig, out_dir: str | 
     for seed in seeds[1:]:
         plan += [(v, seed) for v in (extra_seed_variants or variants)]
     out = Path(out_dir) if out_dir else None
+    kept = _resumed(out, cfg) if out else {}
     runs: list[dict[str, Any]] = []
     for i, (name, seed) in enumerate(plan):
-        log.info("[%d/%d] %s, seed %d", i + 1, len(plan), name, seed)
-        runs.append(run_variant(VARIANTS[name], cfg, seed))
-        result = _result(cfg, runs)
-        if out:  # after every run: a long study interrupted keeps what it finished
-            _write(out, result, runs)
+        record = kept.get((name, seed))
+        if record is None:
+            log.info("[%d/%d] %s, seed %d", i + 1, len(plan), name, seed)
+            record = run_variant(VARIANTS[name], cfg, seed)
+        runs.append(record)
+        if out and (name, seed) not in kept:  # after every run: an interrupted study resumes
+            _write(out, _result(cfg, runs), runs)
+            torch.save(record["final_params"], out / PARAMS / f"{name}-{seed}.pt")
     result = _result(cfg, runs)
     if tracked:
         log.info("tracking %s on the gradients of exact, seed %d", ", ".join(tracked), seeds[0])
@@ -114,9 +124,31 @@ def _result(cfg: StudyConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "across_seeds": across_seeds(summary)}
 
 
+def _resumed(out: Path, cfg: StudyConfig) -> dict[tuple[str, int], dict[str, Any]]:
+    """The finished runs of a study in ``out`` (its ``study.json`` and parameter files), by
+    variant and seed; none where there is no study there. A study of another configuration
+    there raises a ValueError (its runs would not compare)."""
+    path = out / "study.json"
+    if not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    if saved.get("config") != json.loads(json.dumps(dataclasses.asdict(cfg))):
+        raise ValueError(f"lowbitcc study: {path} holds a study of another configuration; "
+                         "remove it or choose another --out")
+    kept = {}
+    for record in saved["runs"]:
+        params = out / PARAMS / f"{record['variant']}-{record['seed']}.pt"
+        if params.exists():  # a run written before its parameters runs again
+            kept[(record["variant"], record["seed"])] = {
+                **record, "final_params": torch.load(params, weights_only=True)}
+    if kept:
+        log.info("resuming the study in %s: %d runs done", out, len(kept))
+    return kept
+
+
 def _write(out: Path, result: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     """``study.json`` in ``out``: ``result`` without the runs' final parameters."""
-    out.mkdir(parents=True, exist_ok=True)
+    (out / PARAMS).mkdir(parents=True, exist_ok=True)
     serializable = {**result, "runs": [{k: v for k, v in r.items() if k != "final_params"}
                                        for r in runs]}
     (out / "study.json").write_text(json.dumps(serializable, indent=1))

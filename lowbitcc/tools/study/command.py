@@ -33,7 +33,9 @@ def add_arguments(sub: Any) -> None:
                     help="variants measured on exact's gradient stream of the first seed (default: "
                     + " ".join(study_variants.DEFAULT_TRACKED) + "; none given: skip)")
     st.add_argument("--quick", action="store_true", help="tiny model (the test suite's smoke run)")
-    st.add_argument("--out", default="study-out", help="folder for study.json and study.png")
+    st.add_argument("--out", default="study-out",
+                    help="folder for study.json, study.png and each run's parameters; a study "
+                    "started again there with the same settings resumes")
     st.add_argument("--diloco", action="store_true",
                     help="the DiLoCo study instead (docs/wan.md): each rank a site, DDP against "
                     "DiLoCo with fp32, int8, 4-bit and 4-bit LoCo outer sync at H 10 and 50, "
