@@ -41,7 +41,8 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       ``agreement``: its `CallAgreement` (``next_seq``); ``issuer``: the CPU issuer (its
       ``_issued`` count where ``issuer_counts``: the worker's one timed call in
       ``timed_every``); ``queue``: the `IssueQueue` (``_issued``, ``_group_tag``: the tags);
-      ``followed``: the `FollowedWork` Python class the queue builds; ``stats``: `state.STATS`;
+      ``followed``: the `FollowedWork` Python class the queue builds; ``state``: `lowbitcc.state`
+      (its ``STATS``, read at each call);
     - ``logical_bytes``: `exact._logical_bytes`; ``mode_stack``, ``key_stack``: `policy`'s
       blocks; ``callback_context``: `works`' per-thread callback parent; ``main_thread``: the
       main thread's ident; ``tensor_type``, ``allreduce_options_type``,
@@ -50,13 +51,13 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       inner gloo group runs itself.
     """
     schedule = compressed.call_schedules.get("cpu")
-    followed = works.native_followed()
+    followed = queue._native  # the class `IssueQueue.follow` builds (`works.native_followed`)
     if schedule is None or followed is None:
         return None
     worker = isinstance(issuer, worker_issue.WorkerIssuer)
     return {
         "schedule": schedule, "compressed": compressed, "agreement": compressed.agreement,
-        "issuer": issuer, "queue": queue, "followed": followed, "stats": state.STATS,
+        "issuer": issuer, "queue": queue, "followed": followed, "state": state,
         "logical_bytes": exact._logical_bytes, "mode_stack": policy._mode_stack,
         "key_stack": policy._key_stack, "callback_context": works._context,
         "main_thread": threading.main_thread().ident, "tensor_type": torch.Tensor,

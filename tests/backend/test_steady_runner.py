@@ -110,3 +110,68 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
             assert state["ordinals"], state  # the runner's ordinals were compared
         else:
             assert state["model"] and state["issued"], state  # its cost-model counts were
+
+
+def _declines(rank, world, gloo):
+    import threading
+
+    # without the cost model: no run is the worker's timed one (1 in 8), which the runner leaves
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+    runner = pg._runner
+
+    def call(tensor, **kwargs):
+        dist.all_reduce(tensor, group=pg, **kwargs)
+        lowbitcc.end_step()  # each call a step: one place, its entry exact (outside backward)
+        return tensor
+
+    def fresh():
+        return torch.full((64,), float(rank + 1))
+
+    for _ in range(12):
+        call(fresh())
+    served = runner.served
+    call(fresh())
+    assert runner.served == served + 1, "not steady"  # (not one of the worker's timed runs)
+    cases = {
+        "feedback_key block": lambda: _within(lowbitcc.feedback_key("k"), lambda: call(fresh())),
+        "another thread": lambda: _on_thread(threading, lambda: call(fresh())),
+        "a Parameter": lambda: call(nn.Parameter(fresh(), requires_grad=False)).detach(),
+    }
+    seen = {}
+    for name, case in cases.items():
+        before = runner.served
+        out = case()
+        seen[name] = (runner.served - before, out.clone())
+        served = runner.served
+        steady = call(fresh())  # the place still runs as its entry, served again
+        seen[name + ", then"] = (runner.served - served, steady.clone())
+    before = runner.served  # a place whose entry is an AVG (gloo runs SUM and divides)
+    averaged = [call(fresh(), op=dist.ReduceOp.AVG) * world for _ in range(12)]
+    seen["AVG"] = (runner.served - before, averaged[-1])
+    return seen
+
+
+def _within(block, fn):
+    with block:
+        return fn()
+
+
+def _on_thread(threading, fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def test_calls_the_runner_declines_take_the_python_path_and_leave_the_place_steady():
+    """Calls at a steady exact place that the runner must not serve (a `feedback_key` block,
+    another thread, a tensor subclass) are served by none of its code, give the exact sum, and
+    the place's next plain call is served by it again; an AVG place (an op gloo does not run
+    itself) is never served."""
+    for seen in run_ranks(_declines, 2, timeout=120):
+        want = torch.full((64,), 3.0)
+        for name, (served, out) in seen.items():
+            assert torch.equal(out, want), name
+            assert served == (1 if name.endswith(", then") else 0), (name, served)

@@ -65,7 +65,7 @@ inline bool equal(py::handle a, py::handle b) {
 // Holds a Python `threading.Lock` for a scope (its acquire waits without the GIL).
 class Held {
  public:
-  explicit Held(py::handle lock) : lock_(lock) { lock_.attr("acquire")(); }
+  explicit Held(py::object lock) : lock_(std::move(lock)) { lock_.attr("acquire")(); }
   ~Held() {
     try {
       lock_.attr("release")();
@@ -76,7 +76,7 @@ class Held {
   Held& operator=(const Held&) = delete;
 
  private:
-  py::handle lock_;
+  py::object lock_;
 };
 
 }  // namespace detail
@@ -93,7 +93,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
         issuer_(objects["issuer"]),
         queue_(objects["queue"]),
         followed_(objects["followed"]),
-        stats_(objects["stats"]),
+        state_(objects["state"]),
         logical_bytes_(objects["logical_bytes"]),
         mode_stack_(objects["mode_stack"]),
         key_stack_(objects["key_stack"]),
@@ -218,20 +218,22 @@ class __attribute__((visibility("hidden"))) ExactRunner {
   // comment); fills `steady`.
   bool steady_place(const py::str& collective, const at::Tensor& like, int64_t numel,
                     c10d::ReduceOp::RedOpType op, Steady& steady) {
+    try {
+      return steady_place_or_raise(collective, like, numel, op, steady);
+    } catch (py::error_already_set&) {  // nothing changed: the Python path raises as it does
+      return false;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+  bool steady_place_or_raise(const py::str& collective, const at::Tensor& like, int64_t numel,
+                             c10d::ReduceOp::RedOpType op, Steady& steady) {
     if (native_ops_.count(static_cast<int64_t>(op)) == 0) {
       return false;
     }
     if (PyThread_get_thread_ident() != main_thread_ ||
         py::bool_(callback_context_.attr("parent"))) {  // (a tag: 64 bits, unsigned)
-      return false;
-    }
-    if (PyList_GET_SIZE(key_stack_.ptr()) != 0) {  // `explicit_key` counts its block's calls
-      return false;
-    }
-    Py_ssize_t modes = PyList_GET_SIZE(mode_stack_.ptr());
-    std::string mode =
-        modes ? py::cast<std::string>(PyList_GET_ITEM(mode_stack_.ptr(), modes - 1)) : policy_;
-    if (mode == "always") {  // a `compressed()` block: the wish and the cost model's consent
       return false;
     }
     if (py::cast<int64_t>(schedule_.attr("_open")) != 0) {
@@ -242,6 +244,9 @@ class __attribute__((visibility("hidden"))) ExactRunner {
       return false;
     }
     int64_t period = period_obj.cast<int64_t>();
+    if (period <= 0) {
+      return false;
+    }
     int64_t origin = schedule_.attr("_origin").cast<int64_t>();
     int64_t index = schedule_.attr("_next").cast<int64_t>();
     int64_t offset = (index - origin) % period;
@@ -264,7 +269,16 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     if (left <= 0) {
       return false;
     }
-    if (nan(entry.attr("canary"))) {
+    if (nan(entry.attr("canary"))) {  // (may wait without the GIL: the policy is read after)
+      return false;
+    }
+    if (PyList_GET_SIZE(key_stack_.ptr()) != 0) {  // `explicit_key` counts its block's calls
+      return false;
+    }
+    Py_ssize_t modes = PyList_GET_SIZE(mode_stack_.ptr());
+    std::string mode =
+        modes ? py::cast<std::string>(PyList_GET_ITEM(mode_stack_.ptr(), modes - 1)) : policy_;
+    if (mode == "always") {  // a `compressed()` block: the wish and the cost model's consent
       return false;
     }
     if (left - 1 <= schedule_.attr("_renew_at").cast<int64_t>() &&
@@ -276,7 +290,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     if (key.size() != 6 || !detail::equal(key[0], collective) ||
         key[1].ptr() != reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())) ||
         key[2].cast<int64_t>() != static_cast<int64_t>(op) || key[3].cast<int64_t>() != numel ||
-        key[4].cast<bool>() || key[5].cast<int64_t>() != 0) {
+        key[4].cast<bool>() || py::bool_(key[5])) {  // (a parent's tag: 64 bits, unsigned)
       return false;  // a deviation: the Python path runs it
     }
     // `CompressedCalls.count_planned`: the ordinal where this rank would compress the call
@@ -295,7 +309,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     }
     steady.task = task;
     steady.modelled = compressed_.attr("_modelling").cast<bool>() && numel >= min_size_;
-    if (steady.modelled && issuer_counts_ &&
+    if (steady.modelled && issuer_counts_ && timed_every_ > 0 &&
         (issuer_.attr("_issued").cast<int64_t>() + 1) % timed_every_ == 0) {
       return false;  // `WorkerIssuer.native_now` times this one
     }
@@ -316,6 +330,9 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     }
     if (py::isinstance<FollowedWork>(canary)) {
       FollowedWork& work = canary.cast<FollowedWork&>();
+      if (work.isCompleted()) {  // the steady state: its run after next reads it
+        return work.nan();
+      }
       py::gil_scoped_release release;
       return work.nan();
     }
@@ -361,8 +378,9 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     }
     py::object sent = logical_bytes_(collective, nbytes, world_);
     {
-      detail::Held held(stats_.attr("_lock"));
-      py::object counters = stats_.attr("_counters")[exact_];
+      py::object stats = state_.attr("STATS");  // `count_exact` reads it at each call
+      detail::Held held(stats.attr("_lock"));
+      py::object counters = stats.attr("_counters")[exact_];
       detail::add_to(counters, "calls", py::int_(1));
       detail::add_to(counters, "tensor_bytes", py::int_(nbytes));
       detail::add_to(counters, "logical_bytes", sent);
@@ -383,7 +401,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
   }
 
   c10::intrusive_ptr<c10d::Backend> direct_;
-  py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, stats_;
+  py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
   std::string policy_;

@@ -56,9 +56,9 @@ class FollowedWork : public c10d::Work {
     return future_;
   }
 
-  // Whether the call's output ends in NaN (its place's canary, call_schedule.py): waits for the
-  // inner Work (without the GIL where bound so), reads a failed call as NaN, and an empty output
-  // as not NaN; as exact.py's `HostCanary.nan` reads a Python Work.
+  // Whether the call's output ends in NaN (its place's canary, call_schedule.py), as exact.py's
+  // `HostCanary.nan` reads a gloo Work: an empty output is not NaN; a call not completed is
+  // waited for (without the GIL where bound so), and one whose wait raises reads as NaN.
   bool nan() {
     if (outputs_.empty() || outputs_[0].numel() == 0) {
       return false;
@@ -68,9 +68,6 @@ class FollowedWork : public c10d::Work {
         inner_->wait();
       }
     } catch (const std::exception&) {
-      return true;
-    }
-    if (!inner_->isSuccess()) {
       return true;
     }
     const at::Tensor& out = outputs_[0];
