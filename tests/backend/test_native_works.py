@@ -14,12 +14,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import lowbitcc
 from lowbitcc.backend import native
 from tests.support.ranks import run_ranks
+from tests.support.training import bucketed_ddp, flat_parameters
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ Works cannot be built here")
 
@@ -43,11 +42,7 @@ def _mixed(rank, world, gloo, seed, issuer):
     group._runner.decline_at_random(0.5, 1000 * seed + rank)  # the Python path's calls follow
     results = {}
     for name, pg in (("loco", group), ("gloo", gloo)):
-        torch.manual_seed(0)
-        model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
-                                                      nn.Linear(64, 64)),
-                                        process_group=pg, bucket_cap_mb=0.01)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = bucketed_ddp(pg)
         gen = torch.Generator().manual_seed(rank)
         seen = []
         for _ in range(12):
@@ -64,7 +59,7 @@ def _mixed(rank, world, gloo, seed, issuer):
                     lambda fut, b=b, pg=pg: dist.all_reduce(b, group=pg) or fut.value()[0] + b[0])
                 seen.append(chained.wait())
                 assert work.wait() and work.is_completed() and work.exception() is None
-        results[name] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        results[name] = (flat_parameters(model),
                          torch.stack(seen))
     taken["runner"] = group._runner.served
     return results, dict(taken)

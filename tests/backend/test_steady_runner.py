@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import lowbitcc
 from lowbitcc.backend import native, steady_runner
 from tests.support.ranks import run_ranks
+from tests.support.training import bucketed_ddp, flat_parameters
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
 
@@ -60,11 +60,7 @@ def _train(rank, world, gloo, mode, issuer):
             pg._runner = steady_runner.NoRunner()
         elif variant == "mixed":
             runner.decline_at_random(0.5, 1000 * world + rank)
-        torch.manual_seed(0)
-        model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
-                                                      nn.Linear(64, 64)),
-                                        process_group=pg, bucket_cap_mb=0.01)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = bucketed_ddp(pg)
         gen = torch.Generator().manual_seed(rank)
         scattered = []
         for _ in range(STEPS):
@@ -78,7 +74,7 @@ def _train(rank, world, gloo, mode, issuer):
             opt.step()
             opt.zero_grad()
         runs[variant] = {
-            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "params": flat_parameters(model),
             "scattered": torch.stack(scattered),
             "state": None if variant == "gloo" else _state(pg),
             "served": runner.served if runner is not None else 0,

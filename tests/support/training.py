@@ -19,6 +19,17 @@ def mlp() -> nn.Module:
                          nn.Linear(512, OUTPUTS))
 
 
+def bucketed_ddp(group: dist.ProcessGroup) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A seeded 64 -> 64 -> 64 MLP with tanh in DDP over ``group``, its buckets 10 KB (two
+    bucket calls a step), and its SGD (learning rate 0.1)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)),
+                                    process_group=group, bucket_cap_mb=0.01)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def regression_steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int,
                      start: int = 0, after_step: Callable[[], object] | None = None) -> list[float]:
     """Steps ``start .. start + steps - 1`` of fitting ``model`` to the first outputs of its

@@ -294,18 +294,12 @@ class __attribute__((visibility("hidden"))) ExactRunner {
       return false;  // a deviation: the Python path runs it
     }
     // `CompressedCalls.count_planned`: the ordinal where this rank would compress the call
-    bool wants = mode == "auto";
-    int64_t task = -1;
-    if (mode != "never" && mode != "auto") {
-      task = torch::autograd::get_current_graph_task_id();
-      wants = task >= 0;
-    }
+    // (`policy.wants_compression`), counted in the backward pass's epoch (`policy.epoch`)
+    int64_t task = torch::autograd::get_current_graph_task_id();
+    bool wants = mode == "auto" || (mode != "never" && task >= 0);
     steady.ordinal = entry.attr("eligible").cast<bool>() && policy_ != "never" && wants;
     if (steady.ordinal && task < 0) {
-      task = torch::autograd::get_current_graph_task_id();
-      if (task < 0) {
-        return false;  // the step's epoch: `policy.epoch` reads the optimizer's steps
-      }
+      return false;  // the step's epoch: `policy.epoch` reads the optimizer's steps
     }
     steady.task = task;
     steady.modelled = compressed_.attr("_modelling").cast<bool>() && numel >= min_size_;
