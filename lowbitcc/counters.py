@@ -118,14 +118,17 @@ class Stats:
             return {"wire_bytes": c.wire_bytes, "intra_node_bytes": c.intra_node_bytes,
                     "inter_node_bytes": c.inter_node_bytes}
 
-    def accumulator(self, category: str, device: torch.device) -> torch.Tensor:
+    def accumulator(self, category: str, device: torch.device,
+                    thread: int | None = None) -> torch.Tensor:
         """float64 ``[residual_sq, input_sq]`` on ``device`` that encodes add a category's sums
         into without a step of their own (on a device on any stream, without a launch): made
         once and kept for the process, on the CPU one per thread (the C++ encodes of two
-        threads would race on one). `snapshot` reads what was added since its last read;
-        `reset` zeroes them."""
-        key = (category, device) if device.type != "cpu" else (category, device,
-                                                                 threading.get_ident())
+        threads would race on one): the calling thread's, or ``thread``'s (an ident) for
+        encodes that stand in for that thread's while it runs none (a plan's C++ core for the
+        group's worker, `backend.steady_runner`). `snapshot` reads what was added since its
+        last read; `reset` zeroes them."""
+        key = (category, device) if device.type != "cpu" else (
+            category, device, threading.get_ident() if thread is None else thread)
         acc = self._accumulators.get(key)
         if acc is None:
             with self._lock:

@@ -111,6 +111,10 @@ class CallPlan:
         before set it, having guessed this run's stride)."""
         self.graph = PlaceGraph.of(self)
         """The place's graphs or host records, where it replays them (`place_graph`)."""
+        self.core: Any = None
+        """The plan's C++ core (`plan_cores`: a ``PlanCore``, which the group's runner runs),
+        or None: its runs are all Python's; made once, where ``core_checked`` is still False."""
+        self.core_checked = False
 
     @property
     def transport(self) -> Any:
@@ -143,6 +147,8 @@ class CallPlan:
         peer's deviation, a corrupt message) once every transfer of the call is done, as
         `compressed_call.CompressedCall` does."""
         group, comp = self.group, self.comp
+        if self.core is not None:
+            self.core.wait()  # its last run in C++, whose buffers this one writes
         self.seq = seq
         stop = group.clock(self.size_class, False, self.nbytes) if timed else None
         tally = self.tally
@@ -184,6 +190,26 @@ class CallPlan:
             source.tensor = self._source_cleared  # the call's tensor is not kept
             if tally is not None:
                 tally.flush()
+
+    def finish_received(self, tensor: torch.Tensor, received: torch.Tensor, seq: int) -> None:
+        """The end of call number ``seq`` that the plan's core (`plan_cores`) ran on flat
+        ``tensor`` until its all-gather completed into ``received`` (the plan's buffer) and
+        that met a message that does not belong to it: the decode of every row by the
+        schedule's own code, then the error `run` raises (on the thread that completed the
+        all-gather, with the GIL)."""
+        comp, codec = self.comp, self._own_codec
+        assert codec is not None  # (a core is a CPU plan's)
+        self.seq = seq
+        codec.renumber(seq)
+        comp.restart(codec, "", None)
+        try:
+            schedules.direct.decode_gathered(received, tensor.view(-1), comp, self.m,
+                                             self.group.size)
+            comp.finish()
+            comp.raise_deferred(CollectiveMismatchError)
+        finally:
+            if self.tally is not None:
+                self.tally.flush()
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor that is not contiguous, copied into the plan's flat staging buffer."""

@@ -85,6 +85,10 @@ _GLOO_WORK = dist.Work
 """The type of an inner gloo call's Work as Python sees it (c10d's own, not a Python subclass)."""
 
 
+def _nothing() -> None:
+    """`IssueQueue.wait_idle`'s job."""
+
+
 class IssueQueue:
     """The worker and waiter threads of one group (see the module docstring).
 
@@ -100,6 +104,10 @@ class IssueQueue:
         self._issued = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+        self._pending = 0
+        """Jobs submitted and not yet run to their end by the worker (under ``_lock``): the
+        steady runner's compressed call waits until none is (`wait_idle`): the worker's calls
+        on the same gloo group go first (`steady_runner`)."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
         self._completers = ThreadPoolExecutor(COMPLETERS, thread_name_prefix=f"{name}-completer")
@@ -124,6 +132,7 @@ class IssueQueue:
         with self._lock:
             if self._closed:
                 raise RuntimeError("lowbitcc: this process group has been shut down")
+            self._pending += 1
             self._jobs.put((job, future))
         return work
 
@@ -227,12 +236,28 @@ class IssueQueue:
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 (delivered to the caller's wait())
+                with self._lock:  # (inline: no Python frame per job)
+                    self._pending -= 1
                 self._settle(future, error=exc)
                 continue
+            with self._lock:
+                self._pending -= 1
             if isinstance(result, InnerWork):
                 self._in_flight.put((result, future))
             else:
                 self._settle(future, result)
+
+    def wait_idle(self) -> None:
+        """Wait until the worker has run every job submitted so far to its end (each ends:
+        its transfers are bounded by the group's timeout): a job that does nothing, queued
+        behind them without a tag (it is no call), waited for without the GIL."""
+        done = torch.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("lowbitcc: this process group has been shut down")
+            self._pending += 1
+            self._jobs.put((_nothing, done))
+        done.wait()
 
     def _complete_in_order(self) -> None:
         torch.set_grad_enabled(False)  # this thread's own mode: every finish without autograd

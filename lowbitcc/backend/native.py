@@ -1,5 +1,5 @@
-"""lowbitcc's C++ Works (``backend/csrc/followed_work.cpp``), built on first use and cached
-(`cpp_build.Extension`, with the C++ codec when the first "loco" group is created).
+"""lowbitcc's C++ Works and steady calls (``backend/csrc/works_module.cpp``), built on first use
+and cached (`cpp_build.Extension`, with the C++ codec when the first "loco" group is created).
 
 ``FollowedWork``: the Work of a gloo call that the calling thread started itself, a place's
 exact entry (`IssueQueue.follow`): waiting and errors are the gloo Work's, and the future c10d's
@@ -8,6 +8,10 @@ the thread that completes the gloo Work, without Python. Where the module cannot
 compiler), `load` returns None after one warning and `works.FollowedWork` (Python, completed by
 the group's waiter thread) serves instead; ``LOWBITCC_NATIVE_WORKS=0`` forces that path (the
 tests run both).
+
+``SteadyRunner`` and ``PlanCore``: the steady calls served in C++ (`steady_runner`,
+`plan_cores`). A plan core calls the C++ codec through its ``codec_api`` capsule
+(``codec/csrc/codec_api.h``, whose header this module includes).
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from pathlib import Path
 from types import ModuleType
 
 from lowbitcc.codec import cpp_build
+from lowbitcc.codec.abi import CSRC as CODEC_CSRC
 
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
-    [CSRC / "followed_work.h", CSRC / "exact_runner.h"], [CSRC], ["-O2"], [],
+    [CSRC / "followed_work.h", CSRC / "plan_core.h", CSRC / "steady_runner.h",
+     CODEC_CSRC / "codec_api.h", CODEC_CSRC / "loco_codec.cuh"], [CSRC, CODEC_CSRC], ["-O2"], [],
     what="lowbitcc's C++ Works",
-    fallback="exact steady calls run through Python and complete through the group's waiter "
-    "thread instead")
+    fallback="steady calls run through Python and complete through the group's waiter thread "
+    "instead")
 
 
 def load() -> ModuleType | None:

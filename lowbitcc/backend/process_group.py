@@ -114,7 +114,7 @@ class LocoProcessGroup(dist.ProcessGroup):
                                     self._cuda, timeout)
         self._reductions = Reductions(size, self._compressed, self._issuers, self._queue)
         self._native = self._reductions.native
-        # CPU calls that run as their place's exact entry, served whole in C++ (`steady_runner`)
+        # CPU calls that run as their place's entry, served whole in C++ (`steady_runner`)
         self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
                                             self._queue, size)
 
@@ -183,7 +183,7 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        # a steady exact call served whole in C++ (its Work), else None and the Python path
+        # a steady call served whole in C++ (its Work), else None and the Python path
         return self._runner.serve_all_reduce(tensors, opts) or self._all_reduce(
             "allreduce", tensors, opts if opts is not None else dist.AllreduceOptions())
 

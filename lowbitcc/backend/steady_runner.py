@@ -1,18 +1,26 @@
-"""The steady exact call in C++: `runner` builds a group's ``ExactRunner``
-(``backend/csrc/exact_runner.h``), which `LocoProcessGroup`'s all-reduce and reduce-scatter ask
+"""The steady call in C++: `runner` builds a group's ``SteadyRunner``
+(``backend/csrc/steady_runner.h``), which `LocoProcessGroup`'s all-reduce and reduce-scatter ask
 first.
 
-A CPU reduction that runs as its place's exact entry (`reductions`: the steady state of
-`CallSchedule.take` and `Reductions._run_exact` for an op the inner gloo group runs itself) is
-served whole by the runner, without a Python frame: it reads and writes the same objects the
-Python path does (the schedule's index, the entry's runs and canary, the call number, the
-feedback-key ordinal, the cost model's count, the statistics, the issuer's count, the call's
-tag) and starts the call on the group's direct gloo group with the GIL released; its Work is
-the C++ `FollowedWork`. Every other call (an exchange, a deviation, a renewal's run, a timed
-run, a compressed entry, a policy block, a callback's call, another thread's) is answered "not
-mine" with nothing changed, and the Python path takes it. Where the C++ Works cannot be built
-(no compiler, or ``LOWBITCC_NATIVE_WORKS=0``), and in a group without a CPU call schedule, the
-runner is a `NoRunner` and every call takes the Python path.
+A CPU reduction in the steady state of its place (`reductions`) is served whole by the runner,
+without a Python frame, where it is:
+
+- the place's exact entry, for an op the inner gloo group runs itself (`Reductions._run_exact`):
+  the call is started on the group's direct gloo group with the GIL released, and its Work is
+  the C++ `FollowedWork`;
+- the place's compressed all-reduce entry, whose plan has a C++ core (`plan_cores`): the core
+  encodes in the calling thread, all-gathers on the plan's own gloo group and decodes on gloo's
+  thread (`Reductions._plan_run` and `CallPlan.run`, byte for byte), where nothing is queued on
+  the group's worker.
+
+The runner reads and writes the same objects the Python path does (the schedule's index, the
+entry's runs and canary, the call number, the feedback-key ordinal, the cost model's count and
+times, the statistics, the issuer's count, the call's tag). Every other call (an exchange, a
+deviation, a renewal's run, a timed exact run, a plan without a core, a policy block, a
+callback's call, another thread's) is answered "not mine" with nothing changed, and the Python
+path takes it. Where the C++ Works cannot be built (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``),
+and in a group without a CPU call schedule, the runner is a `NoRunner` and every call takes the
+Python path.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lowbitcc import policy, state
-from lowbitcc.backend import exact, native, worker_issue, works
+from lowbitcc.backend import exact, native, plan_cores, worker_issue, works
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
@@ -32,7 +40,7 @@ from lowbitcc.backend.issuer import Issuer
 
 def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
                    world: int) -> dict[str, Any] | None:
-    """What an ``ExactRunner`` reads and writes, by the names it uses (None: the group has no
+    """What a ``SteadyRunner`` reads and writes, by the names it uses (None: the group has no
     CPU call schedule, so no call has an exact entry):
 
     - ``schedule``: the CPU `CallSchedule` (``_next``, ``_period``, ``_origin``, ``_open``,
@@ -40,13 +48,17 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       (``_modelling``, ``cost_model``, the ordinals' ``_lock``, ``_epoch``, ``_ordinals``);
       ``agreement``: its `CallAgreement` (``next_seq``); ``issuer``: the CPU issuer (its
       ``_issued`` count where ``issuer_counts``: the worker's one timed call in
-      ``timed_every``); ``queue``: the `IssueQueue` (``_issued``, ``_group_tag``: the tags);
-      ``followed``: the `FollowedWork` Python class the queue builds; ``state``: `lowbitcc.state`
-      (its ``STATS``, read at each call);
+      ``timed_every``); ``queue``: the `IssueQueue` (``_issued``, ``_group_tag``: the tags;
+      ``_pending``, ``wait_idle``: its worker's jobs); ``followed``: the `FollowedWork` Python
+      class the queue builds; ``state``: `lowbitcc.state` (its ``STATS``, read at each call);
     - ``logical_bytes``: `exact._logical_bytes`; ``mode_stack``, ``key_stack``: `policy`'s
       blocks; ``callback_context``: `works`' per-thread callback parent; ``main_thread``: the
       main thread's ident; ``tensor_type``, ``allreduce_options_type``,
       ``reduce_scatter_options_type``: the exact types a served call's arguments have;
+      ``plan_core``: `plan_cores.make_core`; ``cpu_device``: the CPU's ``torch.device`` and
+      ``encoder_thread``: the ident of the thread the Python path encodes on (the worker, or
+      inline the main thread), whose statistics' accumulator a plan core adds its sums to
+      (`counters.Stats.accumulator`);
     - ``policy``, ``min_size``, ``world``, ``native_ops``: the group's settings and the ops the
       inner gloo group runs itself.
     """
@@ -66,6 +78,8 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
         "policy": compressed.config.policy, "min_size": compressed.config.min_size,
         "world": world, "native_ops": sorted(int(op) for op in issuer.native_ops),
         "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
+        "plan_core": plan_cores.make_core, "cpu_device": torch.device("cpu"),
+        "encoder_thread": queue._worker.ident if worker else threading.main_thread().ident,
     }
 
 
@@ -73,7 +87,7 @@ class NoRunner:
     """The runner of a group without one (see the module docstring): every call is "not
     mine"."""
 
-    served = 0
+    served = served_compressed = 0
 
     @staticmethod
     def serve_all_reduce(tensors: Any, opts: Any) -> None:
@@ -86,11 +100,11 @@ class NoRunner:
 
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
            world: int) -> Any:
-    """The group's ``ExactRunner`` over its ``direct`` gloo group (a ``ProcessGroupGloo``,
+    """The group's ``SteadyRunner`` over its ``direct`` gloo group (a ``ProcessGroupGloo``,
     which the calling thread alone uses for exact entries), or a `NoRunner` (see the module
     docstring)."""
     module = native.load()
     objects = runner_objects(compressed, issuer, queue, world)
     if module is None or objects is None:
         return NoRunner()
-    return module.ExactRunner(direct, objects)
+    return module.SteadyRunner(direct, objects)

@@ -17,7 +17,7 @@ from lowbitcc.codec.interface import EncodeArgs
 SOURCES = [CSRC / "cpu_codec.cpp", CSRC / "cpu_encode_fp32.cpp", CSRC / "cpu_encode_fp16.cpp"]
 """The translation units, which ninja compiles in parallel (the encodes' with c10's BFloat16 and
 Half headers only)."""
-HEADERS = [HEADER, CSRC / "cpu_codec.h", CSRC / "cpu_encode.h"]
+HEADERS = [HEADER, CSRC / "codec_api.h", CSRC / "cpu_codec.h", CSRC / "cpu_encode.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -28,11 +28,12 @@ EXTENSION = cpp_build.Extension(
     fallback="using the pure-torch reference codec, which is about 20x slower")
 load = EXTENSION.load
 """The compiled module (``encode``, ``decode_sum``, ``decode_into``, ``checksum``, ``frame``,
-``verify``, ``vector_path``, ``encode_args_layout``), or None when it cannot be built
+``verify``, ``vector_path``, ``encode_args_layout``, and ``codec_api``: the capsule of
+``csrc/codec_api.h`` that the steady runner calls), or None when it cannot be built
 (`cpp_build.Extension.load`)."""
 
 
-_CHECKSUM_STEP = reference.as_int64(wire.CHECKSUM_STEP)
+CHECKSUM_STEP = reference.as_int64(wire.CHECKSUM_STEP)
 """`wire.CHECKSUM_STEP` as the C++ checksum takes it."""
 
 
@@ -60,7 +61,7 @@ class CpuKernels(TorchFraming):
                            torch.get_num_threads())
 
     def checksum(self, messages: torch.Tensor) -> torch.Tensor:
-        return load().checksum(messages, _CHECKSUM_STEP,
+        return load().checksum(messages, CHECKSUM_STEP,
                                torch.get_num_threads())
 
     def frame(self, messages: torch.Tensor, header: bytes, shards: list[int],
@@ -68,12 +69,12 @@ class CpuKernels(TorchFraming):
               verdict: torch.Tensor | None = None) -> bool:
         """The answer is a host bool (``verdict`` is for calls on a device)."""
         return load().frame(messages, header, shards, nonfinite, used, flags, checksum,
-                            _CHECKSUM_STEP, torch.get_num_threads())
+                            CHECKSUM_STEP, torch.get_num_threads())
 
     def verify(self, messages: torch.Tensor, header: bytes, shards: list[int],
                checksum: bool) -> int:
         return load().verify(messages, header, shards, checksum,
-                             _CHECKSUM_STEP, torch.get_num_threads())
+                             CHECKSUM_STEP, torch.get_num_threads())
 
 
 KERNELS = CpuKernels()

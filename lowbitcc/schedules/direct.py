@@ -204,6 +204,27 @@ def _gather_one_chunk(columns: torch.Tensor, pending: Pending, out: torch.Tensor
         _decode_row(comp, messages, r, m, target, straight, device)
 
 
+class _Arrived:
+    """A transfer that has completed into ``received``."""
+
+    def __init__(self, received: torch.Tensor) -> None:
+        self.received = received
+
+    def wait(self) -> torch.Tensor:
+        return self.received
+
+
+def decode_gathered(received: torch.Tensor, out: torch.Tensor, comp: CallCompressor, m: int,
+                    n: int) -> None:
+    """The two-rank all-reduce's decode of one chunk, its all-gather of every row's messages
+    complete into ``received`` (uint8: each of the ``n`` ranks' messages of the ``n`` rows of
+    ``m`` elements): each row's messages decoded and summed into its place of flat ``out``, as
+    `_gather_all_reduce` does (a call place's C++ run hands it a call whose messages did not
+    belong to it, `backend.call_plan.CallPlan.finish_received`)."""
+    _gather_one_chunk(received.view(n, n, -1), _Arrived(received), out, comp, m,
+                      received.device)
+
+
 def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
                        transport: Transport, ranges: list[tuple[int, int]], prefix: str) -> None:
     """The two-rank all-reduce (module docstring): all-gather the codes of every row and

@@ -35,11 +35,12 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto",
     """``PASSES`` backward passes of the compressed all-reduces and reduce-scatters of `CALLS`
     on a group of ``issuer`` whose calls take their places (``plans``; the schedule agrees
     again every 3 runs of a place), else take none (each exchanges a descriptor and runs its
-    job): every result, the error states after, how many calls ran by a plan and how many
-    plans were made; ``deviate_at``: the pass in which the last rank issues its second call 64 elements
-    longer (then also: the passes that raised `CollectiveMismatchError`, and each pass's plan
-    runs). ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py);
-    ``fmt``, ``feedback``: the group's code format and feedback setting (`LocoConfig`'s)."""
+    job): every result, the error states after, how many calls ran by a plan (in Python, or
+    by its C++ core, `plan_cores`) and how many plans were made; ``deviate_at``: the pass in
+    which the last rank issues its second call 64 elements longer (then also: the passes that
+    raised `CollectiveMismatchError`, and each pass's plan runs). ``device`` "cuda": the
+    tensors live on the rank's GPU (tests/gpu/test_multirank.py); ``fmt``, ``feedback``: the
+    group's code format and feedback setting (`LocoConfig`'s)."""
     call_schedule.REAGREE_EVERY = 3
     runs, made = [0], [0]
     run, init = call_plan.CallPlan.run, call_plan.CallPlan.__init__
@@ -63,6 +64,10 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto",
         device = spawn.gpu_device(rank)
     gen = torch.Generator().manual_seed(rank)
     results, raised, per_pass = [], [], []
+
+    def plan_runs():
+        return runs[0] + group._runner.served_compressed
+
     for p in range(PASSES):
         shapes = [(shape[0] + 64 * (p == deviate_at and rank == world - 1 and i == 1),
                    *shape[1:]) for i, (shape, *_) in enumerate(CALLS)]
@@ -83,19 +88,19 @@ def _passes(rank, world, gloo, plans, deviate_at=None, device="cpu", fmt="auto",
             return grad
 
         w.register_hook(issue)
-        before = runs[0]
+        before = plan_runs()
         try:
             w.sum().backward()
         except CollectiveMismatchError:
             raised.append(p)
-        per_pass.append(runs[0] - before)
+        per_pass.append(plan_runs() - before)
         results.append([y.to("cpu", copy=True) for y in outputs])
     states = lowbitcc.state.FEEDBACK.state_dict()["states"]
     if deviate_at is not None:
         return raised, per_pass
     counted = lowbitcc.stats()["compressed"]
     assert counted["codec_s"] > 0 and counted["wire_s"] > 0
-    return results, (states, {k: counted[k] for k in COUNTED}), runs[0], made[0]
+    return results, (states, {k: counted[k] for k in COUNTED}), plan_runs(), made[0]
 
 
 @pytest.mark.parametrize("world,fmt,feedback,issuer", [

@@ -1,11 +1,12 @@
-"""The C++ runner of steady exact calls (`lowbitcc.backend.steady_runner`) against the Python
-path it stands in for. Each rank trains the same DDP model and issues the same reduce-scatters
-three times, on three "loco" groups: every call through Python (no runner), every call the
-runner can serve served by it, and the runner declining at random (half its calls, a
-different draw per rank, so the ranks' paths differ call by call). The three must leave the
-same outputs (gloo's, bit for bit), call numbers, tags, schedule indices, feedback-key
-ordinals, cost-model counts, issuer counts and statistics, on 2 and 3 ranks and both CPU
-issuers; the runner must have served most calls, and the Python path some."""
+"""The C++ runner of steady calls (`lowbitcc.backend.steady_runner`) against the Python path it
+stands in for. Each rank trains the same DDP model and issues the same reduce-scatters three
+times, on three "loco" groups: every call through Python (no runner), every call the runner can
+serve served by it, and the runner declining at random (half its calls, a different draw per
+rank, so the ranks' paths differ call by call). The three must leave the same outputs (gloo's,
+bit for bit, where exact), call numbers, tags, schedule indices, feedback-key ordinals,
+cost-model counts, issuer counts and statistics, on 2 and 3 ranks and both CPU issuers, exact
+and compressed (a plan's C++ core, `plan_cores`); the runner must have served most calls, and
+the Python path some."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ STEPS = 80
 """More than one agreement's runs of a place (`call_schedule.REAGREE_EVERY`): renewals, and the
 Python path's runs that start and take them, fall between the runner's."""
 
-COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "model_exact")
+COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "model_exact",
+           "intra_node_bytes", "inter_node_bytes")
 
 
 def _state(pg):
@@ -44,11 +46,13 @@ def _state(pg):
                         for r in pg.cost_model.table()),
         "issued": getattr(issuer, "_issued", None),
         "stats": {cat: {k: stats[cat][k] for k in COUNTED} for cat in ("exact", "compressed")},
+        "residual_sq": stats["compressed"]["residual_sq"],
     }
 
 
 def _train(rank, world, gloo, mode, issuer):
-    block = lowbitcc.exact if mode == "exact" else contextlib.nullcontext
+    block = {"exact": lowbitcc.exact, "compressed": lowbitcc.compressed}.get(
+        mode, contextlib.nullcontext)
     # "exact": the buckets above min_size, so the cost model counts them and times one in 8
     config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024)
     runs = {}
@@ -62,7 +66,7 @@ def _train(rank, world, gloo, mode, issuer):
             runner.decline_at_random(0.5, 1000 * world + rank)
         model, opt = bucketed_ddp(pg)
         gen = torch.Generator().manual_seed(rank)
-        scattered = []
+        scattered, reduced = [], []
         for _ in range(STEPS):
             x = torch.randn(16, 64, generator=gen)
             with block():
@@ -71,13 +75,19 @@ def _train(rank, world, gloo, mode, issuer):
                 dist.reduce_scatter_tensor(chunk, torch.randn(300 * world, generator=gen),
                                            group=pg)
                 scattered.append(chunk)
+                if mode == "compressed":  # a plan core's cast and part row: bf16, odd numel
+                    odd = torch.randn(2001, generator=gen).to(torch.bfloat16)
+                    dist.all_reduce(odd, group=pg)
+                    reduced.append(odd)
             opt.step()
             opt.zero_grad()
         runs[variant] = {
             "params": flat_parameters(model),
             "scattered": torch.stack(scattered),
+            "reduced": torch.stack(reduced) if reduced else None,
             "state": None if variant == "gloo" else _state(pg),
             "served": runner.served if runner is not None else 0,
+            "served_compressed": runner.served_compressed if runner is not None else 0,
         }
     return runs
 
@@ -86,16 +96,30 @@ def _train(rank, world, gloo, mode, issuer):
     (2, "exact", "auto"),   # `lowbitcc.exact()`: the cost model counts and times the calls
     (3, "small", "auto"),   # below min_size: exact by agreement, ordinals counted in backward
     (2, "small", "inline"),
+    (2, "compressed", "auto"),  # `lowbitcc.compressed()`: plan cores, beside the worker's calls
+    (2, "compressed", "inline"),
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
+    compressed = mode == "compressed"
     for rank, runs in enumerate(run_ranks(_train, world, mode, issuer, timeout=400)):
-        gloo = runs["gloo"]
+        want = runs["python" if compressed else "gloo"]
         for variant in ("python", "native", "mixed"):
             run = runs[variant]
-            assert torch.equal(run["params"], gloo["params"]), (rank, variant)
-            assert torch.equal(run["scattered"], gloo["scattered"]), (rank, variant)
+            assert torch.equal(run["params"], want["params"]), (rank, variant)
+            assert torch.equal(run["scattered"], want["scattered"]), (rank, variant)
+            if compressed:
+                assert torch.equal(run["reduced"], want["reduced"]), (rank, variant)
             assert run["state"] == runs["python"]["state"], (rank, variant)
         state = runs["python"]["state"]
+        if compressed:
+            calls = state["stats"]["compressed"]["calls"]
+            assert calls >= 3 * STEPS - 3, state  # two buckets and an all-reduce a step
+            served = runs["native"]["served_compressed"]
+            assert runs["python"]["served"] == 0
+            assert served > 0.6 * calls, (rank, calls, served)
+            assert 0.3 * served < runs["mixed"]["served_compressed"] < 0.7 * served, (
+                rank, runs["mixed"])
+            continue
         calls = state["stats"]["exact"]["calls"]
         served = runs["native"]["served"]
         assert calls >= 3 * STEPS, state  # DDP's two buckets and a reduce-scatter a step
@@ -171,3 +195,47 @@ def test_calls_the_runner_declines_take_the_python_path_and_leave_the_place_stea
         for name, (served, out) in seen.items():
             assert torch.equal(out, want), name
             assert served == (1 if name.endswith(", then") else 0), (name, served)
+
+
+def _deviation_at_a_core(rank, world, gloo):
+    # one place, its entry compressed: every call a step, outside backward
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+    runner = pg._runner
+
+    def call(n):
+        tensor = torch.full((n,), float(rank + 1))
+        try:
+            with lowbitcc.compressed():
+                dist.all_reduce(tensor, group=pg)
+        finally:
+            lowbitcc.end_step()
+        return tensor
+
+    for _ in range(12):
+        call(4096)
+    served = runner.served_compressed
+    steady = call(4096)
+    assert runner.served_compressed == served + 1, "not steady"
+    before = runner.served_compressed
+    try:
+        call(4096 + 64 * rank)  # rank 1's call is not the place's: it deviates
+        raised = None
+    except Exception as exc:  # noqa: BLE001 (the test reads its type)
+        raised = type(exc).__name__
+    served_deviation = runner.served_compressed - before
+    after = [call(4096) for _ in range(12)]
+    return steady, raised, served_deviation, after[-1], runner.served_compressed - before
+
+
+def test_a_call_whose_messages_do_not_belong_to_it_raises_from_a_plan_core_as_from_python():
+    """Rank 1 deviates from a steady compressed place that rank 0's plan core serves: rank 0's
+    core meets rank 1's flagged messages and hands the decode back to the plan, so both ranks
+    raise `CollectiveMismatchError` at that call, and the place runs (served again) after."""
+    (steady0, raised0, core0, after0, total0), (steady1, raised1, core1, after1, _) = run_ranks(
+        _deviation_at_a_core, 2, timeout=120)
+    assert (raised0, raised1) == ("CollectiveMismatchError", "CollectiveMismatchError")
+    assert (core0, core1) == (1, 0)  # rank 0 ran it in C++, rank 1 (deviating) in Python
+    assert torch.allclose(steady0, torch.full((4096,), 3.0), rtol=0.1)
+    assert torch.equal(steady0, steady1) and torch.equal(after0, after1)
+    assert total0 > 1  # the place is served again after the exchange that follows

@@ -1,26 +1,34 @@
-// ExactRunner: a CPU reduction that runs as its place's exact entry, served in C++ from the
-// group's own Python objects (lowbitcc/backend/steady_runner.py builds it).
+// SteadyRunner: a CPU reduction that runs as its place's entry, served in C++ from the group's
+// own Python objects (lowbitcc/backend/steady_runner.py builds it).
 //
 // `serve_all_reduce` and `serve_reduce_scatter` are what `LocoProcessGroup`'s methods call
 // first. Each either serves the call whole or answers None ("not mine") having changed nothing,
 // and the Python path (reductions.py) then takes the call as it always does. A call is served
-// when it is the steady state of `CallSchedule.take` and `Reductions._run_exact` for a native op
-// (the inner gloo group runs it itself): one dense CPU torch.Tensor, issued by the main thread
-// outside any future's callback, no `compressed()` or `feedback_key` block in force, no
-// outcome open in the schedule, the period known, the place's entry exact with runs left, its
-// canary not NaN, its key the call's, its renewal not due to start at this run (the Python
-// path starts it), not timed for the cost model (this run, and the issuer's one in
-// `EXACT_TIMED`, are the Python path's). Serving does, on the same objects and in the same
-// order, what those Python methods do: the schedule's index and the entry's runs, the call
-// number (`CallAgreement.next_seq`), the feedback key's ordinal where this rank would compress
-// the call (`CompressedCalls._ordinal`), the cost model's count, the statistics
-// (`exact.count_exact`), the issuer's count of exact calls, the call's tag
-// (`IssueQueue._next_tag`), the inner gloo call (the GIL released), its `FollowedWork`, kept as
-// the place's canary (an all-reduce).
+// when it is the steady state of `CallSchedule.take` and then of:
+//   - `Reductions._run_exact`, for an exact entry and a native op (the inner gloo group runs it
+//     itself), not timed for the cost model (this run, and the issuer's one in `EXACT_TIMED`,
+//     are the Python path's);
+//   - `Reductions._plan_run` and `CallPlan.run`, for a compressed all-reduce entry whose plan
+//     has a C++ core (plan_core.h; lowbitcc/backend/plan_cores.py says which plans do), op SUM
+//     or AVG, no `exact()` block demanding the exact path of it, once the group's worker has
+//     run what was queued before it (its calls on the same gloo group go first:
+//     `IssueQueue.wait_idle`, the GIL released, and the place looked at again);
+// for one dense CPU torch.Tensor, issued by the main thread outside any future's callback, no
+// `feedback_key` block in force, no outcome open in the schedule, the period known, the place's
+// entry with runs left (or its renewal due to be taken at this run: taken, as `take` takes it,
+// and the place looked at again), its canary not NaN, its key the call's. Serving does, on the
+// same objects and in the same order, what those Python methods do: the schedule's index and
+// the entry's runs (`CallSchedule.ran`, which starts the place's renewal where due: a compressed
+// run then waits for the renewal's exchange on the worker), the call number
+// (`CallAgreement.next_seq`), the feedback key's ordinal where this rank would compress an exact
+// call (`CompressedCalls._ordinal`), the cost model's count, the statistics (`exact.count_exact`;
+// a compressed run's `RunTally`), the issuer's count of exact calls, the call's tag
+// (`IssueQueue._next_tag`); then the inner gloo call (the GIL released) and its `FollowedWork`,
+// kept as the place's canary (an exact all-reduce), or the plan core's run.
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
 // statistics', cost model's and ordinals' locks taken as their Python owners take them. Only the
-// gloo call runs without the GIL.
+// gloo call and a plan core's run (encode, then its decode on gloo's thread) run without it.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>
@@ -38,6 +46,7 @@
 #include <vector>
 
 #include "followed_work.h"
+#include "plan_core.h"
 
 namespace lowbitcc {
 
@@ -81,11 +90,11 @@ class Held {
 
 }  // namespace detail
 
-class __attribute__((visibility("hidden"))) ExactRunner {
+class __attribute__((visibility("hidden"))) SteadyRunner {
  public:
   // `objects`: a dict of the group's Python objects and settings (steady_runner.py's
   // `runner_objects` names and describes each).
-  ExactRunner(c10::intrusive_ptr<c10d::Backend> direct, py::dict objects)
+  SteadyRunner(c10::intrusive_ptr<c10d::Backend> direct, py::dict objects)
       : direct_(std::move(direct)),
         schedule_(objects["schedule"]),
         compressed_(objects["compressed"]),
@@ -101,6 +110,9 @@ class __attribute__((visibility("hidden"))) ExactRunner {
         tensor_type_(objects["tensor_type"]),
         allreduce_options_type_(objects["allreduce_options_type"]),
         reduce_scatter_options_type_(objects["reduce_scatter_options_type"]),
+        plan_core_(objects["plan_core"]),
+        cpu_device_(objects["cpu_device"]),
+        encoder_thread_(objects["encoder_thread"]),
         policy_(objects["policy"].cast<std::string>()),
         main_thread_(objects["main_thread"].cast<uint64_t>()),
         world_(objects["world"].cast<int64_t>()),
@@ -115,6 +127,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     cpu_ = py::str("cpu");
     backward_ = py::str("backward");
     exact_ = py::str("exact");
+    compressed_name_ = py::str("compressed");
   }
 
   // A test switch: decline a call that could be served with probability `p` (a generator
@@ -124,8 +137,9 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     rng_.seed(seed);
   }
 
-  // Calls served since the runner was made (tests read it).
+  // Calls served since the runner was made, and of them compressed ones (tests read them).
   int64_t served() const { return served_; }
+  int64_t served_compressed() const { return served_compressed_; }
 
   // `LocoProcessGroup.allreduce(tensors, opts)`: its Work, or None (not served).
   py::object serve_all_reduce(py::handle tensors, py::handle opts) {
@@ -147,6 +161,9 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     Steady steady;
     if (!steady_place(all_reduce_, tensor, tensor.numel(), options.reduceOp.op_, steady)) {
       return py::none();
+    }
+    if (steady.core) {
+      return serve_planned(steady, tensor);
     }
     count(steady, all_reduce_, tensor, tensor.numel());
     std::vector<at::Tensor> inputs{tensor};
@@ -203,6 +220,8 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     bool modelled = false;
     bool by_model = false;
     int64_t task = -1;
+    bool renews = false;  // the run starts the place's renewal
+    std::shared_ptr<PlanCore> core;  // a compressed entry's plan core; null: an exact entry
   };
 
   // A plain (not a subclass) dense CPU torch.Tensor.
@@ -214,12 +233,20 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     return t.layout() == at::kStrided && t.device().is_cpu();
   }
 
-  // Whether the call runs as its place's exact entry now, nothing changed yet (see the file's
-  // comment); fills `steady`.
+  // What a renewal taken here raised (`take_renewal`): the call raises it, as its Python path.
+  struct Raised {
+    py::error_already_set error;
+  };
+
+  // Whether the call runs as its place's entry now (see the file's comment), fills `steady`.
+  // Nothing is changed, but where the place's renewal is due to be taken at this run: it is
+  // taken as `CallSchedule.take` takes it (the Python path then finds it taken).
   bool steady_place(const py::str& collective, const at::Tensor& like, int64_t numel,
                     c10d::ReduceOp::RedOpType op, Steady& steady) {
     try {
       return steady_place_or_raise(collective, like, numel, op, steady);
+    } catch (Raised& raised) {
+      throw raised.error;
     } catch (py::error_already_set&) {  // nothing changed: the Python path raises as it does
       return false;
     } catch (const std::exception&) {
@@ -227,11 +254,11 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     }
   }
 
+  // (`waited`: the worker's queue was waited for once already; `renewed`: the place's renewal
+  // was taken by this call.)
   bool steady_place_or_raise(const py::str& collective, const at::Tensor& like, int64_t numel,
-                             c10d::ReduceOp::RedOpType op, Steady& steady) {
-    if (native_ops_.count(static_cast<int64_t>(op)) == 0) {
-      return false;
-    }
+                             c10d::ReduceOp::RedOpType op, Steady& steady, bool waited = false,
+                             bool renewed = false) {
     if (PyThread_get_thread_ident() != main_thread_ ||
         py::bool_(callback_context_.attr("parent"))) {  // (a tag: 64 bits, unsigned)
       return false;
@@ -262,12 +289,18 @@ class __attribute__((visibility("hidden"))) ExactRunner {
       return false;
     }
     py::object entry = py::reinterpret_borrow<py::object>(found);
-    if (!entry.attr("exact").cast<bool>() || entry.attr("timed").cast<bool>()) {
+    const bool exact = entry.attr("exact").cast<bool>();
+    if (exact ? native_ops_.count(static_cast<int64_t>(op)) == 0 || entry.attr("timed").cast<bool>()
+              : op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
       return false;
     }
     int64_t left = entry.attr("left").cast<int64_t>();
-    if (left <= 0) {
-      return false;
+    if (left <= 0) {  // the run after the entry's last takes its renewal (`CallSchedule.entry`)
+      if (renewed || entry.attr("renewal").is_none() || nan(entry.attr("canary"))) {
+        return false;
+      }
+      take_renewal(index);
+      return steady_place_or_raise(collective, like, numel, op, steady, waited, true);
     }
     if (nan(entry.attr("canary"))) {  // (may wait without the GIL: the policy is read after)
       return false;
@@ -278,20 +311,25 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     Py_ssize_t modes = PyList_GET_SIZE(mode_stack_.ptr());
     std::string mode =
         modes ? py::cast<std::string>(PyList_GET_ITEM(mode_stack_.ptr(), modes - 1)) : policy_;
-    if (mode == "always") {  // a `compressed()` block: the wish and the cost model's consent
+    // `Reductions._wish`: "exact" and an entry compressed, or "compressed" (the cost model's
+    // consent too) and an entry exact, is a deviation
+    if (mode == (exact ? "always" : "never")) {
       return false;
     }
-    if (left - 1 <= schedule_.attr("_renew_at").cast<int64_t>() &&
-        entry.attr("renewal").is_none() && !schedule_.attr("_renew").is_none() &&
-        !entry.attr("desc").attr("part").cast<bool>()) {
-      return false;  // `CallSchedule.ran` starts the renewal
-    }
+    // `CallSchedule.ran` starts the place's renewal at this run
+    steady.renews = left - 1 <= schedule_.attr("_renew_at").cast<int64_t>() &&
+                    entry.attr("renewal").is_none() && !schedule_.attr("_renew").is_none() &&
+                    !entry.attr("desc").attr("part").cast<bool>();
     py::tuple key = entry.attr("key");
     if (key.size() != 6 || !detail::equal(key[0], collective) ||
         key[1].ptr() != reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())) ||
         key[2].cast<int64_t>() != static_cast<int64_t>(op) || key[3].cast<int64_t>() != numel ||
         key[4].cast<bool>() || py::bool_(key[5])) {  // (a parent's tag: 64 bits, unsigned)
       return false;  // a deviation: the Python path runs it
+    }
+    if (!exact) {
+      return planned_place(std::move(entry), collective, like, op, index, left,
+                           modes != 0 && mode == "always", waited, steady);
     }
     // `CompressedCalls.count_planned`: the ordinal where this rank would compress the call
     // (`policy.wants_compression`), counted in the backward pass's epoch (`policy.epoch`)
@@ -317,6 +355,143 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     return true;
   }
 
+  // The rest of `steady_place` for a compressed entry: whether its plan's core serves the
+  // call (`forced`: a `compressed()` block is the innermost, `policy.forced`).
+  bool planned_place(py::object entry, const py::str& collective, const at::Tensor& like,
+                     c10d::ReduceOp::RedOpType op, int64_t index, int64_t left, bool forced,
+                     bool waited, Steady& steady) {
+    if (!detail::equal(collective, all_reduce_)) {
+      return false;
+    }
+    py::object plan = entry.attr("plan");
+    if (plan.is_none()) {
+      return false;
+    }
+    if (!plan.attr("core_checked").cast<bool>()) {
+      plan_core_(plan);  // sets the plan's `core` (None: the Python plan runs it)
+    }
+    py::object core = plan.attr("core");
+    if (core.is_none()) {
+      return false;
+    }
+    auto planned = core.cast<std::shared_ptr<PlanCore>>();
+    if (!planned->fits(like)) {
+      return false;
+    }
+    if (queue_.attr("_pending").cast<int64_t>() != 0) {
+      if (waited) {
+        return false;
+      }
+      // the worker's queued calls on the same gloo group go first: once they have run (the
+      // GIL released meanwhile), the place is looked at again
+      queue_.attr("wait_idle")();
+      return steady_place_or_raise(collective, like, like.numel(), op, steady, true);
+    }
+    if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
+      return false;
+    }
+    steady.modelled = planned->modelled() && !forced;  // `Reductions._plan_run`'s `timed`
+    steady.core = std::move(planned);
+    steady.entry = std::move(entry);
+    steady.index = index;
+    steady.left = left;
+    return true;
+  }
+
+  // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`): counted, then the plan
+  // core's run; its Work.
+  py::object serve_planned(Steady& steady, const at::Tensor& tensor) {
+    {
+      py::gil_scoped_release release;
+      steady.core->wait();  // the place's last run, whose buffers this one writes
+    }
+    ran(steady);
+    if (steady.renews && queue_.attr("_pending").cast<int64_t>() != 0) {
+      queue_.attr("wait_idle")();  // the renewal's exchange, on the same gloo group, goes first
+    }
+    const int64_t seq = agreement_.attr("next_seq")().cast<int64_t>();
+    PlanCore& core = *steady.core;
+    py::object model = compressed_.attr("cost_model");
+    if (steady.modelled) {
+      count_class(model, core.size_class());
+    }
+    RunTimings timings = core.take_timings();
+    {
+      py::object stats = state_.attr("STATS");
+      detail::Held held(stats.attr("_lock"));
+      py::object counters = stats.attr("_counters")[compressed_name_];
+      detail::add_to(counters, "calls", py::int_(1));
+      detail::add_to(counters, "tensor_bytes", py::int_(core.nbytes()));
+      detail::add_to(counters, "logical_bytes", py::int_(core.logical_bytes()));
+      detail::add_to(counters, "wire_bytes", py::int_(core.wire_bytes()));
+      detail::add_to(counters, "intra_node_bytes", py::int_(core.intra_node_bytes()));
+      detail::add_to(counters, "inter_node_bytes", py::int_(core.inter_node_bytes()));
+      detail::add_to(counters, "codec_s", py::float_(timings.codec_s));
+      detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
+    }
+    for (double seconds : timings.modelled_s) {
+      model.attr("record")(core.size_class(), false, seconds, core.nbytes());
+    }
+    ++served_;
+    ++served_compressed_;
+    c10::intrusive_ptr<c10d::Work> work = core.run(tensor, seq, accumulator(), steady.modelled);
+    return follow(work, tensor);
+  }
+
+  // `CallSchedule.take` at a served call's place: the schedule's index, and `CallSchedule.ran`:
+  // the entry's runs, the renewal started where due (as `ran` itself; what it raises, the call
+  // raises, having taken its call number as `Reductions.take` does).
+  void ran(const Steady& steady) {
+    schedule_.attr("_next") = py::int_(steady.index + 1);
+    if (!steady.renews) {
+      steady.entry.attr("left") = py::int_(steady.left - 1);
+      return;
+    }
+    try {
+      schedule_.attr("ran")(steady.entry);
+    } catch (py::error_already_set&) {
+      agreement_.attr("next_seq")();
+      throw;
+    }
+  }
+
+  // `CallSchedule.entry` at `index`, which the run after an entry's last calls to take its
+  // renewal; what it raises, the call raises, as `CallSchedule.take` and `Reductions.take` do:
+  // having counted its place and taken its call number.
+  void take_renewal(int64_t index) {
+    try {
+      schedule_.attr("entry")(index);
+    } catch (py::error_already_set& error) {
+      schedule_.attr("_next") = py::int_(index + 1);
+      agreement_.attr("next_seq")();
+      throw Raised{std::move(error)};
+    }
+  }
+
+  // `CostModel.count`: one more call of `size_class`.
+  static void count_class(const py::object& model, const py::object& size_class) {
+    detail::Held held(model.attr("_lock"));
+    py::object kept = model.attr("_classes").attr("get")(size_class);
+    if (kept.is_none()) {
+      kept = model.attr("_class")(size_class);
+    }
+    detail::add_to(kept, "calls", py::int_(1));
+  }
+
+  // The accumulator of the compressed calls' residual sums (`Stats.accumulator`) of the thread
+  // the Python path encodes on (the worker, else the calling thread), so that the sums add up
+  // in the same order on either path; asked again where `state.STATS` was replaced. (The worker
+  // runs nothing meanwhile: its queue was idle, and the calling thread is the one that queues.)
+  at::Tensor accumulator() {
+    py::object stats = state_.attr("STATS");
+    if (!stats.is(sums_of_)) {
+      sums_ = stats.attr("accumulator")(compressed_name_, cpu_device_, encoder_thread_)
+                  .cast<at::Tensor>();
+      sums_of_ = stats;
+    }
+    return sums_;
+  }
+
   // The place's canary: whether the output it views ended in NaN (`Entry.canary`, None: no).
   static bool nan(const py::object& canary) {
     if (canary.is_none()) {
@@ -337,8 +512,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
   // `Reductions._run_exact`; `count_planned`; `count_exact`; `WorkerIssuer._times_next`).
   void count(const Steady& steady, const py::str& collective, const at::Tensor& like,
              int64_t numel) {
-    schedule_.attr("_next") = py::int_(steady.index + 1);
-    steady.entry.attr("left") = py::int_(steady.left - 1);
+    ran(steady);
     agreement_.attr("next_seq")();
     py::object dtype =
         py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(
@@ -358,14 +532,7 @@ class __attribute__((visibility("hidden"))) ExactRunner {
     int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
     if (steady.modelled) {
       int64_t log2 = 63 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(nbytes, 1)));
-      py::tuple size_class = py::make_tuple(collective, cpu_, log2);
-      py::object model = compressed_.attr("cost_model");
-      detail::Held held(model.attr("_lock"));
-      py::object kept = model.attr("_classes").attr("get")(size_class);
-      if (kept.is_none()) {
-        kept = model.attr("_class")(size_class);
-      }
-      detail::add_to(kept, "calls", py::int_(1));
+      count_class(compressed_.attr("cost_model"), py::make_tuple(collective, cpu_, log2));
       if (issuer_counts_) {
         detail::add_to(issuer_, "_issued", py::int_(1));
       }
@@ -398,15 +565,17 @@ class __attribute__((visibility("hidden"))) ExactRunner {
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
+  py::object plan_core_, cpu_device_, encoder_thread_, sums_of_;
+  at::Tensor sums_;
   std::string policy_;
   uint64_t main_thread_;
   int64_t world_, min_size_, timed_every_;
   bool issuer_counts_;
   std::set<int64_t> native_ops_;
-  py::str all_reduce_, reduce_scatter_, cpu_, backward_, exact_;
+  py::str all_reduce_, reduce_scatter_, cpu_, backward_, exact_, compressed_name_;
   double decline_ = 0.0;
   std::mt19937_64 rng_;
-  int64_t served_ = 0;
+  int64_t served_ = 0, served_compressed_ = 0;
 };
 
 }  // namespace lowbitcc

@@ -1,10 +1,12 @@
-// lowbitcc's C++ Works and the steady exact call (lowbitcc/backend/native.py): the module's
-// Python bindings. `FollowedWork` is followed_work.h's, `ExactRunner` exact_runner.h's.
-#include "exact_runner.h"
+// lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
+// bindings. `FollowedWork` is followed_work.h's, `PlanCore` plan_core.h's, `SteadyRunner`
+// steady_runner.h's.
 #include "followed_work.h"
+#include "plan_core.h"
+#include "steady_runner.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lowbitcc's C++ Works and steady exact calls (lowbitcc/backend/native.py)";
+  m.doc() = "lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py)";
   py::class_<lowbitcc::FollowedWork, c10d::Work, c10::intrusive_ptr<lowbitcc::FollowedWork>>(
       m, "FollowedWork", py::dynamic_attr())
       .def(py::init<c10::intrusive_ptr<c10d::Work>, std::vector<at::Tensor>, uint64_t>(),
@@ -14,14 +16,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("tag", &lowbitcc::FollowedWork::tag)
       .def_property_readonly("inner", &lowbitcc::FollowedWork::inner)
       .def_property_readonly("outputs", &lowbitcc::FollowedWork::outputs);
-  py::class_<lowbitcc::ExactRunner>(m, "ExactRunner")
+  py::class_<lowbitcc::PlanCore, std::shared_ptr<lowbitcc::PlanCore>>(m, "PlanCore")
+      .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict, py::capsule>(),
+           py::arg("transport"), py::arg("spec"), py::arg("api"))
+      .def("wait", &lowbitcc::PlanCore::wait, py::call_guard<py::gil_scoped_release>(),
+           "Wait until the place's last C++ run is done.")
+      .def_property_readonly("idle", &lowbitcc::PlanCore::idle);
+  py::class_<lowbitcc::SteadyRunner>(m, "SteadyRunner")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict>(), py::arg("direct"),
            py::arg("objects"))
-      .def("serve_all_reduce", &lowbitcc::ExactRunner::serve_all_reduce, py::arg("tensors"),
+      .def("serve_all_reduce", &lowbitcc::SteadyRunner::serve_all_reduce, py::arg("tensors"),
            py::arg("opts"))
-      .def("serve_reduce_scatter", &lowbitcc::ExactRunner::serve_reduce_scatter,
+      .def("serve_reduce_scatter", &lowbitcc::SteadyRunner::serve_reduce_scatter,
            py::arg("output"), py::arg("input"), py::arg("opts"))
-      .def("decline_at_random", &lowbitcc::ExactRunner::decline_at_random, py::arg("p"),
+      .def("decline_at_random", &lowbitcc::SteadyRunner::decline_at_random, py::arg("p"),
            py::arg("seed"))
-      .def_property_readonly("served", &lowbitcc::ExactRunner::served);
+      .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
+      .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed);
 }

@@ -24,6 +24,7 @@
 #include <omp.h>
 #include <vector>
 
+#include "codec_api.h"
 #include "cpu_codec.h"
 
 using namespace lowbitcc_cpu;
@@ -48,6 +49,17 @@ void check_buffer(const at::Tensor& t, at::ScalarType dtype, int64_t numel, cons
 bool takes_bits(int64_t fmt, int64_t bits) {
   if (fmt == kInt) return bits == 2 || bits == 4 || bits == 8;
   return fmt > kInt && fmt <= kNvFp3 && bits == loco::grid((int)fmt).bits;
+}
+
+// One encode of `a`, whose buffers are checked (codec_api.h's `encode`).
+void encode_checked(const EncodeArgs& a, int64_t bits, int threads, at::ScalarType dtype) {
+  for (int64_t r = 0; r < a.rows; ++r) loco::clear_scale_padding(a.msgs + r * a.P, a.ng, a.format);
+  switch (dtype) {
+    case at::kFloat: return encode_fp32(a, bits, threads);
+    case at::kBFloat16: return encode_bf16(a, bits, threads);
+    case at::kHalf: return encode_fp16(a, bits, threads);
+    default: TORCH_CHECK(false, "source dtype must be float32, bfloat16 or float16");
+  }
 }
 
 // One encode; `args` is a lowbitcc.codec.interface.EncodeArgs. Every buffer is checked against
@@ -113,13 +125,7 @@ void encode(const py::object& args) {
   a.k0 = args.attr("k0").cast<uint32_t>();
   a.k1 = args.attr("k1").cast<uint32_t>();
   const int threads = args.attr("threads").cast<int>();
-  for (int64_t r = 0; r < a.rows; ++r) loco::clear_scale_padding(a.msgs + r * a.P, a.ng, a.format);
-  switch (source.scalar_type()) {
-    case at::kFloat: return encode_fp32(a, bits, threads);
-    case at::kBFloat16: return encode_bf16(a, bits, threads);
-    case at::kHalf: return encode_fp16(a, bits, threads);
-    default: TORCH_CHECK(false, "source dtype must be float32, bfloat16 or float16");
-  }
+  encode_checked(a, bits, threads, source.scalar_type());
 }
 
 // loco::e4m3_value of every byte, looked up by the decodes instead of computed per group.
@@ -620,6 +626,10 @@ py::dict encode_args_layout() {
   return d;
 }
 
+// What the other C++ modules of lowbitcc call (codec_api.h), kept for the process.
+const lowbitcc_cpu::CodecApi kApi{lowbitcc_cpu::kCodecApiVersion, &encode_checked, &frame, &verify,
+                                  &decode_sum};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("encode", &encode, "fused compensate + quantize + pack + error update",
              py::arg("args"));
@@ -630,4 +640,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("frame", &frame, "header, flags, padding and checksum of encoded messages");
   module.def("verify", &verify, "whether received messages belong to the call (-1: no)");
   module.attr("vector_path") = kVectorPath;
+  module.attr("codec_api") = py::capsule(&kApi, lowbitcc_cpu::kCodecApiName);
 }
