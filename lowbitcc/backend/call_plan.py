@@ -115,6 +115,8 @@ class CallPlan:
         """The plan's C++ core (`plan_cores`: a ``PlanCore``, which the group's runner runs),
         or None: its runs are all Python's; made once, where ``core_checked`` is still False."""
         self.core_checked = False
+        self.core_gathered: list[tuple[int, int, int | None, torch.Tensor]] = []
+        """The core's transfers, as `schedules.direct.decode_gathered` takes them."""
 
     @property
     def transport(self) -> Any:
@@ -191,19 +193,19 @@ class CallPlan:
             if tally is not None:
                 tally.flush()
 
-    def finish_received(self, tensor: torch.Tensor, received: torch.Tensor, seq: int) -> None:
+    def finish_received(self, tensor: torch.Tensor, seq: int) -> None:
         """The end of call number ``seq`` that the plan's core (`plan_cores`) ran on flat
-        ``tensor`` until its all-gather completed into ``received`` (the plan's buffer) and
-        that met a message that does not belong to it: the decode of every row by the
-        schedule's own code, then the error `run` raises (on the thread that completed the
-        all-gather, with the GIL)."""
+        ``tensor`` until its transfers completed (into ``core_gathered``'s buffers) and that
+        met a message that does not belong to it: the decode of every row by the schedule's
+        own code, then the error `run` raises (on the thread that completed the last
+        transfer, with the GIL)."""
         comp, codec = self.comp, self._own_codec
         assert codec is not None  # (a core is a CPU plan's)
         self.seq = seq
         codec.renumber(seq)
         comp.restart(codec, "", None)
         try:
-            schedules.direct.decode_gathered(received, tensor.view(-1), comp, self.m,
+            schedules.direct.decode_gathered(self.core_gathered, tensor.view(-1), comp, self.m,
                                              self.group.size)
             comp.finish()
             comp.raise_deferred(CollectiveMismatchError)

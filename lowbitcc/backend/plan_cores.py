@@ -2,14 +2,16 @@
 which serves the place's steady compressed all-reduce without Python (the group's
 ``SteadyRunner`` runs it, `steady_runner`).
 
-A plan gets a core where its runs are the direct schedule's two-rank all-gather of one chunk
-(``schedules/direct.py``) on the CPU, with the settings the core implements: the C++ codec, no
-error feedback (the default format's setting), nearest rounding, an op whose input factor is
-fixed (SUM, AVG), an fp32, bf16 or fp16 tensor, over a metered gloo transport. The core keeps
-the plan's own buffers (its messages, received messages and decode scratch) and writes what
-the plan's Python run writes, byte for byte; where a message of a run does not belong to the
-call it hands the decode back to the plan (`call_plan.CallPlan.finish_received`), so the
-errors are the Python path's. Every other plan has none (``core`` None) and runs in Python.
+A plan gets a core where its runs are the direct schedule's two-rank all-gather
+(``schedules/direct.py``, `_gather_all_reduce`: one all-gather of both rows, or with chunks one
+per row and chunk) on the CPU, with the settings the core implements: the C++ codec, no error
+feedback (the default format's setting), nearest rounding, an op whose input factor is fixed
+(SUM, AVG), an fp32, bf16 or fp16 tensor, over a metered gloo transport. The core keeps the
+plan's own buffers (each transfer's messages and received messages, the decode scratch) and
+writes what the plan's Python run writes, byte for byte; where a message of a run does not
+belong to the call it hands the decode back to the plan (`call_plan.CallPlan.finish_received`,
+over ``core_gathered``), so the errors are the Python path's. Every other plan has none
+(``core`` None) and runs in Python.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from lowbitcc.backend import native
 from lowbitcc.codec import cpu, wire
 from lowbitcc.codec.abi import FORMAT_CODES
-from lowbitcc.schedules.chunking import chunks
+from lowbitcc.schedules.chunking import chunks, stage
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.metered import MeteredTransport
 
@@ -34,27 +36,28 @@ def make_core(plan: Any) -> None:
     ``core``: a ``PlanCore`` where one serves it (see the module docstring), else None; and
     mark it ``core_checked``. Called once per plan, by the runner, with the GIL held."""
     plan.core_checked = True
-    plan.core = _core(plan)
-
-
-def _core(plan: Any) -> Any:
     module, codec_module = native.load(), cpu.load()
     spec = None if module is None or codec_module is None else core_spec(plan)
     if spec is None:
-        return None
-    return module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api)
+        return
+    plan.core_gathered = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
+                          for p in spec["pieces"]]
+    plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api)
 
 
 def core_spec(plan: Any) -> dict[str, Any] | None:
     """What a ``PlanCore`` of ``plan`` is made of (None: the plan has none, see the module
     docstring):
 
-    - ``plan`` (kept by a weak reference), ``messages`` (uint8 ``[2, P]``), ``nonfinite``,
-      ``received`` (uint8 ``[2 * 2 * P]``), ``scratch`` (fp32 ``[m]``): the plan and the buffers
-      its stage "gather" keeps;
-    - ``header``: the call's message header, its call number overwritten at ``seq_offset`` by
-      each run; ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``used``,
-      ``checksum``, ``step``: the codec's;
+    - ``plan`` (kept by a weak reference), ``scratch`` (fp32, the widest transfer's columns):
+      the plan and its decode buffer;
+    - ``pieces``: the schedule's transfers in its order, each a dict: its rows ``row0`` ..
+      ``row0 + rows`` and columns ``a`` .. ``b``; ``messages`` (uint8 ``[rows, P]``),
+      ``nonfinite`` and ``received`` (uint8 ``[2 * rows * P]``), the buffers its stage keeps;
+      ``header``, its messages' header (its call number overwritten at ``seq_offset`` by each
+      run); ``used``, its messages' used bytes;
+    - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
+      codec's;
     - ``dtype``, ``numel``, ``m``, ``world``, ``factor`` (the op's input factor), ``beta``:
       the call's;
     - ``modelled``, ``size_class``, ``nbytes``, ``logical_bytes``, ``intra_node_bytes``,
@@ -67,24 +70,41 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
             or comp.error_dtype is not None or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
             or codec.rounding != "nearest" or type(world) is not MeteredTransport
-            or type(world.inner) is not GlooTransport
-            or len(chunks(plan.m, plan.chunk, codec.group_size)) != 1):
+            or type(world.inner) is not GlooTransport):
         return None
-    device, m, rows = plan.device, plan.m, plan.group.size
-    kept = plan.kept_buffers
-    messages, nonfinite = kept.messages("gather", rows, m, codec, device)
-    intra, inter = world._to_peers(messages.numel())
+    m, rows = plan.m, plan.group.size
+    ranges = chunks(m, plan.chunk, codec.group_size)
+    if len(ranges) == 1:
+        pieces = [_piece(plan, "gather", 0, rows, 0, m)]
+    else:  # `direct._gather_all_reduce`'s stages: chunk k's row r is "gather.k.r"
+        pieces = [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b)
+                  for k, (a, b) in enumerate(ranges) for r in range(rows)]
+    sent = sum(p["messages"].numel() for p in pieces)
+    intra, inter = world._to_peers(sent)
     return {
-        "plan": plan, "messages": messages, "nonfinite": nonfinite,
-        "received": kept.received("gather", world.size * messages.numel(), device),
-        "scratch": kept.fp32(m, device),
-        "header": codec.header(m), "seq_offset": wire.SEQ_OFFSET, "bits": codec.bits,
+        "plan": plan, "pieces": pieces,
+        "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
+        "seq_offset": wire.SEQ_OFFSET, "bits": codec.bits,
         "group_size": codec.group_size, "format": FORMAT_CODES[codec.fmt],
-        "used": wire.used_bytes(m, codec.bits, codec.group_size, codec.fmt),
         "checksum": codec.checksum, "step": cpu.CHECKSUM_STEP,
         "dtype": plan.codec_dtype, "numel": plan.numel, "m": m, "world": rows,
         "factor": plan._factor, "beta": comp.beta,
         "modelled": plan.modelled, "size_class": plan.size_class, "nbytes": plan.nbytes,
         "logical_bytes": plan.logical_bytes, "intra_node_bytes": intra,
         "inter_node_bytes": inter,
+    }
+
+
+def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int) -> dict[str, Any]:
+    """One transfer of ``plan``'s core: stage ``name``'s buffers (`compressor.CallCompressor`'s
+    ``encode`` and ``received`` ask for the same), ``rows`` rows from ``row0``, columns
+    ``a .. b`` (see `core_spec`)."""
+    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
+    messages, nonfinite = kept.messages(name, rows, b - a, codec, device)
+    return {
+        "row0": row0, "rows": rows, "a": a, "b": b, "messages": messages,
+        "nonfinite": nonfinite,
+        "received": kept.received(name, plan.group.size * messages.numel(), device),
+        "header": codec.header(b - a),
+        "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt),
     }

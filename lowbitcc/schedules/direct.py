@@ -214,15 +214,33 @@ class _Arrived:
         return self.received
 
 
-def decode_gathered(received: torch.Tensor, out: torch.Tensor, comp: CallCompressor, m: int,
+Gathered = list[tuple[int, int, int | None, torch.Tensor]]
+"""The two-rank all-reduce's transfers, complete, in the order `_gather_all_reduce` issues them:
+each one's columns ``a .. b``, its row (None: every row, one chunk) and the buffer it received
+into (`CallCompressor.received`)."""
+
+
+def decode_gathered(gathered: Gathered, out: torch.Tensor, comp: CallCompressor, m: int,
                     n: int) -> None:
-    """The two-rank all-reduce's decode of one chunk, its all-gather of every row's messages
-    complete into ``received`` (uint8: each of the ``n`` ranks' messages of the ``n`` rows of
-    ``m`` elements): each row's messages decoded and summed into its place of flat ``out``, as
-    `_gather_all_reduce` does (a call place's C++ run hands it a call whose messages did not
-    belong to it, `backend.call_plan.CallPlan.finish_received`)."""
-    _gather_one_chunk(received.view(n, n, -1), _Arrived(received), out, comp, m,
-                      received.device)
+    """The two-rank all-reduce's decodes of ``n`` ranks' rows of ``m`` elements, every transfer
+    complete (``gathered``): each row's messages decoded and summed into its place of flat
+    ``out``, as `_gather_all_reduce` does (a call place's C++ run hands it a call whose messages
+    did not belong to it, `backend.call_plan.CallPlan.finish_received`)."""
+    for a, b, row, received in gathered:
+        if row is None:
+            _gather_one_chunk(received.view(n, n, -1), _Arrived(received), out, comp, m,
+                              received.device)
+        else:
+            _place_row(comp, out, m, row, a, b, received.view(n, -1))
+
+
+def _place_row(comp: CallCompressor, out: torch.Tensor, m: int, r: int, a: int, b: int,
+               messages: torch.Tensor) -> None:
+    """Every rank's messages of columns ``a .. b`` of row ``r`` (rows of ``m``) decoded and
+    summed into their place in flat ``out`` (`_row_target`), where any of it lies there."""
+    target = _row_target(out, m, r, a, b)
+    if target is not None:
+        _decode_row(comp, messages, r, b - a, *target, messages.device)
 
 
 def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
@@ -237,22 +255,17 @@ def _gather_all_reduce(source: Source, out: torch.Tensor, comp: CallCompressor,
     device = source.tensor.device
     in_flight: collections.deque = collections.deque()
 
-    def place(r: int, a: int, b: int, messages: torch.Tensor) -> None:
-        target = _row_target(out, m, r, a, b)
-        if target is not None:
-            _decode_row(comp, messages, r, b - a, *target, device)
-
     def place_oldest() -> None:
         a, b, row, pending = in_flight.popleft()
         gathered = pending.wait()
         if row is not None:
-            place(row, a, b, gathered.view(n, -1))
+            _place_row(comp, out, m, row, a, b, gathered.view(n, -1))
             return
         if comp.decode_rows(gathered.view(n * rows, -1), n, m, out):
             return
         gathered = gathered.view(n, rows, -1)
         for r in range(rows):
-            place(r, a, b, gathered[:, r])
+            _place_row(comp, out, m, r, a, b, gathered[:, r])
 
     if len(ranges) == 1:
         name = prefix + "gather"

@@ -51,10 +51,13 @@ def _state(pg):
 
 
 def _train(rank, world, gloo, mode, issuer):
-    block = {"exact": lowbitcc.exact, "compressed": lowbitcc.compressed}.get(
-        mode, contextlib.nullcontext)
-    # "exact": the buckets above min_size, so the cost model counts them and times one in 8
-    config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024)
+    compressed = mode in ("compressed", "chunked")
+    block = lowbitcc.exact if mode == "exact" else (
+        lowbitcc.compressed if compressed else contextlib.nullcontext)
+    # "exact": the buckets above min_size, so the cost model counts them and times one in 8;
+    # "chunked": rows cut into chunks of 512 elements (a plan core's transfer per row and chunk)
+    config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024,
+                                 chunk_size=512 if mode == "chunked" else 1 << 20)
     runs = {}
     for variant in ("gloo", "python", "native", "mixed"):
         lowbitcc.reset_stats()
@@ -75,7 +78,7 @@ def _train(rank, world, gloo, mode, issuer):
                 dist.reduce_scatter_tensor(chunk, torch.randn(300 * world, generator=gen),
                                            group=pg)
                 scattered.append(chunk)
-                if mode == "compressed":  # a plan core's cast and part row: bf16, odd numel
+                if compressed:  # a plan core's cast and part row: bf16, odd numel
                     odd = torch.randn(2001, generator=gen).to(torch.bfloat16)
                     dist.all_reduce(odd, group=pg)
                     reduced.append(odd)
@@ -98,9 +101,10 @@ def _train(rank, world, gloo, mode, issuer):
     (2, "small", "inline"),
     (2, "compressed", "auto"),  # `lowbitcc.compressed()`: plan cores, beside the worker's calls
     (2, "compressed", "inline"),
+    (2, "chunked", "auto"),     # (inline runs no chunks)
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
-    compressed = mode == "compressed"
+    compressed = mode in ("compressed", "chunked")
     for rank, runs in enumerate(run_ranks(_train, world, mode, issuer, timeout=400)):
         want = runs["python" if compressed else "gloo"]
         for variant in ("python", "native", "mixed"):

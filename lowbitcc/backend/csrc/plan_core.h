@@ -1,29 +1,32 @@
 // PlanCore: the steady run of one call place's compressed all-reduce on the CPU, in C++: what
-// `call_plan.CallPlan.run` does on the direct schedule's two-rank all-gather of one chunk
+// `call_plan.CallPlan.run` does on the direct schedule's two-rank all-gather
 // (lowbitcc/schedules/direct.py, `_gather_all_reduce`), without Python.
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
-// buffers and settings) where its runs are that schedule: 2 ranks, one chunk, no error
-// feedback, nearest rounding, the C++ codec. `run` is one call:
-//   - in the calling thread, the GIL released: the header with the call number, the encode of
-//     both rows of the source into the plan's messages (codec_api.h), their frame, and the
-//     all-gather of the messages into the plan's received buffer, started on the plan's inner
-//     gloo group;
-//   - when the all-gather completes, on the thread gloo completes it on: each row's two
-//     messages verified against the call and decoded, summed in rank order, into the source
-//     (straight where it is fp32 and the row whole, else through the plan's fp32 scratch and a
-//     cast), as the Python schedule does. Where a message does not belong to the call, the
-//     whole decode is the Python plan's instead (`CallPlan.finish_received`, with the GIL): it
-//     writes what the Python path writes and raises the same error, which the call's future
-//     carries.
-// The run's Work (`PlannedWork`) completes with the decode. The same bytes
-// as the Python path, on the same buffers, so a place's runs may take either path: one run of a
-// place at a time (`wait`, which the runner and the Python plan call before a run).
+// buffers and settings) where its runs are that schedule: 2 ranks, no error feedback, nearest
+// rounding, the C++ codec. Its transfers (`Piece`s) are the schedule's: with one chunk, one
+// all-gather of both rows' messages; with several, one per row and chunk, in that order. `run`
+// is one call:
+//   - in the calling thread, the GIL released, for each transfer: the header with the call
+//     number, the encode of its rows' columns of the source into its messages (codec_api.h),
+//     their frame, and the all-gather of the messages into its received buffer, started on the
+//     plan's inner gloo group (so a chunk travels while the next is encoded);
+//   - when a transfer's all-gather completes, on the thread gloo completes it on: each of its
+//     rows' messages verified against the call and decoded, summed in rank order, into the
+//     source (straight where it is fp32 and the row's columns whole, else through the plan's
+//     fp32 scratch and a cast), as the Python schedule does;
+//   - when every transfer is decoded: where a message did not belong to the call, the whole
+//     decode is the Python plan's instead (`CallPlan.finish_received`, with the GIL): it writes
+//     what the Python path writes and raises the same error, which the call's Work carries.
+// The run's Work (`PlannedWork`) completes with the last decode. The same bytes as the Python
+// path, on the same buffers, so a place's runs may take either path: one run of a place at a
+// time (`wait`, which the runner and the Python plan call before a run).
 //
-// Threads: `run` is called with the GIL held (the caller's); the decode runs on gloo's thread
-// and touches no Python object except in the failure path. What a run measured (codec and wire
-// seconds, the cost model's time) is kept here under `mutex_` and handed to the statistics by
-// the runner at its next compressed call (`take_timings`).
+// Threads: `run` is called with the GIL held (the caller's); the decodes run on gloo's threads
+// (those that decode through the scratch one at a time, `scratch_mutex_`) and touch no Python
+// object except in the failure path. What a run measured (codec and wire seconds, the cost
+// model's time) is kept here under `mutex_` and handed to the statistics by the runner at its
+// next compressed call of the place (`take_timings`).
 #pragma once
 
 #include <torch/csrc/Dtype.h>
@@ -35,6 +38,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -94,6 +98,17 @@ struct RunTimings {
   std::vector<double> modelled_s;  // each timed run's wall time, for the cost model
 };
 
+// One transfer of a run (see the file's comment): rows `row0 .. row0 + rows` of the source,
+// columns `a .. b` of each, encoded into `messages` (uint8 [rows, P]) with `nonfinite`, their
+// header `header` (its call number overwritten by each run), all-gathered into `received`
+// (uint8 [2 * rows * P]).
+struct Piece {
+  int64_t row0, rows, a, b, used;
+  at::Tensor messages, nonfinite, received;
+  std::string header;
+  std::vector<int64_t> shards;
+};
+
 class __attribute__((visibility("hidden"))) PlanCore
     : public std::enable_shared_from_this<PlanCore> {
  public:
@@ -103,11 +118,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       : transport_(std::move(transport)),
         plan_(py::weakref(spec["plan"])),
         size_class_(spec["size_class"]),
-        messages_(spec["messages"].cast<at::Tensor>()),
-        nonfinite_(spec["nonfinite"].cast<at::Tensor>()),
-        received_(spec["received"].cast<at::Tensor>()),
         scratch_(spec["scratch"].cast<at::Tensor>()),
-        header_(spec["header"].cast<std::string>()),
         dtype_(reinterpret_cast<THPDtype*>(spec["dtype"].ptr())->scalar_type),
         numel_(spec["numel"].cast<int64_t>()),
         m_(spec["m"].cast<int64_t>()),
@@ -115,7 +126,6 @@ class __attribute__((visibility("hidden"))) PlanCore
         bits_(spec["bits"].cast<int64_t>()),
         group_size_(spec["group_size"].cast<int64_t>()),
         format_(spec["format"].cast<int64_t>()),
-        used_(spec["used"].cast<int64_t>()),
         step_(spec["step"].cast<int64_t>()),
         seq_offset_(spec["seq_offset"].cast<int64_t>()),
         factor_(spec["factor"].cast<double>()),
@@ -133,11 +143,25 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     TORCH_CHECK(api_->version == lowbitcc_cpu::kCodecApiVersion, "lowbitcc: the C++ codec's API ",
                 api_->version, " is not the runner's ", lowbitcc_cpu::kCodecApiVersion);
-    TORCH_CHECK(world_ == 2 && (int64_t)header_.size() == loco::kHeaderBytes &&
-                    messages_.is_contiguous() && messages_.size(0) == world_ &&
-                    received_.numel() == world_ * messages_.numel() &&
-                    scratch_.numel() == m_ && scratch_.scalar_type() == at::kFloat,
-                "lowbitcc: a plan core's buffers do not fit its call");
+    TORCH_CHECK(world_ == 2 && scratch_.scalar_type() == at::kFloat,
+                "lowbitcc: a plan core runs two ranks' calls");
+    for (auto item : spec["pieces"]) {
+      py::dict p = item.cast<py::dict>();
+      Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
+                  p["b"].cast<int64_t>(), p["used"].cast<int64_t>(),
+                  p["messages"].cast<at::Tensor>(), p["nonfinite"].cast<at::Tensor>(),
+                  p["received"].cast<at::Tensor>(), p["header"].cast<std::string>(), {}};
+      for (int64_t r = piece.row0; r < piece.row0 + piece.rows; ++r) {
+        piece.shards.push_back(r);
+      }
+      TORCH_CHECK((int64_t)piece.header.size() == loco::kHeaderBytes &&
+                      piece.messages.is_contiguous() && piece.messages.size(0) == piece.rows &&
+                      piece.received.numel() == world_ * piece.messages.numel() &&
+                      (piece.rows == 1 || (piece.a == 0 && piece.b == m_)) &&
+                      scratch_.numel() >= piece.b - piece.a,
+                  "lowbitcc: a plan core's buffers do not fit its call");
+      pieces_.push_back(std::move(piece));
+    }
   }
 
   PlanCore(const PlanCore&) = delete;
@@ -190,58 +214,45 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   // One run (see the file's comment): all-reduce `tensor` in place as call number `seq`, its
-  // encode's residual sums added into `sums` (the calling thread's statistics accumulator);
-  // `timed`: its wall time goes to the cost model. Called with the GIL held; its Work.
+  // encodes' residual sums added into `sums` (the statistics' accumulator of the thread the
+  // Python path encodes on); `timed`: its wall time goes to the cost model. Called with the
+  // GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, int64_t seq, at::Tensor sums,
                                      bool timed) {
     auto self = shared_from_this();
     py::gil_scoped_release release;
     const auto start = std::chrono::steady_clock::now();
-    const int threads = at::get_num_threads();
-    std::string header = header_;
-    const uint32_t seq32 = static_cast<uint32_t>(seq);
-    std::memcpy(&header[seq_offset_], &seq32, 4);
-    at::Tensor flat = tensor.view({-1});
-    loco::EncodeArgs a{};
-    a.src = flat.data_ptr();
-    a.msgs = messages_.data_ptr<uint8_t>();
-    a.nonfinite = nonfinite_.data_ptr<uint8_t>();
-    a.sums = sums.data_ptr<double>();
-    a.numel = numel_;
-    a.rows = world_;
-    a.m = m_;
-    a.ng = (m_ + group_size_ - 1) / group_size_;
-    a.P = messages_.size(1);
-    a.factor = static_cast<float>(factor_);
-    a.scale_input = factor_ != 1.0;
-    a.beta = static_cast<float>(beta_);
-    a.omb = static_cast<float>(1.0 - beta_);
-    a.G = static_cast<int32_t>(group_size_);
-    a.mode = loco::kErrorNone;
-    a.format = static_cast<int32_t>(format_);
-    api_->encode(a, bits_, threads, dtype_);
-    api_->frame(messages_, header, shards_all_, nonfinite_, used_, 0, checksum_, step_, threads);
-    const auto encoded = std::chrono::steady_clock::now();
-    c10d::AllgatherOptions options;
-    at::Tensor sent = messages_.view({-1});
-    auto gather = transport_->_allgather_base(received_, sent, options);
-    const auto issued = std::chrono::steady_clock::now();
-    auto decoded = gather->getFuture()->then(
-        [self, flat, tensor, seq, header, threads, start, timed,
-         encode_s = seconds(start, encoded), issue_s = seconds(encoded, issued)](
-            c10::ivalue::Future& done) -> c10::IValue {
-          if (done.hasError()) {
-            std::rethrow_exception(done.exception_ptr());
-          }
-          self->decode(flat, tensor, seq, header, threads, start, timed, encode_s + issue_s);
-          return c10::IValue(std::vector<at::Tensor>{tensor});
-        },
-        c10::ListType::create(c10::TensorType::get()));
+    auto run = std::make_shared<Run>(tensor, seq, at::get_num_threads(), timed, start,
+                                     static_cast<int64_t>(pieces_.size()));
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      last_ = decoded;
+      last_ = run->result;
     }
-    return c10::make_intrusive<PlannedWork>(decoded);
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      const auto begun = std::chrono::steady_clock::now();
+      std::string header = encode(pieces_[k], *run, sums);
+      const auto encoded = std::chrono::steady_clock::now();
+      c10d::AllgatherOptions options;
+      at::Tensor sent = pieces_[k].messages.view({-1});
+      auto gather = transport_->_allgather_base(pieces_[k].received, sent, options);
+      run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            encoded - begun).count();
+      gather->getFuture()->addCallback([self, run, k, header](c10::ivalue::Future& done) {
+        try {
+          if (done.hasError()) {
+            run->failed(done.exception_ptr());
+          } else {
+            self->decode(self->pieces_[k], header, *run);
+          }
+        } catch (...) {
+          run->failed(std::current_exception());
+        }
+        if (--run->left == 0) {
+          self->finish(*run);
+        }
+      });
+    }
+    return c10::make_intrusive<PlannedWork>(run->result);
   }
 
   // What runs measured since the last call (see the file's comment), handed over once.
@@ -253,67 +264,149 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
  private:
+  // One run's own state, shared by its transfers' decodes; `result` is its Work's future.
+  struct Run {
+    Run(at::Tensor tensor_, int64_t seq_, int threads_, bool timed_,
+        std::chrono::steady_clock::time_point start_, int64_t transfers)
+        : tensor(std::move(tensor_)), flat(tensor.view({-1})), seq(seq_), threads(threads_),
+          timed(timed_), start(start_), left(transfers),
+          result(c10::make_intrusive<c10::ivalue::Future>(
+              c10::ListType::create(c10::TensorType::get()))) {}
+    // A transfer's error (its all-gather's, or its decode's): the run's first is its own.
+    void failed(std::exception_ptr error) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!first_error) {
+        first_error = std::move(error);
+      }
+    }
+    at::Tensor tensor, flat;
+    int64_t seq;
+    int threads;
+    bool timed;
+    std::chrono::steady_clock::time_point start;
+    std::atomic<int64_t> left;  // transfers not yet decoded
+    std::atomic<bool> foreign{false};
+    std::atomic<int64_t> encode_ns{0}, decode_ns{0};
+    std::mutex mutex;
+    std::exception_ptr first_error;
+    c10::intrusive_ptr<c10::ivalue::Future> result;
+  };
+
   static double seconds(std::chrono::steady_clock::time_point a,
                         std::chrono::steady_clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
   }
 
-  // The decode of a run whose all-gather completed (on gloo's thread; see the file's comment).
-  void decode(const at::Tensor& flat, const at::Tensor& tensor, int64_t seq,
-              const std::string& header, int threads, std::chrono::steady_clock::time_point start,
-              bool timed, double before_s) {
-    const auto arrived = std::chrono::steady_clock::now();
-    const int64_t rows = world_, P = messages_.size(1);
-    at::Tensor columns = received_.view({world_, rows, P});
-    bool foreign = false;
-    for (int64_t r = 0; r < rows && !foreign; ++r) {
-      const int64_t lo = std::min(r * m_, numel_), hi = std::min((r + 1) * m_, numel_);
+  // The encode and frame of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
+  // the rows' columns where they lie in the flat source, zero past its end); its header.
+  std::string encode(Piece& piece, const Run& run, const at::Tensor& sums) {
+    std::string header = piece.header;
+    const uint32_t seq32 = static_cast<uint32_t>(run.seq);
+    std::memcpy(&header[seq_offset_], &seq32, 4);
+    const int64_t m = piece.b - piece.a;
+    const int64_t lo = std::min(piece.row0 * m_ + piece.a, numel_);
+    const int64_t hi = piece.rows == 1 ? std::min(piece.row0 * m_ + piece.b, numel_) : numel_;
+    loco::EncodeArgs a{};
+    a.src = static_cast<const char*>(run.flat.data_ptr()) + lo * run.flat.element_size();
+    a.msgs = piece.messages.data_ptr<uint8_t>();
+    a.nonfinite = piece.nonfinite.data_ptr<uint8_t>();
+    a.sums = sums.data_ptr<double>();
+    a.numel = hi - lo;
+    a.rows = piece.rows;
+    a.m = m;
+    a.ng = (m + group_size_ - 1) / group_size_;
+    a.P = piece.messages.size(1);
+    a.factor = static_cast<float>(factor_);
+    a.scale_input = factor_ != 1.0;
+    a.beta = static_cast<float>(beta_);
+    a.omb = static_cast<float>(1.0 - beta_);
+    a.G = static_cast<int32_t>(group_size_);
+    a.mode = loco::kErrorNone;
+    a.format = static_cast<int32_t>(format_);
+    api_->encode(a, bits_, run.threads, dtype_);
+    api_->frame(piece.messages, header, piece.shards, piece.nonfinite, piece.used, 0, checksum_,
+                step_, run.threads);
+    return header;
+  }
+
+  // The decode of `piece` of `run`, its all-gather complete (on gloo's thread; as
+  // `direct._decode_row` for each of its rows): a row whose messages do not belong to the
+  // call marks the run foreign, for `finish`.
+  void decode(const Piece& piece, const std::string& header, Run& run) {
+    const auto begun = std::chrono::steady_clock::now();
+    const int64_t width = piece.b - piece.a, P = piece.messages.size(1);
+    at::Tensor columns = piece.received.view({world_, piece.rows, P});
+    for (int64_t i = 0; i < piece.rows && !run.foreign; ++i) {
+      const int64_t r = piece.row0 + i;
+      const int64_t lo = std::min(r * m_ + piece.a, numel_);
+      const int64_t hi = std::min(r * m_ + piece.b, numel_);
       if (lo == hi) {
         continue;
       }
-      at::Tensor messages = columns.select(1, r);
-      if (api_->verify(messages, header, {r, r}, checksum_, step_, threads) < 0) {
-        foreign = true;
+      at::Tensor messages = columns.select(1, i);
+      if (api_->verify(messages, header, {r, r}, checksum_, step_, run.threads) < 0) {
+        run.foreign = true;
         break;
       }
-      at::Tensor target = flat.slice(0, lo, hi);
-      if (dtype_ == at::kFloat && hi - lo == m_) {
-        api_->decode_sum(messages, m_, bits_, group_size_, format_, threads, target);
+      at::Tensor target = run.flat.slice(0, lo, hi);
+      if (dtype_ == at::kFloat && hi - lo == width) {
+        api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, target);
       } else {
-        api_->decode_sum(messages, m_, bits_, group_size_, format_, threads, scratch_);
-        target.copy_(scratch_.slice(0, 0, hi - lo));
+        std::lock_guard<std::mutex> lock(scratch_mutex_);
+        at::Tensor scratch = scratch_.slice(0, 0, width);
+        api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, scratch);
+        target.copy_(scratch.slice(0, 0, hi - lo));
       }
     }
-    if (foreign) {  // the Python plan decodes it all again, and raises what the call met
-      py::gil_scoped_acquire acquire;
-      py::object plan = plan_();
-      if (plan.is_none()) {
-        throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
-      }
-      plan.attr("finish_received")(tensor, received_, seq);
-    }
+    run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - begun).count();
+  }
+
+  // The end of `run`, every transfer decoded (on the thread of the last): a transfer's error
+  // is the run's; a foreign message hands the decode to the Python plan, which raises what the
+  // call met (see the file's comment); else the run's outputs complete its future.
+  void finish(Run& run) {
     const auto end = std::chrono::steady_clock::now();
-    std::lock_guard<std::mutex> lock(mutex_);
-    timings_.codec_s += seconds(arrived, end) + before_s;
-    timings_.wire_s += seconds(start, arrived) - before_s;
-    if (timed) {
-      timings_.modelled_s.push_back(seconds(start, end));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const double codec_s = (run.encode_ns.load() + run.decode_ns.load()) * 1e-9;
+      timings_.codec_s += codec_s;
+      timings_.wire_s += seconds(run.start, end) - codec_s;
+      if (run.timed) {
+        timings_.modelled_s.push_back(seconds(run.start, end));
+      }
+    }
+    if (!run.first_error && run.foreign) {
+      try {
+        py::gil_scoped_acquire acquire;
+        py::object plan = plan_();
+        if (plan.is_none()) {
+          throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
+        }
+        plan.attr("finish_received")(run.tensor, run.seq);
+      } catch (...) {
+        run.failed(std::current_exception());
+      }
+    }
+    if (run.first_error) {
+      run.result->setError(run.first_error);
+    } else {
+      run.result->markCompleted(c10::IValue(std::vector<at::Tensor>{run.tensor}));
     }
   }
 
   c10::intrusive_ptr<c10d::Backend> transport_;
   py::object plan_;  // a weak reference: the plan keeps its core
   py::object size_class_;
-  at::Tensor messages_, nonfinite_, received_, scratch_;
-  std::string header_;
+  at::Tensor scratch_;
   at::ScalarType dtype_;
-  int64_t numel_, m_, world_, bits_, group_size_, format_, used_, step_, seq_offset_;
+  int64_t numel_, m_, world_, bits_, group_size_, format_, step_, seq_offset_;
   double factor_, beta_;
   bool checksum_, modelled_;
   int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;
-  const std::vector<int64_t> shards_all_{0, 1};
+  std::vector<Piece> pieces_;
   const lowbitcc_cpu::CodecApi* api_ = nullptr;
-  std::mutex mutex_;
+  std::mutex mutex_, scratch_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> last_;
   RunTimings timings_;
 };
