@@ -52,8 +52,9 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       ``_pending``, ``wait_idle``: its worker's jobs); ``followed``: the `FollowedWork` Python
       class the queue builds; ``state``: `lowbitcc.state` (its ``STATS``, read at each call);
     - ``logical_bytes``: `exact._logical_bytes`; ``mode_stack``, ``key_stack``: `policy`'s
-      blocks; ``callback_context``: `works`' per-thread callback parent; ``main_thread``: the
-      main thread's ident; ``tensor_type``, ``allreduce_options_type``,
+      blocks, and ``policy_lock`` the lock of its ``key_stack``; ``callback_context``:
+      `works`' per-thread callback parent; ``main_thread``: the main thread's ident;
+      ``tensor_type``, ``allreduce_options_type``,
       ``reduce_scatter_options_type``: the exact types a served call's arguments have;
       ``plan_core``: `plan_cores.make_core`; ``cpu_device``: the CPU's ``torch.device`` and
       ``encoder_thread``: the ident of the thread the Python path encodes on (the worker, or
@@ -71,7 +72,7 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
         "schedule": schedule, "compressed": compressed, "agreement": compressed.agreement,
         "issuer": issuer, "queue": queue, "followed": followed, "state": state,
         "logical_bytes": exact._logical_bytes, "mode_stack": policy._mode_stack,
-        "key_stack": policy._key_stack, "callback_context": works._context,
+        "key_stack": policy._key_stack, "policy_lock": policy._lock, "callback_context": works._context,
         "main_thread": threading.main_thread().ident, "tensor_type": torch.Tensor,
         "allreduce_options_type": dist.AllreduceOptions,
         "reduce_scatter_options_type": dist.ReduceScatterOptions,

@@ -243,3 +243,35 @@ def test_a_call_whose_messages_do_not_belong_to_it_raises_from_a_plan_core_as_fr
     assert torch.allclose(steady0, torch.full((4096,), 3.0), rtol=0.1)
     assert torch.equal(steady0, steady1) and torch.equal(after0, after1)
     assert total0 > 1  # the place is served again after the exchange that follows
+
+
+def _in_a_key_block(rank, world, gloo):
+    from lowbitcc import policy
+
+    counts = {}
+    for variant in ("python", "native"):
+        pg = dist.new_group(backend="loco",
+                            pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+        if variant == "python":
+            pg._runner = steady_runner.NoRunner()
+        outs = []
+        for _ in range(12):  # each call a step: one place, its entry compressed
+            tensor = torch.full((4096,), float(rank + 1))
+            with lowbitcc.compressed(), lowbitcc.feedback_key("k"):
+                dist.all_reduce(tensor, group=pg)
+                dist.all_reduce(tensor, group=pg)
+                counted = policy._key_stack[-1][1]
+            lowbitcc.end_step()
+            outs.append(tensor)
+        counts[variant] = (counted, pg._runner.served_compressed, torch.stack(outs))
+    return counts
+
+
+def test_compressed_calls_in_a_feedback_key_block_are_served_and_counted_in_it():
+    """A `feedback_key` block around steady compressed calls without feedback (as `lowbitcc
+    perf` issues them): the plan core serves them, and each counts in the block as in Python."""
+    for counts in run_ranks(_in_a_key_block, 2, timeout=120):
+        (py_counted, py_served, py_out), (counted, served, out) = counts["python"], counts["native"]
+        assert counted == py_counted == 2
+        assert py_served == 0 and served >= 12
+        assert torch.equal(out, py_out)

@@ -14,7 +14,7 @@
 //     run what was queued before it (its calls on the same gloo group go first:
 //     `IssueQueue.wait_idle`, the GIL released, and the place looked at again);
 // for one dense CPU torch.Tensor, issued by the main thread outside any future's callback, no
-// `feedback_key` block in force, no outcome open in the schedule, the period known, the place's
+// `feedback_key` block in force (but around a compressed call, which counts in it), no outcome open in the schedule, the period known, the place's
 // entry with runs left (or its renewal due to be taken at this run: taken, as `take` takes it,
 // and the place looked at again), its canary not NaN, its key the call's. Serving does, on the
 // same objects and in the same order, what those Python methods do: the schedule's index and
@@ -106,6 +106,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         logical_bytes_(objects["logical_bytes"]),
         mode_stack_(objects["mode_stack"]),
         key_stack_(objects["key_stack"]),
+        policy_lock_(objects["policy_lock"]),
         callback_context_(objects["callback_context"]),
         tensor_type_(objects["tensor_type"]),
         allreduce_options_type_(objects["allreduce_options_type"]),
@@ -305,7 +306,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     if (nan(entry.attr("canary"))) {  // (may wait without the GIL: the policy is read after)
       return false;
     }
-    if (PyList_GET_SIZE(key_stack_.ptr()) != 0) {  // `explicit_key` counts its block's calls
+    // `explicit_key` names an exact call's key and counts it in its block: the Python path's
+    // (a compressed call without feedback only counts it: `serve_planned`)
+    if (exact && PyList_GET_SIZE(key_stack_.ptr()) != 0) {
       return false;
     }
     Py_ssize_t modes = PyList_GET_SIZE(mode_stack_.ptr());
@@ -410,6 +413,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       queue_.attr("wait_idle")();  // the renewal's exchange, on the same gloo group, goes first
     }
     const int64_t seq = agreement_.attr("next_seq")().cast<int64_t>();
+    count_in_key_block();
     PlanCore& core = *steady.core;
     py::object model = compressed_.attr("cost_model");
     if (steady.modelled) {
@@ -465,6 +469,20 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       schedule_.attr("_next") = py::int_(index + 1);
       agreement_.attr("next_seq")();
       throw Raised{std::move(error)};
+    }
+  }
+
+  // `policy.explicit_key` for a call without feedback, whose key names nothing: the call
+  // counts in the innermost `feedback_key` block, if any.
+  void count_in_key_block() {
+    if (PyList_GET_SIZE(key_stack_.ptr()) == 0) {
+      return;
+    }
+    detail::Held held(policy_lock_);
+    const Py_ssize_t blocks = PyList_GET_SIZE(key_stack_.ptr());
+    if (blocks != 0) {
+      py::list block = py::reinterpret_borrow<py::list>(PyList_GET_ITEM(key_stack_.ptr(), blocks - 1));
+      block[1] = py::int_(block[1].cast<int64_t>() + 1);
     }
   }
 
@@ -563,7 +581,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
 
   c10::intrusive_ptr<c10d::Backend> direct_;
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
-  py::object logical_bytes_, mode_stack_, key_stack_, callback_context_;
+  py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
   py::object plan_core_, cpu_device_, encoder_thread_, sums_of_;
   at::Tensor sums_;
