@@ -1,7 +1,9 @@
 """The least host time a compressed all-reduce can have through a Python process group on this
 machine: `lowbitcc perf`'s ``host_us`` of "loco"'s planned call beside a floor that does the
 same work with none of lowbitcc's Python (against the goal of <= 150 us per call under
-``LOCO_ISSUER=inline``).
+``LOCO_ISSUER=inline``). It measures the Python plan path: the C++ module is off
+(``LOWBITCC_NATIVE_WORKS=0``), since a plan's C++ core (`lowbitcc.backend.plan_cores`) calls
+none of the Python methods this probe records and replays; `lowbitcc perf` times the core.
 
 Feeds docs/performance.md, "Host time per call and Python calls per call" (the floor, and the
 floor/loco shares of the one steady-state call); tests/tools/test_host_floor.py runs it
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     os.environ["LOCO_ISSUER"] = "inline"
+    os.environ["LOWBITCC_NATIVE_WORKS"] = "0"  # the Python plan path (module docstring)
     from lowbitcc.tools import spawn
 
     results = spawn.run_ranks(probe, 2, args.elements, args.calls, args.rounds, backend="loco")

@@ -1,6 +1,8 @@
 """Where the host time of a compressed all-reduce goes, phase by phase, under
 ``LOCO_ISSUER=inline`` (the CUDA path's issuing logic on CPU tensors): `lowbitcc perf`'s
-``host_us`` split up.
+``host_us`` split up. It measures the Python plan path: the C++ module is off
+(``LOWBITCC_NATIVE_WORKS=0``), since a plan's C++ core (`lowbitcc.backend.plan_cores`) runs
+none of the Python methods whose phases it marks; `lowbitcc perf` times the core.
 
 Feeds docs/performance.md, "Host time per call and Python calls per call" (its
 "Re-agreements": the calls that exchanged a descriptor among the timed ones);
@@ -133,6 +135,7 @@ def main() -> None:
     import os
 
     os.environ["LOCO_ISSUER"] = "inline"
+    os.environ["LOWBITCC_NATIVE_WORKS"] = "0"  # the Python plan path (module docstring)
     from lowbitcc.tools import spawn
 
     results = spawn.run_ranks(probe, args.ranks, args.elements, args.calls, backend="loco")
