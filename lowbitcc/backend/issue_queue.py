@@ -233,16 +233,16 @@ class IssueQueue:
                 self._in_flight.put(None)
                 return
             job, future = item
+            error: BaseException | None = None
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 (delivered to the caller's wait())
-                with self._lock:  # (inline: no Python frame per job)
-                    self._pending -= 1
-                self._settle(future, error=exc)
-                continue
-            with self._lock:
+                error = exc
+            with self._lock:  # (inline: no Python frame per job)
                 self._pending -= 1
-            if isinstance(result, InnerWork):
+            if error is not None:
+                self._settle(future, error=error)
+            elif isinstance(result, InnerWork):
                 self._in_flight.put((result, future))
             else:
                 self._settle(future, result)

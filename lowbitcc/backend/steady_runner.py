@@ -10,17 +10,17 @@ without a Python frame, where it is:
   the C++ `FollowedWork`;
 - the place's compressed all-reduce entry, whose plan has a C++ core (`plan_cores`): the core
   encodes in the calling thread, all-gathers on the plan's own gloo group and decodes on gloo's
-  thread (`Reductions._plan_run` and `CallPlan.run`, byte for byte), where nothing is queued on
-  the group's worker.
+  thread (`Reductions._plan_run` and `CallPlan.run`, byte for byte), once the group's worker has
+  run what was queued before it (`IssueQueue.wait_idle`).
 
 The runner reads and writes the same objects the Python path does (the schedule's index, the
 entry's runs and canary, the call number, the feedback-key ordinal, the cost model's count and
-times, the statistics, the issuer's count, the call's tag). Every other call (an exchange, a
-deviation, a renewal's run, a timed exact run, a plan without a core, a policy block, a
-callback's call, another thread's) is answered "not mine" with nothing changed, and the Python
-path takes it. Where the C++ Works cannot be built (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``),
-and in a group without a CPU call schedule, the runner is a `NoRunner` and every call takes the
-Python path.
+times, the statistics, the issuer's count, the call's tag), and starts and takes the place's
+renewals as `CallSchedule.take` does. Every other call (an exchange, a deviation, a timed exact
+run, a plan without a core, a policy block, a callback's call, another thread's) is answered
+"not mine" with nothing changed, and the Python path takes it. Where the C++ Works cannot be
+built (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``), and in a group without a CPU call schedule,
+the runner is a `NoRunner` and every call takes the Python path.
 """
 
 from __future__ import annotations

@@ -207,12 +207,6 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
   }
 
-  // Whether the place's last C++ run is done (or there was none).
-  bool idle() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return !last_ || last_->completed();
-  }
-
   // One run (see the file's comment): all-reduce `tensor` in place as call number `seq`, its
   // encodes' residual sums added into `sums` (the statistics' accumulator of the thread the
   // Python path encodes on); `timed`: its wall time goes to the cost model. Called with the

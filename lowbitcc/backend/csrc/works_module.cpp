@@ -20,8 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict, py::capsule>(),
            py::arg("transport"), py::arg("spec"), py::arg("api"))
       .def("wait", &lowbitcc::PlanCore::wait, py::call_guard<py::gil_scoped_release>(),
-           "Wait until the place's last C++ run is done.")
-      .def_property_readonly("idle", &lowbitcc::PlanCore::idle);
+           "Wait until the place's last C++ run is done.");
   py::class_<lowbitcc::SteadyRunner>(m, "SteadyRunner")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict>(), py::arg("direct"),
            py::arg("objects"))
