@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import torch
 
@@ -51,6 +52,15 @@ _SUMMED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "codec_s", "w
 """The `Counters` fields that ``total`` sums."""
 
 
+class SecondsSource(Protocol):
+    """What measures a category's codec and wire seconds away from `Stats` (a plan's C++ core,
+    ``backend/csrc/plan_core.h``) and hands them over once, to whichever asks first."""
+
+    def take_seconds(self) -> tuple[float, float]:
+        """``(codec_s, wire_s)`` measured since the last take."""
+        ...
+
+
 class Stats:
     """Thread-safe accumulation of `Counters` per category."""
 
@@ -60,6 +70,7 @@ class Stats:
         self._counters = {"compressed": Counters(), "exact": Counters()}
         self._accumulators: dict[tuple, torch.Tensor] = {}  # by `accumulator`'s key
         self._read: dict[tuple, list[float]] = {}
+        self._sources: weakref.WeakKeyDictionary[SecondsSource, str] = weakref.WeakKeyDictionary()
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -136,11 +147,22 @@ class Stats:
                     key, torch.zeros(2, dtype=torch.float64, device=device))
         return acc
 
+    def watch(self, category: str, source: SecondsSource) -> None:
+        """Count ``source``'s seconds in ``category`` at each `snapshot`, while it lives (it
+        also hands them to whoever else takes them first, who adds them with `add`)."""
+        with self._lock:
+            self._sources[source] = category
+
     def snapshot(self) -> dict[str, Any]:
-        """The counters (waits for the device sums still being computed on this stream)."""
+        """The counters (waits for the device sums still being computed on this stream); the
+        seconds of the watched sources taken first (`watch`)."""
         with self._reading:  # one reader at a time: each delta is added once
             with self._lock:
                 accumulators = dict(self._accumulators)
+                sources = list(self._sources.items())
+            for source, category in sources:
+                codec_s, wire_s = source.take_seconds()
+                self.add(category, codec_s=codec_s, wire_s=wire_s)
             for key, acc in accumulators.items():
                 now = acc.tolist()
                 before = self._read.get(key, [0.0, 0.0])
@@ -160,6 +182,8 @@ class Stats:
 
     def reset(self) -> None:
         with self._reading, self._lock:
+            for source in list(self._sources):
+                source.take_seconds()
             self._counters = {"compressed": Counters(), "exact": Counters()}
             # zeroed on the current stream: sums of kernels still running elsewhere may count in
             # the new period (statistics only), and the tensors kernels may use stay alive

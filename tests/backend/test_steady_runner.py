@@ -11,6 +11,7 @@ the Python path some."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -275,3 +276,39 @@ def test_compressed_calls_in_a_feedback_key_block_are_served_and_counted_in_it()
         assert counted == py_counted == 2
         assert py_served == 0 and served >= 12
         assert torch.equal(out, py_out)
+
+
+def _seconds_per_call(rank, world, gloo):
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+    runner = pg._runner
+
+    def busy():
+        s = lowbitcc.stats()["compressed"]
+        return s["codec_s"] + s["wire_s"]
+
+    seen = []
+    for step in range(24):
+        served = runner.served_compressed
+        before = busy()
+        begun = time.perf_counter()
+        calls = 1 if step % 3 else 2  # two calls between reads: the runner takes the first's
+        for _ in range(calls):
+            tensor = torch.full((1 << 16,), float(rank + 1))
+            with lowbitcc.compressed():
+                dist.all_reduce(tensor, group=pg)
+            lowbitcc.end_step()
+        wall = time.perf_counter() - begun
+        seen.append((runner.served_compressed - served, busy() - before, wall))
+    return seen
+
+
+def test_a_served_call_counts_its_codec_and_wire_seconds_by_the_time_it_returns():
+    """`lowbitcc.stats()` read after a call a plan core served counts that call's codec and wire
+    seconds (not the place's previous call's): more than none, no more than the call's wall
+    time; also where two calls ran between reads (the runner took the first's)."""
+    for seen in run_ranks(_seconds_per_call, 2, timeout=120):
+        served = [(busy, wall) for n, busy, wall in seen if n > 0]
+        assert len(served) >= 12, seen
+        for busy, wall in served:
+            assert 0 < busy <= wall, seen

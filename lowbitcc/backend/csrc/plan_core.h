@@ -25,8 +25,10 @@
 // Threads: `run` is called with the GIL held (the caller's); the decodes run on gloo's threads
 // (those that decode through the scratch one at a time, `scratch_mutex_`) and touch no Python
 // object except in the failure path. What a run measured (codec and wire seconds, the cost
-// model's time) is kept here under `mutex_` and handed to the statistics by the runner at its
-// next compressed call of the place (`take_timings`).
+// model's time) is kept here under `mutex_` and handed over once: the codec and wire seconds to
+// the statistics by whichever comes first, a read of them (`take_seconds`, `counters.Stats`
+// watches the core) or the runner at the place's next compressed call (`take_timings`), so a
+// read after a call's wait counts its seconds; the cost model's times by the runner.
 #pragma once
 
 #include <torch/csrc/Dtype.h>
@@ -91,7 +93,7 @@ class PlannedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// What runs measured and the runner has not yet handed to the statistics and the cost model.
+// What runs measured and no one has yet handed to the statistics and the cost model.
 struct RunTimings {
   double codec_s = 0.0;
   double wire_s = 0.0;
@@ -247,6 +249,15 @@ class __attribute__((visibility("hidden"))) PlanCore
       });
     }
     return c10::make_intrusive<PlannedWork>(run->result);
+  }
+
+  // The codec and wire seconds runs measured since the last take (see the file's comment),
+  // handed over once.
+  std::pair<double, double> take_seconds() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::pair<double, double> taken{timings_.codec_s, timings_.wire_s};
+    timings_.codec_s = timings_.wire_s = 0.0;
+    return taken;
   }
 
   // What runs measured since the last call (see the file's comment), handed over once.

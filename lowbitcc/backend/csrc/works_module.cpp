@@ -20,7 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict, py::capsule>(),
            py::arg("transport"), py::arg("spec"), py::arg("api"))
       .def("wait", &lowbitcc::PlanCore::wait, py::call_guard<py::gil_scoped_release>(),
-           "Wait until the place's last C++ run is done.");
+           "Wait until the place's last C++ run is done.")
+      .def("take_seconds", &lowbitcc::PlanCore::take_seconds,
+           "The codec and wire seconds its runs measured since the last take (counters.Stats).");
   py::class_<lowbitcc::SteadyRunner>(m, "SteadyRunner")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict>(), py::arg("direct"),
            py::arg("objects"))
