@@ -115,8 +115,10 @@ class CallPlan:
         """The plan's C++ core (`plan_cores`: a ``PlanCore``, which the group's runner runs),
         or None: its runs are all Python's; made once, where ``core_checked`` is still False."""
         self.core_checked = False
-        self.core_gathered: list[tuple[int, int, int | None, torch.Tensor]] = []
-        """The core's transfers, as `schedules.direct.decode_gathered` takes them."""
+        self.core_received: list[tuple[int, int, int | None, torch.Tensor]] = []
+        """The core's transfers, each its columns ``a .. b``, its row (None: every row) and the
+        buffer it receives into: an all-reduce's as `schedules.direct.decode_gathered` takes
+        them."""
 
     @property
     def transport(self) -> Any:
@@ -193,20 +195,28 @@ class CallPlan:
             if tally is not None:
                 tally.flush()
 
-    def finish_received(self, tensor: torch.Tensor, seq: int) -> None:
+    def finish_received(self, tensor: torch.Tensor, seq: int,
+                        output: torch.Tensor | None = None) -> None:
         """The end of call number ``seq`` that the plan's core (`plan_cores`) ran on flat
-        ``tensor`` until its transfers completed (into ``core_gathered``'s buffers) and that
-        met a message that does not belong to it: the decode of every row by the schedule's
-        own code, then the error `run` raises (on the thread that completed the last
-        transfer, with the GIL)."""
+        ``tensor`` (into ``output``: a reduce-scatter) until its transfers completed (into
+        ``core_received``'s buffers) and that met a message that does not belong to it: the
+        decodes by the schedule's own code, then the error `run` raises (on the thread that
+        completed the last transfer, with the GIL)."""
         comp, codec = self.comp, self._own_codec
         assert codec is not None  # (a core is a CPU plan's)
         self.seq = seq
         codec.renumber(seq)
         comp.restart(codec, "", None)
         try:
-            schedules.direct.decode_gathered(self.core_gathered, tensor.view(-1), comp, self.m,
-                                             self.group.size)
+            if output is None:
+                schedules.direct.decode_gathered(self.core_received, tensor.view(-1), comp,
+                                                 self.m, self.group.size)
+            else:
+                target, straight = self._scattered_into(output)
+                schedules.direct.decode_scattered(self.core_received, target, comp,
+                                                  self.group.rank, self.group.size)
+                if not straight:
+                    output.copy_(target.view(output.shape))
             comp.finish()
             comp.raise_deferred(CollectiveMismatchError)
         finally:
@@ -228,11 +238,18 @@ class CallPlan:
         if output is None:
             schedules.all_reduce(self.schedule, source, source.tensor, comp, links, chunk)
             return
-        straight = output.dtype == torch.float32 and output.is_contiguous()
-        target = output.view(-1) if straight else self.kept("reduced", self.m, torch.float32)
+        target, straight = self._scattered_into(output)
         reduced = schedules.reduce_scatter(self.schedule, source, comp, links, chunk, target)
         if not straight:
             output.copy_(reduced.view(output.shape))
+
+    def _scattered_into(self, output: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Where a reduce-scatter run decodes its sum (fp32 ``[m]``): ``output`` itself where it
+        is contiguous fp32 (True), else the plan's buffer, which the run then copies into
+        ``output`` (False)."""
+        if output.dtype == torch.float32 and output.is_contiguous():
+            return output.view(-1), True
+        return self.kept("reduced", self.m, torch.float32), False
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device buffer the plan keeps (what a replay of its graph uses besides the

@@ -1,16 +1,17 @@
 """`make_core`: the C++ core of a call place's plan (``PlanCore``, ``backend/csrc/plan_core.h``),
-which serves the place's steady compressed all-reduce without Python (the group's
-``SteadyRunner`` runs it, `steady_runner`).
+which serves the place's steady compressed all-reduce or reduce-scatter without Python (the
+group's ``SteadyRunner`` runs it, `steady_runner`).
 
-A plan gets a core where its runs are the direct schedule's two-rank all-gather
-(``schedules/direct.py``, `_gather_all_reduce`: one all-gather of both rows, or with chunks one
-per row and chunk) on the CPU, with the settings the core implements: the C++ codec, no error
-feedback (the default format's setting), nearest rounding, an op whose input factor is fixed
-(SUM, AVG), an fp32, bf16 or fp16 tensor, over a metered gloo transport. The core keeps the
+A plan gets a core where its runs are the direct schedule's on two ranks (``schedules/direct.py``:
+an all-reduce's all-gather, `_gather_all_reduce`: one of both rows, or with chunks one per row
+and chunk; a reduce-scatter's all-to-all of both rows per chunk, `_pipeline`) on the CPU, with
+the settings the core implements: the C++ codec, no error feedback (the default format's
+setting), nearest rounding, an op whose input factor is fixed (SUM, AVG), an fp32, bf16 or fp16
+tensor, over a metered gloo transport. The core keeps the
 plan's own buffers (each transfer's messages and received messages, the decode scratch) and
 writes what the plan's Python run writes, byte for byte; where a message of a run does not
 belong to the call it hands the decode back to the plan (`call_plan.CallPlan.finish_received`,
-over ``core_gathered``), so the errors are the Python path's. Every other plan has none
+over ``core_received``), so the errors are the Python path's. Every other plan has none
 (``core`` None) and runs in Python.
 """
 
@@ -41,7 +42,7 @@ def make_core(plan: Any) -> None:
     spec = None if module is None or codec_module is None else core_spec(plan)
     if spec is None:
         return
-    plan.core_gathered = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
+    plan.core_received = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
                           for p in spec["pieces"]]
     plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
@@ -53,21 +54,25 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
 
     - ``plan`` (kept by a weak reference), ``scratch`` (fp32, the widest transfer's columns):
       the plan and its decode buffer;
-    - ``pieces``: the schedule's transfers in its order, each a dict: its rows ``row0`` ..
-      ``row0 + rows`` and columns ``a`` .. ``b``; ``messages`` (uint8 ``[rows, P]``),
-      ``nonfinite`` and ``received`` (uint8 ``[2 * rows * P]``), the buffers its stage keeps;
+    - ``pieces``: the schedule's transfers in its order, each a dict: the rows it carries
+      ``row0`` .. ``row0 + rows`` and its columns ``a`` .. ``b``; ``encodes``, the encodes that
+      write its messages (each a dict: its rows ``row0`` .. ``row0 + rows``, its ``messages``,
+      uint8 ``[rows, P]``, and ``nonfinite``), ``sent`` (uint8 ``[rows, P]``, the messages it
+      sends) and ``received``, the buffers its stages keep (a reduce-scatter's chunk, whose rows
+      the schedule encodes one by one and sends together, also a ``sent`` of the core's own);
       ``header``, its messages' header (its call number overwritten at ``seq_offset`` by each
       run); ``used``, its messages' used bytes;
     - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
       codec's;
-    - ``dtype``, ``numel``, ``m``, ``world``, ``factor`` (the op's input factor), ``beta``:
-      the call's;
+    - ``collective`` (``"all_reduce"``, ``"reduce_scatter"``), ``dtype``, ``numel``, ``m``,
+      ``world``, ``rank``, ``factor`` (the op's input factor), ``beta``: the call's;
     - ``modelled``, ``size_class``, ``nbytes``, ``logical_bytes``, ``intra_node_bytes``,
       ``inter_node_bytes``: what a run counts (the cost model's class; `counters.RunTally`'s
       bytes, the transport's metering).
     """
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
-    if (codec is None or plan.collective != "all_reduce" or plan.group.size != 2
+    if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
+            or plan.group.size != 2
             or plan.schedule != "direct" or plan.graph is not None
             or comp.error_dtype is not None or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
@@ -76,21 +81,28 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
         return None
     m, rows = plan.m, plan.group.size
     ranges = chunks(m, plan.chunk, codec.group_size)
-    if len(ranges) == 1:
+    if plan.collective == "reduce_scatter":  # `direct._pipeline`: chunk k's rows are "rs.k.row"
+        pieces = ([_piece(plan, "rs", 0, rows, 0, m)] if len(ranges) == 1 else
+                  [_scattered_chunk(plan, stage("rs", k, len(ranges)), a, b)
+                   for k, (a, b) in enumerate(ranges)])
+    elif len(ranges) == 1:
         pieces = [_piece(plan, "gather", 0, rows, 0, m)]
     else:  # `direct._gather_all_reduce`'s stages: chunk k's row r is "gather.k.r"
         pieces = [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b)
                   for k, (a, b) in enumerate(ranges) for r in range(rows)]
-    sent = sum(p["messages"].numel() for p in pieces)
-    intra, inter = world._to_peers(sent)
+    # what the transport meters (`MeteredTransport`): an all-gather's messages, an all-to-all's
+    # row, to every peer
+    scattered = plan.collective == "reduce_scatter"
+    intra, inter = world._to_peers(
+        sum(p["sent"].shape[1] if scattered else p["sent"].numel() for p in pieces))
     return {
         "plan": plan, "pieces": pieces,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
         "seq_offset": wire.SEQ_OFFSET, "bits": codec.bits,
         "group_size": codec.group_size, "format": FORMAT_CODES[codec.fmt],
         "checksum": codec.checksum, "step": cpu.CHECKSUM_STEP,
-        "dtype": plan.codec_dtype, "numel": plan.numel, "m": m, "world": rows,
-        "factor": plan._factor, "beta": comp.beta,
+        "collective": plan.collective, "dtype": plan.codec_dtype, "numel": plan.numel, "m": m,
+        "world": rows, "rank": plan.group.rank, "factor": plan._factor, "beta": comp.beta,
         "modelled": plan.modelled, "size_class": plan.size_class, "nbytes": plan.nbytes,
         "logical_bytes": plan.logical_bytes, "intra_node_bytes": intra,
         "inter_node_bytes": inter,
@@ -98,15 +110,35 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
 
 
 def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int) -> dict[str, Any]:
-    """One transfer of ``plan``'s core: stage ``name``'s buffers (`compressor.CallCompressor`'s
-    ``encode`` and ``received`` ask for the same), ``rows`` rows from ``row0``, columns
-    ``a .. b`` (see `core_spec`)."""
+    """One transfer of ``plan``'s core that one encode writes: stage ``name``'s buffers
+    (`compressor.CallCompressor`'s ``encode`` and ``received`` ask for the same), ``rows`` rows
+    from ``row0``, columns ``a .. b`` (see `core_spec`)."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     messages, nonfinite = kept.messages(name, rows, b - a, codec, device)
+    received = plan.group.size * messages.numel() if plan.collective == "all_reduce" else (
+        messages.numel())
     return {
-        "row0": row0, "rows": rows, "a": a, "b": b, "messages": messages,
-        "nonfinite": nonfinite,
-        "received": kept.received(name, plan.group.size * messages.numel(), device),
+        "row0": row0, "rows": rows, "a": a, "b": b, "sent": messages,
+        "encodes": [{"row0": row0, "rows": rows, "messages": messages, "nonfinite": nonfinite}],
+        "received": kept.received(name, received, device),
         "header": codec.header(b - a),
+        "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt),
+    }
+
+
+def _scattered_chunk(plan: Any, name: str, a: int, b: int) -> dict[str, Any]:
+    """A reduce-scatter's transfer of chunk stage ``name`` (columns ``a .. b``): each row
+    encoded with its own stage ``name.row`` (`chunking.encode_row`) into its row of the core's
+    ``sent``, which the schedule makes by concatenating the rows' messages (see `core_spec`)."""
+    codec, kept, device, rows = plan._own_codec, plan.kept_buffers, plan.device, plan.group.size
+    size = codec.message_bytes(b - a)
+    sent = kept.get(f"core sent {name}", rows * size, torch.uint8, device).view(rows, size)
+    encodes = []
+    for r in range(rows):
+        _, nonfinite = kept.messages(f"{name}.{r}", 1, b - a, codec, device)
+        encodes.append({"row0": r, "rows": 1, "messages": sent[r:r + 1], "nonfinite": nonfinite})
+    return {
+        "row0": 0, "rows": rows, "a": a, "b": b, "sent": sent, "encodes": encodes,
+        "received": kept.received(name, sent.numel(), device), "header": codec.header(b - a),
         "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt),
     }

@@ -234,6 +234,17 @@ def decode_gathered(gathered: Gathered, out: torch.Tensor, comp: CallCompressor,
             _place_row(comp, out, m, row, a, b, received.view(n, -1))
 
 
+def decode_scattered(received: list[tuple[int, int, int | None, torch.Tensor]],
+                     out: torch.Tensor, comp: CallCompressor, rank: int, n: int) -> None:
+    """The reduce-scatter's decodes of ``n`` ranks' messages of row ``rank``, every chunk's
+    all-to-all complete (``received``: each chunk's columns ``a .. b``, a row that is None and
+    the buffer it received into): each chunk's messages decoded and summed into fp32 ``out``'s
+    columns, as `_pipeline` does (a call place's C++ run hands it a call whose messages did not
+    belong to it, `backend.call_plan.CallPlan.finish_received`)."""
+    for a, b, _, messages in received:
+        comp.decode_sum(messages.view(n, -1), b - a, rank, out[a:b])
+
+
 def _place_row(comp: CallCompressor, out: torch.Tensor, m: int, r: int, a: int, b: int,
                messages: torch.Tensor) -> None:
     """Every rank's messages of columns ``a .. b`` of row ``r`` (rows of ``m``) decoded and

@@ -75,20 +75,26 @@ def _train(rank, world, gloo, mode, issuer):
             x = torch.randn(16, 64, generator=gen)
             with block():
                 model(x).square().mean().backward()
-                chunk = torch.empty(300)
-                dist.reduce_scatter_tensor(chunk, torch.randn(300 * world, generator=gen),
+                width = 700 if compressed else 300  # compressed: above min_size
+                chunk = torch.empty(width)
+                dist.reduce_scatter_tensor(chunk, torch.randn(width * world, generator=gen),
                                            group=pg)
                 scattered.append(chunk)
                 if compressed:  # a plan core's cast and part row: bf16, odd numel
                     odd = torch.randn(2001, generator=gen).to(torch.bfloat16)
                     dist.all_reduce(odd, group=pg)
                     reduced.append(odd)
+                    part = torch.empty(1001, dtype=torch.bfloat16)  # (a row not a group multiple)
+                    dist.reduce_scatter_tensor(
+                        part, torch.randn(1001 * world, generator=gen).to(torch.bfloat16),
+                        group=pg)
+                    reduced.append(part)
             opt.step()
             opt.zero_grad()
         runs[variant] = {
             "params": flat_parameters(model),
             "scattered": torch.stack(scattered),
-            "reduced": torch.stack(reduced) if reduced else None,
+            "reduced": torch.cat(reduced) if reduced else None,
             "state": None if variant == "gloo" else _state(pg),
             "served": runner.served if runner is not None else 0,
             "served_compressed": runner.served_compressed if runner is not None else 0,
@@ -118,10 +124,11 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
         state = runs["python"]["state"]
         if compressed:
             calls = state["stats"]["compressed"]["calls"]
-            assert calls >= 3 * STEPS - 3, state  # two buckets and an all-reduce a step
+            # two buckets, an all-reduce and two reduce-scatters a step
+            assert calls >= 5 * STEPS - 5, state
             served = runs["native"]["served_compressed"]
             assert runs["python"]["served"] == 0
-            assert served > 0.6 * calls, (rank, calls, served)
+            assert served > 0.7 * calls, (rank, calls, served)  # the reduce-scatters too
             assert 0.3 * served < runs["mixed"]["served_compressed"] < 0.7 * served, (
                 rank, runs["mixed"])
             continue
@@ -202,7 +209,7 @@ def test_calls_the_runner_declines_take_the_python_path_and_leave_the_place_stea
             assert served == (1 if name.endswith(", then") else 0), (name, served)
 
 
-def _deviation_at_a_core(rank, world, gloo):
+def _deviation_at_a_core(rank, world, gloo, collective):
     # one place, its entry compressed: every call a step, outside backward
     pg = dist.new_group(backend="loco",
                         pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
@@ -212,10 +219,14 @@ def _deviation_at_a_core(rank, world, gloo):
         tensor = torch.full((n,), float(rank + 1))
         try:
             with lowbitcc.compressed():
-                dist.all_reduce(tensor, group=pg)
+                if collective == "all_reduce":
+                    dist.all_reduce(tensor, group=pg)
+                    return tensor
+                out = torch.empty(n // world)
+                dist.reduce_scatter_tensor(out, tensor, group=pg)
+                return out
         finally:
             lowbitcc.end_step()
-        return tensor
 
     for _ in range(12):
         call(4096)
@@ -233,16 +244,21 @@ def _deviation_at_a_core(rank, world, gloo):
     return steady, raised, served_deviation, after[-1], runner.served_compressed - before
 
 
-def test_a_call_whose_messages_do_not_belong_to_it_raises_from_a_plan_core_as_from_python():
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_a_call_whose_messages_do_not_belong_to_it_raises_from_a_plan_core_as_from_python(
+        collective):
     """Rank 1 deviates from a steady compressed place that rank 0's plan core serves: rank 0's
     core meets rank 1's flagged messages and hands the decode back to the plan, so both ranks
     raise `CollectiveMismatchError` at that call, and the place runs (served again) after."""
     (steady0, raised0, core0, after0, total0), (steady1, raised1, core1, after1, _) = run_ranks(
-        _deviation_at_a_core, 2, timeout=120)
+        _deviation_at_a_core, 2, collective, timeout=120)
     assert (raised0, raised1) == ("CollectiveMismatchError", "CollectiveMismatchError")
     assert (core0, core1) == (1, 0)  # rank 0 ran it in C++, rank 1 (deviating) in Python
-    assert torch.allclose(steady0, torch.full((4096,), 3.0), rtol=0.1)
-    assert torch.equal(steady0, steady1) and torch.equal(after0, after1)
+    assert torch.allclose(steady0, torch.full_like(steady0, 3.0), rtol=0.1)
+    if collective == "all_reduce":  # (a reduce-scatter's ranks hold different rows)
+        assert torch.equal(steady0, steady1) and torch.equal(after0, after1)
+    else:
+        assert torch.allclose(after0, torch.full_like(after0, 3.0), rtol=0.1)
     assert total0 > 1  # the place is served again after the exchange that follows
 
 

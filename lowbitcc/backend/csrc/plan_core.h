@@ -1,20 +1,22 @@
-// PlanCore: the steady run of one call place's compressed all-reduce on the CPU, in C++: what
-// `call_plan.CallPlan.run` does on the direct schedule's two-rank all-gather
-// (lowbitcc/schedules/direct.py, `_gather_all_reduce`), without Python.
+// PlanCore: the steady run of one call place's compressed all-reduce or reduce-scatter on the
+// CPU, in C++: what `call_plan.CallPlan.run` does on the direct schedule's two ranks
+// (lowbitcc/schedules/direct.py: the all-reduce's all-gather, `_gather_all_reduce`; the
+// reduce-scatter's all-to-all, `_pipeline`), without Python.
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
 // buffers and settings) where its runs are that schedule: 2 ranks, no error feedback, nearest
-// rounding, the C++ codec. Its transfers (`Piece`s) are the schedule's: with one chunk, one
-// all-gather of both rows' messages; with several, one per row and chunk, in that order. `run`
-// is one call:
+// rounding, the C++ codec. Its transfers (`Piece`s) are the schedule's: an all-reduce's, with
+// one chunk one all-gather of both rows' messages, with several one per row and chunk; a
+// reduce-scatter's one all-to-all of both rows' messages per chunk. `run` is one call:
 //   - in the calling thread, the GIL released, for each transfer: the header with the call
-//     number, the encode of its rows' columns of the source into its messages (codec_api.h),
-//     their frame, and the all-gather of the messages into its received buffer, started on the
+//     number, the encodes of its rows' columns of the source into its messages (codec_api.h),
+//     their frames, and its transfer of the messages into its received buffer, started on the
 //     plan's inner gloo group (so a chunk travels while the next is encoded);
-//   - when a transfer's all-gather completes, on the thread gloo completes it on: each of its
-//     rows' messages verified against the call and decoded, summed in rank order, into the
-//     source (straight where it is fp32 and the row's columns whole, else through the plan's
-//     fp32 scratch and a cast), as the Python schedule does;
+//   - when a transfer completes, on the thread gloo completes it on: the messages it brought
+//     verified against the call and decoded, summed in rank order (an all-reduce: each row's,
+//     into the source; a reduce-scatter: this rank's row's, into the output), straight where
+//     the target is fp32 and as wide, else through the plan's fp32 scratch and a cast, as the
+//     Python schedule does;
 //   - when every transfer is decoded: where a message did not belong to the call, the whole
 //     decode is the Python plan's instead (`CallPlan.finish_received`, with the GIL): it writes
 //     what the Python path writes and raises the same error, which the call's Work carries.
@@ -52,63 +54,29 @@
 #include <vector>
 
 #include "codec_api.h"
+#include "planned_work.h"
 
 namespace lowbitcc {
 
-// The Work of a plan core's run: done when its decode is (`future`, whose value is the call's
-// outputs, or its error what the decode raised); `wait` raises that error, as the Python path's
-// Work does.
-class PlannedWork : public c10d::Work {
- public:
-  explicit PlannedWork(c10::intrusive_ptr<c10::ivalue::Future> future)
-      : c10d::Work(-1, c10d::OpType::ALLREDUCE), future_(std::move(future)) {}
-
-  bool isCompleted() override { return future_->completed(); }
-  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
-  std::exception_ptr exception() const override {
-    return future_->completed() ? future_->exception_ptr() : nullptr;
-  }
-  // (`timeout`: as gloo's Work, a wait that outlasts it raises; the call goes on.)
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (timeout != ::kNoTimeout) {
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
-      while (!future_->completed()) {
-        TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
-                    "lowbitcc: a compressed call did not complete within its wait's timeout (",
-                    timeout.count(), " ms)");
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
-    }
-    future_->waitAndThrow();
-    return true;
-  }
-  void synchronize() override {}
-  std::vector<at::Tensor> result() override {
-    future_->waitAndThrow();
-    return future_->value().toTensorVector();
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+// One encode of a transfer (see the file's comment): rows `row0 .. row0 + rows` of the source,
+// the transfer's columns of each, into `messages` (uint8 [rows, P], contiguous: the transfer's
+// `sent` or one of its rows) with `nonfinite`, framed as shards `shards`.
+struct Encode {
+  int64_t row0, rows;
+  at::Tensor messages, nonfinite;
+  std::vector<int64_t> shards;
 };
 
-// What runs measured and no one has yet handed to the statistics and the cost model.
-struct RunTimings {
-  double codec_s = 0.0;
-  double wire_s = 0.0;
-  std::vector<double> modelled_s;  // each timed run's wall time, for the cost model
-};
-
-// One transfer of a run (see the file's comment): rows `row0 .. row0 + rows` of the source,
-// columns `a .. b` of each, encoded into `messages` (uint8 [rows, P]) with `nonfinite`, their
-// header `header` (its call number overwritten by each run), all-gathered into `received`
-// (uint8 [2 * rows * P]).
+// One transfer of a run: columns `a .. b` of the rows its `encodes` write into `sent` (uint8
+// [rows, P]) under the header `header` (its call number overwritten by each run); all-gathered
+// (an all-reduce: the rows `row0 .. row0 + rows`, [2 * rows * P] received) or sent to all
+// (a reduce-scatter: both rows, row j to rank j; [2 * P] received, rank j's message of this
+// rank's row at j) into `received`.
 struct Piece {
   int64_t row0, rows, a, b, used;
-  at::Tensor messages, nonfinite, received;
+  std::vector<Encode> encodes;
+  at::Tensor sent, received;
   std::string header;
-  std::vector<int64_t> shards;
 };
 
 class __attribute__((visibility("hidden"))) PlanCore
@@ -122,9 +90,11 @@ class __attribute__((visibility("hidden"))) PlanCore
         size_class_(spec["size_class"]),
         scratch_(spec["scratch"].cast<at::Tensor>()),
         dtype_(reinterpret_cast<THPDtype*>(spec["dtype"].ptr())->scalar_type),
+        scatter_(spec["collective"].cast<std::string>() == "reduce_scatter"),
         numel_(spec["numel"].cast<int64_t>()),
         m_(spec["m"].cast<int64_t>()),
         world_(spec["world"].cast<int64_t>()),
+        rank_(spec["rank"].cast<int64_t>()),
         bits_(spec["bits"].cast<int64_t>()),
         group_size_(spec["group_size"].cast<int64_t>()),
         format_(spec["format"].cast<int64_t>()),
@@ -150,17 +120,29 @@ class __attribute__((visibility("hidden"))) PlanCore
     for (auto item : spec["pieces"]) {
       py::dict p = item.cast<py::dict>();
       Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
-                  p["b"].cast<int64_t>(), p["used"].cast<int64_t>(),
-                  p["messages"].cast<at::Tensor>(), p["nonfinite"].cast<at::Tensor>(),
-                  p["received"].cast<at::Tensor>(), p["header"].cast<std::string>(), {}};
-      for (int64_t r = piece.row0; r < piece.row0 + piece.rows; ++r) {
-        piece.shards.push_back(r);
+                  p["b"].cast<int64_t>(), p["used"].cast<int64_t>(), {},
+                  p["sent"].cast<at::Tensor>(), p["received"].cast<at::Tensor>(),
+                  p["header"].cast<std::string>()};
+      const int64_t P = piece.sent.size(1);
+      bool fit = (int64_t)piece.header.size() == loco::kHeaderBytes &&
+                 piece.sent.is_contiguous() && piece.sent.size(0) == piece.rows &&
+                 piece.received.numel() ==
+                     (scatter_ ? piece.sent.numel() : world_ * piece.sent.numel()) &&
+                 (!scatter_ || (piece.row0 == 0 && piece.rows == world_)) &&
+                 scratch_.numel() >= piece.b - piece.a;
+      for (auto unit : p["encodes"]) {
+        py::dict e = unit.cast<py::dict>();
+        Encode encode{e["row0"].cast<int64_t>(), e["rows"].cast<int64_t>(),
+                      e["messages"].cast<at::Tensor>(), e["nonfinite"].cast<at::Tensor>(), {}};
+        for (int64_t r = encode.row0; r < encode.row0 + encode.rows; ++r) {
+          encode.shards.push_back(r);
+        }
+        fit = fit && encode.messages.is_contiguous() && encode.messages.size(0) == encode.rows &&
+              encode.messages.size(1) == P &&
+              (encode.rows == 1 || (encode.row0 == 0 && piece.a == 0 && piece.b == m_));
+        piece.encodes.push_back(std::move(encode));
       }
-      TORCH_CHECK((int64_t)piece.header.size() == loco::kHeaderBytes &&
-                      piece.messages.is_contiguous() && piece.messages.size(0) == piece.rows &&
-                      piece.received.numel() == world_ * piece.messages.numel() &&
-                      (piece.rows == 1 || (piece.a == 0 && piece.b == m_)) &&
-                      scratch_.numel() >= piece.b - piece.a,
+      TORCH_CHECK(fit && !piece.encodes.empty(),
                   "lowbitcc: a plan core's buffers do not fit its call");
       pieces_.push_back(std::move(piece));
     }
@@ -182,11 +164,19 @@ class __attribute__((visibility("hidden"))) PlanCore
     size_class_ = py::object();
   }
 
-  // Whether a run of `tensor` (the call's source, checked by the runner to be a dense CPU
-  // tensor) is this plan's: its dtype and number of elements, contiguous.
-  bool fits(const at::Tensor& tensor) const {
-    return tensor.scalar_type() == dtype_ && tensor.numel() == numel_ && tensor.is_contiguous();
+  // Whether a run of `tensor` (the call's source) into `output` (a reduce-scatter's; undefined:
+  // an all-reduce), both checked by the runner to be dense CPU tensors, is this plan's: their
+  // dtype and number of elements, contiguous.
+  bool fits(const at::Tensor& tensor, const at::Tensor& output) const {
+    if (tensor.scalar_type() != dtype_ || tensor.numel() != numel_ || !tensor.is_contiguous() ||
+        output.defined() != scatter_) {
+      return false;
+    }
+    return !scatter_ || (output.scalar_type() == dtype_ && output.numel() == m_ &&
+                         output.is_contiguous());
   }
+
+  bool reduce_scatter() const { return scatter_; }
 
   bool modelled() const { return modelled_; }
   const py::object& size_class() const { return size_class_; }
@@ -209,36 +199,46 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
   }
 
-  // One run (see the file's comment): all-reduce `tensor` in place as call number `seq`, its
-  // encodes' residual sums added into `sums` (the statistics' accumulator of the thread the
-  // Python path encodes on); `timed`: its wall time goes to the cost model. Called with the
-  // GIL held; its Work.
-  c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, int64_t seq, at::Tensor sums,
-                                     bool timed) {
+  // One run (see the file's comment): all-reduce `tensor` in place, or reduce-scatter it into
+  // `output`, as call number `seq`, its encodes' residual sums added into `sums` (the
+  // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
+  // goes to the cost model. Called with the GIL held; its Work.
+  c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
+                                     int64_t seq, at::Tensor sums, bool timed) {
     auto self = shared_from_this();
     py::gil_scoped_release release;
     const auto start = std::chrono::steady_clock::now();
-    auto run = std::make_shared<Run>(tensor, seq, at::get_num_threads(), timed, start,
+    auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed, start,
                                      static_cast<int64_t>(pieces_.size()));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       last_ = run->result;
     }
     for (size_t k = 0; k < pieces_.size(); ++k) {
+      Piece& piece = pieces_[k];
       const auto begun = std::chrono::steady_clock::now();
-      std::string header = encode(pieces_[k], *run, sums);
+      std::string header = encode(piece, *run, sums);
       const auto encoded = std::chrono::steady_clock::now();
-      c10d::AllgatherOptions options;
-      at::Tensor sent = pieces_[k].messages.view({-1});
-      auto gather = transport_->_allgather_base(pieces_[k].received, sent, options);
+      at::Tensor sent = piece.sent.view({-1});
+      c10::intrusive_ptr<c10d::Work> transfer;
+      if (scatter_) {
+        std::vector<int64_t> equal;  // (empty: equal splits, as `GlooTransport.all_to_all_async`)
+        c10d::AllToAllOptions options;
+        transfer = transport_->alltoall_base(piece.received, sent, equal, equal, options);
+      } else {
+        c10d::AllgatherOptions options;
+        transfer = transport_->_allgather_base(piece.received, sent, options);
+      }
       run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             encoded - begun).count();
-      gather->getFuture()->addCallback([self, run, k, header](c10::ivalue::Future& done) {
+      transfer->getFuture()->addCallback([self, run, k, header](c10::ivalue::Future& done) {
         try {
           if (done.hasError()) {
             run->failed(done.exception_ptr());
+          } else if (self->scatter_) {
+            self->decode_own_row(self->pieces_[k], header, *run);
           } else {
-            self->decode(self->pieces_[k], header, *run);
+            self->decode_rows(self->pieces_[k], header, *run);
           }
         } catch (...) {
           run->failed(std::current_exception());
@@ -248,7 +248,8 @@ class __attribute__((visibility("hidden"))) PlanCore
         }
       });
     }
-    return c10::make_intrusive<PlannedWork>(run->result);
+    return c10::make_intrusive<PlannedWork>(
+        run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
   }
 
   // The codec and wire seconds runs measured since the last take (see the file's comment),
@@ -271,9 +272,10 @@ class __attribute__((visibility("hidden"))) PlanCore
  private:
   // One run's own state, shared by its transfers' decodes; `result` is its Work's future.
   struct Run {
-    Run(at::Tensor tensor_, int64_t seq_, int threads_, bool timed_,
+    Run(at::Tensor tensor_, at::Tensor output_, int64_t seq_, int threads_, bool timed_,
         std::chrono::steady_clock::time_point start_, int64_t transfers)
-        : tensor(std::move(tensor_)), flat(tensor.view({-1})), seq(seq_), threads(threads_),
+        : tensor(std::move(tensor_)), flat(tensor.view({-1})), output(std::move(output_)),
+          seq(seq_), threads(threads_),
           timed(timed_), start(start_), left(transfers),
           result(c10::make_intrusive<c10::ivalue::Future>(
               c10::ListType::create(c10::TensorType::get()))) {}
@@ -285,6 +287,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
     }
     at::Tensor tensor, flat;
+    at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce, in place)
     int64_t seq;
     int threads;
     bool timed;
@@ -302,44 +305,47 @@ class __attribute__((visibility("hidden"))) PlanCore
     return std::chrono::duration<double>(b - a).count();
   }
 
-  // The encode and frame of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
-  // the rows' columns where they lie in the flat source, zero past its end); its header.
+  // The encodes and frames of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
+  // each encode's rows' columns where they lie in the flat source, zero past its end); its
+  // header.
   std::string encode(Piece& piece, const Run& run, const at::Tensor& sums) {
     std::string header = piece.header;
     const uint32_t seq32 = static_cast<uint32_t>(run.seq);
     std::memcpy(&header[seq_offset_], &seq32, 4);
     const int64_t m = piece.b - piece.a;
-    const int64_t lo = std::min(piece.row0 * m_ + piece.a, numel_);
-    const int64_t hi = piece.rows == 1 ? std::min(piece.row0 * m_ + piece.b, numel_) : numel_;
-    loco::EncodeArgs a{};
-    a.src = static_cast<const char*>(run.flat.data_ptr()) + lo * run.flat.element_size();
-    a.msgs = piece.messages.data_ptr<uint8_t>();
-    a.nonfinite = piece.nonfinite.data_ptr<uint8_t>();
-    a.sums = sums.data_ptr<double>();
-    a.numel = hi - lo;
-    a.rows = piece.rows;
-    a.m = m;
-    a.ng = (m + group_size_ - 1) / group_size_;
-    a.P = piece.messages.size(1);
-    a.factor = static_cast<float>(factor_);
-    a.scale_input = factor_ != 1.0;
-    a.beta = static_cast<float>(beta_);
-    a.omb = static_cast<float>(1.0 - beta_);
-    a.G = static_cast<int32_t>(group_size_);
-    a.mode = loco::kErrorNone;
-    a.format = static_cast<int32_t>(format_);
-    api_->encode(a, bits_, run.threads, dtype_);
-    api_->frame(piece.messages, header, piece.shards, piece.nonfinite, piece.used, 0, checksum_,
-                step_, run.threads);
+    for (Encode& unit : piece.encodes) {
+      const int64_t lo = std::min(unit.row0 * m_ + piece.a, numel_);
+      const int64_t hi = unit.rows == 1 ? std::min(unit.row0 * m_ + piece.b, numel_) : numel_;
+      loco::EncodeArgs a{};
+      a.src = static_cast<const char*>(run.flat.data_ptr()) + lo * run.flat.element_size();
+      a.msgs = unit.messages.data_ptr<uint8_t>();
+      a.nonfinite = unit.nonfinite.data_ptr<uint8_t>();
+      a.sums = sums.data_ptr<double>();
+      a.numel = hi - lo;
+      a.rows = unit.rows;
+      a.m = m;
+      a.ng = (m + group_size_ - 1) / group_size_;
+      a.P = unit.messages.size(1);
+      a.factor = static_cast<float>(factor_);
+      a.scale_input = factor_ != 1.0;
+      a.beta = static_cast<float>(beta_);
+      a.omb = static_cast<float>(1.0 - beta_);
+      a.G = static_cast<int32_t>(group_size_);
+      a.mode = loco::kErrorNone;
+      a.format = static_cast<int32_t>(format_);
+      api_->encode(a, bits_, run.threads, dtype_);
+      api_->frame(unit.messages, header, unit.shards, unit.nonfinite, piece.used, 0, checksum_,
+                  step_, run.threads);
+    }
     return header;
   }
 
-  // The decode of `piece` of `run`, its all-gather complete (on gloo's thread; as
-  // `direct._decode_row` for each of its rows): a row whose messages do not belong to the
+  // The decode of `piece` of an all-reduce's `run`, its all-gather complete (on gloo's thread;
+  // as `direct._decode_row` for each of its rows): a row whose messages do not belong to the
   // call marks the run foreign, for `finish`.
-  void decode(const Piece& piece, const std::string& header, Run& run) {
+  void decode_rows(const Piece& piece, const std::string& header, Run& run) {
     const auto begun = std::chrono::steady_clock::now();
-    const int64_t width = piece.b - piece.a, P = piece.messages.size(1);
+    const int64_t width = piece.b - piece.a, P = piece.sent.size(1);
     at::Tensor columns = piece.received.view({world_, piece.rows, P});
     for (int64_t i = 0; i < piece.rows && !run.foreign; ++i) {
       const int64_t r = piece.row0 + i;
@@ -353,18 +359,40 @@ class __attribute__((visibility("hidden"))) PlanCore
         run.foreign = true;
         break;
       }
-      at::Tensor target = run.flat.slice(0, lo, hi);
-      if (dtype_ == at::kFloat && hi - lo == width) {
-        api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, target);
-      } else {
-        std::lock_guard<std::mutex> lock(scratch_mutex_);
-        at::Tensor scratch = scratch_.slice(0, 0, width);
-        api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, scratch);
-        target.copy_(scratch.slice(0, 0, hi - lo));
-      }
+      sum_into(messages, width, run.flat.slice(0, lo, hi), run.threads);
     }
     run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                          std::chrono::steady_clock::now() - begun).count();
+  }
+
+  // The decode of `piece` of a reduce-scatter's `run`, its all-to-all complete (on gloo's
+  // thread; as `direct._pipeline`'s `reduce_oldest`): every rank's message of this rank's row,
+  // summed in rank order into the output's columns; messages that do not belong to the call
+  // mark the run foreign, for `finish`.
+  void decode_own_row(const Piece& piece, const std::string& header, Run& run) {
+    const auto begun = std::chrono::steady_clock::now();
+    at::Tensor messages = piece.received.view({world_, piece.sent.size(1)});
+    if (api_->verify(messages, header, {rank_, rank_}, checksum_, step_, run.threads) < 0) {
+      run.foreign = true;
+    } else {
+      sum_into(messages, piece.b - piece.a, run.output.view({-1}).slice(0, piece.a, piece.b),
+               run.threads);
+    }
+    run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - begun).count();
+  }
+
+  // The fp32 sum in rank order of `messages` of `width` columns into `target`: straight where
+  // it is fp32 and as wide, else through the scratch (one decode at a time) and a cast.
+  void sum_into(const at::Tensor& messages, int64_t width, at::Tensor target, int threads) {
+    if (dtype_ == at::kFloat && target.numel() == width) {
+      api_->decode_sum(messages, width, bits_, group_size_, format_, threads, target);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    at::Tensor scratch = scratch_.slice(0, 0, width);
+    api_->decode_sum(messages, width, bits_, group_size_, format_, threads, scratch);
+    target.copy_(scratch.slice(0, 0, target.numel()));
   }
 
   // The end of `run`, every transfer decoded (on the thread of the last): a transfer's error
@@ -388,7 +416,8 @@ class __attribute__((visibility("hidden"))) PlanCore
         if (plan.is_none()) {
           throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
         }
-        plan.attr("finish_received")(run.tensor, run.seq);
+        plan.attr("finish_received")(run.tensor, run.seq,
+                                     run.output.defined() ? py::cast(run.output) : py::none());
       } catch (...) {
         run.failed(std::current_exception());
       }
@@ -396,7 +425,8 @@ class __attribute__((visibility("hidden"))) PlanCore
     if (run.first_error) {
       run.result->setError(run.first_error);
     } else {
-      run.result->markCompleted(c10::IValue(std::vector<at::Tensor>{run.tensor}));
+      run.result->markCompleted(c10::IValue(
+          std::vector<at::Tensor>{run.output.defined() ? run.output : run.tensor}));
     }
   }
 
@@ -405,7 +435,8 @@ class __attribute__((visibility("hidden"))) PlanCore
   py::object size_class_;
   at::Tensor scratch_;
   at::ScalarType dtype_;
-  int64_t numel_, m_, world_, bits_, group_size_, format_, step_, seq_offset_;
+  bool scatter_;  // a reduce-scatter's core (else an all-reduce's)
+  int64_t numel_, m_, world_, rank_, bits_, group_size_, format_, step_, seq_offset_;
   double factor_, beta_;
   bool checksum_, modelled_;
   int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;

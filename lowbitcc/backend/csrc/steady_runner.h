@@ -8,14 +8,15 @@
 //   - `Reductions._run_exact`, for an exact entry and a native op (the inner gloo group runs it
 //     itself), not timed for the cost model (this run, and the issuer's one in `EXACT_TIMED`,
 //     are the Python path's);
-//   - `Reductions._plan_run` and `CallPlan.run`, for a compressed all-reduce entry whose plan
-//     has a C++ core (plan_core.h; lowbitcc/backend/plan_cores.py says which plans do), op SUM
+//   - `Reductions._plan_run` and `CallPlan.run`, for a compressed entry whose plan has a C++
+//     core (plan_core.h; lowbitcc/backend/plan_cores.py says which plans do), op SUM
 //     or AVG, no `exact()` block demanding the exact path of it, once the group's worker has
 //     run what was queued before it (its calls on the same gloo group go first:
 //     `IssueQueue.wait_idle`, the GIL released, and the place looked at again);
-// for one dense CPU torch.Tensor, issued by the main thread outside any future's callback, no
-// `feedback_key` block in force (but around a compressed call, which counts in it), no outcome open in the schedule, the period known, the place's
-// entry with runs left (or its renewal due to be taken at this run: taken, as `take` takes it,
+// for one dense CPU torch.Tensor (a reduce-scatter: and its output), issued by the main thread
+// outside any future's callback, no `feedback_key` block in force (but around a compressed call,
+// which counts in it), no outcome open in the schedule, the period known, the place's entry with
+// runs left (or its renewal due to be taken at this run: taken, as `take` takes it,
 // and the place looked at again), its canary not NaN, its key the call's. Serving does, on the
 // same objects and in the same order, what those Python methods do: the schedule's index and
 // the entry's runs (`CallSchedule.ran`, which starts the place's renewal where due: a compressed
@@ -199,8 +200,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return py::none();
     }
     Steady steady;
+    steady.output = output;
     if (!steady_place(reduce_scatter_, input, input.numel(), options.reduceOp.op_, steady)) {
       return py::none();
+    }
+    if (steady.core) {
+      return serve_planned(steady, input);
     }
     count(steady, reduce_scatter_, input, input.numel());
     c10::intrusive_ptr<c10d::Work> work;
@@ -223,6 +228,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     int64_t task = -1;
     bool renews = false;  // the run starts the place's renewal
     std::shared_ptr<PlanCore> core;  // a compressed entry's plan core; null: an exact entry
+    at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce's)
   };
 
   // A plain (not a subclass) dense CPU torch.Tensor.
@@ -363,9 +369,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   bool planned_place(py::object entry, const py::str& collective, const at::Tensor& like,
                      c10d::ReduceOp::RedOpType op, int64_t index, int64_t left, bool forced,
                      bool waited, Steady& steady) {
-    if (!detail::equal(collective, all_reduce_)) {
-      return false;
-    }
     py::object plan = entry.attr("plan");
     if (plan.is_none()) {
       return false;
@@ -378,7 +381,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return false;
     }
     auto planned = core.cast<std::shared_ptr<PlanCore>>();
-    if (!planned->fits(like)) {
+    if (!planned->fits(like, steady.output)) {
       return false;
     }
     if (queue_.attr("_pending").cast<int64_t>() != 0) {
@@ -401,8 +404,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     return true;
   }
 
-  // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`): counted, then the plan
-  // core's run; its Work.
+  // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `tensor` (into
+  // `steady.output`: a reduce-scatter): counted, then the plan core's run; its Work.
   py::object serve_planned(Steady& steady, const at::Tensor& tensor) {
     {
       py::gil_scoped_release release;
@@ -438,8 +441,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     ++served_;
     ++served_compressed_;
-    c10::intrusive_ptr<c10d::Work> work = core.run(tensor, seq, accumulator(), steady.modelled);
-    return follow(work, tensor);
+    c10::intrusive_ptr<c10d::Work> work =
+        core.run(tensor, steady.output, seq, accumulator(), steady.modelled);
+    return follow(work, steady.output.defined() ? steady.output : tensor);
   }
 
   // `CallSchedule.take` at a served call's place: the schedule's index, and `CallSchedule.ran`:
