@@ -25,16 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from lowbitcc.backend.deviated_output import CollectiveMismatchError
 from lowbitcc.backend.issue_queue import Job
 from lowbitcc.backend.works import InnerWork, callback_parent
 from lowbitcc.codec import exchange_frame, wire
 from lowbitcc.transports.gloo import GlooTransport
 
 log = logging.getLogger(__name__)
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks issued different collectives (shape, dtype, op or order) on the same group."""
 
 
 class DeviatedPeerError(CollectiveMismatchError):

@@ -21,9 +21,10 @@ values that tell the ranks what happened:
   and so is the sum: every rank starts its schedule again. Else the sum there is another value
   (a rank that did not deviate added its own; only inputs that are themselves -0.0 at every
   such element on every such rank would look alike), this rank raises, and the others' outputs
-  are NaN everywhere else; they raise at their next exchange (`wire.DESC_DEVIATED`), which
-  their NaN canary brings forward to the place's second run after this one
-  (`call_entry.Entry.keep`).
+  are NaN everywhere else, which their Works read when the call completes: they raise
+  `CollectiveMismatchError` at this call too (`deviated_output`); and again at their next
+  exchange (`wire.DESC_DEVIATED`), which their NaN canary brings forward to the place's second
+  run after this one (`call_entry.Entry.keep`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ import torch.distributed as dist
 
 from lowbitcc import schedules, state
 from lowbitcc.backend.call_schedule import Entry
+from lowbitcc.backend.deviated_output import probe_of
 from lowbitcc.codec import wire
 from lowbitcc.compressor import CallCompressor, Source
 
-PROBE = 16
-"""-0.0 elements per rank's part of an `ExactDeviation`'s buffer (at most half of it)."""
 INVALID_SIGNATURE = 0xFFFFFFFF
 """The signature a rank that refused its own arguments sends for its call (no call's)."""
 
@@ -104,7 +104,7 @@ class ExactDeviation:
         n = self.world
         parts = n if desc.collective == "reduce_scatter" else 1
         m = desc.numel // parts
-        probe = min(PROBE, m // 2)
+        probe = probe_of(m)
         buffer = torch.full((parts, m), float("nan"), dtype=desc.dtype, device=self.device)
         buffer[:, :probe] = -0.0
         opts = dist.AllreduceOptions() if parts == 1 else dist.ReduceScatterOptions()

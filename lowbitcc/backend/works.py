@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowbitcc.backend import native
+from lowbitcc.backend import deviated_output, native
 from lowbitcc.backend.eager import eager_methods
 
 
@@ -190,9 +190,11 @@ class LocoWork(dist.Work):
 
 @eager_methods
 class FollowedWork(LocoWork):
-    """The Work of a gloo ``work`` that the calling thread started itself (`IssueQueue.follow`)
-    and that writes ``outputs``: waiting (and ``is_completed``, ``exception``) is gloo's own,
-    without a thread hop. Its future is made on first use (DDP asks for it; a synchronous
+    """The Work of a gloo ``work`` that the calling thread started itself (`IssueQueue.follow`:
+    a place's exact entry) and that writes ``outputs``: waiting (and ``is_completed``,
+    ``exception``) is gloo's own, without a thread hop, but for an output that a deviating
+    peer left NaN (`deviated_output`), for which ``wait`` and the future raise
+    `CollectiveMismatchError`. Its future is made on first use (DDP asks for it; a synchronous
     ``dist.all_reduce`` does not), tagged ``tag``, and ``queue``'s waiter completes it once
     the work is done; it runs the callbacks added to it."""
 
@@ -214,8 +216,11 @@ class FollowedWork(LocoWork):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if timeout is not None and timeout.total_seconds() > 0:
-            return self._work.wait(timeout)
-        return self._work.wait()
+            done = self._work.wait(timeout)
+        else:
+            done = self._work.wait()
+        deviated_output.checked(self._outputs)
+        return done
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -224,7 +229,7 @@ class FollowedWork(LocoWork):
         if not self._work.is_completed():
             return None
         try:
-            self._work.wait()
+            self.wait()
         except Exception as exc:  # noqa: BLE001 (the call's error, returned to the caller)
             return exc
         return None
@@ -264,24 +269,29 @@ class DoneWork(LocoWork):
 
 
 def completed_later(queue: Any, tag: int, work: Any, outputs: list[torch.Tensor]) -> LocoFuture:
-    """The future a Python caller gets of a gloo ``work`` the calling thread started itself: a
-    `LocoFuture` tagged ``tag``, which ``queue``'s waiter completes with ``outputs``, in order,
-    once ``work`` is done (`IssueQueue.complete_later`)."""
+    """The future a Python caller gets of a gloo ``work`` the calling thread started itself (a
+    place's exact entry): a `LocoFuture` tagged ``tag``, which ``queue``'s waiter completes with
+    ``outputs``, in order, once ``work`` is done (`IssueQueue.complete_later`), or with the error
+    of an output a deviating peer left NaN (`deviated_output.checked`)."""
     future = LocoFuture(tag)
-    queue.complete_later(InnerWork(work, lambda: outputs), future)
+    queue.complete_later(InnerWork(work, functools.partial(deviated_output.checked, outputs)),
+                         future)
     return future
 
 
 @functools.cache
 def native_followed() -> type | None:
     """`FollowedWork` in C++ (`native`: waiting, errors and the future c10d's C++ callers ask
-    for, completed on gloo's thread without Python), as a Python class whose ``get_future``
+    for, completed on gloo's thread without Python; a deviated output's error,
+    `deviated_output`, raised as `CollectiveMismatchError`), as a Python class whose ``get_future``
     serves Python callers as `FollowedWork`'s does (a `LocoFuture` tagged with the call,
     completed by the queue's waiter, its callbacks run with the tag); its ``queue`` is set by
     `IssueQueue.follow`. None where the C++ Works cannot be built."""
     module = native.load()
     if module is None:
         return None
+    module.set_deviation(deviated_output.PROBE, deviated_output.MESSAGE,
+                         deviated_output.CollectiveMismatchError)
 
     @eager_methods
     class NativeFollowedWork(module.FollowedWork):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
-from lowbitcc.backend.deviation import PROBE
+from lowbitcc.backend.deviated_output import PROBE
 from tests.support.exchanges import counting_exchanges, counting_renewals
 from tests.support.ranks import run_ranks
 
@@ -164,14 +164,15 @@ def _one_rank_deviates(how, rank, step):
 @pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, issuer, how):
-    """Rank 1 raises at once; the others' outputs of that call are NaN. The place's next run
+    """Rank 1 raises at once; the others' outputs of that call are NaN, which their Works read
+    when it completes: they raise at that call too (`deviated_output`). The place's next run
     (step 4) reads the canary of the run before (`Entry.keep`) and runs as agreed; at the run
     after (step 5), the canary NaN, every rank exchanges, sees rank 1's report and raises; then
     the ranks agree anew and their results are gloo's again."""
     results = run_ranks(_steps, world, issuer, functools.partial(_one_rank_deviates, how),
                         False, (3,), timeout=120)
-    for rank, (exchanges, outcomes, same) in enumerate(results):
-        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+    for exchanges, outcomes, same in results:
+        assert outcomes[3][1] == "mismatch", outcomes
         assert outcomes[5][1] == "mismatch", outcomes
         assert exchanges[4] == 0, exchanges
         assert [o for s in (0, 1, 2, 4, 6, 7, 8) for o in outcomes[s]] == ["ok"] * 7 * len(STEADY)
@@ -202,11 +203,12 @@ def _one_rank_forces_compression(rank, world, gloo, issuer):
 def test_a_compressed_block_on_one_rank_at_an_exact_place_deviates_like_another_call(issuer):
     """A `compressed()` block asks for the other path than the place's exact entry: on one rank
     only it is a deviation (all ranks alike would agree anew, compressed): that rank raises at
-    once, the others' outputs of that call are NaN, and every rank raises at the place's run
-    after next (the canary); then the results are gloo's again."""
+    once, the others at that call too (their outputs NaN, `deviated_output`), never returning
+    NaN, and every rank raises at the place's run after next (the canary); then the results
+    are gloo's again."""
     results = run_ranks(_one_rank_forces_compression, 2, issuer, timeout=120)
-    for rank, outcomes in enumerate(results):
-        assert outcomes[3] == ("mismatch" if rank == 1 else "nan"), outcomes
+    for outcomes in results:
+        assert outcomes[3] == "mismatch", outcomes
         assert outcomes[5] == "mismatch", outcomes
         assert [outcomes[s] for s in (0, 1, 2, 4, 6, 7, 8)] == ["ok"] * 7, outcomes
 
@@ -227,8 +229,8 @@ def test_an_exact_deviation_at_a_place_with_a_pending_renewal_raises_on_every_ra
     kept alike)."""
     results = run_ranks(_renewing_steps, 2, issuer, functools.partial(_one_rank_deviates, "size"),
                         (3,), timeout=120)
-    for rank, (_, outcomes, same) in enumerate(results):
-        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+    for _, outcomes, same in results:
+        assert outcomes[3][1] == "mismatch", outcomes
         assert outcomes[5][1] == "mismatch", outcomes
         assert [o for s in (0, 1, 2, 4, 6, 7, 8) for o in outcomes[s]] == ["ok"] * 7 * len(STEADY)
         assert same[4] and same[6] and same[7] and same[8], same
@@ -278,11 +280,11 @@ def _until_an_error(rank, world, gloo, issuer, plan):
 @pytest.mark.parametrize("issuer", ISSUERS)
 def test_an_exact_call_on_one_rank_only_raises_on_every_rank_never_hangs(issuer):
     """Rank 0 issues one call more at step 3 and raises there (then stops calling, as a
-    program would); rank 1's outputs of that step's calls are NaN, and its next call that
-    needs rank 0 raises within the group's timeout (3 s here), as over gloo."""
+    program would); rank 1's call that met rank 0's extra one has a NaN output, which its Work
+    reads: it raises at that call too (`deviated_output`), not later (its next call that needs
+    rank 0 would raise within the group's timeout, 3 s here, as over gloo)."""
     results = run_ranks(_until_an_error, 2, issuer, _one_rank_calls_once_more, timeout=60)
-    assert results[0] == ("mismatch", 3), results
-    assert results[1] in (("timeout", 3), ("mismatch", 4)), results
+    assert results == [("mismatch", 3), ("mismatch", 3)], results
 
 
 def _every_rank_calls_once_more(rank, step):
@@ -370,11 +372,11 @@ def _reduce_scatter_deviates(rank, world, gloo, issuer):
 @pytest.mark.parametrize("issuer", ISSUERS)
 def test_a_deviation_at_an_exact_reduce_scatter_raises_on_every_rank_at_a_renewal(issuer):
     """A reduce-scatter's outputs differ between ranks, so its place has no canary: rank 1
-    raises at once, rank 0's output is NaN, and rank 1's report travels in its next place
-    renewal (`lowbitcc.backend.renewal`), at whose place every rank raises
+    raises at once, rank 0 at that call too (its output NaN, `deviated_output`), and rank 1's
+    report travels in its next place renewal (`lowbitcc.backend.renewal`), at whose place every rank raises
     `DeviatedPeerError` within a cycle; then the ranks agree anew and go on."""
     (out0, same0), (out1, same1) = run_ranks(_reduce_scatter_deviates, 2, issuer, timeout=120)
-    assert out0[4][0] == "nan" and out1[4][0] == "mismatch", (out0, out1)
+    assert out0[4][0] == "mismatch" and out1[4][0] == "mismatch", (out0, out1)
     raised = [s for s, row in enumerate(out0) if "deviated" in row]
     assert raised and raised == [s for s, row in enumerate(out1) if "deviated" in row], (
         out0, out1)

@@ -4,19 +4,66 @@
 // the inner gloo Work's own; the future c10d's C++ callers ask for (DDP's reducer) is made on
 // first use and completed with the call's outputs by a C++ callback on the inner Work's future,
 // on the thread that completes it (gloo's), without Python. A Python caller's `get_future` is the
-// Python subclass's (a tagged LocoFuture, works.py).
+// Python subclass's (a tagged LocoFuture, works.py). An output that a deviating peer left NaN
+// (lowbitcc/backend/deviated_output.py, whose `PROBE` and `MESSAGE` `set_deviation` hands over
+// once) is this Work's error instead: `wait` throws `DeviatedCallError` (raised in Python as the
+// class `set_deviation` names, `CollectiveMismatchError`), the future completes with it.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <ATen/Dispatch.h>
+#include <ATen/ops/isnan.h>
+
+#include <atomic>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <exception>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 namespace lowbitcc {
+
+// What deviated_output.py says a deviated output is, set once by `set_deviation` (probe 0: not
+// set, no output reads as deviated); `error_type` is kept for the process (never released).
+struct Deviation {
+  int64_t probe = 0;
+  std::string message;
+  PyObject* error_type = nullptr;
+};
+
+inline Deviation& deviation() {
+  static Deviation kept;
+  return kept;
+}
+
+class DeviatedCallError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// deviated_output.py's `deviated`: a floating-point CPU output, NaN at its last element (read
+// first: almost never), at every element past its first min(probe, numel / 2), at none of those.
+inline bool deviated_output(const at::Tensor& out) {
+  const int64_t n = out.numel();
+  const int64_t probe = std::min(deviation().probe, n / 2);
+  if (probe == 0 || !out.is_cpu() || !out.is_contiguous() ||
+      !at::isFloatingType(out.scalar_type())) {
+    return false;
+  }
+  const bool last = AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, out.scalar_type(), "lowbitcc_deviated_output",
+      [&] { return std::isnan(static_cast<double>(out.const_data_ptr<scalar_t>()[n - 1])); });
+  if (!last) {
+    return false;
+  }
+  at::Tensor flat = out.view({-1});
+  return at::isnan(flat.slice(0, probe)).all().item<bool>() &&
+         !at::isnan(flat.slice(0, 0, probe)).any().item<bool>();
+}
 
 class FollowedWork : public c10d::Work {
  public:
@@ -27,14 +74,26 @@ class FollowedWork : public c10d::Work {
         tag_(tag) {}
 
   bool isCompleted() override { return inner_->isCompleted(); }
-  bool isSuccess() const override { return inner_->isSuccess(); }
-  std::exception_ptr exception() const override { return inner_->exception(); }
-  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
+  bool isSuccess() const override { return inner_->isSuccess() && !deviated(); }
+  std::exception_ptr exception() const override {
+    std::exception_ptr error = inner_->exception();
+    if (!error && inner_->isCompleted() && deviated()) {
+      error = std::make_exception_ptr(DeviatedCallError(deviation().message));
+    }
+    return error;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool done = inner_->wait(timeout);
+    if (deviated(true)) {
+      throw DeviatedCallError(deviation().message);
+    }
+    return done;
+  }
   void synchronize() override { inner_->synchronize(); }
   void abort() override { inner_->abort(); }
 
   std::vector<at::Tensor> result() override {
-    inner_->wait();
+    wait(::kNoTimeout);
     return outputs_;
   }
 
@@ -48,6 +107,8 @@ class FollowedWork : public c10d::Work {
       inner_->getFuture()->addCallback([future, outputs](c10::ivalue::Future& done) {
         if (done.hasError()) {
           future->setError(done.exception_ptr());
+        } else if (!outputs.empty() && deviated_output(outputs[0])) {
+          future->setError(std::make_exception_ptr(DeviatedCallError(deviation().message)));
         } else {
           future->markCompleted(c10::IValue(outputs));
         }
@@ -74,6 +135,21 @@ class FollowedWork : public c10d::Work {
     return std::isnan(out.reshape(-1)[out.numel() - 1].item<double>());
   }
 
+  // Whether the call completed without an error and its output is a deviated one (read once
+  // the call is complete, false before; `complete`: the caller knows it is, its wait having
+  // returned: a gloo reduce-scatter's Work never reads as completed).
+  bool deviated(bool complete = false) const {
+    int verdict = verdict_.load();
+    if (verdict < 0) {
+      if (!complete && !inner_->isCompleted()) {
+        return false;
+      }
+      verdict = !outputs_.empty() && !inner_->exception() && deviated_output(outputs_[0]) ? 1 : 0;
+      verdict_.store(verdict);
+    }
+    return verdict == 1;
+  }
+
   uint64_t tag() const { return tag_; }
   c10::intrusive_ptr<c10d::Work> inner() const { return inner_; }
   std::vector<at::Tensor> outputs() const { return outputs_; }
@@ -84,6 +160,7 @@ class FollowedWork : public c10d::Work {
   uint64_t tag_;
   std::mutex mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  mutable std::atomic<int> verdict_{-1};  // `deviated`'s: -1 not read yet
 };
 
 }  // namespace lowbitcc

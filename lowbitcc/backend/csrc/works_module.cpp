@@ -7,6 +7,28 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py)";
+  m.def(
+      "set_deviation",
+      [](int64_t probe, std::string message, py::object error_type) {
+        lowbitcc::Deviation& kept = lowbitcc::deviation();
+        if (kept.error_type == nullptr) {
+          kept.error_type = error_type.release().ptr();  // kept for the process
+          kept.message = std::move(message);
+          kept.probe = probe;
+        }
+      },
+      py::arg("probe"), py::arg("message"), py::arg("error_type"),
+      "deviated_output.py's PROBE and MESSAGE, and the class a deviated call raises (set once).");
+  py::register_exception_translator([](std::exception_ptr raised) {
+    try {
+      if (raised) {
+        std::rethrow_exception(raised);
+      }
+    } catch (const lowbitcc::DeviatedCallError& error) {
+      PyObject* type = lowbitcc::deviation().error_type;
+      PyErr_SetString(type != nullptr ? type : PyExc_RuntimeError, error.what());
+    }
+  });
   py::class_<lowbitcc::FollowedWork, c10d::Work, c10::intrusive_ptr<lowbitcc::FollowedWork>>(
       m, "FollowedWork", py::dynamic_attr())
       .def(py::init<c10::intrusive_ptr<c10d::Work>, std::vector<at::Tensor>, uint64_t>(),
