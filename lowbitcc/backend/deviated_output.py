@@ -6,14 +6,14 @@ calls that do not match across ranks (defined here, below the Works that raise i
 A rank whose call is not its place's exact entry runs the entry's call on a buffer of NaN whose
 first `PROBE` elements (of each rank's part, for a reduce-scatter) are -0.0
 (`deviation.ExactDeviation`). The output of every rank that did not deviate is then NaN past
-its first ``probe_of(numel)`` elements, which hold the other ranks' own sum. Its Work (the
-exact entry's `works.FollowedWork`, or the C++ one, which takes `PROBE` and `MESSAGE` from here
-through `works.native_followed`) reads that when the call completes and raises
-`CollectiveMismatchError` from its ``wait`` and its future, so that no rank
-returns the NaN output as a result; every rank raises again at the place's next exchange
+its first ``probe_of(numel)`` elements, which hold the other ranks' own sum. Where it has at
+least ``2 * PROBE`` elements its Work (the exact entry's `works.FollowedWork`, or the C++ one,
+which takes `PROBE` and `MESSAGE` from here through `works.native_followed`) reads that when the
+call completes and raises `CollectiveMismatchError` from its ``wait`` and its future, so that no
+rank returns the NaN output as a result; every rank raises again at the place's next exchange
 (`call_agreement.DeviatedPeerError`), where the schedule starts again. Other outputs, NaN ones
 too (a gradient that overflowed), complete as they are: an input would have to be NaN at every
-element past the first ``probe_of(numel)`` and at none before them to look alike.
+element past exactly the first `PROBE` and at none before them to look alike.
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def probe_of(numel: int) -> int:
 
 def deviated(output: torch.Tensor) -> bool:
     """Whether ``output`` (a completed exact call's, on the CPU) is what a deviating peer
-    leaves: floating-point, NaN at its last element (read first: almost never), at every
-    element past its first ``probe_of(numel)``, and at none of those."""
+    leaves: floating-point, of at least ``2 * PROBE`` elements (a smaller one, say a metric and
+    a NaN loss, is not read: its ranks raise at the place's next exchange), NaN at its last
+    element (read first: almost never), at every element past its first `PROBE`, and at none
+    of those."""
     n = output.numel()
-    probe = probe_of(n)
-    if probe == 0 or not output.is_floating_point() or output.device.type != "cpu":
+    probe = PROBE
+    if n < 2 * probe or not output.is_floating_point() or output.device.type != "cpu":
         return False
     flat = output.reshape(-1)
     if not bool(torch.isnan(flat[-1])):

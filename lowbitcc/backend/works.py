@@ -268,14 +268,16 @@ class DoneWork(LocoWork):
         return None
 
 
-def completed_later(queue: Any, tag: int, work: Any, outputs: list[torch.Tensor]) -> LocoFuture:
+def completed_later(queue: Any, tag: int, work: Any, outputs: list[torch.Tensor],
+                    checked: bool = True) -> LocoFuture:
     """The future a Python caller gets of a gloo ``work`` the calling thread started itself (a
     place's exact entry): a `LocoFuture` tagged ``tag``, which ``queue``'s waiter completes with
-    ``outputs``, in order, once ``work`` is done (`IssueQueue.complete_later`), or with the error
-    of an output a deviating peer left NaN (`deviated_output.checked`)."""
+    ``outputs``, in order, once ``work`` is done (`IssueQueue.complete_later`), or where
+    ``checked`` with the error of an output a deviating peer left NaN
+    (`deviated_output.checked`)."""
     future = LocoFuture(tag)
-    queue.complete_later(InnerWork(work, functools.partial(deviated_output.checked, outputs)),
-                         future)
+    finish = functools.partial(deviated_output.checked, outputs) if checked else lambda: outputs
+    queue.complete_later(InnerWork(work, finish), future)
     return future
 
 
@@ -301,7 +303,7 @@ def native_followed() -> type | None:
             future = self.__dict__.get("_future")
             if future is None:
                 future = self._future = completed_later(self.queue, self.tag, self.inner,
-                                                        self.outputs)
+                                                        self.outputs, self.checked)
             return future
 
     return NativeFollowedWork

@@ -328,3 +328,38 @@ def test_a_served_call_counts_its_codec_and_wire_seconds_by_the_time_it_returns(
         assert len(served) >= 12, seen
         for busy, wall in served:
             assert 0 < busy <= wall, seen
+
+
+def _nan_outputs(rank, world, gloo):
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=1024, cost_model=False))
+    runner = pg._runner
+    seen = []
+    for _ in range(12):
+        small = torch.tensor([1.0, float("nan")])  # a count and a NaN loss: exact (below min_size)
+        big = torch.full((4096,), float("nan"))  # NaN past its first 16: a compressed place
+        big[:16] = rank + 1.0
+        served = runner.served_compressed
+        raised = None
+        try:
+            dist.all_reduce(small, group=pg)
+            with lowbitcc.compressed():
+                dist.all_reduce(big, group=pg)
+        except Exception as exc:  # noqa: BLE001 (the test reads its type)
+            raised = type(exc).__name__
+        lowbitcc.end_step()
+        seen.append((raised, runner.served_compressed - served, small.tolist(),
+                     bool(torch.isnan(big[16:]).all())))
+    return seen
+
+
+def test_outputs_a_deviation_does_not_explain_complete_as_they_are():
+    """A Work reads an output for a deviating peer's NaN (`deviated_output`) only at an exact
+    place of at least 32 elements: a 2-element exact call whose second element is NaN, and a
+    compressed call served by a plan core whose input is NaN past its first 16 elements,
+    complete without an error, NaN where their inputs are."""
+    for seen in run_ranks(_nan_outputs, 2, timeout=120):
+        assert all(raised is None for raised, *_ in seen), seen
+        assert sum(served for _, served, _, _ in seen) > 6, seen  # the core ran most
+        for _, _, small, big_nan in seen:
+            assert small[0] == 2.0 and small[1] != small[1] and big_nan, seen

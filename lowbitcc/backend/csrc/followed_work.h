@@ -45,12 +45,13 @@ class DeviatedCallError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// deviated_output.py's `deviated`: a floating-point CPU output, NaN at its last element (read
-// first: almost never), at every element past its first min(probe, numel / 2), at none of those.
+// deviated_output.py's `deviated`: a floating-point CPU output of at least 2 * probe elements,
+// NaN at its last element (read first: almost never), at every element past its first probe, at
+// none of those.
 inline bool deviated_output(const at::Tensor& out) {
   const int64_t n = out.numel();
-  const int64_t probe = std::min(deviation().probe, n / 2);
-  if (probe == 0 || !out.is_cpu() || !out.is_contiguous() ||
+  const int64_t probe = deviation().probe;
+  if (probe == 0 || n < 2 * probe || !out.is_cpu() || !out.is_contiguous() ||
       !at::isFloatingType(out.scalar_type())) {
     return false;
   }
@@ -67,11 +68,15 @@ inline bool deviated_output(const at::Tensor& out) {
 
 class FollowedWork : public c10d::Work {
  public:
-  FollowedWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> outputs, uint64_t tag)
+  // `checked`: an exact entry's call, whose output is read for a deviation (a plan core's
+  // compressed run is not: a peer's deviation reaches it as its messages).
+  FollowedWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> outputs, uint64_t tag,
+               bool checked)
       : c10d::Work(-1, inner->retrieveOpType()),
         inner_(std::move(inner)),
         outputs_(std::move(outputs)),
-        tag_(tag) {}
+        tag_(tag),
+        checked_(checked) {}
 
   bool isCompleted() override { return inner_->isCompleted(); }
   bool isSuccess() const override { return inner_->isSuccess() && !deviated(); }
@@ -104,13 +109,20 @@ class FollowedWork : public c10d::Work {
           c10::ListType::create(c10::TensorType::get()));
       auto future = future_;
       auto outputs = outputs_;
-      inner_->getFuture()->addCallback([future, outputs](c10::ivalue::Future& done) {
-        if (done.hasError()) {
-          future->setError(done.exception_ptr());
-        } else if (!outputs.empty() && deviated_output(outputs[0])) {
-          future->setError(std::make_exception_ptr(DeviatedCallError(deviation().message)));
-        } else {
-          future->markCompleted(c10::IValue(outputs));
+      const bool checked = checked_;
+      inner_->getFuture()->addCallback([future, outputs, checked](c10::ivalue::Future& done) {
+        try {
+          if (done.hasError()) {
+            future->setError(done.exception_ptr());
+          } else if (checked && !outputs.empty() && deviated_output(outputs[0])) {
+            future->setError(std::make_exception_ptr(DeviatedCallError(deviation().message)));
+          } else {
+            future->markCompleted(c10::IValue(outputs));
+          }
+        } catch (...) {  // (the future completes whatever the check met)
+          if (!future->completed()) {
+            future->setError(std::current_exception());
+          }
         }
       });
     }
@@ -144,13 +156,17 @@ class FollowedWork : public c10d::Work {
       if (!complete && !inner_->isCompleted()) {
         return false;
       }
-      verdict = !outputs_.empty() && !inner_->exception() && deviated_output(outputs_[0]) ? 1 : 0;
+      verdict = checked_ && !outputs_.empty() && !inner_->exception() &&
+                        deviated_output(outputs_[0])
+                    ? 1
+                    : 0;
       verdict_.store(verdict);
     }
     return verdict == 1;
   }
 
   uint64_t tag() const { return tag_; }
+  bool checked() const { return checked_; }
   c10::intrusive_ptr<c10d::Work> inner() const { return inner_; }
   std::vector<at::Tensor> outputs() const { return outputs_; }
 
@@ -160,6 +176,7 @@ class FollowedWork : public c10d::Work {
   uint64_t tag_;
   std::mutex mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool checked_;
   mutable std::atomic<int> verdict_{-1};  // `deviated`'s: -1 not read yet
 };
 

@@ -191,7 +191,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       }
       options = opts.cast<c10d::ReduceScatterOptions>();
     }
-    if (!plain_cpu(input_obj) || Py_TYPE(output_obj.ptr()) != Py_TYPE(input_obj.ptr())) {
+    if (!plain_cpu(input_obj) || !plain_cpu(output_obj)) {
       return py::none();
     }
     at::Tensor input = THPVariable_Unpack(input_obj.ptr());
@@ -443,7 +443,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     ++served_compressed_;
     c10::intrusive_ptr<c10d::Work> work =
         core.run(tensor, steady.output, seq, accumulator(), steady.modelled);
-    return follow(work, steady.output.defined() ? steady.output : tensor);
+    // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
+    return follow(work, steady.output.defined() ? steady.output : tensor, false);
   }
 
   // `CallSchedule.take` at a served call's place: the schedule's index, and `CallSchedule.ran`:
@@ -574,11 +575,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   // `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
-  py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output) {
+  py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
+                    bool checked = true) {
     py::object ordinal = queue_.attr("_issued").attr("__next__")();
     uint64_t tag = queue_.attr("_group_tag").cast<uint64_t>() |
                    (ordinal.cast<uint64_t>() & 0xFFFFFFFFull);
-    py::object followed = followed_(work, std::vector<at::Tensor>{output}, tag);
+    py::object followed = followed_(work, std::vector<at::Tensor>{output}, tag, checked);
     followed.attr("queue") = queue_;
     return followed;
   }

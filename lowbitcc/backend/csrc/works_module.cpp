@@ -31,11 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   py::class_<lowbitcc::FollowedWork, c10d::Work, c10::intrusive_ptr<lowbitcc::FollowedWork>>(
       m, "FollowedWork", py::dynamic_attr())
-      .def(py::init<c10::intrusive_ptr<c10d::Work>, std::vector<at::Tensor>, uint64_t>(),
-           py::arg("inner"), py::arg("outputs"), py::arg("tag"))
+      .def(py::init<c10::intrusive_ptr<c10d::Work>, std::vector<at::Tensor>, uint64_t, bool>(),
+           py::arg("inner"), py::arg("outputs"), py::arg("tag"), py::arg("checked") = true)
       .def("nan", &lowbitcc::FollowedWork::nan, py::call_guard<py::gil_scoped_release>(),
            "Whether the call's output ends in NaN (its place's canary); waits for the call.")
       .def_property_readonly("tag", &lowbitcc::FollowedWork::tag)
+      .def_property_readonly("checked", &lowbitcc::FollowedWork::checked)
       .def_property_readonly("inner", &lowbitcc::FollowedWork::inner)
       .def_property_readonly("outputs", &lowbitcc::FollowedWork::outputs);
   py::class_<lowbitcc::PlanCore, std::shared_ptr<lowbitcc::PlanCore>>(m, "PlanCore")
