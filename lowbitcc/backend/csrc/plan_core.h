@@ -165,18 +165,14 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   // Whether a run of `tensor` (the call's source) into `output` (a reduce-scatter's; undefined:
-  // an all-reduce), both checked by the runner to be dense CPU tensors, is this plan's: their
-  // dtype and number of elements, contiguous.
+  // an all-reduce), both checked by the runner to be dense CPU tensors (the output of the
+  // input's dtype and a world's share of its elements), is this plan's: the source's dtype and
+  // number of elements, both contiguous.
   bool fits(const at::Tensor& tensor, const at::Tensor& output) const {
-    if (tensor.scalar_type() != dtype_ || tensor.numel() != numel_ || !tensor.is_contiguous() ||
-        output.defined() != scatter_) {
-      return false;
-    }
-    return !scatter_ || (output.scalar_type() == dtype_ && output.numel() == m_ &&
-                         output.is_contiguous());
+    return tensor.scalar_type() == dtype_ && tensor.numel() == numel_ &&
+           tensor.is_contiguous() && output.defined() == scatter_ &&
+           (!scatter_ || output.is_contiguous());
   }
-
-  bool reduce_scatter() const { return scatter_; }
 
   bool modelled() const { return modelled_; }
   const py::object& size_class() const { return size_class_; }
