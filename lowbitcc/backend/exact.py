@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from lowbitcc import state
+from lowbitcc.backend import gloo_threads
+from lowbitcc.backend.gloo_threads import GlooCallback
 from lowbitcc.backend.works import InnerWork
 from lowbitcc.collectives import COLLECTIVES
 
@@ -261,13 +263,14 @@ def reduce_scatter_flat_into(output: torch.Tensor) -> Issue:
 
 def when_done(work: dist.Work, callback: Callable[[], None]) -> None:
     """Run ``callback()`` once gloo's ``work`` has completed, on the gloo thread that completes
-    it (or here, if it has); never where gloo gives the operation no future (its flat
-    reduce-scatter)."""
+    it (or here, if it has; a `GlooCallback`, which lets go of it elsewhere); never where gloo
+    gives the operation no future (its flat reduce-scatter)."""
     try:
         future = work.get_future()
     except RuntimeError:  # "Work::getFuture not implemented"
         return
-    future.add_done_callback(lambda _: callback())
+    gloo_threads.let_go_if_many()
+    future.add_done_callback(GlooCallback(lambda _: callback()))
 
 
 def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None = None,
@@ -279,7 +282,8 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
     finishes the call (AVG's division, PREMUL_SUM's copy back) without autograd on that
     thread, with the gloo op's error as its error. Gloo gives some operations no future (its
     flat reduce-scatter): those are finished by ``complete(inner_work)`` (the caller's worker),
-    or without it waited for here, and are not timed."""
+    or without it waited for here, and are not timed. What runs on gloo's thread is a
+    `GlooCallback`."""
     inner = call()
     plain = Reduction.of(call.opts.reduceOp, call.world).plain
     if plain and on_done is None:
@@ -296,8 +300,9 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
             done = torch.futures.Future()
             done.set_result(inner.finish())
         return _create_work_from_future(done)
+    gloo_threads.let_go_if_many()
     if plain:
-        future.add_done_callback(lambda _: on_done(inner.work))
+        future.add_done_callback(GlooCallback(lambda _: on_done(inner.work)))
         return inner.work
 
     def finish(done: torch.futures.Future) -> list[torch.Tensor]:
@@ -309,7 +314,7 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
             if on_done is not None:
                 on_done(inner.work)
 
-    return _create_work_from_future(future.then(finish))
+    return _create_work_from_future(future.then(GlooCallback(finish)))
 
 
 class HostCanary:

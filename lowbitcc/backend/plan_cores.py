@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lowbitcc import state
-from lowbitcc.backend import native
+from lowbitcc.backend import gloo_threads, native
 from lowbitcc.codec import cpu, wire
 from lowbitcc.codec.abi import FORMAT_CODES
 from lowbitcc.schedules.chunking import chunks, stage
@@ -44,7 +44,8 @@ def make_core(plan: Any) -> None:
         return
     plan.core_received = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
                           for p in spec["pieces"]]
-    plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api)
+    plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api,
+                                gloo_threads.park)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
 
 

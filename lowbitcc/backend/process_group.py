@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from lowbitcc.backend import BACKEND_NAME, steady_runner
+from lowbitcc.backend import BACKEND_NAME, gloo_threads, steady_runner
 from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter_list_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.call_schedule import Entry
@@ -155,6 +155,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         return self._group_desc
 
     def shutdown(self) -> None:
+        gloo_threads.let_go()  # what callbacks of its calls and others' parked, here
         if self._queue.shutdown(self.timeout.total_seconds()):
             self._inner.shutdown()
             if self._direct is not self._inner:

@@ -82,10 +82,13 @@ struct Piece {
 class __attribute__((visibility("hidden"))) PlanCore
     : public std::enable_shared_from_this<PlanCore> {
  public:
-  // `transport`: the plan's inner gloo group; `spec`: plan_cores.py's `core_spec` (its
-  // docstring names each entry); `api`: the codec's `codec_api` capsule.
-  PlanCore(c10::intrusive_ptr<c10d::Backend> transport, py::dict spec, py::capsule api)
-      : transport_(std::move(transport)),
+  // `transport`: the plan's inner gloo group (its Python object); `spec`: plan_cores.py's
+  // `core_spec` (its docstring names each entry); `api`: the codec's `codec_api` capsule;
+  // `park`: gloo_threads.py's `park`, which keeps what the core lets go of on a gloo thread.
+  PlanCore(py::object transport, py::dict spec, py::capsule api, py::object park)
+      : transport_(transport.cast<c10::intrusive_ptr<c10d::Backend>>()),
+        transport_object_(std::move(transport)),
+        park_(std::move(park)),
         plan_(py::weakref(spec["plan"])),
         size_class_(spec["size_class"]),
         scratch_(spec["scratch"].cast<at::Tensor>()),
@@ -152,14 +155,25 @@ class __attribute__((visibility("hidden"))) PlanCore
   PlanCore& operator=(const PlanCore&) = delete;
 
   // Its last reference may go on gloo's thread (a run's callback): the Python objects it keeps
-  // are let go with the GIL.
+  // are let go with the GIL, and its gloo group, which must not be destroyed on one of its own
+  // threads (gloo_threads.py), is parked for a Python thread to let go of.
   ~PlanCore() {
+    transport_.reset();  // (not the group's last reference: its Python object holds one)
     if (!Py_IsInitialized()) {
       plan_.release();
       size_class_.release();
+      transport_object_.release();
+      park_.release();
       return;
     }
     py::gil_scoped_acquire acquire;
+    try {
+      park_(transport_object_);
+    } catch (py::error_already_set& error) {
+      error.discard_as_unraisable("lowbitcc: parking a plan core's gloo group");
+    }
+    transport_object_ = py::object();
+    park_ = py::object();
     plan_ = py::object();
     size_class_ = py::object();
   }
@@ -427,6 +441,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   c10::intrusive_ptr<c10d::Backend> transport_;
+  py::object transport_object_, park_;  // the group's Python object; gloo_threads.park
   py::object plan_;  // a weak reference: the plan keeps its core
   py::object size_class_;
   at::Tensor scratch_;

@@ -131,6 +131,18 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     exact_ = py::str("exact");
     compressed_name_ = py::str("compressed");
   }
+  SteadyRunner(const SteadyRunner&) = delete;
+  SteadyRunner& operator=(const SteadyRunner&) = delete;
+
+  // Destroyed with the GIL held (by its Python object), perhaps with the group's last
+  // reference: the gloo group's destructor joins its threads, one of which may be waiting for
+  // the GIL (in a Python callback of a call), so the group is let go of without it.
+  ~SteadyRunner() {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      direct_.reset();
+    }
+  }
 
   // A test switch: decline a call that could be served with probability `p` (a generator
   // seeded with `seed`), so that ranks take either path at random per call.

@@ -40,8 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("inner", &lowbitcc::FollowedWork::inner)
       .def_property_readonly("outputs", &lowbitcc::FollowedWork::outputs);
   py::class_<lowbitcc::PlanCore, std::shared_ptr<lowbitcc::PlanCore>>(m, "PlanCore")
-      .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict, py::capsule>(),
-           py::arg("transport"), py::arg("spec"), py::arg("api"))
+      .def(py::init<py::object, py::dict, py::capsule, py::object>(), py::arg("transport"),
+           py::arg("spec"), py::arg("api"), py::arg("park"))
       .def("wait", &lowbitcc::PlanCore::wait, py::call_guard<py::gil_scoped_release>(),
            "Wait until the place's last C++ run is done.")
       .def("take_seconds", &lowbitcc::PlanCore::take_seconds,
