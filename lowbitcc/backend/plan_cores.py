@@ -2,9 +2,10 @@
 which serves the place's steady compressed all-reduce or reduce-scatter without Python (the
 group's ``SteadyRunner`` runs it, `steady_runner`).
 
-A plan gets a core where its runs are the direct schedule's on two ranks (``schedules/direct.py``:
-an all-reduce's all-gather, `_gather_all_reduce`: one of both rows, or with chunks one per row
-and chunk; a reduce-scatter's all-to-all of both rows per chunk, `_pipeline`) on the CPU, with
+A plan gets a core where its runs are the direct schedule's (``schedules/direct.py``): an
+all-reduce's on two ranks (its all-gather, `_gather_all_reduce`: one of both rows, or with chunks
+one per row and chunk), a reduce-scatter's on any number (its all-to-all of every row per chunk,
+`_pipeline`); on the CPU, with
 the settings the core implements: the C++ codec, no error feedback (the default format's
 setting), nearest rounding, an op whose input factor is fixed (SUM, AVG), an fp32, bf16 or fp16
 tensor, over a metered gloo transport. The core keeps the
@@ -73,7 +74,7 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     """
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
     if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
-            or plan.group.size != 2
+            or (plan.group.size != 2 and plan.collective == "all_reduce")
             or plan.schedule != "direct" or plan.graph is not None
             or comp.error_dtype is not None or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS

@@ -1,13 +1,14 @@
 // PlanCore: the steady run of one call place's compressed all-reduce or reduce-scatter on the
-// CPU, in C++: what `call_plan.CallPlan.run` does on the direct schedule's two ranks
-// (lowbitcc/schedules/direct.py: the all-reduce's all-gather, `_gather_all_reduce`; the
-// reduce-scatter's all-to-all, `_pipeline`), without Python.
+// CPU, in C++: what `call_plan.CallPlan.run` does on the direct schedule
+// (lowbitcc/schedules/direct.py: the two ranks' all-reduce's all-gather, `_gather_all_reduce`;
+// the reduce-scatter's all-to-all, `_pipeline`, on any number of ranks), without Python.
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
-// buffers and settings) where its runs are that schedule: 2 ranks, no error feedback, nearest
-// rounding, the C++ codec. Its transfers (`Piece`s) are the schedule's: an all-reduce's, with
-// one chunk one all-gather of both rows' messages, with several one per row and chunk; a
-// reduce-scatter's one all-to-all of both rows' messages per chunk. `run` is one call:
+// buffers and settings) where its runs are that schedule: an all-reduce on 2 ranks or a
+// reduce-scatter, no error feedback, nearest rounding, the C++ codec. Its transfers (`Piece`s)
+// are the schedule's: an all-reduce's, with one chunk one all-gather of both rows' messages,
+// with several one per row and chunk; a reduce-scatter's one all-to-all of every row's messages
+// per chunk. `run` is one call:
 //   - in the calling thread, the GIL released, for each transfer: the header with the call
 //     number, the encodes of its rows' columns of the source into its messages (codec_api.h),
 //     their frames, and its transfer of the messages into its received buffer, started on the
@@ -70,7 +71,7 @@ struct Encode {
 // One transfer of a run: columns `a .. b` of the rows its `encodes` write into `sent` (uint8
 // [rows, P]) under the header `header` (its call number overwritten by each run); all-gathered
 // (an all-reduce: the rows `row0 .. row0 + rows`, [2 * rows * P] received) or sent to all
-// (a reduce-scatter: both rows, row j to rank j; [2 * P] received, rank j's message of this
+// (a reduce-scatter: every row, row j to rank j; [world * P] received, rank j's message of this
 // rank's row at j) into `received`.
 struct Piece {
   int64_t row0, rows, a, b, used;
@@ -118,8 +119,8 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     TORCH_CHECK(api_->version == lowbitcc_cpu::kCodecApiVersion, "lowbitcc: the C++ codec's API ",
                 api_->version, " is not the runner's ", lowbitcc_cpu::kCodecApiVersion);
-    TORCH_CHECK(world_ == 2 && scratch_.scalar_type() == at::kFloat,
-                "lowbitcc: a plan core runs two ranks' calls");
+    TORCH_CHECK((world_ == 2 || scatter_) && scratch_.scalar_type() == at::kFloat,
+                "lowbitcc: a plan core runs a reduce-scatter, or two ranks' all-reduce");
     for (auto item : spec["pieces"]) {
       py::dict p = item.cast<py::dict>();
       Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
@@ -365,7 +366,8 @@ class __attribute__((visibility("hidden"))) PlanCore
         continue;
       }
       at::Tensor messages = columns.select(1, i);
-      if (api_->verify(messages, header, {r, r}, checksum_, step_, run.threads) < 0) {
+      if (api_->verify(messages, header, std::vector<int64_t>(world_, r), checksum_, step_,
+                       run.threads) < 0) {
         run.foreign = true;
         break;
       }
@@ -382,7 +384,8 @@ class __attribute__((visibility("hidden"))) PlanCore
   void decode_own_row(const Piece& piece, const std::string& header, Run& run) {
     const auto begun = std::chrono::steady_clock::now();
     at::Tensor messages = piece.received.view({world_, piece.sent.size(1)});
-    if (api_->verify(messages, header, {rank_, rank_}, checksum_, step_, run.threads) < 0) {
+    if (api_->verify(messages, header, std::vector<int64_t>(world_, rank_), checksum_, step_,
+                     run.threads) < 0) {
       run.foreign = true;
     } else {
       sum_into(messages, piece.b - piece.a, run.output.view({-1}).slice(0, piece.a, piece.b),
