@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from lowbitcc.tools.study import tasks, wide, wide_report
+from lowbitcc.tools.study import tasks, wide, wide_plans, wide_report
 from lowbitcc.tools.study.variants import CONFIGURATIONS, VARIANTS, StudyConfig
 
 
@@ -119,7 +119,7 @@ def test_the_runner_resumes_where_it_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(wide, "run_variant", fake_run_variant)
     monkeypatch.setattr(wide.tracking, "run", fake_tracking)
     monkeypatch.setattr(wide.tracking, "plot", lambda *a, **k: None)
-    plan = wide.Plan(("gpt", "gpt-docs"), (2,), (0, 1), ("exact", "mxfp4"), ("mxfp4",), steps=7)
+    plan = wide_plans.Plan(("gpt", "gpt-docs"), (2,), (0, 1), ("exact", "mxfp4"), ("mxfp4",), steps=7)
     with pytest.raises(KeyboardInterrupt):
         wide.run(plan, tmp_path, jobs=1)
     assert len(calls) == 3  # no run started after the one that raised
@@ -143,26 +143,31 @@ def test_the_runner_resumes_where_it_stopped(tmp_path, monkeypatch):
 
 
 def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
-    for name in wide.CANDIDATES:
+    for name in wide_plans.CANDIDATES:
         assert wide_report.bits(name) <= wide_report.MAX_BITS, name
-        assert name.endswith("-nofb") or wide_report.twin(name) in wide.CANDIDATES, name
-    assert set(wide.SCREENED_OUT) <= set(VARIANTS) and not set(wide.SCREENED_OUT) & set(
-        wide.CANDIDATES)
-    for name, plan in wide.PLANS.items():
+        assert name.endswith("-nofb") or wide_report.twin(name) in wide_plans.CANDIDATES, name
+    assert set(wide_plans.SCREENED_OUT) <= set(VARIANTS) and not set(wide_plans.SCREENED_OUT) & set(
+        wide_plans.CANDIDATES)
+    for name, plan in wide_plans.PLANS.items():
         assert plan.variants[0] == "exact"
         assert set(plan.configurations) <= set(CONFIGURATIONS)
         assert set(plan.variants) <= set(VARIANTS), name
-    assert set(wide.PLANS["full"].configurations) == set(CONFIGURATIONS)
-    long = wide.PLANS["long"]
-    assert long.steps == 10 * wide.PLANS["full"].steps and long.worlds == (2, 4)
+    assert set(wide_plans.PLANS["full"].configurations) == set(CONFIGURATIONS)
+    long = wide_plans.PLANS["long"]
+    assert long.steps == 10 * wide_plans.PLANS["full"].steps and long.worlds == (2, 4)
     assert set(long.configurations) == {"gpt", "gpt-docs"} and len(long.seeds) == 3
     assert not math.isnan(wide_report.bits("mxfp4"))
     # every long-form variant has its bits; a feedback variant of a format is paired with the
     # format's no-feedback twin
     assert all(not math.isnan(wide_report.bits(v)) for v in long.variants)
+    import argparse
+
     from lowbitcc.tools.study import command
 
-    assert list(wide.PLANS) == command.WIDE_FORMS  # `lowbitcc study --wide FORM`'s choices
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser.add_subparsers())
+    for form in wide_plans.PLANS:  # `lowbitcc study --wide FORM`'s choices
+        assert parser.parse_args(["study", "--wide", form]).wide == form
     assert wide_report.twin("nvfp4-warm1000") == wide_report.twin("nvfp4") == "nvfp4-nofb"
     assert wide_report.bits("loco4-g64") == 4.5 and wide_report.bits("exact") == 32.0
 
@@ -170,7 +175,7 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
 @pytest.mark.slow  # trains 10 steps per run; `pytest -m slow`
 def test_a_small_wide_study_runs_end_to_end(tmp_path):
     pytest.importorskip("sklearn")
-    plan = wide.Plan(("gpt", "digits-cnn"), (2,), (0,), ("exact", "mxfp4", "lab-nvfp4"),
+    plan = wide_plans.Plan(("gpt", "digits-cnn"), (2,), (0,), ("exact", "mxfp4", "lab-nvfp4"),
                      ("mxfp4", "lab-nvfp4"), steps=10)
     results = wide.run(plan, tmp_path)
     runs = results.data["runs"]

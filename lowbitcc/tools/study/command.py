@@ -9,9 +9,7 @@ from typing import Any
 
 from lowbitcc.tools import link_spec
 from lowbitcc.tools.study import variants as study_variants
-
-WIDE_FORMS = ["full", "quick", "long", "feedback", "three-bit"]
-"""``--wide``'s forms: `wide.PLANS`' names (the parser does not import the study's runner)."""
+from lowbitcc.tools.study.wide_plans import PLANS as WIDE_PLANS
 
 
 def add_arguments(sub: Any) -> None:
@@ -42,7 +40,7 @@ def add_arguments(sub: Any) -> None:
                     "3 seeds each; then each variant timed behind an emulated link (default "
                     "--wan cross-continent; root)")
     st.add_argument("--wide", nargs="?", const="full",
-                    choices=WIDE_FORMS,
+                    choices=list(WIDE_PLANS),
                     help="the three-configuration study that chooses the 4-bit default "
                     "(docs/convergence.md; resumable from --out): full (hours here), quick, "
                     "long (the two GPTs at 3000 steps: days here), feedback (LoCo's settings "

@@ -31,77 +31,11 @@ from tqdm import tqdm
 
 from lowbitcc.tools.study import tracking
 from lowbitcc.tools.study.training import run_variant
-from lowbitcc.tools.study.variants import CONFIGURATIONS, THREE_BIT, VARIANTS, StudyConfig
+from lowbitcc.tools.study.variants import CONFIGURATIONS, VARIANTS, StudyConfig
+from lowbitcc.tools.study.wide_plans import PLANS, Plan
 
 log = logging.getLogger("lowbitcc.tools.study.wide")
 
-CANDIDATES = ("mxfp4", "mxfp4-nofb", "nvfp4", "nvfp4-nofb")
-"""The formats compared (each with its no-feedback twin, the name plus ``-nofb``): the codec's
-MXFP4 (the default until the study chose NVFP4 without feedback) and NVFP4 (docs/wire-format.md)."""
-SCREENED_OUT = ("lab-mxfp4-had32", "lab-mxfp4-had32-nofb", "lab-nvfp4", "lab-nvfp4-nofb")
-"""Candidates of the first runs that the whole study stopped running. MXFP4 after a Hadamard
-rotation of each block of 32, with and without feedback, ended further from exact than MXFP4
-itself in each of the first three cells it ran (seed 0 of gpt at 2 and 4 ranks and gpt-docs at
-2 ranks: +0.20/+1.18/+0.10% against +0.12/+0.81/+0.07%) at the format lab's 2.5x cost in run
-time here. The format lab's NVFP4 ran seed 0 of every cell; the codec's "nvfp4" (its fp32
-scale per stage replaced by an E8M0 byte per 16 groups) runs every seed in its place. Their
-runs stay in ``wide.json`` and its tables; the choice skips a variant that did not run in
-every cell."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What a wide study runs: every variant (``exact`` first) of every configuration at every
-    world size and seed, and the ``tracked`` variants on the first seed of each cell."""
-
-    configurations: tuple[str, ...]
-    worlds: tuple[int, ...]
-    seeds: tuple[int, ...]
-    variants: tuple[str, ...]
-    tracked: tuple[str, ...]
-    steps: int = 300
-    eval_every: int = StudyConfig.eval_every
-    """Steps between the evaluations during a run (the gap-against-step curves' points)."""
-
-    def runs(self) -> list[tuple[str, int, int, str]]:
-        """``(configuration, world, seed, variant)`` in the order they run: seed by seed (a
-        study stopped early has every cell's first seeds), then cell by cell, each exact run
-        before its candidates."""
-        return [(c, w, s, v) for s in self.seeds for c in self.configurations
-                for w in self.worlds for v in self.variants]
-
-    def cells(self) -> list[tuple[str, int]]:
-        return [(c, w) for c in self.configurations for w in self.worlds]
-
-
-LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4", "nvfp4-warm1000")
-"""The long form's runs: fp32, the default (NVFP4 without feedback), NVFP4 with LoCo, MXFP4
-with LoCo (the default until 2026-11-27), and NVFP4 with LoCo after a feedback warm-up of the
-first third of the run (`Variant.feedback_warmup`: at 300 steps, 100 steps of warm-up ended as
-low as no feedback; docs/convergence.md)."""
-
-FEEDBACK_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "nvfp4-ef", "nvfp4-fp32e", "nvfp4-reset50",
-                     "nvfp4-warm100")
-"""The feedback form's runs (why NVFP4 with LoCo ends above NVFP4 without at 300 steps): LoCo
-(beta 0.8) against classic error feedback (beta 0), an fp32 error state for int8's, error states
-reset every 50 uses, and feedback after a warm-up of 100 steps."""
-THREE_BIT_VARIANTS = ("exact", *(f"{f}{fb}" for fb in ("-nofb", "") for f in THREE_BIT))
-"""The three-bit form's runs: the codec's 3-bit formats without feedback and with LoCo."""
-
-PLANS = {
-    "full": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), ("exact", *CANDIDATES), CANDIDATES),
-    "quick": Plan(tuple(CONFIGURATIONS), (2,), (0, 1), ("exact", "mxfp4", "nvfp4", "nvfp4-nofb"),
-                  ()),
-    "long": Plan(("gpt", "gpt-docs"), (2, 4), (0, 1, 2), LONG_VARIANTS, (), steps=3000,
-                 eval_every=100),
-    "feedback": Plan(("gpt",), (2,), (0, 1, 2), FEEDBACK_VARIANTS, ()),
-    "three-bit": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), THREE_BIT_VARIANTS, ()),
-}
-"""The forms of ``--wide``: ``full`` and ``quick`` at 300 steps; ``long`` at 3000 (ten times the
-steps, the learning-rate schedule stretched to the run) on the two GPTs, evaluated every 100
-steps so that the gap to exact can be followed over the run (`long_report.plot_gaps`);
-``feedback`` (`FEEDBACK_VARIANTS` on the GPT at 2 ranks, its gap over the run too) and
-``three-bit`` (`THREE_BIT_VARIANTS` in every cell) at 300 steps."""
 GAP_FORMS = {"long": 500, "feedback": 50}
 """The forms whose report adds the gap over the run (`long_report`), and its table's step."""
 
