@@ -370,8 +370,10 @@ def test_outputs_a_deviation_does_not_explain_complete_as_they_are():
 def _ddp_deviates(rank, world, gloo):
     from lowbitcc.backend.deviated_output import MESSAGE
 
-    # min_size 1024: the buckets (about 2,500 elements) may be compressed, their places exact
-    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=1024))
+    # min_size 1024: the buckets (about 2,500 elements) may be compressed, their places exact;
+    # the worker issuer (the default), whatever LOCO_ISSUER says
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=1024, issuer="auto"))
     runner = pg._runner
     model, opt = bucketed_ddp(pg)
     outcomes = []
