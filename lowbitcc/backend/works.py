@@ -205,6 +205,11 @@ class FollowedWork(LocoWork):
         self._queue, self._tag = queue, tag
         self._future: LocoFuture | None = None
 
+    @property
+    def inner(self) -> Any:
+        """The inner gloo Work it follows (as the C++ ``FollowedWork``'s ``inner``)."""
+        return self._work
+
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
             self._future = completed_later(self._queue, self._tag, self._work, self._outputs)
