@@ -98,6 +98,10 @@ class NoRunner:
     def serve_reduce_scatter(output: Any, input: Any, opts: Any) -> None:  # noqa: A002
         return None
 
+    @staticmethod
+    def fold_timings() -> None:
+        return None
+
 
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
            world: int) -> Any:

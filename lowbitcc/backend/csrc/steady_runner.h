@@ -6,8 +6,9 @@
 // and the Python path (reductions.py) then takes the call as it always does. A call is served
 // when it is the steady state of `CallSchedule.take` and then of:
 //   - `Reductions._run_exact`, for an exact entry and a native op (the inner gloo group runs it
-//     itself), not timed for the cost model (this run, and the issuer's one in `EXACT_TIMED`,
-//     are the Python path's);
+//     itself), timed for the cost model where the worker issuer would time it, one run in
+//     `EXACT_TIMED` (exact_timings.h; the place's first run after an agreement by the cost
+//     model, `Entry.timed`, is the Python path's);
 //   - `Reductions._plan_run` and `CallPlan.run`, for a compressed entry whose plan has a C++
 //     core (plan_core.h; lowbitcc/backend/plan_cores.py says which plans do), op SUM
 //     or AVG, no `exact()` block demanding the exact path of it, once the group's worker has
@@ -39,6 +40,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -46,6 +48,7 @@
 #include <utility>
 #include <vector>
 
+#include "exact_timings.h"
 #include "followed_work.h"
 #include "plan_core.h"
 
@@ -151,6 +154,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     rng_.seed(seed);
   }
 
+  // Hand the exact runs' finished timings to the cost model (`ExactTimings::fold`): each
+  // served call does; tests read the cost model after their last call.
+  void fold_timings() { timings_.fold(compressed_.attr("cost_model")); }
+
   // Calls served since the runner was made, and of them compressed ones (tests read them).
   int64_t served() const { return served_; }
   int64_t served_compressed() const { return served_compressed_; }
@@ -182,10 +189,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     count(steady, all_reduce_, tensor, tensor.numel());
     std::vector<at::Tensor> inputs{tensor};
     c10::intrusive_ptr<c10d::Work> work;
+    const auto issued = std::chrono::steady_clock::now();
     {
       py::gil_scoped_release release;
       work = direct_->allreduce(inputs, options);
     }
+    time_exact(steady, work, all_reduce_, tensor, tensor.numel(), issued);
     py::object followed = follow(work, tensor);
     // `Entry.keep`: the place's next run reads the canary of the run before this one
     steady.entry.attr("canary") = steady.entry.attr("latest");
@@ -221,10 +230,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     count(steady, reduce_scatter_, input, input.numel());
     c10::intrusive_ptr<c10d::Work> work;
+    const auto issued = std::chrono::steady_clock::now();
     {
       py::gil_scoped_release release;
       work = direct_->_reduce_scatter_base(output, input, options);
     }
+    time_exact(steady, work, reduce_scatter_, input, input.numel(), issued);
     return follow(work, output);
   }
 
@@ -237,6 +248,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     bool ordinal = false;
     bool modelled = false;
     bool by_model = false;
+    bool timed = false;  // an exact run the cost model times (`ExactTimings`)
     int64_t task = -1;
     bool renews = false;  // the run starts the place's renewal
     std::shared_ptr<PlanCore> core;  // a compressed entry's plan core; null: an exact entry
@@ -362,10 +374,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     steady.task = task;
     steady.modelled = compressed_.attr("_modelling").cast<bool>() && numel >= min_size_;
-    if (steady.modelled && issuer_counts_ && timed_every_ > 0 &&
-        (issuer_.attr("_issued").cast<int64_t>() + 1) % timed_every_ == 0) {
-      return false;  // `WorkerIssuer.native_now` times this one
-    }
+    // `WorkerIssuer.native_now` times this one for the cost model: so does the runner
+    steady.timed = steady.modelled && issuer_counts_ && timed_every_ > 0 &&
+                   (issuer_.attr("_issued").cast<int64_t>() + 1) % timed_every_ == 0;
     if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
       return false;
     }
@@ -431,6 +442,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     count_in_key_block();
     PlanCore& core = *steady.core;
     py::object model = compressed_.attr("cost_model");
+    timings_.fold(model);  // the exact runs timed before, where done
     if (steady.modelled) {
       count_class(model, core.size_class());
     }
@@ -547,6 +559,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `Reductions._run_exact`; `count_planned`; `count_exact`; `WorkerIssuer._times_next`).
   void count(const Steady& steady, const py::str& collective, const at::Tensor& like,
              int64_t numel) {
+    timings_.fold(compressed_.attr("cost_model"));  // the exact runs timed before, where done
     ran(steady);
     agreement_.attr("next_seq")();
     py::object dtype =
@@ -566,8 +579,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
     if (steady.modelled) {
-      int64_t log2 = 63 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(nbytes, 1)));
-      count_class(compressed_.attr("cost_model"), py::make_tuple(collective, cpu_, log2));
+      count_class(compressed_.attr("cost_model"), exact_class(collective, nbytes));
       if (issuer_counts_) {
         detail::add_to(issuer_, "_issued", py::int_(1));
       }
@@ -586,6 +598,24 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     ++served_;
   }
 
+  // The cost model's size class of an exact call of `nbytes` input bytes
+  // (`CostModel.size_class`).
+  py::tuple exact_class(const py::str& collective, int64_t nbytes) const {
+    int64_t log2 = 63 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(nbytes, 1)));
+    return py::make_tuple(collective, cpu_, log2);
+  }
+
+  // A timed exact run (`Steady::timed`; `WorkerIssuer.native_now`): its gloo `work`, issued
+  // at `issued`, timed until it completes (`ExactTimings`).
+  void time_exact(const Steady& steady, const c10::intrusive_ptr<c10d::Work>& work,
+                  const py::str& collective, const at::Tensor& like, int64_t numel,
+                  std::chrono::steady_clock::time_point issued) {
+    if (steady.timed) {
+      const int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
+      timings_.start(work, exact_class(collective, nbytes), nbytes, issued);
+    }
+  }
+
   // `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
   py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
                     bool checked = true) {
@@ -598,6 +628,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   c10::intrusive_ptr<c10d::Backend> direct_;
+  ExactTimings timings_;  // the exact runs it timed, not yet handed to the cost model
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;

@@ -55,6 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("output"), py::arg("input"), py::arg("opts"))
       .def("decline_at_random", &lowbitcc::SteadyRunner::decline_at_random, py::arg("p"),
            py::arg("seed"))
+      .def("fold_timings", &lowbitcc::SteadyRunner::fold_timings,
+           "Hand the exact runs' finished timings to the cost model now (each call does).")
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed);
 }
