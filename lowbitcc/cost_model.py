@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 
 ALPHA = 0.3
 """Weight of the newest timing in a class's moving average."""
@@ -137,18 +138,26 @@ class CostModel:
 
     def record(self, size_class: SizeClass, exact: bool, seconds: float,
                nbytes: int) -> None:
-        """A call of ``size_class`` took ``seconds`` for ``nbytes`` input bytes on a path."""
+        """A call of ``size_class`` took ``seconds`` for ``nbytes`` input bytes on a path
+        (``exact``: the exact path, else the compressed one)."""
+        self.record_all(((size_class, exact, seconds, nbytes),))
+
+    def record_all(self, timings: Iterable[tuple[SizeClass, bool, float, int]]) -> None:
+        """`record` of each ``(size_class, exact, seconds, nbytes)`` in turn, in one call (the
+        C++ steady runner hands the timings of the runs it serves over in batches)."""
         with self._lock:
-            c = self._class(size_class)
-            c.timed[exact] += 1
-            if c.timed[exact] == 1:
-                return  # the first call of a path pays one-time costs
-            value = seconds / max(nbytes, 1)
-            old = c.per_byte[exact]
-            if old is None or c.timed[exact] <= self.warmup:
-                c.per_byte[exact] = value if old is None else min(old, value)
-            else:
-                c.per_byte[exact] = (1 - ALPHA) * old + ALPHA * value
+            classes = self._classes
+            for size_class, exact, seconds, nbytes in timings:
+                c = classes.get(size_class) or self._class(size_class)
+                c.timed[exact] += 1
+                if c.timed[exact] == 1:
+                    continue  # the first call of a path pays one-time costs
+                value = seconds / max(nbytes, 1)
+                old = c.per_byte[exact]
+                if old is None or c.timed[exact] <= self.warmup:
+                    c.per_byte[exact] = value if old is None else min(old, value)
+                else:
+                    c.per_byte[exact] = (1 - ALPHA) * old + ALPHA * value
 
     def table(self) -> list[dict[str, object]]:
         """Every size class: calls, and the mean seconds per GB of each path (None: untimed)."""

@@ -26,7 +26,7 @@ from lowbitcc.codec.abi import CSRC as CODEC_CSRC
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
-    [CSRC / "exact_timings.h", CSRC / "followed_work.h", CSRC / "plan_core.h",
+    [CSRC / "followed_work.h", CSRC / "model_timings.h", CSRC / "plan_core.h",
      CSRC / "planned_work.h", CSRC / "steady_runner.h",
      CODEC_CSRC / "codec_api.h", CODEC_CSRC / "loco_codec.cuh"], [CSRC, CODEC_CSRC], ["-O2"], [],
     what="lowbitcc's C++ Works",

@@ -7,7 +7,7 @@
 // when it is the steady state of `CallSchedule.take` and then of:
 //   - `Reductions._run_exact`, for an exact entry and a native op (the inner gloo group runs it
 //     itself), timed for the cost model where the worker issuer would time it, one run in
-//     `EXACT_TIMED` (exact_timings.h; the place's first run after an agreement by the cost
+//     `EXACT_TIMED` (model_timings.h; the place's first run after an agreement by the cost
 //     model, `Entry.timed`, is the Python path's);
 //   - `Reductions._plan_run` and `CallPlan.run`, for a compressed entry whose plan has a C++
 //     core (plan_core.h; lowbitcc/backend/plan_cores.py says which plans do), op SUM
@@ -48,7 +48,7 @@
 #include <utility>
 #include <vector>
 
-#include "exact_timings.h"
+#include "model_timings.h"
 #include "followed_work.h"
 #include "plan_core.h"
 
@@ -154,9 +154,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     rng_.seed(seed);
   }
 
-  // Hand the exact runs' finished timings to the cost model (`ExactTimings::fold`): each
-  // served call does; tests read the cost model after their last call.
-  void fold_timings() { timings_.fold(compressed_.attr("cost_model")); }
+  // Hand every finished timing of the runs it served to the cost model now
+  // (`ModelTimings::fold`; served calls hand them over in batches): tests read the cost model
+  // after their last call.
+  void fold_timings() { timings_.fold(compressed_.attr("cost_model"), true); }
 
   // Calls served since the runner was made, and of them compressed ones (tests read them).
   int64_t served() const { return served_; }
@@ -248,7 +249,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     bool ordinal = false;
     bool modelled = false;
     bool by_model = false;
-    bool timed = false;  // an exact run the cost model times (`ExactTimings`)
+    bool timed = false;  // an exact run the cost model times (`ModelTimings`)
     int64_t task = -1;
     bool renews = false;  // the run starts the place's renewal
     std::shared_ptr<PlanCore> core;  // a compressed entry's plan core; null: an exact entry
@@ -442,7 +443,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     count_in_key_block();
     PlanCore& core = *steady.core;
     py::object model = compressed_.attr("cost_model");
-    timings_.fold(model);  // the exact runs timed before, where done
     if (steady.modelled) {
       count_class(model, core.size_class());
     }
@@ -461,8 +461,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
     }
     for (double seconds : timings.modelled_s) {
-      model.attr("record")(core.size_class(), false, seconds, core.nbytes());
+      timings_.add(core.size_class(), false, seconds, core.nbytes());
     }
+    timings_.fold(model, false);  // the runs timed before, in batches
     ++served_;
     ++served_compressed_;
     c10::intrusive_ptr<c10d::Work> work =
@@ -559,7 +560,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `Reductions._run_exact`; `count_planned`; `count_exact`; `WorkerIssuer._times_next`).
   void count(const Steady& steady, const py::str& collective, const at::Tensor& like,
              int64_t numel) {
-    timings_.fold(compressed_.attr("cost_model"));  // the exact runs timed before, where done
+    timings_.fold(compressed_.attr("cost_model"), false);  // the runs timed before, in batches
     ran(steady);
     agreement_.attr("next_seq")();
     py::object dtype =
@@ -606,13 +607,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   // A timed exact run (`Steady::timed`; `WorkerIssuer.native_now`): its gloo `work`, issued
-  // at `issued`, timed until it completes (`ExactTimings`).
+  // at `issued`, timed until it completes (`ModelTimings`).
   void time_exact(const Steady& steady, const c10::intrusive_ptr<c10d::Work>& work,
                   const py::str& collective, const at::Tensor& like, int64_t numel,
                   std::chrono::steady_clock::time_point issued) {
     if (steady.timed) {
       const int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
-      timings_.start(work, exact_class(collective, nbytes), nbytes, issued);
+      timings_.start_exact(work, exact_class(collective, nbytes), nbytes, issued);
     }
   }
 
@@ -628,7 +629,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   c10::intrusive_ptr<c10d::Backend> direct_;
-  ExactTimings timings_;  // the exact runs it timed, not yet handed to the cost model
+  ModelTimings timings_;  // the runs it timed, not yet handed to the cost model
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
