@@ -378,8 +378,8 @@ def test_outputs_a_deviation_does_not_explain_complete_as_they_are():
 def _ddp_deviates(rank, world, gloo):
     from lowbitcc.backend.deviated_output import MESSAGE
 
-    # min_size 1024: the buckets (about 2,500 elements) may be compressed, their places exact;
-    # the worker issuer (the default), whatever LOCO_ISSUER says
+    # min_size 1024: the buckets (about 2,500 elements) may be compressed; `exact()` keeps their
+    # places exact whatever the cost model finds; the worker issuer, whatever LOCO_ISSUER says
     pg = dist.new_group(backend="loco",
                         pg_options=lowbitcc.LocoConfig(min_size=1024, issuer="auto"))
     runner = pg._runner
@@ -390,7 +390,7 @@ def _ddp_deviates(rank, world, gloo):
         served = runner.served
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * rank + step))
         try:
-            with lowbitcc.compressed() if forced else contextlib.nullcontext():
+            with lowbitcc.compressed() if forced else lowbitcc.exact():
                 model(x).square().mean().backward()
             outcomes.append(("ok", runner.served - served))
         except Exception as exc:  # noqa: BLE001 (the test reads its message)
@@ -406,8 +406,9 @@ def _ddp_deviates(rank, world, gloo):
 def test_a_ddp_bucket_whose_peer_deviated_raises_from_the_reducers_future():
     """DDP reads a bucket call's result through its Work's future in C++ (the reducer's
     `getFuture`, not Python's `wait`): where the runner served rank 0's steady exact bucket
-    calls and rank 1 compressed its backward (not the places' entries), rank 0's backward raises
-    the deviation (its C++ future saw the output rank 1 left) at that step, as rank 1 does."""
+    calls (`exact()` blocks) and rank 1 compressed its backward (not the places' entries), rank
+    0's backward raises the deviation (its C++ future saw the output rank 1 left) at that step,
+    as rank 1 does."""
     results = run_ranks(_ddp_deviates, 2, timeout=120)
     for rank, outcomes in enumerate(results):
         assert [o for o, _ in outcomes[:8]] == ["ok"] * 8, (rank, results)
