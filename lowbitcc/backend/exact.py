@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from lowbitcc import state
-from lowbitcc.backend import gloo_threads
 from lowbitcc.backend.gloo_threads import GlooCallback
 from lowbitcc.backend.works import InnerWork
 from lowbitcc.collectives import COLLECTIVES
@@ -269,7 +268,6 @@ def when_done(work: dist.Work, callback: Callable[[], None]) -> None:
         future = work.get_future()
     except RuntimeError:  # "Work::getFuture not implemented"
         return
-    gloo_threads.let_go_if_many()
     future.add_done_callback(GlooCallback(lambda _: callback()))
 
 
@@ -300,7 +298,6 @@ def start_now(call: ExactReduction, on_done: Callable[[dist.Work], None] | None 
             done = torch.futures.Future()
             done.set_result(inner.finish())
         return _create_work_from_future(done)
-    gloo_threads.let_go_if_many()
     if plain:
         future.add_done_callback(GlooCallback(lambda _: on_done(inner.work)))
         return inner.work

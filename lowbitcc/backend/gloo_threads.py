@@ -12,8 +12,8 @@ before its callbacks have returned), the callback's is the group's last referenc
 So each Python callback lowbitcc adds to a gloo future is a `GlooCallback`: once it has run on a
 gloo thread, it parks what it held here instead of letting go of it there, and a plan core
 destroyed there parks its group's Python object (`park`, csrc/plan_core.h). What is parked is let
-go on a thread Python started (`let_go`): at a group's shutdown, and by the calls that add gloo
-callbacks once many are parked (`let_go_if_many`); what is left goes with this module at the
+go on a thread Python started (`let_go`): at a group's shutdown, and where a `GlooCallback` is made
+once many are parked (`let_go_if_many`); what is left goes with this module at the
 interpreter's exit, on the main thread. The C++ objects that hold a gloo group and die with the
 GIL (the steady runner) let go of it without the GIL, so that its threads, which a Python
 callback may keep waiting for the GIL, can be joined.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 LET_GO_AT = 256
-"""How many parked objects the calls that add gloo callbacks let accumulate before letting go."""
+"""How many parked objects the making of gloo callbacks lets accumulate before letting go."""
 
 _parked: list[Any] = []  # appended to on gloo's threads, cleared on Python's (both atomic)
 
@@ -34,11 +34,13 @@ _parked: list[Any] = []  # appended to on gloo's threads, cleared on Python's (b
 class GlooCallback:
     """``fn`` as a callback of a gloo future (``then``, ``add_done_callback``): called once,
     with the future, it returns what ``fn`` returns (or raises what it raises) and then lets go
-    of ``fn`` through `park`."""
+    of ``fn`` through `park`. Making one lets go of what is parked once there is much
+    (`let_go_if_many`)."""
 
     __slots__ = ("_fn",)
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
+        let_go_if_many()
         self._fn: Callable[[Any], Any] | None = fn
 
     def __call__(self, future: Any) -> Any:
@@ -72,8 +74,8 @@ def let_go() -> None:
 
 
 def let_go_if_many() -> None:
-    """`let_go` once `LET_GO_AT` objects are parked (the calls that add gloo callbacks call it,
-    so that a long run keeps few)."""
+    """`let_go` once `LET_GO_AT` objects are parked (each `GlooCallback` made calls it, so that
+    a long run keeps few)."""
     if len(_parked) >= LET_GO_AT:
         let_go()
 

@@ -560,7 +560,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `Reductions._run_exact`; `count_planned`; `count_exact`; `WorkerIssuer._times_next`).
   void count(const Steady& steady, const py::str& collective, const at::Tensor& like,
              int64_t numel) {
-    timings_.fold(compressed_.attr("cost_model"), false);  // the runs timed before, in batches
+    py::object model = compressed_.attr("cost_model");
+    timings_.fold(model, false);  // the runs timed before, in batches
     ran(steady);
     agreement_.attr("next_seq")();
     py::object dtype =
@@ -580,7 +581,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
     if (steady.modelled) {
-      count_class(compressed_.attr("cost_model"), exact_class(collective, nbytes));
+      count_class(model, exact_class(collective, nbytes));
       if (issuer_counts_) {
         detail::add_to(issuer_, "_issued", py::int_(1));
       }

@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("decline_at_random", &lowbitcc::SteadyRunner::decline_at_random, py::arg("p"),
            py::arg("seed"))
       .def("fold_timings", &lowbitcc::SteadyRunner::fold_timings,
-           "Hand the exact runs' finished timings to the cost model now (each call does).")
+           "Hand every finished timing of the runs it served to the cost model now (served "
+           "calls hand them over 8 at a time).")
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed);
 }
