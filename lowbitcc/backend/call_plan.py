@@ -119,6 +119,9 @@ class CallPlan:
         """The core's transfers, each its columns ``a .. b``, its row (None: every row) and the
         buffer it receives into: an all-reduce's as `schedules.direct.decode_gathered` takes
         them."""
+        self.core_gathered: list[torch.Tensor] = []
+        """An all-reduce's core on more than two ranks: each transfer's second phase's buffer
+        (its all-gather's of every rank's reduced row), beside ``core_received``'s."""
 
     @property
     def transport(self) -> Any:
@@ -208,7 +211,11 @@ class CallPlan:
         codec.renumber(seq)
         comp.restart(codec, "", None)
         try:
-            if output is None:
+            if output is None and self.core_gathered:
+                schedules.direct.decode_two_phases(
+                    self.core_received, self.core_gathered, tensor.view(-1), comp, self.m,
+                    self.group.rank, self.group.size)
+            elif output is None:
                 schedules.direct.decode_gathered(self.core_received, tensor.view(-1), comp,
                                                  self.m, self.group.size)
             else:

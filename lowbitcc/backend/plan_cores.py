@@ -5,7 +5,9 @@ group's ``SteadyRunner`` runs it, `steady_runner`).
 A plan gets a core where its runs are the direct schedule's (``schedules/direct.py``): an
 all-reduce's on two ranks (its all-gather, `_gather_all_reduce`: one of both rows, or with chunks
 one per row and chunk), a reduce-scatter's on any number (its all-to-all of every row per chunk,
-`_pipeline`); on the CPU, with
+`_pipeline`), an all-reduce's on more ranks (per chunk that all-to-all, then the all-gather of
+each rank's message of its reduced row: `_pipeline` with its second phase, or
+`_scatter_gather`); on the CPU, with
 the settings the core implements: the C++ codec, no error feedback (the default format's
 setting), nearest rounding, an op whose input factor is fixed (SUM, AVG), an fp32, bf16 or fp16
 tensor, over a metered gloo transport. The core keeps the
@@ -45,6 +47,7 @@ def make_core(plan: Any) -> None:
         return
     plan.core_received = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
                           for p in spec["pieces"]]
+    plan.core_gathered = [p["again_received"] for p in spec["pieces"] if "again" in p]
     plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api,
                                 gloo_threads.park)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
@@ -63,7 +66,11 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       sends) and ``received``, the buffers its stages keep (a reduce-scatter's chunk, whose rows
       the schedule encodes one by one and sends together, also a ``sent`` of the core's own);
       ``header``, its messages' header (its call number overwritten at ``seq_offset`` by each
-      run); ``used``, its messages' used bytes;
+      run); ``used``, its messages' used bytes; an all-reduce's on more than two ranks also
+      ``again`` (uint8 ``[1, P]``) and ``again_nonfinite``, the buffers its second phase's
+      encode writes (stage ``ag``'s), and ``again_received``, the all-gather's (``[world * P]``);
+    - ``flags_offset`` and ``peer_error_flag``: where a message's flags lie and the flag its
+      encodes set once a message of the call did not belong to it (`wire`'s);
     - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
       codec's;
     - ``collective`` (``"all_reduce"``, ``"reduce_scatter"``), ``dtype``, ``numel``, ``m``,
@@ -74,7 +81,6 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     """
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
     if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
-            or (plan.group.size != 2 and plan.collective == "all_reduce")
             or plan.schedule != "direct" or plan.graph is not None
             or comp.error_dtype is not None or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
@@ -83,24 +89,18 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
         return None
     m, rows = plan.m, plan.group.size
     ranges = chunks(m, plan.chunk, codec.group_size)
-    if plan.collective == "reduce_scatter":  # `direct._pipeline`: chunk k's rows are "rs.k.row"
-        pieces = ([_piece(plan, "rs", 0, rows, 0, m)] if len(ranges) == 1 else
-                  [_scattered_chunk(plan, stage("rs", k, len(ranges)), a, b)
-                   for k, (a, b) in enumerate(ranges)])
-    elif len(ranges) == 1:
-        pieces = [_piece(plan, "gather", 0, rows, 0, m)]
-    else:  # `direct._gather_all_reduce`'s stages: chunk k's row r is "gather.k.r"
-        pieces = [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b)
-                  for k, (a, b) in enumerate(ranges) for r in range(rows)]
+    scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
+    pieces = _pieces(plan, ranges, scattered)
     # what the transport meters (`MeteredTransport`): an all-gather's messages, an all-to-all's
     # row, to every peer
-    scattered = plan.collective == "reduce_scatter"
-    intra, inter = world._to_peers(
-        sum(p["sent"].shape[1] if scattered else p["sent"].numel() for p in pieces))
+    intra, inter = world._to_peers(sum(
+        (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
+        else p["sent"].numel() for p in pieces))
     return {
         "plan": plan, "pieces": pieces,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
-        "seq_offset": wire.SEQ_OFFSET, "bits": codec.bits,
+        "seq_offset": wire.SEQ_OFFSET, "flags_offset": wire.FLAGS_OFFSET,
+        "peer_error_flag": wire.FLAG_PEER_ERROR, "bits": codec.bits,
         "group_size": codec.group_size, "format": FORMAT_CODES[codec.fmt],
         "checksum": codec.checksum, "step": cpu.CHECKSUM_STEP,
         "collective": plan.collective, "dtype": plan.codec_dtype, "numel": plan.numel, "m": m,
@@ -111,14 +111,34 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     }
 
 
+def _pieces(plan: Any, ranges: list[tuple[int, int]], scattered: bool) -> list[dict[str, Any]]:
+    """``plan``'s transfers (`core_spec`'s ``pieces``) for its chunks' columns ``ranges``: a
+    first phase's all-to-all per chunk where ``scattered`` (a reduce-scatter, an all-reduce on
+    more than two ranks: with its second phase), else the two ranks' all-gathers."""
+    m, rows = plan.m, plan.group.size
+    if scattered:  # `direct._pipeline`: chunk k's rows are "rs.k.row"
+        pieces = ([_piece(plan, "rs", 0, rows, 0, m)] if len(ranges) == 1 else
+                  [_scattered_chunk(plan, stage("rs", k, len(ranges)), a, b)
+                   for k, (a, b) in enumerate(ranges)])
+        if plan.collective == "all_reduce":  # the second phase: chunk k's stage is "ag.k"
+            for k, piece in enumerate(pieces):
+                _second_phase(plan, piece, stage("ag", k, len(ranges)))
+        return pieces
+    if len(ranges) == 1:
+        return [_piece(plan, "gather", 0, rows, 0, m)]
+    # `direct._gather_all_reduce`'s stages: chunk k's row r is "gather.k.r"
+    return [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b)
+            for k, (a, b) in enumerate(ranges) for r in range(rows)]
+
+
 def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int) -> dict[str, Any]:
     """One transfer of ``plan``'s core that one encode writes: stage ``name``'s buffers
     (`compressor.CallCompressor`'s ``encode`` and ``received`` ask for the same), ``rows`` rows
     from ``row0``, columns ``a .. b`` (see `core_spec`)."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     messages, nonfinite = kept.messages(name, rows, b - a, codec, device)
-    received = plan.group.size * messages.numel() if plan.collective == "all_reduce" else (
-        messages.numel())
+    gathered = plan.collective == "all_reduce" and plan.group.size == 2  # (else an all-to-all)
+    received = plan.group.size * messages.numel() if gathered else messages.numel()
     return {
         "row0": row0, "rows": rows, "a": a, "b": b, "sent": messages,
         "encodes": [{"row0": row0, "rows": rows, "messages": messages, "nonfinite": nonfinite}],
@@ -144,3 +164,14 @@ def _scattered_chunk(plan: Any, name: str, a: int, b: int) -> dict[str, Any]:
         "received": kept.received(name, sent.numel(), device), "header": codec.header(b - a),
         "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt),
     }
+
+
+def _second_phase(plan: Any, piece: dict[str, Any], name: str) -> None:
+    """Add to ``piece``, a chunk's all-to-all of an all-reduce on more than two ranks, the
+    buffers of its second phase, stage ``name``: this rank's message of the reduced row and its
+    non-finite bytes (`CallCompressor.encode` of one row asks for the same) and the all-gather's
+    received buffer (see `core_spec`)."""
+    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
+    again, nonfinite = kept.messages(name, 1, piece["b"] - piece["a"], codec, device)
+    piece.update(again=again, again_nonfinite=nonfinite,
+                 again_received=kept.received(name, plan.group.size * again.numel(), device))

@@ -245,6 +245,41 @@ def decode_scattered(received: list[tuple[int, int, int | None, torch.Tensor]],
         comp.decode_sum(messages.view(n, -1), b - a, rank, out[a:b])
 
 
+def decode_two_phases(received: list[tuple[int, int, int | None, torch.Tensor]],
+                      gathered: list[torch.Tensor], out: torch.Tensor, comp: CallCompressor,
+                      m: int, rank: int, n: int) -> None:
+    """The all-reduce's decodes on ``n`` > 2 ranks of rows of ``m`` elements, every transfer of
+    both phases complete (``received``: each chunk's columns ``a .. b``, a row that is None and
+    the buffer its all-to-all received into; ``gathered``: each chunk's all-gather's buffer):
+    in `_pipeline`'s order, each chunk's messages of row ``rank`` decoded and summed (into the
+    scratch: the sums were sent already) and each rank's reduced row decoded into its place in
+    flat ``out`` (a call place's C++ run hands it a call whose messages did not belong to it,
+    `backend.call_plan.CallPlan.finish_received`, which then raises what the Python run
+    raises)."""
+    scattering: collections.deque = collections.deque()
+    gathering: collections.deque = collections.deque()
+
+    def reduce_oldest() -> None:
+        a, b, messages, second = scattering.popleft()
+        comp.decode_sum(messages.view(n, -1), b - a, rank, comp.scratch(b - a, messages.device))
+        gathering.append((a, b, second))
+
+    def gather_oldest() -> None:
+        a, b, second = gathering.popleft()
+        decode_columns(comp, second.view(n, -1), n, m, a, b, out)
+
+    for (a, b, _, messages), second in zip(received, gathered, strict=True):
+        scattering.append((a, b, messages, second))
+        if len(scattering) > 1:
+            reduce_oldest()
+        if len(gathering) > 1:
+            gather_oldest()
+    while scattering:
+        reduce_oldest()
+    while gathering:
+        gather_oldest()
+
+
 def _place_row(comp: CallCompressor, out: torch.Tensor, m: int, r: int, a: int, b: int,
                messages: torch.Tensor) -> None:
     """Every rank's messages of columns ``a .. b`` of row ``r`` (rows of ``m``) decoded and

@@ -1,6 +1,6 @@
 """Python calls per DDP gradient-bucket call: what one steady-state call costs in Python.
 
-Two local ranks train a one-bucket model (``nn.Linear(512, 512)``: 262,656 fp32 elements, one
+Local ranks (two; ``--np``) train a one-bucket model (``nn.Linear(512, 512)``: 262,656 fp32 elements, one
 DDP bucket after its rebuild) over a group of the backend under test and over a gloo group in
 the same processes. Each rank installs a profile function on every Python thread of the
 process (``threading.setprofile`` before the groups are made, so that their worker, waiter and
@@ -139,6 +139,7 @@ def add_arguments(parser: Any) -> None:
                         help="what the bucket calls do (default: every mode)")
     parser.add_argument("--warmup", type=int, default=140, help="steps before counting")
     parser.add_argument("--steps", type=int, default=60, help="steps counted")
+    parser.add_argument("--np", type=int, default=2, help="local ranks (default 2)")
     parser.add_argument("--by-function", action="store_true",
                         help="also list the Python functions of one loco bucket call per mode")
     parser.set_defaults(func=command)
@@ -150,7 +151,8 @@ def command(args: Any) -> int:
     print("|---|---|---|---|---|")
     listed = {}
     for mode in args.modes:
-        r = count_calls(mode, args.warmup, args.steps, by_function=args.by_function)
+        r = count_calls(mode, args.warmup, args.steps, world=args.np,
+                        by_function=args.by_function)
         print(f"| {mode} | {r['gloo']:.1f} | {r['loco']:.1f} | {r['extra']:.1f} | "
               f"{r['extra builtins']:.1f} |", flush=True)
         listed[mode] = r.get("functions", {})

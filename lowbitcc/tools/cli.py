@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lowbitcc.tools import call_count
 
     call_count.add_arguments(sub.add_parser(
-        "calls", help="Python calls per DDP bucket call, beyond gloo's (steady state, 2 ranks)"))
+        "calls", help="Python calls per DDP bucket call, beyond gloo's (steady state, 2 ranks or --np)"))
     bench = sub.add_parser("codec-bench", help="codec encode/decode throughput vs copy bandwidth")
     bench.add_argument("-b", type=_size, default=64 << 10, help="smallest size (default 64K)")
     bench.add_argument("-e", type=_size, default=256 << 20, help="largest size (default 256M)")

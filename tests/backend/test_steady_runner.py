@@ -113,7 +113,8 @@ def _train(rank, world, gloo, mode, issuer):
     (2, "compressed", "auto"),  # `lowbitcc.compressed()`: plan cores, beside the worker's calls
     (2, "compressed", "inline"),
     (2, "chunked", "auto"),     # (inline runs no chunks)
-    (3, "compressed", "auto"),  # three ranks: the reduce-scatters' plan cores
+    (3, "compressed", "auto"),  # three ranks: the all-reduce's two phases
+    pytest.param(3, "chunked", "auto", marks=pytest.mark.slow),
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
     compressed = mode in ("compressed", "chunked")
@@ -133,8 +134,8 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
             assert calls >= 5 * STEPS - 5, state
             served = runs["native"]["served_compressed"]
             assert runs["python"]["served"] == 0
-            # two ranks: every call's (the reduce-scatters too); three: the reduce-scatters'
-            assert served > (0.7 if world == 2 else 0.35) * calls, (rank, calls, served)
+            # every call's: the all-reduces' and the reduce-scatters'
+            assert served > 0.7 * calls, (rank, calls, served)
             assert 0.3 * served < runs["mixed"]["served_compressed"] < 0.7 * served, (
                 rank, runs["mixed"])
             continue
@@ -245,7 +246,7 @@ def _deviation_at_a_core(rank, world, gloo, collective):
     assert runner.served_compressed == served + 1, "not steady"
     before = runner.served_compressed
     try:
-        call(4096 + 64 * rank)  # rank 1's call is not the place's: it deviates
+        call(4096 + 64 * (rank == 1))  # rank 1's call is not the place's: it deviates
         raised = None
     except Exception as exc:  # noqa: BLE001 (the test reads its type)
         raised = type(exc).__name__
@@ -254,21 +255,29 @@ def _deviation_at_a_core(rank, world, gloo, collective):
     return steady, raised, served_deviation, after[-1], runner.served_compressed - before
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize(("world", "collective"), [
+    (2, "all_reduce"), (2, "reduce_scatter"), (3, "all_reduce")])
 def test_a_call_whose_messages_do_not_belong_to_it_raises_from_a_plan_core_as_from_python(
-        collective):
-    """Rank 1 deviates from a steady compressed place that rank 0's plan core serves: rank 0's
-    core meets rank 1's flagged messages and hands the decode back to the plan, so both ranks
-    raise `CollectiveMismatchError` at that call, and the place runs (served again) after."""
-    (steady0, raised0, core0, after0, total0), (steady1, raised1, core1, after1, _) = run_ranks(
-        _deviation_at_a_core, 2, collective, timeout=120)
-    assert (raised0, raised1) == ("CollectiveMismatchError", "CollectiveMismatchError")
-    assert (core0, core1) == (1, 0)  # rank 0 ran it in C++, rank 1 (deviating) in Python
-    assert torch.allclose(steady0, torch.full_like(steady0, 3.0), rtol=0.1)
+        world, collective):
+    """Rank 1 deviates from a steady compressed place that the other ranks' plan cores serve:
+    their cores meet rank 1's flagged messages (on three ranks in the all-reduce's first phase,
+    whose sums they send flagged in the second) and hand the decode back to the plan, so every
+    rank raises `CollectiveMismatchError` at that call, and the place runs (served again)
+    after."""
+    results = run_ranks(_deviation_at_a_core, world, collective, timeout=120)
+    assert [raised for _, raised, *_ in results] == ["CollectiveMismatchError"] * world
+    # the others ran it in C++, rank 1 (deviating) in Python
+    assert [core for _, _, core, _, _ in results] == [0 if r == 1 else 1 for r in range(world)]
+    steady0, after0, total0 = results[0][0], results[0][3], results[0][4]
+    want = torch.full_like(steady0, float(sum(range(1, world + 1))))
+    # (three ranks: two quantizations, each up to 1/8 off where a group's block scale rounds up:
+    # 6.0 comes back 6.75)
+    assert torch.allclose(steady0, want, rtol=0.1 if world == 2 else 0.15)
     if collective == "all_reduce":  # (a reduce-scatter's ranks hold different rows)
-        assert torch.equal(steady0, steady1) and torch.equal(after0, after1)
+        assert all(torch.equal(steady0, steady) and torch.equal(after0, after)
+                   for steady, _, _, after, _ in results)
     else:
-        assert torch.allclose(after0, torch.full_like(after0, 3.0), rtol=0.1)
+        assert torch.allclose(after0, want, rtol=0.1)  # (two ranks)
     assert total0 > 1  # the place is served again after the exchange that follows
 
 

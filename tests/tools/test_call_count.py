@@ -1,6 +1,6 @@
 """Python calls per steady DDP bucket call beyond gloo's (`lowbitcc.tools.call_count`): a budget
 that only goes down. Counted over 64 steps, one cycle of a place's agreement (its renewal's
-calls included), on 2 real ranks."""
+calls included), on 2 real ranks (and a compressed one on 3)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,21 @@ PYTHON = {"compressed": 110, "default": 120, "exact": 52}
 call runs through Python, an exact entry's Work the Python `works.FollowedWork` (107.6 and 47.9,
 2026-11-29; exact 50.4 since its Work reads the output for a deviating peer's, `deviated_output`;
 under the default settings 117.4 where the cost model sent the buckets compressed)."""
+PYTHON_THREE_RANKS = 150
+"""The compressed budget on 3 ranks without the C++ module (the all-reduce's two phases in
+Python: 144.5 on 2026-11-29, where the C++ module served 3 ranks' all-reduces in Python too)."""
 
 
-@pytest.mark.parametrize("mode", sorted(BUDGET))
-def test_a_steady_bucket_call_stays_within_its_python_call_budget(mode):
-    counted = count_calls(mode, warmup=70, steps=64, by_function=True)
+@pytest.mark.parametrize(("mode", "world"), [
+    *((mode, 2) for mode in sorted(BUDGET)),
+    pytest.param("compressed", 3, marks=pytest.mark.slow),  # the all-reduce's two phases
+])
+def test_a_steady_bucket_call_stays_within_its_python_call_budget(mode, world):
+    counted = count_calls(mode, warmup=70, steps=64, world=world, by_function=True)
     assert 5 <= counted["gloo"] <= 40, counted  # DDP's own Python, the same on both groups
     served = native.load() is not None
-    assert counted["extra"] <= (BUDGET if served else PYTHON)[mode], counted
+    budget = BUDGET[mode] if served else PYTHON_THREE_RANKS if world == 3 else PYTHON[mode]
+    assert counted["extra"] <= budget, counted
     # `lowbitcc calls --by-function`: every call counted is listed under its function
     functions = counted["functions"]
     assert abs(sum(functions.values()) - counted["loco"]) < 1e-6, functions

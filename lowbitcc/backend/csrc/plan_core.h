@@ -1,14 +1,16 @@
 // PlanCore: the steady run of one call place's compressed all-reduce or reduce-scatter on the
 // CPU, in C++: what `call_plan.CallPlan.run` does on the direct schedule
 // (lowbitcc/schedules/direct.py: the two ranks' all-reduce's all-gather, `_gather_all_reduce`;
-// the reduce-scatter's all-to-all, `_pipeline`, on any number of ranks), without Python.
+// the reduce-scatter's all-to-all, `_pipeline`, on any number of ranks; the all-reduce on more
+// ranks, `_pipeline` with its second phase, or `_scatter_gather`), without Python.
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
-// buffers and settings) where its runs are that schedule: an all-reduce on 2 ranks or a
-// reduce-scatter, no error feedback, nearest rounding, the C++ codec. Its transfers (`Piece`s)
-// are the schedule's: an all-reduce's, with one chunk one all-gather of both rows' messages,
+// buffers and settings) where its runs are that schedule: an all-reduce or a reduce-scatter,
+// no error feedback, nearest rounding, the C++ codec. Its transfers (`Piece`s) are the
+// schedule's: a two ranks' all-reduce's, with one chunk one all-gather of both rows' messages,
 // with several one per row and chunk; a reduce-scatter's one all-to-all of every row's messages
-// per chunk. `run` is one call:
+// per chunk; an all-reduce's on more ranks, per chunk that all-to-all and then an all-gather of
+// each rank's message of its reduced row (its "second phase"). `run` is one call:
 //   - in the calling thread, the GIL released, for each transfer: the header with the call
 //     number, the encodes of its rows' columns of the source into its messages (codec_api.h),
 //     their frames, and its transfer of the messages into its received buffer, started on the
@@ -21,6 +23,16 @@
 //   - when every transfer is decoded: where a message did not belong to the call, the whole
 //     decode is the Python plan's instead (`CallPlan.finish_received`, with the GIL): it writes
 //     what the Python path writes and raises the same error, which the call's Work carries.
+// An all-reduce on more ranks runs its first phase in the calling thread instead, in the
+// schedule's order, so that every rank issues its transfers in one order whichever path each
+// takes (gloo matches collectives by the order they are issued in): per chunk the encodes and
+// the all-to-all started; once two are in flight the oldest awaited (the GIL released), its
+// messages verified and summed into the scratch (a foreign one: NaN, as the Python decode
+// leaves it), the sum encoded as this rank's message of the chunk and its all-gather started;
+// once a message did not belong to the call, every message encoded after it is flagged
+// `FLAG_PEER_ERROR` (lowbitcc/codec/wire.py), as `CallCompressor.encode` flags it. The
+// all-gathers' decodes (each rank's reduced row into its place of the source, cast) run on
+// gloo's threads, and `run` returns once every all-gather is started.
 // The run's Work (`PlannedWork`) completes with the last decode. The same bytes as the Python
 // path, on the same buffers, so a place's runs may take either path: one run of a place at a
 // time (`wait`, which the runner and the Python plan call before a run).
@@ -47,6 +59,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -70,14 +84,18 @@ struct Encode {
 
 // One transfer of a run: columns `a .. b` of the rows its `encodes` write into `sent` (uint8
 // [rows, P]) under the header `header` (its call number overwritten by each run); all-gathered
-// (an all-reduce: the rows `row0 .. row0 + rows`, [2 * rows * P] received) or sent to all
-// (a reduce-scatter: every row, row j to rank j; [world * P] received, rank j's message of this
-// rank's row at j) into `received`.
+// (a two ranks' all-reduce: the rows `row0 .. row0 + rows`, [2 * rows * P] received) or sent to
+// all (a reduce-scatter, and the first phase of an all-reduce on more ranks: every row, row j to
+// rank j; [world * P] received, rank j's message of this rank's row at j) into `received`. An
+// all-reduce on more ranks also all-gathers its second phase: this rank's message of the
+// reduced row in `again` (uint8 [1, P]; its groups' non-finite bytes in `again_nonfinite`),
+// every rank's into `again_received` ([world * P], rank j's at j); undefined otherwise.
 struct Piece {
   int64_t row0, rows, a, b, used;
   std::vector<Encode> encodes;
   at::Tensor sent, received;
   std::string header;
+  at::Tensor again, again_nonfinite, again_received;
 };
 
 class __attribute__((visibility("hidden"))) PlanCore
@@ -95,6 +113,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         scratch_(spec["scratch"].cast<at::Tensor>()),
         dtype_(reinterpret_cast<THPDtype*>(spec["dtype"].ptr())->scalar_type),
         scatter_(spec["collective"].cast<std::string>() == "reduce_scatter"),
+        two_phase_(!scatter_ && spec["world"].cast<int64_t>() > 2),
         numel_(spec["numel"].cast<int64_t>()),
         m_(spec["m"].cast<int64_t>()),
         world_(spec["world"].cast<int64_t>()),
@@ -104,6 +123,8 @@ class __attribute__((visibility("hidden"))) PlanCore
         format_(spec["format"].cast<int64_t>()),
         step_(spec["step"].cast<int64_t>()),
         seq_offset_(spec["seq_offset"].cast<int64_t>()),
+        flags_offset_(spec["flags_offset"].cast<int64_t>()),
+        peer_error_flag_(spec["peer_error_flag"].cast<uint8_t>()),
         factor_(spec["factor"].cast<double>()),
         beta_(spec["beta"].cast<double>()),
         checksum_(spec["checksum"].cast<bool>()),
@@ -119,21 +140,31 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     TORCH_CHECK(api_->version == lowbitcc_cpu::kCodecApiVersion, "lowbitcc: the C++ codec's API ",
                 api_->version, " is not the runner's ", lowbitcc_cpu::kCodecApiVersion);
-    TORCH_CHECK((world_ == 2 || scatter_) && scratch_.scalar_type() == at::kFloat,
-                "lowbitcc: a plan core runs a reduce-scatter, or two ranks' all-reduce");
+    TORCH_CHECK(world_ >= 2 && scratch_.scalar_type() == at::kFloat,
+                "lowbitcc: a plan core runs a reduce-scatter or an all-reduce of 2 ranks or more");
     for (auto item : spec["pieces"]) {
       py::dict p = item.cast<py::dict>();
       Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
                   p["b"].cast<int64_t>(), p["used"].cast<int64_t>(), {},
                   p["sent"].cast<at::Tensor>(), p["received"].cast<at::Tensor>(),
-                  p["header"].cast<std::string>()};
+                  p["header"].cast<std::string>(), {}, {}, {}};
       const int64_t P = piece.sent.size(1);
+      const bool to_all = scatter_ || two_phase_;  // the first phase is an all-to-all
       bool fit = (int64_t)piece.header.size() == loco::kHeaderBytes &&
                  piece.sent.is_contiguous() && piece.sent.size(0) == piece.rows &&
                  piece.received.numel() ==
-                     (scatter_ ? piece.sent.numel() : world_ * piece.sent.numel()) &&
-                 (!scatter_ || (piece.row0 == 0 && piece.rows == world_)) &&
+                     (to_all ? piece.sent.numel() : world_ * piece.sent.numel()) &&
+                 (!to_all || (piece.row0 == 0 && piece.rows == world_)) &&
                  scratch_.numel() >= piece.b - piece.a;
+      if (two_phase_) {
+        piece.again = p["again"].cast<at::Tensor>();
+        piece.again_nonfinite = p["again_nonfinite"].cast<at::Tensor>();
+        piece.again_received = p["again_received"].cast<at::Tensor>();
+        fit = fit && piece.again.is_contiguous() && piece.again.size(0) == 1 &&
+              piece.again.size(1) == P && piece.again_nonfinite.is_contiguous() &&
+              piece.again_received.numel() == world_ * P &&
+              piece.again_received.is_contiguous();
+      }
       for (auto unit : p["encodes"]) {
         py::dict e = unit.cast<py::dict>();
         Encode encode{e["row0"].cast<int64_t>(), e["rows"].cast<int64_t>(),
@@ -219,11 +250,16 @@ class __attribute__((visibility("hidden"))) PlanCore
     auto self = shared_from_this();
     py::gil_scoped_release release;
     const auto start = std::chrono::steady_clock::now();
+    // (an all-reduce on more ranks: one for the calling thread, one more per all-gather started)
     auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed, start,
-                                     static_cast<int64_t>(pieces_.size()));
+                                     two_phase_ ? 1 : static_cast<int64_t>(pieces_.size()));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       last_ = run->result;
+    }
+    if (two_phase_) {
+      run_two_phases(self, run, sums);
+      return c10::make_intrusive<PlannedWork>(run->result, c10d::OpType::ALLREDUCE);
     }
     for (size_t k = 0; k < pieces_.size(); ++k) {
       Piece& piece = pieces_[k];
@@ -305,6 +341,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     std::chrono::steady_clock::time_point start;
     std::atomic<int64_t> left;  // transfers not yet decoded
     std::atomic<bool> foreign{false};
+    // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
+    // messages encoded after it are flagged (the file's comment)
+    std::atomic<bool> peer_error{false};
     std::atomic<int64_t> encode_ns{0}, decode_ns{0};
     std::mutex mutex;
     std::exception_ptr first_error;
@@ -347,8 +386,171 @@ class __attribute__((visibility("hidden"))) PlanCore
       api_->encode(a, bits_, run.threads, dtype_);
       api_->frame(unit.messages, header, unit.shards, unit.nonfinite, piece.used, 0, checksum_,
                   step_, run.threads);
+      if (run.peer_error) {
+        flag_peer_error(unit.messages);
+      }
     }
     return header;
+  }
+
+  // `CallCompressor.encode`'s flag on messages (uint8 [rows, P]) encoded after a message of the
+  // call did not belong to it.
+  void flag_peer_error(const at::Tensor& messages) const {
+    uint8_t* bytes = messages.data_ptr<uint8_t>();
+    const int64_t P = messages.size(1);
+    for (int64_t r = 0; r < messages.size(0); ++r) {
+      bytes[r * P + flags_offset_] |= peer_error_flag_;
+    }
+  }
+
+  // An all-reduce on more ranks, in the calling thread without the GIL (the file's comment):
+  // the first phase in `direct._pipeline`'s order, each chunk's second phase started as its
+  // first completes; `run`'s token for this thread given back at the end.
+  void run_two_phases(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run,
+                      const at::Tensor& sums) {
+    std::deque<std::pair<size_t, c10::intrusive_ptr<c10d::Work>>> scattering;
+    std::vector<std::string> headers(pieces_.size());
+    bool ok = true;
+    auto reduce_oldest = [&]() {
+      auto [k, transfer] = std::move(scattering.front());
+      scattering.pop_front();
+      auto done = transfer->getFuture();
+      done->wait();
+      if (!ok) {
+        return;  // (a transfer before failed: the ones after it are only awaited)
+      }
+      if (done->hasError()) {
+        run->failed(done->exception_ptr());
+        ok = false;
+        return;
+      }
+      try {
+        gather(self, run, k, headers[k], sums);
+      } catch (...) {
+        run->failed(std::current_exception());
+        ok = false;
+      }
+    };
+    for (size_t k = 0; k < pieces_.size() && ok; ++k) {
+      Piece& piece = pieces_[k];
+      const auto begun = std::chrono::steady_clock::now();
+      try {
+        headers[k] = encode(piece, *run, sums);
+      } catch (...) {
+        run->failed(std::current_exception());
+        ok = false;
+        break;
+      }
+      run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - begun).count();
+      std::vector<int64_t> equal;  // (empty: equal splits, as `GlooTransport.all_to_all_async`)
+      c10d::AllToAllOptions options;
+      at::Tensor sent = piece.sent.view({-1});
+      scattering.emplace_back(
+          k, transport_->alltoall_base(piece.received, sent, equal, equal, options));
+      if (scattering.size() > 1) {
+        reduce_oldest();
+      }
+    }
+    while (!scattering.empty()) {
+      reduce_oldest();
+    }
+    if (--run->left == 0) {
+      finish(*run);
+    }
+  }
+
+  // Chunk `k`'s second phase (on the calling thread, its all-to-all complete): the messages of
+  // this rank's row verified and summed in rank order into the scratch (NaN where one does not
+  // belong to the call: the run is then foreign, and its later messages flagged), the sum
+  // encoded into `again` and all-gathered; its decode on gloo's thread.
+  void gather(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run, size_t k,
+              const std::string& header, const at::Tensor& sums) {
+    Piece& piece = pieces_[k];
+    const auto begun = std::chrono::steady_clock::now();
+    const int64_t width = piece.b - piece.a, P = piece.sent.size(1);
+    at::Tensor reduced = scratch_.slice(0, 0, width);
+    at::Tensor messages = piece.received.view({world_, P});
+    if (api_->verify(messages, header, std::vector<int64_t>(world_, rank_), checksum_, step_,
+                     run->threads) < 0) {
+      run->foreign = true;
+      run->peer_error = true;
+      reduced.fill_(std::numeric_limits<float>::quiet_NaN());
+    } else {
+      api_->decode_sum(messages, width, bits_, group_size_, format_, run->threads, reduced);
+    }
+    loco::EncodeArgs a{};
+    a.src = reduced.data_ptr();
+    a.msgs = piece.again.data_ptr<uint8_t>();
+    a.nonfinite = piece.again_nonfinite.data_ptr<uint8_t>();
+    a.sums = sums.data_ptr<double>();
+    a.numel = width;
+    a.rows = 1;
+    a.m = width;
+    a.ng = (width + group_size_ - 1) / group_size_;
+    a.P = P;
+    a.factor = 1.0f;
+    a.scale_input = false;
+    a.beta = static_cast<float>(beta_);
+    a.omb = static_cast<float>(1.0 - beta_);
+    a.G = static_cast<int32_t>(group_size_);
+    a.mode = loco::kErrorNone;
+    a.format = static_cast<int32_t>(format_);
+    api_->encode(a, bits_, run->threads, at::kFloat);
+    api_->frame(piece.again, header, {rank_}, piece.again_nonfinite, piece.used, 0, checksum_,
+                step_, run->threads);
+    if (run->peer_error) {
+      flag_peer_error(piece.again);
+    }
+    run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - begun).count();
+    ++run->left;
+    c10d::AllgatherOptions options;
+    at::Tensor sent = piece.again.view({-1});
+    auto transfer = transport_->_allgather_base(piece.again_received, sent, options);
+    transfer->getFuture()->addCallback([self, run, k, header](c10::ivalue::Future& done) {
+      try {
+        if (done.hasError()) {
+          run->failed(done.exception_ptr());
+        } else {
+          self->decode_reduced_rows(self->pieces_[k], header, *run);
+        }
+      } catch (...) {
+        run->failed(std::current_exception());
+      }
+      if (--run->left == 0) {
+        self->finish(*run);
+      }
+    });
+  }
+
+  // The decode of chunk `piece`'s second phase (on gloo's thread; as `chunking.decode_columns`):
+  // every rank's message of its reduced row into that row's columns of the source, cast; a
+  // message that does not belong to the call marks the run foreign, for `finish`.
+  void decode_reduced_rows(const Piece& piece, const std::string& header, Run& run) {
+    const auto begun = std::chrono::steady_clock::now();
+    const int64_t width = piece.b - piece.a, P = piece.again.size(1);
+    at::Tensor messages = piece.again_received.view({world_, P});
+    std::vector<int64_t> shards(world_);
+    for (int64_t r = 0; r < world_; ++r) {
+      shards[r] = r;
+    }
+    if (api_->verify(messages, header, shards, checksum_, step_, run.threads) < 0) {
+      run.foreign = true;
+    } else if (piece.a == 0 && piece.b == m_) {
+      api_->decode_into(messages, m_, bits_, group_size_, format_, run.flat, run.threads);
+    } else {
+      for (int64_t r = 0; r < world_; ++r) {
+        const int64_t lo = std::min(r * m_ + piece.a, numel_);
+        const int64_t hi = std::min(r * m_ + piece.b, numel_);
+        if (lo < hi) {
+          api_->decode_into(messages.slice(0, r, r + 1), width, bits_, group_size_, format_,
+                            run.flat.slice(0, lo, hi), run.threads);
+        }
+      }
+    }
+    run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - begun).count();
   }
 
   // The decode of `piece` of an all-reduce's `run`, its all-gather complete (on gloo's thread;
@@ -449,8 +651,11 @@ class __attribute__((visibility("hidden"))) PlanCore
   py::object size_class_;
   at::Tensor scratch_;
   at::ScalarType dtype_;
-  bool scatter_;  // a reduce-scatter's core (else an all-reduce's)
+  bool scatter_;    // a reduce-scatter's core (else an all-reduce's)
+  bool two_phase_;  // an all-reduce's on more than two ranks
   int64_t numel_, m_, world_, rank_, bits_, group_size_, format_, step_, seq_offset_;
+  int64_t flags_offset_;
+  uint8_t peer_error_flag_;
   double factor_, beta_;
   bool checksum_, modelled_;
   int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;

@@ -16,7 +16,7 @@
 
 namespace lowbitcc_cpu {
 
-constexpr int kCodecApiVersion = 1;
+constexpr int kCodecApiVersion = 2;
 constexpr const char* kCodecApiName = "lowbitcc_cpu.codec_api";
 
 struct CodecApi {
@@ -37,6 +37,10 @@ struct CodecApi {
   // The fp32 sum in row order of k messages of one shard, into `out` (fp32 [m]).
   at::Tensor (*decode_sum)(const at::Tensor& messages, int64_t m, int64_t bits, int64_t G,
                            int64_t fmt, int64_t threads, at::Tensor out);
+  // Decodes k messages into flat `out` (fp32, bf16 or fp16, contiguous, at most k * m
+  // elements): row r's values at r * m, cast, clipped to `out`'s length.
+  void (*decode_into)(const at::Tensor& messages, int64_t m, int64_t bits, int64_t G,
+                      int64_t fmt, at::Tensor out, int64_t threads);
 };
 
 }  // namespace lowbitcc_cpu

@@ -628,7 +628,7 @@ py::dict encode_args_layout() {
 
 // What the other C++ modules of lowbitcc call (codec_api.h), kept for the process.
 const lowbitcc_cpu::CodecApi kApi{lowbitcc_cpu::kCodecApiVersion, &encode_checked, &frame, &verify,
-                                  &decode_sum};
+                                  &decode_sum, &decode_into};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("encode", &encode, "fused compensate + quantize + pack + error update",
