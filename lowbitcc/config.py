@@ -126,7 +126,7 @@ class LocoConfig:
             same bytes either way (stochastic rounding draws other random bits per chunk).
         max_chunks: the most chunks a row is cut into: a row longer than ``max_chunks *
             chunk_size`` gets wider chunks, so that a large call pays the host work of a chunk
-            (about a millisecond) fewer times (0: no limit, ``chunk_size`` alone decides).
+            fewer times (0: no limit, ``chunk_size`` alone decides).
         issuer: how CPU reductions are issued: "auto" (the group's worker thread: the caller
             goes on while a call runs) or "inline" (in the calling thread, as CUDA calls always
             are: less host time per synchronous call, the caller waiting for each; it also runs
@@ -161,7 +161,7 @@ class LocoConfig:
     checksum: bool | None = None
     schedule: str = "direct"
     chunk_size: int = 1048576
-    max_chunks: int = 4
+    max_chunks: int = 8
     transport: str = "auto"
     node_size: int = 0
     auto_tree_bytes: int = 2097152

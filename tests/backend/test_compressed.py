@@ -226,7 +226,7 @@ def _chunked_equals_whole(rank, world, gloo):
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_pipelined_chunks_give_the_same_bytes(world):
     """chunk_size 1000 (1024 after rounding to groups) cuts each row into ~33-49 chunks
-    (max_chunks 0), or into 4 wider ones (the default max_chunks, 4)."""
+    (max_chunks 0), or into 8 wider ones (the default max_chunks, 8)."""
     for per_rank in run_ranks(_chunked_equals_whole, world):
         for r in per_rank:
             assert (r["all_reduce_same"] and r["reduce_scatter_same"] and r["capped_same"]
