@@ -14,9 +14,11 @@ call allocates nothing.
 A received message that fails validation (`wire.WireFormatError`: corrupt, truncated, or of
 another call) does not stop the schedule: the decode that met it yields NaN, the error is kept,
 every message this rank encodes afterwards in the call carries `wire.FLAG_PEER_ERROR` (so the
-ranks that receive them fail their decode in turn), and `raise_deferred` raises it once the
-schedule has finished. So every rank completes the same transfers, the group stays in step for
-its next call, and each rank that received a bad message, or a message built from one, raises.
+ranks that receive them fail their decode in turn; not a reduce-scatter's own messages, whose
+receivers sum rows that do not depend on what this rank received: `own_rows`), and
+`raise_deferred` raises it once the schedule has finished. So every rank completes the same
+transfers, the group stays in step for its next call, and each rank that received a bad
+message, or a message built from one, raises.
 
 On CUDA tensors nothing here reads the GPU from the host: the call's non-finite flag stays a
 0-dim device tensor, the encodes add their residual sums into the statistics' accumulator
@@ -28,10 +30,12 @@ instead of dropping them, so a call is enqueued without waiting for the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
 import zlib
+from collections.abc import Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -113,6 +117,9 @@ class CallCompressor:
         or decode of device tensors where the caller gave none: the kernels set its bytes, so
         the call's flags cost no launch of their own."""
         self._verdict_unset = verdict is not None  # given, and not yet zeroed by this call
+        self.flags_peers = True
+        """Whether encodes after a foreign message flag theirs `wire.FLAG_PEER_ERROR` (False
+        inside `own_rows`)."""
         self.deviated: int | None = None
         """The `wire.call_signature` of this rank's own call where this compressor runs another
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
@@ -151,12 +158,25 @@ class CallCompressor:
         self._flag(result.any_nonfinite)
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
-        if self.wire_error is not None:
+        if self.wire_error is not None and self.flags_peers:
             result.messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_PEER_ERROR
         if self.deviated is not None:
             mark_deviated(result.messages, self.deviated)
         self._codec_s += time.perf_counter() - start
         return result.messages
+
+    @contextlib.contextmanager
+    def own_rows(self) -> Iterator[None]:
+        """Around a reduce-scatter's encodes (the direct schedule's, whose rows go each to the
+        rank that sums it): a foreign message received before one of them does not flag it
+        `wire.FLAG_PEER_ERROR`, since its receiver's sum does not depend on what this rank
+        received (a call place's C++ core encodes every chunk before any decode, and flags
+        none)."""
+        self.flags_peers = False
+        try:
+            yield
+        finally:
+            self.flags_peers = True
 
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         """The statistics' accumulator of the residual sums on ``device`` (`Stats.accumulator`;

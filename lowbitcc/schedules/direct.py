@@ -112,8 +112,9 @@ def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
     transport = links.world
     if out is None:
         out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
-    _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
-              lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
+    with comp.own_rows():  # each row's receiver sums it without what this rank received
+        _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
+                  lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
     return out
 
 

@@ -22,6 +22,7 @@ import lowbitcc.backend.process_group
 import lowbitcc.codec.exchange_frame
 import lowbitcc.codec.wire
 import lowbitcc.cost_model
+from lowbitcc.backend import native
 from tests.support.ranks import run_ranks
 
 
@@ -562,6 +563,55 @@ def test_a_corrupt_message_on_one_rank_raises_where_it_matters_and_the_group_sur
     direct's all-reduce is one all-gather (no scatter phase; the gather cases cover it)."""
     env = {"LOCO_CHECKSUM": "1"} if phase.startswith("payload") else None
     assert run_ranks(_corrupt_message_on_one_rank, 3, phase, timeout=60, env=env) == expected
+
+
+def _corrupt_chunks_of_a_reduce_scatter(rank, world, gloo, served):
+    from lowbitcc.backend import steady_runner
+    from lowbitcc.transports import gloo as gloo_transport
+
+    # rows of 4 chunks; each call a step, so that its place is steady from the third call on
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=2, cost_model=False, chunk_size=1024, max_chunks=0))
+    if rank == 1 or not served:  # rank 1 receives through the Python path, where it is patched
+        pg._runner = steady_runner.NoRunner()
+    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
+
+    def call():
+        out = torch.empty(4096)
+        with lowbitcc.compressed():
+            dist.reduce_scatter_tensor(out, x.clone(), group=pg)
+        lowbitcc.end_step()
+        return out
+
+    for _ in range(12):
+        call()
+    original = gloo_transport.GlooTransport.all_to_all_async
+    if rank == 1:
+        gloo_transport.GlooTransport.all_to_all_async = lambda self, send, *out: _Corrupted(
+            original(self, send, *out), 0)
+    try:
+        call()
+        raised = "nothing"
+    except lowbitcc.codec.wire.PeerWireFormatError:
+        raised = "peer"
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        raised = "own" if f"rank {rank} received a corrupt" in str(exc) else str(exc)
+    gloo_transport.GlooTransport.all_to_all_async = original
+    after = call()
+    return raised, bool(torch.isfinite(after).all()), pg._runner.served_compressed > 0
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_a_corrupt_chunk_of_a_reduce_scatter_raises_only_where_it_was_received(served):
+    """Rank 1 receives every chunk of a chunked reduce-scatter corrupt: it raises, and ranks 0
+    and 2, whose rows do not depend on what rank 1 received, complete (its later chunks' messages
+    carry no peer flag, whichever path each rank takes: ranks 0 and 2 through the plan's C++
+    core where ``served``); the next call works everywhere."""
+    results = run_ranks(_corrupt_chunks_of_a_reduce_scatter, 3, served, timeout=120)
+    assert [raised for raised, _, _ in results] == ["nothing", "own", "nothing"], results
+    assert all(finite for _, finite, _ in results), results
+    if native.load() is not None:
+        assert [core for _, _, core in results] == [served, False, served], results
 
 
 def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
