@@ -14,9 +14,9 @@ call allocates nothing.
 A received message that fails validation (`wire.WireFormatError`: corrupt, truncated, or of
 another call) does not stop the schedule: the decode that met it yields NaN, the error is kept,
 every message this rank encodes afterwards in the call carries `wire.FLAG_PEER_ERROR` (so the
-ranks that receive them fail their decode in turn; not a reduce-scatter's own messages, whose
-receivers sum rows that do not depend on what this rank received: `own_rows`), and
-`raise_deferred` raises it once the schedule has finished. So every rank completes the same
+ranks that receive them fail their decode in turn; not after a decode whose values nothing this
+rank sends depends on, a call's last decodes: `final_decodes`), and `raise_deferred` raises it
+once the schedule has finished. So every rank completes the same
 transfers, the group stays in step for its next call, and each rank that received a bad
 message, or a message built from one, raises.
 
@@ -117,9 +117,10 @@ class CallCompressor:
         or decode of device tensors where the caller gave none: the kernels set its bytes, so
         the call's flags cost no launch of their own."""
         self._verdict_unset = verdict is not None  # given, and not yet zeroed by this call
-        self.flags_peers = True
-        """Whether encodes after a foreign message flag theirs `wire.FLAG_PEER_ERROR` (False
-        inside `own_rows`)."""
+        self.tainted = False
+        """A decode whose values this rank sends on met a foreign message: every encode of the
+        call after it flags its messages `wire.FLAG_PEER_ERROR`."""
+        self._final = False  # inside `final_decodes`
         self.deviated: int | None = None
         """The `wire.call_signature` of this rank's own call where this compressor runs another
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
@@ -158,7 +159,7 @@ class CallCompressor:
         self._flag(result.any_nonfinite)
         if error_dtype:
             self._new_states[key] = (result.error, uses + 1)
-        if self.wire_error is not None and self.flags_peers:
+        if self.tainted:
             result.messages[:, wire.FLAGS_OFFSET] |= wire.FLAG_PEER_ERROR
         if self.deviated is not None:
             mark_deviated(result.messages, self.deviated)
@@ -166,17 +167,18 @@ class CallCompressor:
         return result.messages
 
     @contextlib.contextmanager
-    def own_rows(self) -> Iterator[None]:
-        """Around a reduce-scatter's encodes (the direct schedule's, whose rows go each to the
-        rank that sums it): a foreign message received before one of them does not flag it
-        `wire.FLAG_PEER_ERROR`, since its receiver's sum does not depend on what this rank
-        received (a call place's C++ core encodes every chunk before any decode, and flags
-        none)."""
-        self.flags_peers = False
+    def final_decodes(self) -> Iterator[None]:
+        """Around decodes whose values nothing this rank sends later in the call depends on (the
+        direct schedule's: a reduce-scatter's, the all-reduce's last phase, the two ranks'
+        all-gather): a foreign message they meet is raised at the end as any other, but flags no
+        message encoded after it `wire.FLAG_PEER_ERROR` (no receiver's result depends on it; a
+        call place's C++ core decodes them on gloo's threads, after or beside later encodes,
+        and flags none either)."""
+        self._final = True
         try:
             yield
         finally:
-            self.flags_peers = True
+            self._final = False
 
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         """The statistics' accumulator of the residual sums on ``device`` (`Stats.accumulator`;
@@ -332,6 +334,8 @@ class CallCompressor:
         if self.wire_error is None or (isinstance(self.wire_error, wire.PeerWireFormatError)
                                        and not isinstance(exc, wire.PeerWireFormatError)):
             self.wire_error = exc
+        if not self._final:
+            self.tainted = True
         out.fill_(float("nan"))
         return True
 

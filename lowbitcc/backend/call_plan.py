@@ -47,6 +47,7 @@ from lowbitcc.backend.exact import input_factor, op_type
 from lowbitcc.backend.place_graph import PlaceGraph
 from lowbitcc.backend.routes import Route
 from lowbitcc.buffers import Buffers
+from lowbitcc.codec import wire
 from lowbitcc.codec.interface import CallCount
 from lowbitcc.collectives import COLLECTIVES
 from lowbitcc.compressor import Source
@@ -229,6 +230,20 @@ class CallPlan:
         finally:
             if self.tally is not None:
                 self.tally.flush()
+
+    def accepts(self, messages: torch.Tensor, m: int, shard: int, seq: int) -> bool:
+        """Whether received ``messages`` (uint8 ``[n, P]``) of ``shard``'s ``m`` columns belong
+        to call number ``seq`` by the Python path's own check (`ShardCodec.check_on_host`): what
+        the plan's core asks where the C++ ``verify`` refused them, before it sums them
+        (`plan_cores`; on the calling thread, with the GIL)."""
+        codec = self._own_codec
+        assert codec is not None  # (a core is a CPU plan's)
+        codec.renumber(seq)
+        try:
+            codec.check_on_host(messages, m, [shard] * messages.shape[0])
+        except wire.WireFormatError:
+            return False
+        return True
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor that is not contiguous, copied into the plan's flat staging buffer."""

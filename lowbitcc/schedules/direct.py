@@ -112,7 +112,7 @@ def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
     transport = links.world
     if out is None:
         out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
-    with comp.own_rows():  # each row's receiver sums it without what this rank received
+    with comp.final_decodes():  # the output: nothing sent depends on it
         _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
                   lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
     return out
@@ -128,7 +128,8 @@ def all_reduce(
     ranges = chunks(m, chunk, comp.codec.group_size)
     count = len(ranges)
     if transport.size == 2:
-        _gather_all_reduce(source, out, comp, transport, ranges, prefix)
+        with comp.final_decodes():  # every decode's values are the output's
+            _gather_all_reduce(source, out, comp, transport, ranges, prefix)
         return
     device = source.tensor.device
     if count == 1:
@@ -142,7 +143,8 @@ def all_reduce(
             message[0], comp.received(name, transport.size * message.numel(), device))
 
     def place(k: int, a: int, b: int, gathered: torch.Tensor) -> None:
-        decode_columns(comp, gathered, rows, m, a, b, out)
+        with comp.final_decodes():  # the output: nothing sent depends on it
+            decode_columns(comp, gathered, rows, m, a, b, out)
 
     _pipeline(source, comp, transport, ranges, requantize, place, prefix)
 
@@ -160,7 +162,8 @@ def _scatter_gather(source: Source, out: torch.Tensor, comp: CallCompressor,
     mine = comp.encode_sum(name, received, m, rank, comp.scratch(m, device))
     gathered = transport.all_gather_async(
         mine[0], comp.received(name, transport.size * mine.numel(), device)).wait()
-    decode_columns(comp, gathered, rows, m, 0, m, out)
+    with comp.final_decodes():
+        decode_columns(comp, gathered, rows, m, 0, m, out)
 
 
 def _row_target(out: torch.Tensor, m: int, r: int, a: int, b: int

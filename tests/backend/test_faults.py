@@ -614,6 +614,109 @@ def test_a_corrupt_chunk_of_a_reduce_scatter_raises_only_where_it_was_received(s
         assert [core for _, _, core in results] == [served, False, served], results
 
 
+def _corrupt_second_phase_message(rank, world, gloo, served):
+    from lowbitcc.backend import steady_runner
+    from lowbitcc.transports import gloo as gloo_transport
+
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=2, cost_model=False, chunk_size=1024, max_chunks=0))  # rows of 4 chunks
+    if rank == 2 or not served:  # rank 2 sends through the Python path, where it is patched
+        pg._runner = steady_runner.NoRunner()
+    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
+
+    def call(out):
+        try:
+            with lowbitcc.compressed():
+                dist.all_reduce(out, group=pg)
+        finally:
+            lowbitcc.end_step()
+        return out
+
+    for _ in range(12):
+        call(x.clone())
+    original, sent = gloo_transport.GlooTransport.all_gather_async, []
+
+    def corrupting(self, send, *out):  # rank 2's first all-gather of codes: chunk 0's sum
+        if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and not sent:
+            sent.append(True)
+            send[28] ^= 0xFF  # its call signature: no longer this call's
+        return original(self, send, *out)
+
+    if rank == 2:
+        gloo_transport.GlooTransport.all_gather_async = corrupting
+    out = x.clone()
+    try:
+        call(out)
+        raised = "nothing"
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        raised = type(exc).__name__
+    gloo_transport.GlooTransport.all_gather_async = original
+    # which chunks of which row came out NaN
+    nan = [[bool(out[r * 4096 + c * 1024:r * 4096 + (c + 1) * 1024].isnan().any())
+            for c in range(4)] for r in range(3)]
+    return raised, nan, bool(torch.isfinite(call(x.clone())).all())
+
+
+def test_a_corrupt_second_phase_message_raises_the_same_on_either_path():
+    """Rank 2's sum of chunk 0 travels corrupt in the all-reduce's second phase (3 ranks, 4
+    chunks): every rank received it and raises `WireFormatError` with NaN in that row's chunk
+    alone, whether ranks 0 and 1 run the call in Python or through the plan's C++ core; what
+    they send after it carries no peer flag on either path (the Python path flagged it, the core
+    did not, so their later chunks came out NaN on one path only), and the next call works."""
+    python, served = (run_ranks(_corrupt_second_phase_message, 3, way, timeout=120)
+                      for way in (False, True))
+    only = [[False] * 4, [False] * 4, [True, False, False, False]]  # rank 2's chunk 0
+    assert python == served == [("WireFormatError", only, True)] * 3, (python, served)
+
+
+def _unknown_flag_in_the_first_phase(rank, world, gloo, served):
+    from lowbitcc.backend import steady_runner
+    from lowbitcc.transports import gloo as gloo_transport
+
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=2, cost_model=False))
+    if rank == 2 or not served:  # rank 2 sends through the Python path, where it is patched
+        pg._runner = steady_runner.NoRunner()
+    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
+
+    def call():
+        out = x.clone()
+        with lowbitcc.compressed():
+            dist.all_reduce(out, group=pg)
+        lowbitcc.end_step()
+        return out
+
+    for _ in range(12):
+        call()
+    before = getattr(pg._runner, "served_compressed", 0)
+    original = gloo_transport.GlooTransport.all_to_all_async
+
+    def flagged(self, send, *out):  # a flag bit no version uses, on every row rank 2 sends
+        send[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
+        return original(self, send, *out)
+
+    if rank == 2:
+        gloo_transport.GlooTransport.all_to_all_async = flagged
+    try:
+        out = call()
+    finally:
+        gloo_transport.GlooTransport.all_to_all_async = original
+    return out, getattr(pg._runner, "served_compressed", 0) - before
+
+
+def test_a_first_phase_message_the_python_check_accepts_is_summed_by_the_core_too():
+    """The plan's C++ core refuses what its whole-header `verify` does not match, which the
+    Python path's field-by-field check accepts (an unknown flag bit): on three ranks, where the
+    all-reduce's first phase feeds what each rank sends next, the core asks the Python check
+    before it treats a message as foreign, and sums it as the Python path does."""
+    python, served = (run_ranks(_unknown_flag_in_the_first_phase, 3, way, timeout=120)
+                      for way in (False, True))
+    for rank, ((want, _), (got, cores)) in enumerate(zip(python, served, strict=True)):
+        assert torch.isfinite(want).all() and torch.equal(got, want), rank
+        if native.load() is not None:
+            assert cores == (0 if rank == 2 else 1), (rank, cores)
+
+
 def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
                                           copies=lowbitcc.codec.exchange_frame.FRAME_COPIES):
     """Run ``call()``; in the first exchange, byte ``offset`` of the first ``copies`` copies of
