@@ -15,7 +15,7 @@ A received message that fails validation (`wire.WireFormatError`: corrupt, trunc
 another call) does not stop the schedule: the decode that met it yields NaN, the error is kept,
 every message this rank encodes afterwards in the call carries `wire.FLAG_PEER_ERROR` (so the
 ranks that receive them fail their decode in turn; not after a decode whose values nothing this
-rank sends depends on, a call's last decodes: `final_decodes`), and `raise_deferred` raises it
+rank sends depends on, a call's last decodes: ``final``), and `raise_deferred` raises it
 once the schedule has finished. So every rank completes the same
 transfers, the group stays in step for its next call, and each rank that received a bad
 message, or a message built from one, raises.
@@ -30,12 +30,10 @@ instead of dropping them, so a call is enqueued without waiting for the GPU.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
 import zlib
-from collections.abc import Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -120,7 +118,14 @@ class CallCompressor:
         self.tainted = False
         """A decode whose values this rank sends on met a foreign message: every encode of the
         call after it flags its messages `wire.FLAG_PEER_ERROR`."""
-        self._final = False  # inside `final_decodes`
+        self.final = False
+        """Set by a schedule around decodes whose values nothing this rank sends later in the
+        call depends on (the direct schedule's: a reduce-scatter's, the all-reduce's last phase,
+        the two ranks' all-gather), and cleared after them: a foreign message they meet is
+        raised at the end as any other, but does not make the call ``tainted`` (no receiver's
+        result depends on it; a call place's C++ core decodes them on gloo's threads, after or
+        beside later encodes, and flags none either). An attribute, not a context manager: the
+        CUDA branch's steady run counts its host calls."""
         self.deviated: int | None = None
         """The `wire.call_signature` of this rank's own call where this compressor runs another
         (the agreed one) in its place (`lowbitcc.backend.call_schedule`): every message it
@@ -165,20 +170,6 @@ class CallCompressor:
             mark_deviated(result.messages, self.deviated)
         self._codec_s += time.perf_counter() - start
         return result.messages
-
-    @contextlib.contextmanager
-    def final_decodes(self) -> Iterator[None]:
-        """Around decodes whose values nothing this rank sends later in the call depends on (the
-        direct schedule's: a reduce-scatter's, the all-reduce's last phase, the two ranks'
-        all-gather): a foreign message they meet is raised at the end as any other, but flags no
-        message encoded after it `wire.FLAG_PEER_ERROR` (no receiver's result depends on it; a
-        call place's C++ core decodes them on gloo's threads, after or beside later encodes,
-        and flags none either)."""
-        self._final = True
-        try:
-            yield
-        finally:
-            self._final = False
 
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         """The statistics' accumulator of the residual sums on ``device`` (`Stats.accumulator`;
@@ -334,7 +325,7 @@ class CallCompressor:
         if self.wire_error is None or (isinstance(self.wire_error, wire.PeerWireFormatError)
                                        and not isinstance(exc, wire.PeerWireFormatError)):
             self.wire_error = exc
-        if not self._final:
+        if not self.final:
             self.tainted = True
         out.fill_(float("nan"))
         return True

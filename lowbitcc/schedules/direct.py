@@ -112,9 +112,12 @@ def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
     transport = links.world
     if out is None:
         out = torch.empty(source.m, dtype=torch.float32, device=source.tensor.device)
-    with comp.final_decodes():  # the output: nothing sent depends on it
+    comp.final = True  # the output: nothing sent depends on it (`CallCompressor.final`)
+    try:
         _pipeline(source, comp, transport, chunks(source.m, chunk, comp.codec.group_size),
                   lambda k, a, b, reduced: None, None, prefix, dest=lambda a, b: out[a:b])
+    finally:
+        comp.final = False
     return out
 
 
@@ -128,8 +131,11 @@ def all_reduce(
     ranges = chunks(m, chunk, comp.codec.group_size)
     count = len(ranges)
     if transport.size == 2:
-        with comp.final_decodes():  # every decode's values are the output's
+        comp.final = True  # every decode's values are the output's (`CallCompressor.final`)
+        try:
             _gather_all_reduce(source, out, comp, transport, ranges, prefix)
+        finally:
+            comp.final = False
         return
     device = source.tensor.device
     if count == 1:
@@ -143,8 +149,11 @@ def all_reduce(
             message[0], comp.received(name, transport.size * message.numel(), device))
 
     def place(k: int, a: int, b: int, gathered: torch.Tensor) -> None:
-        with comp.final_decodes():  # the output: nothing sent depends on it
+        comp.final = True  # the output: nothing sent depends on it (`CallCompressor.final`)
+        try:
             decode_columns(comp, gathered, rows, m, a, b, out)
+        finally:
+            comp.final = False
 
     _pipeline(source, comp, transport, ranges, requantize, place, prefix)
 
@@ -162,8 +171,11 @@ def _scatter_gather(source: Source, out: torch.Tensor, comp: CallCompressor,
     mine = comp.encode_sum(name, received, m, rank, comp.scratch(m, device))
     gathered = transport.all_gather_async(
         mine[0], comp.received(name, transport.size * mine.numel(), device)).wait()
-    with comp.final_decodes():
+    comp.final = True  # (`CallCompressor.final`)
+    try:
         decode_columns(comp, gathered, rows, m, 0, m, out)
+    finally:
+        comp.final = False
 
 
 def _row_target(out: torch.Tensor, m: int, r: int, a: int, b: int
