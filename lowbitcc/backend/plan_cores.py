@@ -81,6 +81,7 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     """
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
     if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
+            or (plan.group.size < 2 and plan.collective == "all_reduce")
             or plan.schedule != "direct" or plan.graph is not None
             or comp.error_dtype is not None or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
@@ -117,7 +118,7 @@ def _pieces(plan: Any, ranges: list[tuple[int, int]], scattered: bool) -> list[d
     more than two ranks: with its second phase), else the two ranks' all-gathers."""
     m, rows = plan.m, plan.group.size
     if scattered:  # `direct._pipeline`: chunk k's rows are "rs.k.row"
-        pieces = ([_piece(plan, "rs", 0, rows, 0, m)] if len(ranges) == 1 else
+        pieces = ([_piece(plan, "rs", 0, rows, 0, m, scattered)] if len(ranges) == 1 else
                   [_scattered_chunk(plan, stage("rs", k, len(ranges)), a, b)
                    for k, (a, b) in enumerate(ranges)])
         if plan.collective == "all_reduce":  # the second phase: chunk k's stage is "ag.k"
@@ -125,20 +126,22 @@ def _pieces(plan: Any, ranges: list[tuple[int, int]], scattered: bool) -> list[d
                 _second_phase(plan, piece, stage("ag", k, len(ranges)))
         return pieces
     if len(ranges) == 1:
-        return [_piece(plan, "gather", 0, rows, 0, m)]
+        return [_piece(plan, "gather", 0, rows, 0, m, scattered)]
     # `direct._gather_all_reduce`'s stages: chunk k's row r is "gather.k.r"
-    return [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b)
+    return [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b, scattered)
             for k, (a, b) in enumerate(ranges) for r in range(rows)]
 
 
-def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int) -> dict[str, Any]:
+def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int,
+           scattered: bool) -> dict[str, Any]:
     """One transfer of ``plan``'s core that one encode writes: stage ``name``'s buffers
     (`compressor.CallCompressor`'s ``encode`` and ``received`` ask for the same), ``rows`` rows
-    from ``row0``, columns ``a .. b`` (see `core_spec`)."""
+    from ``row0``, columns ``a .. b``, sent by an all-to-all where ``scattered`` (`_pieces`),
+    else all-gathered (see `core_spec`)."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     messages, nonfinite = kept.messages(name, rows, b - a, codec, device)
-    gathered = plan.collective == "all_reduce" and plan.group.size == 2  # (else an all-to-all)
-    received = plan.group.size * messages.numel() if gathered else messages.numel()
+    # an all-to-all receives a row from every rank, an all-gather every rank's rows
+    received = messages.numel() if scattered else plan.group.size * messages.numel()
     return {
         "row0": row0, "rows": rows, "a": a, "b": b, "sent": messages,
         "encodes": [{"row0": row0, "rows": rows, "messages": messages, "nonfinite": nonfinite}],

@@ -56,6 +56,27 @@ from lowbitcc.transports.base import Pending, Transport
 from lowbitcc.transports.links import Links
 
 
+def _in_pipeline_order(count: int, start: Callable[[int], None], scattering: collections.deque,
+                       reduce_oldest: Callable[[], None], gathering: collections.deque,
+                       gather_oldest: Callable[[], None]) -> None:
+    """`_pipeline`'s order over ``count`` chunks, the one both its run and its replay
+    (`decode_two_phases`) keep: ``start(k)`` (which adds chunk ``k`` to ``scattering``), then
+    the oldest of ``scattering`` reduced once two are there (which may add to ``gathering``)
+    and the oldest of ``gathering`` placed once two are there; at the end the rest of each, in
+    order. A call place's C++ core issues its transfers in this order too
+    (``backend/csrc/plan_core.h``), so every rank issues them alike whichever path it takes."""
+    for k in range(count):
+        start(k)
+        if len(scattering) > 1:
+            reduce_oldest()
+        if len(gathering) > 1:
+            gather_oldest()
+    while scattering:
+        reduce_oldest()
+    while gathering:
+        gather_oldest()
+
+
 def _pipeline(
     source: Source, comp: CallCompressor, transport: Transport, ranges: list[tuple[int, int]],
     on_reduced: Callable[[int, int, int, torch.Tensor], Pending | None],
@@ -88,19 +109,14 @@ def _pipeline(
         assert on_gathered is not None
         on_gathered(k, a, b, pending.wait())
 
-    for k, (a, b) in enumerate(ranges):
+    def start(k: int) -> None:
+        a, b = ranges[k]
         name = stage(prefix + "rs", k, len(ranges))
         messages = encode_columns(comp, name, source, a, b)
         scattering.append((k, a, b, transport.all_to_all_async(
             messages, comp.received(name, messages.numel(), device))))
-        if len(scattering) > 1:
-            reduce_oldest()
-        if len(gathering) > 1:
-            gather_oldest()
-    while scattering:
-        reduce_oldest()
-    while gathering:
-        gather_oldest()
+
+    _in_pipeline_order(len(ranges), start, scattering, reduce_oldest, gathering, gather_oldest)
 
 
 def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
@@ -284,16 +300,10 @@ def decode_two_phases(received: list[tuple[int, int, int | None, torch.Tensor]],
         a, b, second = gathering.popleft()
         decode_columns(comp, second.view(n, -1), n, m, a, b, out)
 
-    for (a, b, _, messages), second in zip(received, gathered, strict=True):
-        scattering.append((a, b, messages, second))
-        if len(scattering) > 1:
-            reduce_oldest()
-        if len(gathering) > 1:
-            gather_oldest()
-    while scattering:
-        reduce_oldest()
-    while gathering:
-        gather_oldest()
+    chunks_received = [(a, b, messages, second)
+                       for (a, b, _, messages), second in zip(received, gathered, strict=True)]
+    _in_pipeline_order(len(chunks_received), lambda k: scattering.append(chunks_received[k]),
+                       scattering, reduce_oldest, gathering, gather_oldest)
 
 
 def _place_row(comp: CallCompressor, out: torch.Tensor, m: int, r: int, a: int, b: int,

@@ -140,8 +140,8 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     TORCH_CHECK(api_->version == lowbitcc_cpu::kCodecApiVersion, "lowbitcc: the C++ codec's API ",
                 api_->version, " is not the runner's ", lowbitcc_cpu::kCodecApiVersion);
-    TORCH_CHECK(world_ >= 2 && scratch_.scalar_type() == at::kFloat,
-                "lowbitcc: a plan core runs a reduce-scatter or an all-reduce of 2 ranks or more");
+    TORCH_CHECK((world_ >= 2 || scatter_) && scratch_.scalar_type() == at::kFloat,
+                "lowbitcc: a plan core runs a reduce-scatter, or an all-reduce of 2 ranks or more");
     for (auto item : spec["pieces"]) {
       py::dict p = item.cast<py::dict>();
       Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
@@ -290,22 +290,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
       run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             encoded - begun).count();
-      transfer->getFuture()->addCallback([self, run, k, header](c10::ivalue::Future& done) {
-        try {
-          if (done.hasError()) {
-            run->failed(done.exception_ptr());
-          } else if (self->scatter_) {
-            self->decode_own_row(self->pieces_[k], header, *run);
-          } else {
-            self->decode_rows(self->pieces_[k], header, *run);
-          }
-        } catch (...) {
-          run->failed(std::current_exception());
-        }
-        if (--run->left == 0) {
-          self->finish(*run);
-        }
-      });
+      decode_when_done(self, transfer, run, k, header);
     }
     return c10::make_intrusive<PlannedWork>(
         run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
@@ -527,12 +512,26 @@ class __attribute__((visibility("hidden"))) PlanCore
     at::Tensor sent = piece.again.view({-1});
     auto transfer = transport_->_allgather_base(piece.again_received, sent, options);
     ++run->left;  // (started: its callback gives it back)
+    decode_when_done(self, transfer, run, k, header);
+  }
+
+  // When `transfer`, piece `k`'s of `run` (its messages' header `header`), completes, on the
+  // thread gloo completes it on: its error is the run's, else its decode (the core's kind's:
+  // a two ranks' all-reduce's rows, a reduce-scatter's own row, or the second phase's reduced
+  // rows); the run's last finishes it.
+  void decode_when_done(const std::shared_ptr<PlanCore>& self,
+                        const c10::intrusive_ptr<c10d::Work>& transfer,
+                        const std::shared_ptr<Run>& run, size_t k, const std::string& header) {
     transfer->getFuture()->addCallback([self, run, k, header](c10::ivalue::Future& done) {
       try {
         if (done.hasError()) {
           run->failed(done.exception_ptr());
-        } else {
+        } else if (self->two_phase_) {
           self->decode_reduced_rows(self->pieces_[k], header, *run);
+        } else if (self->scatter_) {
+          self->decode_own_row(self->pieces_[k], header, *run);
+        } else {
+          self->decode_rows(self->pieces_[k], header, *run);
         }
       } catch (...) {
         run->failed(std::current_exception());
