@@ -11,7 +11,9 @@ bf16 or fp32) and the number of times it was used. Rules:
 - a shape, storage or group-size change under the same key drops the state;
 - a call that saw NaN/Inf drops the state instead of storing a poisoned one (a call on a
   device, which cannot tell on the host, stores it with the call's verdict as its poison word,
-  which voids it: `ErrorState.poison`);
+  which voids it: `ErrorState.poison`; a CPU call that a plan's C++ core runs, whose last
+  decodes end after it stored its states, stores them with a word that `take` then reads and
+  drops the state by: `ErrorState.drop_word`, `_void`);
 - a changed *layout* drops the state (see below);
 - at most ``max_keys`` entries are kept; the least recently used are dropped first.
 
@@ -102,7 +104,7 @@ class FeedbackStore:
         if (state.numel != numel or state.dtype != dtype
                 or (group_size is not None and state.group_size != group_size)):
             return None, 0
-        if reset_interval and uses >= reset_interval:
+        if (reset_interval and uses >= reset_interval) or _void(state):
             return None, 0
         return state.to(device), uses
 
@@ -155,6 +157,8 @@ class FeedbackStore:
             streaks = {key: layout.streak for key, layout in self._layouts.items()}
         states = {}
         for key, (state, uses) in entries:
+            if _void(state):  # dropped at its next use
+                continue
             copy = state.to("cpu", copy=True)
             states[key] = {"uses": uses, "dtype": copy.dtype, "group_size": copy.group_size,
                            "data": copy.data, "scales": copy.scales,
@@ -187,6 +191,21 @@ class FeedbackStore:
         with self._lock:
             self._states = states
             self._layouts = layouts
+
+
+def _void(state: ErrorState) -> bool:
+    """Whether ``state`` is void by its ``drop_word``: a plan's C++ core stores a CPU call's
+    states before the call's last decodes, with a word it sets where the call then met a
+    non-finite value or a foreign message (`lowbitcc.backend.plan_cores`), and the state counts
+    as dropped, as the Python path's own `put` drops it. A word that is not set is dropped from
+    the state."""
+    word = state.drop_word
+    if word is None:
+        return False
+    if bool(word.any()):
+        return True
+    state.drop_word = None
+    return False
 
 
 def _checked_entry(key: Any, v: Any) -> tuple[ErrorState, int]:

@@ -196,10 +196,20 @@ class CompressedCalls:
         whether it was derived from the call's position (False: named by `feedback_key`)."""
         explicit = policy.explicit_key()
         if explicit is not None:
-            return f"{self.group_name}|{explicit}", False
+            return f"{self.key_prefix()}{explicit}", False
         ordinal = self._ordinal(collective, tensor.dtype, numel)
-        dtype = str(tensor.dtype).replace("torch.", "")
-        return f"{self.group_name}|{collective}|{dtype}|{numel}|{ordinal}", True
+        return f"{self.key_prefix(collective, tensor.dtype, numel)}{ordinal}", True
+
+    def key_prefix(self, collective: str | None = None, dtype: torch.dtype | None = None,
+                   numel: int = 0) -> str:
+        """A key (`key`) up to what follows it: without a ``collective``, a named key's, which
+        the name follows; else a derived key's of a call of ``collective`` on ``numel``
+        elements of ``dtype``, which its ordinal follows. The one definition of the keys' form,
+        which a plan's C++ core completes too (`plan_cores`)."""
+        if collective is None:
+            return f"{self.group_name}|"
+        name = str(dtype).replace("torch.", "")
+        return f"{self.group_name}|{collective}|{name}|{numel}|"
 
     def _ordinal(self, collective: str, dtype: torch.dtype, numel: int) -> int:
         """The position of this call among the calls of its signature in the current epoch

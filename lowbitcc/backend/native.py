@@ -26,8 +26,9 @@ from lowbitcc.codec.abi import CSRC as CODEC_CSRC
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
-    [CSRC / "followed_work.h", CSRC / "model_timings.h", CSRC / "plan_core.h",
-     CSRC / "planned_work.h", CSRC / "steady_runner.h",
+    [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "model_timings.h",
+     CSRC / "plan_core.h", CSRC / "planned_work.h", CSRC / "python_objects.h",
+     CSRC / "steady_runner.h",
      CODEC_CSRC / "codec_api.h", CODEC_CSRC / "loco_codec.cuh"], [CSRC, CODEC_CSRC], ["-O2"], [],
     what="lowbitcc's C++ Works",
     fallback="steady calls run through Python and complete through the group's waiter thread "

@@ -7,15 +7,26 @@ all-reduce's on two ranks (its all-gather, `_gather_all_reduce`: one of both row
 one per row and chunk), a reduce-scatter's on any number (its all-to-all of every row per chunk,
 `_pipeline`), an all-reduce's on more ranks (per chunk that all-to-all, then the all-gather of
 each rank's message of its reduced row: `_pipeline` with its second phase, or
-`_scatter_gather`); on the CPU, with
-the settings the core implements: the C++ codec, no error feedback (the default format's
-setting), nearest rounding, an op whose input factor is fixed (SUM, AVG), an fp32, bf16 or fp16
-tensor, over a metered gloo transport. The core keeps the
-plan's own buffers (each transfer's messages and received messages, the decode scratch) and
-writes what the plan's Python run writes, byte for byte; where a message of a run does not
-belong to the call it hands the decode back to the plan (`call_plan.CallPlan.finish_received`,
-over ``core_received``), so the errors are the Python path's. Every other plan has none
-(``core`` None) and runs in Python.
+`_scatter_gather`); on the CPU, with the settings the core implements: the C++ codec, nearest
+rounding, an op whose input factor is fixed (SUM, AVG), an fp32, bf16 or fp16 tensor, over a
+metered gloo transport; with or without error feedback. The core keeps the plan's own buffers
+(each transfer's messages and received messages, the decode scratch) and writes what the plan's
+Python run writes, byte for byte; where a message of a run does not belong to the call it hands
+the decode back to the plan (`call_plan.CallPlan.finish_received`, over ``core_received``), so
+the errors are the Python path's. Every other plan has none (``core`` None) and runs in Python.
+
+Error feedback. With feedback on, each encode of a run takes its error state from the plan's
+`feedback.FeedbackStore` under the call's key and the encode's stage (`CallCompressor.encode`'s
+``key|stage``) and the run puts it back, as the Python path does: the core's ``FeedbackSlots``
+(``backend/csrc/feedback_slots.h``) take a steady state (kept, its buffer the call's, its size
+the encode's) themselves, on the store's own containers and lock, and any other through
+`take_state`, the store's own `take`; under a key derived from the call's position, or one
+that a `lowbitcc.feedback_key` block names (its layout then not checked, as Python's). The
+states go back once the run's encodes are done, before its last decodes: a run whose encodes
+met a non-finite value puts none back (dropped, as the Python path drops them); the others
+carry the run's word (`ErrorState.drop_word`), which the core sets where a decode then meets a
+non-finite value or a foreign message or a transfer fails, and the store's next `take` drops a
+state whose word is set (`feedback._void`).
 """
 
 from __future__ import annotations
@@ -23,11 +34,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import state
 from lowbitcc.backend import gloo_threads, native
 from lowbitcc.codec import cpu, wire
-from lowbitcc.codec.abi import FORMAT_CODES
+from lowbitcc.codec.abi import ERROR_MODES, FORMAT_CODES
+from lowbitcc.codec.error_state import ErrorState
 from lowbitcc.schedules.chunking import chunks, stage
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.metered import MeteredTransport
@@ -62,13 +75,15 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     - ``pieces``: the schedule's transfers in its order, each a dict: the rows it carries
       ``row0`` .. ``row0 + rows`` and its columns ``a`` .. ``b``; ``encodes``, the encodes that
       write its messages (each a dict: its rows ``row0`` .. ``row0 + rows``, its ``messages``,
-      uint8 ``[rows, P]``, and ``nonfinite``), ``sent`` (uint8 ``[rows, P]``, the messages it
+      uint8 ``[rows, P]``, ``nonfinite``, and the ``stage`` and ``state_numel`` of its error
+      state), ``sent`` (uint8 ``[rows, P]``, the messages it
       sends) and ``received``, the buffers its stages keep (a reduce-scatter's chunk, whose rows
       the schedule encodes one by one and sends together, also a ``sent`` of the core's own);
       ``header``, its messages' header (its call number overwritten at ``seq_offset`` by each
       run); ``used``, its messages' used bytes; an all-reduce's on more than two ranks also
       ``again`` (uint8 ``[1, P]``) and ``again_nonfinite``, the buffers its second phase's
-      encode writes (stage ``ag``'s), and ``again_received``, the all-gather's (``[world * P]``);
+      encode writes (stage ``ag``'s; ``again_stage`` and ``again_state_numel``: its error
+      state's), and ``again_received``, the all-gather's (``[world * P]``);
     - ``flags_offset`` and ``peer_error_flag``: where a message's flags lie and the flag its
       encodes set once a message of the call did not belong to it (`wire`'s);
     - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
@@ -77,13 +92,13 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       ``world``, ``rank``, ``factor`` (the op's input factor), ``beta``: the call's;
     - ``modelled``, ``size_class``, ``nbytes``, ``logical_bytes``, ``intra_node_bytes``,
       ``inter_node_bytes``: what a run counts (the cost model's class; `counters.RunTally`'s
-      bytes, the transport's metering).
+      bytes, the transport's metering);
+    - ``feedback``: its error feedback (`_feedback`), None where off.
     """
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
     if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
             or (plan.group.size < 2 and plan.collective == "all_reduce")
-            or plan.schedule != "direct" or plan.graph is not None
-            or comp.error_dtype is not None or plan._factor is None
+            or plan.schedule != "direct" or plan.graph is not None or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
             or codec.rounding != "nearest" or type(world) is not MeteredTransport
             or type(world.inner) is not GlooTransport):
@@ -108,8 +123,41 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
         "world": rows, "rank": plan.group.rank, "factor": plan._factor, "beta": comp.beta,
         "modelled": plan.modelled, "size_class": plan.size_class, "nbytes": plan.nbytes,
         "logical_bytes": plan.logical_bytes, "intra_node_bytes": intra,
-        "inter_node_bytes": inter,
+        "inter_node_bytes": inter, "feedback": _feedback(plan),
     }
+
+
+def _feedback(plan: Any) -> dict[str, Any] | None:
+    """What ``plan``'s core needs of its error feedback (`core_spec`'s ``feedback``; None:
+    off): the store (``store``), the error storage (``error_dtype``) and its ``mode``
+    (`abi.ERROR_MODES`), ``reset_interval``, the keys' ``prefix`` and ``named_prefix``
+    (`CompressedCalls.key_prefix`: a derived key's, which each call's ordinal completes, and a
+    named key's, which the name of a `lowbitcc.feedback_key` block completes; each encode's
+    ``|stage`` follows) and the slow path of a take (``take``: `take_state`)."""
+    comp = plan.comp
+    if comp.error_dtype is None:
+        return None
+    return {
+        "store": comp.store, "error_dtype": comp.error_dtype, "mode": ERROR_MODES[comp.error_dtype],
+        "reset_interval": comp.reset_interval,
+        "prefix": plan.group.key_prefix(plan.collective, plan.codec_dtype, plan.numel),
+        "named_prefix": plan.group.key_prefix(), "take": take_state,
+    }
+
+
+def take_state(store: Any, key: str, numel: int, error_dtype: str, reset_interval: int,
+               group_size: int, tensor: torch.Tensor | None) -> tuple[ErrorState, int, bool]:
+    """A core's take of error state ``key`` (``numel`` elements) where its C++ does not take it
+    itself (a first use, another buffer, a size that changed: `feedback.FeedbackStore.take`'s
+    other cases), for a call that reduces ``tensor`` (a derived key's: the layout is checked by
+    its storage; None: a named key's, not checked): what `CallCompressor.encode` and
+    `ShardCodec.encode` take, ``(state, uses, applied)``, where ``applied`` says the state is
+    applied (else a new zero state the encode writes)."""
+    buffer = None if tensor is None else StorageWeakRef(tensor.untyped_storage())
+    state, uses = store.take(key, numel, error_dtype, reset_interval, "cpu", group_size, buffer)
+    if state is None:
+        return ErrorState.zeros(numel, error_dtype, group_size, "cpu"), 0, False
+    return state, uses, True
 
 
 def _pieces(plan: Any, ranges: list[tuple[int, int]], scattered: bool) -> list[dict[str, Any]]:
@@ -144,7 +192,8 @@ def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int,
     received = messages.numel() if scattered else plan.group.size * messages.numel()
     return {
         "row0": row0, "rows": rows, "a": a, "b": b, "sent": messages,
-        "encodes": [{"row0": row0, "rows": rows, "messages": messages, "nonfinite": nonfinite}],
+        "encodes": [{"row0": row0, "rows": rows, "messages": messages, "nonfinite": nonfinite,
+                     "stage": name, "state_numel": rows * codec.padded(b - a)}],
         "received": kept.received(name, received, device),
         "header": codec.header(b - a),
         "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt),
@@ -161,7 +210,8 @@ def _scattered_chunk(plan: Any, name: str, a: int, b: int) -> dict[str, Any]:
     encodes = []
     for r in range(rows):
         _, nonfinite = kept.messages(f"{name}.{r}", 1, b - a, codec, device)
-        encodes.append({"row0": r, "rows": 1, "messages": sent[r:r + 1], "nonfinite": nonfinite})
+        encodes.append({"row0": r, "rows": 1, "messages": sent[r:r + 1], "nonfinite": nonfinite,
+                        "stage": f"{name}.{r}", "state_numel": codec.padded(b - a)})
     return {
         "row0": 0, "rows": rows, "a": a, "b": b, "sent": sent, "encodes": encodes,
         "received": kept.received(name, sent.numel(), device), "header": codec.header(b - a),
@@ -177,4 +227,5 @@ def _second_phase(plan: Any, piece: dict[str, Any], name: str) -> None:
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     again, nonfinite = kept.messages(name, 1, piece["b"] - piece["a"], codec, device)
     piece.update(again=again, again_nonfinite=nonfinite,
-                 again_received=kept.received(name, plan.group.size * again.numel(), device))
+                 again_received=kept.received(name, plan.group.size * again.numel(), device),
+                 again_stage=name, again_state_numel=codec.padded(piece["b"] - piece["a"]))

@@ -35,6 +35,11 @@ class ErrorState:
     poison: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
     """None, or a device word (uint8 ``[8]``, a call's verdict) whose non-zero value voids
     ``data`` and ``scales`` (the module docstring)."""
+    drop_word: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    """None, or a CPU word (uint8 ``[8]``) whose non-zero value drops the state at its store's
+    next `feedback.FeedbackStore.take`, as if it had not been stored: set by the CPU call that
+    stored it (a plan's C++ core stores a call's states before the call's last decodes) where
+    the call then met a non-finite value or a foreign message (`feedback._void`)."""
 
     def settle(self) -> None:
         """Apply ``poison`` to this state on the device (zero it where the word is set; no host

@@ -13,10 +13,11 @@ Not counted: Python run by threads the interpreter did not start (gloo's own thr
 complete futures and run callbacks added to gloo's futures, as ``exact.when_done`` adds).
 
 Modes (`MODES`): ``compressed`` (the cost model off: every bucket call compressed),
-``exact`` (the steps under `lowbitcc.exact`: every bucket call runs its place's exact entry)
-and ``default`` (the settings as they are: on loopback the cost model sends the call exact
-once it has timed both paths). ``lowbitcc calls`` prints the table (docs/performance.md);
-``--by-function`` also lists, per mode, the Python functions one loco bucket call runs (per
+``loco`` (so, with error feedback: LoCo on the default format), ``exact`` (the steps under
+`lowbitcc.exact`: every bucket call runs its place's exact entry) and ``default`` (the settings
+as they are: on loopback the cost model sends the call exact once it has timed both paths).
+``lowbitcc calls`` prints the table (docs/performance.md); ``--by-function`` also lists, per
+mode, the Python functions one loco bucket call runs (per
 step, by module and thread): where the calls go.
 """
 
@@ -34,6 +35,7 @@ from lowbitcc.tools import spawn
 
 MODES = {
     "compressed": {"LOCO_COST_MODEL": "0"},
+    "loco": {"LOCO_COST_MODEL": "0", "LOCO_FEEDBACK": "1"},
     "exact": {"LOCO_COST_MODEL": "0"},
     "default": {},
 }

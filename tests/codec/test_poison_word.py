@@ -111,3 +111,19 @@ def test_the_reference_encode_clears_the_verdict_it_is_given():
     codec.encode(torch.randn(256), 2, 128, 1.0, None, 0.8, [0, 1], "int8", verdict=verdict,
                  clear_verdict=True)
     assert not verdict.any()
+
+
+def test_a_state_whose_drop_word_is_set_is_dropped_at_its_next_take_and_not_saved():
+    """A plan's C++ core stores a CPU call's states before the call's last decodes, each with
+    the run's drop word (`ErrorState.drop_word`), set where a decode then met a non-finite value
+    or a foreign message: the store's next `take` drops such a state (as the Python path's
+    `put` drops it), a checkpoint leaves it out, and a word that is not set is let go of."""
+    store = FeedbackStore()
+    void, kept = _state(), _state()
+    void.drop_word, kept.drop_word = _word(1), _word(0)
+    store.put("void", void, 3, False)
+    store.put("kept", kept, 3, False)
+    assert set(store.state_dict()["states"]) == {"kept"}
+    assert store.take("void", 128, "int8", 8, torch.device("cpu"), 32) == (None, 0)
+    state, uses = store.take("kept", 128, "int8", 8, torch.device("cpu"), 32)
+    assert state is kept and uses == 3 and state.drop_word is None

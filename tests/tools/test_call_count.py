@@ -9,19 +9,21 @@ import pytest
 from lowbitcc.backend import native
 from lowbitcc.tools.call_count import count_calls
 
-BUDGET = {"compressed": 5, "default": 5, "exact": 5}
+BUDGET = {"compressed": 5, "default": 5, "exact": 5, "loco": 5}
 """Python calls per bucket call beyond gloo's, on the default issuer, the steady calls served in
-C++ by `steady_runner` (2026-11-29: 4.0 and 3.4; under the default settings 4.2 whether the cost
-model keeps the buckets exact or sends them compressed, the runs it times served and timed in
-C++ too and handed to it 8 at a time, 8.8-9.3 and 6.1 before; the compressed entry served by
+C++ by `steady_runner` (2026-11-29: 4.0 and 3.4; with error feedback 4.0 once the plan's C++ core
+took and put back its error states, 134.5 before; under the default settings 4.2 whether the
+cost model keeps the buckets exact or sends them compressed, the runs it times served and timed
+in C++ too and handed to it 8 at a time, 8.8-9.3 and 6.1 before; the compressed entry served by
 its plan's C++ core, `plan_cores`, and the runs that start and take a renewal by the runner too;
 107.6 and 4.2 before; 28.5 exact with only its Work in C++; 2026-11-28: 104 and 45; 244 and 71
 before the steady call ran by its place's entry on every issuer)."""
-PYTHON = {"compressed": 110, "default": 120, "exact": 52}
+PYTHON = {"compressed": 110, "default": 120, "exact": 52, "loco": 140}
 """The budgets where the C++ module cannot be built (``LOWBITCC_NATIVE_WORKS=0``): every steady
 call runs through Python, an exact entry's Work the Python `works.FollowedWork` (107.6 and 47.9,
-2026-11-29; exact 50.4 since its Work reads the output for a deviating peer's, `deviated_output`;
-under the default settings 117.4 where the cost model sent the buckets compressed)."""
+2026-11-29; with error feedback 137.5; exact 50.4 since its Work reads the output for a
+deviating peer's, `deviated_output`; under the default settings 117.4 where the cost model sent
+the buckets compressed)."""
 PYTHON_THREE_RANKS = 150
 """The compressed budget on 3 ranks without the C++ module (the all-reduce's two phases in
 Python: 144.5 on 2026-11-29, where the C++ module served 3 ranks' all-reduces in Python too)."""

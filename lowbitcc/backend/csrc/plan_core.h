@@ -6,11 +6,13 @@
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
 // buffers and settings) where its runs are that schedule: an all-reduce or a reduce-scatter,
-// no error feedback, nearest rounding, the C++ codec. Its transfers (`Piece`s) are the
-// schedule's: a two ranks' all-reduce's, with one chunk one all-gather of both rows' messages,
-// with several one per row and chunk; a reduce-scatter's one all-to-all of every row's messages
-// per chunk; an all-reduce's on more ranks, per chunk that all-to-all and then an all-gather of
-// each rank's message of its reduced row (its "second phase"). `run` is one call:
+// nearest rounding, the C++ codec, with or without error feedback (each encode's state taken
+// from the plan's store before the run and put back after its encodes: feedback_slots.h). Its
+// transfers (`Piece`s) are the schedule's: a two ranks' all-reduce's, with one chunk one
+// all-gather of both rows' messages, with several one per row and chunk; a reduce-scatter's one
+// all-to-all of every row's messages per chunk; an all-reduce's on more ranks, per chunk that
+// all-to-all and then an all-gather of each rank's message of its reduced row (its "second
+// phase"). `run` is one call:
 //   - in the calling thread, the GIL released, for each transfer: the header with the call
 //     number, the encodes of its rows' columns of the source into its messages (codec_api.h),
 //     their frames, and its transfer of the messages into its received buffer, started on the
@@ -69,17 +71,20 @@
 #include <vector>
 
 #include "codec_api.h"
+#include "feedback_slots.h"
 #include "planned_work.h"
 
 namespace lowbitcc {
 
 // One encode of a transfer (see the file's comment): rows `row0 .. row0 + rows` of the source,
 // the transfer's columns of each, into `messages` (uint8 [rows, P], contiguous: the transfer's
-// `sent` or one of its rows) with `nonfinite`, framed as shards `shards`.
+// `sent` or one of its rows) with `nonfinite`, framed as shards `shards`; with error feedback,
+// its state is the run's `TakenStates` slot `slot` (feedback_slots.h).
 struct Encode {
   int64_t row0, rows;
   at::Tensor messages, nonfinite;
   std::vector<int64_t> shards;
+  size_t slot = 0;
 };
 
 // One transfer of a run: columns `a .. b` of the rows its `encodes` write into `sent` (uint8
@@ -89,13 +94,15 @@ struct Encode {
 // rank j; [world * P] received, rank j's message of this rank's row at j) into `received`. An
 // all-reduce on more ranks also all-gathers its second phase: this rank's message of the
 // reduced row in `again` (uint8 [1, P]; its groups' non-finite bytes in `again_nonfinite`),
-// every rank's into `again_received` ([world * P], rank j's at j); undefined otherwise.
+// every rank's into `again_received` ([world * P], rank j's at j); undefined otherwise (and its
+// encode's error state slot `again_slot`).
 struct Piece {
   int64_t row0, rows, a, b, used;
   std::vector<Encode> encodes;
   at::Tensor sent, received;
   std::string header;
   at::Tensor again, again_nonfinite, again_received;
+  size_t again_slot = 0;
 };
 
 class __attribute__((visibility("hidden"))) PlanCore
@@ -142,12 +149,15 @@ class __attribute__((visibility("hidden"))) PlanCore
                 api_->version, " is not the runner's ", lowbitcc_cpu::kCodecApiVersion);
     TORCH_CHECK((world_ >= 2 || scatter_) && scratch_.scalar_type() == at::kFloat,
                 "lowbitcc: a plan core runs a reduce-scatter, or an all-reduce of 2 ranks or more");
+    if (!spec["feedback"].is_none()) {
+      feedback_ = std::make_unique<FeedbackSlots>(spec["feedback"].cast<py::dict>(), group_size_);
+    }
     for (auto item : spec["pieces"]) {
       py::dict p = item.cast<py::dict>();
       Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
                   p["b"].cast<int64_t>(), p["used"].cast<int64_t>(), {},
                   p["sent"].cast<at::Tensor>(), p["received"].cast<at::Tensor>(),
-                  p["header"].cast<std::string>(), {}, {}, {}};
+                  p["header"].cast<std::string>(), {}, {}, {}, 0};
       const int64_t P = piece.sent.size(1);
       const bool to_all = scatter_ || two_phase_;  // the first phase is an all-to-all
       bool fit = (int64_t)piece.header.size() == loco::kHeaderBytes &&
@@ -160,6 +170,10 @@ class __attribute__((visibility("hidden"))) PlanCore
         piece.again = p["again"].cast<at::Tensor>();
         piece.again_nonfinite = p["again_nonfinite"].cast<at::Tensor>();
         piece.again_received = p["again_received"].cast<at::Tensor>();
+        if (feedback_) {
+          piece.again_slot = feedback_->add(p["again_stage"].cast<std::string>(),
+                                            p["again_state_numel"].cast<int64_t>());
+        }
         fit = fit && piece.again.is_contiguous() && piece.again.size(0) == 1 &&
               piece.again.size(1) == P && piece.again_nonfinite.is_contiguous() &&
               piece.again_received.numel() == world_ * P &&
@@ -168,7 +182,11 @@ class __attribute__((visibility("hidden"))) PlanCore
       for (auto unit : p["encodes"]) {
         py::dict e = unit.cast<py::dict>();
         Encode encode{e["row0"].cast<int64_t>(), e["rows"].cast<int64_t>(),
-                      e["messages"].cast<at::Tensor>(), e["nonfinite"].cast<at::Tensor>(), {}};
+                      e["messages"].cast<at::Tensor>(), e["nonfinite"].cast<at::Tensor>(), {}, 0};
+        if (feedback_) {
+          encode.slot = feedback_->add(e["stage"].cast<std::string>(),
+                                       e["state_numel"].cast<int64_t>());
+        }
         for (int64_t r = encode.row0; r < encode.row0 + encode.rows; ++r) {
           encode.shards.push_back(r);
         }
@@ -221,6 +239,8 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   bool modelled() const { return modelled_; }
+  // Its runs' error states (null: feedback off).
+  FeedbackSlots* feedback() const { return feedback_.get(); }
   const py::object& size_class() const { return size_class_; }
   int64_t nbytes() const { return nbytes_; }
   int64_t logical_bytes() const { return logical_bytes_; }
@@ -244,15 +264,25 @@ class __attribute__((visibility("hidden"))) PlanCore
   // One run (see the file's comment): all-reduce `tensor` in place, or reduce-scatter it into
   // `output`, as call number `seq`, its encodes' residual sums added into `sums` (the
   // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
-  // goes to the cost model. Called with the GIL held; its Work.
+  // goes to the cost model; `taken`: its error states (`feedback`'s `take`; null: feedback
+  // off), which its encodes apply and update, and record in (their order, a non-finite value)
+  // before it returns, and whose drop word it sets where a decode then meets a non-finite
+  // value or a foreign message, or a transfer fails. Called with the GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
-                                     int64_t seq, at::Tensor sums, bool timed) {
+                                     int64_t seq, at::Tensor sums, bool timed,
+                                     TakenStates* taken = nullptr) {
+    TORCH_CHECK((taken != nullptr) == (feedback_ != nullptr),
+                "lowbitcc: a plan core's run takes error states where it has feedback");
     auto self = shared_from_this();
     py::gil_scoped_release release;
     const auto start = std::chrono::steady_clock::now();
     // (an all-reduce on more ranks: one for the calling thread, one more per all-gather started)
     auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed, start,
                                      two_phase_ ? 1 : static_cast<int64_t>(pieces_.size()));
+    if (taken != nullptr) {
+      run->taken = taken;
+      run->drop_word = taken->drop_word;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       last_ = run->result;
@@ -338,6 +368,11 @@ class __attribute__((visibility("hidden"))) PlanCore
     std::chrono::steady_clock::time_point start;
     std::atomic<int64_t> left;  // transfers not yet decoded
     std::atomic<bool> foreign{false};
+    std::atomic<bool> nonfinite{false};  // a received message was flagged non-finite
+    // with feedback: the run's error states, for its encodes on the calling thread (not kept
+    // past `run`), and its drop word, set by `finish`
+    TakenStates* taken = nullptr;
+    at::Tensor drop_word;
     // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
     // messages encoded after it are flagged (the file's comment)
     std::atomic<bool> peer_error{false};
@@ -355,7 +390,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // The encodes and frames of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
   // each encode's rows' columns where they lie in the flat source, zero past its end); its
   // header.
-  std::string encode(Piece& piece, const Run& run, const at::Tensor& sums) {
+  std::string encode(Piece& piece, Run& run, const at::Tensor& sums) {
     std::string header = piece.header;
     const uint32_t seq32 = static_cast<uint32_t>(run.seq);
     std::memcpy(&header[seq_offset_], &seq32, 4);
@@ -378,16 +413,53 @@ class __attribute__((visibility("hidden"))) PlanCore
       a.beta = static_cast<float>(beta_);
       a.omb = static_cast<float>(1.0 - beta_);
       a.G = static_cast<int32_t>(group_size_);
-      a.mode = loco::kErrorNone;
       a.format = static_cast<int32_t>(format_);
+      apply_state(a, run, unit.slot);
       api_->encode(a, bits_, run.threads, dtype_);
-      api_->frame(unit.messages, header, unit.shards, unit.nonfinite, piece.used, 0, checksum_,
-                  step_, run.threads);
+      encoded(run, api_->frame(unit.messages, header, unit.shards, unit.nonfinite, piece.used, 0,
+                               checksum_, step_, run.threads));
       if (run.peer_error) {
         flag_peer_error(unit.messages);
       }
     }
     return header;
+  }
+
+  // An encode's error state, `run`'s slot `slot` (feedback_slots.h), in `a`: applied or written
+  // from zero, in the plan's storage; none where feedback is off. The slot is recorded in the
+  // order the encodes run.
+  void apply_state(loco::EncodeArgs& a, Run& run, size_t slot) const {
+    a.mode = loco::kErrorNone;
+    if (run.taken == nullptr) {
+      return;
+    }
+    Slot& state = run.taken->slots[slot];
+    a.mode = feedback_->mode();
+    a.has_error = state.applied;
+    if (a.mode == loco::kErrorInt8) {
+      a.ecodes = state.data.data_ptr<int8_t>();
+      a.escales = state.scales.data_ptr<float>();
+    } else if (a.mode == loco::kErrorFp32) {
+      a.ef32 = state.data.data_ptr<float>();
+    } else {
+      a.ebf16 = reinterpret_cast<uint16_t*>(state.data.data_ptr<at::BFloat16>());
+    }
+    run.taken->order.push_back(slot);
+  }
+
+  // An encode of `run` was framed; `nonfinite`: it met a non-finite value (its states are then
+  // not put back: `FeedbackSlots::put`).
+  static void encoded(Run& run, bool nonfinite) {
+    if (nonfinite && run.taken != nullptr) {
+      run.taken->encoded_nonfinite = true;
+    }
+  }
+
+  // What `verify` found of messages `run` received (1: a row flagged non-finite).
+  static void received(Run& run, int64_t verdict) {
+    if (verdict > 0) {
+      run.nonfinite = true;
+    }
   }
 
   // `CallCompressor.encode`'s flag on messages (uint8 [rows, P]) encoded after a message of the
@@ -474,13 +546,14 @@ class __attribute__((visibility("hidden"))) PlanCore
     const int64_t width = piece.b - piece.a, P = piece.sent.size(1);
     at::Tensor reduced = scratch_.slice(0, 0, width);
     at::Tensor messages = piece.received.view({world_, P});
-    if (api_->verify(messages, header, std::vector<int64_t>(world_, rank_), checksum_, step_,
-                     run->threads) < 0 &&
-        !accepts(messages, width, run->seq)) {
+    const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(world_, rank_),
+                                         checksum_, step_, run->threads);
+    if (verdict < 0 && !accepts(messages, width, run->seq)) {
       run->foreign = true;
       run->peer_error = true;
       reduced.fill_(std::numeric_limits<float>::quiet_NaN());
     } else {
+      received(*run, verdict);
       api_->decode_sum(messages, width, bits_, group_size_, format_, run->threads, reduced);
     }
     loco::EncodeArgs a{};
@@ -498,11 +571,11 @@ class __attribute__((visibility("hidden"))) PlanCore
     a.beta = static_cast<float>(beta_);
     a.omb = static_cast<float>(1.0 - beta_);
     a.G = static_cast<int32_t>(group_size_);
-    a.mode = loco::kErrorNone;
     a.format = static_cast<int32_t>(format_);
+    apply_state(a, *run, piece.again_slot);
     api_->encode(a, bits_, run->threads, at::kFloat);
-    api_->frame(piece.again, header, {rank_}, piece.again_nonfinite, piece.used, 0, checksum_,
-                step_, run->threads);
+    encoded(*run, api_->frame(piece.again, header, {rank_}, piece.again_nonfinite, piece.used, 0,
+                              checksum_, step_, run->threads));
     if (run->peer_error) {
       flag_peer_error(piece.again);
     }
@@ -563,7 +636,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     for (int64_t r = 0; r < world_; ++r) {
       shards[r] = r;
     }
-    if (api_->verify(messages, header, shards, checksum_, step_, run.threads) < 0) {
+    const int64_t verdict = api_->verify(messages, header, shards, checksum_, step_, run.threads);
+    received(run, verdict);
+    if (verdict < 0) {
       run.foreign = true;
     } else if (piece.a == 0 && piece.b == m_) {
       api_->decode_into(messages, m_, bits_, group_size_, format_, run.flat, run.threads);
@@ -596,8 +671,10 @@ class __attribute__((visibility("hidden"))) PlanCore
         continue;
       }
       at::Tensor messages = columns.select(1, i);
-      if (api_->verify(messages, header, std::vector<int64_t>(world_, r), checksum_, step_,
-                       run.threads) < 0) {
+      const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(world_, r),
+                                           checksum_, step_, run.threads);
+      received(run, verdict);
+      if (verdict < 0) {
         run.foreign = true;
         break;
       }
@@ -614,8 +691,10 @@ class __attribute__((visibility("hidden"))) PlanCore
   void decode_own_row(const Piece& piece, const std::string& header, Run& run) {
     const auto begun = std::chrono::steady_clock::now();
     at::Tensor messages = piece.received.view({world_, piece.sent.size(1)});
-    if (api_->verify(messages, header, std::vector<int64_t>(world_, rank_), checksum_, step_,
-                     run.threads) < 0) {
+    const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(world_, rank_),
+                                         checksum_, step_, run.threads);
+    received(run, verdict);
+    if (verdict < 0) {
       run.foreign = true;
     } else {
       sum_into(messages, piece.b - piece.a, run.output.view({-1}).slice(0, piece.a, piece.b),
@@ -651,6 +730,9 @@ class __attribute__((visibility("hidden"))) PlanCore
       if (run.timed) {
         timings_.modelled_s.push_back(seconds(run.start, end));
       }
+    }
+    if (run.drop_word.defined() && (run.nonfinite || run.foreign || run.first_error)) {
+      run.drop_word.data_ptr<uint8_t>()[0] = 1;  // (its states are put back void: feedback_slots.h)
     }
     if (!run.first_error && run.foreign) {
       try {
@@ -688,6 +770,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   bool checksum_, modelled_;
   int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;
   std::vector<Piece> pieces_;
+  std::unique_ptr<FeedbackSlots> feedback_;  // null: feedback off
   const lowbitcc_cpu::CodecApi* api_ = nullptr;
   std::mutex mutex_, scratch_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> last_;

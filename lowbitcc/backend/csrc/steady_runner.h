@@ -23,14 +23,17 @@
 // the entry's runs (`CallSchedule.ran`, which starts the place's renewal where due: a compressed
 // run then waits for the renewal's exchange on the worker), the call number
 // (`CallAgreement.next_seq`), the feedback key's ordinal where this rank would compress an exact
-// call (`CompressedCalls._ordinal`), the cost model's count, the statistics (`exact.count_exact`;
-// a compressed run's `RunTally`), the issuer's count of exact calls, the call's tag
-// (`IssueQueue._next_tag`); then the inner gloo call (the GIL released) and its `FollowedWork`,
-// kept as the place's canary (an exact all-reduce), or the plan core's run.
+// call or compresses one with error feedback (`CompressedCalls._ordinal`; or the name of a
+// `feedback_key` block, counted in it: `policy.explicit_key`), the cost model's count, the
+// statistics (`exact.count_exact`; a compressed run's `RunTally`), the issuer's count of exact
+// calls, the call's tag (`IssueQueue._next_tag`); then the inner gloo call (the GIL released)
+// and its `FollowedWork`, kept as the place's canary (an exact all-reduce), or the plan core's
+// run, between the take of its error states and their put (feedback_slots.h).
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
-// statistics', cost model's and ordinals' locks taken as their Python owners take them. Only the
-// gloo call and a plan core's run (encode, then its decode on gloo's thread) run without it.
+// statistics', cost model's, ordinals' and feedback store's locks taken as their Python owners
+// take them. Only the gloo call and a plan core's run (encode, then its decode on gloo's thread)
+// run without it.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>
@@ -42,57 +45,19 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "model_timings.h"
 #include "followed_work.h"
+#include "model_timings.h"
 #include "plan_core.h"
+#include "python_objects.h"
 
 namespace lowbitcc {
-
-namespace detail {
-
-// `obj.name += delta` for a Python number attribute.
-inline void add_to(py::handle obj, const char* name, py::handle delta) {
-  py::object now = obj.attr(name);
-  py::object sum = py::reinterpret_steal<py::object>(PyNumber_Add(now.ptr(), delta.ptr()));
-  if (!sum) {
-    throw py::error_already_set();
-  }
-  obj.attr(name) = sum;
-}
-
-// `a == b` in Python.
-inline bool equal(py::handle a, py::handle b) {
-  int result = PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_EQ);
-  if (result < 0) {
-    throw py::error_already_set();
-  }
-  return result == 1;
-}
-
-// Holds a Python `threading.Lock` for a scope (its acquire waits without the GIL).
-class Held {
- public:
-  explicit Held(py::object lock) : lock_(std::move(lock)) { lock_.attr("acquire")(); }
-  ~Held() {
-    try {
-      lock_.attr("release")();
-    } catch (...) {
-    }
-  }
-  Held(const Held&) = delete;
-  Held& operator=(const Held&) = delete;
-
- private:
-  py::object lock_;
-};
-
-}  // namespace detail
 
 class __attribute__((visibility("hidden"))) SteadyRunner {
  public:
@@ -131,6 +96,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     reduce_scatter_ = py::str("reduce_scatter");
     cpu_ = py::str("cpu");
     backward_ = py::str("backward");
+    step_ = py::str("step");
     exact_ = py::str("exact");
     compressed_name_ = py::str("compressed");
   }
@@ -185,7 +151,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return py::none();
     }
     if (steady.core) {
-      return serve_planned(steady, tensor);
+      return serve_planned(steady, all_reduce_, tensor);
     }
     count(steady, all_reduce_, tensor, tensor.numel());
     std::vector<at::Tensor> inputs{tensor};
@@ -227,7 +193,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return py::none();
     }
     if (steady.core) {
-      return serve_planned(steady, input);
+      return serve_planned(steady, reduce_scatter_, input);
     }
     count(steady, reduce_scatter_, input, input.numel());
     c10::intrusive_ptr<c10d::Work> work;
@@ -338,7 +304,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return false;
     }
     // `explicit_key` names an exact call's key and counts it in its block: the Python path's
-    // (a compressed call without feedback only counts it: `serve_planned`)
+    // (a compressed call counts in it, and with feedback its states are the key's:
+    // `serve_planned`)
     if (exact && PyList_GET_SIZE(key_stack_.ptr()) != 0) {
       return false;
     }
@@ -428,9 +395,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     return true;
   }
 
-  // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `tensor` (into
-  // `steady.output`: a reduce-scatter): counted, then the plan core's run; its Work.
-  py::object serve_planned(Steady& steady, const at::Tensor& tensor) {
+  // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `collective` on
+  // `tensor` (into `steady.output`: a reduce-scatter): counted, its feedback key's ordinal
+  // taken and its error states with it (feedback_slots.h), then the plan core's run, and the
+  // states put back once its encodes are done; its Work.
+  py::object serve_planned(Steady& steady, const py::str& collective, const at::Tensor& tensor) {
     {
       py::gil_scoped_release release;
       steady.core->wait();  // the place's last run, whose buffers this one writes
@@ -440,8 +409,17 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       queue_.attr("wait_idle")();  // the renewal's exchange, on the same gloo group, goes first
     }
     const int64_t seq = agreement_.attr("next_seq")().cast<int64_t>();
-    count_in_key_block();
     PlanCore& core = *steady.core;
+    FeedbackSlots* feedback = core.feedback();
+    TakenStates taken;
+    std::optional<std::string> name = count_in_key_block();  // `CompressedCalls.key`
+    if (feedback != nullptr && name) {
+      feedback->take(feedback->named(*name), false, tensor, taken);
+    } else if (feedback != nullptr) {
+      const int64_t task = torch::autograd::get_current_graph_task_id();
+      feedback->take(feedback->derived(next_ordinal(collective, tensor, tensor.numel(), task)),
+                     true, tensor, taken);
+    }
     py::object model = compressed_.attr("cost_model");
     if (steady.modelled) {
       count_class(model, core.size_class());
@@ -466,8 +444,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     timings_.fold(model, false);  // the runs timed before, in batches
     ++served_;
     ++served_compressed_;
-    c10::intrusive_ptr<c10d::Work> work =
-        core.run(tensor, steady.output, seq, accumulator(), steady.modelled);
+    c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, accumulator(),
+                                                   steady.modelled,
+                                                   feedback != nullptr ? &taken : nullptr);
+    if (feedback != nullptr) {
+      feedback->put(taken);
+    }
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     return follow(work, steady.output.defined() ? steady.output : tensor, false);
   }
@@ -502,18 +484,22 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
   }
 
-  // `policy.explicit_key` for a call without feedback, whose key names nothing: the call
-  // counts in the innermost `feedback_key` block, if any.
-  void count_in_key_block() {
+  // `policy.explicit_key`: the call counts in the innermost `feedback_key` block, if any; the
+  // key the block names for it (none: no block).
+  std::optional<std::string> count_in_key_block() {
     if (PyList_GET_SIZE(key_stack_.ptr()) == 0) {
-      return;
+      return std::nullopt;
     }
     detail::Held held(policy_lock_);
     const Py_ssize_t blocks = PyList_GET_SIZE(key_stack_.ptr());
-    if (blocks != 0) {
-      py::list block = py::reinterpret_borrow<py::list>(PyList_GET_ITEM(key_stack_.ptr(), blocks - 1));
-      block[1] = py::int_(block[1].cast<int64_t>() + 1);
+    if (blocks == 0) {
+      return std::nullopt;
     }
+    py::list block = py::reinterpret_borrow<py::list>(PyList_GET_ITEM(key_stack_.ptr(), blocks - 1));
+    const int64_t calls = block[1].cast<int64_t>();
+    block[1] = py::int_(calls + 1);
+    std::string name = block[0].cast<std::string>();
+    return calls == 0 ? name : name + "#" + std::to_string(calls);
   }
 
   // `CostModel.count`: one more call of `size_class`.
@@ -564,20 +550,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     timings_.fold(model, false);  // the runs timed before, in batches
     ran(steady);
     agreement_.attr("next_seq")();
-    py::object dtype =
-        py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(
-            like.scalar_type())));
     if (steady.ordinal) {
-      py::tuple epoch = py::make_tuple(backward_, steady.task);
-      detail::Held held(compressed_.attr("_lock"));
-      if (!detail::equal(epoch, compressed_.attr("_epoch"))) {
-        compressed_.attr("_epoch") = epoch;
-        compressed_.attr("_ordinals").attr("clear")();
-      }
-      py::dict ordinals = compressed_.attr("_ordinals");
-      py::tuple signature = py::make_tuple(collective, dtype, numel);
-      int64_t ordinal = ordinals.contains(signature) ? ordinals[signature].cast<int64_t>() : 0;
-      ordinals[signature] = py::int_(ordinal + 1);
+      next_ordinal(collective, like, numel, steady.task);
     }
     int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
     if (steady.modelled) {
@@ -598,6 +572,27 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       detail::add_to(counters, "model_exact", py::int_(steady.by_model ? 1 : 0));
     }
     ++served_;
+  }
+
+  // `CompressedCalls._ordinal`: the position of a call of `collective` on `numel` elements of
+  // `like`'s dtype among the calls of that signature in the current epoch (`policy.epoch`: the
+  // backward pass `task`, or where none runs, -1, the optimizer step), counted.
+  int64_t next_ordinal(const py::str& collective, const at::Tensor& like, int64_t numel,
+                       int64_t task) {
+    py::object dtype = py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())));
+    py::tuple epoch = task >= 0 ? py::tuple(py::make_tuple(backward_, task))
+                                : py::tuple(py::make_tuple(step_, state_.attr("_optimizer_steps")));
+    detail::Held held(compressed_.attr("_lock"));
+    if (!detail::equal(epoch, compressed_.attr("_epoch"))) {
+      compressed_.attr("_epoch") = epoch;
+      compressed_.attr("_ordinals").attr("clear")();
+    }
+    py::dict ordinals = compressed_.attr("_ordinals");
+    py::tuple signature = py::make_tuple(collective, dtype, numel);
+    int64_t ordinal = ordinals.contains(signature) ? ordinals[signature].cast<int64_t>() : 0;
+    ordinals[signature] = py::int_(ordinal + 1);
+    return ordinal;
   }
 
   // The cost model's size class of an exact call of `nbytes` input bytes
@@ -641,7 +636,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   int64_t world_, min_size_, timed_every_;
   bool issuer_counts_;
   std::set<int64_t> native_ops_;
-  py::str all_reduce_, reduce_scatter_, cpu_, backward_, exact_, compressed_name_;
+  py::str all_reduce_, reduce_scatter_, cpu_, backward_, step_, exact_, compressed_name_;
   double decline_ = 0.0;
   std::mt19937_64 rng_;
   int64_t served_ = 0, served_compressed_ = 0;

@@ -1,0 +1,275 @@
+// FeedbackSlots: the error states of a plan core's runs (lowbitcc/backend/plan_cores.py, "Error
+// feedback"), one slot per encode of a run, each keyed as `CallCompressor.encode` keys it: the
+// call's key and `|stage`, the encode's. The call's key is derived from its position (the
+// plan's `prefix`, then the call's ordinal: its layout tracked by the storage the call reduces)
+// or named by a `feedback_key` block (`named_prefix`, then the name: not tracked).
+//
+// `take`, before a run: each slot's state out of the plan's `feedback.FeedbackStore`, as its
+// `take` hands it over. A steady state (kept under the key, a tracked key's buffer the call's
+// storage, its size, storage and group size the encode's, on the CPU) is taken here, on the
+// store's own containers under its lock: popped from `_states` (a tracked key's layout's streak
+// counted and its layout made the most recent), applied unless `reset_interval` uses are reached or its drop word is set
+// (`ErrorState.drop_word`, `feedback._void`; both drop it: the encode then writes it anew from
+// zero, as it writes a new state). Any other key (a first use, another buffer, a loaded state) goes through
+// the store's own `take` (`plan_cores.take_state`).
+// `put`, once the run's encodes are done (plan_core.h): each state back under its key in the
+// order the encodes ran, one use more, its drop word the run's (`TakenStates::drop_word`, set by
+// the core where the run's decodes then meet a non-finite value or a foreign message), the
+// store bounded to its `max_keys` (least recently used first); none where an encode of the run
+// met a non-finite value (dropped, as `CallCompressor.finish` drops them).
+//
+// Threads: `take` and `put` with the GIL held, on the calling thread; the encodes read the slots'
+// tensors without it, between the two.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "codec_api.h"
+#include "python_objects.h"
+
+namespace lowbitcc {
+
+// One encode's error state for one run: its key, the `ErrorState`, its data (and an int8
+// state's scales), its uses before the run, and whether the encode applies it (else it writes
+// it from zero).
+struct __attribute__((visibility("hidden"))) Slot {
+  py::object key, state;
+  at::Tensor data, scales;
+  int64_t uses = 0;
+  bool applied = false;
+};
+
+// What one run takes and puts back: its slots, the order its encodes ran in (slot indices),
+// whether one met a non-finite value, and its drop word (uint8 [8], zero until the core sets
+// it).
+struct __attribute__((visibility("hidden"))) TakenStates {
+  std::vector<Slot> slots;
+  std::vector<size_t> order;
+  bool encoded_nonfinite = false;
+  at::Tensor drop_word;
+};
+
+class __attribute__((visibility("hidden"))) FeedbackSlots {
+ public:
+  // `feedback`: plan_cores.py's `_feedback` (its docstring names each entry); `group_size`:
+  // the codec's.
+  FeedbackSlots(const py::dict& feedback, int64_t group_size)
+      : store_(feedback["store"]),
+        error_dtype_(feedback["error_dtype"]),
+        take_(feedback["take"]),
+        prefix_(feedback["prefix"].cast<std::string>()),
+        named_prefix_(feedback["named_prefix"].cast<std::string>()),
+        mode_(feedback["mode"].cast<int32_t>()),
+        reset_interval_(feedback["reset_interval"].cast<int64_t>()),
+        group_size_(group_size) {
+    TORCH_CHECK(mode_ == loco::kErrorInt8 || mode_ == loco::kErrorFp32 ||
+                    mode_ == loco::kErrorBf16,
+                "lowbitcc: a plan core's error storage ", mode_, " is not one the codec knows");
+  }
+
+  // A slot for an encode of stage `stage` whose state holds `numel` elements; its index.
+  size_t add(std::string stage, int64_t numel) {
+    TORCH_CHECK(numel > 0 && numel % group_size_ == 0,
+                "lowbitcc: an error state of whole groups of ", group_size_);
+    stages_.push_back(std::move(stage));
+    numels_.push_back(numel);
+    return stages_.size() - 1;
+  }
+
+  int32_t mode() const { return mode_; }
+
+  // A derived key, of a call of ordinal `ordinal` (see the file's comment).
+  std::string derived(int64_t ordinal) const { return prefix_ + std::to_string(ordinal); }
+  // A named key, of a call in a `feedback_key` block whose next key is `name`.
+  std::string named(const std::string& name) const { return named_prefix_ + name; }
+
+  // Each slot's state for a call under key `call` (`derived` or `named`; `tracked`: derived)
+  // reducing `source` (see the file's comment), into `taken`; the run's drop word made.
+  void take(const std::string& call, bool tracked, const at::Tensor& source,
+            TakenStates& taken) {
+    const std::vector<py::object>& keys = keys_for(call);
+    const auto storage = tracked ? reinterpret_cast<intptr_t>(
+                                       source.storage().unsafeGetStorageImpl())
+                                 : 0;
+    taken.slots.assign(keys.size(), Slot());
+    taken.order.clear();
+    taken.encoded_nonfinite = false;
+    std::vector<size_t> others;
+    {
+      detail::Held held(store_.attr("_lock"));
+      py::object states = store_.attr("_states"), layouts = store_.attr("_layouts");
+      for (size_t i = 0; i < keys.size(); ++i) {
+        taken.slots[i].key = keys[i];
+        if (!take_kept(states, tracked ? layouts : py::object(), numels_[i], storage,
+                       taken.slots[i])) {
+          others.push_back(i);
+        }
+      }
+    }
+    py::object tensor = py::none();
+    for (size_t i : others) {
+      if (tracked && tensor.is_none()) {
+        tensor = py::cast(source);
+      }
+      py::tuple got = take_(store_, keys[i], numels_[i], error_dtype_, reset_interval_,
+                            group_size_, tensor);
+      Slot& slot = taken.slots[i];
+      slot.state = got[0];
+      slot.uses = got[1].cast<int64_t>();
+      slot.applied = got[2].cast<bool>();
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      bind(taken.slots[i], numels_[i]);
+    }
+    taken.drop_word = at::zeros({8}, at::kByte);
+  }
+
+  // Every slot's state of a run back in the store (see the file's comment).
+  void put(TakenStates& taken) {
+    py::object word = py::cast(taken.drop_word);
+    py::object none = py::none();
+    detail::Held held(store_.attr("_lock"));
+    py::object states = store_.attr("_states");
+    py::object pop = states.attr("pop");
+    for (size_t i : taken.order) {
+      Slot& slot = taken.slots[i];
+      pop(slot.key, none);
+      if (taken.encoded_nonfinite) {
+        continue;
+      }
+      slot.state.attr("drop_word") = word;
+      if (PyObject_SetItem(states.ptr(), slot.key.ptr(),
+                           py::make_tuple(slot.state, slot.uses + 1).ptr()) < 0) {
+        throw py::error_already_set();
+      }
+    }
+    const Py_ssize_t max_keys = store_.attr("max_keys").cast<Py_ssize_t>();
+    if (PyObject_Length(states.ptr()) > max_keys) {
+      py::object popitem = states.attr("popitem");
+      while (PyObject_Length(states.ptr()) > max_keys) {
+        popitem(py::arg("last") = false);
+      }
+    }
+  }
+
+ private:
+  // The slots' keys of a call under key `call`, one per slot (made once per key: a steady
+  // place's key stays the same).
+  const std::vector<py::object>& keys_for(const std::string& call) {
+    if (call != call_ || keys_.size() != stages_.size()) {
+      keys_.clear();
+      for (const std::string& stage : stages_) {
+        keys_.push_back(py::str(call + "|" + stage));
+      }
+      call_ = call;
+    }
+    return keys_;
+  }
+
+  // The steady case of `FeedbackStore.take` for `slot.key` (see the file's comment), the store's
+  // lock held (`layouts`: the store's, for a tracked key whose call reduces `storage`; null: a
+  // named key's): false, having changed nothing, where it is not that case.
+  bool take_kept(const py::object& states, const py::object& layouts, int64_t numel,
+                 intptr_t storage, Slot& slot) {
+    PyObject* entry = PyDict_GetItemWithError(states.ptr(), slot.key.ptr());
+    if (entry == nullptr) {
+      if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      return false;
+    }
+    py::object layout;
+    if (layouts) {
+      PyObject* found = PyDict_GetItemWithError(layouts.ptr(), slot.key.ptr());
+      if (found == nullptr) {
+        if (PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        return false;
+      }
+      layout = py::reinterpret_borrow<py::object>(found);
+      py::object buffer = layout.attr("buffer");
+      if (buffer.is_none() || buffer.attr("cdata").cast<intptr_t>() != storage) {
+        return false;
+      }
+    }
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+      return false;
+    }
+    py::object state = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry, 0));
+    const int64_t uses = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry, 1))
+                             .cast<int64_t>();
+    py::object word = state.attr("drop_word");
+    at::Tensor data = state.attr("data").cast<at::Tensor>();
+    if (data.numel() != numel || !data.device().is_cpu() ||
+        !detail::equal(state.attr("dtype"), error_dtype_) ||
+        state.attr("group_size").cast<int64_t>() != group_size_ ||
+        !state.attr("poison").is_none()) {  // (a device call's word: the store's own take)
+      return false;
+    }
+    bool dropped = reset_interval_ > 0 && uses >= reset_interval_;
+    if (!word.is_none()) {
+      dropped = dropped || set(word.cast<at::Tensor>());
+      state.attr("drop_word") = py::none();
+    }
+    py::object held_state = state;  // (the store's entry, and its reference, go next)
+    if (PyObject_DelItem(states.ptr(), slot.key.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+    if (layout) {
+      layouts.attr("move_to_end")(slot.key);
+      const int64_t streak = layout.attr("streak").cast<int64_t>();
+      layout.attr("streak") = py::int_(std::max<int64_t>(streak, 0) + 1);
+    }
+    slot.state = std::move(held_state);
+    slot.uses = dropped ? 0 : uses;
+    slot.applied = !dropped;
+    return true;
+  }
+
+  // Whether a drop word is set (any byte non-zero: `feedback._void`).
+  static bool set(const at::Tensor& word) {
+    if (word.scalar_type() != at::kByte || !word.is_contiguous()) {
+      return word.ne(0).any().item<bool>();
+    }
+    const uint8_t* bytes = word.data_ptr<uint8_t>();
+    return std::any_of(bytes, bytes + word.numel(), [](uint8_t b) { return b != 0; });
+  }
+
+  // `slot`'s tensors, checked to be what an encode of `numel` elements reads and writes.
+  void bind(Slot& slot, int64_t numel) const {
+    slot.data = slot.state.attr("data").cast<at::Tensor>();
+    const at::ScalarType want = mode_ == loco::kErrorInt8   ? at::kChar
+                                : mode_ == loco::kErrorFp32 ? at::kFloat
+                                                            : at::kBFloat16;
+    bool fit = slot.data.scalar_type() == want && slot.data.numel() == numel &&
+               slot.data.is_contiguous() && slot.data.device().is_cpu();
+    if (mode_ == loco::kErrorInt8) {
+      slot.scales = slot.state.attr("scales").cast<at::Tensor>();
+      fit = fit && slot.scales.scalar_type() == at::kFloat &&
+            slot.scales.numel() == numel / group_size_ && slot.scales.is_contiguous() &&
+            slot.scales.device().is_cpu();
+    }
+    TORCH_CHECK(fit, "lowbitcc: the error state ", py::cast<std::string>(slot.key),
+                " does not fit its encode");
+  }
+
+  py::object store_, error_dtype_, take_;
+  std::string prefix_, named_prefix_;
+  int32_t mode_;
+  int64_t reset_interval_, group_size_;
+  std::vector<std::string> stages_;
+  std::vector<int64_t> numels_;
+  std::string call_;
+  std::vector<py::object> keys_;
+};
+
+}  // namespace lowbitcc
