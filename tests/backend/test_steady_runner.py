@@ -61,10 +61,11 @@ def _state(pg):
 
 
 def _feedback_states(pg):
-    """The error states of ``pg``'s calls: key (less the group's name) -> (uses, data, scales)."""
+    """The error states of ``pg``'s calls: key (less the group's name) -> (uses, data, scales,
+    streak: how the store tracks the key's buffers, `feedback.FeedbackStore`)."""
     prefix = f"{pg._compressed.group_name}|"
     states = lowbitcc_state.FEEDBACK.state_dict()["states"]
-    return {key[len(prefix):]: (v["uses"], v["data"], v["scales"])
+    return {key[len(prefix):]: (v["uses"], v["data"], v["scales"], v["streak"])
             for key, v in states.items() if key.startswith(prefix)}
 
 
@@ -187,8 +188,8 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
 
 def _assert_same_states(got, want, where):
     assert got.keys() == want.keys(), where
-    for key, (uses, data, scales) in want.items():
-        assert got[key][0] == uses, (where, key)
+    for key, (uses, data, scales, streak) in want.items():
+        assert got[key][0] == uses and got[key][3] == streak, (where, key)
         assert torch.equal(got[key][1], data), (where, key)
         assert (scales is None) == (got[key][2] is None), (where, key)
         assert scales is None or torch.equal(got[key][2], scales), (where, key)

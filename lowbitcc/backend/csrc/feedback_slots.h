@@ -7,11 +7,13 @@
 // `take`, before a run: each slot's state out of the plan's `feedback.FeedbackStore`, as its
 // `take` hands it over. A steady state (kept under the key, a tracked key's buffer the call's
 // storage, its size, storage and group size the encode's, on the CPU) is taken here, on the
-// store's own containers under its lock: popped from `_states` (a tracked key's layout's streak
-// counted and its layout made the most recent), applied unless `reset_interval` uses are reached or its drop word is set
-// (`ErrorState.drop_word`, `feedback._void`; both drop it: the encode then writes it anew from
-// zero, as it writes a new state). Any other key (a first use, another buffer, a loaded state) goes through
-// the store's own `take` (`plan_cores.take_state`).
+// store's own containers under its lock: popped from `_states` (a tracked key's layout counted as
+// `FeedbackStore._replaced` counts it: the same buffer, or another where the key's buffers are
+// known to be transient, a new one at every use; and made the most recent), applied unless
+// `reset_interval` uses are reached or its drop word is set (`ErrorState.drop_word`,
+// `feedback._void`; both drop it: the encode then writes it anew from zero, as it writes a new
+// state). Any other key (a first use, a persistent buffer replaced, a loaded state) goes
+// through the store's own `take` (`plan_cores.take_state`).
 // `put`, once the run's encodes are done (plan_core.h): each state back under its key in the
 // order the encodes ran, one use more, its drop word the run's (`TakenStates::drop_word`, set by
 // the core where the run's decodes then meet a non-finite value or a foreign message), the
@@ -108,7 +110,7 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
       py::object states = store_.attr("_states"), layouts = store_.attr("_layouts");
       for (size_t i = 0; i < keys.size(); ++i) {
         taken.slots[i].key = keys[i];
-        if (!take_kept(states, tracked ? layouts : py::object(), numels_[i], storage,
+        if (!take_kept(states, tracked ? layouts : py::object(), numels_[i], source, storage,
                        taken.slots[i])) {
           others.push_back(i);
         }
@@ -178,7 +180,8 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
   // lock held (`layouts`: the store's, for a tracked key whose call reduces `storage`; null: a
   // named key's): false, having changed nothing, where it is not that case.
   bool take_kept(const py::object& states, const py::object& layouts, int64_t numel,
-                 intptr_t storage, Slot& slot) {
+                 const at::Tensor& source, intptr_t storage, Slot& slot) {
+    bool same_buffer = true;
     PyObject* entry = PyDict_GetItemWithError(states.ptr(), slot.key.ptr());
     if (entry == nullptr) {
       if (PyErr_Occurred()) {
@@ -197,8 +200,12 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
       }
       layout = py::reinterpret_borrow<py::object>(found);
       py::object buffer = layout.attr("buffer");
-      if (buffer.is_none() || buffer.attr("cdata").cast<intptr_t>() != storage) {
+      if (buffer.is_none()) {
         return false;
+      }
+      same_buffer = buffer.attr("cdata").cast<intptr_t>() == storage;
+      if (!same_buffer && layout.attr("streak").cast<int64_t>() >= 0) {
+        return false;  // a persistent buffer replaced: the state goes (the store's own take)
       }
     }
     if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
@@ -227,12 +234,29 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
     if (layout) {
       layouts.attr("move_to_end")(slot.key);
       const int64_t streak = layout.attr("streak").cast<int64_t>();
-      layout.attr("streak") = py::int_(std::max<int64_t>(streak, 0) + 1);
+      if (same_buffer) {
+        layout.attr("streak") = py::int_(std::max<int64_t>(streak, 0) + 1);
+      } else {  // a transient key's new buffer (streak < 0)
+        layout.attr("buffer") = weak_ref(source, layout.attr("buffer"));
+        layout.attr("streak") = py::int_(streak - 1);
+      }
     }
     slot.state = std::move(held_state);
     slot.uses = dropped ? 0 : uses;
     slot.applied = !dropped;
     return true;
+  }
+
+  // A `StorageWeakRef` of `source`'s storage, as `StorageWeakRef(source.untyped_storage())`
+  // makes one (a weak reference counted on the storage, let go of by its `_free_weak_ref`,
+  // taken from `like`, another one).
+  static py::object weak_ref(const at::Tensor& source, const py::object& like) {
+    py::object type = py::type::of(like);
+    py::object ref = type.attr("__new__")(type);
+    c10::StorageImpl* impl = source.storage().unsafeGetStorageImpl();
+    ref.attr("_free_weak_ref") = like.attr("_free_weak_ref");
+    ref.attr("cdata") = py::int_(reinterpret_cast<intptr_t>(c10::raw::intrusive_ptr::make_weak(impl)));
+    return ref;
   }
 
   // Whether a drop word is set (any byte non-zero: `feedback._void`).
