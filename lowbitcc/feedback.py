@@ -12,8 +12,9 @@ bf16 or fp32) and the number of times it was used. Rules:
 - a call that saw NaN/Inf drops the state instead of storing a poisoned one (a call on a
   device, which cannot tell on the host, stores it with the call's verdict as its poison word,
   which voids it: `ErrorState.poison`; a CPU call that a plan's C++ core runs, whose last
-  decodes end after it stored its states, stores them with a word that `take` then reads and
-  drops the state by: `ErrorState.drop_word`, `_void`);
+  decodes end after it stored its states, stores them with its verdict, which drops them where
+  the call then saw one: `ErrorState.run_verdict`, `_void`; such a state counts nowhere, not in
+  `len`, `keys`, `uses`, checkpoints nor ``max_keys``, as if it had not been stored);
 - a changed *layout* drops the state (see below);
 - at most ``max_keys`` entries are kept; the least recently used are dropped first.
 
@@ -77,11 +78,11 @@ class FeedbackStore:
         """States dropped because their key's buffer was replaced (see the module docstring)."""
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self.keys())
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._states)
+            return [key for key, (state, _) in self._states.items() if not _void(state)]
 
     def take(self, key: str, numel: int, dtype: str, reset_interval: int,
              device: torch.device | str = "cpu", group_size: int | None = None,
@@ -92,6 +93,8 @@ class FeedbackStore:
         storage this call reduces; None: not tracked) says the layout changed."""
         with self._lock:
             entry = self._states.pop(key, None)
+            if entry is not None and _void(entry[0]):
+                entry = None  # (as if its call had not stored it)
             replaced = buffer is not None and self._replaced(key, buffer)
             if entry is not None and replaced:
                 self.layout_resets += 1
@@ -104,7 +107,7 @@ class FeedbackStore:
         if (state.numel != numel or state.dtype != dtype
                 or (group_size is not None and state.group_size != group_size)):
             return None, 0
-        if (reset_interval and uses >= reset_interval) or _void(state):
+        if reset_interval and uses >= reset_interval:
             return None, 0
         return state.to(device), uses
 
@@ -126,6 +129,12 @@ class FeedbackStore:
         return replaced
 
     def _bound(self, entries: collections.OrderedDict) -> None:
+        """Drop the least recently used of ``entries`` (``_states`` or ``_layouts``) beyond
+        ``max_keys``, states that count as dropped first (`_void`); the lock is held (a plan's
+        C++ core calls it too, `feedback_slots.h`)."""
+        if len(entries) > self.max_keys and entries is self._states:
+            for key in [k for k, (state, _) in entries.items() if _void(state)]:
+                del entries[key]
         while len(entries) > self.max_keys:
             entries.popitem(last=False)
 
@@ -141,7 +150,7 @@ class FeedbackStore:
     def uses(self, key: str) -> int:
         with self._lock:
             entry = self._states.get(key)
-            return 0 if entry is None else entry[1]
+            return 0 if entry is None or _void(entry[0]) else entry[1]
 
     def clear(self) -> None:
         with self._lock:
@@ -194,17 +203,17 @@ class FeedbackStore:
 
 
 def _void(state: ErrorState) -> bool:
-    """Whether ``state`` is void by its ``drop_word``: a plan's C++ core stores a CPU call's
-    states before the call's last decodes, with a word it sets where the call then met a
-    non-finite value or a foreign message (`lowbitcc.backend.plan_cores`), and the state counts
-    as dropped, as the Python path's own `put` drops it. A word that is not set is dropped from
-    the state."""
-    word = state.drop_word
-    if word is None:
+    """Whether ``state`` counts as dropped by its ``run_verdict``: a plan's C++ core stores a CPU
+    call's states before the call's last decodes, with the call's verdict, which says (once the
+    call is done: this waits for it) whether it then met a non-finite value or a foreign message
+    or a failed transfer (`lowbitcc.backend.plan_cores`); such a state counts as dropped, as the
+    Python path's own `put` drops it. A verdict that keeps the state is let go of."""
+    verdict = state.run_verdict
+    if verdict is None:
         return False
-    if bool(word.any()):
+    if verdict.dropped():
         return True
-    state.drop_word = None
+    state.run_verdict = None
     return False
 
 

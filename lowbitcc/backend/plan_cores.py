@@ -23,10 +23,12 @@ the encode's) themselves, on the store's own containers and lock, and any other 
 `take_state`, the store's own `take`; under a key derived from the call's position, or one
 that a `lowbitcc.feedback_key` block names (its layout then not checked, as Python's). The
 states go back once the run's encodes are done, before its last decodes: a run whose encodes
-met a non-finite value puts none back (dropped, as the Python path drops them); the others
-carry the run's word (`ErrorState.drop_word`), which the core sets where a decode then meets a
-non-finite value or a foreign message or a transfer fails, and the store's next `take` drops a
-state whose word is set (`feedback._void`).
+met a non-finite value puts none back (dropped, as the Python path drops them); the others carry
+the run's verdict (`ErrorState.run_verdict`), which the core gives once the run is done: dropped
+where a decode then met a non-finite value or a foreign message or a transfer failed. A state
+whose verdict is dropped counts as dropped everywhere in the store, and a take of a state whose
+run is not done waits for it (`feedback._void`), so the states are the Python path's, which
+stores them at the call's end.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ copies) mask what they return and leave the stored state and its word as they ar
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -35,11 +36,12 @@ class ErrorState:
     poison: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
     """None, or a device word (uint8 ``[8]``, a call's verdict) whose non-zero value voids
     ``data`` and ``scales`` (the module docstring)."""
-    drop_word: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
-    """None, or a CPU word (uint8 ``[8]``) whose non-zero value drops the state at its store's
-    next `feedback.FeedbackStore.take`, as if it had not been stored: set by the CPU call that
-    stored it (a plan's C++ core stores a call's states before the call's last decodes) where
-    the call then met a non-finite value or a foreign message (`feedback._void`)."""
+    run_verdict: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """None, or the verdict of the CPU run that stored the state before its last decodes (a
+    plan's C++ core does: ``RunVerdict``, ``backend/csrc/feedback_slots.h``): its ``dropped()``
+    waits until that run is done and says whether it then met a non-finite value or a foreign
+    message or a failed transfer, which drops the state at its store's next
+    `feedback.FeedbackStore.take`, as if it had not been stored (`feedback._void`)."""
 
     def settle(self) -> None:
         """Apply ``poison`` to this state on the device (zero it where the word is set; no host

@@ -62,11 +62,18 @@ def _state(pg):
 
 def _feedback_states(pg):
     """The error states of ``pg``'s calls: key (less the group's name) -> (uses, data, scales,
-    streak: how the store tracks the key's buffers, `feedback.FeedbackStore`)."""
+    streak: how the store tracks the key's buffers, `feedback.FeedbackStore`); and under
+    ``"order"`` the keys in the order of the store's states and of its layouts (least recently
+    used first: what ``max_keys`` drops first)."""
+    store = lowbitcc_state.FEEDBACK
     prefix = f"{pg._compressed.group_name}|"
-    states = lowbitcc_state.FEEDBACK.state_dict()["states"]
-    return {key[len(prefix):]: (v["uses"], v["data"], v["scales"], v["streak"])
-            for key, v in states.items() if key.startswith(prefix)}
+    states = store.state_dict()["states"]
+    out = {key[len(prefix):]: (v["uses"], v["data"], v["scales"], v["streak"])
+           for key, v in states.items() if key.startswith(prefix)}
+    live = store.keys()  # (a method of the store, which leaves out states that count as dropped)
+    out["order"] = ([k[len(prefix):] for k in live if k.startswith(prefix)],
+                    [k[len(prefix):] for k in store._layouts if k.startswith(prefix)])
+    return out
 
 
 def _train(rank, world, gloo, mode, issuer):
@@ -188,7 +195,11 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
 
 def _assert_same_states(got, want, where):
     assert got.keys() == want.keys(), where
-    for key, (uses, data, scales, streak) in want.items():
+    assert got["order"] == want["order"], where
+    for key, value in want.items():
+        if key == "order":
+            continue
+        uses, data, scales, streak = value
         assert got[key][0] == uses and got[key][3] == streak, (where, key)
         assert torch.equal(got[key][1], data), (where, key)
         assert (scales is None) == (got[key][2] is None), (where, key)
@@ -473,7 +484,9 @@ def test_a_ddp_bucket_whose_peer_deviated_raises_from_the_reducers_future():
 def _feedback_through_faults(rank, world, gloo, collective):
     # one LoCo place (every call a step, outside backward), served by its core, the Python path,
     # or either at random; a NaN in rank 0's input at call 8 (its encode drops its states, the
-    # others' decodes void theirs), rank 1's call not the place's at call 16 (every rank raises)
+    # others' decodes void theirs), rank 1's call not the place's at call 16 (every rank raises);
+    # an all-reduce's step also has two places under one named key (the second takes the state
+    # the first stored, its run perhaps still decoding)
     config = lowbitcc.LocoConfig(min_size=2, cost_model=False, feedback=True)
     runs = {}
     for variant in ("python", "native", "mixed"):
@@ -494,6 +507,11 @@ def _feedback_through_faults(rank, world, gloo, collective):
                     if collective == "all_reduce":
                         dist.all_reduce(tensor, group=pg)
                         out = tensor
+                        for _ in range(2):  # two more places, one key: the same state in turn
+                            with lowbitcc.feedback_key("shared"):
+                                shared = torch.randn(2048, generator=gen)
+                                dist.all_reduce(shared, group=pg)
+                            outputs.append(shared.view(torch.int32).clone())
                     else:
                         out = torch.empty(n // world)
                         dist.reduce_scatter_tensor(out, tensor, group=pg)
@@ -511,7 +529,7 @@ def _feedback_through_faults(rank, world, gloo, collective):
     (2, "all_reduce"), (3, "all_reduce"), (2, "reduce_scatter")])
 def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(world, collective):
     """A LoCo place whose rank 0 sends a NaN once and whose rank 1 deviates once: its plan's core
-    (which puts the states back before its last decodes, with the run's drop word) and the
+    (which puts the states back before its last decodes, with the run's verdict) and the
     Python path (which drops them at the call's end), alone or at random per call, leave the same
     outputs (bit for bit, NaN included), errors and error states, and the core ran most calls."""
     for rank, runs in enumerate(run_ranks(_feedback_through_faults, world, collective,

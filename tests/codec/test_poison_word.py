@@ -113,17 +113,34 @@ def test_the_reference_encode_clears_the_verdict_it_is_given():
     assert not verdict.any()
 
 
-def test_a_state_whose_drop_word_is_set_is_dropped_at_its_next_take_and_not_saved():
+class _Verdict:
+    """A run's verdict on the states it stored (`ErrorState.run_verdict`), already given."""
+
+    def __init__(self, dropped: bool) -> None:
+        self._dropped = dropped
+
+    def dropped(self) -> bool:
+        return self._dropped
+
+
+def test_a_state_its_run_dropped_counts_nowhere_and_is_dropped_at_its_next_take():
     """A plan's C++ core stores a CPU call's states before the call's last decodes, each with
-    the run's drop word (`ErrorState.drop_word`), set where a decode then met a non-finite value
-    or a foreign message: the store's next `take` drops such a state (as the Python path's
-    `put` drops it), a checkpoint leaves it out, and a word that is not set is let go of."""
-    store = FeedbackStore()
-    void, kept = _state(), _state()
-    void.drop_word, kept.drop_word = _word(1), _word(0)
+    the run's verdict (`ErrorState.run_verdict`), dropped where a decode then met a non-finite
+    value or a foreign message: such a state counts nowhere (length, keys, uses, checkpoints,
+    ``max_keys``) and the store's next `take` drops it, as the Python path's `put` drops it; a
+    verdict that keeps the state is let go of."""
+    store = FeedbackStore(max_keys=2)
+    void, kept, other = _state(), _state(), _state()
+    void.run_verdict, kept.run_verdict = _Verdict(True), _Verdict(False)
     store.put("void", void, 3, False)
     store.put("kept", kept, 3, False)
+    assert len(store) == 1 and store.keys() == ["kept"] and store.uses("void") == 0
     assert set(store.state_dict()["states"]) == {"kept"}
+    void.run_verdict = _Verdict(True)
+    store.put("void", void, 3, False)
+    store.put("other", other, 1, False)  # a third key: the void one goes, not the oldest
+    assert store.keys() == ["kept", "other"]
+    store.put("void", void, 3, False)
     assert store.take("void", 128, "int8", 8, torch.device("cpu"), 32) == (None, 0)
     state, uses = store.take("kept", 128, "int8", 8, torch.device("cpu"), 32)
-    assert state is kept and uses == 3 and state.drop_word is None
+    assert state is kept and uses == 3 and state.run_verdict is None

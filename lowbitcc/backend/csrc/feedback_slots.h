@@ -10,15 +10,20 @@
 // store's own containers under its lock: popped from `_states` (a tracked key's layout counted as
 // `FeedbackStore._replaced` counts it: the same buffer, or another where the key's buffers are
 // known to be transient, a new one at every use; and made the most recent), applied unless
-// `reset_interval` uses are reached or its drop word is set (`ErrorState.drop_word`,
-// `feedback._void`; both drop it: the encode then writes it anew from zero, as it writes a new
-// state). Any other key (a first use, a persistent buffer replaced, a loaded state) goes
-// through the store's own `take` (`plan_cores.take_state`).
+// `reset_interval` uses are reached or the run that stored it dropped it (its
+// `ErrorState.run_verdict`, `feedback._void`; both drop it: the encode then writes it anew from
+// zero, as it writes a new state). Any other key (a first use, a persistent buffer replaced, a
+// loaded state, a state whose run is still decoding) goes through the store's own `take`
+// (`plan_cores.take_state`, which waits for that run). The keys are taken one by one in the
+// order the run's encodes will run, as the Python path takes them (the order of the store's
+// layouts, its least recently used first, is the Python path's).
 // `put`, once the run's encodes are done (plan_core.h): each state back under its key in the
-// order the encodes ran, one use more, its drop word the run's (`TakenStates::drop_word`, set by
-// the core where the run's decodes then meet a non-finite value or a foreign message), the
-// store bounded to its `max_keys` (least recently used first); none where an encode of the run
-// met a non-finite value (dropped, as `CallCompressor.finish` drops them).
+// order the encodes ran, one use more, with the run's verdict (`TakenStates::verdict`, which
+// the core gives once the run is done: dropped where its decodes then met a non-finite value or
+// a foreign message, or a transfer failed), the store bounded to its `max_keys` (its own
+// `_bound`); none where an encode of the run met a non-finite value (dropped, as
+// `CallCompressor.finish` drops them); a state whose encode did not run (the run failed
+// before it) back as it was taken, where it was applied.
 //
 // Threads: `take` and `put` with the GIL held, on the calling thread; the encodes read the slots'
 // tensors without it, between the two.
@@ -29,7 +34,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,14 +57,47 @@ struct __attribute__((visibility("hidden"))) Slot {
   bool applied = false;
 };
 
+// A run's verdict on the error states it stored before its last decodes (`ErrorState.run_verdict`
+// in Python): given once, by the run's end (`give`), and read by the store's takes (`dropped`,
+// which waits for it, the GIL released by its binding).
+class __attribute__((visibility("hidden"))) RunVerdict {
+ public:
+  // The run is done; `dropped`: its states count as dropped. Only the first call counts.
+  void give(bool dropped) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (done_) {
+        return;
+      }
+      done_ = true;
+      dropped_ = dropped;
+    }
+    given_.notify_all();
+  }
+  bool done() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  // Whether the run's states count as dropped, once it is done.
+  bool dropped() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    given_.wait(lock, [this] { return done_; });
+    return dropped_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable given_;
+  bool done_ = false, dropped_ = false;
+};
+
 // What one run takes and puts back: its slots, the order its encodes ran in (slot indices),
-// whether one met a non-finite value, and its drop word (uint8 [8], zero until the core sets
-// it).
+// whether one met a non-finite value, and its verdict.
 struct __attribute__((visibility("hidden"))) TakenStates {
   std::vector<Slot> slots;
   std::vector<size_t> order;
   bool encoded_nonfinite = false;
-  at::Tensor drop_word;
+  std::shared_ptr<RunVerdict> verdict;
 };
 
 class __attribute__((visibility("hidden"))) FeedbackSlots {
@@ -88,77 +129,96 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
 
   int32_t mode() const { return mode_; }
 
+  // The order a run's encodes run in (every slot's index once: the core's schedule's order).
+  void set_order(std::vector<size_t> order) {
+    std::vector<size_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    bool every = sorted.size() == stages_.size();
+    for (size_t i = 0; every && i < sorted.size(); ++i) {
+      every = sorted[i] == i;
+    }
+    TORCH_CHECK(every, "lowbitcc: a plan core's encode order names each encode once");
+    order_ = std::move(order);
+  }
+
   // A derived key, of a call of ordinal `ordinal` (see the file's comment).
   std::string derived(int64_t ordinal) const { return prefix_ + std::to_string(ordinal); }
   // A named key, of a call in a `feedback_key` block whose next key is `name`.
   std::string named(const std::string& name) const { return named_prefix_ + name; }
 
   // Each slot's state for a call under key `call` (`derived` or `named`; `tracked`: derived)
-  // reducing `source` (see the file's comment), into `taken`; the run's drop word made.
+  // reducing `source` (see the file's comment), into `taken`; the run's verdict made.
   void take(const std::string& call, bool tracked, const at::Tensor& source,
             TakenStates& taken) {
     const std::vector<py::object>& keys = keys_for(call);
     const auto storage = tracked ? reinterpret_cast<intptr_t>(
                                        source.storage().unsafeGetStorageImpl())
                                  : 0;
+    TORCH_CHECK(order_.size() == keys.size(), "lowbitcc: a plan core's encode order is set");
     taken.slots.assign(keys.size(), Slot());
     taken.order.clear();
     taken.encoded_nonfinite = false;
-    std::vector<size_t> others;
-    {
-      detail::Held held(store_.attr("_lock"));
-      py::object states = store_.attr("_states"), layouts = store_.attr("_layouts");
-      for (size_t i = 0; i < keys.size(); ++i) {
-        taken.slots[i].key = keys[i];
-        if (!take_kept(states, tracked ? layouts : py::object(), numels_[i], source, storage,
-                       taken.slots[i])) {
-          others.push_back(i);
-        }
-      }
-    }
+    py::object states = store_.attr("_states");
+    py::object layouts = tracked ? store_.attr("_layouts") : py::object();
     py::object tensor = py::none();
-    for (size_t i : others) {
+    std::optional<detail::Held> held;  // the store's lock, over the keys taken here
+    for (size_t i : order_) {
+      Slot& slot = taken.slots[i];
+      slot.key = keys[i];
+      if (!held) {
+        held.emplace(store_.attr("_lock"));
+      }
+      if (take_kept(states, layouts, numels_[i], source, storage, slot)) {
+        continue;
+      }
+      held.reset();  // (the store's own take takes it)
       if (tracked && tensor.is_none()) {
         tensor = py::cast(source);
       }
       py::tuple got = take_(store_, keys[i], numels_[i], error_dtype_, reset_interval_,
                             group_size_, tensor);
-      Slot& slot = taken.slots[i];
       slot.state = got[0];
       slot.uses = got[1].cast<int64_t>();
       slot.applied = got[2].cast<bool>();
     }
+    held.reset();
     for (size_t i = 0; i < keys.size(); ++i) {
       bind(taken.slots[i], numels_[i]);
     }
-    taken.drop_word = at::zeros({8}, at::kByte);
+    taken.verdict = std::make_shared<RunVerdict>();
   }
 
   // Every slot's state of a run back in the store (see the file's comment).
   void put(TakenStates& taken) {
-    py::object word = py::cast(taken.drop_word);
+    py::object verdict = py::cast(taken.verdict);
     py::object none = py::none();
+    std::vector<bool> encoded(taken.slots.size(), false);
     detail::Held held(store_.attr("_lock"));
     py::object states = store_.attr("_states");
     py::object pop = states.attr("pop");
-    for (size_t i : taken.order) {
-      Slot& slot = taken.slots[i];
+    auto store = [&](Slot& slot, int64_t uses, const py::object& by) {
       pop(slot.key, none);
-      if (taken.encoded_nonfinite) {
-        continue;
-      }
-      slot.state.attr("drop_word") = word;
+      slot.state.attr("run_verdict") = by;
       if (PyObject_SetItem(states.ptr(), slot.key.ptr(),
-                           py::make_tuple(slot.state, slot.uses + 1).ptr()) < 0) {
+                           py::make_tuple(slot.state, uses).ptr()) < 0) {
         throw py::error_already_set();
       }
-    }
-    const Py_ssize_t max_keys = store_.attr("max_keys").cast<Py_ssize_t>();
-    if (PyObject_Length(states.ptr()) > max_keys) {
-      py::object popitem = states.attr("popitem");
-      while (PyObject_Length(states.ptr()) > max_keys) {
-        popitem(py::arg("last") = false);
+    };
+    for (size_t i : taken.order) {
+      encoded[i] = true;
+      if (taken.encoded_nonfinite) {
+        pop(taken.slots[i].key, none);
+      } else {
+        store(taken.slots[i], taken.slots[i].uses + 1, verdict);
       }
+    }
+    for (size_t i : order_) {
+      if (!encoded[i] && taken.slots[i].applied) {
+        store(taken.slots[i], taken.slots[i].uses, none);
+      }
+    }
+    if (PyObject_Length(states.ptr()) > store_.attr("max_keys").cast<Py_ssize_t>()) {
+      store_.attr("_bound")(states);
     }
   }
 
@@ -214,7 +274,7 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
     py::object state = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry, 0));
     const int64_t uses = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry, 1))
                              .cast<int64_t>();
-    py::object word = state.attr("drop_word");
+    py::object by = state.attr("run_verdict");
     at::Tensor data = state.attr("data").cast<at::Tensor>();
     if (data.numel() != numel || !data.device().is_cpu() ||
         !detail::equal(state.attr("dtype"), error_dtype_) ||
@@ -222,10 +282,13 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
         !state.attr("poison").is_none()) {  // (a device call's word: the store's own take)
       return false;
     }
+    if (!by.is_none() && !by.cast<RunVerdict&>().done()) {
+      return false;  // its run is still decoding: the store's own take waits for it
+    }
     bool dropped = reset_interval_ > 0 && uses >= reset_interval_;
-    if (!word.is_none()) {
-      dropped = dropped || set(word.cast<at::Tensor>());
-      state.attr("drop_word") = py::none();
+    if (!by.is_none()) {
+      dropped = dropped || by.cast<RunVerdict&>().dropped();
+      state.attr("run_verdict") = py::none();
     }
     py::object held_state = state;  // (the store's entry, and its reference, go next)
     if (PyObject_DelItem(states.ptr(), slot.key.ptr()) < 0) {
@@ -259,15 +322,6 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
     return ref;
   }
 
-  // Whether a drop word is set (any byte non-zero: `feedback._void`).
-  static bool set(const at::Tensor& word) {
-    if (word.scalar_type() != at::kByte || !word.is_contiguous()) {
-      return word.ne(0).any().item<bool>();
-    }
-    const uint8_t* bytes = word.data_ptr<uint8_t>();
-    return std::any_of(bytes, bytes + word.numel(), [](uint8_t b) { return b != 0; });
-  }
-
   // `slot`'s tensors, checked to be what an encode of `numel` elements reads and writes.
   void bind(Slot& slot, int64_t numel) const {
     slot.data = slot.state.attr("data").cast<at::Tensor>();
@@ -292,6 +346,7 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
   int64_t reset_interval_, group_size_;
   std::vector<std::string> stages_;
   std::vector<int64_t> numels_;
+  std::vector<size_t> order_;
   std::string call_;
   std::vector<py::object> keys_;
 };

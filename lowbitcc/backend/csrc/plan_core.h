@@ -199,6 +199,9 @@ class __attribute__((visibility("hidden"))) PlanCore
                   "lowbitcc: a plan core's buffers do not fit its call");
       pieces_.push_back(std::move(piece));
     }
+    if (feedback_) {
+      feedback_->set_order(encode_order());
+    }
   }
 
   PlanCore(const PlanCore&) = delete;
@@ -214,9 +217,13 @@ class __attribute__((visibility("hidden"))) PlanCore
       size_class_.release();
       transport_object_.release();
       park_.release();
+      if (feedback_) {
+        feedback_.release();  // (its Python objects: kept, the interpreter is gone)
+      }
       return;
     }
     py::gil_scoped_acquire acquire;
+    feedback_.reset();
     try {
       park_(transport_object_);
     } catch (py::error_already_set& error) {
@@ -266,8 +273,8 @@ class __attribute__((visibility("hidden"))) PlanCore
   // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
   // goes to the cost model; `taken`: its error states (`feedback`'s `take`; null: feedback
   // off), which its encodes apply and update, and record in (their order, a non-finite value)
-  // before it returns, and whose drop word it sets where a decode then meets a non-finite
-  // value or a foreign message, or a transfer fails. Called with the GIL held; its Work.
+  // before it returns, and to whose verdict it gives, once done, whether a decode then met a
+  // non-finite value or a foreign message, or a transfer failed. Called with the GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
                                      int64_t seq, at::Tensor sums, bool timed,
                                      TakenStates* taken = nullptr) {
@@ -281,7 +288,7 @@ class __attribute__((visibility("hidden"))) PlanCore
                                      two_phase_ ? 1 : static_cast<int64_t>(pieces_.size()));
     if (taken != nullptr) {
       run->taken = taken;
-      run->drop_word = taken->drop_word;
+      run->verdict = taken->verdict;
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -370,9 +377,15 @@ class __attribute__((visibility("hidden"))) PlanCore
     std::atomic<bool> foreign{false};
     std::atomic<bool> nonfinite{false};  // a received message was flagged non-finite
     // with feedback: the run's error states, for its encodes on the calling thread (not kept
-    // past `run`), and its drop word, set by `finish`
+    // past `run`), and its verdict on them, given by `finish` (or, should the run never finish,
+    // as dropped when it goes)
     TakenStates* taken = nullptr;
-    at::Tensor drop_word;
+    std::shared_ptr<RunVerdict> verdict;
+    ~Run() {
+      if (verdict) {
+        verdict->give(true);
+      }
+    }
     // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
     // messages encoded after it are flagged (the file's comment)
     std::atomic<bool> peer_error{false};
@@ -423,6 +436,25 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
     }
     return header;
+  }
+
+  // The error state slots in the order a run's encodes run: each transfer's in turn; on more
+  // ranks chunk k's second phase after chunk k + 1's first (`run_two_phases`, as
+  // `direct._in_pipeline_order`).
+  std::vector<size_t> encode_order() const {
+    std::vector<size_t> order;
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      for (const Encode& unit : pieces_[k].encodes) {
+        order.push_back(unit.slot);
+      }
+      if (two_phase_ && k >= 1) {
+        order.push_back(pieces_[k - 1].again_slot);
+      }
+    }
+    if (two_phase_) {
+      order.push_back(pieces_.back().again_slot);
+    }
+    return order;
   }
 
   // An encode's error state, `run`'s slot `slot` (feedback_slots.h), in `a`: applied or written
@@ -731,8 +763,8 @@ class __attribute__((visibility("hidden"))) PlanCore
         timings_.modelled_s.push_back(seconds(run.start, end));
       }
     }
-    if (run.drop_word.defined() && (run.nonfinite || run.foreign || run.first_error)) {
-      run.drop_word.data_ptr<uint8_t>()[0] = 1;  // (its states are put back void: feedback_slots.h)
+    if (run.verdict) {  // (its states, put back already: feedback_slots.h)
+      run.verdict->give(run.nonfinite || run.foreign || static_cast<bool>(run.first_error));
     }
     if (!run.first_error && run.foreign) {
       try {

@@ -372,7 +372,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return false;
     }
     auto planned = core.cast<std::shared_ptr<PlanCore>>();
-    if (!planned->fits(like, steady.output)) {
+    if (!planned->fits(like, steady.output) ||
+        (planned->feedback() != nullptr && !named_in_utf8())) {
       return false;
     }
     if (queue_.attr("_pending").cast<int64_t>() != 0) {
@@ -482,6 +483,25 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       agreement_.attr("next_seq")();
       throw Raised{std::move(error)};
     }
+  }
+
+  // Whether the name of the innermost `feedback_key` block, if any, has a UTF-8 form (the
+  // core's keys are built in UTF-8; Python accepts any str, e.g. one with lone surrogates,
+  // whose calls are then the Python path's).
+  bool named_in_utf8() const {
+    const Py_ssize_t blocks = PyList_GET_SIZE(key_stack_.ptr());
+    if (blocks == 0) {
+      return true;
+    }
+    PyObject* block = PyList_GET_ITEM(key_stack_.ptr(), blocks - 1);
+    PyObject* name = PyList_Check(block) && PyList_GET_SIZE(block) == 2
+                         ? PyList_GET_ITEM(block, 0) : nullptr;
+    if (name == nullptr || !PyUnicode_Check(name) ||
+        PyUnicode_AsUTF8AndSize(name, nullptr) == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    return true;
   }
 
   // `policy.explicit_key`: the call counts in the innermost `feedback_key` block, if any; the

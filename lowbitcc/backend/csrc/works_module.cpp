@@ -1,6 +1,6 @@
 // lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
-// bindings. `FollowedWork` is followed_work.h's, `PlanCore` plan_core.h's, `SteadyRunner`
-// steady_runner.h's.
+// bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
+// plan_core.h's, `SteadyRunner` steady_runner.h's.
 #include "followed_work.h"
 #include "plan_core.h"
 #include "steady_runner.h"
@@ -39,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("checked", &lowbitcc::FollowedWork::checked)
       .def_property_readonly("inner", &lowbitcc::FollowedWork::inner)
       .def_property_readonly("outputs", &lowbitcc::FollowedWork::outputs);
+  py::class_<lowbitcc::RunVerdict, std::shared_ptr<lowbitcc::RunVerdict>>(m, "RunVerdict")
+      .def("dropped", &lowbitcc::RunVerdict::dropped, py::call_guard<py::gil_scoped_release>(),
+           "Whether the states the run stored count as dropped; waits until the run is done.")
+      .def("done", &lowbitcc::RunVerdict::done);
   py::class_<lowbitcc::PlanCore, std::shared_ptr<lowbitcc::PlanCore>>(m, "PlanCore")
       .def(py::init<py::object, py::dict, py::capsule, py::object>(), py::arg("transport"),
            py::arg("spec"), py::arg("api"), py::arg("park"))
