@@ -91,11 +91,12 @@ class __attribute__((visibility("hidden"))) RunVerdict {
   bool done_ = false, dropped_ = false;
 };
 
-// What one run takes and puts back: its slots, the order its encodes ran in (slot indices),
-// whether one met a non-finite value, and its verdict.
+// What one run takes and puts back: its slots, how many of its encodes ran (always the first of
+// the run's encode order: a run that fails stops encoding), whether one met a non-finite value,
+// and its verdict.
 struct __attribute__((visibility("hidden"))) TakenStates {
   std::vector<Slot> slots;
-  std::vector<size_t> order;
+  size_t encoded = 0;
   bool encoded_nonfinite = false;
   std::shared_ptr<RunVerdict> verdict;
 };
@@ -141,6 +142,9 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
     order_ = std::move(order);
   }
 
+  // Whether slot `slot` is the `n`th in the encode order.
+  bool in_order(size_t n, size_t slot) const { return n < order_.size() && order_[n] == slot; }
+
   // A derived key, of a call of ordinal `ordinal` (see the file's comment).
   std::string derived(int64_t ordinal) const { return prefix_ + std::to_string(ordinal); }
   // A named key, of a call in a `feedback_key` block whose next key is `name`.
@@ -156,17 +160,17 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
                                  : 0;
     TORCH_CHECK(order_.size() == keys.size(), "lowbitcc: a plan core's encode order is set");
     taken.slots.assign(keys.size(), Slot());
-    taken.order.clear();
+    taken.encoded = 0;
     taken.encoded_nonfinite = false;
-    py::object states = store_.attr("_states");
-    py::object layouts = tracked ? store_.attr("_layouts") : py::object();
-    py::object tensor = py::none();
+    py::object states, layouts, tensor = py::none();
     std::optional<detail::Held> held;  // the store's lock, over the keys taken here
     for (size_t i : order_) {
       Slot& slot = taken.slots[i];
       slot.key = keys[i];
-      if (!held) {
+      if (!held) {  // (its containers read under it: `load_state_dict` replaces them)
         held.emplace(store_.attr("_lock"));
+        states = store_.attr("_states");
+        layouts = tracked ? store_.attr("_layouts") : py::object();
       }
       if (take_kept(states, layouts, numels_[i], source, storage, slot)) {
         continue;
@@ -192,7 +196,6 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
   void put(TakenStates& taken) {
     py::object verdict = py::cast(taken.verdict);
     py::object none = py::none();
-    std::vector<bool> encoded(taken.slots.size(), false);
     detail::Held held(store_.attr("_lock"));
     py::object states = store_.attr("_states");
     py::object pop = states.attr("pop");
@@ -204,17 +207,16 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
         throw py::error_already_set();
       }
     };
-    for (size_t i : taken.order) {
-      encoded[i] = true;
-      if (taken.encoded_nonfinite) {
-        pop(taken.slots[i].key, none);
+    for (size_t n = 0; n < order_.size(); ++n) {
+      Slot& slot = taken.slots[order_[n]];
+      if (n >= taken.encoded) {  // (its encode did not run)
+        if (slot.applied) {
+          store(slot, slot.uses, none);
+        }
+      } else if (taken.encoded_nonfinite) {
+        pop(slot.key, none);
       } else {
-        store(taken.slots[i], taken.slots[i].uses + 1, verdict);
-      }
-    }
-    for (size_t i : order_) {
-      if (!encoded[i] && taken.slots[i].applied) {
-        store(taken.slots[i], taken.slots[i].uses, none);
+        store(slot, slot.uses + 1, verdict);
       }
     }
     if (PyObject_Length(states.ptr()) > store_.attr("max_keys").cast<Py_ssize_t>()) {
@@ -242,20 +244,14 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
   bool take_kept(const py::object& states, const py::object& layouts, int64_t numel,
                  const at::Tensor& source, intptr_t storage, Slot& slot) {
     bool same_buffer = true;
-    PyObject* entry = PyDict_GetItemWithError(states.ptr(), slot.key.ptr());
+    PyObject* entry = detail::item(states, slot.key);
     if (entry == nullptr) {
-      if (PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
       return false;
     }
     py::object layout;
     if (layouts) {
-      PyObject* found = PyDict_GetItemWithError(layouts.ptr(), slot.key.ptr());
+      PyObject* found = detail::item(layouts, slot.key);
       if (found == nullptr) {
-        if (PyErr_Occurred()) {
-          throw py::error_already_set();
-        }
         return false;
       }
       layout = py::reinterpret_borrow<py::object>(found);
@@ -282,12 +278,13 @@ class __attribute__((visibility("hidden"))) FeedbackSlots {
         !state.attr("poison").is_none()) {  // (a device call's word: the store's own take)
       return false;
     }
-    if (!by.is_none() && !by.cast<RunVerdict&>().done()) {
+    RunVerdict* verdict = by.is_none() ? nullptr : &by.cast<RunVerdict&>();
+    if (verdict != nullptr && !verdict->done()) {
       return false;  // its run is still decoding: the store's own take waits for it
     }
     bool dropped = reset_interval_ > 0 && uses >= reset_interval_;
-    if (!by.is_none()) {
-      dropped = dropped || by.cast<RunVerdict&>().dropped();
+    if (verdict != nullptr) {
+      dropped = dropped || verdict->dropped();
       state.attr("run_verdict") = py::none();
     }
     py::object held_state = state;  // (the store's entry, and its reference, go next)

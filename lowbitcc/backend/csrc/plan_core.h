@@ -272,7 +272,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // `output`, as call number `seq`, its encodes' residual sums added into `sums` (the
   // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
   // goes to the cost model; `taken`: its error states (`feedback`'s `take`; null: feedback
-  // off), which its encodes apply and update, and record in (their order, a non-finite value)
+  // off), which its encodes apply and update, and record in (how many ran, a non-finite value)
   // before it returns, and to whose verdict it gives, once done, whether a decode then met a
   // non-finite value or a foreign message, or a transfer failed. Called with the GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
@@ -458,8 +458,8 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   // An encode's error state, `run`'s slot `slot` (feedback_slots.h), in `a`: applied or written
-  // from zero, in the plan's storage; none where feedback is off. The slot is recorded in the
-  // order the encodes run.
+  // from zero, in the plan's storage; none where feedback is off. The encode is counted (the
+  // encodes run in `encode_order`'s order).
   void apply_state(loco::EncodeArgs& a, Run& run, size_t slot) const {
     a.mode = loco::kErrorNone;
     if (run.taken == nullptr) {
@@ -476,7 +476,8 @@ class __attribute__((visibility("hidden"))) PlanCore
     } else {
       a.ebf16 = reinterpret_cast<uint16_t*>(state.data.data_ptr<at::BFloat16>());
     }
-    run.taken->order.push_back(slot);
+    TORCH_CHECK(feedback_->in_order(run.taken->encoded++, slot),
+                "lowbitcc: a plan core's encodes ran out of their order");
   }
 
   // An encode of `run` was framed; `nonfinite`: it met a non-finite value (its states are then

@@ -1,6 +1,7 @@
 // Helpers of the C++ code that reads and writes lowbitcc's own Python objects, with the GIL held
 // (the steady runner's schedule, statistics and cost model; a plan core's feedback store): a
-// number attribute added to, Python equality, and a Python `threading.Lock` held for a scope.
+// number attribute added to, a dict's item, Python equality, and a Python `threading.Lock` held
+// for a scope.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -18,6 +19,16 @@ inline void add_to(py::handle obj, const char* name, py::handle delta) {
     throw py::error_already_set();
   }
   obj.attr(name) = sum;
+}
+
+// `mapping[key]` of a dict (or a dict subclass, such as an OrderedDict: a read), borrowed;
+// nullptr where the key is not there; what a key's hash or comparison raised, thrown.
+inline PyObject* item(py::handle mapping, py::handle key) {
+  PyObject* found = PyDict_GetItemWithError(mapping.ptr(), key.ptr());
+  if (found == nullptr && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  return found;
 }
 
 // `a == b` in Python.

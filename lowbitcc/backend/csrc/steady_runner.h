@@ -279,11 +279,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       offset += period;
     }
     py::object entries = schedule_.attr("_entries");
-    PyObject* found = PyDict_GetItemWithError(entries.ptr(), py::int_(origin + offset).ptr());
+    PyObject* found = detail::item(entries, py::int_(origin + offset));
     if (found == nullptr) {
-      if (PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
       return false;
     }
     py::object entry = py::reinterpret_borrow<py::object>(found);
