@@ -14,7 +14,7 @@
 #
 # Phases in order of value, with their planned seconds (the table the script reads; PHASE_S=N,
 # e.g. PLANS_S=150, plans N seconds for that phase instead):
-#| env       150  pip install -e . (no deps), versions, the C++ codec's build, the NVRTC compile
+#| env       150  pip install -e . (no deps), versions, the C++ codec's and works' builds, NVRTC
 #| frame     120  pytest: frame, check, encode_sum, decode_rows kernels, the call counter
 #| plans     210  pytest: call plans on CUDA, their host records, place renewals (2, 4 ranks)
 #| graphs    240  pytest: graph replay bit for bit; planned_call_goals.py --graphs: host time
@@ -122,6 +122,9 @@ print(f"gpus {gpus}", *(f"({torch.cuda.get_device_name(i)})" for i in range(gpus
 t = time.perf_counter()
 from lowbitcc.codec import cpu, cuda, cuda_build
 print(f"C++ codec: {cpu.load() is not None} ({time.perf_counter() - t:.0f} s)", flush=True)
+t = time.perf_counter()
+from lowbitcc.backend import native  # the C++ Works, runner and host records' LaunchReplay
+print(f"C++ works: {native.load() is not None} ({time.perf_counter() - t:.0f} s)", flush=True)
 t = time.perf_counter()
 try:  # every kernel instance in one NVRTC program; CuPy caches it on disk for the ranks after
     names = cuda_build.name_expressions()

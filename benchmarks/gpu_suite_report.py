@@ -117,6 +117,7 @@ def env(run: Run) -> tuple[bool, str]:
     log = run.log
     gpus = re.search(r"^gpus (\d+)(.*)$", log, re.M)
     cxx = re.search(r"^C\+\+ codec: (\w+)(.*)$", log, re.M)
+    works = re.search(r"^C\+\+ works: (\w+)(.*)$", log, re.M)
     nvrtc = re.search(r"^NVRTC: (.*)$", log, re.M)
     versions = re.search(r"^python (\S+) torch (\S+) .*?cupy (\S+)", log, re.M)
     if gpus is None:
@@ -126,10 +127,12 @@ def env(run: Run) -> tuple[bool, str]:
     if versions:
         parts.append(f"torch {versions[2]}, cupy {versions[3]}")
     parts.append(f"C++ codec {cxx[1]}{cxx[2]}" if cxx else "C++ codec not reached")
+    parts.append(f"C++ works {works[1]}{works[2]}" if works else "C++ works not reached")
     parts.append(f"NVRTC {nvrtc[1]}" if nvrtc else "NVRTC not reached")
     if "pip install failed" in log:
         parts.append("pip install failed (PYTHONPATH serves)")
-    ok = (count > 0 and cxx is not None and cxx[1] == "True" and nvrtc is not None
+    ok = (count > 0 and cxx is not None and cxx[1] == "True" and works is not None
+          and works[1] == "True" and nvrtc is not None
           and nvrtc[1].startswith("compiled") and run.rc == 0)
     return ok, "; ".join(parts) + ("" if run.rc == 0 else f" ({run.ended()})")
 
@@ -157,7 +160,8 @@ def graphs(run: Run) -> tuple[bool, str]:
 
 def goals(run: Run) -> tuple[bool, str]:
     run.json("goals.json")
-    lines = re.findall(r"^(PASS|FAIL|SKIP) (goal-\S+|records-host) (\S+)", run.log, re.M)
+    lines = re.findall(r"^(PASS|FAIL|SKIP) (goal-\S+|records-host|cpp-replay-host) (\S+)",
+                       run.log, re.M)
     if not lines:
         raise PhaseFailedError(f"goals.json written, but no goal lines ({run.ended()})")
     met = sum(v == "PASS" for v, _, _ in lines)
@@ -308,6 +312,7 @@ def _goals_lines(graphs_host: bool) -> None:
     for goal in ("host_us", "launches", "uploads", "allocations"):
         print(f"PASS goal-{goal} 0.00 (dry stand-in)")
     print("PASS records-host 0.500 (dry stand-in)")
+    print("PASS cpp-replay-host 0.500 (dry stand-in)")
     if graphs_host:
         print("PASS graphs-host 0.500 (dry stand-in)")
 
@@ -317,6 +322,7 @@ def _stub(phase: str, out: Path) -> None:
         print("python 3.12.3 torch dry cuda - nccl - cupy dry setuptools -")
         print("gpus 1 (dry stand-in)")
         print("C++ codec: True (0 s)")
+        print("C++ works: True (0 s)")
         print("NVRTC: compiled 1 kernels in 0 s")
     elif phase in ("frame", "plans", "hier", "places", "pytest", "schedule"):
         _pytest_stub(out)

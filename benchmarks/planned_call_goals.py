@@ -21,7 +21,8 @@ allocations (``torch.cuda.memory_stats()["allocation.all.allocated"]``), the mos
 call. The goals (`GOALS`, lines ``goal-<name>``): host <= 100 us at every size, <= 3 launches,
 0 uploads, 0 allocations. Timings of two ranks sharing one GPU over NCCL's socket transport say
 little about a real node; the counts hold anywhere. A ``records-host`` line compares the plan's
-host records with the same plan run eagerly (``graphs-host`` likewise graph replay, with
+host records with the same plan run eagerly, a ``cpp-replay-host`` line the records issued by
+their C++ replay with the same records issued in Python (``graphs-host`` likewise graph replay, with
 ``--graphs``). ``--device cpu`` runs the same calls on CPU tensors (``LOCO_ISSUER=inline`` for
 the plans): a check of this script without a GPU (tests/tools/test_planned_call_goals.py), its
 GPU columns empty and its goal lines SKIP.
@@ -42,9 +43,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-PATHS = ("plan", "eager", "exact", "nccl")
-"""The plan (host records, the default: `launch_record`), the plan making its arguments anew
-every run (its place's records off, another group's), the exact call, NCCL's own."""
+PATHS = ("plan", "python", "eager", "exact", "nccl")
+"""The plan (host records, the default: `launch_record`, issued by its C++ replay), the plan
+whose records are issued step by step in Python (its places' C++ replays off, another group's),
+the plan making its arguments anew every run (its places' records off, another group's), the
+exact call, NCCL's own."""
 PROFILED = ("plan", "exact", "nccl")
 """The paths whose host time ``--host-profile`` breaks down (rank 0, the largest size)."""
 GOALS = {"host_us": 100.0, "launches": 3.0, "uploads": 0.0, "allocations": 0.0}
@@ -169,6 +172,22 @@ def _eager_plans() -> Iterator[None]:
         place_graph.PlaceGraph.of = of
 
 
+@contextlib.contextmanager
+def _python_replays() -> Iterator[None]:
+    """Compressed calls whose places' host records, made inside, are issued in Python (no C++
+    ``LaunchReplay``)."""
+    import lowbitcc
+    from lowbitcc.backend import launch_record
+
+    made = launch_record.native_replay
+    launch_record.native_replay = lambda steps, device: (None, [])
+    try:
+        with lowbitcc.compressed():
+            yield
+    finally:
+        launch_record.native_replay = made
+
+
 def _replays() -> int:
     """Graph launches of every place of this process so far (`place_graph.PlaceGraph`)."""
     from lowbitcc.backend import place_graph
@@ -188,10 +207,12 @@ def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
     device = spawn.gpu_device(rank) if device_type == "cuda" else torch.device("cpu")
     config = lowbitcc.LocoConfig.from_env().replace(min_size=1, cost_model=False)
     groups = {"plan": dist.new_group(backend="loco", pg_options=config),
+              "python": dist.new_group(backend="loco", pg_options=config),
               "eager": dist.new_group(backend="loco", pg_options=config)}
     groups["exact"] = groups["plan"]
     groups["nccl"] = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
-    modes = {"plan": lowbitcc.compressed, "eager": _eager_plans, "exact": lowbitcc.exact,
+    modes = {"plan": lowbitcc.compressed, "python": _python_replays, "eager": _eager_plans,
+             "exact": lowbitcc.exact,
              "nccl": contextlib.nullcontext, "graph": lowbitcc.compressed}
     paths = PATHS
     if graphs:
@@ -202,12 +223,12 @@ def _rank(rank: int, world: int, sizes: list[int], iters: int, profiled: int,
     for numel in sizes:
         x = torch.randn(numel, device=device)
         for path in paths:
-            replays = _replays() if path in ("graph", "plan") else 0
+            replays = _replays() if path in ("graph", "plan", "python") else 0
             # every rank issues the profiled calls (collectives); rank 0's profile is printed
             profile = host_profile if numel == sizes[-1] and path in PROFILED else 0
             row = rows[f"{numel} {path}"] = _path(x, groups[path], modes[path], iters, profiled,
                                                   profile)
-            if path in ("graph", "plan"):
+            if path in ("graph", "plan", "python"):
                 row["replays"] = _replays() - replays
             if rank == 0:  # as it comes: a run cut by its time limit keeps what it measured
                 print(f"rank 0 {numel} {path}: host {row['host_us']:.1f} us, time "
@@ -263,19 +284,21 @@ def main() -> None:
         verdict = "PASS" if worst[goal] <= limit else "FAIL"
         print(f"{verdict} goal-{goal} {worst[goal]:.2f} (at most {limit:g}, planned "
               "compressed all-reduce, worst size and rank)")
-    _against_eager(ranks, opts.sizes, "plan", "records-host", cuda,
-                   "the plan's host records' host time per call over the eager plan's")
+    _against(ranks, opts.sizes, "plan", "eager", "records-host", cuda,
+             "the plan's host records' host time per call over the eager plan's")
+    _against(ranks, opts.sizes, "plan", "python", "cpp-replay-host", cuda,
+             "host records issued by C++ over the same records issued in Python, host time")
     if opts.graphs:  # graph replay against the eager plan, host time, the worst size
-        _against_eager(ranks, opts.sizes, "graph", "graphs-host", cuda,
-                       "graph replay's host time per call over the eager plan's")
+        _against(ranks, opts.sizes, "graph", "eager", "graphs-host", cuda,
+                 "graph replay's host time per call over the eager plan's")
 
 
-def _against_eager(ranks: list[dict], sizes: list[int], path: str, name: str, cuda: bool,
-                   what: str) -> None:
-    """PASS/FAIL ``name``: ``path``'s host time per call over the eager plan's (the worst size
-    and rank), PASS where below 1 and every rank replayed at every size."""
+def _against(ranks: list[dict], sizes: list[int], path: str, base: str, name: str, cuda: bool,
+             what: str) -> None:
+    """PASS/FAIL ``name``: ``path``'s host time per call over ``base``'s (the worst size and
+    rank), PASS where below 1 and every rank replayed at every size."""
     ratio = max(max(r["rows"][f"{n} {path}"]["host_us"] for r in ranks)
-                / max(r["rows"][f"{n} eager"]["host_us"] for r in ranks) for n in sizes)
+                / max(r["rows"][f"{n} {base}"]["host_us"] for r in ranks) for n in sizes)
     launches = [[r["rows"][f"{n} {path}"]["replays"] for n in sizes] for r in ranks]
     replayed = all(count > 0 for per_rank in launches for count in per_rank)
     print(f"{path} replays per rank and size: {launches}")

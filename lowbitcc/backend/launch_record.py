@@ -27,6 +27,17 @@ record cannot repeat refuses while recording (`launch_recording.NotRecordableErr
 does any torch operation other than a view (`_OnlyViews`: a copy, a fill, an allocation would
 be skipped by the replay); the run then goes eagerly.
 
+**Issued from C++.** Where lowbitcc's C++ module is built (`native`) and CuPy sees a GPU, a
+record is issued by one C++ call (`native_replay`, ``backend/csrc/launch_replay.h``): each
+launch by the CUDA driver on the kernel's ``CUfunction`` (CuPy's, `cuda.function_handle`) with
+the recorded arguments' bytes, each transfer on the inner NCCL backend (``_allgather_base``,
+``alltoall_base``, synchronous), in order on the current stream, the GIL released; the
+transfers' bytes are metered once per replay as their issues were. A step C++ cannot make (a
+launch whose arguments are not NumPy scalars, a transfer over a group that is not a c10d
+backend) is called back in Python in its place. Without the module or a GPU, the record's steps
+are called in Python (`replay`). Tests without a GPU put kernel handles in `HANDLE` and a list
+in `RECORDER`, which the C++ replay's launches are appended to.
+
 Threads: the calling thread only (the issuer's), one call at a time.
 """
 
@@ -35,11 +46,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lowbitcc.codec import launch_recording
-from lowbitcc.transports.nccl import Enqueued
+from lowbitcc.backend import native
+from lowbitcc.codec import cuda, launch_recording
+from lowbitcc.transports.metered import _MeteredPrepared
+from lowbitcc.transports.nccl import Enqueued, Prepared
+
+HANDLE: Callable[[torch.device, str], int] | None = None
+"""A kernel's ``CUfunction`` for a C++ replay: None, CuPy's (`cuda.function_handle`) where CuPy
+sees a GPU (else no C++ replay); tests without a GPU put a stand-in here."""
+RECORDER: list | None = None
+"""None: a C++ replay launches through the CUDA driver; a list: it appends each launch there
+instead, as ``(function, (grid_x, grid_y), block, stream, [argument bytes])`` (tests)."""
 
 FREE_OPS = frozenset({"record_stream"})
 """Operations besides views a record may meet: they queue no device work."""
@@ -58,6 +80,8 @@ class LaunchRecord:
     def __init__(self, plan: Any) -> None:
         self._plan = plan
         self._steps: list[Callable[[], Any]] = []
+        self._native: Any = None  # the steps as a C++ `LaunchReplay`, where one is made
+        self._meters: list[tuple[Any, int, int]] = []  # its transfers' metering
 
     def capture(self, body: Callable[[], Any]) -> None:
         """Record ``body`` (the plan's launch path) without issuing its work; raises where a
@@ -71,14 +95,77 @@ class LaunchRecord:
         finally:
             plan.transport = transport
         self._steps = steps
+        self._native, self._meters = native_replay(steps, plan.device)
 
     def replay(self) -> None:
         """Issue the recorded launches and transfers, in order, on the current stream."""
-        for step in self._steps:
-            step()
+        if self._native is None:
+            for step in self._steps:
+                step()
+            return
+        device = self._plan.device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        seconds = self._native.replay(stream)
+        for meter, inside, across in self._meters:
+            meter.stats.add_sent(meter.category, seconds, inside, across)
+            seconds = 0.0
 
     def reset(self) -> None:
-        self._steps = []
+        self._steps, self._native, self._meters = [], None, []
+
+
+def native_replay(steps: list[Callable[[], Any]], device: torch.device,
+                  ) -> tuple[Any, list[tuple[Any, int, int]]]:
+    """``steps`` (a record's, in order) as a C++ ``LaunchReplay`` on ``device``, and the
+    metering of its transfers made in C++: ``(meter, bytes inside the node, across)`` per
+    `MeteredTransport` (a replay adds them, and the seconds its transfers took, to the meter's
+    statistics); (None, []) where there is no C++ module or no kernel handle (see the module
+    docstring)."""
+    module = native.load()
+    handle = HANDLE if HANDLE is not None else (cuda.function_handle if cuda.available()
+                                                else None)
+    if module is None or handle is None:
+        return None, []
+    index = -1 if device.type != "cuda" else (
+        device.index if device.index is not None else torch.cuda.current_device())
+    replay = module.LaunchReplay(index, RECORDER)
+    meters: dict[int, list] = {}
+    for step in steps:
+        if isinstance(step, cuda.RecordedLaunch) and _scalars(step.args):
+            grid = step.grid if isinstance(step.grid, tuple) else (step.grid, 1)
+            if 0 not in grid:  # (`cuda._launch` launches nothing either)
+                replay.add_kernel(handle(step.device, step.name), grid[0], grid[1],
+                                  cuda.THREADS, [arg.tobytes() for arg in step.args])
+            continue
+        prepared = step.prepared if isinstance(step, RecordedTransfer) else None
+        inner = prepared.inner if isinstance(prepared, _MeteredPrepared) else prepared
+        if isinstance(inner, Prepared) and isinstance(inner.group, _C10dBackend):
+            replay.add_transfer(inner.group, inner.all_to_all, inner.received, inner.send)
+            if inner is not prepared:
+                counted = meters.setdefault(id(prepared.meter), [prepared.meter, 0, 0])
+                counted[1] += prepared.sent[0]
+                counted[2] += prepared.sent[1]
+            continue
+        replay.add_call(step)
+    return replay, [tuple(m) for m in meters.values()]
+
+
+class RecordedTransfer:
+    """A transfer a record holds (`_RecordingTransport`): ``prepared`` (`nccl.Prepared`, or
+    metered); calling it issues it again, the current stream ordered after it."""
+
+    __slots__ = ("prepared",)
+
+    def __init__(self, prepared: Any) -> None:
+        self.prepared = prepared
+
+    def __call__(self) -> None:
+        self.prepared.issue_ordered()
+
+
+def _scalars(args: tuple) -> bool:
+    """Whether every argument is a NumPy scalar (its bytes are what CuPy passes)."""
+    return all(isinstance(arg, np.generic) for arg in args)
 
 
 class _RecordingTransport:
@@ -103,7 +190,7 @@ class _RecordingTransport:
         return self._recorded(self._transport.prepare_all_to_all(send, out))
 
     def _recorded(self, prepared: Any) -> Enqueued:
-        self._steps.append(prepared.issue_ordered)
+        self._steps.append(RecordedTransfer(prepared))
         return Enqueued(None, prepared.recv)
 
 

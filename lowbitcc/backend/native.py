@@ -12,6 +12,10 @@ tests run both).
 ``SteadyRunner`` and ``PlanCore``: the steady calls served in C++ (`steady_runner`,
 `plan_cores`). A plan core calls the C++ codec through its ``codec_api`` capsule
 (``codec/csrc/codec_api.h``, whose header this module includes).
+
+``LaunchReplay``: a CUDA place's host record issued from C++ (`launch_record`): the kernels by
+the CUDA driver's ``cuLaunchKernel`` (found with ``dlopen``, ``-ldl``), the transfers on the
+inner NCCL backend.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from lowbitcc.codec.abi import CSRC as CODEC_CSRC
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
-    [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "model_timings.h",
+    [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "launch_replay.h",
+     CSRC / "model_timings.h",
      CSRC / "plan_core.h", CSRC / "planned_work.h", CSRC / "python_objects.h",
      CSRC / "steady_runner.h",
-     CODEC_CSRC / "codec_api.h", CODEC_CSRC / "loco_codec.cuh"], [CSRC, CODEC_CSRC], ["-O2"], [],
+     CODEC_CSRC / "codec_api.h", CODEC_CSRC / "loco_codec.cuh"], [CSRC, CODEC_CSRC], ["-O2"], ["-ldl"],
     what="lowbitcc's C++ Works",
     fallback="steady calls run through Python and complete through the group's waiter thread "
     "instead")

@@ -101,17 +101,35 @@ def _launch(name: str, device: torch.device, grid: int | tuple[int, int], args: 
 
 def _issue(name: str, device: torch.device, grid: int | tuple[int, int], args: tuple) -> None:
     """`_launch`, or where this thread records (`launch_recording.recording`) the launch
-    appended to the record instead, as a step that launches it (`relaunch`)."""
+    appended to the record instead, as a `RecordedLaunch`."""
     record = launch_recording.steps()
     if record is None:
         _launch(name, device, grid, args)
     else:
-        record.append(functools.partial(relaunch, name, device, grid, args))
+        record.append(RecordedLaunch(name, device, grid, args))
 
 
-def relaunch(name: str, device: torch.device, grid: int | tuple[int, int], args: tuple) -> None:
-    """A recorded launch made again, on the then current stream (`_launch`, looked up now)."""
-    _launch(name, device, grid, args)
+class RecordedLaunch:
+    """A launch a record holds (`_issue` while recording): kernel ``name`` on ``device``,
+    ``grid`` (blocks, or (x, y)) of `THREADS`, ``args`` (NumPy scalars, as `_launch` takes
+    them). Calling it makes the launch again on the then current stream (`_launch`, looked up
+    now); a C++ replay (`backend.launch_record`) reads its fields instead."""
+
+    __slots__ = ("name", "device", "grid", "args")
+
+    def __init__(self, name: str, device: torch.device, grid: int | tuple[int, int],
+                 args: tuple) -> None:
+        self.name, self.device, self.grid, self.args = name, device, grid, args
+
+    def __call__(self) -> None:
+        _launch(self.name, self.device, self.grid, self.args)
+
+
+def function_handle(device: torch.device, name: str) -> int:
+    """The ``CUfunction`` of kernel ``name`` on ``device``, as CuPy loaded it (``Function.ptr``):
+    what a C++ replay launches with the CUDA driver."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(_function(index, name).ptr)
 
 
 @functools.cache

@@ -25,13 +25,14 @@ class _MeteredPending:
 
 class _MeteredPrepared:
     """A prepared transfer of the inner transport (`nccl.Prepared`) whose every issue is metered
-    as `MeteredTransport`'s async transfers are."""
+    as `MeteredTransport`'s async transfers are: ``sent`` bytes (to this node's ranks, to
+    others') into ``meter``'s statistics."""
 
     def __init__(self, inner, meter: MeteredTransport, sent: tuple[int, int]) -> None:
-        self.inner, self.recv, self._meter, self._sent = inner, inner.recv, meter, sent
+        self.inner, self.recv, self.meter, self.sent = inner, inner.recv, meter, sent
 
     def issue(self) -> Pending:
-        return self._meter._started(self.inner.issue, (), self._sent)
+        return self.meter._started(self.inner.issue, (), self.sent)
 
     def issue_ordered(self) -> None:
         self.issue().wait()

@@ -18,7 +18,6 @@ first use, each its own ``ProcessGroupNCCL`` on the group's store.
 from __future__ import annotations
 
 import datetime
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -106,15 +105,13 @@ class NcclTransport:
         reads ``send`` and writes its receive buffer, ``out`` where given, anew)."""
         flat = send.reshape(-1).contiguous()
         recv = received(out, flat.numel(), flat)
-        return Prepared(functools.partial(self.group.alltoall_base, recv, flat, [], [],
-                                          _sync(dist.AllToAllOptions())), recv.view(send.shape))
+        return Prepared(self.group, True, recv, flat, recv.view(send.shape))
 
     def prepare_all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Prepared:
         """`all_gather_async`'s transfer, ready to be issued (as `prepare_all_to_all`'s)."""
         flat = send.reshape(-1).contiguous()
         recv = received(out, self.size * flat.numel(), flat)
-        return Prepared(functools.partial(self.group._allgather_base, recv, flat,
-                                          _sync(AllgatherOptions())), recv.view(self.size, -1))
+        return Prepared(self.group, False, recv, flat, recv.view(self.size, -1))
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Enqueued:
         raise NotImplementedError(_NO_P2P)
@@ -129,13 +126,23 @@ _NO_P2P = ("lowbitcc: the nccl transport has no point-to-point transfers; compre
 
 class Prepared:
     """A transfer made ready (`NcclTransport.prepare_all_gather`): `issue` enqueues it on the
-    current stream; ``recv`` is what it receives into."""
+    current stream, an all-gather (or with ``all_to_all`` an all-to-all of equal rows) of the
+    flat ``send`` into the flat ``received`` on ``group``; ``recv`` is ``received`` as the
+    caller sees it. A C++ replay of a record (`backend.launch_record`) issues the same call
+    from these fields."""
 
-    def __init__(self, call: Callable[[], Any], recv: torch.Tensor) -> None:
-        self.call, self.recv = call, recv
+    def __init__(self, group: Any, all_to_all: bool, received: torch.Tensor, send: torch.Tensor,
+                 recv: torch.Tensor) -> None:
+        self.group, self.all_to_all, self.received, self.send = group, all_to_all, received, send
+        self.recv = recv
 
     def issue(self) -> Enqueued:
-        return Enqueued(self.call(), self.recv)
+        if self.all_to_all:
+            work = self.group.alltoall_base(self.received, self.send, [], [],
+                                            _sync(dist.AllToAllOptions()))
+        else:
+            work = self.group._allgather_base(self.received, self.send, _sync(AllgatherOptions()))
+        return Enqueued(work, self.recv)
 
     def issue_ordered(self) -> None:
         """`issue`, the current stream ordered after it (`Enqueued.wait`)."""

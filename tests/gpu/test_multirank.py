@@ -183,6 +183,34 @@ def test_cuda_call_plans_equal_their_jobs_bit_for_bit(world, fmt, feedback):
             assert torch.equal(state["data"], want_states[key]["data"]), key
 
 
+MIXED = "records, C++ or Python at random"
+
+
+def _replay_records_from_cpp_or_python_at_random(rank: int) -> None:
+    """Each replay of a host record issued by its C++ replay or step by step in Python, at
+    random (seeded by ``rank``); the first replay from C++, and every record must have one."""
+    import random
+
+    from lowbitcc.backend import launch_record
+
+    chooser, replay = random.Random(rank), launch_record.LaunchRecord.replay
+    natives = [0]
+
+    def mixed(self):
+        native = self._native
+        assert native is not None, "a host record without its C++ replay on a GPU"
+        if natives[0] and chooser.random() < 0.5:
+            self._native = None
+        else:
+            natives[0] += 1
+        try:
+            replay(self)
+        finally:
+            self._native = native
+
+    launch_record.LaunchRecord.replay = mixed
+
+
 def _graph_steps(rank, world, gloo, mode):
     """12 steps of one compressed all-reduce place (a DDP bucket's: the tensor kept, here and
     there another one) on a group whose places replay by ``mode``: "graphs" (``call_graphs``),
@@ -199,6 +227,8 @@ def _graph_steps(rank, world, gloo, mode):
         return replay(self, *args, **kwargs)
 
     place_graph.PlaceGraph._replay = counted
+    if mode == MIXED:
+        _replay_records_from_cpp_or_python_at_random(rank)
     if mode == "eager" or (mode == "records on rank 0" and rank != 0):
         place_graph.PlaceGraph.of = staticmethod(lambda plan: None)
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
@@ -230,16 +260,18 @@ def test_cuda_call_graphs_replay_the_eager_calls_bit_for_bit(world):
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("mode", ["records", "records on rank 0"])
+@pytest.mark.parametrize("mode", ["records", "records on rank 0", MIXED])
 @pytest.mark.parametrize("world", WORLDS)
 def test_cuda_call_records_issue_the_eager_calls_bit_for_bit(world, mode):
     """Host records (the default: from its plan's third run a place issues its run from a
-    host record, made again where the tensor moved) against the same calls run eagerly: the
-    same bits on every rank, also where only rank 0 replays."""
+    host record, made again where the tensor moved, by its C++ replay) against the same calls
+    run eagerly: the same bits on every rank, also where only rank 0 replays, and where each
+    replay is issued by C++ or step by step in Python at random."""
     replayed = _ranks(_graph_steps, world, mode)
     eager = _ranks(_graph_steps, world, "eager")
     for rank, ((got, replays), (want, none)) in enumerate(zip(replayed, eager, strict=True)):
-        assert none == 0 and (replays >= 6 if rank == 0 or mode == "records" else replays == 0)
+        everywhere = mode != "records on rank 0"
+        assert none == 0 and (replays >= 6 if rank == 0 or everywhere else replays == 0)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 

@@ -21,12 +21,13 @@ def test_planned_call_goals_times_every_path_on_cpu_tensors(tmp_path):
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2
     for rank in ranks:
-        assert set(rank["rows"]) == {f"4096 {p}" for p in ("plan", "eager", "exact", "nccl",
-                                                           "graph")}
+        assert set(rank["rows"]) == {f"4096 {p}" for p in ("plan", "python", "eager",
+                                                           "exact", "nccl", "graph")}
         for row in rank["rows"].values():
             assert row["host_us"] > 0 and row["time_us"] > 0 and row["allocations"] == 0
     assert done.stdout.count("SKIP goal-") == 4, done.stdout
     assert "SKIP graphs-host " in done.stdout, done.stdout  # no graphs on CPU tensors
     assert "SKIP records-host " in done.stdout, done.stdout  # nor host records
+    assert "SKIP cpp-replay-host " in done.stdout, done.stdout
     for path in ("plan", "exact", "nccl"):  # the host profiles, rank 0's
         assert f"host profile, rank 0, 4096 {path}:" in done.stdout, done.stdout

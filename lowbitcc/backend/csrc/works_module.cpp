@@ -1,7 +1,8 @@
 // lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
-// plan_core.h's, `SteadyRunner` steady_runner.h's.
+// plan_core.h's, `SteadyRunner` steady_runner.h's, `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
+#include "launch_replay.h"
 #include "plan_core.h"
 #include "steady_runner.h"
 
@@ -64,4 +65,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "calls hand them over 8 at a time).")
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed);
+  py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
+      .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
+      .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),
+           py::arg("grid_x"), py::arg("grid_y"), py::arg("block"), py::arg("args"))
+      .def("add_transfer", &lowbitcc::LaunchReplay::add_transfer, py::arg("backend"),
+           py::arg("all_to_all"), py::arg("recv"), py::arg("send"))
+      .def("add_call", &lowbitcc::LaunchReplay::add_call, py::arg("call"))
+      .def("replay", &lowbitcc::LaunchReplay::replay, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Issue every step in order on `stream`; the seconds its transfers took to issue.")
+      .def("__len__", &lowbitcc::LaunchReplay::size)
+      .def_property_readonly("native_steps", &lowbitcc::LaunchReplay::native_steps);
 }
