@@ -102,6 +102,41 @@ def test_a_record_issued_from_cpp_launches_what_was_recorded_and_what_an_eager_r
     assert plan.graph.replays == 6 and plan.seq == eager.seq == 8
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_record_over_a_c10d_backend_is_issued_without_a_python_step(world, replayed):
+    """Over a c10d backend (torch's C++ ``FakeProcessGroup`` in place of ProcessGroupNCCL) every
+    step of a record is made in C++: a replay calls no Python function but the record's own
+    `replay` and its transfers' metering (traced with ``sys.setprofile``), which counts the
+    bytes an eager run sends."""
+    import sys
+
+    stats = Stats()
+    plan, x, _ = meta_plan(GpuWork(), world, 1 << 16, "nvfp4", feedback=False, stats=stats,
+                           c10d=True)
+    sent = []  # the bytes each run sent: eager runs, then replays
+    for _ in range(CAPTURE_AT + 1):
+        before = stats.sent("compressed")["wire_bytes"]
+        plan.run(x, dist.ReduceOp.SUM)
+        sent.append(stats.sent("compressed")["wire_bytes"] - before)
+    assert plan.graph.replays == 2 and len(set(sent)) == 1 and sent[0] > 0
+    record = plan.graph._graphs[plan.turn][0]
+    assert record._native.native_steps == len(record._native) == len(record._steps)
+    called: list[str] = []
+
+    def trace(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    before = stats.sent("compressed")["wire_bytes"]
+    sys.setprofile(trace)
+    try:
+        record.replay()
+    finally:
+        sys.setprofile(None)
+    assert called == ["replay", "add_sent"], called  # the record's, and its metering
+    assert stats.sent("compressed")["wire_bytes"] - before == sent[0]
+
+
 def _gloo_steps(rank: int, world: int, gloo) -> dict:
     """A record of kernels and transfers on a real gloo backend, issued by C++ twice."""
     import lowbitcc.backend.launch_record as lr

@@ -17,8 +17,12 @@ from a worktree of each in turn (it imports the package of the checkout it lies 
 and ``tests/support/cuda_trace.py`` into a worktree of a revision that lacks them);
 ``--profile`` prints the runs' cProfile by own time.
 
-Each size runs with host records on (the default, `launch_record`: the run issued from its
-record) and off (every run makes its arguments anew), in turn, ``--rounds`` times.
+Each size runs in three modes, in turn, ``--rounds`` times: ``cpp``, host records issued by
+their C++ replay (the default on a GPU, `launch_record`: here with stand-in kernel handles, a
+recorder that drops each launch, and torch's C++ ``FakeProcessGroup`` in place of
+ProcessGroupNCCL, so no step of the replay is Python's); ``records``, the same records issued
+step by step in Python (without lowbitcc's C++ module); ``eager``, records off (every run makes
+its arguments anew).
 
     python tests/probes/cuda_branch_host.py [--worlds 2 4] [--formats nvfp4 mxfp4] [--runs 3000]
 """
@@ -55,21 +59,32 @@ def calls_per_run(plan: Any, x: Any) -> tuple[int, int]:
     return events["call"], events["c_call"]
 
 
+MODES = ("cpp", "records", "eager")
+"""How the steady runs are issued (see the module docstring)."""
+
+
 def per_run(world: int, fmt: str, feedback: bool, runs: int, profile: bool,
-            replay: bool = True) -> tuple[float, tuple[int, int]]:
-    """Microseconds per steady-state run of the plan (after 3 untimed), and its calls;
-    ``replay``: host records (`launch_record`; False: every run eager)."""
+            mode: str = "cpp") -> tuple[float, tuple[int, int]]:
+    """Microseconds per steady-state run of the plan (after 3 untimed), and its calls; ``mode``
+    one of `MODES`."""
+    import collections
+
     import torch.distributed as dist
 
     from lowbitcc import state
+    from lowbitcc.backend import launch_record
     from lowbitcc.codec import cuda
     from lowbitcc.counters import Stats
     from lowbitcc.feedback import FeedbackStore
     from tests.support.cuda_trace import GpuWork, meta_plan
 
     cuda._launch = lambda name, device, grid, args: None
+    cpp = mode == "cpp"
+    launch_record.HANDLE = (lambda device, name: 1) if cpp else None
+    launch_record.RECORDER = collections.deque(maxlen=0) if cpp else None  # drops each launch
     state.FEEDBACK, state.STATS = FeedbackStore(), Stats()
-    plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback, replay=replay)
+    plan, x, _ = meta_plan(GpuWork(), world, 1 << 20, fmt, feedback=feedback,
+                           replay=mode != "eager", c10d=cpp)
     for _ in range(3):
         plan.run(x, dist.ReduceOp.SUM)
     profiler = cProfile.Profile() if profile else None
@@ -94,7 +109,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3000)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds alternating host records and eager runs")
+                        help="rounds alternating the modes")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import lowbitcc
@@ -103,10 +118,10 @@ def main() -> None:
     for fmt in args.formats:
         for world in args.worlds:
             for _ in range(args.rounds):
-                for replay in (True, False):  # records on (the default), then off
+                for mode in MODES:
                     us, (python, builtin) = per_run(world, fmt, args.feedback, args.runs,
-                                                    args.profile, replay)
-                    print(f"{fmt:6} world {world} {'records' if replay else 'eager':>7}: "
+                                                    args.profile, mode)
+                    print(f"{fmt:6} world {world} {mode:>7}: "
                           f"{us:7.1f} us per planned run (host, no launch); {python} Python "
                           f"and {builtin} builtin calls")
 

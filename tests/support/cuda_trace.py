@@ -10,6 +10,7 @@ import itertools
 import types
 
 import torch
+from torch._C._distributed_c10d import FakeProcessGroup
 
 from lowbitcc import state
 from lowbitcc.backend.call_plan import CallPlan
@@ -105,7 +106,7 @@ class TracedPlan(CallPlan):
 def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
               collective: str = "all_reduce", feedback: bool = True, graphs: bool = False,
               replay: bool = True, stats: Stats | None = None, node_size: int = 0,
-              ) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
+              c10d: bool = False) -> tuple[CallPlan, torch.Tensor, torch.Tensor | None]:
     """Rank 0's `CallPlan` of an all-reduce of ``numel`` fp32 elements on ``device="meta"``
     (or a reduce-scatter of them into ``numel / world``) on the CUDA code branch (the CUDA
     kernels, ``fmt``'s width and default group, checksums off; ``graphs``: ``call_graphs``,
@@ -113,12 +114,16 @@ def meta_plan(work: GpuWork, world: int, numel: int, fmt: str = "mxfp4",
     now) as `transports.open_nccl_links`' are, its
     NCCL collectives recorded in ``work``; with its input and (reduce-scatter) output.
     ``node_size`` > 0: the hierarchical schedule over nodes of that many ranks (rank 0's node and
-    rail links recorded in ``work`` too). The caller replaces
+    rail links recorded in ``work`` too). ``c10d``: the world link's group is torch's C++
+    ``FakeProcessGroup`` (a c10d backend whose collectives do nothing, as a C++ replay of a
+    record issues them on ProcessGroupNCCL; ``work`` then counts none of them). The caller replaces
     `cuda._launch` (no GPU) and, where it counts, `lowbitcc.state`'s store and statistics."""
     codec = ShardCodec(bits=FORMATS[fmt].width, group_size=FORMATS[fmt].default_group,
                        dtype_code=0, seq=0,
                        world=world, signature=1, fmt=fmt, kernels=cuda.KERNELS, checksum=False)
-    transport = MeteredTransport(NcclTransport(RecordingGroup(work, 0, world)),  # as on a GPU
+    group = (FakeProcessGroup._create_internal(0, world) if c10d
+             else RecordingGroup(work, 0, world))
+    transport = MeteredTransport(NcclTransport(group),  # as on a GPU
                                  state.STATS if stats is None else stats)
     if node_size:
         layout = NodeLayout(world // node_size, node_size, 0, 0)
