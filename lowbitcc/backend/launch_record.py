@@ -43,6 +43,7 @@ Threads: the calling thread only (the issuer's), one call at a time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,8 @@ from lowbitcc.backend import native
 from lowbitcc.codec import cuda, launch_recording
 from lowbitcc.transports.metered import _MeteredPrepared
 from lowbitcc.transports.nccl import Enqueued, Prepared
+
+log = logging.getLogger(__name__)
 
 HANDLE: Callable[[torch.device, str], int] | None = None
 """A kernel's ``CUfunction`` for a C++ replay: None, CuPy's (`cuda.function_handle`) where CuPy
@@ -95,7 +98,12 @@ class LaunchRecord:
         finally:
             plan.transport = transport
         self._steps = steps
-        self._native, self._meters = native_replay(steps, plan.device)
+        try:
+            self._native, self._meters = native_replay(steps, plan.device)
+        except Exception:  # the record stays, issued in Python
+            log.warning("lowbitcc: %s: a host record's C++ replay could not be made; its steps "
+                        "are issued in Python", plan.describe(), exc_info=True)
+            self._native, self._meters = None, []
 
     def replay(self) -> None:
         """Issue the recorded launches and transfers, in order, on the current stream."""
@@ -118,9 +126,13 @@ def native_replay(steps: list[Callable[[], Any]], device: torch.device,
                   ) -> tuple[Any, list[tuple[Any, int, int]]]:
     """``steps`` (a record's, in order) as a C++ ``LaunchReplay`` on ``device``, and the
     metering of its transfers made in C++: ``(meter, bytes inside the node, across)`` per
-    `MeteredTransport` (a replay adds them, and the seconds its transfers took, to the meter's
-    statistics); (None, []) where there is no C++ module or no kernel handle (see the module
+    `MeteredTransport` (a replay adds them to the meter's statistics, and the seconds its
+    transfers took to issue and wait for to the first's ``wire_s``: the direct schedule has one
+    link; a replay that raises meters nothing); (None, []) where there is no C++ module or no
+    kernel handle, or ``device`` is not CUDA and no `RECORDER` is set (see the module
     docstring)."""
+    if device.type != "cuda" and RECORDER is None:  # (tests' meta plans: Python's launcher)
+        return None, []
     module = native.load()
     handle = HANDLE if HANDLE is not None else (cuda.function_handle if cuda.available()
                                                 else None)
@@ -132,7 +144,7 @@ def native_replay(steps: list[Callable[[], Any]], device: torch.device,
     meters: dict[int, list] = {}
     for step in steps:
         if isinstance(step, cuda.RecordedLaunch) and _scalars(step.args):
-            grid = step.grid if isinstance(step.grid, tuple) else (step.grid, 1)
+            grid = (*step.grid, 1, 1)[:2] if isinstance(step.grid, tuple) else (step.grid, 1)
             if 0 not in grid:  # (`cuda._launch` launches nothing either)
                 replay.add_kernel(handle(step.device, step.name), grid[0], grid[1],
                                   cuda.THREADS, [arg.tobytes() for arg in step.args])

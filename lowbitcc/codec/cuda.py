@@ -126,10 +126,12 @@ class RecordedLaunch:
 
 
 def function_handle(device: torch.device, name: str) -> int:
-    """The ``CUfunction`` of kernel ``name`` on ``device``, as CuPy loaded it (``Function.ptr``):
-    what a C++ replay launches with the CUDA driver."""
+    """The ``CUfunction`` of kernel ``name`` on ``device``, as CuPy loaded it (the
+    ``RawKernel``'s ``Function`` of the current device, its ``ptr``): what a C++ replay launches
+    with the CUDA driver."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(_function(index, name).ptr)
+    with cupy().cuda.Device(index):
+        return int(_function(index, name).kernel.ptr)
 
 
 @functools.cache

@@ -160,6 +160,7 @@ def _gloo_steps(rank: int, world: int, gloo) -> dict:
         lambda: seen.append(gather.recv.clone()),  # after the all-gather: what it received
         launch_record.RecordedTransfer(spread),
         cuda_module.RecordedLaunch("decode", torch.device("cpu"), (2, 5), (np.int64(7),)),
+        cuda_module.RecordedLaunch("decode", torch.device("cpu"), (4,), (np.int64(8),)),
         cuda_module.RecordedLaunch("decode", torch.device("cpu"), 0, (np.int64(7),)),  # none
         cuda_module.RecordedLaunch("encode", torch.device("cpu"), 1, (7,)),  # not a scalar
     ]
@@ -185,27 +186,60 @@ def test_a_record_issued_from_cpp_makes_its_transfers_on_the_c10d_backend_in_ord
     the backend itself, in record order (a Python step after the all-gather sees what arrived),
     re-reading the send buffers each time; launches go out with their handle, grid, block, the
     caller's stream and their arguments' bytes; a launch of no block is left out and a launch
-    whose arguments are not NumPy scalars runs in Python; the metered transfer's bytes are
-    counted per replay."""
+    whose arguments are not NumPy scalars runs in Python; a grid given as (x,) is (x, 1); the
+    metered transfer's bytes are counted per replay."""
     results = run_ranks(_gloo_steps, 2)
     for rank, result in enumerate(results):
         kernel = (11, (3, 1), cuda.THREADS, 123,
                   [np.uint64(0xABCDEF).tobytes(), np.int32(-2).tobytes(), np.float32(0.5).tobytes()])
         decode = (12, (2, 5), cuda.THREADS, 123, [np.int64(7).tobytes()])
-        assert result["events"] == [kernel, decode, ("python", "encode")] * 2
+        row = (12, (4, 1), cuda.THREADS, 123, [np.int64(8).tobytes()])
+        assert result["events"] == [kernel, decode, row, ("python", "encode")] * 2
         assert result["seen"] == [[[1] * 6, [2] * 6], [[50] * 6, [51] * 6]]
         assert result["last"] == result["seen"][-1]
         peer_rows = [[10 * r + 3 * rank + i + 2 for i in range(3)] for r in range(2)]
         assert result["spread"] == peer_rows
         assert result["sent"]["wire_bytes"] == 2 * 6  # two replays, one peer, 6 bytes each
-        assert result["native"] == 4 and result["steps"] == 6
+        assert result["native"] == 5 and result["steps"] == 7
         assert all(s >= 0.0 for s in result["seconds"])
 
 
 def test_a_replay_without_the_cuda_driver_raises_a_clear_error():
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA driver is loaded here")
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is installed here")
+    except OSError:
+        pass
     replay = native.load().LaunchReplay(-1, None)
     replay.add_kernel(0x10, 1, 1, cuda.THREADS, [b"\0" * 8])
     with pytest.raises(RuntimeError, match="lowbitcc: .*CUDA driver"):
         replay.replay(0)
+
+
+def test_a_record_whose_cpp_replay_cannot_be_made_is_issued_in_python(replayed, caplog):
+    """Where the C++ replay cannot be made (here a kernel handle that cannot be looked up), the
+    place still replays its record, step by step in Python, and says why once per record."""
+    _, native_launches, python_launches = replayed
+
+    def no_handle(device, name):
+        raise AttributeError("no kernel handle here")
+
+    launch_record.HANDLE = no_handle
+    plan, x, _ = meta_plan(GpuWork(), 2, 1 << 16, "nvfp4", feedback=False)
+    for _ in range(CAPTURE_AT + 1):
+        plan.run(x, dist.ReduceOp.SUM)
+    assert plan.graph.replays == 2 and not plan.graph.off
+    assert plan.graph._graphs[plan.turn][0]._native is None
+    assert python_launches and not native_launches
+    assert "C++ replay could not be made" in caplog.text
+
+
+def test_the_installed_cupy_gives_a_kernel_s_cufunction_as_the_replay_reads_it():
+    """`cuda.function_handle` reads a ``RawKernel``'s ``kernel`` (the current device's
+    ``Function``) and its ``ptr``: both are there in the installed CuPy (no GPU needed)."""
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import function
+
+    assert hasattr(cupy.RawKernel, "kernel") and hasattr(function.Function, "ptr")

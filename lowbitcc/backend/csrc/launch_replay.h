@@ -18,7 +18,8 @@
 //   with arguments other than NumPy scalars, a transfer over a stand-in group).
 //
 // The driver is found in the process at the first launch (`libcuda.so.1`, which torch's CUDA
-// build and CuPy load; `dlopen` with RTLD_NOLOAD first). Where the replay was made with a
+// build and CuPy load; `dlopen` with RTLD_NOLOAD first); a replay with kernels sets its device
+// (`c10::DeviceGuard`) and makes the device's primary context current where no context is. Where the replay was made with a
 // recorder (a Python list: tests and probes without a GPU), each launch is appended to it as
 // `(function, (grid_x, grid_y), block, stream, [argument bytes])` instead, with the GIL.
 //
@@ -51,6 +52,14 @@ class CudaDriver {
   using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                unsigned, void*, void**, void**);
   using ErrorName = int (*)(int, const char**);
+  using ContextGet = int (*)(void**);          // cuCtxGetCurrent(CUcontext*)
+  using ContextSet = int (*)(void*);           // cuCtxSetCurrent(CUcontext)
+  using DeviceGet = int (*)(int*, int);        // cuDeviceGet(CUdevice*, ordinal)
+  using PrimaryRetain = int (*)(void**, int);  // cuDevicePrimaryCtxRetain(CUcontext*, CUdevice)
+
+  static constexpr const char* kNoDriver =
+      "lowbitcc: a host record's launch needs the CUDA driver (libcuda.so.1), which this "
+      "process has not loaded";
 
   static const CudaDriver& get() {
     static const CudaDriver driver;
@@ -60,20 +69,29 @@ class CudaDriver {
   void launch(void* function, unsigned grid_x, unsigned grid_y, unsigned block, void* stream,
               void** params) const {
     if (launch_ == nullptr) {
-      throw std::runtime_error(
-          "lowbitcc: a host record's launch needs the CUDA driver (libcuda.so.1), which this "
-          "process has not loaded");
+      throw std::runtime_error(kNoDriver);
     }
-    int result = launch_(function, grid_x, grid_y, 1, block, 1, 1, 0, stream, params, nullptr);
-    if (result != 0) {
-      const char* name = nullptr;
-      if (error_name_ == nullptr || error_name_(result, &name) != 0 || name == nullptr) {
-        name = "an unknown CUresult";
-      }
-      throw std::runtime_error(std::string("lowbitcc: cuLaunchKernel of a host record's step "
-                                           "failed: ") +
-                               name + " (" + std::to_string(result) + ")");
+    check(launch_(function, grid_x, grid_y, 1, block, 1, 1, 0, stream, params, nullptr),
+          "cuLaunchKernel of a host record's step");
+  }
+
+  // Make `device`'s primary context (the one torch and CuPy use, where CuPy loaded the
+  // kernels) current on the calling thread where no context is, as CuPy's launch does first
+  // (`_ensure_context`): a thread whose first CUDA work is a replay has none bound yet.
+  void ensure_context(int64_t device) const {
+    if (context_get_ == nullptr || context_set_ == nullptr || device_get_ == nullptr ||
+        primary_retain_ == nullptr) {
+      throw std::runtime_error(kNoDriver);
     }
+    void* context = nullptr;
+    check(context_get_(&context), "cuCtxGetCurrent");
+    if (context != nullptr) {
+      return;
+    }
+    int handle = 0;
+    check(device_get_(&handle, static_cast<int>(device)), "cuDeviceGet");
+    check(primary_retain_(&context, handle), "cuDevicePrimaryCtxRetain");  // kept: torch's too
+    check(context_set_(context), "cuCtxSetCurrent");
   }
 
  private:
@@ -85,11 +103,32 @@ class CudaDriver {
     if (library != nullptr) {  // kept open for the process
       launch_ = reinterpret_cast<LaunchKernel>(dlsym(library, "cuLaunchKernel"));
       error_name_ = reinterpret_cast<ErrorName>(dlsym(library, "cuGetErrorName"));
+      context_get_ = reinterpret_cast<ContextGet>(dlsym(library, "cuCtxGetCurrent"));
+      context_set_ = reinterpret_cast<ContextSet>(dlsym(library, "cuCtxSetCurrent"));
+      device_get_ = reinterpret_cast<DeviceGet>(dlsym(library, "cuDeviceGet"));
+      primary_retain_ = reinterpret_cast<PrimaryRetain>(dlsym(library, "cuDevicePrimaryCtxRetain"));
     }
+  }
+
+  // Throw what `result` (a CUresult) names where it is not CUDA_SUCCESS.
+  void check(int result, const char* what) const {
+    if (result == 0) {
+      return;
+    }
+    const char* name = nullptr;
+    if (error_name_ == nullptr || error_name_(result, &name) != 0 || name == nullptr) {
+      name = "an unknown CUresult";
+    }
+    throw std::runtime_error(std::string("lowbitcc: ") + what + " failed: " + name + " (" +
+                             std::to_string(result) + ")");
   }
 
   LaunchKernel launch_ = nullptr;
   ErrorName error_name_ = nullptr;
+  ContextGet context_get_ = nullptr;
+  ContextSet context_set_ = nullptr;
+  DeviceGet device_get_ = nullptr;
+  PrimaryRetain primary_retain_ = nullptr;
 };
 
 class LaunchReplay {
@@ -122,6 +161,7 @@ class LaunchReplay {
       at += (arg.size() + sizeof(Aligned) - 1) / sizeof(Aligned);
     }
     steps_.push_back(std::move(step));
+    ++kernels_;
   }
 
   // A transfer of `send` into `recv` on `backend`: an all-gather, or with `all_to_all` an
@@ -148,8 +188,9 @@ class LaunchReplay {
   // returns the seconds spent issuing its transfers. Called without the GIL.
   double replay(uint64_t stream) {
     std::optional<c10::DeviceGuard> guard;
-    if (device_ >= 0 && recorder_.is_none()) {
+    if (device_ >= 0 && recorder_.is_none() && kernels_ > 0) {
       guard.emplace(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_)));
+      CudaDriver::get().ensure_context(device_);
     }
     double transfer_s = 0.0;
     for (Step& step : steps_) {
@@ -239,6 +280,7 @@ class LaunchReplay {
   int64_t device_;
   py::object recorder_;
   std::vector<Step> steps_;
+  size_t kernels_ = 0;
 };
 
 }  // namespace lowbitcc
