@@ -19,8 +19,9 @@
 //
 // The driver is found in the process at the first launch (`libcuda.so.1`, which torch's CUDA
 // build and CuPy load; `dlopen` with RTLD_NOLOAD first); a replay with kernels sets its device
-// (`c10::DeviceGuard`) and makes the device's primary context current where no context is. Where the replay was made with a
-// recorder (a Python list: tests and probes without a GPU), each launch is appended to it as
+// (`c10::DeviceGuard`) and makes the device's primary context current where no context is.
+// Where the replay was made with a recorder (a Python list, or any object with `append`: tests
+// and probes without a GPU), each launch is appended to it as
 // `(function, (grid_x, grid_y), block, stream, [argument bytes])` instead, with the GIL.
 //
 // Threads: one call at a time (the place's issuing thread); `replay` runs without the GIL and
@@ -106,7 +107,8 @@ class CudaDriver {
       context_get_ = reinterpret_cast<ContextGet>(dlsym(library, "cuCtxGetCurrent"));
       context_set_ = reinterpret_cast<ContextSet>(dlsym(library, "cuCtxSetCurrent"));
       device_get_ = reinterpret_cast<DeviceGet>(dlsym(library, "cuDeviceGet"));
-      primary_retain_ = reinterpret_cast<PrimaryRetain>(dlsym(library, "cuDevicePrimaryCtxRetain"));
+      primary_retain_ =
+          reinterpret_cast<PrimaryRetain>(dlsym(library, "cuDevicePrimaryCtxRetain"));
     }
   }
 
