@@ -4,6 +4,7 @@ two-configuration smoke run in ``-m slow``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -191,3 +192,27 @@ def test_a_small_wide_study_runs_end_to_end(tmp_path):
             assert 0.9 < row["step_cosine"] <= 1.0, row
             assert 0 < row["step_error"] < 0.5, row
             assert row["worst_tensor"] in t["per_tensor"][row["variant"]]
+
+
+def test_cells_limit_a_wide_plan_to_the_cells_named_in_its_own_order():
+    """``--cells gpt:4``: every seed and variant of that cell, in the plan's order, and none of
+    another cell; a cell the plan lacks, or ``--cells`` without ``--wide``, raises, naming it."""
+    import argparse
+
+    from lowbitcc.tools.study import command
+
+    long = wide_plans.PLANS["long"]
+    only = dataclasses.replace(long, only=wide_plans.parse_cells(long, ["gpt:4"]))
+    assert only.cells() == [("gpt", 4)]
+    assert only.runs() == [r for r in long.runs() if r[:2] == ("gpt", 4)]
+    assert len(only.runs()) == len(long.seeds) * len(long.variants)
+    two = wide_plans.parse_cells(long, ["gpt-docs:4", "gpt:2"])
+    assert dataclasses.replace(long, only=two).cells() == [("gpt", 2), ("gpt-docs", 4)]
+    for bad in ("gpt:8", "digits-cnn:2", "gpt", "gpt:x"):
+        with pytest.raises(ValueError, match=f"--cells '{bad}' is not a cell of this plan"):
+            wide_plans.parse_cells(long, [bad])
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser.add_subparsers())
+    args = parser.parse_args(["study", "--cells", "gpt:4"])
+    with pytest.raises(ValueError, match="--cells names cells of a --wide plan"):
+        args.func(args)

@@ -46,6 +46,9 @@ def add_arguments(sub: Any) -> None:
                     "long (the two GPTs at 3000 steps: days here), feedback (LoCo's settings "
                     "and a warm-up on the GPT at 2 ranks) or three-bit (the 3-bit formats in "
                     "every cell)")
+    st.add_argument("--cells", nargs="+", metavar="CONFIG:WORLD",
+                    help="with --wide: only these cells of the plan (e.g. gpt:4), every seed "
+                    "and variant; the report still shows every cell in --out")
     link_spec.add_arguments(st)
     st.set_defaults(func=_study)
 
@@ -53,10 +56,12 @@ def add_arguments(sub: Any) -> None:
 def _study(args: argparse.Namespace) -> int:
     from lowbitcc.tools import study
 
+    if args.cells and not args.wide:
+        raise ValueError("lowbitcc study: --cells names cells of a --wide plan; give --wide too")
     if args.wide:
         from lowbitcc.tools.study import wide
 
-        return wide.command(args.wide, args.out, args.steps)
+        return wide.command(args.wide, args.out, args.steps, args.cells)
     cfg = study.StudyConfig(steps=args.steps or 300, world=args.np,
                             **(study.QUICK if args.quick else {}))
     if args.diloco:

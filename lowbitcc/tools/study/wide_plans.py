@@ -35,16 +35,35 @@ class Plan:
     steps: int = 300
     eval_every: int = StudyConfig.eval_every
     """Steps between the evaluations during a run (the gap-against-step curves' points)."""
+    only: tuple[tuple[str, int], ...] = ()
+    """The cells ``(configuration, world)`` to run, of those the plan has (empty: every one):
+    a study that asks one cell's seeds first (``--cells``)."""
 
     def runs(self) -> list[tuple[str, int, int, str]]:
         """``(configuration, world, seed, variant)`` in the order they run: seed by seed (a
         study stopped early has every cell's first seeds), then cell by cell, each exact run
         before its candidates."""
-        return [(c, w, s, v) for s in self.seeds for c in self.configurations
-                for w in self.worlds for v in self.variants]
+        return [(c, w, s, v) for s in self.seeds for c, w in self.cells()
+                for v in self.variants]
 
     def cells(self) -> list[tuple[str, int]]:
-        return [(c, w) for c in self.configurations for w in self.worlds]
+        return [(c, w) for c in self.configurations for w in self.worlds
+                if not self.only or (c, w) in self.only]
+
+
+def parse_cells(plan: Plan, specs: list[str]) -> tuple[tuple[str, int], ...]:
+    """``--cells`` values (``CONFIGURATION:WORLD``, e.g. ``gpt:4``) as `Plan.only`; a cell the
+    plan does not have raises a `ValueError` naming the plan's cells."""
+    cells = []
+    for spec in specs:
+        configuration, _, world = spec.partition(":")
+        cell = (configuration, int(world)) if world.isdigit() else None
+        if cell is None or cell not in Plan.cells(plan):
+            have = ", ".join(f"{c}:{w}" for c, w in Plan.cells(plan))
+            raise ValueError(f"lowbitcc study: --cells {spec!r} is not a cell of this plan "
+                             f"({have})")
+        cells.append(cell)
+    return tuple(cells)
 
 
 LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4", "nvfp4-warm1000")
