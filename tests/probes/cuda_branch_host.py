@@ -113,12 +113,16 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import lowbitcc
+    from lowbitcc.backend import native
 
     print(f"lowbitcc from {Path(lowbitcc.__file__).parent}")
+    modes = MODES if native.load() is not None else tuple(m for m in MODES if m != "cpp")
+    if "cpp" not in modes:
+        print("no C++ module (LOWBITCC_NATIVE_WORKS=0 or no compiler): no cpp rows")
     for fmt in args.formats:
         for world in args.worlds:
             for _ in range(args.rounds):
-                for mode in MODES:
+                for mode in modes:
                     us, (python, builtin) = per_run(world, fmt, args.feedback, args.runs,
                                                     args.profile, mode)
                     print(f"{fmt:6} world {world} {mode:>7}: "

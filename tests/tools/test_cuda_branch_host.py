@@ -35,6 +35,9 @@ def test_a_planned_cuda_run_calls_no_more_functions_than_its_budget():
                   r"^(\w+)\s+world (\d+)\s+(cpp|records|eager): .*; (\d+) Python and (\d+) "
                   r"builtin "
                   r"calls$", done.stdout, re.M)}
-    assert set(counts) == set(BUDGET), done.stdout
+    from lowbitcc.backend import native
+
+    assert set(counts) == {k for k in BUDGET if native.load() is not None or k[2] != "cpp"}, (
+        done.stdout)
     for key, (python, builtin) in counts.items():
         assert python <= BUDGET[key][0] and builtin <= BUDGET[key][1], (key, done.stdout)
