@@ -1,9 +1,11 @@
 """A place's host record issued from C++ (`launch_record.native_replay`,
 ``backend/csrc/launch_replay.h``), without a GPU: the kernels' launches go to a recorder in place
 of the CUDA driver (`launch_record.RECORDER`, with stand-in kernel handles in
-`launch_record.HANDLE`), and are compared with the launches the Python path makes; the transfers
-run for real on gloo over 2 processes (a c10d backend, as ProcessGroupNCCL is on a GPU). On a
-GPU the same replay launches through ``cuLaunchKernel`` (the GPU suite's ``plans`` phase)."""
+`launch_record.HANDLE`), and are compared with the launches the Python path makes, and once
+through the driver's own entry points (a stand-in ``libcuda.so.1`` that logs each call,
+``tests/support/fake_cuda_driver.c``); the transfers run for real on gloo over 2 processes (a
+c10d backend, as ProcessGroupNCCL is on a GPU). On a GPU the same replay launches through the
+real ``cuLaunchKernel`` (the GPU suite's ``plans`` and ``goals`` phases)."""
 
 from __future__ import annotations
 
@@ -243,3 +245,65 @@ def test_the_installed_cupy_gives_a_kernel_s_cufunction_as_the_replay_reads_it()
     from cupy.cuda import function
 
     assert hasattr(cupy.RawKernel, "kernel") and hasattr(function.Function, "ptr")
+
+
+_THROUGH_THE_DRIVER = """
+import numpy as np, torch
+from lowbitcc.backend import launch_record, native
+from lowbitcc.codec import cuda
+
+launch_record.HANDLE = lambda device, name: {"encode": 0x11, "decode": 0x12}[name]
+device = torch.device("cuda", 0)  # a device object only: no tensor is made
+steps = [cuda.RecordedLaunch("encode", device, 3,
+                             (np.uint64(0xABCDEF), np.int32(-2), np.float32(0.5))),
+         cuda.RecordedLaunch("decode", device, (2, 5), (np.int64(7),))]
+replay, meters = launch_record.native_replay(steps, device)
+assert replay.native_steps == 2 and meters == []
+replay.replay(0xABC)
+replay.replay(0xABD)
+bad = native.load().LaunchReplay(0, None)
+bad.add_kernel(0xBAD, 1, 1, 256, [bytes(8)])
+try:
+    bad.replay(0)
+except RuntimeError as error:
+    print("raised:", error)
+"""
+
+
+def test_a_replay_calls_the_cuda_driver_with_the_recorded_launches(tmp_path):
+    """Through the driver itself (a stand-in ``libcuda.so.1`` built here,
+    ``tests/support/fake_cuda_driver.c``, that logs each call): a replay of a record on a CUDA
+    device makes the device's primary context current where the thread has none (once), then
+    launches each kernel by its handle with its grid, the block of `cuda.THREADS`, no shared
+    memory, the caller's stream and each argument's bytes as kernel parameters; a failed launch
+    raises the driver's error by name."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(__file__).parents[1] / "support" / "fake_cuda_driver.c"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"),
+                    str(source)], check=True)
+    log = tmp_path / "driver.log"
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+           "FAKE_CUDA_LOG": str(log), "FAKE_CUDA_SIZES_11": "8,4,4", "FAKE_CUDA_SIZES_12": "8"}
+    done = subprocess.run([sys.executable, "-c", _THROUGH_THE_DRIVER], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("raised: lowbitcc: cuLaunchKernel of a host record's step failed: "
+            "CUDA_ERROR_ILLEGAL_ADDRESS (700)") in done.stdout, done.stdout
+    encode = " ".join(a.tobytes().hex() for a in (np.uint64(0xABCDEF), np.int32(-2),
+                                                   np.float32(0.5)))
+    decode = np.int64(7).tobytes().hex()
+    t = cuda.THREADS
+    expected = ["retain 0", "set 0x1000"] + [
+        line for stream in ("abc", "abd") for line in (
+            f"launch 11 3 1 1 {t} 1 1 0 {stream} - {encode}",
+            f"launch 12 2 5 1 {t} 1 1 0 {stream} - {decode}")] + [
+        f"launch bad 1 1 1 {t} 1 1 0 0 -"]
+    assert log.read_text().splitlines() == expected

@@ -18,8 +18,9 @@
 //   with arguments other than NumPy scalars, a transfer over a stand-in group).
 //
 // The driver is found in the process at the first launch (`libcuda.so.1`, which torch's CUDA
-// build and CuPy load; `dlopen` with RTLD_NOLOAD first); a replay with kernels sets its device
-// (`c10::DeviceGuard`) and makes the device's primary context current where no context is.
+// build and CuPy load; `dlopen` with RTLD_NOLOAD first). As CuPy's launch, a replay leaves the
+// current device alone (a kernel's handle and the stream name where it runs) and makes the
+// device's primary context current only where the thread has no context at all.
 // Where the replay was made with a recorder (a Python list, or any object with `append`: tests
 // and probes without a GPU), each launch is appended to it as
 // `(function, (grid_x, grid_y), block, stream, [argument bytes])` instead, with the GIL.
@@ -28,8 +29,6 @@
 // takes it only for Python steps and a recorder.
 #pragma once
 
-#include <c10/core/Device.h>
-#include <c10/core/DeviceGuard.h>
 #include <dlfcn.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
@@ -37,7 +36,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -135,8 +133,9 @@ class CudaDriver {
 
 class LaunchReplay {
  public:
-  // `device`: the CUDA device index the launches go to (made current for them), or -1 (no
-  // device to set: a recorder's replay); `recorder`: None, or a list launches go to instead.
+  // `device`: the CUDA device index the launches go to (its primary context made current where
+  // the thread has none), or -1 (a recorder's replay); `recorder`: None, or a list launches go
+  // to instead.
   LaunchReplay(int64_t device, py::object recorder)
       : device_(device), recorder_(std::move(recorder)) {}
 
@@ -189,9 +188,7 @@ class LaunchReplay {
   // Issue every step in order on `stream` (a `cudaStream_t`; 0: the legacy default stream);
   // returns the seconds spent issuing its transfers. Called without the GIL.
   double replay(uint64_t stream) {
-    std::optional<c10::DeviceGuard> guard;
     if (device_ >= 0 && recorder_.is_none() && kernels_ > 0) {
-      guard.emplace(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_)));
       CudaDriver::get().ensure_context(device_);
     }
     double transfer_s = 0.0;
