@@ -137,10 +137,10 @@ def _train(rank, world, gloo, mode, issuer):
 @pytest.mark.parametrize(("world", "mode", "issuer"), [
     (2, "exact", "auto"),   # `lowbitcc.exact()`: the cost model counts and times the calls
     (3, "small", "auto"),   # below min_size: exact by agreement, ordinals counted in backward
-    (2, "small", "inline"),
+    pytest.param(2, "small", "inline", marks=pytest.mark.slow),
     (2, "compressed", "auto"),  # `lowbitcc.compressed()`: plan cores, beside the worker's calls
     (2, "compressed", "inline"),
-    (2, "chunked", "auto"),     # (inline runs no chunks)
+    pytest.param(2, "chunked", "auto", marks=pytest.mark.slow),  # (inline runs no chunks)
     (3, "compressed", "auto"),  # three ranks: the all-reduce's two phases
     pytest.param(3, "chunked", "auto", marks=pytest.mark.slow),
     (2, "loco", "auto"),         # error feedback: the cores take and put the error states
