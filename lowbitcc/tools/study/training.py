@@ -20,7 +20,10 @@ from lowbitcc.tools.study.model import optimizer
 from lowbitcc.tools.study.tasks import Batch, Task, task
 from lowbitcc.tools.study.variants import StudyConfig, Variant
 
-GROUP_TIMEOUT_S = 600.0
+GROUP_TIMEOUT_S = 1800.0
+"""The process group's timeout in a study's run: long enough that a run survives its ranks
+being paused (SIGSTOP) while the machine times other work or runs the test suite (at 600 s a
+run paused for 12 minutes died in gloo's send); a hang is still ended by it."""
 RUN_TIMEOUT_S = 3600.0
 """The limit of a 300-step run (killed and raised past it); longer runs get it in proportion."""
 
