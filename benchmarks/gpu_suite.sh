@@ -16,9 +16,9 @@
 # e.g. PLANS_S=150, plans N seconds for that phase instead):
 #| env       150  pip install -e . (no deps), versions, the C++ codec's and works' builds, NVRTC
 #| frame     120  pytest: frame, check, encode_sum, decode_rows kernels, the call counter
-#| plans     210  pytest: call plans on CUDA, their host records, place renewals (2, 4 ranks)
+#| plans     230  pytest: call plans on CUDA, their host records (C++ and Python), renewals
 #| graphs    240  pytest: graph replay bit for bit; planned_call_goals.py --graphs: host time
-#| goals     180  planned_call_goals.py: the goals per planned call (GOALS_ARGS: 2 sizes)
+#| goals     160  planned_call_goals.py: the goals per planned call (GOALS_ARGS: 2 sizes)
 #| hier      200  pytest: the hierarchical schedule on NCCL node and rail groups
 #| demo      200  lowbitcc demo on GPUs: DDP over loco beside DDP over nccl, 2 ranks
 #| train     240  lowbitcc bench-train, fp32 and bf16: loco against nccl (TRAIN_LINK: + a link)
@@ -119,12 +119,15 @@ nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else "-"
 print(f"python {sys.version.split()[0]} torch {torch.__version__} cuda {torch.version.cuda} "
       f"nccl {nccl} cupy {cupy_version} setuptools {setuptools.__version__}")
 print(f"gpus {gpus}", *(f"({torch.cuda.get_device_name(i)})" for i in range(gpus)))
-t = time.perf_counter()
+import glob, os, subprocess
+for lock in glob.glob(os.path.expanduser("~/.cache/torch_extensions/lowbitcc/*/lock")):
+    os.remove(lock)  # a build killed before (nothing builds yet): torch's build would wait on it
+t = time.perf_counter()  # the C++ works (runner, host records' LaunchReplay) build beside the codec
+works = subprocess.Popen([sys.executable, "-c", "from lowbitcc.backend import native; "
+                          "raise SystemExit(native.load() is None)"])
 from lowbitcc.codec import cpu, cuda, cuda_build
 print(f"C++ codec: {cpu.load() is not None} ({time.perf_counter() - t:.0f} s)", flush=True)
-t = time.perf_counter()
-from lowbitcc.backend import native  # the C++ Works, runner and host records' LaunchReplay
-print(f"C++ works: {native.load() is not None} ({time.perf_counter() - t:.0f} s)", flush=True)
+print(f"C++ works: {works.wait() == 0} ({time.perf_counter() - t:.0f} s, beside it)", flush=True)
 t = time.perf_counter()
 try:  # every kernel instance in one NVRTC program; CuPy caches it on disk for the ranks after
     names = cuda_build.name_expressions()

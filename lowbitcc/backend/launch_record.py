@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 HANDLE: Callable[[torch.device, str], int] | None = None
 """A kernel's ``CUfunction`` for a C++ replay: None, CuPy's (`cuda.function_handle`) where CuPy
 sees a GPU (else no C++ replay); tests without a GPU put a stand-in here."""
+_WARNED: list[bool] = []
+"""Non-empty once a C++ replay could not be made (warned once per process, then at debug)."""
 RECORDER: list | None = None
 """None: a C++ replay launches through the CUDA driver; a list: it appends each launch there
 instead, as ``(function, (grid_x, grid_y), block, stream, [argument bytes])`` (tests)."""
@@ -101,8 +103,11 @@ class LaunchRecord:
         try:
             self._native, self._meters = native_replay(steps, plan.device)
         except Exception:  # the record stays, issued in Python
-            log.warning("lowbitcc: %s: a host record's C++ replay could not be made; its steps "
-                        "are issued in Python", plan.describe(), exc_info=True)
+            level = logging.DEBUG if _WARNED else logging.WARNING
+            _WARNED.append(True)
+            log.log(level, "lowbitcc: %s: a host record's C++ replay could not be made; its "
+                    "steps are issued in Python (said once at warning level)", plan.describe(),
+                    exc_info=True)
             self._native, self._meters = None, []
 
     def replay(self) -> None:

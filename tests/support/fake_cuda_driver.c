@@ -5,10 +5,14 @@
  * each parameter's bytes in hex, as many as FAKE_CUDA_SIZES_<handle> (comma-separated bytes
  * per parameter) says the kernel takes, as the real driver reads them from the kernel's image.
  * A launch of handle 0xBAD fails with 700 (CUDA_ERROR_ILLEGAL_ADDRESS). Contexts: one current
- * context per thread, none at first; a device's primary context is 0x1000 + its ordinal. */
+ * context per thread, none at first; device d's primary context is 0x1000 + d.
+ * `lowbitcc_fake_cuda_driver` marks this library (the test checks it is the one loaded). */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+int lowbitcc_fake_cuda_driver = 1;
 
 static __thread void* current_context = NULL;
 
@@ -32,9 +36,17 @@ int cuCtxGetCurrent(void** context) {
   return 0;
 }
 
+int cuCtxGetDevice(int* device) {
+  if (current_context == NULL) {
+    return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+  }
+  *device = (int)((uintptr_t)current_context - 0x1000);
+  return 0;
+}
+
 int cuCtxSetCurrent(void* context) {
   char line[64];
-  snprintf(line, sizeof line, "set %p", context);
+  snprintf(line, sizeof line, "set %#lx", (unsigned long)(uintptr_t)context);
   log_line(line);
   current_context = context;
   return 0;
@@ -49,26 +61,31 @@ int cuDevicePrimaryCtxRetain(void** context, int device) {
   char line[64];
   snprintf(line, sizeof line, "retain %d", device);
   log_line(line);
-  *context = (void*)(0x1000L + device);
+  *context = (void*)(uintptr_t)(0x1000 + device);
   return 0;
 }
 
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned shared, void* stream, void** params, void** extra) {
   char line[4096], name[64];
-  int at = snprintf(line, sizeof line, "launch %lx %u %u %u %u %u %u %u %lx %s", (long)f, gx,
-                    gy, gz, bx, by, bz, shared, (long)stream, extra ? "extra" : "-");
-  snprintf(name, sizeof name, "FAKE_CUDA_SIZES_%lx", (long)f);
+  size_t at = 0;
+  at += snprintf(line, sizeof line, "launch %lx %u %u %u %u %u %u %u %lx %s",
+                 (unsigned long)(uintptr_t)f, gx, gy, gz, bx, by, bz, shared,
+                 (unsigned long)(uintptr_t)stream, extra ? "extra" : "-");
+  snprintf(name, sizeof name, "FAKE_CUDA_SIZES_%lx", (unsigned long)(uintptr_t)f);
   const char* sizes = getenv(name);
-  for (int i = 0; sizes && *sizes; ++i) {
-    long size = strtol(sizes, (char**)&sizes, 10);
-    at += snprintf(line + at, sizeof line - at, " ");
-    for (long b = 0; b < size; ++b) {
-      at += snprintf(line + at, sizeof line - at, "%02x", ((unsigned char*)params[i])[b]);
+  for (int i = 0; sizes != NULL && *sizes != '\0' && i < 64; ++i) {
+    char* end = NULL;
+    long size = strtol(sizes, &end, 10);
+    if (end == sizes) {
+      break; /* not a number: the rest is ignored */
     }
-    if (*sizes == ',') {
-      ++sizes;
+    for (long b = -1; b < size && at + 3 < sizeof line; ++b) {
+      at += b < 0 ? snprintf(line + at, sizeof line - at, " ")
+                  : snprintf(line + at, sizeof line - at, "%02x",
+                             ((unsigned char*)params[i])[b]);
     }
+    sizes = *end == ',' ? end + 1 : end;
   }
   log_line(line);
   return f == (void*)0xBAD ? 700 : 0;

@@ -18,9 +18,10 @@
 //   with arguments other than NumPy scalars, a transfer over a stand-in group).
 //
 // The driver is found in the process at the first launch (`libcuda.so.1`, which torch's CUDA
-// build and CuPy load; `dlopen` with RTLD_NOLOAD first). As CuPy's launch, a replay leaves the
-// current device alone (a kernel's handle and the stream name where it runs) and makes the
-// device's primary context current only where the thread has no context at all.
+// build and CuPy load; `dlopen` with RTLD_NOLOAD first). A replay's launches run in the
+// device's primary context (where CuPy loaded the kernels, whose default stream is torch's
+// stream 0 there): made current for them where the thread has none (as CuPy's launch does) or
+// another device's (then made current again after them).
 // Where the replay was made with a recorder (a Python list, or any object with `append`: tests
 // and probes without a GPU), each launch is appended to it as
 // `(function, (grid_x, grid_y), block, stream, [argument bytes])` instead, with the GIL.
@@ -53,6 +54,7 @@ class CudaDriver {
   using ErrorName = int (*)(int, const char**);
   using ContextGet = int (*)(void**);          // cuCtxGetCurrent(CUcontext*)
   using ContextSet = int (*)(void*);           // cuCtxSetCurrent(CUcontext)
+  using ContextDevice = int (*)(int*);         // cuCtxGetDevice(CUdevice*)
   using DeviceGet = int (*)(int*, int);        // cuDeviceGet(CUdevice*, ordinal)
   using PrimaryRetain = int (*)(void**, int);  // cuDevicePrimaryCtxRetain(CUcontext*, CUdevice)
 
@@ -75,22 +77,37 @@ class CudaDriver {
   }
 
   // Make `device`'s primary context (the one torch and CuPy use, where CuPy loaded the
-  // kernels) current on the calling thread where no context is, as CuPy's launch does first
-  // (`_ensure_context`): a thread whose first CUDA work is a replay has none bound yet.
-  void ensure_context(int64_t device) const {
-    if (context_get_ == nullptr || context_set_ == nullptr || device_get_ == nullptr ||
-        primary_retain_ == nullptr) {
+  // kernels) current on the calling thread where it is not: where the thread has no context
+  // (its first CUDA work is a replay), as CuPy's launch does first (`_ensure_context`), or
+  // another device's (the launches, on stream 0 in particular, would go there). Returns the
+  // context to make current again after the launches (another device's), else nullptr.
+  void* enter_context(int64_t device) const {
+    if (context_get_ == nullptr || context_set_ == nullptr || context_device_ == nullptr ||
+        device_get_ == nullptr || primary_retain_ == nullptr) {
       throw std::runtime_error(kNoDriver);
     }
-    void* context = nullptr;
-    check(context_get_(&context), "cuCtxGetCurrent");
-    if (context != nullptr) {
-      return;
-    }
+    void* previous = nullptr;
+    check(context_get_(&previous), "cuCtxGetCurrent");
     int handle = 0;
     check(device_get_(&handle, static_cast<int>(device)), "cuDeviceGet");
+    if (previous != nullptr) {
+      int current = -1;
+      check(context_device_(&current), "cuCtxGetDevice");
+      if (current == handle) {
+        return nullptr;
+      }
+    }
+    void* context = nullptr;
     check(primary_retain_(&context, handle), "cuDevicePrimaryCtxRetain");  // kept: torch's too
     check(context_set_(context), "cuCtxSetCurrent");
+    return previous;
+  }
+
+  // Make `previous` (from `enter_context`) current again.
+  void leave_context(void* previous) const noexcept {
+    if (previous != nullptr) {
+      context_set_(previous);
+    }
   }
 
  private:
@@ -104,6 +121,7 @@ class CudaDriver {
       error_name_ = reinterpret_cast<ErrorName>(dlsym(library, "cuGetErrorName"));
       context_get_ = reinterpret_cast<ContextGet>(dlsym(library, "cuCtxGetCurrent"));
       context_set_ = reinterpret_cast<ContextSet>(dlsym(library, "cuCtxSetCurrent"));
+      context_device_ = reinterpret_cast<ContextDevice>(dlsym(library, "cuCtxGetDevice"));
       device_get_ = reinterpret_cast<DeviceGet>(dlsym(library, "cuDeviceGet"));
       primary_retain_ =
           reinterpret_cast<PrimaryRetain>(dlsym(library, "cuDevicePrimaryCtxRetain"));
@@ -127,6 +145,7 @@ class CudaDriver {
   ErrorName error_name_ = nullptr;
   ContextGet context_get_ = nullptr;
   ContextSet context_set_ = nullptr;
+  ContextDevice context_device_ = nullptr;
   DeviceGet device_get_ = nullptr;
   PrimaryRetain primary_retain_ = nullptr;
 };
@@ -188,8 +207,9 @@ class LaunchReplay {
   // Issue every step in order on `stream` (a `cudaStream_t`; 0: the legacy default stream);
   // returns the seconds spent issuing its transfers. Called without the GIL.
   double replay(uint64_t stream) {
+    Entered entered;
     if (device_ >= 0 && recorder_.is_none() && kernels_ > 0) {
-      CudaDriver::get().ensure_context(device_);
+      entered.previous = CudaDriver::get().enter_context(device_);
     }
     double transfer_s = 0.0;
     for (Step& step : steps_) {
@@ -229,6 +249,19 @@ class LaunchReplay {
  private:
   struct alignas(16) Aligned {
     unsigned char bytes[16];
+  };
+
+  // Makes the context a replay found current again when it ends (`CudaDriver::enter_context`).
+  struct Entered {
+    void* previous = nullptr;
+    Entered() = default;
+    Entered(const Entered&) = delete;
+    Entered& operator=(const Entered&) = delete;
+    ~Entered() {
+      if (previous != nullptr) {
+        CudaDriver::get().leave_context(previous);
+      }
+    }
   };
 
   struct Step {
