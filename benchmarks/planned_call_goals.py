@@ -22,7 +22,8 @@ call. The goals (`GOALS`, lines ``goal-<name>``): host <= 100 us at every size, 
 0 uploads, 0 allocations. Timings of two ranks sharing one GPU over NCCL's socket transport say
 little about a real node; the counts hold anywhere. A ``records-host`` line compares the plan's
 host records with the same plan run eagerly, a ``cpp-replay-host`` line the records issued by
-their C++ replay with the same records issued in Python (``graphs-host`` likewise graph replay, with
+their C++ replay with the same records issued in Python, an ``nccl-host`` line the plan's host
+time with NCCL's own (goal at most 2x, aim 1.2x) (``graphs-host`` likewise graph replay, with
 ``--graphs``). ``--device cpu`` runs the same calls on CPU tensors (``LOCO_ISSUER=inline`` for
 the plans): a check of this script without a GPU (tests/tools/test_planned_call_goals.py), its
 GPU columns empty and its goal lines SKIP.
@@ -298,6 +299,7 @@ def main() -> None:
               "compressed all-reduce, worst size and rank)")
     _against(ranks, opts.sizes, "plan", "eager", "records-host", cuda,
              "the plan's host records' host time per call over the eager plan's")
+    _against_nccl(ranks, opts.sizes, cuda)
     natives = [[r["rows"][f"{n} {p}"]["native_records"] for p in ("plan", "python")
                 for n in opts.sizes] for r in ranks]
     print(f"host records with a C++ replay made per rank (plan, then python, per size): "
@@ -310,6 +312,22 @@ def main() -> None:
     if opts.graphs:  # graph replay against the eager plan, host time, the worst size
         _against(ranks, opts.sizes, "graph", "eager", "graphs-host", cuda,
                  "graph replay's host time per call over the eager plan's")
+
+
+NCCL_HOST_GOAL, NCCL_HOST_AIM = 2.0, 1.2
+"""The most a steady compressed call's host time may be over a plain NCCL group's all-reduce of
+the same tensor in the same run (the worst size and rank), and what it aims at."""
+
+
+def _against_nccl(ranks: list[dict], sizes: list[int], cuda: bool) -> None:
+    """PASS/FAIL ``nccl-host``: the planned call's host time over NCCL's own, at most
+    `NCCL_HOST_GOAL` (worst size and rank)."""
+    ratio = max(max(r["rows"][f"{n} plan"]["host_us"] for r in ranks)
+                / max(r["rows"][f"{n} nccl"]["host_us"] for r in ranks) for n in sizes)
+    verdict = "SKIP" if not cuda else "PASS" if ratio <= NCCL_HOST_GOAL else "FAIL"
+    print(f"{verdict} nccl-host {ratio:.3f} (the planned compressed call's host time over a plain "
+          f"NCCL group's all-reduce, worst size; goal <= {NCCL_HOST_GOAL:g}, aim <= "
+          f"{NCCL_HOST_AIM:g})")
 
 
 def _against(ranks: list[dict], sizes: list[int], path: str, base: str, name: str, cuda: bool,

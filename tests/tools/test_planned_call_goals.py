@@ -29,5 +29,6 @@ def test_planned_call_goals_times_every_path_on_cpu_tensors(tmp_path):
     assert "SKIP graphs-host " in done.stdout, done.stdout  # no graphs on CPU tensors
     assert "SKIP records-host " in done.stdout, done.stdout  # nor host records
     assert "SKIP cpp-replay-host " in done.stdout, done.stdout
+    assert "SKIP nccl-host " in done.stdout, done.stdout
     for path in ("plan", "exact", "nccl"):  # the host profiles, rank 0's
         assert f"host profile, rank 0, 4096 {path}:" in done.stdout, done.stdout
