@@ -304,8 +304,9 @@ def main() -> None:
                 for n in opts.sizes] for r in ranks]
     print(f"host records with a C++ replay made per rank (plan, then python, per size): "
           f"{natives}")
-    issued = all(c > 0 for per_rank in natives for c in per_rank[:len(opts.sizes)]) and not any(
-        c for per_rank in natives for c in per_rank[len(opts.sizes):])
+    issued = all(r["rows"][f"{n} plan"]["native_records"] > 0
+                 and r["rows"][f"{n} python"]["native_records"] == 0
+                 for r in ranks for n in opts.sizes)
     _against(ranks, opts.sizes, "plan", "python", "cpp-replay-host", cuda,
              "host records issued by C++ over the same records issued in Python, host time",
              also=issued)

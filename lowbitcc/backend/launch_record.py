@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowbitcc.backend import native
 from lowbitcc.codec import cuda, launch_recording
-from lowbitcc.transports.metered import _MeteredPrepared
+from lowbitcc.transports.metered import MeteredPrepared
 from lowbitcc.transports.nccl import Enqueued, Prepared
 
 log = logging.getLogger(__name__)
@@ -110,15 +110,15 @@ class LaunchRecord:
                     exc_info=True)
             self._native, self._meters = None, []
 
-    def replay(self) -> None:
-        """Issue the recorded launches and transfers, in order, on the current stream."""
+    def replay(self, stream: torch.cuda.Stream | None) -> None:
+        """Issue the recorded launches and transfers, in order, on the current stream
+        (``stream``: the caller's ``torch.cuda.current_stream`` of the plan's device; None off
+        CUDA)."""
         if self._native is None:
             for step in self._steps:
                 step()
             return
-        device = self._plan.device
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        seconds = self._native.replay(stream)
+        seconds = self._native.replay(0 if stream is None else stream.cuda_stream)
         for meter, inside, across in self._meters:
             meter.stats.add_sent(meter.category, seconds, inside, across)
             seconds = 0.0
@@ -155,7 +155,7 @@ def native_replay(steps: list[Callable[[], Any]], device: torch.device,
                                   cuda.THREADS, [arg.tobytes() for arg in step.args])
             continue
         prepared = step.prepared if isinstance(step, RecordedTransfer) else None
-        inner = prepared.inner if isinstance(prepared, _MeteredPrepared) else prepared
+        inner = prepared.inner if isinstance(prepared, MeteredPrepared) else prepared
         if isinstance(inner, Prepared) and isinstance(inner.group, _C10dBackend):
             replay.add_transfer(inner.group, inner.all_to_all, inner.received, inner.send)
             if inner is not prepared:

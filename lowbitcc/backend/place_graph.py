@@ -95,7 +95,8 @@ RECORDS_IN_A_ROW = 4
 
 class CudaGraph:
     """``torch.cuda.CUDAGraph`` as `PlaceGraph` uses it: `capture` records ``body``'s work
-    (without running it), `replay` launches it on the current stream."""
+    (without running it), `replay` launches it on the current stream (``stream``, the caller's
+    ``torch.cuda.current_stream``, which torch's replay finds itself)."""
 
     def __init__(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
@@ -104,7 +105,7 @@ class CudaGraph:
         with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
             body()
 
-    def replay(self) -> None:
+    def replay(self, stream: Any) -> None:
         self._graph.replay()
 
     def reset(self) -> None:
@@ -247,7 +248,7 @@ class PlaceGraph:
         with self._lock:
             self._launching = graph
         try:
-            graph.replay()
+            graph.replay(stream)
         finally:
             with self._lock:
                 self._launching, doomed, self._doomed = None, self._doomed, []

@@ -23,7 +23,7 @@ class _MeteredPending:
         return out
 
 
-class _MeteredPrepared:
+class MeteredPrepared:
     """A prepared transfer of the inner transport (`nccl.Prepared`) whose every issue is metered
     as `MeteredTransport`'s async transfers are: ``sent`` bytes (to this node's ranks, to
     others') into ``meter``'s statistics."""
@@ -88,13 +88,13 @@ class MeteredTransport:
         return getattr(self.inner, "records", False)
 
     def prepare_all_to_all(self, send: torch.Tensor, out: torch.Tensor | None = None,
-                           ) -> _MeteredPrepared:
-        return _MeteredPrepared(self.inner.prepare_all_to_all(send, out), self,
+                           ) -> MeteredPrepared:
+        return MeteredPrepared(self.inner.prepare_all_to_all(send, out), self,
                                 self._to_peers(send.shape[1]))
 
     def prepare_all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None,
-                           ) -> _MeteredPrepared:
-        return _MeteredPrepared(self.inner.prepare_all_gather(send, out), self,
+                           ) -> MeteredPrepared:
+        return MeteredPrepared(self.inner.prepare_all_gather(send, out), self,
                                 self._to_peers(send.numel()))
 
     def send_async(self, send: torch.Tensor, peer: int, tag: int) -> Pending:

@@ -135,13 +135,13 @@ class Prepared:
                  recv: torch.Tensor) -> None:
         self.group, self.all_to_all, self.received, self.send = group, all_to_all, received, send
         self.recv = recv
+        self._options = _sync(dist.AllToAllOptions() if all_to_all else AllgatherOptions())
 
     def issue(self) -> Enqueued:
         if self.all_to_all:
-            work = self.group.alltoall_base(self.received, self.send, [], [],
-                                            _sync(dist.AllToAllOptions()))
+            work = self.group.alltoall_base(self.received, self.send, [], [], self._options)
         else:
-            work = self.group._allgather_base(self.received, self.send, _sync(AllgatherOptions()))
+            work = self.group._allgather_base(self.received, self.send, self._options)
         return Enqueued(work, self.recv)
 
     def issue_ordered(self) -> None:

@@ -134,7 +134,7 @@ def test_a_record_over_a_c10d_backend_is_issued_without_a_python_step(world, rep
     before = stats.sent("compressed")["wire_bytes"]
     sys.setprofile(trace)
     try:
-        record.replay()
+        record.replay(None)
     finally:
         sys.setprofile(None)
     assert called == ["replay", "add_sent"], called  # the record's, and its metering

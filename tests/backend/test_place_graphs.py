@@ -49,7 +49,7 @@ class FakeGraph:
         if FakeGraph.fail:
             raise RuntimeError("operation failed due to a previous error during capture")
 
-    def replay(self) -> None:
+    def replay(self, stream) -> None:
         assert not self.reset_, "a destroyed graph replayed"
         self.replays += 1
         if FakeGraph.during_replay is not None:  # what another thread does meanwhile

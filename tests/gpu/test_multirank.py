@@ -196,7 +196,7 @@ def _replay_records_from_cpp_or_python_at_random(rank: int) -> None:
     chooser, replay = random.Random(rank), launch_record.LaunchRecord.replay
     natives = [0]
 
-    def mixed(self):
+    def mixed(self, stream):
         native = self._native
         assert native is not None, "a host record without its C++ replay on a GPU"
         if natives[0] and chooser.random() < 0.5:
@@ -204,7 +204,7 @@ def _replay_records_from_cpp_or_python_at_random(rank: int) -> None:
         else:
             natives[0] += 1
         try:
-            replay(self)
+            replay(self, stream)
         finally:
             self._native = native
 

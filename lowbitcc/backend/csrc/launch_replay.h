@@ -169,7 +169,7 @@ class LaunchReplay {
     step.block = block;
     size_t blocks = 0;
     for (const std::string& arg : args) {
-      blocks += (arg.size() + sizeof(Aligned) - 1) / sizeof(Aligned);
+      blocks += aligned_blocks(arg.size());
     }
     step.storage.resize(blocks);  // sized once: the pointers below stay valid
     size_t at = 0;
@@ -178,7 +178,7 @@ class LaunchReplay {
       std::memcpy(place, arg.data(), arg.size());
       step.params.push_back(place);
       step.sizes.push_back(arg.size());
-      at += (arg.size() + sizeof(Aligned) - 1) / sizeof(Aligned);
+      at += aligned_blocks(arg.size());
     }
     steps_.push_back(std::move(step));
     ++kernels_;
@@ -250,6 +250,11 @@ class LaunchReplay {
   struct alignas(16) Aligned {
     unsigned char bytes[16];
   };
+
+  // The `Aligned` blocks `bytes` take.
+  static size_t aligned_blocks(size_t bytes) {
+    return (bytes + sizeof(Aligned) - 1) / sizeof(Aligned);
+  }
 
   // Makes the context a replay found current again when it ends (`CudaDriver::enter_context`).
   struct Entered {

@@ -54,14 +54,14 @@ class Plan:
 def parse_cells(plan: Plan, specs: list[str]) -> tuple[tuple[str, int], ...]:
     """``--cells`` values (``CONFIGURATION:WORLD``, e.g. ``gpt:4``) as `Plan.only`; a cell the
     plan does not have raises a `ValueError` naming the plan's cells."""
-    cells = []
+    cells, have = [], plan.cells()
     for spec in specs:
         configuration, _, world = spec.partition(":")
         cell = (configuration, int(world)) if world.isdigit() else None
-        if cell is None or cell not in Plan.cells(plan):
-            have = ", ".join(f"{c}:{w}" for c, w in Plan.cells(plan))
+        if cell is None or cell not in have:
+            names = ", ".join(f"{c}:{w}" for c, w in have)
             raise ValueError(f"lowbitcc study: --cells {spec!r} is not a cell of this plan "
-                             f"({have})")
+                             f"({names})")
         cells.append(cell)
     return tuple(cells)
 
