@@ -257,6 +257,35 @@ def test_the_installed_cupy_gives_a_kernel_s_cufunction_as_the_replay_reads_it()
     from cupy.cuda import function
 
     assert hasattr(cupy.RawKernel, "kernel") and hasattr(function.Function, "ptr")
+    assert not hasattr(cupy.RawKernel, "ptr")  # (a RawKernel's own handle is not there)
+
+
+def test_a_kernel_handle_is_its_raw_kernel_s_function_on_the_device(monkeypatch):
+    """`cuda.function_handle` asks CuPy's kernel of that name (a ``RawKernel``, which has no
+    ``ptr`` of its own) for its ``Function`` while ``device``'s index is CuPy's current device."""
+    import contextlib
+    import types
+
+    devices: list[int] = []
+
+    @contextlib.contextmanager
+    def device(index):
+        devices.append(index)
+        yield
+
+    class RawKernel:  # what `RawModule.get_function` gives: a handle only through `.kernel`
+        __slots__ = ()
+
+        @property
+        def kernel(self):
+            assert devices, "the kernel's Function read outside its device"
+            return types.SimpleNamespace(ptr=0x5EED + devices[-1])
+
+    monkeypatch.setattr(cuda, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=device)))
+    monkeypatch.setattr(cuda, "_function", lambda index, name: RawKernel())
+    assert cuda.function_handle(torch.device("cuda", 3), "encode") == 0x5EED + 3
+    assert devices == [3]
 
 
 _THROUGH_THE_DRIVER = """
