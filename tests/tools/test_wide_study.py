@@ -216,3 +216,19 @@ def test_cells_limit_a_wide_plan_to_the_cells_named_in_its_own_order():
     args = parser.parse_args(["study", "--cells", "gpt:4"])
     with pytest.raises(ValueError, match="--cells names cells of a --wide plan"):
         args.func(args)
+
+
+def test_variants_and_seeds_narrow_a_wide_plan_in_its_own_order():
+    """``--variants exact nvfp4-nofb --seeds 2 1``: only those runs of the plan, seed by seed and
+    in the plan's variant order, whatever order they were named in; a name or seed the plan
+    lacks raises, naming the plan's; none given keeps the plan."""
+    long = wide_plans.PLANS["long"]
+    narrow = wide_plans.narrowed(long, ["nvfp4-nofb", "exact"], [2, 1])
+    assert narrow.runs() == [r for r in long.runs()
+                             if r[3] in ("exact", "nvfp4-nofb") and r[2] in (1, 2)]
+    assert [r[2:] for r in narrow.runs()[:2]] == [(1, "exact"), (1, "nvfp4-nofb")]
+    assert wide_plans.narrowed(long) == long
+    with pytest.raises(ValueError, match="variant 'int2' is not one of this plan's .*exact"):
+        wide_plans.narrowed(long, ["exact", "int2"])
+    with pytest.raises(ValueError, match="seed 7 is not one of this plan's"):
+        wide_plans.narrowed(long, None, [7])

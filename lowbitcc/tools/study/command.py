@@ -20,10 +20,12 @@ def add_arguments(sub: Any) -> None:
                     help="training steps (default 300; --wide long: 3000)")
     st.add_argument("--variants", nargs="+",
                     help="variants to run (default: " + " ".join(study_variants.DEFAULT_VARIANTS)
-                    + "; an unknown name lists the known ones)")
+                    + "; an unknown name lists the known ones; with --wide: only these of "
+                    "its plan's)")
     st.add_argument("--seeds", type=int, nargs="+",
                     help="seeds; all variants run the first (default "
-                    + " ".join(map(str, study_variants.DEFAULT_SEEDS)) + ")")
+                    + " ".join(map(str, study_variants.DEFAULT_SEEDS))
+                    + "; with --wide: only these of its plan's)")
     st.add_argument("--extra-seed-variants", nargs="+",
                     help="variants run for the other seeds too (default: "
                     + " ".join(study_variants.EXTRA_SEED_VARIANTS) + ")")
@@ -61,7 +63,8 @@ def _study(args: argparse.Namespace) -> int:
     if args.wide:
         from lowbitcc.tools.study import wide
 
-        return wide.command(args.wide, args.out, args.steps, args.cells)
+        return wide.command(args.wide, args.out, args.steps, args.cells, args.variants,
+                            args.seeds)
     cfg = study.StudyConfig(steps=args.steps or 300, world=args.np,
                             **(study.QUICK if args.quick else {}))
     if args.diloco:

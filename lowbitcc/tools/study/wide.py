@@ -32,7 +32,7 @@ from tqdm import tqdm
 from lowbitcc.tools.study import tracking
 from lowbitcc.tools.study.training import run_variant
 from lowbitcc.tools.study.variants import CONFIGURATIONS, VARIANTS, StudyConfig
-from lowbitcc.tools.study.wide_plans import PLANS, Plan, parse_cells
+from lowbitcc.tools.study.wide_plans import PLANS, Plan, narrowed, parse_cells
 
 log = logging.getLogger("lowbitcc.tools.study.wide")
 
@@ -172,9 +172,11 @@ def _one(run_key: tuple[str, int, int, str], plan: Plan, threads: int) -> dict[s
 
 
 def command(form: str, out_dir: str | Path, steps: int | None = None,
-            cells: list[str] | None = None) -> int:
+            cells: list[str] | None = None, variants: list[str] | None = None,
+            seeds: list[int] | None = None) -> int:
     """``lowbitcc study --wide FORM``: run the plan (resuming from ``out``; with ``cells``,
-    ``CONFIGURATION:WORLD`` names, only those cells' runs: `wide_plans.parse_cells`), then write
+    ``CONFIGURATION:WORLD`` names, only those cells' runs: `wide_plans.parse_cells`; with
+    ``variants`` or ``seeds``, only those of the plan's: `wide_plans.narrowed`), then write
     ``wide.md`` (`wide_report.format_markdown`) and ``frontier.png`` in ``out_dir`` and print
     the tables; the long form adds the gap over the run (`long_report`: ``gaps.md`` and
     ``gaps.png``). Exit status 0."""
@@ -184,6 +186,7 @@ def command(form: str, out_dir: str | Path, steps: int | None = None,
     plan = PLANS[form] if steps is None else dataclasses.replace(PLANS[form], steps=steps)
     if cells:
         plan = dataclasses.replace(plan, only=parse_cells(plan, cells))
+    plan = narrowed(plan, variants, seeds)
     results = run(plan, out)
     runs = [r for r in results.data["runs"] if r["configuration"] in plan.configurations]
     text = wide_report.format_markdown(runs)

@@ -66,6 +66,23 @@ def parse_cells(plan: Plan, specs: list[str]) -> tuple[tuple[str, int], ...]:
     return tuple(cells)
 
 
+def narrowed(plan: Plan, variants: list[str] | None = None,
+             seeds: list[int] | None = None) -> Plan:
+    """``plan`` with only ``variants`` and ``seeds`` (``--variants`` and ``--seeds`` with
+    ``--wide``; None: all of the plan's), in the plan's own order, so that a study asks the runs
+    that decide first and resumes the rest later; a variant or seed the plan lacks raises a
+    `ValueError` naming the plan's."""
+    for given, have, what in ((variants, plan.variants, "variant"), (seeds, plan.seeds, "seed")):
+        unknown = [g for g in given or () if g not in have]
+        if unknown:
+            names = " ".join(map(str, have))
+            raise ValueError(f"lowbitcc study: {what} {unknown[0]!r} is not one of this plan's "
+                             f"({names})")
+    return dataclasses.replace(
+        plan, variants=tuple(v for v in plan.variants if variants is None or v in variants),
+        seeds=tuple(s for s in plan.seeds if seeds is None or s in seeds))
+
+
 LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4", "nvfp4-warm1000")
 """The long form's runs: fp32, the default (NVFP4 without feedback), NVFP4 with LoCo, MXFP4
 with LoCo (the default until 2026-11-27), and NVFP4 with LoCo after a feedback warm-up of the
