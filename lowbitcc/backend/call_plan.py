@@ -123,6 +123,9 @@ class CallPlan:
         self.core_gathered: list[torch.Tensor] = []
         """An all-reduce's core on more than two ranks: each transfer's second phase's buffer
         (its all-gather's of every rank's reduced row), beside ``core_received``'s."""
+        self.core_tree: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        """A tree schedule's core: the buffers its decodes read (`schedules.tree.decode_kept`:
+        its children's messages, None for a leaf, and the root's codes)."""
 
     @property
     def transport(self) -> Any:
@@ -212,7 +215,9 @@ class CallPlan:
         codec.renumber(seq)
         comp.restart(codec, "", None)
         try:
-            if output is None and self.core_gathered:
+            if self.core_tree is not None:
+                self._finish_tree(tensor, output)
+            elif output is None and self.core_gathered:
                 schedules.direct.decode_two_phases(
                     self.core_received, self.core_gathered, tensor.view(-1), comp, self.m,
                     self.group.rank, self.group.size)
@@ -230,6 +235,20 @@ class CallPlan:
         finally:
             if self.tally is not None:
                 self.tally.flush()
+
+    def _finish_tree(self, tensor: torch.Tensor, output: torch.Tensor | None) -> None:
+        """`finish_received`'s decodes for a tree schedule's core (`schedules.tree.decode_kept`):
+        into flat ``tensor`` (an all-reduce), or into ``output`` (straight where it is
+        contiguous fp32, else through the plan's buffer and a cast)."""
+        children, codes = self.core_tree
+        rank, comp = self.group.rank, self.comp
+        if output is None:
+            schedules.tree.decode_kept(children, codes, comp, self.m, rank, tensor.view(-1))
+            return
+        target, straight = self._scattered_into(output)
+        schedules.tree.decode_kept(children, codes, comp, self.m, rank, None, target)
+        if not straight:
+            output.copy_(target.view(output.shape))
 
     def accepts(self, messages: torch.Tensor, m: int, shard: int, seq: int) -> bool:
         """Whether received ``messages`` (uint8 ``[n, P]``) of ``shard``'s ``m`` columns belong

@@ -13,7 +13,10 @@ metered gloo transport; with or without error feedback. The core keeps the plan'
 (each transfer's messages and received messages, the decode scratch) and writes what the plan's
 Python run writes, byte for byte; where a message of a run does not belong to the call it hands
 the decode back to the plan (`call_plan.CallPlan.finish_received`, over ``core_received``), so
-the errors are the Python path's. Every other plan has none (``core`` None) and runs in Python.
+the errors are the Python path's. A plan of the tree schedule (``schedules/tree.py``, an
+all-reduce or a reduce-scatter on any number of ranks, with the same settings) gets one too
+(`_tree`): its run is the schedule's, whole in the calling thread. Every other plan (the ring and
+hierarchical schedules', a CUDA plan's) has none (``core`` None) and runs in Python.
 
 Error feedback. With feedback on, each encode of a run takes its error state from the plan's
 `feedback.FeedbackStore` under the call's key and the encode's stage (`CallCompressor.encode`'s
@@ -63,6 +66,9 @@ def make_core(plan: Any) -> None:
     plan.core_received = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
                           for p in spec["pieces"]]
     plan.core_gathered = [p["again_received"] for p in spec["pieces"] if "again" in p]
+    tree = spec["tree"]
+    if tree is not None:  # what the tree's decodes read: its children's messages, the codes
+        plan.core_tree = (tree.get("from_children"), tree.get("from_parent", tree["messages"]))
     plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api,
                                 gloo_threads.park)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
@@ -86,6 +92,7 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       ``again`` (uint8 ``[1, P]``) and ``again_nonfinite``, the buffers its second phase's
       encode writes (stage ``ag``'s; ``again_stage`` and ``again_state_numel``: its error
       state's), and ``again_received``, the all-gather's (``[world * P]``);
+    - ``tree``: a tree schedule's run (`_tree`; then no ``pieces``), else None;
     - ``flags_offset`` and ``peer_error_flag``: where a message's flags lie and the flag its
       encodes set once a message of the call did not belong to it (`wire`'s);
     - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
@@ -100,22 +107,27 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
     if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
             or (plan.group.size < 2 and plan.collective == "all_reduce")
-            or plan.schedule != "direct" or plan.graph is not None or plan._factor is None
+            or plan.schedule not in ("direct", "tree") or plan.graph is not None
+            or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
             or codec.rounding != "nearest" or type(world) is not MeteredTransport
             or type(world.inner) is not GlooTransport):
         return None
     m, rows = plan.m, plan.group.size
-    ranges = chunks(m, plan.chunk, codec.group_size)
+    ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule == "direct" else [(0, m)]
     scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
-    pieces = _pieces(plan, ranges, scattered)
-    # what the transport meters (`MeteredTransport`): an all-gather's messages, an all-to-all's
-    # row, to every peer
-    intra, inter = world._to_peers(sum(
-        (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
-        else p["sent"].numel() for p in pieces))
+    if plan.schedule == "tree":
+        pieces, tree = [], _tree(plan)
+        intra, inter = tree.pop("sent")
+    else:
+        pieces, tree = _pieces(plan, ranges, scattered), None
+        # what the transport meters (`MeteredTransport`): an all-gather's messages, an
+        # all-to-all's row, to every peer
+        intra, inter = world._to_peers(sum(
+            (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
+            else p["sent"].numel() for p in pieces))
     return {
-        "plan": plan, "pieces": pieces,
+        "plan": plan, "pieces": pieces, "tree": tree,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
         "seq_offset": wire.SEQ_OFFSET, "flags_offset": wire.FLAGS_OFFSET,
         "peer_error_flag": wire.FLAG_PEER_ERROR, "bits": codec.bits,
@@ -231,3 +243,40 @@ def _second_phase(plan: Any, piece: dict[str, Any], name: str) -> None:
     piece.update(again=again, again_nonfinite=nonfinite,
                  again_received=kept.received(name, plan.group.size * again.numel(), device),
                  again_stage=name, again_state_numel=codec.padded(piece["b"] - piece["a"]))
+
+
+def _tree(plan: Any) -> dict[str, Any]:
+    """A tree schedule's run on this rank (`core_spec`'s ``tree``; `schedules.tree`): its
+    ``children`` and ``parent`` (-1: the root); its one encode of every row, stage ``stage``
+    ("tree.down" at the root, else "tree.up": the buffers `CallCompressor.encode` asks for),
+    ``messages`` uint8 ``[world, P]`` and ``nonfinite``, with its error state's
+    ``state_numel``; ``header`` and ``used`` (its messages'); where it has children
+    ``partial`` (fp32 ``[world * m]``, the sums it encodes) and ``from_children`` (uint8
+    ``[children, world, P]``), where it has a parent ``from_parent`` (uint8 ``[world, P]``, the
+    root's codes), the buffers they are received into (the core's own); and ``sent``, what the
+    transport meters of its sends (`MeteredTransport.send_async`: to this node's ranks, to
+    others'), which the caller takes out."""
+    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
+    world, rows, rank, m = plan.transport, plan.group.size, plan.group.rank, plan.m
+    children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < rows]
+    parent = (rank - 1) // 2 if rank else -1
+    name = "tree.down" if rank == 0 else "tree.up"
+    messages, nonfinite = kept.messages(name, rows, m, codec, device)
+    size = messages.shape[1]
+    tree: dict[str, Any] = {
+        "children": children, "parent": parent, "stage": name, "messages": messages,
+        "nonfinite": nonfinite, "state_numel": rows * codec.padded(m), "header": codec.header(m),
+        "used": wire.used_bytes(m, codec.bits, codec.group_size, codec.fmt),
+    }
+    if children:
+        tree["partial"] = kept.get("core tree partial", rows * m, torch.float32, device)
+        tree["from_children"] = kept.get("core tree children", len(children) * rows * size,
+                                         torch.uint8, device).view(len(children), rows, size)
+    if parent >= 0:
+        tree["from_parent"] = kept.get("core tree parent", rows * size, torch.uint8,
+                                       device).view(rows, size)
+    sent = [0, 0]  # (inside the node, across nodes)
+    for peer in ([parent] if parent >= 0 else []) + children:
+        sent[0 if world._same_node[peer] else 1] += messages.numel()
+    tree["sent"] = tuple(sent)
+    return tree

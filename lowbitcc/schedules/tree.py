@@ -60,6 +60,27 @@ def _reduce_and_broadcast(source: Source, comp: CallCompressor, transport: Trans
     return codes
 
 
+def decode_kept(children: torch.Tensor | None, codes: torch.Tensor, comp: CallCompressor,
+                m: int, rank: int, out: torch.Tensor | None,
+                own: torch.Tensor | None = None) -> None:
+    """The decodes of a run whose transfers are done, in the schedule's order, from the messages
+    kept: ``children`` (uint8 ``[children, n, P]``, each child's messages of every row; None:
+    a leaf), each row's decoded only for what it tells of the call (a foreign message's error,
+    kept by ``comp``: what it sent is sent), then the root's ``codes`` (uint8 ``[n, P]``) into
+    flat ``out`` (an all-reduce), or this rank's row of them into ``own`` (fp32 ``[m]``: a
+    reduce-scatter). A call place's C++ core (`backend.plan_cores`) hands these to the plan
+    where a message of its run did not belong to the call, so that the run's results and error
+    are the Python path's."""
+    if children is not None:
+        scratch = comp.scratch(m, codes.device)
+        for j in range(codes.shape[0]):
+            comp.decode_sum(children[:, j], m, j, scratch)
+    if out is not None:
+        comp.decode_into(codes, m, list(range(codes.shape[0])), out)
+    else:
+        comp.decode_sum(codes[rank:rank + 1], m, rank, own)
+
+
 def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
                    chunk: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]``, in ``out`` where given

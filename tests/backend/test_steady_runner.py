@@ -31,7 +31,7 @@ STEPS = 80
 """More than one agreement's runs of a place (`call_schedule.REAGREE_EVERY`): renewals, and the
 Python path's runs that start and take them, fall between the runner's."""
 
-COMPRESSED = ("compressed", "chunked", "loco", "loco-chunked")
+COMPRESSED = ("compressed", "chunked", "loco", "loco-chunked", "tree", "tree-loco")
 """The modes whose calls are compressed (`_train`)."""
 
 COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "model_exact",
@@ -83,11 +83,13 @@ def _train(rank, world, gloo, mode, issuer):
     # "exact": the buckets above min_size, so the cost model counts them and times one in 8;
     # "chunked": rows cut into chunks of 512 elements (a plan core's transfer per row and chunk)
     # "loco", "loco-chunked": with error feedback (LoCo on NVFP4)
+    # "tree", "tree-loco": the tree schedule's plans (their cores' runs), without and with it
+    feedback = "loco" in mode
     config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024,
                                  chunk_size=512 if mode.endswith("chunked") else 1 << 20,
-                                 feedback=mode.startswith("loco"))
-    named = ((lambda: lowbitcc.feedback_key("chunk")) if mode.startswith("loco")
-             else contextlib.nullcontext)
+                                 feedback=feedback,
+                                 schedule="tree" if mode.startswith("tree") else "direct")
+    named = (lambda: lowbitcc.feedback_key("chunk")) if feedback else contextlib.nullcontext
     runs = {}
     for variant in ("gloo", "python", "native", "mixed"):
         lowbitcc.reset_stats()
@@ -148,6 +150,10 @@ def _train(rank, world, gloo, mode, issuer):
     (3, "loco", "auto"),
     pytest.param(2, "loco", "inline", marks=pytest.mark.slow),
     pytest.param(3, "loco-chunked", "auto", marks=pytest.mark.slow),
+    (3, "tree", "auto"),  # the tree schedule: its root sums two leaves' messages
+    pytest.param(2, "tree", "inline", marks=pytest.mark.slow),
+    pytest.param(4, "tree", "auto", marks=pytest.mark.slow),  # rank 1: a leaf's and the root's
+    (3, "tree-loco", "auto"),
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
     compressed = mode in COMPRESSED
@@ -161,7 +167,7 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
                 assert torch.equal(run["reduced"], want["reduced"]), (rank, variant)
             assert run["state"] == runs["python"]["state"], (rank, variant)
             _assert_same_states(run["feedback"], runs["python"]["feedback"], (rank, variant))
-        if mode.startswith("loco"):
+        if "loco" in mode:
             assert runs["python"]["feedback"], "the calls kept error states"
         state = runs["python"]["state"]
         if compressed:
@@ -481,13 +487,13 @@ def test_a_ddp_bucket_whose_peer_deviated_raises_from_the_reducers_future():
             assert outcomes[8][1] > 0, outcomes  # and served the deviating step's on rank 0
 
 
-def _feedback_through_faults(rank, world, gloo, collective):
+def _feedback_through_faults(rank, world, gloo, collective, schedule):
     # one LoCo place (every call a step, outside backward), served by its core, the Python path,
     # or either at random; a NaN in rank 0's input at call 8 (its encode drops its states, the
     # others' decodes void theirs), rank 1's call not the place's at call 16 (every rank raises);
     # an all-reduce's step also has two places under one named key (the second takes the state
     # the first stored, its run perhaps still decoding)
-    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, feedback=True)
+    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, feedback=True, schedule=schedule)
     runs = {}
     for variant in ("python", "native", "mixed"):
         pg = dist.new_group(backend="loco", pg_options=config)
@@ -525,17 +531,24 @@ def _feedback_through_faults(rank, world, gloo, collective):
     return runs
 
 
-@pytest.mark.parametrize(("world", "collective"), [
-    (2, "all_reduce"), (3, "all_reduce"), (2, "reduce_scatter")])
-def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(world, collective):
+@pytest.mark.parametrize(("world", "collective", "schedule"), [
+    (2, "all_reduce", "direct"), (3, "all_reduce", "direct"), (2, "reduce_scatter", "direct"),
+    # the tree's root meets rank 1's deviation in its children's messages and flags what it
+    # sends down; rank 2 meets only those
+    (3, "all_reduce", "tree"), (2, "reduce_scatter", "tree")])
+def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
+        world, collective, schedule):
     """A LoCo place whose rank 0 sends a NaN once and whose rank 1 deviates once: its plan's core
     (which puts the states back before its last decodes, with the run's verdict) and the
     Python path (which drops them at the call's end), alone or at random per call, leave the same
     outputs (bit for bit, NaN included), errors and error states, and the core ran most calls."""
-    for rank, runs in enumerate(run_ranks(_feedback_through_faults, world, collective,
+    for rank, runs in enumerate(run_ranks(_feedback_through_faults, world, collective, schedule,
                                           timeout=300)):
         want = runs["python"]
-        assert [c for c, _ in want["raised"]] == [16], (rank, want["raised"])
+        # (the tree: a rank that met no deviated message leaves NaN outputs, whose canaries make
+        # every rank exchange, and raise, at the places' runs after next: `call_schedule`)
+        calls = [c for c, _ in want["raised"]]
+        assert calls == [16] if schedule == "direct" else calls[0] == 16, (rank, want["raised"])
         assert want["feedback"], "the calls kept error states"
         for variant in ("native", "mixed"):
             run = runs[variant]

@@ -2,7 +2,8 @@
 // CPU, in C++: what `call_plan.CallPlan.run` does on the direct schedule
 // (lowbitcc/schedules/direct.py: the two ranks' all-reduce's all-gather, `_gather_all_reduce`;
 // the reduce-scatter's all-to-all, `_pipeline`, on any number of ranks; the all-reduce on more
-// ranks, `_pipeline` with its second phase, or `_scatter_gather`), without Python.
+// ranks, `_pipeline` with its second phase, or `_scatter_gather`) and on the tree schedule
+// (lowbitcc/schedules/tree.py), without Python.
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
 // buffers and settings) where its runs are that schedule: an all-reduce or a reduce-scatter,
@@ -35,6 +36,13 @@
 // `FLAG_PEER_ERROR` (lowbitcc/codec/wire.py), as `CallCompressor.encode` flags it. The
 // all-gathers' decodes (each rank's reduced row into its place of the source, cast) run on
 // gloo's threads, and `run` returns once every all-gather is started.
+// A plan of the tree schedule (lowbitcc/schedules/tree.py: an all-reduce or a reduce-scatter of
+// any number of ranks, never chunked; its `Tree`) runs whole in the calling thread instead, in
+// the schedule's order: its children's messages of every row received, each row's verified and
+// summed (a foreign one: NaN, as the Python decode leaves it, and the messages encoded after it
+// flagged), added to its own values, encoded and sent to its parent (a leaf encodes its own
+// values), the root's codes received from the parent and sent on to its children, then decoded:
+// every row into the source (an all-reduce, cast), or its own row into the output.
 // The run's Work (`PlannedWork`) completes with the last decode. The same bytes as the Python
 // path, on the same buffers, so a place's runs may take either path: one run of a place at a
 // time (`wait`, which the runner and the Python plan call before a run).
@@ -65,6 +73,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -103,6 +112,20 @@ struct Piece {
   std::string header;
   at::Tensor again, again_nonfinite, again_received;
   size_t again_slot = 0;
+};
+
+// A tree schedule's run on this rank (see the file's comment): its `children` (none: a leaf)
+// and `parent` (-1: the root); its one encode of every row (`encode`: the root's stage
+// "tree.down", the others' "tree.up", its messages uint8 [world, P]) under `header`, of the
+// rank's own values where it is a leaf, else of `partial` (fp32 [world * m]: its values times
+// the op's factor plus its children's sums); `from_children` (uint8 [children, world, P]: child
+// i's messages at i; undefined for a leaf) and `from_parent` (uint8 [world, P], the root's codes;
+// undefined for the root) receive.
+struct Tree {
+  std::vector<int64_t> children;
+  int64_t parent = -1;
+  Piece piece;  // (its one encode; `a` .. `b` every column)
+  at::Tensor partial, from_children, from_parent;
 };
 
 class __attribute__((visibility("hidden"))) PlanCore
@@ -151,6 +174,13 @@ class __attribute__((visibility("hidden"))) PlanCore
                 "lowbitcc: a plan core runs a reduce-scatter, or an all-reduce of 2 ranks or more");
     if (!spec["feedback"].is_none()) {
       feedback_ = std::make_unique<FeedbackSlots>(spec["feedback"].cast<py::dict>(), group_size_);
+    }
+    if (!spec["tree"].is_none()) {
+      tree_ = read_tree(spec["tree"].cast<py::dict>());
+      if (feedback_) {
+        feedback_->set_order({tree_->piece.encodes[0].slot});
+      }
+      return;
     }
     for (auto item : spec["pieces"]) {
       py::dict p = item.cast<py::dict>();
@@ -246,6 +276,9 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   bool modelled() const { return modelled_; }
+  // Whether a run's output is kept as its place's canary (a plan off the direct schedule: the
+  // tree's, call_schedule.py).
+  bool keeps_canary() const { return tree_.has_value(); }
   // Its runs' error states (null: feedback off).
   FeedbackSlots* feedback() const { return feedback_.get(); }
   const py::object& size_class() const { return size_class_; }
@@ -284,8 +317,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     py::gil_scoped_release release;
     const auto start = std::chrono::steady_clock::now();
     // (an all-reduce on more ranks: one for the calling thread, one more per all-gather started)
-    auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed, start,
-                                     two_phase_ ? 1 : static_cast<int64_t>(pieces_.size()));
+    auto run = std::make_shared<Run>(
+        tensor, output, seq, at::get_num_threads(), timed, start,
+        two_phase_ || tree_ ? 1 : static_cast<int64_t>(pieces_.size()));
     if (taken != nullptr) {
       run->taken = taken;
       run->verdict = taken->verdict;
@@ -293,6 +327,11 @@ class __attribute__((visibility("hidden"))) PlanCore
     {
       std::lock_guard<std::mutex> lock(mutex_);
       last_ = run->result;
+    }
+    if (tree_) {
+      run_tree(*run, sums);
+      return c10::make_intrusive<PlannedWork>(
+          run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
     }
     if (two_phase_) {
       run_two_phases(self, run, sums);
@@ -402,17 +441,22 @@ class __attribute__((visibility("hidden"))) PlanCore
 
   // The encodes and frames of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
   // each encode's rows' columns where they lie in the flat source, zero past its end); its
-  // header.
-  std::string encode(Piece& piece, Run& run, const at::Tensor& sums) {
+  // header. `values`: fp32 values encoded in the source's place, unscaled (a tree's partial
+  // sums; undefined: the source, times the op's factor).
+  std::string encode(Piece& piece, Run& run, const at::Tensor& sums,
+                     const at::Tensor& values = at::Tensor()) {
     std::string header = piece.header;
     const uint32_t seq32 = static_cast<uint32_t>(run.seq);
     std::memcpy(&header[seq_offset_], &seq32, 4);
     const int64_t m = piece.b - piece.a;
+    const at::Tensor& flat = values.defined() ? values : run.flat;
+    const int64_t numel = flat.numel();
+    const double factor = values.defined() ? 1.0 : factor_;
     for (Encode& unit : piece.encodes) {
-      const int64_t lo = std::min(unit.row0 * m_ + piece.a, numel_);
-      const int64_t hi = unit.rows == 1 ? std::min(unit.row0 * m_ + piece.b, numel_) : numel_;
+      const int64_t lo = std::min(unit.row0 * m_ + piece.a, numel);
+      const int64_t hi = unit.rows == 1 ? std::min(unit.row0 * m_ + piece.b, numel) : numel;
       loco::EncodeArgs a{};
-      a.src = static_cast<const char*>(run.flat.data_ptr()) + lo * run.flat.element_size();
+      a.src = static_cast<const char*>(flat.data_ptr()) + lo * flat.element_size();
       a.msgs = unit.messages.data_ptr<uint8_t>();
       a.nonfinite = unit.nonfinite.data_ptr<uint8_t>();
       a.sums = sums.data_ptr<double>();
@@ -421,14 +465,14 @@ class __attribute__((visibility("hidden"))) PlanCore
       a.m = m;
       a.ng = (m + group_size_ - 1) / group_size_;
       a.P = unit.messages.size(1);
-      a.factor = static_cast<float>(factor_);
-      a.scale_input = factor_ != 1.0;
+      a.factor = static_cast<float>(factor);
+      a.scale_input = factor != 1.0;
       a.beta = static_cast<float>(beta_);
       a.omb = static_cast<float>(1.0 - beta_);
       a.G = static_cast<int32_t>(group_size_);
       a.format = static_cast<int32_t>(format_);
       apply_state(a, run, unit.slot);
-      api_->encode(a, bits_, run.threads, dtype_);
+      api_->encode(a, bits_, run.threads, values.defined() ? at::kFloat : dtype_);
       encoded(run, api_->frame(unit.messages, header, unit.shards, unit.nonfinite, piece.used, 0,
                                checksum_, step_, run.threads));
       if (run.peer_error) {
@@ -502,6 +546,166 @@ class __attribute__((visibility("hidden"))) PlanCore
     const int64_t P = messages.size(1);
     for (int64_t r = 0; r < messages.size(0); ++r) {
       bytes[r * P + flags_offset_] |= peer_error_flag_;
+    }
+  }
+
+  // The tag of a tree's messages up (to the parent) and down (`tree.UP`, `tree.DOWN`).
+  static constexpr int kUp = 0, kDown = 1;
+
+  // `spec["tree"]` (plan_cores.py's `_tree`) as the run's `Tree`, its buffers checked.
+  Tree read_tree(py::dict t) {
+    Tree tree;
+    tree.children = t["children"].cast<std::vector<int64_t>>();
+    tree.parent = t["parent"].cast<int64_t>();
+    Encode encode{0, world_, t["messages"].cast<at::Tensor>(), t["nonfinite"].cast<at::Tensor>(),
+                  {}, 0};
+    if (feedback_) {
+      encode.slot = feedback_->add(t["stage"].cast<std::string>(),
+                                   t["state_numel"].cast<int64_t>());
+    }
+    for (int64_t r = 0; r < world_; ++r) {
+      encode.shards.push_back(r);
+    }
+    const int64_t P = encode.messages.size(1);
+    const auto kids = static_cast<int64_t>(tree.children.size());
+    bool fit = encode.messages.is_contiguous() && encode.messages.size(0) == world_ &&
+               encode.nonfinite.is_contiguous() && scratch_.numel() >= m_;
+    if (kids > 0) {
+      tree.partial = t["partial"].cast<at::Tensor>();
+      tree.from_children = t["from_children"].cast<at::Tensor>();
+      fit = fit && tree.partial.is_contiguous() && tree.partial.scalar_type() == at::kFloat &&
+            tree.partial.numel() == world_ * m_ && tree.from_children.is_contiguous() &&
+            tree.from_children.sizes() == at::IntArrayRef({kids, world_, P});
+    }
+    if (tree.parent >= 0) {
+      tree.from_parent = t["from_parent"].cast<at::Tensor>();
+      fit = fit && tree.from_parent.is_contiguous() &&
+            tree.from_parent.sizes() == at::IntArrayRef({world_, P});
+    }
+    tree.piece = Piece{0, world_, 0, m_, t["used"].cast<int64_t>(), {}, encode.messages,
+                       at::Tensor(), t["header"].cast<std::string>(), {}, {}, {}, 0};
+    tree.piece.encodes.push_back(std::move(encode));
+    TORCH_CHECK(fit && (int64_t)tree.piece.header.size() == loco::kHeaderBytes,
+                "lowbitcc: a tree plan core's buffers do not fit its call");
+    return tree;
+  }
+
+  // A tree schedule's run (the file's comment; `tree._reduce_and_broadcast`, then the
+  // decode), whole in the calling thread without the GIL; a transfer's error ends it once the
+  // sends started are done.
+  void run_tree(Run& run, const at::Tensor& sums) {
+    Tree& tree = *tree_;
+    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    auto transfer = [&](bool send, const at::Tensor& buffer, int64_t peer, int tag) {
+      std::vector<at::Tensor> tensors{buffer.view({-1})};
+      auto work = send ? transport_->send(tensors, static_cast<int>(peer), tag)
+                       : transport_->recv(tensors, static_cast<int>(peer), tag);
+      if (send) {
+        sends.push_back(work);
+      }
+      return work;
+    };
+    try {
+      std::vector<c10::intrusive_ptr<c10d::Work>> inbox;
+      for (size_t i = 0; i < tree.children.size(); ++i) {
+        inbox.push_back(transfer(false, tree.from_children[i], tree.children[i], kUp));
+      }
+      for (auto& work : inbox) {
+        work->wait();
+      }
+      at::Tensor codes = tree.piece.sent;
+      std::string header;
+      auto begun = std::chrono::steady_clock::now();
+      if (!tree.children.empty()) {
+        header = call_header(tree.piece.header, run.seq);
+        sum_children(tree, header, run);
+        const auto summed = std::chrono::steady_clock::now();
+        run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(summed - begun)
+                             .count();
+        begun = summed;
+      }
+      header = encode(tree.piece, run, sums, tree.partial);
+      run.encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - begun).count();
+      if (tree.parent >= 0) {
+        transfer(true, codes, tree.parent, kUp);
+        transfer(false, tree.from_parent, tree.parent, kDown)->wait();
+        codes = tree.from_parent;
+      }
+      for (int64_t child : tree.children) {
+        transfer(true, codes, child, kDown);
+      }
+      begun = std::chrono::steady_clock::now();
+      decode_codes(codes, header, run);
+      run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - begun).count();
+    } catch (...) {
+      run.failed(std::current_exception());
+    }
+    for (auto& work : sends) {
+      try {
+        work->wait();
+      } catch (...) {
+        run.failed(std::current_exception());
+      }
+    }
+    finish(run);
+  }
+
+  // `header` with call number `seq` (what `encode` writes its messages under).
+  std::string call_header(std::string header, int64_t seq) const {
+    const uint32_t seq32 = static_cast<uint32_t>(seq);
+    std::memcpy(&header[seq_offset_], &seq32, 4);
+    return header;
+  }
+
+  // A tree's partial sums: its values times the op's factor (`chunking.all_values`), each row's
+  // children's messages verified and summed in child order, then added (a row whose messages do
+  // not belong to the call: NaN, the run foreign and its later messages flagged).
+  void sum_children(Tree& tree, const std::string& header, Run& run) {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    tree.partial.slice(0, 0, numel_).copy_(run.flat);
+    if (numel_ < tree.partial.numel()) {
+      tree.partial.slice(0, numel_).zero_();
+    }
+    if (factor_ != 1.0) {
+      tree.partial.mul_(factor_);
+    }
+    at::Tensor scratch = scratch_.slice(0, 0, m_);
+    const auto kids = static_cast<int64_t>(tree.children.size());
+    for (int64_t j = 0; j < world_; ++j) {
+      at::Tensor messages = tree.from_children.select(1, j);
+      const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(kids, j),
+                                           checksum_, step_, run.threads);
+      if (verdict < 0 && !accepts(messages, m_, j, run.seq)) {
+        run.foreign = true;
+        run.peer_error = true;
+        scratch.fill_(std::numeric_limits<float>::quiet_NaN());
+      } else {
+        received(run, verdict);
+        api_->decode_sum(messages, m_, bits_, group_size_, format_, run.threads, scratch);
+      }
+      tree.partial.slice(0, j * m_, (j + 1) * m_).add_(scratch);
+    }
+  }
+
+  // A tree's last decode of the root's `codes` (uint8 [world, P]): every row into the source
+  // (an all-reduce, cast) or this rank's into the output; codes that do not belong to the call
+  // mark the run foreign, for `finish`.
+  void decode_codes(const at::Tensor& codes, const std::string& header, Run& run) {
+    at::Tensor messages = scatter_ ? codes.slice(0, rank_, rank_ + 1) : codes;
+    std::vector<int64_t> shards;
+    for (int64_t r = scatter_ ? rank_ : 0; r < (scatter_ ? rank_ + 1 : world_); ++r) {
+      shards.push_back(r);
+    }
+    const int64_t verdict = api_->verify(messages, header, shards, checksum_, step_, run.threads);
+    received(run, verdict);
+    if (verdict < 0) {
+      run.foreign = true;
+    } else if (scatter_) {
+      sum_into(messages, m_, run.output.view({-1}), run.threads);
+    } else {
+      api_->decode_into(messages, m_, bits_, group_size_, format_, run.flat, run.threads);
     }
   }
 
@@ -581,7 +785,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     at::Tensor messages = piece.received.view({world_, P});
     const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(world_, rank_),
                                          checksum_, step_, run->threads);
-    if (verdict < 0 && !accepts(messages, width, run->seq)) {
+    if (verdict < 0 && !accepts(messages, width, rank_, run->seq)) {
       run->foreign = true;
       run->peer_error = true;
       reduced.fill_(std::numeric_limits<float>::quiet_NaN());
@@ -648,14 +852,14 @@ class __attribute__((visibility("hidden"))) PlanCore
     });
   }
 
-  // Whether first-phase `messages` of `width` columns that `verify` refused pass the Python
+  // Whether `messages` of shard `shard` and `width` columns that `verify` refused pass the Python
   // path's own check after all (`CallPlan.accepts`, with the GIL: the field-by-field check lets
   // through what `verify`'s whole-header comparison does not, e.g. an unknown flag bit), so that
   // the sum is what the Python path's is. On the calling thread, without the GIL.
-  bool accepts(const at::Tensor& messages, int64_t width, int64_t seq) {
+  bool accepts(const at::Tensor& messages, int64_t width, int64_t shard, int64_t seq) {
     py::gil_scoped_acquire acquire;
     py::object plan = plan_();
-    return !plan.is_none() && plan.attr("accepts")(messages, width, rank_, seq).cast<bool>();
+    return !plan.is_none() && plan.attr("accepts")(messages, width, shard, seq).cast<bool>();
   }
 
   // The decode of chunk `piece`'s second phase (on gloo's thread; as `chunking.decode_columns`):
@@ -803,6 +1007,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   bool checksum_, modelled_;
   int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;
   std::vector<Piece> pieces_;
+  std::optional<Tree> tree_;  // a tree schedule's run (then no `pieces_`)
   std::unique_ptr<FeedbackSlots> feedback_;  // null: feedback off
   const lowbitcc_cpu::CodecApi* api_ = nullptr;
   std::mutex mutex_, scratch_mutex_;

@@ -28,7 +28,9 @@
 // statistics (`exact.count_exact`; a compressed run's `RunTally`), the issuer's count of exact
 // calls, the call's tag (`IssueQueue._next_tag`); then the inner gloo call (the GIL released)
 // and its `FollowedWork`, kept as the place's canary (an exact all-reduce), or the plan core's
-// run, between the take of its error states and their put (feedback_slots.h).
+// run, between the take of its error states and their put (feedback_slots.h), its Work kept as
+// the place's canary where the plan is off the direct schedule (the tree's: a peer's deviation
+// shows on some ranks only as NaN, `reductions._keep_canaries`).
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
 // statistics', cost model's, ordinals' and feedback store's locks taken as their Python owners
@@ -449,7 +451,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       feedback->put(taken);
     }
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
-    return follow(work, steady.output.defined() ? steady.output : tensor, false);
+    py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
+    if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`
+      steady.entry.attr("canary") = steady.entry.attr("latest");
+      steady.entry.attr("latest") = followed;
+    }
+    return followed;
   }
 
   // `CallSchedule.take` at a served call's place: the schedule's index, and `CallSchedule.ran`:
