@@ -126,6 +126,10 @@ class CallPlan:
         self.core_tree: tuple[torch.Tensor | None, torch.Tensor] | None = None
         """A tree schedule's core: the buffers its decodes read (`schedules.tree.decode_kept`:
         its children's messages, None for a leaf, and the root's codes)."""
+        self.core_ring: tuple[list[list[torch.Tensor]], list[torch.Tensor],
+                              list[tuple[int, int]]] | None = None
+        """A ring schedule's core: the buffers its decodes read and its chunks' columns
+        (`schedules.ring.decode_kept`)."""
 
     @property
     def transport(self) -> Any:
@@ -215,8 +219,8 @@ class CallPlan:
         codec.renumber(seq)
         comp.restart(codec, "", None)
         try:
-            if self.core_tree is not None:
-                self._finish_tree(tensor, output)
+            if self.core_tree is not None or self.core_ring is not None:
+                self._finish_off_direct(tensor, output)
             elif output is None and self.core_gathered:
                 schedules.direct.decode_two_phases(
                     self.core_received, self.core_gathered, tensor.view(-1), comp, self.m,
@@ -236,17 +240,22 @@ class CallPlan:
             if self.tally is not None:
                 self.tally.flush()
 
-    def _finish_tree(self, tensor: torch.Tensor, output: torch.Tensor | None) -> None:
-        """`finish_received`'s decodes for a tree schedule's core (`schedules.tree.decode_kept`):
-        into flat ``tensor`` (an all-reduce), or into ``output`` (straight where it is
-        contiguous fp32, else through the plan's buffer and a cast)."""
-        children, codes = self.core_tree
-        rank, comp = self.group.rank, self.comp
-        if output is None:
-            schedules.tree.decode_kept(children, codes, comp, self.m, rank, tensor.view(-1))
-            return
-        target, straight = self._scattered_into(output)
-        schedules.tree.decode_kept(children, codes, comp, self.m, rank, None, target)
+    def _finish_off_direct(self, tensor: torch.Tensor, output: torch.Tensor | None) -> None:
+        """`finish_received`'s decodes for a tree or ring schedule's core (their schedules'
+        ``decode_kept``): into flat ``tensor`` (an all-reduce), or into ``output`` (straight
+        where it is contiguous fp32, else through the plan's buffer and a cast)."""
+        target, straight = (None, True) if output is None else self._scattered_into(output)
+        flat, rank = tensor.view(-1), self.group.rank
+        into = flat if output is None else None
+        if self.core_tree is not None:
+            children, codes = self.core_tree
+            schedules.tree.decode_kept(children, codes, self.comp, self.m, rank, into, target)
+        else:
+            assert self.core_ring is not None and self._factor is not None
+            arrived, gathered, ranges = self.core_ring
+            source = Source(flat, self.group.size, self.m, self._factor)
+            schedules.ring.decode_kept(arrived, gathered, ranges, self.comp, source, rank, into,
+                                       target)
         if not straight:
             output.copy_(target.view(output.shape))
 

@@ -15,8 +15,9 @@ Python run writes, byte for byte; where a message of a run does not belong to th
 the decode back to the plan (`call_plan.CallPlan.finish_received`, over ``core_received``), so
 the errors are the Python path's. A plan of the tree schedule (``schedules/tree.py``, an
 all-reduce or a reduce-scatter on any number of ranks, with the same settings) gets one too
-(`_tree`): its run is the schedule's, whole in the calling thread. Every other plan (the ring and
-hierarchical schedules', a CUDA plan's) has none (``core`` None) and runs in Python.
+(`_tree`), and so does one of the ring schedule (``schedules/ring.py``, on two ranks or more, in
+chunks or not: `_ring`): its run is the schedule's, whole in the calling thread. Every other plan
+(the hierarchical schedule's, a CUDA plan's) has none (``core`` None) and runs in Python.
 
 Error feedback. With feedback on, each encode of a run takes its error state from the plan's
 `feedback.FeedbackStore` under the call's key and the encode's stage (`CallCompressor.encode`'s
@@ -66,9 +67,12 @@ def make_core(plan: Any) -> None:
     plan.core_received = [(p["a"], p["b"], None if p["rows"] > 1 else p["row0"], p["received"])
                           for p in spec["pieces"]]
     plan.core_gathered = [p["again_received"] for p in spec["pieces"] if "again" in p]
-    tree = spec["tree"]
+    tree, ring = spec["tree"], spec["ring"]
     if tree is not None:  # what the tree's decodes read: its children's messages, the codes
         plan.core_tree = (tree.get("from_children"), tree.get("from_parent", tree["messages"]))
+    if ring is not None:  # the ring's: what each step received, each chunk's gathered rows
+        plan.core_ring = (ring["arrived"], [g["gathered"] for g in ring.get("gathers", [])],
+                          [(c["a"], c["b"]) for c in ring["chunks"]])
     plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api,
                                 gloo_threads.park)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
@@ -92,7 +96,8 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       ``again`` (uint8 ``[1, P]``) and ``again_nonfinite``, the buffers its second phase's
       encode writes (stage ``ag``'s; ``again_stage`` and ``again_state_numel``: its error
       state's), and ``again_received``, the all-gather's (``[world * P]``);
-    - ``tree``: a tree schedule's run (`_tree`; then no ``pieces``), else None;
+    - ``tree``: a tree schedule's run (`_tree`; then no ``pieces``), else None; ``ring``: a
+      ring schedule's (`_ring`), else None;
     - ``flags_offset`` and ``peer_error_flag``: where a message's flags lie and the flag its
       encodes set once a message of the call did not belong to it (`wire`'s);
     - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
@@ -107,27 +112,32 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
     if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
             or (plan.group.size < 2 and plan.collective == "all_reduce")
-            or plan.schedule not in ("direct", "tree") or plan.graph is not None
+            or plan.schedule not in ("direct", "tree", "ring") or plan.graph is not None
+            or (plan.schedule == "ring" and plan.group.size < 2)
             or plan._factor is None
             or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
             or codec.rounding != "nearest" or type(world) is not MeteredTransport
             or type(world.inner) is not GlooTransport):
         return None
     m, rows = plan.m, plan.group.size
-    ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule == "direct" else [(0, m)]
+    ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule != "tree" else [(0, m)]
     scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
+    tree = ring = None
     if plan.schedule == "tree":
         pieces, tree = [], _tree(plan)
         intra, inter = tree.pop("sent")
+    elif plan.schedule == "ring":
+        pieces, ring = [], _ring(plan, ranges)
+        intra, inter = ring.pop("sent")
     else:
-        pieces, tree = _pieces(plan, ranges, scattered), None
+        pieces = _pieces(plan, ranges, scattered)
         # what the transport meters (`MeteredTransport`): an all-gather's messages, an
         # all-to-all's row, to every peer
         intra, inter = world._to_peers(sum(
             (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
             else p["sent"].numel() for p in pieces))
     return {
-        "plan": plan, "pieces": pieces, "tree": tree,
+        "plan": plan, "pieces": pieces, "tree": tree, "ring": ring,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
         "seq_offset": wire.SEQ_OFFSET, "flags_offset": wire.FLAGS_OFFSET,
         "peer_error_flag": wire.FLAG_PEER_ERROR, "bits": codec.bits,
@@ -280,3 +290,55 @@ def _tree(plan: Any) -> dict[str, Any]:
         sent[0 if world._same_node[peer] else 1] += messages.numel()
     tree["sent"] = tuple(sent)
     return tree
+
+
+def _ring(plan: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
+    """A ring schedule's run on this rank (`core_spec`'s ``ring``; `schedules.ring`) over its
+    chunks' columns ``ranges``: ``chunks``, each chunk's ``a``, ``b``, ``header`` and ``used``;
+    ``steps[s][k]``, the encode step ``s`` sends of chunk ``k`` (stage ``ring.rs.s``'s buffers,
+    as `CallCompressor.encode` asks for them: ``messages`` uint8 ``[1, P]``, ``nonfinite``,
+    ``stage``, ``state_numel``); ``arrived[s][k]``, uint8 ``[P]``, what step ``s`` receives from
+    the left; an all-reduce's ``gathers[k]``: chunk ``k``'s ``gathered`` (uint8 ``[world, P]``,
+    every rank's reduced row, its own encoded in place with stage ``ring.ag``'s ``nonfinite``,
+    ``stage`` and ``state_numel``); ``partial``, ``own`` (fp32, the widest chunk) and
+    ``reduced`` (fp32 ``[m]``), the sums it makes; the core's own buffers but the messages'; and
+    ``sent`` (what the transport meters of its sends to the right), which the caller takes
+    out."""
+    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
+    world, rows, m = plan.transport, plan.group.size, plan.m
+    count, widest = len(ranges), max(b - a for a, b in ranges)
+    ring: dict[str, Any] = {
+        "chunks": [{"a": a, "b": b, "header": codec.header(b - a),
+                    "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt)}
+                   for a, b in ranges],
+        "steps": [], "arrived": [],
+        "partial": kept.get("core ring partial", widest, torch.float32, device),
+        "own": kept.get("core ring own", widest, torch.float32, device),
+        "reduced": kept.get("core ring reduced", m, torch.float32, device),
+    }
+    sizes = [codec.message_bytes(b - a) for a, b in ranges]
+    for s in range(rows - 1):
+        step = []
+        for k, (a, b) in enumerate(ranges):
+            name = stage(f"ring.rs.{s}", k, count)
+            messages, nonfinite = kept.messages(name, 1, b - a, codec, device)
+            step.append({"messages": messages, "nonfinite": nonfinite, "stage": name,
+                         "state_numel": codec.padded(b - a)})
+        ring["steps"].append(step)
+        ring["arrived"].append([kept.get(f"core ring arrived {s}.{k}", size, torch.uint8, device)
+                                for k, size in enumerate(sizes)])
+    hops = 1
+    if plan.collective == "all_reduce":
+        hops = 2
+        ring["gathers"] = []
+        for k, (a, b) in enumerate(ranges):
+            name = stage("ring.ag", k, count)
+            _, nonfinite = kept.messages(name, 1, b - a, codec, device)
+            gathered = kept.get(f"core ring gathered {k}", rows * sizes[k], torch.uint8,
+                                device).view(rows, sizes[k])
+            ring["gathers"].append({"gathered": gathered, "nonfinite": nonfinite, "stage": name,
+                                    "state_numel": codec.padded(b - a)})
+    sent = hops * (rows - 1) * sum(sizes)  # (every message to the right)
+    right = (plan.group.rank + 1) % rows
+    ring["sent"] = (sent, 0) if world._same_node[right] else (0, sent)
+    return ring

@@ -74,6 +74,33 @@ def _reduce_scatter_chunks(source: Source, comp: CallCompressor, transport: Tran
     return reduced
 
 
+def decode_kept(arrived: list[list[torch.Tensor]], gathered: list[torch.Tensor],
+                ranges: list[tuple[int, int]], comp: CallCompressor, source: Source, rank: int,
+                out: torch.Tensor | None, own: torch.Tensor | None = None) -> None:
+    """The decodes of a run whose transfers are done, in the schedule's order, from the messages
+    kept: ``arrived[s][k]`` (uint8 ``[P]``, what step ``s`` received of chunk ``k``), the
+    partial sums' decoded only for what they tell of the call (a foreign message's error, kept by
+    ``comp``: what they made is sent); each chunk's total (its last step's, plus this rank's row
+    of ``source``) into ``own`` (fp32 ``[m]``: a reduce-scatter), or ``gathered[k]`` (uint8
+    ``[n, P]``, every rank's reduced row of chunk ``k``) into flat ``out`` (an all-reduce). A call
+    place's C++ core (`backend.plan_cores`) hands these to the plan where a message of its run did
+    not belong to the call, so that the run's results and error are the Python path's."""
+    n = len(arrived) + 1
+    for s in range(1, n - 1):
+        segment = (rank - s - 1) % n
+        for k, (a, b) in enumerate(ranges):
+            scratch = comp.scratch(b - a, source.tensor.device)
+            comp.decode_sum(arrived[s - 1][k].view(1, -1), b - a, segment, scratch)
+    for k, (a, b) in enumerate(ranges):
+        total = comp.decode_sum(arrived[n - 2][k].view(1, -1), b - a, rank)
+        total += row_values(source, rank, a, b)
+        if own is not None:
+            own[a:b] = total
+    if out is not None:
+        for k, (a, b) in enumerate(ranges):
+            decode_columns(comp, gathered[k], n, source.m, a, b, out)
+
+
 def reduce_scatter(source: Source, comp: CallCompressor, links: Links,
                    chunk: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over ranks of row ``rank`` of ``source``: fp32 ``[m]`` (in ``out`` where given)."""

@@ -31,7 +31,8 @@ STEPS = 80
 """More than one agreement's runs of a place (`call_schedule.REAGREE_EVERY`): renewals, and the
 Python path's runs that start and take them, fall between the runner's."""
 
-COMPRESSED = ("compressed", "chunked", "loco", "loco-chunked", "tree", "tree-loco")
+COMPRESSED = ("compressed", "chunked", "loco", "loco-chunked", "tree", "tree-loco", "ring",
+              "ring-loco-chunked")
 """The modes whose calls are compressed (`_train`)."""
 
 COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "model_exact",
@@ -83,12 +84,13 @@ def _train(rank, world, gloo, mode, issuer):
     # "exact": the buckets above min_size, so the cost model counts them and times one in 8;
     # "chunked": rows cut into chunks of 512 elements (a plan core's transfer per row and chunk)
     # "loco", "loco-chunked": with error feedback (LoCo on NVFP4)
-    # "tree", "tree-loco": the tree schedule's plans (their cores' runs), without and with it
+    # "tree", "tree-loco", "ring", "ring-loco-chunked": the tree's and the ring's plans (their
+    # cores' runs), without and with feedback
     feedback = "loco" in mode
+    schedule = mode.split("-")[0] if mode.startswith(("tree", "ring")) else "direct"
     config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024,
                                  chunk_size=512 if mode.endswith("chunked") else 1 << 20,
-                                 feedback=feedback,
-                                 schedule="tree" if mode.startswith("tree") else "direct")
+                                 feedback=feedback, schedule=schedule)
     named = (lambda: lowbitcc.feedback_key("chunk")) if feedback else contextlib.nullcontext
     runs = {}
     for variant in ("gloo", "python", "native", "mixed"):
@@ -154,6 +156,10 @@ def _train(rank, world, gloo, mode, issuer):
     pytest.param(2, "tree", "inline", marks=pytest.mark.slow),
     pytest.param(4, "tree", "auto", marks=pytest.mark.slow),  # rank 1: a leaf's and the root's
     (3, "tree-loco", "auto"),
+    (3, "ring", "auto"),  # the ring: two hops of partial sums, the reduced rows forwarded
+    (2, "ring-loco-chunked", "auto"),
+    pytest.param(3, "ring-loco-chunked", "auto", marks=pytest.mark.slow),
+    pytest.param(2, "ring", "inline", marks=pytest.mark.slow),
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
     compressed = mode in COMPRESSED
@@ -534,8 +540,10 @@ def _feedback_through_faults(rank, world, gloo, collective, schedule):
 @pytest.mark.parametrize(("world", "collective", "schedule"), [
     (2, "all_reduce", "direct"), (3, "all_reduce", "direct"), (2, "reduce_scatter", "direct"),
     # the tree's root meets rank 1's deviation in its children's messages and flags what it
-    # sends down; rank 2 meets only those
-    (3, "all_reduce", "tree"), (2, "reduce_scatter", "tree")])
+    # sends down, which is all rank 2 meets; the ring's ranks meet it, or sums flagged after
+    # it, at their hops
+    (3, "all_reduce", "tree"), (2, "reduce_scatter", "tree"), (3, "all_reduce", "ring"),
+    (2, "reduce_scatter", "ring")])
 def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
         world, collective, schedule):
     """A LoCo place whose rank 0 sends a NaN once and whose rank 1 deviates once: its plan's core

@@ -3,7 +3,7 @@
 // (lowbitcc/schedules/direct.py: the two ranks' all-reduce's all-gather, `_gather_all_reduce`;
 // the reduce-scatter's all-to-all, `_pipeline`, on any number of ranks; the all-reduce on more
 // ranks, `_pipeline` with its second phase, or `_scatter_gather`) and on the tree schedule
-// (lowbitcc/schedules/tree.py), without Python.
+// (lowbitcc/schedules/tree.py) and the ring schedule (lowbitcc/schedules/ring.py), without Python.
 //
 // A place's plan gets one (lowbitcc/backend/plan_cores.py builds it from the plan's kept
 // buffers and settings) where its runs are that schedule: an all-reduce or a reduce-scatter,
@@ -43,6 +43,12 @@
 // flagged), added to its own values, encoded and sent to its parent (a leaf encodes its own
 // values), the root's codes received from the parent and sent on to its children, then decoded:
 // every row into the source (an all-reduce, cast), or its own row into the output.
+// A plan of the ring schedule (lowbitcc/schedules/ring.py, any number of ranks, in chunks or not;
+// its `Ring`) runs whole in the calling thread too, in the schedule's order: per step and chunk,
+// what arrived from the left decoded and added to the rank's own values of that segment (step
+// 0: the values themselves), encoded and sent to the right; then each chunk's own row summed (a
+// reduce-scatter's result), and an all-reduce's reduced rows encoded and forwarded around the
+// ring unchanged, then decoded into the source.
 // The run's Work (`PlannedWork`) completes with the last decode. The same bytes as the Python
 // path, on the same buffers, so a place's runs may take either path: one run of a place at a
 // time (`wait`, which the runner and the Python plan call before a run).
@@ -128,6 +134,23 @@ struct Tree {
   at::Tensor partial, from_children, from_parent;
 };
 
+// A ring schedule's run on this rank (see the file's comment): its neighbours `left` and
+// `right`; per step s (0 .. world - 2) and chunk k, `steps[s][k]`, the encode of what it sends (one
+// row: at step 0 the segment's columns of the source, later `partial`, columns 0 .. its width),
+// and `arrived[s][k]` (uint8 [P_k]), what it receives; per chunk, `chunks[k]` (its columns, header
+// and used bytes) and, an all-reduce's, `gathers[k]`: the encode of its reduced row into row
+// `rank` of `gathered` (uint8 [world, P_k], its `again_received`, every rank's row forwarded there),
+// and `spreads[k]`, the same buffers under the chunk's columns for their decode. `partial` and
+// `own` (fp32 [widest chunk]): a step's sum, and the rank's own values it adds; `reduced` (fp32
+// [m]): each chunk's reduced row (a reduce-scatter's, unless the output takes it straight).
+struct Ring {
+  int64_t left = 0, right = 0;
+  std::vector<std::vector<Piece>> steps;
+  std::vector<std::vector<at::Tensor>> arrived;
+  std::vector<Piece> chunks, gathers, spreads;
+  at::Tensor partial, own, reduced;
+};
+
 class __attribute__((visibility("hidden"))) PlanCore
     : public std::enable_shared_from_this<PlanCore> {
  public:
@@ -174,6 +197,22 @@ class __attribute__((visibility("hidden"))) PlanCore
                 "lowbitcc: a plan core runs a reduce-scatter, or an all-reduce of 2 ranks or more");
     if (!spec["feedback"].is_none()) {
       feedback_ = std::make_unique<FeedbackSlots>(spec["feedback"].cast<py::dict>(), group_size_);
+    }
+    if (!spec["ring"].is_none()) {
+      ring_ = read_ring(spec["ring"].cast<py::dict>());
+      if (feedback_) {
+        std::vector<size_t> order;
+        for (const auto& step : ring_->steps) {
+          for (const Piece& piece : step) {
+            order.push_back(piece.encodes[0].slot);
+          }
+        }
+        for (const Piece& piece : ring_->gathers) {
+          order.push_back(piece.encodes[0].slot);
+        }
+        feedback_->set_order(order);
+      }
+      return;
     }
     if (!spec["tree"].is_none()) {
       tree_ = read_tree(spec["tree"].cast<py::dict>());
@@ -277,8 +316,8 @@ class __attribute__((visibility("hidden"))) PlanCore
 
   bool modelled() const { return modelled_; }
   // Whether a run's output is kept as its place's canary (a plan off the direct schedule: the
-  // tree's, call_schedule.py).
-  bool keeps_canary() const { return tree_.has_value(); }
+  // tree's and the ring's, call_schedule.py).
+  bool keeps_canary() const { return tree_.has_value() || ring_.has_value(); }
   // Its runs' error states (null: feedback off).
   FeedbackSlots* feedback() const { return feedback_.get(); }
   const py::object& size_class() const { return size_class_; }
@@ -319,7 +358,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     // (an all-reduce on more ranks: one for the calling thread, one more per all-gather started)
     auto run = std::make_shared<Run>(
         tensor, output, seq, at::get_num_threads(), timed, start,
-        two_phase_ || tree_ ? 1 : static_cast<int64_t>(pieces_.size()));
+        two_phase_ || tree_ || ring_ ? 1 : static_cast<int64_t>(pieces_.size()));
     if (taken != nullptr) {
       run->taken = taken;
       run->verdict = taken->verdict;
@@ -327,6 +366,11 @@ class __attribute__((visibility("hidden"))) PlanCore
     {
       std::lock_guard<std::mutex> lock(mutex_);
       last_ = run->result;
+    }
+    if (ring_) {
+      run_ring(*run, sums);
+      return c10::make_intrusive<PlannedWork>(
+          run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
     }
     if (tree_) {
       run_tree(*run, sums);
@@ -547,6 +591,233 @@ class __attribute__((visibility("hidden"))) PlanCore
     for (int64_t r = 0; r < messages.size(0); ++r) {
       bytes[r * P + flags_offset_] |= peer_error_flag_;
     }
+  }
+
+  // One row's encode of `spec["ring"]` (plan_cores.py's `_ring`): its messages into a `Piece`
+  // of columns `a .. b` of row `row0`, framed as shard `shard`.
+  Piece read_row_encode(py::dict e, int64_t row0, int64_t a, int64_t b, int64_t shard,
+                        const Piece& chunk) {
+    Encode encode{row0, 1, e["messages"].cast<at::Tensor>(), e["nonfinite"].cast<at::Tensor>(),
+                  {shard}, 0};
+    if (feedback_) {
+      encode.slot = feedback_->add(e["stage"].cast<std::string>(),
+                                   e["state_numel"].cast<int64_t>());
+    }
+    TORCH_CHECK(encode.messages.is_contiguous() && encode.messages.dim() == 2 &&
+                    encode.messages.size(0) == 1 && encode.nonfinite.is_contiguous(),
+                "lowbitcc: a ring plan core's buffers do not fit its call");
+    Piece piece{row0, 1, a, b, chunk.used, {}, encode.messages, at::Tensor(), chunk.header,
+                {}, {}, {}, 0};
+    piece.encodes.push_back(std::move(encode));
+    return piece;
+  }
+
+  // `spec["ring"]` (plan_cores.py's `_ring`) as the run's `Ring`, its buffers checked.
+  Ring read_ring(py::dict t) {
+    Ring ring;
+    ring.left = (rank_ + world_ - 1) % world_;
+    ring.right = (rank_ + 1) % world_;
+    int64_t widest = 0;
+    for (auto item : t["chunks"]) {
+      py::dict c = item.cast<py::dict>();
+      Piece chunk{0, 1, c["a"].cast<int64_t>(), c["b"].cast<int64_t>(), c["used"].cast<int64_t>(),
+                  {}, {}, {}, c["header"].cast<std::string>(), {}, {}, {}, 0};
+      TORCH_CHECK((int64_t)chunk.header.size() == loco::kHeaderBytes,
+                  "lowbitcc: a ring plan core's header does not fit");
+      widest = std::max(widest, chunk.b - chunk.a);
+      ring.chunks.push_back(std::move(chunk));
+    }
+    const auto count = static_cast<int64_t>(ring.chunks.size());
+    py::list steps = t["steps"], arrived = t["arrived"];
+    for (int64_t s = 0; s < world_ - 1; ++s) {
+      const int64_t segment = (rank_ - s - 1 + 2 * world_) % world_;
+      std::vector<Piece> row;
+      std::vector<at::Tensor> into;
+      for (int64_t k = 0; k < count; ++k) {
+        const Piece& chunk = ring.chunks[k];
+        py::dict e = steps[s].cast<py::list>()[k].cast<py::dict>();
+        row.push_back(s == 0 ? read_row_encode(e, segment, chunk.a, chunk.b, segment, chunk)
+                             : read_row_encode(e, 0, 0, chunk.b - chunk.a, segment, chunk));
+        into.push_back(arrived[s].cast<py::list>()[k].cast<at::Tensor>());
+        TORCH_CHECK(into.back().is_contiguous() &&
+                        into.back().numel() == row.back().sent.size(1),
+                    "lowbitcc: a ring plan core's buffers do not fit its call");
+      }
+      ring.steps.push_back(std::move(row));
+      ring.arrived.push_back(std::move(into));
+    }
+    ring.partial = t["partial"].cast<at::Tensor>();
+    ring.own = t["own"].cast<at::Tensor>();
+    ring.reduced = t["reduced"].cast<at::Tensor>();
+    TORCH_CHECK(ring.partial.numel() >= widest && ring.own.numel() >= widest &&
+                    ring.reduced.numel() == m_ && ring.partial.scalar_type() == at::kFloat &&
+                    ring.own.scalar_type() == at::kFloat &&
+                    ring.reduced.scalar_type() == at::kFloat,
+                "lowbitcc: a ring plan core's buffers do not fit its call");
+    if (!scatter_) {
+      py::list gathers = t["gathers"];
+      for (int64_t k = 0; k < count; ++k) {
+        const Piece& chunk = ring.chunks[k];
+        py::dict g = gathers[k].cast<py::dict>();
+        at::Tensor gathered = g["gathered"].cast<at::Tensor>();
+        TORCH_CHECK(gathered.is_contiguous() && gathered.dim() == 2 &&
+                        gathered.size(0) == world_,
+                    "lowbitcc: a ring plan core's buffers do not fit its call");
+        py::dict e;
+        e["messages"] = gathered.slice(0, rank_, rank_ + 1);
+        e["nonfinite"] = g["nonfinite"];
+        e["stage"] = g["stage"];
+        e["state_numel"] = g["state_numel"];
+        ring.gathers.push_back(read_row_encode(e, 0, 0, chunk.b - chunk.a, rank_, chunk));
+        Piece spread{0, world_, chunk.a, chunk.b, chunk.used, {}, gathered, at::Tensor(),
+                     chunk.header, gathered.slice(0, rank_, rank_ + 1), at::Tensor(),
+                     gathered.view({-1}), 0};
+        ring.spreads.push_back(std::move(spread));
+      }
+    }
+    return ring;
+  }
+
+  // A ring schedule's run (the file's comment; `ring._reduce_scatter_chunks`, then
+  // `ring.all_reduce`'s all-gather), whole in the calling thread without the GIL; a transfer's
+  // error ends it once the sends started are done.
+  void run_ring(Run& run, const at::Tensor& sums) {
+    Ring& ring = *ring_;
+    const auto count = static_cast<int64_t>(ring.chunks.size());
+    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    std::vector<c10::intrusive_ptr<c10d::Work>> inbox(count);
+    auto send = [&](const at::Tensor& buffer, int64_t tag) {
+      std::vector<at::Tensor> tensors{buffer.view({-1})};
+      sends.push_back(transport_->send(tensors, static_cast<int>(ring.right),
+                                       static_cast<int>(tag)));
+    };
+    auto receive = [&](const at::Tensor& buffer, int64_t tag) {
+      std::vector<at::Tensor> tensors{buffer.view({-1})};
+      return transport_->recv(tensors, static_cast<int>(ring.left), static_cast<int>(tag));
+    };
+    auto since = [](std::chrono::steady_clock::time_point begun) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now() - begun).count();
+    };
+    try {
+      for (int64_t s = 0; s < world_ - 1; ++s) {
+        const int64_t segment = (rank_ - s - 1 + 2 * world_) % world_;
+        for (int64_t k = 0; k < count; ++k) {
+          const Piece& chunk = ring.chunks[k];
+          Piece& piece = ring.steps[s][k];
+          at::Tensor values;
+          if (s > 0) {
+            inbox[k]->wait();
+            const auto begun = std::chrono::steady_clock::now();
+            values = ring.partial.slice(0, 0, chunk.b - chunk.a);
+            sum_arrived(ring, ring.arrived[s - 1][k], chunk, segment, values, run);
+            run.decode_ns += since(begun);
+          }
+          const auto begun = std::chrono::steady_clock::now();
+          encode(piece, run, sums, values);
+          run.encode_ns += since(begun);
+          send(piece.sent, s * count + k);
+          inbox[k] = receive(ring.arrived[s][k], s * count + k);
+        }
+      }
+      const bool straight = scatter_ && run.output.scalar_type() == at::kFloat;
+      for (int64_t k = 0; k < count; ++k) {
+        const Piece& chunk = ring.chunks[k];
+        inbox[k]->wait();
+        const auto begun = std::chrono::steady_clock::now();
+        at::Tensor total = (straight ? run.output.view({-1}) : ring.reduced)
+                               .slice(0, chunk.a, chunk.b);
+        sum_arrived(ring, ring.arrived[world_ - 2][k], chunk, rank_, total, run);
+        run.decode_ns += since(begun);
+      }
+      if (scatter_) {
+        if (!straight) {
+          run.output.view({-1}).copy_(ring.reduced);
+        }
+      } else {
+        gather_ring(ring, run, sums, send, receive);
+      }
+    } catch (...) {
+      run.failed(std::current_exception());
+    }
+    for (auto& work : sends) {
+      try {
+        work->wait();
+      } catch (...) {
+        run.failed(std::current_exception());
+      }
+    }
+    finish(run);
+  }
+
+  // A ring all-reduce's all-gather (`ring.all_reduce`): each chunk's reduced row encoded into
+  // its row of the chunk's `gathered`, the rows forwarded to the right n - 1 times, as they
+  // arrive, then every row decoded into the source's columns of the chunk.
+  template <typename Send, typename Receive>
+  void gather_ring(Ring& ring, Run& run, const at::Tensor& sums, Send& send, Receive& receive) {
+    const auto count = static_cast<int64_t>(ring.chunks.size());
+    for (int64_t k = 0; k < count; ++k) {
+      const auto begun = std::chrono::steady_clock::now();
+      const Piece& chunk = ring.chunks[k];
+      encode(ring.gathers[k], run, sums, ring.reduced.slice(0, chunk.a, chunk.b));
+      run.encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - begun).count();
+    }
+    const int64_t base = (world_ - 1) * count;
+    std::vector<c10::intrusive_ptr<c10d::Work>> inbox(count);
+    for (int64_t s = 0; s < world_ - 1; ++s) {
+      const int64_t segment = (rank_ - s + world_) % world_;
+      const int64_t next = (rank_ - s - 1 + 2 * world_) % world_;
+      for (int64_t k = 0; k < count; ++k) {
+        at::Tensor gathered = ring.spreads[k].sent;
+        if (s > 0) {
+          inbox[k]->wait();
+        }
+        send(gathered.select(0, segment), base + s * count + k);
+        inbox[k] = receive(gathered.select(0, next), base + s * count + k);
+      }
+    }
+    for (int64_t k = 0; k < count; ++k) {
+      inbox[k]->wait();
+      const auto begun = std::chrono::steady_clock::now();
+      decode_reduced_rows(ring.spreads[k], call_header(ring.chunks[k].header, run.seq), run);
+      run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - begun).count();
+      if (run.foreign) {
+        break;
+      }
+    }
+  }
+
+  // What arrived (`arrived`, uint8 [P]: shard `shard`'s columns of `chunk`) verified, decoded
+  // into `target` (fp32 [width]) and the rank's own values of those columns (`chunking.
+  // row_values`) added: `ring._reduce_scatter_chunks`' partial sums and totals. A message that
+  // does not belong to the call leaves NaN, the run foreign and its later messages flagged.
+  void sum_arrived(Ring& ring, const at::Tensor& arrived, const Piece& chunk, int64_t shard,
+                   at::Tensor target, Run& run) {
+    const int64_t width = chunk.b - chunk.a;
+    at::Tensor messages = arrived.view({1, -1});
+    const int64_t verdict = api_->verify(messages, call_header(chunk.header, run.seq), {shard},
+                                         checksum_, step_, run.threads);
+    if (verdict < 0 && !accepts(messages, width, shard, run.seq)) {
+      run.foreign = true;
+      run.peer_error = true;
+      target.fill_(std::numeric_limits<float>::quiet_NaN());
+    } else {
+      received(run, verdict);
+      api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, target);
+    }
+    at::Tensor own = ring.own.slice(0, 0, width);
+    const int64_t lo = std::min(shard * m_ + chunk.a, numel_);
+    const int64_t hi = std::min(shard * m_ + chunk.b, numel_);
+    own.slice(0, 0, hi - lo).copy_(run.flat.slice(0, lo, hi));
+    if (hi - lo < width) {
+      own.slice(0, hi - lo).zero_();
+    }
+    if (factor_ != 1.0) {
+      own.mul_(factor_);
+    }
+    target.add_(own);
   }
 
   // The tag of a tree's messages up (to the parent) and down (`tree.UP`, `tree.DOWN`).
@@ -1008,6 +1279,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;
   std::vector<Piece> pieces_;
   std::optional<Tree> tree_;  // a tree schedule's run (then no `pieces_`)
+  std::optional<Ring> ring_;  // a ring schedule's run (then no `pieces_`)
   std::unique_ptr<FeedbackSlots> feedback_;  // null: feedback off
   const lowbitcc_cpu::CodecApi* api_ = nullptr;
   std::mutex mutex_, scratch_mutex_;
