@@ -567,3 +567,62 @@ def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
             _assert_same_states(run["feedback"], want["feedback"], (rank, variant))
         assert runs["native"]["served"] > 16, runs["native"]["served"]
         assert 0 < runs["mixed"]["served"] < runs["native"]["served"]
+
+
+def _corrupt_on_a_served_schedule(rank, world, gloo, schedule, served):
+    from lowbitcc.transports import gloo as gloo_transport
+
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=2, cost_model=False, schedule=schedule, chunk_size=1024, max_chunks=0))
+    if rank == 1 or not served:  # rank 1 sends through the Python path, where it is patched
+        pg._runner = steady_runner.NoRunner()
+    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
+
+    def call(out):
+        try:
+            with lowbitcc.compressed():
+                dist.all_reduce(out, group=pg)
+        finally:
+            lowbitcc.end_step()
+        return out
+
+    for _ in range(12):
+        call(x.clone())
+    served_before = pg._runner.served_compressed if served and rank != 1 else 0
+    original, sent = gloo_transport.GlooTransport.send_async, []
+
+    def corrupting(self, send, peer, tag):  # rank 1's first message of codes
+        if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and not sent:
+            sent.append(True)
+            send[28] ^= 0xFF  # its call signature: no longer this call's
+        return original(self, send, peer, tag)
+
+    if rank == 1:
+        gloo_transport.GlooTransport.send_async = corrupting
+    out = x.clone()
+    try:
+        call(out)
+        raised = "nothing"
+    except lowbitcc.codec.wire.WireFormatError as exc:
+        raised = type(exc).__name__
+    gloo_transport.GlooTransport.send_async = original
+    core = (pg._runner.served_compressed if served and rank != 1 else 0) - served_before
+    # which chunks of which row came out NaN
+    nan = [[bool(out[r * 4096 + c * 1024:r * 4096 + (c + 1) * 1024].isnan().any())
+            for c in range(4)] for r in range(3)]
+    return raised, nan, bool(torch.isfinite(call(x.clone())).all()), core
+
+
+@pytest.mark.parametrize("schedule", ["tree", "ring"])
+def test_a_corrupt_message_on_the_tree_or_ring_raises_the_same_on_either_path(schedule):
+    """Rank 1's first message of a steady call travels corrupt (the tree: a leaf's codes of
+    every row, its first row's header broken; the ring: its first hop's chunk 0), 3 ranks:
+    whether ranks 0 and 2 run the call in Python or by the plan's C++ core, every rank raises
+    the same error and leaves NaN in the same chunks (the ranks that received it, and those
+    whose result was built from it), and the next call works."""
+    python, served = (run_ranks(_corrupt_on_a_served_schedule, 3, schedule, way, timeout=120)
+                      for way in (False, True))
+    assert [r[:3] for r in python] == [r[:3] for r in served], (python, served)
+    assert "WireFormatError" in [r[0] for r in python], python  # the receiver's own
+    assert all(r[2] for r in python), python  # the next call
+    assert [r[3] for r in served] == [1, 0, 1], served  # the cores ran it on ranks 0 and 2

@@ -680,20 +680,22 @@ class __attribute__((visibility("hidden"))) PlanCore
 
   // A ring schedule's run (the file's comment; `ring._reduce_scatter_chunks`, then
   // `ring.all_reduce`'s all-gather), whole in the calling thread without the GIL; a transfer's
-  // error ends it once the sends started are done.
+  // error ends it once every transfer it started is done (`await_all`).
   void run_ring(Run& run, const at::Tensor& sums) {
     Ring& ring = *ring_;
     const auto count = static_cast<int64_t>(ring.chunks.size());
-    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    std::vector<c10::intrusive_ptr<c10d::Work>> started;
     std::vector<c10::intrusive_ptr<c10d::Work>> inbox(count);
     auto send = [&](const at::Tensor& buffer, int64_t tag) {
       std::vector<at::Tensor> tensors{buffer.view({-1})};
-      sends.push_back(transport_->send(tensors, static_cast<int>(ring.right),
-                                       static_cast<int>(tag)));
+      started.push_back(transport_->send(tensors, static_cast<int>(ring.right),
+                                         static_cast<int>(tag)));
     };
     auto receive = [&](const at::Tensor& buffer, int64_t tag) {
       std::vector<at::Tensor> tensors{buffer.view({-1})};
-      return transport_->recv(tensors, static_cast<int>(ring.left), static_cast<int>(tag));
+      started.push_back(
+          transport_->recv(tensors, static_cast<int>(ring.left), static_cast<int>(tag)));
+      return started.back();
     };
     auto since = [](std::chrono::steady_clock::time_point begun) {
       return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -740,14 +742,24 @@ class __attribute__((visibility("hidden"))) PlanCore
     } catch (...) {
       run.failed(std::current_exception());
     }
-    for (auto& work : sends) {
+    await_all(started, run);
+    finish(run);
+  }
+
+  // Wait for every transfer a run started and has not waited for (its error the run's): none
+  // may still write or read the core's buffers once the run is done, nor be left for the next
+  // run's transfers of the same peer and tag to meet. (A gloo send or receive is waited for
+  // once: a second wait waits for a second message.)
+  static void await_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& started, Run& run) {
+    for (const auto& work : started) {
       try {
-        work->wait();
+        if (!work->isCompleted()) {
+          work->wait();
+        }
       } catch (...) {
         run.failed(std::current_exception());
       }
     }
-    finish(run);
   }
 
   // A ring all-reduce's all-gather (`ring.all_reduce`): each chunk's reduced row encoded into
@@ -779,13 +791,13 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     for (int64_t k = 0; k < count; ++k) {
       inbox[k]->wait();
+      if (run.foreign) {
+        continue;  // (the plan decodes them all again: `finish`)
+      }
       const auto begun = std::chrono::steady_clock::now();
       decode_reduced_rows(ring.spreads[k], call_header(ring.chunks[k].header, run.seq), run);
       run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - begun).count();
-      if (run.foreign) {
-        break;
-      }
     }
   }
 
@@ -862,19 +874,16 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
   // A tree schedule's run (the file's comment; `tree._reduce_and_broadcast`, then the
-  // decode), whole in the calling thread without the GIL; a transfer's error ends it once the
-  // sends started are done.
+  // decode), whole in the calling thread without the GIL; a transfer's error ends it once every
+  // transfer it started is done (`await_all`).
   void run_tree(Run& run, const at::Tensor& sums) {
     Tree& tree = *tree_;
-    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    std::vector<c10::intrusive_ptr<c10d::Work>> started;
     auto transfer = [&](bool send, const at::Tensor& buffer, int64_t peer, int tag) {
       std::vector<at::Tensor> tensors{buffer.view({-1})};
-      auto work = send ? transport_->send(tensors, static_cast<int>(peer), tag)
-                       : transport_->recv(tensors, static_cast<int>(peer), tag);
-      if (send) {
-        sends.push_back(work);
-      }
-      return work;
+      started.push_back(send ? transport_->send(tensors, static_cast<int>(peer), tag)
+                             : transport_->recv(tensors, static_cast<int>(peer), tag));
+      return started.back();
     };
     try {
       std::vector<c10::intrusive_ptr<c10d::Work>> inbox;
@@ -913,13 +922,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     } catch (...) {
       run.failed(std::current_exception());
     }
-    for (auto& work : sends) {
-      try {
-        work->wait();
-      } catch (...) {
-        run.failed(std::current_exception());
-      }
-    }
+    await_all(started, run);
     finish(run);
   }
 
