@@ -336,6 +336,21 @@ class HostCanary:
         return math.isnan((out if out.dim() == 1 else out.reshape(-1))[-1].item())
 
 
+class RaisedCanary:
+    """The canary of a run that raised in the calling thread (the inline issuer's run of a plan
+    off the direct schedule): it reads as NaN, as `HostCanary` reads a Work that failed (the
+    worker's), so that every rank exchanges at the place's run after next whichever issuer,
+    and whichever path, ran the call."""
+
+    __slots__ = ()
+
+    def nan(self) -> bool:
+        return True
+
+
+RAISED = RaisedCanary()
+
+
 def _divide_(t: torch.Tensor, divisor: int) -> None:
     if t.is_floating_point() or t.is_complex():
         t.div_(divisor)

@@ -52,7 +52,7 @@ from lowbitcc.backend.call_schedule import (
 )
 from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviation
-from lowbitcc.backend.exact import ExactReduction, count_exact, op_type, when_done
+from lowbitcc.backend.exact import RAISED, ExactReduction, count_exact, op_type, when_done
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
 
@@ -181,7 +181,12 @@ class Reductions:
             return self._run_exact(issuer, entry, collective, tensor, output, numel, native)
         run = self._plan_run(entry, collective, tensor, op,
                              None if collective == "all_reduce" else output)
-        work = issuer.run_plan(run, native)
+        try:
+            work = issuer.run_plan(run, native)
+        except BaseException:
+            if run.plan.schedule != "direct":  # (inline: the run raised, as its Work would)
+                entry.keep(RAISED)
+            raise
         if run.plan.schedule != "direct":
             _keep_canaries(issuer, [run], work)
         return work

@@ -493,13 +493,14 @@ def test_a_ddp_bucket_whose_peer_deviated_raises_from_the_reducers_future():
             assert outcomes[8][1] > 0, outcomes  # and served the deviating step's on rank 0
 
 
-def _feedback_through_faults(rank, world, gloo, collective, schedule):
+def _feedback_through_faults(rank, world, gloo, collective, schedule, issuer):
     # one LoCo place (every call a step, outside backward), served by its core, the Python path,
     # or either at random; a NaN in rank 0's input at call 8 (its encode drops its states, the
     # others' decodes void theirs), rank 1's call not the place's at call 16 (every rank raises);
     # an all-reduce's step also has two places under one named key (the second takes the state
     # the first stored, its run perhaps still decoding)
-    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, feedback=True, schedule=schedule)
+    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, feedback=True, schedule=schedule,
+                                 issuer=issuer)
     runs = {}
     for variant in ("python", "native", "mixed"):
         pg = dist.new_group(backend="loco", pg_options=config)
@@ -537,21 +538,24 @@ def _feedback_through_faults(rank, world, gloo, collective, schedule):
     return runs
 
 
-@pytest.mark.parametrize(("world", "collective", "schedule"), [
-    (2, "all_reduce", "direct"), (3, "all_reduce", "direct"), (2, "reduce_scatter", "direct"),
+@pytest.mark.parametrize(("world", "collective", "schedule", "issuer"), [
+    (2, "all_reduce", "direct", "auto"), (3, "all_reduce", "direct", "auto"),
+    (2, "reduce_scatter", "direct", "auto"),
     # the tree's root meets rank 1's deviation in its children's messages and flags what it
     # sends down, which is all rank 2 meets; the ring's ranks meet it, or sums flagged after
     # it, at their hops
-    (3, "all_reduce", "tree"), (2, "reduce_scatter", "tree"), (3, "all_reduce", "ring"),
-    (2, "reduce_scatter", "ring")])
+    (3, "all_reduce", "tree", "auto"), (2, "reduce_scatter", "tree", "auto"),
+    (3, "all_reduce", "ring", "auto"), (2, "reduce_scatter", "ring", "auto"),
+    # (the calling thread's issuer: a run that raises keeps its canary as the worker's does)
+    (3, "all_reduce", "tree", "inline"), (3, "all_reduce", "ring", "inline")])
 def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
-        world, collective, schedule):
+        world, collective, schedule, issuer):
     """A LoCo place whose rank 0 sends a NaN once and whose rank 1 deviates once: its plan's core
     (which puts the states back before its last decodes, with the run's verdict) and the
     Python path (which drops them at the call's end), alone or at random per call, leave the same
     outputs (bit for bit, NaN included), errors and error states, and the core ran most calls."""
     for rank, runs in enumerate(run_ranks(_feedback_through_faults, world, collective, schedule,
-                                          timeout=300)):
+                                          issuer, timeout=300)):
         want = runs["python"]
         # (the tree: a rank that met no deviated message leaves NaN outputs, whose canaries make
         # every rank exchange, and raise, at the places' runs after next: `call_schedule`)
