@@ -112,6 +112,11 @@ class CallPlan:
         before set it, having guessed this run's stride)."""
         self.graph = PlaceGraph.of(self)
         """The place's graphs or host records, where it replays them (`place_graph`)."""
+        self._no_core()
+
+    def _no_core(self) -> None:
+        """The plan's C++ core and what it hands back to the plan to decode (`finish_received`),
+        none yet: `plan_cores.make_core` sets them once."""
         self.core: Any = None
         """The plan's C++ core (`plan_cores`: a ``PlanCore``, which the group's runner runs),
         or None: its runs are all Python's; made once, where ``core_checked`` is still False."""
@@ -123,13 +128,10 @@ class CallPlan:
         self.core_gathered: list[torch.Tensor] = []
         """An all-reduce's core on more than two ranks: each transfer's second phase's buffer
         (its all-gather's of every rank's reduced row), beside ``core_received``'s."""
-        self.core_tree: tuple[torch.Tensor | None, torch.Tensor] | None = None
-        """A tree schedule's core: the buffers its decodes read (`schedules.tree.decode_kept`:
-        its children's messages, None for a leaf, and the root's codes)."""
-        self.core_ring: tuple[list[list[torch.Tensor]], list[torch.Tensor],
-                              list[tuple[int, int]]] | None = None
-        """A ring schedule's core: the buffers its decodes read and its chunks' columns
-        (`schedules.ring.decode_kept`)."""
+        self.core_kept: tuple[Any, ...] | None = None
+        """A tree or ring schedule's core: what its decodes read (`schedules.tree.decode_kept`:
+        its children's messages, None for a leaf, and the root's codes; `schedules.ring.
+        decode_kept`: what each step received, each chunk's gathered rows, its columns)."""
 
     @property
     def transport(self) -> Any:
@@ -219,7 +221,7 @@ class CallPlan:
         codec.renumber(seq)
         comp.restart(codec, "", None)
         try:
-            if self.core_tree is not None or self.core_ring is not None:
+            if self.core_kept is not None:
                 self._finish_off_direct(tensor, output)
             elif output is None and self.core_gathered:
                 schedules.direct.decode_two_phases(
@@ -247,12 +249,12 @@ class CallPlan:
         target, straight = (None, True) if output is None else self._scattered_into(output)
         flat, rank = tensor.view(-1), self.group.rank
         into = flat if output is None else None
-        if self.core_tree is not None:
-            children, codes = self.core_tree
+        assert self.core_kept is not None and self._factor is not None
+        if self.schedule == "tree":
+            children, codes = self.core_kept
             schedules.tree.decode_kept(children, codes, self.comp, self.m, rank, into, target)
         else:
-            assert self.core_ring is not None and self._factor is not None
-            arrived, gathered, ranges = self.core_ring
+            arrived, gathered, ranges = self.core_kept
             source = Source(flat, self.group.size, self.m, self._factor)
             schedules.ring.decode_kept(arrived, gathered, ranges, self.comp, source, rank, into,
                                        target)

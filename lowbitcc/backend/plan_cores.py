@@ -69,9 +69,9 @@ def make_core(plan: Any) -> None:
     plan.core_gathered = [p["again_received"] for p in spec["pieces"] if "again" in p]
     tree, ring = spec["tree"], spec["ring"]
     if tree is not None:  # what the tree's decodes read: its children's messages, the codes
-        plan.core_tree = (tree.get("from_children"), tree.get("from_parent", tree["messages"]))
+        plan.core_kept = (tree.get("from_children"), tree.get("from_parent", tree["messages"]))
     if ring is not None:  # the ring's: what each step received, each chunk's gathered rows
-        plan.core_ring = (ring["arrived"], [g["gathered"] for g in ring.get("gathers", [])],
+        plan.core_kept = (ring["arrived"], [g["gathered"] for g in ring.get("gathers", [])],
                           [(c["a"], c["b"]) for c in ring["chunks"]])
     plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api,
                                 gloo_threads.park)
@@ -122,20 +122,7 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     m, rows = plan.m, plan.group.size
     ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule != "tree" else [(0, m)]
     scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
-    tree = ring = None
-    if plan.schedule == "tree":
-        pieces, tree = [], _tree(plan)
-        intra, inter = tree.pop("sent")
-    elif plan.schedule == "ring":
-        pieces, ring = [], _ring(plan, ranges)
-        intra, inter = ring.pop("sent")
-    else:
-        pieces = _pieces(plan, ranges, scattered)
-        # what the transport meters (`MeteredTransport`): an all-gather's messages, an
-        # all-to-all's row, to every peer
-        intra, inter = world._to_peers(sum(
-            (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
-            else p["sent"].numel() for p in pieces))
+    pieces, tree, ring, (intra, inter) = _transfers(plan, ranges, scattered)
     return {
         "plan": plan, "pieces": pieces, "tree": tree, "ring": ring,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
@@ -149,6 +136,27 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
         "logical_bytes": plan.logical_bytes, "intra_node_bytes": intra,
         "inter_node_bytes": inter, "feedback": _feedback(plan),
     }
+
+
+def _transfers(plan: Any, ranges: list[tuple[int, int]], scattered: bool
+               ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None,
+                          tuple[int, int]]:
+    """``plan``'s transfers over its chunks' columns ``ranges`` (`core_spec`'s ``pieces``,
+    ``tree`` and ``ring``: the direct schedule's pieces, else a tree's or a ring's run) and
+    what the transport meters of them (`MeteredTransport`: bytes to this node's ranks, to
+    others')."""
+    if plan.schedule == "tree":
+        tree = _tree(plan)
+        return [], tree, None, tree.pop("sent")
+    if plan.schedule == "ring":
+        ring = _ring(plan, ranges)
+        return [], None, ring, ring.pop("sent")
+    pieces = _pieces(plan, ranges, scattered)
+    # an all-gather's messages, an all-to-all's row, to every peer
+    sent = plan.transport._to_peers(sum(
+        (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
+        else p["sent"].numel() for p in pieces))
+    return pieces, None, None, sent
 
 
 def _feedback(plan: Any) -> dict[str, Any] | None:
