@@ -155,7 +155,7 @@ def _train(rank, world, gloo, mode, issuer):
     (3, "tree", "auto"),  # the tree schedule: its root sums two leaves' messages
     pytest.param(2, "tree", "inline", marks=pytest.mark.slow),
     pytest.param(4, "tree", "auto", marks=pytest.mark.slow),  # rank 1: a leaf's and the root's
-    (3, "tree-loco", "auto"),
+    pytest.param(3, "tree-loco", "auto", marks=pytest.mark.slow),
     (3, "ring", "auto"),  # the ring: two hops of partial sums, the reduced rows forwarded
     (2, "ring-loco-chunked", "auto"),
     pytest.param(3, "ring-loco-chunked", "auto", marks=pytest.mark.slow),
