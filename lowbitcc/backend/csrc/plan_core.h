@@ -367,13 +367,8 @@ class __attribute__((visibility("hidden"))) PlanCore
       std::lock_guard<std::mutex> lock(mutex_);
       last_ = run->result;
     }
-    if (ring_) {
-      run_ring(*run, sums);
-      return c10::make_intrusive<PlannedWork>(
-          run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
-    }
-    if (tree_) {
-      run_tree(*run, sums);
+    if (ring_ || tree_) {
+      ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
       return c10::make_intrusive<PlannedWork>(
           run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
     }
@@ -489,9 +484,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // sums; undefined: the source, times the op's factor).
   std::string encode(Piece& piece, Run& run, const at::Tensor& sums,
                      const at::Tensor& values = at::Tensor()) {
-    std::string header = piece.header;
-    const uint32_t seq32 = static_cast<uint32_t>(run.seq);
-    std::memcpy(&header[seq_offset_], &seq32, 4);
+    const std::string header = call_header(piece.header, run.seq);
     const int64_t m = piece.b - piece.a;
     const at::Tensor& flat = values.defined() ? values : run.flat;
     const int64_t numel = flat.numel();
@@ -808,27 +801,11 @@ class __attribute__((visibility("hidden"))) PlanCore
   void sum_arrived(Ring& ring, const at::Tensor& arrived, const Piece& chunk, int64_t shard,
                    at::Tensor target, Run& run) {
     const int64_t width = chunk.b - chunk.a;
-    at::Tensor messages = arrived.view({1, -1});
-    const int64_t verdict = api_->verify(messages, call_header(chunk.header, run.seq), {shard},
-                                         checksum_, step_, run.threads);
-    if (verdict < 0 && !accepts(messages, width, shard, run.seq)) {
-      run.foreign = true;
-      run.peer_error = true;
-      target.fill_(std::numeric_limits<float>::quiet_NaN());
-    } else {
-      received(run, verdict);
-      api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, target);
-    }
+    sum_messages(arrived.view({1, -1}), width, shard, call_header(chunk.header, run.seq), target,
+                 run);
     at::Tensor own = ring.own.slice(0, 0, width);
-    const int64_t lo = std::min(shard * m_ + chunk.a, numel_);
-    const int64_t hi = std::min(shard * m_ + chunk.b, numel_);
-    own.slice(0, 0, hi - lo).copy_(run.flat.slice(0, lo, hi));
-    if (hi - lo < width) {
-      own.slice(0, hi - lo).zero_();
-    }
-    if (factor_ != 1.0) {
-      own.mul_(factor_);
-    }
+    scaled_values(run, std::min(shard * m_ + chunk.a, numel_),
+                  std::min(shard * m_ + chunk.b, numel_), own);
     target.add_(own);
   }
 
@@ -938,28 +915,42 @@ class __attribute__((visibility("hidden"))) PlanCore
   // not belong to the call: NaN, the run foreign and its later messages flagged).
   void sum_children(Tree& tree, const std::string& header, Run& run) {
     std::lock_guard<std::mutex> lock(scratch_mutex_);
-    tree.partial.slice(0, 0, numel_).copy_(run.flat);
-    if (numel_ < tree.partial.numel()) {
-      tree.partial.slice(0, numel_).zero_();
+    scaled_values(run, 0, numel_, tree.partial);
+    at::Tensor scratch = scratch_.slice(0, 0, m_);
+    for (int64_t j = 0; j < world_; ++j) {
+      sum_messages(tree.from_children.select(1, j), m_, j, header, scratch, run);
+      tree.partial.slice(0, j * m_, (j + 1) * m_).add_(scratch);
+    }
+  }
+
+  // The fp32 sum in rank order of `messages` (uint8 [n, P], every one shard `shard`'s `width`
+  // columns under `header`) into `target` (fp32 [width]): where `verify` and then the Python
+  // path's own check (`accepts`) refuse them, NaN, the run foreign and the messages it encodes
+  // after flagged, as the Python decode leaves them (`CallCompressor._deferred`).
+  void sum_messages(const at::Tensor& messages, int64_t width, int64_t shard,
+                    const std::string& header, at::Tensor target, Run& run) {
+    const int64_t verdict =
+        api_->verify(messages, header, std::vector<int64_t>(messages.size(0), shard), checksum_,
+                     step_, run.threads);
+    if (verdict < 0 && !accepts(messages, width, shard, run.seq)) {
+      run.foreign = true;
+      run.peer_error = true;
+      target.fill_(std::numeric_limits<float>::quiet_NaN());
+      return;
+    }
+    received(run, verdict);
+    api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, target);
+  }
+
+  // The source's elements `lo .. hi` in fp32 `into`, zero past them, times the op's factor
+  // (`chunking.all_values` / `row_values`).
+  void scaled_values(const Run& run, int64_t lo, int64_t hi, at::Tensor into) const {
+    into.slice(0, 0, hi - lo).copy_(run.flat.slice(0, lo, hi));
+    if (hi - lo < into.numel()) {
+      into.slice(0, hi - lo).zero_();
     }
     if (factor_ != 1.0) {
-      tree.partial.mul_(factor_);
-    }
-    at::Tensor scratch = scratch_.slice(0, 0, m_);
-    const auto kids = static_cast<int64_t>(tree.children.size());
-    for (int64_t j = 0; j < world_; ++j) {
-      at::Tensor messages = tree.from_children.select(1, j);
-      const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(kids, j),
-                                           checksum_, step_, run.threads);
-      if (verdict < 0 && !accepts(messages, m_, j, run.seq)) {
-        run.foreign = true;
-        run.peer_error = true;
-        scratch.fill_(std::numeric_limits<float>::quiet_NaN());
-      } else {
-        received(run, verdict);
-        api_->decode_sum(messages, m_, bits_, group_size_, format_, run.threads, scratch);
-      }
-      tree.partial.slice(0, j * m_, (j + 1) * m_).add_(scratch);
+      into.mul_(factor_);
     }
   }
 
@@ -1057,16 +1048,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     const int64_t width = piece.b - piece.a, P = piece.sent.size(1);
     at::Tensor reduced = scratch_.slice(0, 0, width);
     at::Tensor messages = piece.received.view({world_, P});
-    const int64_t verdict = api_->verify(messages, header, std::vector<int64_t>(world_, rank_),
-                                         checksum_, step_, run->threads);
-    if (verdict < 0 && !accepts(messages, width, rank_, run->seq)) {
-      run->foreign = true;
-      run->peer_error = true;
-      reduced.fill_(std::numeric_limits<float>::quiet_NaN());
-    } else {
-      received(*run, verdict);
-      api_->decode_sum(messages, width, bits_, group_size_, format_, run->threads, reduced);
-    }
+    sum_messages(messages, width, rank_, header, reduced, *run);
     loco::EncodeArgs a{};
     a.src = reduced.data_ptr();
     a.msgs = piece.again.data_ptr<uint8_t>();
