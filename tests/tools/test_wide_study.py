@@ -171,6 +171,9 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
         assert parser.parse_args(["study", "--wide", form]).wide == form
     assert wide_report.twin("nvfp4-warm1000") == wide_report.twin("nvfp4") == "nvfp4-nofb"
     assert wide_report.bits("loco4-g64") == 4.5 and wide_report.bits("exact") == 32.0
+    # the long form's noise floor sends 16 bits, so the choice of the default never takes it
+    assert wide_report.bits("fp16-hook") == 16.0 > wide_report.MAX_BITS
+    assert "fp16-hook" in long.variants
 
 
 @pytest.mark.slow  # trains 10 steps per run; `pytest -m slow`

@@ -134,11 +134,13 @@ def wire_bits(name: str) -> float:
     """Wire bits per element of variant ``name``'s compressed calls: a format lab variant's
     spec's; a "loco" variant's format (its ``LOCO_FORMAT``, else ``auto``'s choice,
     `lowbitcc.codec.formats.auto`) at its code width and group size, scales included
-    (`Format.wire_bits`); 32 for a variant that sends fp32 (gloo, DDP hooks, DiLoCo's fp32 outer
-    sync)."""
+    (`Format.wire_bits`); 16 for torch's fp16 compression hook; 32 for a variant that sends
+    fp32 (gloo, the PowerSGD hook's factors, DiLoCo's fp32 outer sync)."""
     if name in LAB_VARIANTS:
         return LAB_VARIANTS[name].bits_per_element
     variant = VARIANTS[name]
+    if variant.hook == "fp16":
+        return 16.0
     if variant.backend != "loco":
         return 32.0
     env = dict(variant.env)

@@ -83,11 +83,14 @@ def narrowed(plan: Plan, variants: list[str] | None = None,
         seeds=tuple(s for s in plan.seeds if seeds is None or s in seeds))
 
 
-LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4", "nvfp4-warm1000")
+LONG_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "mxfp4", "nvfp4-warm1000", "fp16-hook")
 """The long form's runs: fp32, the default (NVFP4 without feedback), NVFP4 with LoCo, MXFP4
 with LoCo (the default until 2026-11-27), and NVFP4 with LoCo after a feedback warm-up of the
 first third of the run (`Variant.feedback_warmup`: at 300 steps, 100 steps of warm-up ended as
-low as no feedback; docs/convergence.md)."""
+low as no feedback; docs/convergence.md); last the noise floor: torch's fp16 compression hook,
+whose 16-bit rounding is far below any 4-bit format's, shows how far a run's final loss moves
+from exact's when its gradients are only nudged (a gap no larger than that one's cannot be told
+from the run-to-run spread of a training whose trajectory a nudge changes)."""
 
 FEEDBACK_VARIANTS = ("exact", "nvfp4-nofb", "nvfp4", "nvfp4-ef", "nvfp4-fp32e", "nvfp4-reset50",
                      "nvfp4-warm100")
