@@ -403,8 +403,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         }
         break;
       }
-      run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                            encoded - begun).count();
+      run->encode_ns += nanos_between(begun, encoded);
       decode_when_done(self, transfer, run, k, header);
     }
     return c10::make_intrusive<PlannedWork>(
@@ -476,6 +475,16 @@ class __attribute__((visibility("hidden"))) PlanCore
   static double seconds(std::chrono::steady_clock::time_point a,
                         std::chrono::steady_clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
+  }
+
+  // Nanoseconds from `a` to `b`, and from `begun` to now: what a run's encodes and decodes
+  // add to its `encode_ns` and `decode_ns`.
+  static int64_t nanos_between(std::chrono::steady_clock::time_point a,
+                               std::chrono::steady_clock::time_point b) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+  }
+  static int64_t nanos_since(std::chrono::steady_clock::time_point begun) {
+    return nanos_between(begun, std::chrono::steady_clock::now());
   }
 
   // The encodes and frames of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
@@ -690,10 +699,6 @@ class __attribute__((visibility("hidden"))) PlanCore
           transport_->recv(tensors, static_cast<int>(ring.left), static_cast<int>(tag)));
       return started.back();
     };
-    auto since = [](std::chrono::steady_clock::time_point begun) {
-      return std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::steady_clock::now() - begun).count();
-    };
     try {
       for (int64_t s = 0; s < world_ - 1; ++s) {
         const int64_t segment = (rank_ - s - 1 + 2 * world_) % world_;
@@ -706,11 +711,11 @@ class __attribute__((visibility("hidden"))) PlanCore
             const auto begun = std::chrono::steady_clock::now();
             values = ring.partial.slice(0, 0, chunk.b - chunk.a);
             sum_arrived(ring, ring.arrived[s - 1][k], chunk, segment, values, run);
-            run.decode_ns += since(begun);
+            run.decode_ns += nanos_since(begun);
           }
           const auto begun = std::chrono::steady_clock::now();
           encode(piece, run, sums, values);
-          run.encode_ns += since(begun);
+          run.encode_ns += nanos_since(begun);
           send(piece.sent, s * count + k);
           inbox[k] = receive(ring.arrived[s][k], s * count + k);
         }
@@ -723,7 +728,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         at::Tensor total = (straight ? run.output.view({-1}) : ring.reduced)
                                .slice(0, chunk.a, chunk.b);
         sum_arrived(ring, ring.arrived[world_ - 2][k], chunk, rank_, total, run);
-        run.decode_ns += since(begun);
+        run.decode_ns += nanos_since(begun);
       }
       if (scatter_) {
         if (!straight) {
@@ -765,8 +770,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       const auto begun = std::chrono::steady_clock::now();
       const Piece& chunk = ring.chunks[k];
       encode(ring.gathers[k], run, sums, ring.reduced.slice(0, chunk.a, chunk.b));
-      run.encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - begun).count();
+      run.encode_ns += nanos_since(begun);
     }
     const int64_t base = (world_ - 1) * count;
     std::vector<c10::intrusive_ptr<c10d::Work>> inbox(count);
@@ -789,8 +793,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
       const auto begun = std::chrono::steady_clock::now();
       decode_reduced_rows(ring.spreads[k], call_header(ring.chunks[k].header, run.seq), run);
-      run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - begun).count();
+      run.decode_ns += nanos_since(begun);
     }
   }
 
@@ -877,13 +880,11 @@ class __attribute__((visibility("hidden"))) PlanCore
         header = call_header(tree.piece.header, run.seq);
         sum_children(tree, header, run);
         const auto summed = std::chrono::steady_clock::now();
-        run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(summed - begun)
-                             .count();
+        run.decode_ns += nanos_between(begun, summed);
         begun = summed;
       }
       header = encode(tree.piece, run, sums, tree.partial);
-      run.encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - begun).count();
+      run.encode_ns += nanos_since(begun);
       if (tree.parent >= 0) {
         transfer(true, codes, tree.parent, kUp);
         transfer(false, tree.from_parent, tree.parent, kDown)->wait();
@@ -894,8 +895,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
       begun = std::chrono::steady_clock::now();
       decode_codes(codes, header, run);
-      run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - begun).count();
+      run.decode_ns += nanos_since(begun);
     } catch (...) {
       run.failed(std::current_exception());
     }
@@ -1012,8 +1012,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         ok = false;
         break;
       }
-      run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                            std::chrono::steady_clock::now() - begun).count();
+      run->encode_ns += nanos_since(begun);
       std::vector<int64_t> equal;  // (empty: equal splits, as `GlooTransport.all_to_all_async`)
       c10d::AllToAllOptions options;
       at::Tensor sent = piece.sent.view({-1});
@@ -1072,8 +1071,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     if (run->peer_error) {
       flag_peer_error(piece.again);
     }
-    run->encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::steady_clock::now() - begun).count();
+    run->encode_ns += nanos_since(begun);
     c10d::AllgatherOptions options;
     at::Tensor sent = piece.again.view({-1});
     auto transfer = transport_->_allgather_base(piece.again_received, sent, options);
@@ -1145,8 +1143,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         }
       }
     }
-    run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::steady_clock::now() - begun).count();
+    run.decode_ns += nanos_since(begun);
   }
 
   // The decode of `piece` of an all-reduce's `run`, its all-gather complete (on gloo's thread;
@@ -1173,8 +1170,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
       sum_into(messages, width, run.flat.slice(0, lo, hi), run.threads);
     }
-    run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::steady_clock::now() - begun).count();
+    run.decode_ns += nanos_since(begun);
   }
 
   // The decode of `piece` of a reduce-scatter's `run`, its all-to-all complete (on gloo's
@@ -1193,8 +1189,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       sum_into(messages, piece.b - piece.a, run.output.view({-1}).slice(0, piece.a, piece.b),
                run.threads);
     }
-    run.decode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::steady_clock::now() - begun).count();
+    run.decode_ns += nanos_since(begun);
   }
 
   // The fp32 sum in rank order of `messages` of `width` columns into `target`: straight where
