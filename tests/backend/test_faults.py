@@ -23,6 +23,7 @@ import lowbitcc.codec.exchange_frame
 import lowbitcc.codec.wire
 import lowbitcc.cost_model
 from lowbitcc.backend import native
+from tests.support.corrupt_calls import corrupt_first_codes
 from tests.support.ranks import run_ranks
 
 
@@ -615,46 +616,8 @@ def test_a_corrupt_chunk_of_a_reduce_scatter_raises_only_where_it_was_received(s
 
 
 def _corrupt_second_phase_message(rank, world, gloo, served):
-    from lowbitcc.backend import steady_runner
-    from lowbitcc.transports import gloo as gloo_transport
-
-    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        min_size=2, cost_model=False, chunk_size=1024, max_chunks=0))  # rows of 4 chunks
-    if rank == 2 or not served:  # rank 2 sends through the Python path, where it is patched
-        pg._runner = steady_runner.NoRunner()
-    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
-
-    def call(out):
-        try:
-            with lowbitcc.compressed():
-                dist.all_reduce(out, group=pg)
-        finally:
-            lowbitcc.end_step()
-        return out
-
-    for _ in range(12):
-        call(x.clone())
-    original, sent = gloo_transport.GlooTransport.all_gather_async, []
-
-    def corrupting(self, send, *out):  # rank 2's first all-gather of codes: chunk 0's sum
-        if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and not sent:
-            sent.append(True)
-            send[28] ^= 0xFF  # its call signature: no longer this call's
-        return original(self, send, *out)
-
-    if rank == 2:
-        gloo_transport.GlooTransport.all_gather_async = corrupting
-    out = x.clone()
-    try:
-        call(out)
-        raised = "nothing"
-    except lowbitcc.codec.wire.WireFormatError as exc:
-        raised = type(exc).__name__
-    gloo_transport.GlooTransport.all_gather_async = original
-    # which chunks of which row came out NaN
-    nan = [[bool(out[r * 4096 + c * 1024:r * 4096 + (c + 1) * 1024].isnan().any())
-            for c in range(4)] for r in range(3)]
-    return raised, nan, bool(torch.isfinite(call(x.clone())).all())
+    # rank 2's first all-gather of codes: chunk 0's sum, in the second phase
+    return corrupt_first_codes(rank, 2, "all_gather_async", served)[:3]
 
 
 def test_a_corrupt_second_phase_message_raises_the_same_on_either_path():

@@ -22,6 +22,7 @@ from torch import nn
 import lowbitcc
 from lowbitcc import state as lowbitcc_state
 from lowbitcc.backend import native, steady_runner
+from tests.support.corrupt_calls import corrupt_first_codes
 from tests.support.ranks import run_ranks
 from tests.support.training import bucketed_ddp, flat_parameters
 
@@ -574,47 +575,8 @@ def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
 
 
 def _corrupt_on_a_served_schedule(rank, world, gloo, schedule, served):
-    from lowbitcc.transports import gloo as gloo_transport
-
-    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        min_size=2, cost_model=False, schedule=schedule, chunk_size=1024, max_chunks=0))
-    if rank == 1 or not served:  # rank 1 sends through the Python path, where it is patched
-        pg._runner = steady_runner.NoRunner()
-    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
-
-    def call(out):
-        try:
-            with lowbitcc.compressed():
-                dist.all_reduce(out, group=pg)
-        finally:
-            lowbitcc.end_step()
-        return out
-
-    for _ in range(12):
-        call(x.clone())
-    served_before = pg._runner.served_compressed if served and rank != 1 else 0
-    original, sent = gloo_transport.GlooTransport.send_async, []
-
-    def corrupting(self, send, peer, tag):  # rank 1's first message of codes
-        if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and not sent:
-            sent.append(True)
-            send[28] ^= 0xFF  # its call signature: no longer this call's
-        return original(self, send, peer, tag)
-
-    if rank == 1:
-        gloo_transport.GlooTransport.send_async = corrupting
-    out = x.clone()
-    try:
-        call(out)
-        raised = "nothing"
-    except lowbitcc.codec.wire.WireFormatError as exc:
-        raised = type(exc).__name__
-    gloo_transport.GlooTransport.send_async = original
-    core = (pg._runner.served_compressed if served and rank != 1 else 0) - served_before
-    # which chunks of which row came out NaN
-    nan = [[bool(out[r * 4096 + c * 1024:r * 4096 + (c + 1) * 1024].isnan().any())
-            for c in range(4)] for r in range(3)]
-    return raised, nan, bool(torch.isfinite(call(x.clone())).all()), core
+    # rank 1's first message of codes: a tree leaf's, or the ring's first hop
+    return corrupt_first_codes(rank, 1, "send_async", served, schedule)
 
 
 @pytest.mark.parametrize("schedule", ["tree", "ring"])
