@@ -316,6 +316,12 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-mxfp4-b5": _spec(Stage(MXFP4, beta=0.5)),
     "lab-mxfp4-b9": _spec(Stage(MXFP4, beta=0.9)),
     "lab-mxfp4-ag8": _spec(Stage(MXFP4), Stage(Format(bits=8))),
+    # the default's second quantization on three ranks or more (each reduced row again, for its
+    # all-gather): left out (the rows sent exact), or with error feedback kept by the row's owner
+    # (LoCo's beta 0.8, classic error feedback's 0) while the first stage stays without
+    "lab-nvfp4-nofb-rs-only": _spec(Stage(NVFP4, beta=None), Stage(fmt=None)),
+    "lab-nvfp4-nofb-agfb": _spec(Stage(NVFP4, beta=None), Stage(NVFP4)),
+    "lab-nvfp4-nofb-agef": _spec(Stage(NVFP4, beta=None), Stage(NVFP4, beta=0.0)),
     # the 3-bit family, under NVFP4's scales (an E4M3 per 16: 3.5 bits) or MXFP4's (3.25)
     **{f"lab-{name}{twin}": _spec(Stage(fmt, beta=None if twin else 0.8))
        for name, fmt in (("int3", INT3), ("fp3", FP3), ("int3-mx", INT3_MX))
