@@ -209,12 +209,15 @@ class CallPlan:
                 tally.flush()
 
     def finish_received(self, tensor: torch.Tensor, seq: int,
-                        output: torch.Tensor | None = None) -> None:
+                        output: torch.Tensor | None = None) -> bool:
         """The end of call number ``seq`` that the plan's core (`plan_cores`) ran on flat
         ``tensor`` (into ``output``: a reduce-scatter) until its transfers completed (into
-        ``core_received``'s buffers) and that met a message that does not belong to it: the
-        decodes by the schedule's own code, then the error `run` raises (on the thread that
-        completed the last transfer, with the GIL)."""
+        ``core_received``'s buffers) and that met a message its C++ check refused: the decodes
+        by the schedule's own code, then the error `run` raises (on the thread that completed
+        the last transfer, with the GIL). Returns, where they raise nothing (the Python check
+        accepts what the C++ one refuses, e.g. an unknown flag bit), whether they met a
+        non-finite value: the run's error states are then dropped, as `CallCompressor.finish`
+        drops them on the Python path, and else kept."""
         comp, codec = self.comp, self._own_codec
         assert codec is not None  # (a core is a CPU plan's)
         self.seq = seq
@@ -238,6 +241,7 @@ class CallPlan:
                     output.copy_(target.view(output.shape))
             comp.finish()
             comp.raise_deferred(CollectiveMismatchError)
+            return bool(comp.nonfinite)
         finally:
             if self.tally is not None:
                 self.tally.flush()

@@ -29,7 +29,9 @@ that a `lowbitcc.feedback_key` block names (its layout then not checked, as Pyth
 states go back once the run's encodes are done, before its last decodes: a run whose encodes
 met a non-finite value puts none back (dropped, as the Python path drops them); the others carry
 the run's verdict (`ErrorState.run_verdict`), which the core gives once the run is done: dropped
-where a decode then met a non-finite value or a foreign message or a transfer failed. A state
+where a decode then met a non-finite value or a foreign message or a transfer failed (a message
+the core's check refused that the Python plan's decodes accept after all, `finish_received`,
+keeps them, as on the Python path). A state
 whose verdict is dropped counts as dropped everywhere in the store, and a take of a state whose
 run is not done waits for it (`feedback._void`), so the states are the Python path's, which
 stores them at the call's end.

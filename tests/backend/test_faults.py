@@ -680,6 +680,67 @@ def test_a_first_phase_message_the_python_check_accepts_is_summed_by_the_core_to
             assert cores == (0 if rank == 2 else 1), (rank, cores)
 
 
+def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
+    from lowbitcc.backend import steady_runner
+    from lowbitcc.transports import gloo as gloo_transport
+
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=2, cost_model=False, schedule=schedule, feedback=True, beta=0.8))
+    # direct: rank 2's all-gather of its reduced row; tree: the root's codes going down
+    sender, method = (2, "all_gather_async") if schedule == "direct" else (0, "send_async")
+    if rank == sender or not served:  # the sender runs in Python, where it is patched
+        pg._runner = steady_runner.NoRunner()
+    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
+
+    def call(step):
+        out = x * (1 + step / 7)
+        with lowbitcc.compressed():
+            dist.all_reduce(out, group=pg)
+        lowbitcc.end_step()
+        return out
+
+    for step in range(12):
+        call(step)
+    before = getattr(pg._runner, "served_compressed", 0)
+    original = getattr(gloo_transport.GlooTransport, method)
+
+    def flagged(self, send, *rest):  # a flag bit no version uses
+        if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and (
+                method != "send_async" or rest[1] == tree.DOWN):
+            send.view(-1, rows_bytes(send))[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
+        return original(self, send, *rest)
+
+    def rows_bytes(send):  # one message per row sent (direct: one; the tree: every row)
+        return send.numel() // (1 if method == "all_gather_async" else world)
+
+    from lowbitcc.schedules import tree
+    if rank == sender:
+        setattr(gloo_transport.GlooTransport, method, flagged)
+    try:
+        out = call(12)
+    finally:
+        setattr(gloo_transport.GlooTransport, method, original)
+    cores = getattr(pg._runner, "served_compressed", 0) - before
+    return out, call(13), cores
+
+
+@pytest.mark.parametrize("schedule", ["direct", "tree"])
+def test_a_final_message_the_python_check_accepts_keeps_the_error_states_on_either_path(schedule):
+    """A message of the call's last decodes with a flag bit no version uses (rank 2's reduced
+    row in the direct all-reduce's second phase; the tree root's codes going down), 3 ranks, with
+    LoCo: the core's `verify` refuses it and hands the decode to the Python plan, which accepts it
+    as the Python path does; the call's error states are then kept, as the Python path keeps
+    them, so the next call, which applies them, is bit for bit the same on either path."""
+    python, served = (run_ranks(_unknown_flag_in_a_final_decode, 3, way, schedule, timeout=120)
+                      for way in (False, True))
+    sender = 2 if schedule == "direct" else 0
+    for rank, (want, got) in enumerate(zip(python, served, strict=True)):
+        assert torch.isfinite(want[0]).all() and torch.equal(got[0], want[0]), rank
+        assert torch.equal(got[1], want[1]), rank  # the call after it
+        if native.load() is not None:
+            assert got[2] == (0 if rank == sender else 1), (rank, got[2])
+
+
 def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
                                           copies=lowbitcc.codec.exchange_frame.FRAME_COPIES):
     """Run ``call()``; in the first exchange, byte ``offset`` of the first ``copies`` copies of

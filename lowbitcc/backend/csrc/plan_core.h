@@ -1219,9 +1219,11 @@ class __attribute__((visibility("hidden"))) PlanCore
         timings_.modelled_s.push_back(seconds(run.start, end));
       }
     }
-    if (run.verdict) {  // (its states, put back already: feedback_slots.h)
-      run.verdict->give(run.nonfinite || run.foreign || static_cast<bool>(run.first_error));
-    }
+    // the verdict on its states (put back already: feedback_slots.h): dropped where a decode met
+    // a non-finite value, a transfer failed, or a message `verify` refused is one the Python
+    // plan's decodes, which then redo them, meet as foreign or non-finite too (its field check
+    // accepts some that `verify` does not: those keep the states, as on the Python path)
+    bool dropped = run.nonfinite || run.foreign || static_cast<bool>(run.first_error);
     if (!run.first_error && run.foreign) {
       try {
         py::gil_scoped_acquire acquire;
@@ -1229,11 +1231,16 @@ class __attribute__((visibility("hidden"))) PlanCore
         if (plan.is_none()) {
           throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
         }
-        plan.attr("finish_received")(run.tensor, run.seq,
-                                     run.output.defined() ? py::cast(run.output) : py::none());
+        const bool nonfinite = plan.attr("finish_received")(
+            run.tensor, run.seq, run.output.defined() ? py::cast(run.output) : py::none())
+                                   .cast<bool>();
+        dropped = run.nonfinite || nonfinite;
       } catch (...) {
         run.failed(std::current_exception());
       }
+    }
+    if (run.verdict) {
+      run.verdict->give(dropped);
     }
     if (run.first_error) {
       run.result->setError(run.first_error);
