@@ -686,8 +686,10 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
 
     pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
         min_size=2, cost_model=False, schedule=schedule, feedback=True, beta=0.8))
-    # direct: rank 2's all-gather of its reduced row; tree: the root's codes going down
+    # direct: rank 2's all-gather of its reduced row; tree: the root's codes going down; ring
+    # (one chunk): rank 0's messages of its all-gather, whose tags follow the 2 steps' 0 and 1
     sender, method = (2, "all_gather_async") if schedule == "direct" else (0, "send_async")
+    final_tag = {"tree": 1, "ring": 2}.get(schedule)
     if rank == sender or not served:  # the sender runs in Python, where it is patched
         pg._runner = steady_runner.NoRunner()
     x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
@@ -706,14 +708,13 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
 
     def flagged(self, send, *rest):  # a flag bit no version uses
         if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and (
-                method != "send_async" or rest[1] == tree.DOWN):
+                final_tag is None or rest[1] >= final_tag):
             send.view(-1, rows_bytes(send))[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
         return original(self, send, *rest)
 
-    def rows_bytes(send):  # one message per row sent (direct: one; the tree: every row)
-        return send.numel() // (1 if method == "all_gather_async" else world)
+    def rows_bytes(send):  # one message per row sent (the tree: every row; else one)
+        return send.numel() // (world if schedule == "tree" else 1)
 
-    from lowbitcc.schedules import tree
     if rank == sender:
         setattr(gloo_transport.GlooTransport, method, flagged)
     try:
@@ -724,10 +725,11 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
     return out, call(13), cores
 
 
-@pytest.mark.parametrize("schedule", ["direct", "tree"])
+@pytest.mark.parametrize("schedule", ["direct", "tree", "ring"])
 def test_a_final_message_the_python_check_accepts_keeps_the_error_states_on_either_path(schedule):
     """A message of the call's last decodes with a flag bit no version uses (rank 2's reduced
-    row in the direct all-reduce's second phase; the tree root's codes going down), 3 ranks, with
+    row in the direct all-reduce's second phase; the tree root's codes going down; rank 0's
+    messages of the ring's all-gather), 3 ranks, with
     LoCo: the core's `verify` refuses it and hands the decode to the Python plan, which accepts it
     as the Python path does; the call's error states are then kept, as the Python path keeps
     them, so the next call, which applies them, is bit for bit the same on either path."""
