@@ -32,8 +32,9 @@ EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
     [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "launch_replay.h",
      CSRC / "model_timings.h",
-     CSRC / "plan_core.h", CSRC / "planned_work.h", CSRC / "python_objects.h",
-     CSRC / "steady_runner.h",
+     CSRC / "plan_core.h", CSRC / "plan_pieces.h", CSRC / "planned_work.h",
+     CSRC / "python_objects.h", CSRC / "ring_run.h", CSRC / "steady_runner.h",
+     CSRC / "tree_run.h",
      CODEC_CSRC / "codec_api.h", CODEC_CSRC / "loco_codec.cuh"], [CSRC, CODEC_CSRC], ["-O2"], ["-ldl"],
     what="lowbitcc's C++ Works",
     fallback="steady calls run through Python and complete through the group's waiter thread "

@@ -67,3 +67,31 @@ def test_the_build_name_hashes_every_file_the_sources_include():
         for name in re.findall(r'#include "([^"]+)"', path.read_text()):
             assert name in hashed, (path.name, name)
     assert {p.name for p in cpu.CSRC.glob("cpu_*")} <= hashed
+
+
+def _included(path, include_dirs, seen):
+    """Every header ``path`` includes with ``#include "..."``, transitively, found in
+    ``include_dirs``."""
+    import re
+
+    for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE):
+        found = next((d / name for d in include_dirs if (d / name).exists()), None)
+        assert found is not None, f"{path.name} includes {name}, which no include folder has"
+        if found not in seen:
+            seen.add(found)
+            _included(found, include_dirs, seen)
+    return seen
+
+
+def test_every_header_a_build_includes_is_in_its_digest():
+    """A build's name hashes its sources and the headers it lists (`cpp_build.Extension.name`):
+    a header it includes but does not list would leave an edited header's old build in use."""
+    from lowbitcc.backend import native
+
+    for extension in (cpu.EXTENSION, native.EXTENSION):
+        seen: set = set()
+        for source in extension.sources:
+            _included(source, extension.include_dirs, seen)
+        listed = {h.resolve() for h in extension.headers}
+        missing = sorted(h.name for h in seen if h.resolve() not in listed)
+        assert not missing, (extension.what, missing)

@@ -36,19 +36,9 @@
 // `FLAG_PEER_ERROR` (lowbitcc/codec/wire.py), as `CallCompressor.encode` flags it. The
 // all-gathers' decodes (each rank's reduced row into its place of the source, cast) run on
 // gloo's threads, and `run` returns once every all-gather is started.
-// A plan of the tree schedule (lowbitcc/schedules/tree.py: an all-reduce or a reduce-scatter of
-// any number of ranks, never chunked; its `Tree`) runs whole in the calling thread instead, in
-// the schedule's order: its children's messages of every row received, each row's verified and
-// summed (a foreign one: NaN, as the Python decode leaves it, and the messages encoded after it
-// flagged), added to its own values, encoded and sent to its parent (a leaf encodes its own
-// values), the root's codes received from the parent and sent on to its children, then decoded:
-// every row into the source (an all-reduce, cast), or its own row into the output.
-// A plan of the ring schedule (lowbitcc/schedules/ring.py, any number of ranks, in chunks or not;
-// its `Ring`) runs whole in the calling thread too, in the schedule's order: per step and chunk,
-// what arrived from the left decoded and added to the rank's own values of that segment (step
-// 0: the values themselves), encoded and sent to the right; then each chunk's own row summed (a
-// reduce-scatter's result), and an all-reduce's reduced rows encoded and forwarded around the
-// ring unchanged, then decoded into the source.
+// A plan of the tree schedule (lowbitcc/schedules/tree.py) or of the ring schedule
+// (lowbitcc/schedules/ring.py) runs whole in the calling thread instead, in the schedule's
+// order: tree_run.h and ring_run.h (their runs' `Tree` and `Ring`: plan_pieces.h).
 // The run's Work (`PlannedWork`) completes with the last decode. The same bytes as the Python
 // path, on the same buffers, so a place's runs may take either path: one run of a place at a
 // time (`wait`, which the runner and the Python plan call before a run).
@@ -87,69 +77,10 @@
 
 #include "codec_api.h"
 #include "feedback_slots.h"
+#include "plan_pieces.h"
 #include "planned_work.h"
 
 namespace lowbitcc {
-
-// One encode of a transfer (see the file's comment): rows `row0 .. row0 + rows` of the source,
-// the transfer's columns of each, into `messages` (uint8 [rows, P], contiguous: the transfer's
-// `sent` or one of its rows) with `nonfinite`, framed as shards `shards`; with error feedback,
-// its state is the run's `TakenStates` slot `slot` (feedback_slots.h).
-struct Encode {
-  int64_t row0, rows;
-  at::Tensor messages, nonfinite;
-  std::vector<int64_t> shards;
-  size_t slot = 0;
-};
-
-// One transfer of a run: columns `a .. b` of the rows its `encodes` write into `sent` (uint8
-// [rows, P]) under the header `header` (its call number overwritten by each run); all-gathered
-// (a two ranks' all-reduce: the rows `row0 .. row0 + rows`, [2 * rows * P] received) or sent to
-// all (a reduce-scatter, and the first phase of an all-reduce on more ranks: every row, row j to
-// rank j; [world * P] received, rank j's message of this rank's row at j) into `received`. An
-// all-reduce on more ranks also all-gathers its second phase: this rank's message of the
-// reduced row in `again` (uint8 [1, P]; its groups' non-finite bytes in `again_nonfinite`),
-// every rank's into `again_received` ([world * P], rank j's at j); undefined otherwise (and its
-// encode's error state slot `again_slot`).
-struct Piece {
-  int64_t row0, rows, a, b, used;
-  std::vector<Encode> encodes;
-  at::Tensor sent, received;
-  std::string header;
-  at::Tensor again, again_nonfinite, again_received;
-  size_t again_slot = 0;
-};
-
-// A tree schedule's run on this rank (see the file's comment): its `children` (none: a leaf)
-// and `parent` (-1: the root); its one encode of every row (`encode`: the root's stage
-// "tree.down", the others' "tree.up", its messages uint8 [world, P]) under `header`, of the
-// rank's own values where it is a leaf, else of `partial` (fp32 [world * m]: its values times
-// the op's factor plus its children's sums); `from_children` (uint8 [children, world, P]: child
-// i's messages at i; undefined for a leaf) and `from_parent` (uint8 [world, P], the root's codes;
-// undefined for the root) receive.
-struct Tree {
-  std::vector<int64_t> children;
-  int64_t parent = -1;
-  Piece piece;  // (its one encode; `a` .. `b` every column)
-  at::Tensor partial, from_children, from_parent;
-};
-
-// A ring schedule's run on this rank (see the file's comment): its neighbours `left` and
-// `right`; per step s (0 .. world - 2) and chunk k, `steps[s][k]`, the encode of what it sends (one
-// row: at step 0 the segment's columns of the source, later `partial`, columns 0 .. its width),
-// and `arrived[s][k]` (uint8 [P_k]), what it receives; per chunk, `chunks[k]` (its columns, header
-// and used bytes) and, an all-reduce's, `gathers[k]`: the encode of its reduced row into row
-// `rank` of `gathered` (uint8 [world, P_k], its `again_received`, every rank's row forwarded there),
-// and `spreads[k]`, the same buffers under the chunk's columns for their decode. `partial` and
-// `own` (fp32 [widest chunk]): a step's sum, and the rank's own values it adds; `reduced` (fp32
-// [m]): each chunk's reduced row (a reduce-scatter's, unless the output takes it straight).
-struct Ring {
-  int64_t left = 0, right = 0;
-  std::vector<std::vector<Piece>> steps;
-  std::vector<std::vector<at::Tensor>> arrived;
-  std::vector<Piece> chunks, gathers, spreads;
-  at::Tensor partial, own, reduced;
-};
 
 class __attribute__((visibility("hidden"))) PlanCore
     : public std::enable_shared_from_this<PlanCore> {
@@ -595,154 +526,23 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
   }
 
-  // One row's encode of `spec["ring"]` (plan_cores.py's `_ring`): its messages into a `Piece`
-  // of columns `a .. b` of row `row0`, framed as shard `shard`.
+  // The ring schedule's run and what it reads (ring_run.h).
   Piece read_row_encode(py::dict e, int64_t row0, int64_t a, int64_t b, int64_t shard,
-                        const Piece& chunk) {
-    Encode encode{row0, 1, e["messages"].cast<at::Tensor>(), e["nonfinite"].cast<at::Tensor>(),
-                  {shard}, 0};
-    if (feedback_) {
-      encode.slot = feedback_->add(e["stage"].cast<std::string>(),
-                                   e["state_numel"].cast<int64_t>());
-    }
-    TORCH_CHECK(encode.messages.is_contiguous() && encode.messages.dim() == 2 &&
-                    encode.messages.size(0) == 1 && encode.nonfinite.is_contiguous(),
-                "lowbitcc: a ring plan core's buffers do not fit its call");
-    Piece piece{row0, 1, a, b, chunk.used, {}, encode.messages, at::Tensor(), chunk.header,
-                {}, {}, {}, 0};
-    piece.encodes.push_back(std::move(encode));
-    return piece;
-  }
+                        const Piece& chunk);
+  Ring read_ring(py::dict t);
+  void run_ring(Run& run, const at::Tensor& sums);
+  template <typename Send, typename Receive>
+  void gather_ring(Ring& ring, Run& run, const at::Tensor& sums, Send& send, Receive& receive);
+  void sum_arrived(Ring& ring, const at::Tensor& arrived, const Piece& chunk, int64_t shard,
+                   at::Tensor target, Run& run);
 
-  // `spec["ring"]` (plan_cores.py's `_ring`) as the run's `Ring`, its buffers checked.
-  Ring read_ring(py::dict t) {
-    Ring ring;
-    ring.left = (rank_ + world_ - 1) % world_;
-    ring.right = (rank_ + 1) % world_;
-    int64_t widest = 0;
-    for (auto item : t["chunks"]) {
-      py::dict c = item.cast<py::dict>();
-      Piece chunk{0, 1, c["a"].cast<int64_t>(), c["b"].cast<int64_t>(), c["used"].cast<int64_t>(),
-                  {}, {}, {}, c["header"].cast<std::string>(), {}, {}, {}, 0};
-      TORCH_CHECK((int64_t)chunk.header.size() == loco::kHeaderBytes,
-                  "lowbitcc: a ring plan core's header does not fit");
-      widest = std::max(widest, chunk.b - chunk.a);
-      ring.chunks.push_back(std::move(chunk));
-    }
-    const auto count = static_cast<int64_t>(ring.chunks.size());
-    py::list steps = t["steps"], arrived = t["arrived"];
-    for (int64_t s = 0; s < world_ - 1; ++s) {
-      const int64_t segment = (rank_ - s - 1 + 2 * world_) % world_;
-      std::vector<Piece> row;
-      std::vector<at::Tensor> into;
-      for (int64_t k = 0; k < count; ++k) {
-        const Piece& chunk = ring.chunks[k];
-        py::dict e = steps[s].cast<py::list>()[k].cast<py::dict>();
-        row.push_back(s == 0 ? read_row_encode(e, segment, chunk.a, chunk.b, segment, chunk)
-                             : read_row_encode(e, 0, 0, chunk.b - chunk.a, segment, chunk));
-        into.push_back(arrived[s].cast<py::list>()[k].cast<at::Tensor>());
-        TORCH_CHECK(into.back().is_contiguous() &&
-                        into.back().numel() == row.back().sent.size(1),
-                    "lowbitcc: a ring plan core's buffers do not fit its call");
-      }
-      ring.steps.push_back(std::move(row));
-      ring.arrived.push_back(std::move(into));
-    }
-    ring.partial = t["partial"].cast<at::Tensor>();
-    ring.own = t["own"].cast<at::Tensor>();
-    ring.reduced = t["reduced"].cast<at::Tensor>();
-    TORCH_CHECK(ring.partial.numel() >= widest && ring.own.numel() >= widest &&
-                    ring.reduced.numel() == m_ && ring.partial.scalar_type() == at::kFloat &&
-                    ring.own.scalar_type() == at::kFloat &&
-                    ring.reduced.scalar_type() == at::kFloat,
-                "lowbitcc: a ring plan core's buffers do not fit its call");
-    if (!scatter_) {
-      py::list gathers = t["gathers"];
-      for (int64_t k = 0; k < count; ++k) {
-        const Piece& chunk = ring.chunks[k];
-        py::dict g = gathers[k].cast<py::dict>();
-        at::Tensor gathered = g["gathered"].cast<at::Tensor>();
-        TORCH_CHECK(gathered.is_contiguous() && gathered.dim() == 2 &&
-                        gathered.size(0) == world_,
-                    "lowbitcc: a ring plan core's buffers do not fit its call");
-        py::dict e;
-        e["messages"] = gathered.slice(0, rank_, rank_ + 1);
-        e["nonfinite"] = g["nonfinite"];
-        e["stage"] = g["stage"];
-        e["state_numel"] = g["state_numel"];
-        ring.gathers.push_back(read_row_encode(e, 0, 0, chunk.b - chunk.a, rank_, chunk));
-        Piece spread{0, world_, chunk.a, chunk.b, chunk.used, {}, gathered, at::Tensor(),
-                     chunk.header, gathered.slice(0, rank_, rank_ + 1), at::Tensor(),
-                     gathered.view({-1}), 0};
-        ring.spreads.push_back(std::move(spread));
-      }
-    }
-    return ring;
-  }
-
-  // A ring schedule's run (the file's comment; `ring._reduce_scatter_chunks`, then
-  // `ring.all_reduce`'s all-gather), whole in the calling thread without the GIL; a transfer's
-  // error ends it once every transfer it started is done (`await_all`).
-  void run_ring(Run& run, const at::Tensor& sums) {
-    Ring& ring = *ring_;
-    const auto count = static_cast<int64_t>(ring.chunks.size());
-    std::vector<c10::intrusive_ptr<c10d::Work>> started;
-    std::vector<c10::intrusive_ptr<c10d::Work>> inbox(count);
-    auto send = [&](const at::Tensor& buffer, int64_t tag) {
-      std::vector<at::Tensor> tensors{buffer.view({-1})};
-      started.push_back(transport_->send(tensors, static_cast<int>(ring.right),
-                                         static_cast<int>(tag)));
-    };
-    auto receive = [&](const at::Tensor& buffer, int64_t tag) {
-      std::vector<at::Tensor> tensors{buffer.view({-1})};
-      started.push_back(
-          transport_->recv(tensors, static_cast<int>(ring.left), static_cast<int>(tag)));
-      return started.back();
-    };
-    try {
-      for (int64_t s = 0; s < world_ - 1; ++s) {
-        const int64_t segment = (rank_ - s - 1 + 2 * world_) % world_;
-        for (int64_t k = 0; k < count; ++k) {
-          const Piece& chunk = ring.chunks[k];
-          Piece& piece = ring.steps[s][k];
-          at::Tensor values;
-          if (s > 0) {
-            inbox[k]->wait();
-            const auto begun = std::chrono::steady_clock::now();
-            values = ring.partial.slice(0, 0, chunk.b - chunk.a);
-            sum_arrived(ring, ring.arrived[s - 1][k], chunk, segment, values, run);
-            run.decode_ns += nanos_since(begun);
-          }
-          const auto begun = std::chrono::steady_clock::now();
-          encode(piece, run, sums, values);
-          run.encode_ns += nanos_since(begun);
-          send(piece.sent, s * count + k);
-          inbox[k] = receive(ring.arrived[s][k], s * count + k);
-        }
-      }
-      const bool straight = scatter_ && run.output.scalar_type() == at::kFloat;
-      for (int64_t k = 0; k < count; ++k) {
-        const Piece& chunk = ring.chunks[k];
-        inbox[k]->wait();
-        const auto begun = std::chrono::steady_clock::now();
-        at::Tensor total = (straight ? run.output.view({-1}) : ring.reduced)
-                               .slice(0, chunk.a, chunk.b);
-        sum_arrived(ring, ring.arrived[world_ - 2][k], chunk, rank_, total, run);
-        run.decode_ns += nanos_since(begun);
-      }
-      if (scatter_) {
-        if (!straight) {
-          run.output.view({-1}).copy_(ring.reduced);
-        }
-      } else {
-        gather_ring(ring, run, sums, send, receive);
-      }
-    } catch (...) {
-      run.failed(std::current_exception());
-    }
-    await_all(started, run);
-    finish(run);
-  }
+  // The tree schedule's run and what it reads and decodes (tree_run.h); the tag of its
+  // messages up (to the parent) and down (`tree.UP`, `tree.DOWN`).
+  static constexpr int kUp = 0, kDown = 1;
+  Tree read_tree(py::dict t);
+  void run_tree(Run& run, const at::Tensor& sums);
+  void sum_children(Tree& tree, const std::string& header, Run& run);
+  void decode_codes(const at::Tensor& codes, const std::string& header, Run& run);
 
   // Wait for every transfer a run started and has not waited for (its error the run's): none
   // may still write or read the core's buffers once the run is done, nor be left for the next
@@ -760,167 +560,11 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
   }
 
-  // A ring all-reduce's all-gather (`ring.all_reduce`): each chunk's reduced row encoded into
-  // its row of the chunk's `gathered`, the rows forwarded to the right n - 1 times, as they
-  // arrive, then every row decoded into the source's columns of the chunk.
-  template <typename Send, typename Receive>
-  void gather_ring(Ring& ring, Run& run, const at::Tensor& sums, Send& send, Receive& receive) {
-    const auto count = static_cast<int64_t>(ring.chunks.size());
-    for (int64_t k = 0; k < count; ++k) {
-      const auto begun = std::chrono::steady_clock::now();
-      const Piece& chunk = ring.chunks[k];
-      encode(ring.gathers[k], run, sums, ring.reduced.slice(0, chunk.a, chunk.b));
-      run.encode_ns += nanos_since(begun);
-    }
-    const int64_t base = (world_ - 1) * count;
-    std::vector<c10::intrusive_ptr<c10d::Work>> inbox(count);
-    for (int64_t s = 0; s < world_ - 1; ++s) {
-      const int64_t segment = (rank_ - s + world_) % world_;
-      const int64_t next = (rank_ - s - 1 + 2 * world_) % world_;
-      for (int64_t k = 0; k < count; ++k) {
-        at::Tensor gathered = ring.spreads[k].sent;
-        if (s > 0) {
-          inbox[k]->wait();
-        }
-        send(gathered.select(0, segment), base + s * count + k);
-        inbox[k] = receive(gathered.select(0, next), base + s * count + k);
-      }
-    }
-    for (int64_t k = 0; k < count; ++k) {
-      inbox[k]->wait();
-      if (run.foreign) {
-        continue;  // (the plan decodes them all again: `finish`)
-      }
-      const auto begun = std::chrono::steady_clock::now();
-      decode_reduced_rows(ring.spreads[k], call_header(ring.chunks[k].header, run.seq), run);
-      run.decode_ns += nanos_since(begun);
-    }
-  }
-
-  // What arrived (`arrived`, uint8 [P]: shard `shard`'s columns of `chunk`) verified, decoded
-  // into `target` (fp32 [width]) and the rank's own values of those columns (`chunking.
-  // row_values`) added: `ring._reduce_scatter_chunks`' partial sums and totals. A message that
-  // does not belong to the call leaves NaN, the run foreign and its later messages flagged.
-  void sum_arrived(Ring& ring, const at::Tensor& arrived, const Piece& chunk, int64_t shard,
-                   at::Tensor target, Run& run) {
-    const int64_t width = chunk.b - chunk.a;
-    sum_messages(arrived.view({1, -1}), width, shard, call_header(chunk.header, run.seq), target,
-                 run);
-    at::Tensor own = ring.own.slice(0, 0, width);
-    scaled_values(run, std::min(shard * m_ + chunk.a, numel_),
-                  std::min(shard * m_ + chunk.b, numel_), own);
-    target.add_(own);
-  }
-
-  // The tag of a tree's messages up (to the parent) and down (`tree.UP`, `tree.DOWN`).
-  static constexpr int kUp = 0, kDown = 1;
-
-  // `spec["tree"]` (plan_cores.py's `_tree`) as the run's `Tree`, its buffers checked.
-  Tree read_tree(py::dict t) {
-    Tree tree;
-    tree.children = t["children"].cast<std::vector<int64_t>>();
-    tree.parent = t["parent"].cast<int64_t>();
-    Encode encode{0, world_, t["messages"].cast<at::Tensor>(), t["nonfinite"].cast<at::Tensor>(),
-                  {}, 0};
-    if (feedback_) {
-      encode.slot = feedback_->add(t["stage"].cast<std::string>(),
-                                   t["state_numel"].cast<int64_t>());
-    }
-    for (int64_t r = 0; r < world_; ++r) {
-      encode.shards.push_back(r);
-    }
-    const int64_t P = encode.messages.size(1);
-    const auto kids = static_cast<int64_t>(tree.children.size());
-    bool fit = encode.messages.is_contiguous() && encode.messages.size(0) == world_ &&
-               encode.nonfinite.is_contiguous() && scratch_.numel() >= m_;
-    if (kids > 0) {
-      tree.partial = t["partial"].cast<at::Tensor>();
-      tree.from_children = t["from_children"].cast<at::Tensor>();
-      fit = fit && tree.partial.is_contiguous() && tree.partial.scalar_type() == at::kFloat &&
-            tree.partial.numel() == world_ * m_ && tree.from_children.is_contiguous() &&
-            tree.from_children.sizes() == at::IntArrayRef({kids, world_, P});
-    }
-    if (tree.parent >= 0) {
-      tree.from_parent = t["from_parent"].cast<at::Tensor>();
-      fit = fit && tree.from_parent.is_contiguous() &&
-            tree.from_parent.sizes() == at::IntArrayRef({world_, P});
-    }
-    tree.piece = Piece{0, world_, 0, m_, t["used"].cast<int64_t>(), {}, encode.messages,
-                       at::Tensor(), t["header"].cast<std::string>(), {}, {}, {}, 0};
-    tree.piece.encodes.push_back(std::move(encode));
-    TORCH_CHECK(fit && (int64_t)tree.piece.header.size() == loco::kHeaderBytes,
-                "lowbitcc: a tree plan core's buffers do not fit its call");
-    return tree;
-  }
-
-  // A tree schedule's run (the file's comment; `tree._reduce_and_broadcast`, then the
-  // decode), whole in the calling thread without the GIL; a transfer's error ends it once every
-  // transfer it started is done (`await_all`).
-  void run_tree(Run& run, const at::Tensor& sums) {
-    Tree& tree = *tree_;
-    std::vector<c10::intrusive_ptr<c10d::Work>> started;
-    auto transfer = [&](bool send, const at::Tensor& buffer, int64_t peer, int tag) {
-      std::vector<at::Tensor> tensors{buffer.view({-1})};
-      started.push_back(send ? transport_->send(tensors, static_cast<int>(peer), tag)
-                             : transport_->recv(tensors, static_cast<int>(peer), tag));
-      return started.back();
-    };
-    try {
-      std::vector<c10::intrusive_ptr<c10d::Work>> inbox;
-      for (size_t i = 0; i < tree.children.size(); ++i) {
-        inbox.push_back(transfer(false, tree.from_children[i], tree.children[i], kUp));
-      }
-      for (auto& work : inbox) {
-        work->wait();
-      }
-      at::Tensor codes = tree.piece.sent;
-      std::string header;
-      auto begun = std::chrono::steady_clock::now();
-      if (!tree.children.empty()) {
-        header = call_header(tree.piece.header, run.seq);
-        sum_children(tree, header, run);
-        const auto summed = std::chrono::steady_clock::now();
-        run.decode_ns += nanos_between(begun, summed);
-        begun = summed;
-      }
-      header = encode(tree.piece, run, sums, tree.partial);
-      run.encode_ns += nanos_since(begun);
-      if (tree.parent >= 0) {
-        transfer(true, codes, tree.parent, kUp);
-        transfer(false, tree.from_parent, tree.parent, kDown)->wait();
-        codes = tree.from_parent;
-      }
-      for (int64_t child : tree.children) {
-        transfer(true, codes, child, kDown);
-      }
-      begun = std::chrono::steady_clock::now();
-      decode_codes(codes, header, run);
-      run.decode_ns += nanos_since(begun);
-    } catch (...) {
-      run.failed(std::current_exception());
-    }
-    await_all(started, run);
-    finish(run);
-  }
-
   // `header` with call number `seq` (what `encode` writes its messages under).
   std::string call_header(std::string header, int64_t seq) const {
     const uint32_t seq32 = static_cast<uint32_t>(seq);
     std::memcpy(&header[seq_offset_], &seq32, 4);
     return header;
-  }
-
-  // A tree's partial sums: its values times the op's factor (`chunking.all_values`), each row's
-  // children's messages verified and summed in child order, then added (a row whose messages do
-  // not belong to the call: NaN, the run foreign and its later messages flagged).
-  void sum_children(Tree& tree, const std::string& header, Run& run) {
-    std::lock_guard<std::mutex> lock(scratch_mutex_);
-    scaled_values(run, 0, numel_, tree.partial);
-    at::Tensor scratch = scratch_.slice(0, 0, m_);
-    for (int64_t j = 0; j < world_; ++j) {
-      sum_messages(tree.from_children.select(1, j), m_, j, header, scratch, run);
-      tree.partial.slice(0, j * m_, (j + 1) * m_).add_(scratch);
-    }
   }
 
   // The fp32 sum in rank order of `messages` (uint8 [n, P], every one shard `shard`'s `width`
@@ -951,26 +595,6 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     if (factor_ != 1.0) {
       into.mul_(factor_);
-    }
-  }
-
-  // A tree's last decode of the root's `codes` (uint8 [world, P]): every row into the source
-  // (an all-reduce, cast) or this rank's into the output; codes that do not belong to the call
-  // mark the run foreign, for `finish`.
-  void decode_codes(const at::Tensor& codes, const std::string& header, Run& run) {
-    at::Tensor messages = scatter_ ? codes.slice(0, rank_, rank_ + 1) : codes;
-    std::vector<int64_t> shards;
-    for (int64_t r = scatter_ ? rank_ : 0; r < (scatter_ ? rank_ + 1 : world_); ++r) {
-      shards.push_back(r);
-    }
-    const int64_t verdict = api_->verify(messages, header, shards, checksum_, step_, run.threads);
-    received(run, verdict);
-    if (verdict < 0) {
-      run.foreign = true;
-    } else if (scatter_) {
-      sum_into(messages, m_, run.output.view({-1}), run.threads);
-    } else {
-      api_->decode_into(messages, m_, bits_, group_size_, format_, run.flat, run.threads);
     }
   }
 
@@ -1275,3 +899,6 @@ class __attribute__((visibility("hidden"))) PlanCore
 };
 
 }  // namespace lowbitcc
+
+#include "ring_run.h"
+#include "tree_run.h"
