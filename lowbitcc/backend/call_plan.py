@@ -1,5 +1,5 @@
-"""`CallPlan`: what one call place keeps for its steady-state compressed runs, and `PlanRun`,
-one such run.
+"""`CallPlan`: what one call place keeps for its steady-state compressed runs (one run as its
+issuer takes it: `plan_run.PlanRun`).
 
 Under the call schedule (`call_schedule`) a place whose entry is compressed runs the same call
 step after step without a descriptor exchange (its agreement renewed in the background every 64
@@ -13,11 +13,6 @@ width, the statistics' byte counts and the cost model's size class. `CallPlan.ru
 whole call: encode, transfers, decodes and new error states, by **the schedule's own code**
 (`schedules.all_reduce` / `reduce_scatter`, the same as a call's job runs after an exchange,
 `compressed_call`), so a run's bytes, keys and error states are the job's.
-
-A `PlanRun` is one run as its issuer takes it (`issuer.Issuer.run_plan`): its call number and
-feedback key taken in the calling thread, in issue order, and the plan's ``run`` called where
-the issuer runs it (the group's worker on the CPU, the calling thread inline and on CUDA, on
-the call's stream).
 
 Served (`reductions.Reductions`): every compressed entry: an all-reduce of one tensor (in
 place), a reduce-scatter of one input into one output, and each tensor of a coalesced call,
@@ -370,33 +365,3 @@ class CallPlan:
             self._slots = (words[:8], words[8:])
         self.turn ^= 1
         return self._slots[self.turn]
-
-
-class PlanRun:
-    """One run of ``plan``, its place's ``entry``, as its issuer takes it: ``tensor`` by ``op``
-    (into ``output``: a reduce-scatter), call number ``seq``, feedback key ``key`` and
-    ``buffer``, ``timed`` for the cost model (`CallPlan.run`'s), all taken in the calling
-    thread. Calling it runs it (on the issuer's thread) and returns the call's outputs; the
-    CUDA issuer also reads ``verdict`` and ``canary_entry`` after it ran (`cuda_verdicts`)."""
-
-    __slots__ = ("plan", "canary_entry", "tensor", "op", "output", "seq", "key", "buffer",
-                 "timed")
-
-    def __init__(self, plan: CallPlan, entry: Any, tensor: torch.Tensor, op: Any,
-                 output: torch.Tensor | None, seq: int, key: str,
-                 buffer: StorageWeakRef | None, timed: bool) -> None:
-        self.plan, self.canary_entry, self.tensor, self.op, self.output = (
-            plan, entry, tensor, op, output)
-        self.seq, self.key, self.buffer, self.timed = seq, key, buffer, timed
-
-    def __call__(self) -> list[torch.Tensor]:
-        output = self.output
-        self.plan.run(self.tensor, self.op, output, self.seq, self.key, self.buffer, self.timed)
-        return [self.tensor if output is None else output]
-
-    @property
-    def verdict(self) -> torch.Tensor | None:
-        return self.plan.verdict
-
-    def describe(self) -> str:
-        return self.plan.describe()

@@ -7,7 +7,7 @@ inline route), phase by phase:
 
 1. under the call schedule (`lowbitcc.backend.call_schedule`), its ``plan``, taken when it was
    issued: a call that differs from its place's compressed entry `deviate`s (a call that runs
-   as its place's entry is no job: `call_plan.PlanRun`); otherwise rank 0's cost model may
+   as its place's entry is no job: `plan_run.PlanRun`); otherwise rank 0's cost model may
    `suggest` a path (`lowbitcc.cost_model`);
 2. `agree`: the descriptor exchange (`call_agreement.CallAgreement`): the call is compressed
    only if every rank would compress it and rank 0's model did not choose exact;
@@ -108,7 +108,7 @@ class CompressedCall:
     policy said so); ``plan``: its place in the call schedule and
     what it does there (`call_schedule.Place`; None: no schedule), taken by the issuing
     thread: an exchange, or a deviation from a compressed entry (an entry's run is its place's
-    `call_plan.PlanRun`, and exact entries never reach a job); ``part``: one tensor of a call
+    `plan_run.PlanRun`, and exact entries never reach a job); ``part``: one tensor of a call
     of several.
     """
 

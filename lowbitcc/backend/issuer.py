@@ -83,7 +83,7 @@ class Issuer(Protocol):
         ...
 
     def run_plan(self, run: Any, native: tuple[str, tuple]) -> dist.Work:
-        """Issue ``run``, a call's run as its place's compressed entry (`call_plan.PlanRun`:
+        """Issue ``run``, a call's run as its place's compressed entry (`plan_run.PlanRun`:
         calling it runs it and returns its outputs, the Work's value); ``native``: c10d's
         method and arguments, for where the call must run exact (a CUDA graph's capture)."""
         ...

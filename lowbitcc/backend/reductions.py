@@ -12,7 +12,7 @@ gets there decides the call:
   element, the place's *canary*; on CPU the C++ runner, `steady_runner`, serves such a call
   whole before it reaches this module, doing the same on the same objects). A *compressed*
   entry runs by the place's
-  `call_plan.CallPlan`, made by its first run: a `call_plan.PlanRun` handed to the device's
+  `call_plan.CallPlan`, made by its first run: a `plan_run.PlanRun` handed to the device's
   issuer (the worker on the CPU, the calling thread inline and on CUDA), which runs the
   schedule's own code with the plan's kept buffers;
 - a `Place` deviating from an exact entry: `deviation.ExactDeviation` at once (every rank
@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lowbitcc import policy, state
 from lowbitcc.backend.arguments import op_problem
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
-from lowbitcc.backend.call_plan import CallPlan, PlanRun
+from lowbitcc.backend.call_plan import CallPlan
 from lowbitcc.backend.call_schedule import (
     DEVIATE,
     EXCHANGE,
@@ -55,6 +55,7 @@ from lowbitcc.backend.deviation import INVALID_SIGNATURE, Deviation, ExactDeviat
 from lowbitcc.backend.exact import RAISED, ExactReduction, count_exact, op_type, when_done
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
+from lowbitcc.backend.plan_run import PlanRun
 
 Pairs = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
 """``pairs()``: each tensor's output and flat source, made only when jobs are built."""
@@ -76,7 +77,7 @@ def _stop_when_done(work: Any, stop: Callable[[], None], device_type: str) -> No
 
 def _keep_canaries(issuer: Issuer, jobs: list[Any], work: Any) -> None:
     """Each of ``jobs`` that runs as its place's compressed entry off the direct schedule
-    (`call_plan.PlanRun`) keeps its output's canary at the place (`Issuer.canary`: ``work``'s,
+    (`plan_run.PlanRun`) keeps its output's canary at the place (`Issuer.canary`: ``work``'s,
     read at the place's run after next, `Entry.keep`): there a deviation shows on some ranks
     only as NaN (`deviation.Deviation`)."""
     for job in jobs:

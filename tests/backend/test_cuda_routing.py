@@ -204,7 +204,7 @@ def test_a_call_issued_during_a_graph_capture_leaves_no_place_open_and_no_canary
 
 
 class _FakeRun:
-    """A place's run (`call_plan.PlanRun`) as the issuer sees it: calling it is logged."""
+    """A place's run (`plan_run.PlanRun`) as the issuer sees it: calling it is logged."""
 
     verdict = None
     canary_entry = None
