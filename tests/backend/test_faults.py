@@ -725,7 +725,8 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
     return out, call(13), cores
 
 
-@pytest.mark.parametrize("schedule", ["direct", "tree", "ring"])
+@pytest.mark.parametrize("schedule", ["direct", pytest.param("tree", marks=pytest.mark.slow),
+                                      pytest.param("ring", marks=pytest.mark.slow)])
 def test_a_final_message_the_python_check_accepts_keeps_the_error_states_on_either_path(schedule):
     """A message of the call's last decodes with a flag bit no version uses (rank 2's reduced
     row in the direct all-reduce's second phase; the tree root's codes going down; rank 0's
