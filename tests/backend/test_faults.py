@@ -680,16 +680,22 @@ def test_a_first_phase_message_the_python_check_accepts_is_summed_by_the_core_to
             assert cores == (0 if rank == 2 else 1), (rank, cores)
 
 
+FINAL_MESSAGES = {"direct": (2, "all_gather_async", None), "tree": (0, "send_async", 1),
+                  "ring": (0, "send_async", 2)}
+"""Per schedule, the rank whose messages of a 3-rank all-reduce's last decodes get flagged, the
+`GlooTransport` method that sends them, and the first tag they travel under (None: every
+message the method sends): the direct schedule's all-gather of rank 2's reduced row; the tree
+root's codes going down (`tree.DOWN`); rank 0's all-gather on the ring (one chunk: its tags
+follow the two steps' 0 and 1)."""
+
+
 def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
     from lowbitcc.backend import steady_runner
     from lowbitcc.transports import gloo as gloo_transport
 
     pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
         min_size=2, cost_model=False, schedule=schedule, feedback=True, beta=0.8))
-    # direct: rank 2's all-gather of its reduced row; tree: the root's codes going down; ring
-    # (one chunk): rank 0's messages of its all-gather, whose tags follow the 2 steps' 0 and 1
-    sender, method = (2, "all_gather_async") if schedule == "direct" else (0, "send_async")
-    final_tag = {"tree": 1, "ring": 2}.get(schedule)
+    sender, method, final_tag = FINAL_MESSAGES[schedule]
     if rank == sender or not served:  # the sender runs in Python, where it is patched
         pg._runner = steady_runner.NoRunner()
     x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
@@ -706,14 +712,13 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
     before = getattr(pg._runner, "served_compressed", 0)
     original = getattr(gloo_transport.GlooTransport, method)
 
+    rows = world if schedule == "tree" else 1  # the messages one send carries
+
     def flagged(self, send, *rest):  # a flag bit no version uses
         if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and (
                 final_tag is None or rest[1] >= final_tag):
-            send.view(-1, rows_bytes(send))[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
+            send.view(rows, -1)[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
         return original(self, send, *rest)
-
-    def rows_bytes(send):  # one message per row sent (the tree: every row; else one)
-        return send.numel() // (world if schedule == "tree" else 1)
 
     if rank == sender:
         setattr(gloo_transport.GlooTransport, method, flagged)
@@ -728,15 +733,14 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
 @pytest.mark.parametrize("schedule", ["direct", pytest.param("tree", marks=pytest.mark.slow),
                                       pytest.param("ring", marks=pytest.mark.slow)])
 def test_a_final_message_the_python_check_accepts_keeps_the_error_states_on_either_path(schedule):
-    """A message of the call's last decodes with a flag bit no version uses (rank 2's reduced
-    row in the direct all-reduce's second phase; the tree root's codes going down; rank 0's
-    messages of the ring's all-gather), 3 ranks, with
-    LoCo: the core's `verify` refuses it and hands the decode to the Python plan, which accepts it
-    as the Python path does; the call's error states are then kept, as the Python path keeps
-    them, so the next call, which applies them, is bit for bit the same on either path."""
+    """A message of the call's last decodes with a flag bit no version uses (`FINAL_MESSAGES`),
+    3 ranks, with LoCo: the core's `verify` refuses it and hands the decode to the Python plan,
+    which accepts it as the Python path does; the call's error states are then kept, as the
+    Python path keeps them, so the next call, which applies them, is bit for bit the same on
+    either path."""
     python, served = (run_ranks(_unknown_flag_in_a_final_decode, 3, way, schedule, timeout=120)
                       for way in (False, True))
-    sender = 2 if schedule == "direct" else 0
+    sender = FINAL_MESSAGES[schedule][0]
     for rank, (want, got) in enumerate(zip(python, served, strict=True)):
         assert torch.isfinite(want[0]).all() and torch.equal(got[0], want[0]), rank
         assert torch.equal(got[1], want[1]), rank  # the call after it
