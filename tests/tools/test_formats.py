@@ -18,6 +18,7 @@ from lowbitcc.tools.study.formats import (
     LAB_VARIANTS,
     MXFP4,
     NVFP4,
+    NVFP4_SR,
     Format,
     Stage,
     hadamard,
@@ -132,6 +133,30 @@ def test_bits_per_element():
     assert LAB_VARIANTS["lab-int3-mx"].bits_per_element == INT3_MX.bits_per_element == 3.25
     with pytest.raises(ValueError, match="fp3 codes are 3 bits"):
         Format("fp3", bits=4)
+
+
+def test_stochastic_rounding_on_the_fp4_grid_is_unbiased_between_neighbours():
+    y = _groups(16)
+    fmt = NVFP4_SR
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([fmt.roundtrip(y, gen) for _ in range(2000)])
+    nearest = NVFP4.roundtrip(y)
+    scales = y.abs().amax(dim=1, keepdim=True) / 6
+    tensor_scale = scales.max() / E4M3_MAX
+    scale = round_up_e4m3(scales / tensor_scale) * tensor_scale
+    mags = (draws / scale).abs()
+    on_grid = FP4_E2M1[(mags.unsqueeze(-1) - FP4_E2M1).abs().argmin(-1)]
+    assert torch.allclose(mags, on_grid, atol=1e-5)  # E2M1 magnitudes
+    # each draw is one of the two grid values around the value (the same one where it is on it)
+    v = (y / scale).abs()
+    below = (torch.bucketize(v, FP4_E2M1, right=True) - 1).clamp(0, 6)
+    assert ((on_grid == FP4_E2M1[below]) | (on_grid == FP4_E2M1[below + 1])).all()
+    # unbiased: the mean of the draws is the value (nearest's error is not: it repeats)
+    bias = (draws.mean(0) - y).abs().mean() / y.abs().mean()
+    assert bias < 0.01 < (nearest - y).abs().mean() / y.abs().mean()
+    assert not torch.equal(draws[0], draws[1])
+    with pytest.raises(ValueError, match="rounds to nearest"):
+        Format("fp4", group=32, scale="e8m0", stochastic=True)
 
 
 def test_asymmetric_codes_cover_the_group_range():

@@ -47,8 +47,9 @@ def add_arguments(sub: Any) -> None:
                     "(docs/convergence.md; resumable from --out): full (hours here), quick, "
                     "long (the two GPTs at 3000 steps: days here), feedback (LoCo's settings "
                     "and a warm-up on the GPT at 2 ranks), three-bit (the 3-bit formats in "
-                    "every cell) or second-phase (the default's second quantization on 4 "
-                    "ranks, left out or with feedback, at 3000 steps)")
+                    "every cell), second-phase (the default's second quantization on 4 "
+                    "ranks, left out or with feedback, at 3000 steps) or drift (the 4-rank "
+                    "GPT at 3000 steps with more bits or stochastic rounding)")
     st.add_argument("--cells", nargs="+", metavar="CONFIG:WORLD",
                     help="with --wide: only these cells of the plan (e.g. gpt:4), every seed "
                     "and variant; the report still shows every cell in --out")

@@ -92,7 +92,9 @@ class Format:
     """One quantizer: ``codes`` ("int": symmetric uniform ``bits``-bit codes in
     ``[-(2^(b-1)-1), 2^(b-1)-1]``; "fp4": E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} and a sign;
     "fp3": E2M0 magnitudes {0, 1, 2, 4} and a sign (3 bits; E1M1's {0, .5, 1, 1.5} would be
-    "int" at 3 bits, scaled);
+    "int" at 3 bits, scaled); stochastic rounding on a grid rounds a magnitude between two
+    neighbouring grid values up with probability its distance from the lower over theirs
+    (unbiased within the grid's top, as NVIDIA's NVFP4 training recipe rounds gradients);
     "asym": uniform codes in ``[0, 2^b - 1]`` from the group's minimum, which is stored in the
     scale's format too), one scale per ``group`` elements stored as ``scale``."""
 
@@ -106,8 +108,11 @@ class Format:
         if self.codes not in CODES or self.scale not in SCALES:
             raise ValueError(f"format lab: unknown codes {self.codes!r} or scale {self.scale!r}")
         width = {"fp4": 4, "fp3": 3}.get(self.codes)
-        if width is not None and (self.bits != width or self.stochastic):
-            raise ValueError(f"format lab: {self.codes} codes are {width} bits, nearest rounding")
+        if width is not None and self.bits != width:
+            raise ValueError(f"format lab: {self.codes} codes are {width} bits")
+        if self.codes == "fp4" and self.scale == "e8m0" and self.stochastic:
+            raise ValueError("format lab: MXFP4 (fp4 codes, e8m0 scales) rounds to nearest, "
+                             "as the codec's reference does")
 
     @property
     def bits_per_element(self) -> float:
@@ -144,9 +149,14 @@ class Format:
         if self.codes == "int":
             return rnd(v).clamp(-top, top) * s
         grid = grid.to(y.device)
+        a = v.abs().clamp(max=top)
+        if self.stochastic:  # up to the next grid value with probability the distance's share
+            below = (torch.bucketize(a, grid, right=True) - 1).clamp(0, len(grid) - 2)
+            lo, hi = grid[below], grid[below + 1]
+            up = torch.rand(a.shape, generator=gen) < (a - lo) / (hi - lo)
+            return torch.sign(v) * torch.where(up, hi, lo) * s
         mid = (grid[1:] + grid[:-1]) / 2
-        mag = grid[torch.bucketize(v.abs().clamp(max=top), mid)]
-        return torch.sign(v) * mag * s
+        return torch.sign(v) * grid[torch.bucketize(a, mid)] * s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +277,9 @@ MXFP4 = Format("fp4", group=32, scale="e8m0")
 NVFP4 = Format("fp4", group=16, scale="e4m3")
 """NVIDIA's NVFP4 layout: FP4 E2M1 codes, an FP8 E4M3 scale per 16 under one fp32 scale for
 the whole call (4.5 bits)."""
+NVFP4_SR = dataclasses.replace(NVFP4, stochastic=True)
+"""NVFP4 with stochastic rounding, as NVIDIA's NVFP4 pretraining recipe rounds gradients
+(unbiased: nearest rounding's error of a value is the same every time it recurs)."""
 
 INT3 = Format("int", bits=3, group=16, scale="e4m3")
 """Symmetric 3-bit integer codes (-3 to 3) under NVFP4's scales (3.5 bits)."""
@@ -322,6 +335,8 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-nvfp4-nofb-rs-only": _spec(Stage(NVFP4, beta=None), Stage(fmt=None)),
     "lab-nvfp4-nofb-agfb": _spec(Stage(NVFP4, beta=None), Stage(NVFP4)),
     "lab-nvfp4-nofb-agef": _spec(Stage(NVFP4, beta=None), Stage(NVFP4, beta=0.0)),
+    # the default's rounding made unbiased (both quantizations), without feedback
+    "lab-nvfp4-sr-nofb": _spec(Stage(NVFP4_SR, beta=None)),
     # the 3-bit family, under NVFP4's scales (an E4M3 per 16: 3.5 bits) or MXFP4's (3.25)
     **{f"lab-{name}{twin}": _spec(Stage(fmt, beta=None if twin else 0.8))
        for name, fmt in (("int3", INT3), ("fp3", FP3), ("int3-mx", INT3_MX))

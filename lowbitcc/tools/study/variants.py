@@ -80,6 +80,7 @@ VARIANTS = {
         Variant("loco4-g64", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),
                                       ("LOCO_GROUP_SIZE", "64"))),
         Variant("loco8", "loco", (("LOCO_BITS", "8"), ("LOCO_BETA", "0.8"))),
+        Variant("int8-nofb", "loco", (INT, ("LOCO_BITS", "8"), ("LOCO_FEEDBACK", "0"))),
         Variant("loco2", "loco", (("LOCO_BITS", "2"), ("LOCO_BETA", "0.8"))),
         Variant("loco2-nofb", "loco", (("LOCO_BITS", "2"), ("LOCO_FEEDBACK", "0"))),
         Variant("loco4-g1024", "loco", (INT, ("LOCO_BITS", "4"), ("LOCO_BETA", "0.8"),

@@ -36,7 +36,7 @@ from lowbitcc.tools.study.wide_plans import PLANS, Plan, narrowed, parse_cells
 
 log = logging.getLogger("lowbitcc.tools.study.wide")
 
-GAP_FORMS = {"long": 500, "feedback": 50, "second-phase": 500}
+GAP_FORMS = {"long": 500, "feedback": 50, "second-phase": 500, "drift": 500}
 """The forms whose report adds the gap over the run (`long_report`), and its table's step."""
 
 SECONDS_HERE = {("gpt", 2): 140.0, ("gpt-docs", 2): 180.0, ("digits-cnn", 2): 20.0}

@@ -105,6 +105,12 @@ quantization (each reduced row again, for the all-gather, on three ranks or more
 kept with error feedback at the row's owner (LoCo, or classic error feedback). The lab is
 faithful to the default (the tracking of gpt at 4 ranks: step error 13.69% against the codec's
 13.64%)."""
+DRIFT_VARIANTS = ("exact", "nvfp4-nofb", "fp16-hook", "int8-nofb", "lab-nvfp4-sr-nofb")
+"""The drift form's runs (what the default's 4-rank gap at 3000 steps needs, beside the
+second-phase form's): between the fp16 hook (the noise floor, within 0.2% of exact) and the
+default's 4.53 bits, int8 codes without feedback (8.25 bits: whether more bits alone close the
+gap) and the format lab's NVFP4 with stochastic rounding in both quantizations, without
+feedback (the same bits, its rounding unbiased: whether the gap is nearest rounding's bias)."""
 THREE_BIT_VARIANTS = ("exact", *(f"{f}{fb}" for fb in ("-nofb", "") for f in THREE_BIT))
 """The three-bit form's runs: the codec's 3-bit formats without feedback and with LoCo."""
 
@@ -118,11 +124,13 @@ PLANS = {
     "three-bit": Plan(tuple(CONFIGURATIONS), (2, 4), (0, 1, 2), THREE_BIT_VARIANTS, ()),
     "second-phase": Plan(("gpt",), (4,), (0, 1, 2), SECOND_PHASE_VARIANTS, (), steps=3000,
                          eval_every=100),
+    "drift": Plan(("gpt",), (4,), (0, 1, 2), DRIFT_VARIANTS, (), steps=3000, eval_every=100),
 }
 """The forms of ``--wide``: ``full`` and ``quick`` at 300 steps; ``long`` at 3000 (ten times the
 steps, the learning-rate schedule stretched to the run) on the two GPTs, evaluated every 100
 steps so that the gap to exact can be followed over the run (`long_report.plot_gaps`);
 ``feedback`` (`FEEDBACK_VARIANTS` on the GPT at 2 ranks, its gap over the run too) and
 ``three-bit`` (`THREE_BIT_VARIANTS` in every cell) at 300 steps; ``second-phase``
-(`SECOND_PHASE_VARIANTS`) on the GPT at 4 ranks at the long form's 3000 steps, so that its exact
-and default runs are the long form's where both share an output folder."""
+(`SECOND_PHASE_VARIANTS`) and ``drift`` (`DRIFT_VARIANTS`) on the GPT at 4 ranks at the long
+form's 3000 steps, so that their exact and default runs are the long form's where they share an
+output folder."""
