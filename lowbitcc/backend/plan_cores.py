@@ -106,9 +106,10 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       codec's;
     - ``collective`` (``"all_reduce"``, ``"reduce_scatter"``), ``dtype``, ``numel``, ``m``,
       ``world``, ``rank``, ``factor`` (the op's input factor), ``beta``: the call's;
-    - ``modelled``, ``size_class``, ``nbytes``, ``logical_bytes``, ``intra_node_bytes``,
-      ``inter_node_bytes``: what a run counts (the cost model's class; `counters.RunTally`'s
-      bytes, the transport's metering);
+    - ``modelled``, ``size_class``, ``nbytes``, ``logical_bytes``: what a run counts (the cost
+      model's class; `counters.RunTally`'s bytes); ``same_node``: by transport rank, whether it
+      is on this rank's node (`MeteredTransport`'s: the core meters each transfer it starts, as
+      the transport does, by its peers' nodes);
     - ``feedback``: its error feedback (`_feedback`), None where off.
     """
     codec, comp, world = plan._own_codec, plan.comp, plan.transport
@@ -124,7 +125,7 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
     m, rows = plan.m, plan.group.size
     ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule != "tree" else [(0, m)]
     scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
-    pieces, tree, ring, (intra, inter) = _transfers(plan, ranges, scattered)
+    pieces, tree, ring = _transfers(plan, ranges, scattered)
     return {
         "plan": plan, "pieces": pieces, "tree": tree, "ring": ring,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
@@ -135,30 +136,20 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
         "collective": plan.collective, "dtype": plan.codec_dtype, "numel": plan.numel, "m": m,
         "world": rows, "rank": plan.group.rank, "factor": plan._factor, "beta": comp.beta,
         "modelled": plan.modelled, "size_class": plan.size_class, "nbytes": plan.nbytes,
-        "logical_bytes": plan.logical_bytes, "intra_node_bytes": intra,
-        "inter_node_bytes": inter, "feedback": _feedback(plan),
+        "logical_bytes": plan.logical_bytes, "same_node": list(world._same_node),
+        "feedback": _feedback(plan),
     }
 
 
 def _transfers(plan: Any, ranges: list[tuple[int, int]], scattered: bool
-               ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None,
-                          tuple[int, int]]:
+               ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None]:
     """``plan``'s transfers over its chunks' columns ``ranges`` (`core_spec`'s ``pieces``,
-    ``tree`` and ``ring``: the direct schedule's pieces, else a tree's or a ring's run) and
-    what the transport meters of them (`MeteredTransport`: bytes to this node's ranks, to
-    others')."""
+    ``tree`` and ``ring``: the direct schedule's pieces, else a tree's or a ring's run)."""
     if plan.schedule == "tree":
-        tree = _tree(plan)
-        return [], tree, None, tree.pop("sent")
+        return [], _tree(plan), None
     if plan.schedule == "ring":
-        ring = _ring(plan, ranges)
-        return [], None, ring, ring.pop("sent")
-    pieces = _pieces(plan, ranges, scattered)
-    # an all-gather's messages, an all-to-all's row, to every peer
-    sent = plan.transport._to_peers(sum(
-        (p["sent"].shape[1] + (p["again"].numel() if "again" in p else 0)) if scattered
-        else p["sent"].numel() for p in pieces))
-    return pieces, None, None, sent
+        return [], None, _ring(plan, ranges)
+    return _pieces(plan, ranges, scattered), None, None
 
 
 def _feedback(plan: Any) -> dict[str, Any] | None:
@@ -273,11 +264,9 @@ def _tree(plan: Any) -> dict[str, Any]:
     ``state_numel``; ``header`` and ``used`` (its messages'); where it has children
     ``partial`` (fp32 ``[world * m]``, the sums it encodes) and ``from_children`` (uint8
     ``[children, world, P]``), where it has a parent ``from_parent`` (uint8 ``[world, P]``, the
-    root's codes), the buffers they are received into (the core's own); and ``sent``, what the
-    transport meters of its sends (`MeteredTransport.send_async`: to this node's ranks, to
-    others'), which the caller takes out."""
+    root's codes), the buffers they are received into (the core's own)."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
-    world, rows, rank, m = plan.transport, plan.group.size, plan.group.rank, plan.m
+    rows, rank, m = plan.group.size, plan.group.rank, plan.m
     children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < rows]
     parent = (rank - 1) // 2 if rank else -1
     name = "tree.down" if rank == 0 else "tree.up"
@@ -295,10 +284,6 @@ def _tree(plan: Any) -> dict[str, Any]:
     if parent >= 0:
         tree["from_parent"] = kept.get("core tree parent", rows * size, torch.uint8,
                                        device).view(rows, size)
-    sent = [0, 0]  # (inside the node, across nodes)
-    for peer in ([parent] if parent >= 0 else []) + children:
-        sent[0 if world._same_node[peer] else 1] += messages.numel()
-    tree["sent"] = tuple(sent)
     return tree
 
 
@@ -311,11 +296,9 @@ def _ring(plan: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
     the left; an all-reduce's ``gathers[k]``: chunk ``k``'s ``gathered`` (uint8 ``[world, P]``,
     every rank's reduced row, its own encoded in place with stage ``ring.ag``'s ``nonfinite``,
     ``stage`` and ``state_numel``); ``partial``, ``own`` (fp32, the widest chunk) and
-    ``reduced`` (fp32 ``[m]``), the sums it makes; the core's own buffers but the messages'; and
-    ``sent`` (what the transport meters of its sends to the right), which the caller takes
-    out."""
+    ``reduced`` (fp32 ``[m]``), the sums it makes; the core's own buffers but the messages'."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
-    world, rows, m = plan.transport, plan.group.size, plan.m
+    rows, m = plan.group.size, plan.m
     count, widest = len(ranges), max(b - a for a, b in ranges)
     ring: dict[str, Any] = {
         "chunks": [{"a": a, "b": b, "header": codec.header(b - a),
@@ -337,9 +320,7 @@ def _ring(plan: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
         ring["steps"].append(step)
         ring["arrived"].append([kept.get(f"core ring arrived {s}.{k}", size, torch.uint8, device)
                                 for k, size in enumerate(sizes)])
-    hops = 1
     if plan.collective == "all_reduce":
-        hops = 2
         ring["gathers"] = []
         for k, (a, b) in enumerate(ranges):
             name = stage("ring.ag", k, count)
@@ -348,7 +329,4 @@ def _ring(plan: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
                                 device).view(rows, sizes[k])
             ring["gathers"].append({"gathered": gathered, "nonfinite": nonfinite, "stage": name,
                                     "state_numel": codec.padded(b - a)})
-    sent = hops * (rows - 1) * sum(sizes)  # (every message to the right)
-    right = (plan.group.rank + 1) % rows
-    ring["sent"] = (sent, 0) if world._same_node[right] else (0, sent)
     return ring

@@ -592,3 +592,88 @@ def test_a_corrupt_message_on_the_tree_or_ring_raises_the_same_on_either_path(sc
     assert "WireFormatError" in [r[0] for r in python], python  # the receiver's own
     assert all(r[2] for r in python), python  # the next call
     assert [r[3] for r in served] == [1, 0, 1], served  # the cores ran it on ranks 0 and 2
+
+
+DEAD_PEER_STATS = r"""
+import datetime, json, os, sys, torch, torch.distributed as dist, lowbitcc
+from lowbitcc.backend import steady_runner
+schedule, path = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
+# (nodes of two ranks: ranks 0 and 1 on one, 2 on the other, so some bytes cross nodes)
+pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+    cost_model=False, min_size=1024, schedule=schedule, node_size=2),
+    timeout=datetime.timedelta(seconds=4))
+if path == "python":
+    pg._runner = steady_runner.NoRunner()
+x = torch.linspace(-1, 1, 20_000)
+for _ in range(12):  # the place agreed, its runs steady
+    with lowbitcc.compressed():
+        dist.all_reduce(x.clone(), group=pg)
+dist.barrier()
+sent = lambda: {k: lowbitcc.stats()["compressed"][k]
+                for k in ("calls", "wire_bytes", "intra_node_bytes", "inter_node_bytes")}
+steady = sent()
+with lowbitcc.compressed():
+    dist.all_reduce(x.clone(), group=pg)
+before = sent()
+dist.barrier()
+if dist.get_rank() == 2:
+    os._exit(3)
+try:
+    with lowbitcc.compressed():
+        dist.all_reduce(x.clone(), group=pg)
+    raised = False
+except Exception:
+    raised = True
+after = sent()
+served = 0 if path == "python" else pg._runner.served_compressed
+print(json.dumps({"raised": raised, "served": served,
+                  "steady": {k: before[k] - steady[k] for k in before},
+                  "failed": {k: after[k] - before[k] for k in after}}), flush=True)
+os._exit(0)
+"""
+
+
+def _dead_peer_stats(schedule: str, path: str) -> list[dict]:
+    """Ranks 0 and 1's statistics of one steady compressed all-reduce on 3 ranks, then of one
+    that fails (rank 2 exited before it), with every call through the C++ runner (``path``
+    "native") or through Python ("python")."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.ranks import clean_env
+
+    env = {**clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(20000 + (os.getpid() + 11 * len(schedule + path)) % 20000)}
+    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER_STATS, schedule, path], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r)}) for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[2].returncode == 3, outs[2][1][-2000:]
+    for p, (out, err) in zip(procs[:2], outs[:2], strict=True):
+        assert p.returncode == 0 and out.strip(), err[-3000:]
+    return [json.loads(out) for out, _ in outs[:2]]
+
+
+@pytest.mark.parametrize("schedule", ["direct", *[pytest.param(s, marks=pytest.mark.slow)
+                                                  for s in ("tree", "ring")]])
+def test_a_call_a_dead_peer_fails_counts_the_bytes_it_started_on_either_path(schedule):
+    """A steady compressed call that fails mid-way (a peer gone) counts the bytes of the
+    transfers it started, on the runner's path (its plan core meters each transfer it starts)
+    as on Python's (`MeteredTransport` does), not the whole call's. On the direct schedule's
+    two phases the all-to-all starts and fails, so its all-gather never starts: half the
+    steady call's bytes; on the tree and the ring, less than the steady call's on some rank."""
+    python, native_ = _dead_peer_stats(schedule, "python"), _dead_peer_stats(schedule, "native")
+    for rank, (p, n) in enumerate(zip(python, native_, strict=True)):
+        assert p["raised"] and n["raised"], (rank, p, n)
+        assert n["served"] >= 10 and p["served"] == 0, (rank, n)  # (the runner's runs)
+        assert n["steady"] == p["steady"], (rank, p, n)
+        assert n["failed"] == p["failed"], (rank, p, n)
+        if schedule == "direct":
+            assert 2 * p["failed"]["wire_bytes"] == p["steady"]["wire_bytes"], (rank, p)
+            assert p["steady"]["inter_node_bytes"] > 0, (rank, p)  # (to rank 2)
+    # (a tree's leaf sends its one message up either way; its root sends none once it fails)
+    assert sum(p["failed"]["wire_bytes"] for p in python) < sum(
+        p["steady"]["wire_bytes"] for p in python), python

@@ -115,8 +115,12 @@ class __attribute__((visibility("hidden"))) PlanCore
         modelled_(spec["modelled"].cast<bool>()),
         nbytes_(spec["nbytes"].cast<int64_t>()),
         logical_bytes_(spec["logical_bytes"].cast<int64_t>()),
-        intra_bytes_(spec["intra_node_bytes"].cast<int64_t>()),
-        inter_bytes_(spec["inter_node_bytes"].cast<int64_t>()) {
+        same_node_(spec["same_node"].cast<std::vector<bool>>()) {
+    for (int64_t r = 0; r < static_cast<int64_t>(same_node_.size()); ++r) {
+      if (r != rank_) {
+        ++(same_node_[r] ? peers_inside_ : peers_across_);
+      }
+    }
     api_ = static_cast<const lowbitcc_cpu::CodecApi*>(
         PyCapsule_GetPointer(api.ptr(), lowbitcc_cpu::kCodecApiName));
     if (api_ == nullptr) {
@@ -254,9 +258,6 @@ class __attribute__((visibility("hidden"))) PlanCore
   const py::object& size_class() const { return size_class_; }
   int64_t nbytes() const { return nbytes_; }
   int64_t logical_bytes() const { return logical_bytes_; }
-  int64_t wire_bytes() const { return intra_bytes_ + inter_bytes_; }
-  int64_t intra_node_bytes() const { return intra_bytes_; }
-  int64_t inter_node_bytes() const { return inter_bytes_; }
 
   // Wait (without the GIL: the caller releases it) until the place's last C++ run is done,
   // so that nothing else writes its buffers meanwhile. Its errors are its Work's, not this.
@@ -277,9 +278,12 @@ class __attribute__((visibility("hidden"))) PlanCore
   // goes to the cost model; `taken`: its error states (`feedback`'s `take`; null: feedback
   // off), which its encodes apply and update, and record in (how many ran, a non-finite value)
   // before it returns, and to whose verdict it gives, once done, whether a decode then met a
-  // non-finite value or a foreign message, or a transfer failed. Called with the GIL held; its Work.
+  // non-finite value or a foreign message, or a transfer failed. `sent`: the bytes of the
+  // transfers it started (each counted once started, as `MeteredTransport` counts them: a run
+  // that fails counts those it started), every one started by the time it returns. Called with
+  // the GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
-                                     int64_t seq, at::Tensor sums, bool timed,
+                                     int64_t seq, at::Tensor sums, bool timed, SentBytes& sent,
                                      TakenStates* taken = nullptr) {
     TORCH_CHECK((taken != nullptr) == (feedback_ != nullptr),
                 "lowbitcc: a plan core's run takes error states where it has feedback");
@@ -300,11 +304,13 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     if (ring_ || tree_) {
       ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
+      sent = run->sent;
       return c10::make_intrusive<PlannedWork>(
           run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
     }
     if (two_phase_) {
       run_two_phases(self, run, sums);
+      sent = run->sent;
       return c10::make_intrusive<PlannedWork>(run->result, c10d::OpType::ALLREDUCE);
     }
     for (size_t k = 0; k < pieces_.size(); ++k) {
@@ -316,14 +322,16 @@ class __attribute__((visibility("hidden"))) PlanCore
       try {
         header = encode(piece, *run, sums);
         encoded = std::chrono::steady_clock::now();
-        at::Tensor sent = piece.sent.view({-1});
+        at::Tensor message = piece.sent.view({-1});
         if (scatter_) {
           std::vector<int64_t> equal;  // (empty: equal splits, as `all_to_all_async`)
           c10d::AllToAllOptions options;
-          transfer = transport_->alltoall_base(piece.received, sent, equal, equal, options);
+          transfer = transport_->alltoall_base(piece.received, message, equal, equal, options);
+          sent_to_peers(*run, piece.sent.size(1));  // a row to each
         } else {
           c10d::AllgatherOptions options;
-          transfer = transport_->_allgather_base(piece.received, sent, options);
+          transfer = transport_->_allgather_base(piece.received, message, options);
+          sent_to_peers(*run, message.numel());
         }
       } catch (...) {
         // no transfer from here on: the run ends with this error once those started are done
@@ -337,6 +345,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       run->encode_ns += nanos_between(begun, encoded);
       decode_when_done(self, transfer, run, k, header);
     }
+    sent = run->sent;
     return c10::make_intrusive<PlannedWork>(
         run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
   }
@@ -398,6 +407,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     // messages encoded after it are flagged (the file's comment)
     std::atomic<bool> peer_error{false};
     std::atomic<int64_t> encode_ns{0}, decode_ns{0};
+    SentBytes sent;  // (the calling thread's: every transfer is started there)
     std::mutex mutex;
     std::exception_ptr first_error;
     c10::intrusive_ptr<c10::ivalue::Future> result;
@@ -416,6 +426,17 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
   static int64_t nanos_since(std::chrono::steady_clock::time_point begun) {
     return nanos_between(begun, std::chrono::steady_clock::now());
+  }
+
+  // A transfer of `run` started that sends `bytes` to transport rank `peer` (a send), or
+  // `row_bytes` to every other rank (an all-to-all's row, an all-gather's messages): its bytes
+  // in `run.sent`, to this node's ranks or others' (`MeteredTransport.send_async`, `_to_peers`).
+  void sent_to(Run& run, int64_t peer, int64_t bytes) const {
+    (same_node_[peer] ? run.sent.intra : run.sent.inter) += bytes;
+  }
+  void sent_to_peers(Run& run, int64_t row_bytes) const {
+    run.sent.intra += peers_inside_ * row_bytes;
+    run.sent.inter += peers_across_ * row_bytes;
   }
 
   // The encodes and frames of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
@@ -643,6 +664,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       try {
         scattering.emplace_back(
             k, transport_->alltoall_base(piece.received, sent, equal, equal, options));
+        sent_to_peers(*run, piece.sent.size(1));
       } catch (...) {
         run->failed(std::current_exception());
         ok = false;
@@ -699,6 +721,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     c10d::AllgatherOptions options;
     at::Tensor sent = piece.again.view({-1});
     auto transfer = transport_->_allgather_base(piece.again_received, sent, options);
+    sent_to_peers(*run, sent.numel());
     ++run->left;  // (started: its callback gives it back)
     decode_when_done(self, transfer, run, k, header);
   }
@@ -887,7 +910,11 @@ class __attribute__((visibility("hidden"))) PlanCore
   uint8_t peer_error_flag_;
   double factor_, beta_;
   bool checksum_, modelled_;
-  int64_t nbytes_, logical_bytes_, intra_bytes_, inter_bytes_;
+  int64_t nbytes_, logical_bytes_;
+  // by transport rank: whether it is on this rank's node (`MeteredTransport`'s `same_node`),
+  // and how many of the others are, and are not
+  std::vector<bool> same_node_;
+  int64_t peers_inside_ = 0, peers_across_ = 0;
   std::vector<Piece> pieces_;
   std::optional<Tree> tree_;  // a tree schedule's run (then no `pieces_`)
   std::optional<Ring> ring_;  // a ring schedule's run (then no `pieces_`)

@@ -11,6 +11,12 @@
 
 namespace lowbitcc {
 
+// The bytes a run's started transfers send (as `counters.Stats.add_sent` counts them): to ranks
+// on this rank's node, and to others'.
+struct SentBytes {
+  int64_t intra = 0, inter = 0;
+};
+
 // One encode of a transfer (see the file's comment): rows `row0 .. row0 + rows` of the source,
 // the transfer's columns of each, into `messages` (uint8 [rows, P], contiguous: the transfer's
 // `sent` or one of its rows) with `nonfinite`, framed as shards `shards`; with error feedback,

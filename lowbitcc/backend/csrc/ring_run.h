@@ -108,6 +108,7 @@ inline void PlanCore::run_ring(Run& run, const at::Tensor& sums) {
     std::vector<at::Tensor> tensors{buffer.view({-1})};
     started.push_back(transport_->send(tensors, static_cast<int>(ring.right),
                                        static_cast<int>(tag)));
+    sent_to(run, ring.right, buffer.numel());
   };
   auto receive = [&](const at::Tensor& buffer, int64_t tag) {
     std::vector<at::Tensor> tensors{buffer.view({-1})};

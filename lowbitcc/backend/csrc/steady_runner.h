@@ -425,30 +425,31 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       count_class(model, core.size_class());
     }
     RunTimings timings = core.take_timings();
-    {
-      py::object stats = state_.attr("STATS");
-      detail::Held held(stats.attr("_lock"));
-      py::object counters = stats.attr("_counters")[compressed_name_];
-      detail::add_to(counters, "calls", py::int_(1));
-      detail::add_to(counters, "tensor_bytes", py::int_(core.nbytes()));
-      detail::add_to(counters, "logical_bytes", py::int_(core.logical_bytes()));
-      detail::add_to(counters, "wire_bytes", py::int_(core.wire_bytes()));
-      detail::add_to(counters, "intra_node_bytes", py::int_(core.intra_node_bytes()));
-      detail::add_to(counters, "inter_node_bytes", py::int_(core.inter_node_bytes()));
-      detail::add_to(counters, "codec_s", py::float_(timings.codec_s));
-      detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
-    }
     for (double seconds : timings.modelled_s) {
       timings_.add(core.size_class(), false, seconds, core.nbytes());
     }
     timings_.fold(model, false);  // the runs timed before, in batches
     ++served_;
     ++served_compressed_;
+    SentBytes sent;
     c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, accumulator(),
-                                                   steady.modelled,
+                                                   steady.modelled, sent,
                                                    feedback != nullptr ? &taken : nullptr);
     if (feedback != nullptr) {
       feedback->put(taken);
+    }
+    {  // (the transfers' bytes once started: a run that failed counts those it started)
+      py::object stats = state_.attr("STATS");
+      detail::Held held(stats.attr("_lock"));
+      py::object counters = stats.attr("_counters")[compressed_name_];
+      detail::add_to(counters, "calls", py::int_(1));
+      detail::add_to(counters, "tensor_bytes", py::int_(core.nbytes()));
+      detail::add_to(counters, "logical_bytes", py::int_(core.logical_bytes()));
+      detail::add_to(counters, "wire_bytes", py::int_(sent.intra + sent.inter));
+      detail::add_to(counters, "intra_node_bytes", py::int_(sent.intra));
+      detail::add_to(counters, "inter_node_bytes", py::int_(sent.inter));
+      detail::add_to(counters, "codec_s", py::float_(timings.codec_s));
+      detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
     }
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);

@@ -61,6 +61,9 @@ inline void PlanCore::run_tree(Run& run, const at::Tensor& sums) {
     std::vector<at::Tensor> tensors{buffer.view({-1})};
     started.push_back(send ? transport_->send(tensors, static_cast<int>(peer), tag)
                            : transport_->recv(tensors, static_cast<int>(peer), tag));
+    if (send) {
+      sent_to(run, peer, buffer.numel());
+    }
     return started.back();
   };
   try {
