@@ -23,7 +23,12 @@ import lowbitcc.codec.exchange_frame
 import lowbitcc.codec.wire
 import lowbitcc.cost_model
 from lowbitcc.backend import native
-from tests.support.corrupt_calls import corrupt_first_codes
+from tests.support.corrupt_calls import (
+    corrupt_first_codes,
+    sending_changed,
+    served_by_cores,
+    served_group,
+)
 from tests.support.ranks import run_ranks
 
 
@@ -633,13 +638,7 @@ def test_a_corrupt_second_phase_message_raises_the_same_on_either_path():
 
 
 def _unknown_flag_in_the_first_phase(rank, world, gloo, served):
-    from lowbitcc.backend import steady_runner
-    from lowbitcc.transports import gloo as gloo_transport
-
-    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        min_size=2, cost_model=False))
-    if rank == 2 or not served:  # rank 2 sends through the Python path, where it is patched
-        pg._runner = steady_runner.NoRunner()
+    pg = served_group(rank, 2, served)  # rank 2 sends through the Python path, patched
     x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
 
     def call():
@@ -651,20 +650,14 @@ def _unknown_flag_in_the_first_phase(rank, world, gloo, served):
 
     for _ in range(12):
         call()
-    before = getattr(pg._runner, "served_compressed", 0)
-    original = gloo_transport.GlooTransport.all_to_all_async
+    before = served_by_cores(pg)
 
-    def flagged(self, send, *out):  # a flag bit no version uses, on every row rank 2 sends
+    def flagged(send, rest):  # a flag bit no version uses, on every row rank 2 sends
         send[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
-        return original(self, send, *out)
 
-    if rank == 2:
-        gloo_transport.GlooTransport.all_to_all_async = flagged
-    try:
+    with sending_changed(rank == 2, "all_to_all_async", flagged):
         out = call()
-    finally:
-        gloo_transport.GlooTransport.all_to_all_async = original
-    return out, getattr(pg._runner, "served_compressed", 0) - before
+    return out, served_by_cores(pg) - before
 
 
 def test_a_first_phase_message_the_python_check_accepts_is_summed_by_the_core_too():
@@ -690,14 +683,9 @@ follow the two steps' 0 and 1)."""
 
 
 def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
-    from lowbitcc.backend import steady_runner
-    from lowbitcc.transports import gloo as gloo_transport
-
-    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-        min_size=2, cost_model=False, schedule=schedule, feedback=True, beta=0.8))
     sender, method, final_tag = FINAL_MESSAGES[schedule]
-    if rank == sender or not served:  # the sender runs in Python, where it is patched
-        pg._runner = steady_runner.NoRunner()
+    # (the sender runs in Python, where it is patched)
+    pg = served_group(rank, sender, served, schedule=schedule, feedback=True, beta=0.8)
     x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
 
     def call(step):
@@ -709,24 +697,17 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
 
     for step in range(12):
         call(step)
-    before = getattr(pg._runner, "served_compressed", 0)
-    original = getattr(gloo_transport.GlooTransport, method)
-
+    before = served_by_cores(pg)
     rows = world if schedule == "tree" else 1  # the messages one send carries
 
-    def flagged(self, send, *rest):  # a flag bit no version uses
+    def flagged(send, rest):  # a flag bit no version uses
         if send.numel() > lowbitcc.codec.exchange_frame.EXCHANGE_BYTES and (
                 final_tag is None or rest[1] >= final_tag):
             send.view(rows, -1)[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
-        return original(self, send, *rest)
 
-    if rank == sender:
-        setattr(gloo_transport.GlooTransport, method, flagged)
-    try:
+    with sending_changed(rank == sender, method, flagged):
         out = call(12)
-    finally:
-        setattr(gloo_transport.GlooTransport, method, original)
-    cores = getattr(pg._runner, "served_compressed", 0) - before
+    cores = served_by_cores(pg) - before
     return out, call(13), cores
 
 
