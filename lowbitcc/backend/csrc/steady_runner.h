@@ -396,9 +396,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `collective` on
-  // `tensor` (into `steady.output`: a reduce-scatter): counted, its feedback key's ordinal
-  // taken and its error states with it (feedback_slots.h), then the plan core's run, and the
-  // states put back once its encodes are done; its Work.
+  // `tensor` (into `steady.output`: a reduce-scatter): its feedback key's ordinal taken and its
+  // error states with it (feedback_slots.h), counted, then the plan core's run, the bytes of
+  // the transfers it started counted and the states put back once its encodes are done; its
+  // Work.
   py::object serve_planned(Steady& steady, const py::str& collective, const at::Tensor& tensor) {
     {
       py::gil_scoped_release release;
@@ -425,6 +426,16 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       count_class(model, core.size_class());
     }
     RunTimings timings = core.take_timings();
+    py::object stats = state_.attr("STATS");
+    {
+      detail::Held held(stats.attr("_lock"));
+      py::object counters = stats.attr("_counters")[compressed_name_];
+      detail::add_to(counters, "calls", py::int_(1));
+      detail::add_to(counters, "tensor_bytes", py::int_(core.nbytes()));
+      detail::add_to(counters, "logical_bytes", py::int_(core.logical_bytes()));
+      detail::add_to(counters, "codec_s", py::float_(timings.codec_s));
+      detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
+    }
     for (double seconds : timings.modelled_s) {
       timings_.add(core.size_class(), false, seconds, core.nbytes());
     }
@@ -435,21 +446,15 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, accumulator(),
                                                    steady.modelled, sent,
                                                    feedback != nullptr ? &taken : nullptr);
-    if (feedback != nullptr) {
-      feedback->put(taken);
-    }
-    {  // (the transfers' bytes once started: a run that failed counts those it started)
-      py::object stats = state_.attr("STATS");
+    {  // the bytes of the transfers it started (a run that failed: those it had started)
       detail::Held held(stats.attr("_lock"));
       py::object counters = stats.attr("_counters")[compressed_name_];
-      detail::add_to(counters, "calls", py::int_(1));
-      detail::add_to(counters, "tensor_bytes", py::int_(core.nbytes()));
-      detail::add_to(counters, "logical_bytes", py::int_(core.logical_bytes()));
       detail::add_to(counters, "wire_bytes", py::int_(sent.intra + sent.inter));
       detail::add_to(counters, "intra_node_bytes", py::int_(sent.intra));
       detail::add_to(counters, "inter_node_bytes", py::int_(sent.inter));
-      detail::add_to(counters, "codec_s", py::float_(timings.codec_s));
-      detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
+    }
+    if (feedback != nullptr) {
+      feedback->put(taken);
     }
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);

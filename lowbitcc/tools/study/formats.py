@@ -278,8 +278,8 @@ NVFP4 = Format("fp4", group=16, scale="e4m3")
 """NVIDIA's NVFP4 layout: FP4 E2M1 codes, an FP8 E4M3 scale per 16 under one fp32 scale for
 the whole call (4.5 bits)."""
 NVFP4_SR = dataclasses.replace(NVFP4, stochastic=True)
-"""NVFP4 with stochastic rounding, as NVIDIA's NVFP4 pretraining recipe rounds gradients
-(unbiased: nearest rounding's error of a value is the same every time it recurs)."""
+"""NVFP4 with stochastic rounding, as NVIDIA's NVFP4 pretraining recipe rounds gradients:
+unbiased, unlike nearest rounding, whose error of a value is the same every time it recurs."""
 
 INT3 = Format("int", bits=3, group=16, scale="e4m3")
 """Symmetric 3-bit integer codes (-3 to 3) under NVFP4's scales (3.5 bits)."""
