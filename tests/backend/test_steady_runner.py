@@ -657,23 +657,21 @@ def _dead_peer_stats(schedule: str, path: str) -> list[dict]:
     return [json.loads(out) for out, _ in outs[:2]]
 
 
-@pytest.mark.slow  # (six rank processes a schedule, 40-70 s each here)
-@pytest.mark.parametrize("schedule", ["direct", "tree", "ring"])
-def test_a_call_a_dead_peer_fails_counts_the_bytes_it_started_on_either_path(schedule):
+@pytest.mark.slow  # (six rank processes, 40-70 s here)
+def test_a_call_a_dead_peer_fails_counts_the_bytes_it_started_on_either_path():
     """A steady compressed call that fails mid-way (a peer gone) counts the bytes of the
     transfers it started, on the runner's path (its plan core meters each transfer it starts)
-    as on Python's (`MeteredTransport` does), not the whole call's. On the direct schedule's
-    two phases the all-to-all starts and fails, so its all-gather never starts: half the
-    steady call's bytes; on the tree and the ring, less than the steady call's on some rank."""
+    as on Python's (`MeteredTransport` does), not the whole call's: on the direct schedule's
+    two phases the all-to-all starts (gloo queues it; its failure comes at the wait), so its
+    all-gather never starts: half the steady call's bytes. (Not the tree's or the ring's: their
+    sends to a peer gone fail at the start or at the wait, as gloo happens to see the closed
+    connection, on either path.)"""
+    schedule = "direct"
     python, native_ = _dead_peer_stats(schedule, "python"), _dead_peer_stats(schedule, "native")
     for rank, (p, n) in enumerate(zip(python, native_, strict=True)):
         assert p["raised"] and n["raised"], (rank, p, n)
         assert n["served"] >= 10 and p["served"] == 0, (rank, n)  # (the runner's runs)
         assert n["steady"] == p["steady"], (rank, p, n)
         assert n["failed"] == p["failed"], (rank, p, n)
-        if schedule == "direct":
-            assert 2 * p["failed"]["wire_bytes"] == p["steady"]["wire_bytes"], (rank, p)
-            assert p["steady"]["inter_node_bytes"] > 0, (rank, p)  # (to rank 2)
-    # (a tree's leaf sends its one message up either way; its root sends none once it fails)
-    assert sum(p["failed"]["wire_bytes"] for p in python) < sum(
-        p["steady"]["wire_bytes"] for p in python), python
+        assert 2 * p["failed"]["wire_bytes"] == p["steady"]["wire_bytes"], (rank, p)
+        assert p["steady"]["inter_node_bytes"] > 0, (rank, p)  # (to rank 2)
