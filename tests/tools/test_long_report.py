@@ -61,6 +61,18 @@ def test_the_markdown_table_shows_the_default_first_and_the_crossing():
     assert "| 300 | +3.00% (2) | +0.00% (1) |" in lines  # the last step, whatever ``every``
     assert not any(line.startswith("| 100 ") or line.startswith("| 0 ") for line in lines)
     assert "nvfp4 against nvfp4-nofb: the curves cross at steps 200" in text
+    # the default first, whatever other variant without feedback sorts before it
+    more = [*RUNS, _run("int8-nofb", 0, [4.0, 2.0, 1.0, 0.5])]
+    assert "| step | nvfp4-nofb | int8-nofb | nvfp4 |" in long_report.format_markdown(more)
+
+
+def test_the_default_variant_trains_as_the_librarys_defaults():
+    from lowbitcc.codec import formats
+    from lowbitcc.tools.study.variants import THE_DEFAULT, VARIANTS
+
+    env = dict(VARIANTS[THE_DEFAULT].env)
+    assert env["LOCO_FORMAT"] == formats.auto(4, "nearest") and env["LOCO_BITS"] == "4"
+    assert env["LOCO_FEEDBACK"] == "0" and not formats.FORMATS[env["LOCO_FORMAT"]].feedback
 
 
 def test_the_gap_plot_is_written(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbitcc.tools.plotting import pyplot
+from lowbitcc.tools.study.variants import THE_DEFAULT
 from lowbitcc.tools.study.wide_report import GOAL_GAP, finish_panel, mean_se, pct, save
 
 Cell = tuple[str, int]
@@ -68,7 +69,7 @@ def format_markdown(runs: list[dict[str, Any]], every: int = 500) -> str:
     cross the first variant's (the default's, when it ran)."""
     out = []
     for cell, variants in sorted(gap_curves(runs).items()):
-        names = sorted(variants, key=lambda v: (not v.endswith("-nofb"), v))
+        names = sorted(variants, key=lambda v: (v != THE_DEFAULT, not v.endswith("-nofb"), v))
         last = max(step for curve in variants.values() for step, *_ in curve)
         shown = sorted({step for curve in variants.values() for step, *_ in curve
                         if step % every == 0 or step == last} - {0})

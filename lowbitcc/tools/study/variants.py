@@ -41,6 +41,11 @@ class Variant:
                 object.__setattr__(self, "env", (*self.env, (name, value)))
 
 
+THE_DEFAULT = "nvfp4-nofb"
+"""The variant that trains as lowbitcc's defaults do: NVFP4 (``LOCO_FORMAT=auto``'s first
+choice at 4 bits) without error feedback (that format's default); what reports compare the
+others with."""
+
 INT = ("LOCO_FORMAT", "int")
 """The "loco*" variants keep int codes: they name what they measured before MXFP4 became the
 4-bit default (docs/convergence.md); the "mxfp4*" variants MXFP4, the default before NVFP4."""
