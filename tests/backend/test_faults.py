@@ -1131,21 +1131,13 @@ os._exit(0)
 def test_a_dead_peer_makes_every_kind_of_call_raise_on_the_others(kind):
     """Rank 2 exits after the first barrier; ranks 0 and 1 then issue one call of ``kind``
     (group timeout 4 s) and must raise a Python exception within it, whatever the call."""
-    import os
-    import subprocess
-    import sys
+    from tests.support.ranks import run_script_ranks
 
-    from tests.support.ranks import clean_env
-
-    env = {**clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(20000 + (os.getpid() + 7 * len(kind)) % 20000)}
-    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER_CALL, kind], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r)}) for r in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert procs[2].returncode == 3
-    for p, (out, err) in zip(procs[:2], outs[:2], strict=True):
-        assert p.returncode == 0 and out.startswith("raised after"), out + err[-2000:]
+    ranks = run_script_ranks(DEAD_PEER_CALL, kind, world=3,
+                             port=20000 + (os.getpid() + 7 * len(kind)) % 20000)
+    assert ranks[2][0] == 3
+    for code, out, err in ranks[:2]:
+        assert code == 0 and out.startswith("raised after"), out + err[-2000:]
         assert float(out.split()[2]) < 4 + 6, out
 
 

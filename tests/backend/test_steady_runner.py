@@ -23,7 +23,7 @@ import lowbitcc
 from lowbitcc import state as lowbitcc_state
 from lowbitcc.backend import native, steady_runner
 from tests.support.corrupt_calls import corrupt_first_codes
-from tests.support.ranks import run_ranks
+from tests.support.ranks import run_ranks, run_script_ranks
 from tests.support.training import bucketed_ddp, flat_parameters
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
@@ -597,11 +597,11 @@ def test_a_corrupt_message_on_the_tree_or_ring_raises_the_same_on_either_path(sc
 DEAD_PEER_STATS = r"""
 import datetime, json, os, sys, torch, torch.distributed as dist, lowbitcc
 from lowbitcc.backend import steady_runner
-schedule, path = sys.argv[1], sys.argv[2]
+path = sys.argv[1]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
 # (nodes of two ranks: ranks 0 and 1 on one, 2 on the other, so some bytes cross nodes)
 pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
-    cost_model=False, min_size=1024, schedule=schedule, node_size=2),
+    cost_model=False, min_size=1024, schedule="direct", node_size=2),
     timeout=datetime.timedelta(seconds=4))
 if path == "python":
     pg._runner = steady_runner.NoRunner()
@@ -634,27 +634,19 @@ os._exit(0)
 """
 
 
-def _dead_peer_stats(schedule: str, path: str) -> list[dict]:
+def _dead_peer_stats(path: str) -> list[dict]:
     """Ranks 0 and 1's statistics of one steady compressed all-reduce on 3 ranks, then of one
     that fails (rank 2 exited before it), with every call through the C++ runner (``path``
     "native") or through Python ("python")."""
     import json
     import os
-    import subprocess
-    import sys
 
-    from tests.support.ranks import clean_env
-
-    env = {**clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(20000 + (os.getpid() + 11 * len(schedule + path)) % 20000)}
-    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER_STATS, schedule, path], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r)}) for r in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert procs[2].returncode == 3, outs[2][1][-2000:]
-    for p, (out, err) in zip(procs[:2], outs[:2], strict=True):
-        assert p.returncode == 0 and out.strip(), err[-3000:]
-    return [json.loads(out) for out, _ in outs[:2]]
+    ranks = run_script_ranks(DEAD_PEER_STATS, path, world=3,
+                             port=20000 + (os.getpid() + 11 * len(path)) % 20000)
+    assert ranks[2][0] == 3, ranks[2][2][-2000:]
+    for code, out, err in ranks[:2]:
+        assert code == 0 and out.strip(), err[-3000:]
+    return [json.loads(out) for _, out, _ in ranks[:2]]
 
 
 @pytest.mark.slow  # (six rank processes, 40-70 s here)
@@ -666,8 +658,7 @@ def test_a_call_a_dead_peer_fails_counts_the_bytes_it_started_on_either_path():
     all-gather never starts: half the steady call's bytes. (Not the tree's or the ring's: their
     sends to a peer gone fail at the start or at the wait, as gloo happens to see the closed
     connection, on either path.)"""
-    schedule = "direct"
-    python, native_ = _dead_peer_stats(schedule, "python"), _dead_peer_stats(schedule, "native")
+    python, native_ = _dead_peer_stats("python"), _dead_peer_stats("native")
     for rank, (p, n) in enumerate(zip(python, native_, strict=True)):
         assert p["raised"] and n["raised"], (rank, p, n)
         assert n["served"] >= 10 and p["served"] == 0, (rank, n)  # (the runner's runs)

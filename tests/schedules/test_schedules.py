@@ -19,7 +19,7 @@ import torch.distributed as dist
 import lowbitcc
 from lowbitcc.backend.routes import choose_schedule
 from lowbitcc.transports import topology
-from tests.support.ranks import clean_env, run_ranks
+from tests.support.ranks import clean_env, run_ranks, run_script_ranks
 from tests.support.schedule_checks import check_schedules, failures
 
 ROOT = Path(__file__).parents[2]
@@ -102,15 +102,10 @@ os._exit(0)
 
 @pytest.mark.parametrize("schedule", ["direct", "ring"])
 def test_dead_peer_raises_on_the_others(schedule):
-    env = {**clean_env(), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(20000 + os.getpid() % 20000)}
-    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER, schedule], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r)}) for r in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert procs[2].returncode == 3
-    for p, (out, err) in zip(procs[:2], outs[:2]):
-        assert p.returncode == 0 and out.startswith("raised after"), out + err[-2000:]
+    ranks = run_script_ranks(DEAD_PEER, schedule, world=3, port=20000 + os.getpid() % 20000)
+    assert ranks[2][0] == 3
+    for code, out, err in ranks[:2]:
+        assert code == 0 and out.startswith("raised after"), out + err[-2000:]
         assert float(out.split()[2]) < 4 + 6, out
 
 

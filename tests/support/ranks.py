@@ -50,3 +50,28 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     return spawn.run_ranks(functools.partial(_with_gloo, fn), world, *args, backend="loco",
                            timeout_s=timeout, pg_timeout_s=pg_timeout_s, env=env, threads=1,
                            pg_options=pg_options, rank_env=rank_env)
+
+
+def run_script_ranks(script: str, *args: str, world: int, port: int,
+                     timeout: float = 120.0) -> list[tuple[int, str, str]]:
+    """Run ``python -c script *args`` as ``world`` rank processes of their own (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` 127.0.0.1 and ``MASTER_PORT`` ``port`` set, the launcher's
+    other variables cleared: `clean_env`), for scripts that end their own process (a rank that
+    exits mid-run, ``os._exit``), which `run_ranks`' spawner would report as failed. Returns
+    each rank's (exit code, stdout, stderr), in rank order; a rank still running after
+    ``timeout`` seconds raises ``subprocess.TimeoutExpired`` (a hang fails the test)."""
+    import subprocess
+    import sys
+
+    env = {**clean_env(), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r)}) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]

@@ -73,12 +73,18 @@ def test_e4m3_scales_round_up_to_fp8_values():
                        torch.tensor([0.0, 1.0, 1.125, 448.0, 2 * 2.0 ** -9]))
 
 
+def _nvfp4_scales(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's scales of groups ``y``: each group's E4M3 value (``[groups, 1]``) and the one
+    fp32 scale of the whole call they multiply."""
+    scales = y.abs().amax(dim=1, keepdim=True) / 6
+    tensor_scale = scales.max() / E4M3_MAX
+    return round_up_e4m3(scales / tensor_scale), tensor_scale
+
+
 def test_nvfp4_values_lie_on_e2m1_codes_times_e4m3_scales():
     y = _groups(16, n=256)
     d = NVFP4.roundtrip(y)
-    scales = y.abs().amax(dim=1, keepdim=True) / 6
-    tensor_scale = scales.max() / E4M3_MAX
-    stored = round_up_e4m3(scales / tensor_scale)
+    stored, tensor_scale = _nvfp4_scales(y)
     assert torch.equal(stored.to(torch.float8_e4m3fn).float(), stored)
     mags = (d / (stored * tensor_scale)).abs()
     nearest = FP4_E2M1[(mags.unsqueeze(-1) - FP4_E2M1).abs().argmin(-1)]
@@ -137,13 +143,11 @@ def test_bits_per_element():
 
 def test_stochastic_rounding_on_the_fp4_grid_is_unbiased_between_neighbours():
     y = _groups(16)
-    fmt = NVFP4_SR
     gen = torch.Generator().manual_seed(0)
-    draws = torch.stack([fmt.roundtrip(y, gen) for _ in range(2000)])
+    draws = torch.stack([NVFP4_SR.roundtrip(y, gen) for _ in range(2000)])
     nearest = NVFP4.roundtrip(y)
-    scales = y.abs().amax(dim=1, keepdim=True) / 6
-    tensor_scale = scales.max() / E4M3_MAX
-    scale = round_up_e4m3(scales / tensor_scale) * tensor_scale
+    stored, tensor_scale = _nvfp4_scales(y)
+    scale = stored * tensor_scale
     mags = (draws / scale).abs()
     on_grid = FP4_E2M1[(mags.unsqueeze(-1) - FP4_E2M1).abs().argmin(-1)]
     assert torch.allclose(mags, on_grid, atol=1e-5)  # E2M1 magnitudes
