@@ -287,6 +287,9 @@ FP3 = Format("fp3", bits=3, group=16, scale="e4m3")
 """FP3 E2M0 codes (0, 1, 2, 4 and a sign) under NVFP4's scales (3.5 bits)."""
 INT3_MX = Format("int", bits=3, group=32, scale="e8m0")
 """Symmetric 3-bit integer codes under MXFP4's power-of-two scale per 32 (3.25 bits)."""
+INT6 = Format("int", bits=6, group=16, scale="e4m3")
+"""Symmetric 6-bit integer codes (-31 to 31) under NVFP4's scales (6.5 bits): between the
+default's 4.5 bits and int8's 8.25."""
 
 
 LAB_VARIANTS: dict[str, LabSpec] = {
@@ -337,6 +340,8 @@ LAB_VARIANTS: dict[str, LabSpec] = {
     "lab-nvfp4-nofb-agef": _spec(Stage(NVFP4, beta=None), Stage(NVFP4, beta=0.0)),
     # the default's rounding made unbiased (both quantizations), without feedback
     "lab-nvfp4-sr-nofb": _spec(Stage(NVFP4_SR, beta=None)),
+    # more bits under the default's scales, without feedback
+    "lab-int6-nofb": _spec(Stage(INT6, beta=None)),
     # the 3-bit family, under NVFP4's scales (an E4M3 per 16: 3.5 bits) or MXFP4's (3.25)
     **{f"lab-{name}{twin}": _spec(Stage(fmt, beta=None if twin else 0.8))
        for name, fmt in (("int3", INT3), ("fp3", FP3), ("int3-mx", INT3_MX))

@@ -105,12 +105,15 @@ quantization (each reduced row again, for the all-gather, on three ranks or more
 kept with error feedback at the row's owner (LoCo, or classic error feedback). The lab is
 faithful to the default (the tracking of gpt at 4 ranks: step error 13.69% against the codec's
 13.64%)."""
-DRIFT_VARIANTS = ("exact", "nvfp4-nofb", "fp16-hook", "int8-nofb", "lab-nvfp4-sr-nofb")
+DRIFT_VARIANTS = ("exact", "nvfp4-nofb", "fp16-hook", "int8-nofb", "lab-nvfp4-sr-nofb",
+                  "lab-int6-nofb")
 """The drift form's runs (what the default's 4-rank gap at 3000 steps needs, beside the
 second-phase form's): between the fp16 hook (the noise floor, within 0.2% of exact) and the
 default's 4.53 bits, int8 codes without feedback (8.25 bits: whether more bits alone close the
-gap) and the format lab's NVFP4 with stochastic rounding in both quantizations, without
-feedback (the same bits, its rounding unbiased: whether the gap is nearest rounding's bias)."""
+gap), the format lab's 6-bit integer codes under NVFP4's scales without feedback (6.5 bits:
+where between the two the gap closes) and its NVFP4 with stochastic rounding in both
+quantizations, without feedback (the same bits, its rounding unbiased: whether the gap is
+nearest rounding's bias)."""
 THREE_BIT_VARIANTS = ("exact", *(f"{f}{fb}" for fb in ("-nofb", "") for f in THREE_BIT))
 """The three-bit form's runs: the codec's 3-bit formats without feedback and with LoCo."""
 
