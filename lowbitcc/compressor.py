@@ -91,6 +91,8 @@ class CallCompressor:
         self.store = store
         self.stats = stats
         self._new_states: dict[str, tuple[ErrorState | None, int]] = {}
+        self._foreign_flags: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = (None, None)
+        """`foreign`'s last two answers, by the verdict they view."""
         self.restart(codec, key, buffer)
 
     def restart(self, codec: ShardCodec, key: str, buffer: StorageWeakRef | None,
@@ -238,11 +240,19 @@ class CallCompressor:
         """Calls on a device: a 0-dim bool device tensor (a view of the call's verdict), set
         where a message of this call did not belong to it (another rank deviated, or it
         arrived corrupt; its values decoded as NaN); None for calls on the CPU."""
-        if self._verdict is None:
+        verdict = self._verdict
+        if verdict is None:
             return None
         if self._verdict_unset:
-            self._device_verdict(self._verdict.device)
-        return framing.verdict_flag(self._verdict, framing.VERDICT_FOREIGN)
+            self._device_verdict(verdict.device)
+        flags = self._foreign_flags  # (a plan hands its runs two words in turn)
+        if flags[0] is not None and flags[0][0] is verdict:
+            return flags[0][1]
+        if flags[1] is not None and flags[1][0] is verdict:
+            return flags[1][1]
+        flag = framing.verdict_flag(verdict, framing.VERDICT_FOREIGN)
+        self._foreign_flags = (flags[1], (verdict, flag))
+        return flag
 
     def scratch(self, n: int, device: torch.device) -> torch.Tensor:
         """fp32 ``[n]`` to decode into, valid until the next `scratch` call of this group."""

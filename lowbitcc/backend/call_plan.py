@@ -360,8 +360,11 @@ class CallPlan:
         outlast two runs (a key the next run does not use). None on the CPU."""
         if self._cpu or self.comp.error_dtype is not None:
             return None
-        words = self.kept("verdicts", 16, torch.uint8)
-        if self._slots is None:  # the kept words are never replaced
-            self._slots = (words[:8], words[8:])
+        slots = self._slots
+        if slots is None:  # the kept words are never replaced
+            words = self.kept("verdicts", 16, torch.uint8)
+            slots = self._slots = (words[:8], words[8:])
+        elif self._cuda:  # (as `kept` marks them: a view marks the words' whole storage)
+            self._used_by_stream(slots[0])
         self.turn ^= 1
-        return self._slots[self.turn]
+        return slots[self.turn]

@@ -130,6 +130,7 @@ class PlaceGraph:
         self._factor: float | None = None  # the first capture's input factor ...
         self._stride = 0  # ... and the place's stride then, every graph's (ranks alike)
         self._sent: dict[str, int] = {}  # what one run's transfers add to the statistics
+        # (those that are not zero: a host record's replay meters its transfers itself)
         self._stream: Any = None
         self._lock = threading.Lock()  # `release` comes from the group's watchdog thread ...
         self._launching: Any = None  # ... while this graph may be in its launch, ...
@@ -222,7 +223,8 @@ class PlaceGraph:
             return None
         finally:
             count.read, count.value, count.addresses = False, value, None
-        self._sent = {k: v - before[k] for k, v in state.STATS.sent("compressed").items()}
+        sent = state.STATS.sent("compressed").items()
+        self._sent = {k: v - before[k] for k, v in sent if v != before[k]}  # (a record's: none)
         made = (graph, where)
         with self._lock:
             if self.off:  # released meanwhile: this run launches it, then it goes
@@ -256,7 +258,7 @@ class PlaceGraph:
                 released.reset()
         plan.comp.replayed()
         self.replays += 1
-        if not counted:
+        if not counted and self._sent:
             state.STATS.add("compressed", **self._sent)
 
     def release(self, deadline: float) -> None:
