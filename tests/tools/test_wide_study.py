@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -177,13 +178,18 @@ def test_every_candidate_has_its_twin_and_fits_the_bit_budget():
 
 
 @pytest.mark.slow  # trains 10 steps per run; `pytest -m slow`
-def test_a_small_wide_study_runs_end_to_end(tmp_path):
+def test_a_small_wide_study_runs_end_to_end(tmp_path, capfd):
     pytest.importorskip("sklearn")
     plan = wide_plans.Plan(("gpt", "digits-cnn"), (2,), (0,), ("exact", "mxfp4", "lab-nvfp4"),
-                     ("mxfp4", "lab-nvfp4"), steps=10)
+                     ("mxfp4", "lab-nvfp4"), steps=10, eval_every=5)
     results = wide.run(plan, tmp_path)
     runs = results.data["runs"]
     assert len(runs) == 6
+    # its stderr a pipe, rank 0 of each run says how far it is at each evaluation
+    progress = re.findall(r"(exact|mxfp4|lab-nvfp4) seed 0, 2 ranks: step (\d+)/10, "
+                          r"validation loss \d+\.\d+, \d+ s$", capfd.readouterr().err, re.M)
+    assert sorted(progress) == sorted((v, s) for v in ("exact", "mxfp4", "lab-nvfp4")
+                                      for s in ("5", "10") for _ in range(2)), progress
     digits = [r for r in runs if r["configuration"] == "digits-cnn"]
     assert all(0.0 <= r["val_accuracy"][-1][1] <= 1.0 for r in digits)
     rows = wide_report.cell_rows(runs)
@@ -217,8 +223,54 @@ def test_cells_limit_a_wide_plan_to_the_cells_named_in_its_own_order():
     parser = argparse.ArgumentParser()
     command.add_arguments(parser.add_subparsers())
     args = parser.parse_args(["study", "--cells", "gpt:4"])
-    with pytest.raises(ValueError, match="--cells names cells of a --wide plan"):
+    with pytest.raises(ValueError, match="--cells and --merge are a --wide plan's"):
         args.func(args)
+
+
+def test_merge_adds_what_other_parts_of_the_study_finished_and_runs_only_what_none_did(
+        tmp_path, monkeypatch):
+    """``--merge A B``: the runs and trackings of other study folders that ``--out`` lacks are
+    added first (``--out``'s own kept where both ran one), so only what no part finished runs;
+    a part with runs of another length is refused before anything is added."""
+    def record(world, seed, variant, loss, steps=7):
+        return {"configuration": "gpt", "world": world, "seed": seed, "variant": variant,
+                "val_loss": [[0, 9.0], [steps, loss]], "seconds": 1.0}
+
+    def part(name, runs, tracking=()):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "wide.json").write_text(
+            json.dumps({"runs": runs, "tracking": list(tracking)}))
+        return str(tmp_path / name)
+
+    out = part("out", [record(2, 0, "exact", 2.0)])
+    a = part("a", [record(2, 0, "exact", 5.0), record(2, 0, "mxfp4", 2.1)],
+             [{"configuration": "gpt", "world": 2, "seed": 0, "summary": []}])
+    b = part("b", [record(2, 1, "exact", 2.2)])
+    long = part("long", [record(2, 1, "mxfp4", 2.3, steps=3000)])
+    calls = []
+
+    def fake_run_variant(variant, cfg, seed, threads=None):
+        calls.append((seed, variant.name))
+        return {"variant": variant.name, "seed": seed, "val_loss": [[cfg.steps, 2.4]],
+                "seconds": 1.0, "final_params": None}
+
+    monkeypatch.setattr(wide, "run_variant", fake_run_variant)
+    monkeypatch.setattr(wide_report, "plot_frontier", lambda *a, **k: None)
+    plan = wide_plans.Plan(("gpt",), (2,), (0, 1), ("exact", "mxfp4"), (), steps=7)
+    monkeypatch.setitem(wide.PLANS, "tiny", plan)
+    with pytest.raises(ValueError, match="holds a run of 3000 steps .*not this plan's 7"):
+        wide.command("tiny", out, merge=[a, long])
+    assert calls == []
+    saved = json.loads((tmp_path / "out" / "wide.json").read_text())
+    assert len(saved["runs"]) == 2  # a's mxfp4, added before the refusal; nothing of long's
+    wide.command("tiny", out, merge=[a, b])
+    assert calls == [(1, "mxfp4")]  # what no part finished
+    saved = json.loads((tmp_path / "out" / "wide.json").read_text())
+    by_key = {(r["seed"], r["variant"]): r["val_loss"][-1][1] for r in saved["runs"]}
+    assert by_key == {(0, "exact"): 2.0, (0, "mxfp4"): 2.1, (1, "exact"): 2.2,
+                      (1, "mxfp4"): 2.4}  # out's own exact seed 0 kept, not a's
+    assert len(saved["tracking"]) == 1
+    assert wide.Results(tmp_path / "out").merge(tmp_path / "b" / "wide.json", 7) == 0
 
 
 def test_variants_and_seeds_narrow_a_wide_plan_in_its_own_order():

@@ -53,6 +53,10 @@ def add_arguments(sub: Any) -> None:
     st.add_argument("--cells", nargs="+", metavar="CONFIG:WORLD",
                     help="with --wide: only these cells of the plan (e.g. gpt:4), every seed "
                     "and variant; the report still shows every cell in --out")
+    st.add_argument("--merge", nargs="+", metavar="DIR",
+                    help="with --wide: first add to --out's the finished runs of these study "
+                    "folders (parts of the study run elsewhere) that it lacks; runs of another "
+                    "length are refused")
     link_spec.add_arguments(st)
     st.set_defaults(func=_study)
 
@@ -60,13 +64,14 @@ def add_arguments(sub: Any) -> None:
 def _study(args: argparse.Namespace) -> int:
     from lowbitcc.tools import study
 
-    if args.cells and not args.wide:
-        raise ValueError("lowbitcc study: --cells names cells of a --wide plan; give --wide too")
+    if (args.cells or args.merge) and not args.wide:
+        raise ValueError("lowbitcc study: --cells and --merge are a --wide plan's; give --wide "
+                         "too")
     if args.wide:
         from lowbitcc.tools.study import wide
 
         return wide.command(args.wide, args.out, args.steps, args.cells, args.variants,
-                            args.seeds)
+                            args.seeds, args.merge)
     cfg = study.StudyConfig(steps=args.steps or 300, world=args.np,
                             **(study.QUICK if args.quick else {}))
     if args.diloco:

@@ -137,13 +137,21 @@ def train_rank(rank: int, world: int, variant: Variant, cfg: StudyConfig,
     val_loss: list[tuple[int, float]] = []
     val_accuracy: list[tuple[int, float | None]] = []
 
+    # rank 0 shows progress: a bar on a terminal, else a line per evaluation (a run in the
+    # background, its stderr a file, says how far it is every `eval_every` steps)
+    bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False,
+               disable=rank != 0 or not sys.stderr.isatty())
+    lines = rank == 0 and bar.disable
+
     def record(step: int, batches: int) -> None:
         loss, accuracy = evaluate(model, job, val[:whole_shares(batches, world)], metrics)
         val_loss.append((step, loss))
         val_accuracy.append((step, accuracy))
+        if lines and step:
+            print(f"{variant.name} seed {seed}, {world} ranks: step {step}/{cfg.steps}, "
+                  f"validation loss {loss:.4f}, {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
     start = time.perf_counter()
-    bar = tqdm(total=cfg.steps, desc=f"{variant.name} seed {seed}", leave=False,
-               disable=rank != 0 or not sys.stderr.isatty())
     for step, (x, y) in enumerate(job.train_batches(seed, rank)):
         if step % cfg.eval_every == 0:
             record(step, cfg.eval_batches)

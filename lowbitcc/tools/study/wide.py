@@ -74,6 +74,27 @@ class Results:
     def tracked(self, cell: tuple[str, int]) -> bool:
         return any((t["configuration"], t["world"]) == cell for t in self.data["tracking"])
 
+    def merge(self, other: Path, steps: int) -> int:
+        """Add the runs and trackings of ``other`` (another study folder's ``wide.json``: a
+        part of the same study run elsewhere) that this file lacks, by the keys a resume uses
+        (`key`; a tracking by its cell), keeping this file's where both have one, and write it;
+        returns how many were added. A run of another length than ``steps`` (its last
+        evaluation elsewhere) is refused with a `ValueError` before anything is added."""
+        data = json.loads(other.read_text())
+        for record in data["runs"]:
+            if record["val_loss"][-1][0] != steps:
+                raise ValueError(
+                    f"lowbitcc study --wide: {other} holds a run of {record['val_loss'][-1][0]} "
+                    f"steps ({self.key(record)}), not this plan's {steps}")
+        runs = [r for r in data["runs"] if not self.done(self.key(r))]
+        tracks = [t for t in data.get("tracking", [])
+                  if not self.tracked((t["configuration"], t["world"]))]
+        if runs or tracks:
+            self.data["runs"].extend(runs)
+            self.data["tracking"].extend(tracks)
+            self.write()
+        return len(runs) + len(tracks)
+
     def add_run(self, record: dict[str, Any]) -> None:
         self.data["runs"].append({k: v for k, v in record.items() if k != "final_params"})
         self.write()
@@ -173,8 +194,9 @@ def _one(run_key: tuple[str, int, int, str], plan: Plan, threads: int) -> dict[s
 
 def command(form: str, out_dir: str | Path, steps: int | None = None,
             cells: list[str] | None = None, variants: list[str] | None = None,
-            seeds: list[int] | None = None) -> int:
-    """``lowbitcc study --wide FORM``: run the plan (resuming from ``out``; with ``cells``,
+            seeds: list[int] | None = None, merge: list[str] | None = None) -> int:
+    """``lowbitcc study --wide FORM``: run the plan (resuming from ``out``, after adding what
+    the study folders ``merge`` finished that it lacks, `Results.merge`; with ``cells``,
     ``CONFIGURATION:WORLD`` names, only those cells' runs: `wide_plans.parse_cells`; with
     ``variants`` or ``seeds``, only those of the plan's: `wide_plans.narrowed`), then write
     ``wide.md`` (`wide_report.format_markdown`) and ``frontier.png`` in ``out_dir`` and print
@@ -187,6 +209,10 @@ def command(form: str, out_dir: str | Path, steps: int | None = None,
     if cells:
         plan = dataclasses.replace(plan, only=parse_cells(plan, cells))
     plan = narrowed(plan, variants, seeds)
+    for folder in merge or []:
+        added = Results(out).merge(Path(folder) / "wide.json", plan.steps)
+        print(f"lowbitcc study --wide: {added} runs and trackings added from {folder}",
+              file=sys.stderr, flush=True)
     results = run(plan, out)
     runs = [r for r in results.data["runs"] if r["configuration"] in plan.configurations]
     text = wide_report.format_markdown(runs)
