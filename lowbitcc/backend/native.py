@@ -46,3 +46,12 @@ def load() -> ModuleType | None:
     if os.environ.get("LOWBITCC_NATIVE_WORKS", "1") == "0":
         return None
     return EXTENSION.load()
+
+
+def start() -> None:
+    """Begin `load` on a thread of its own (`cpp_build.Extension.start`; not where
+    ``LOWBITCC_NATIVE_WORKS=0``): a "loco" group's creation calls it first, so that a first
+    build of the Works compiles while the C++ codec's does (two builds of one and three
+    translation units share the cores instead of taking turns)."""
+    if os.environ.get("LOWBITCC_NATIVE_WORKS", "1") != "0":
+        EXTENSION.start()

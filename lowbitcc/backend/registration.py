@@ -57,11 +57,12 @@ def create_process_group(common_opts: Any, backend_options: Any) -> dist.Process
     all share the settings (`agreement`) before the group is built.
     """
     from lowbitcc import state
-    from lowbitcc.backend import agreement
+    from lowbitcc.backend import agreement, native
     from lowbitcc.backend.process_group import LocoProcessGroup
     from lowbitcc.config import LocoConfig
 
     _check_not_mixed()
+    native.start()  # (a first build of the C++ Works, beside the codec's and the agreement)
     config: LocoConfig | None = None
     error: Exception | None = None
     try:

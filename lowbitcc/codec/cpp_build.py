@@ -12,11 +12,11 @@ available, `Extension.load` returns None after one warning and the caller takes 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +29,11 @@ class Extension:
     """The module ``prefix_<digest>`` built from ``sources`` (which include ``headers``, from
     ``include_dirs``) with ``cflags`` and ``ldflags``; ``what`` names it in warnings and
     ``fallback`` says what runs where it cannot be built. ``load()`` (cached per process) is the
-    module or None."""
+    module or None; ``start()`` begins it on a thread of its own.
+
+    Threads: any. The first `load` builds or imports under the extension's lock; a caller that
+    comes meanwhile (a `start`'s thread, or the caller that started it) waits for it and gets
+    the same module."""
 
     def __init__(self, prefix: str, sources: Sequence[Path], headers: Sequence[Path],
                  include_dirs: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str],
@@ -37,7 +41,28 @@ class Extension:
         self.prefix, self.sources, self.headers = prefix, list(sources), list(headers)
         self.include_dirs, self.cflags, self.ldflags = list(include_dirs), list(cflags), list(ldflags)
         self.what, self.fallback = what, fallback
-        self.load = functools.cache(self._load)
+        self._lock = threading.Lock()
+        self._loaded: list[ModuleType | None] = []  # `load`'s answer, once given
+        self._started = False
+
+    def load(self) -> ModuleType | None:
+        """The compiled module, or None when it cannot be built (see `_load`); made once per
+        process, the callers meanwhile waiting for it."""
+        with self._lock:
+            if not self._loaded:
+                self._loaded.append(self._load())
+            return self._loaded[0]
+
+    def start(self) -> None:
+        """Begin `load` on a thread of its own (once; not a daemon: a build that began is
+        finished before the process exits, so that no half-made build or lock file is left),
+        so that a build compiles beside the caller's other work: the first "loco" group builds
+        the C++ Works while its codec builds. A later `load` waits for it."""
+        with self._lock:
+            if self._loaded or self._started:
+                return
+            self._started = True
+        threading.Thread(target=self.load, name=f"lowbitcc build of {self.prefix}").start()
 
     def name(self) -> str:
         """The module's name: the prefix and the build's digest (see the module docstring)."""

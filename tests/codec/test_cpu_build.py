@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch.utils.cpp_extension
@@ -52,9 +54,47 @@ def test_a_build_being_made_unimportable_or_missing_goes_through_torch(case, tmp
     monkeypatch.setattr(cpp_build, "_import", lambda n, p: imported.append(n) or real_import(n, p))
     calls = _torch_load(monkeypatch)
     with pytest.warns(RuntimeWarning, match="building") if case == "missing" else contextlib.nullcontext():
-        assert cpu.load.__wrapped__() == "torch's module"
+        assert cpu.EXTENSION._load() == "torch's module"
     assert [c["build_directory"] for c in calls] == [str(directory)]
     assert imported == ([name] if case == "unimportable" else [])
+
+
+def test_a_started_build_and_a_load_meanwhile_make_one_module(monkeypatch):
+    """`Extension.start` builds on a thread of its own (once); a `load` that comes meanwhile
+    waits for that build and gets its module: one build, one module, whoever asks first."""
+    extension = cpp_build.Extension("lowbitcc_test", [], [], [], [], [], what="a test module",
+                                    fallback="nothing")
+    made, release = [], threading.Event()
+
+    def slow_build():
+        assert release.wait(30)
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(extension, "_load", slow_build)
+    extension.start()
+    extension.start()
+    got: list[object] = []
+    waiting = threading.Thread(target=lambda: got.append(extension.load()))
+    waiting.start()
+    time.sleep(0.3)
+    assert got == []  # the build under way is waited for
+    release.set()
+    waiting.join(30)
+    assert len(made) == 1 and got == made and extension.load() is made[0]
+
+
+def test_the_works_build_is_not_started_where_the_works_are_off(monkeypatch):
+    from lowbitcc.backend import native
+
+    started: list[bool] = []
+    monkeypatch.setattr(native.EXTENSION, "start", lambda: started.append(True))
+    monkeypatch.setenv("LOWBITCC_NATIVE_WORKS", "0")
+    native.start()
+    assert started == []
+    monkeypatch.setenv("LOWBITCC_NATIVE_WORKS", "1")
+    native.start()
+    assert started == [True]
 
 
 def test_the_build_name_hashes_every_file_the_sources_include():
