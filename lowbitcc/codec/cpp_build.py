@@ -41,9 +41,11 @@ class Extension:
         self.prefix, self.sources, self.headers = prefix, list(sources), list(headers)
         self.include_dirs, self.cflags, self.ldflags = list(include_dirs), list(cflags), list(ldflags)
         self.what, self.fallback = what, fallback
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by `load` while it builds or imports
         self._loaded: list[ModuleType | None] = []  # `load`'s answer, once given
+        self._starting = threading.Lock()  # `start`'s, for `_started`
         self._started = False
+        os.register_at_fork(after_in_child=self._forked)
 
     def load(self) -> ModuleType | None:
         """The compiled module, or None when it cannot be built (see `_load`); made once per
@@ -53,12 +55,20 @@ class Extension:
                 self._loaded.append(self._load())
             return self._loaded[0]
 
+    def _forked(self) -> None:
+        """In a forked child: a lock a `start`'s thread held at the fork is held by no thread
+        of the child's, and the build it made is the parent's to finish: the child's `load`
+        begins anew (and finds the parent's build made, or waits on torch's lock file)."""
+        self._lock, self._starting = threading.Lock(), threading.Lock()
+        if not self._loaded:
+            self._started = False
+
     def start(self) -> None:
         """Begin `load` on a thread of its own (once; not a daemon: a build that began is
         finished before the process exits, so that no half-made build or lock file is left),
         so that a build compiles beside the caller's other work: the first "loco" group builds
         the C++ Works while its codec builds. A later `load` waits for it."""
-        with self._lock:
+        with self._starting:  # (not the build's lock, which a build under way holds)
             if self._loaded or self._started:
                 return
             self._started = True

@@ -73,7 +73,10 @@ def test_a_started_build_and_a_load_meanwhile_make_one_module(monkeypatch):
 
     monkeypatch.setattr(extension, "_load", slow_build)
     extension.start()
+    time.sleep(0.2)  # (its thread under way, holding the build's lock)
+    began = time.monotonic()
     extension.start()
+    assert time.monotonic() - began < 1  # returns at once
     got: list[object] = []
     waiting = threading.Thread(target=lambda: got.append(extension.load()))
     waiting.start()
@@ -82,6 +85,27 @@ def test_a_started_build_and_a_load_meanwhile_make_one_module(monkeypatch):
     release.set()
     waiting.join(30)
     assert len(made) == 1 and got == made and extension.load() is made[0]
+
+
+def test_a_child_forked_while_a_build_is_under_way_loads_anew():
+    """A fork while `start`'s thread holds the extension's lock (mid-build) leaves the child a
+    lock of its own: its `load` builds or imports for itself instead of waiting forever."""
+    import os
+
+    extension = cpp_build.Extension("lowbitcc_test", [], [], [], [], [], what="a test module",
+                                    fallback="nothing")
+    release = threading.Event()
+    extension._load = lambda: "parent's" if release.wait(30) else None
+    extension.start()
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:  # the child: its own `_load`, not waiting on the parent's thread
+        extension._load = lambda: "child's"
+        os._exit(0 if extension.load() == "child's" else 1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert extension.load() == "parent's"
 
 
 def test_the_works_build_is_not_started_where_the_works_are_off(monkeypatch):
