@@ -62,7 +62,6 @@ def create_process_group(common_opts: Any, backend_options: Any) -> dist.Process
     from lowbitcc.config import LocoConfig
 
     _check_not_mixed()
-    native.start()  # (a first build of the C++ Works, beside the codec's and the agreement)
     config: LocoConfig | None = None
     error: Exception | None = None
     try:
@@ -79,6 +78,7 @@ def create_process_group(common_opts: Any, backend_options: Any) -> dist.Process
         error = exc
     config = agreement.agree(common_opts.store, common_opts.group_rank, common_opts.group_size,
                              common_opts.timeout, config, error)
+    native.start()  # (a first build of the C++ Works, beside the group's codec build)
     state.install_step_hook()
     state.bound_feedback(config.max_keys)
     return LocoProcessGroup(

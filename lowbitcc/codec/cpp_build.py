@@ -103,7 +103,7 @@ class Extension:
 
             if not built.exists():
                 warnings.warn(f"lowbitcc: building {self.what} into {directory} "
-                              "(once per install; about a minute)", RuntimeWarning, stacklevel=3)
+                              "(once per install; about a minute)", RuntimeWarning, stacklevel=4)
             directory.mkdir(parents=True, exist_ok=True)
             return cpp_extension.load(
                 name=name,
@@ -118,7 +118,7 @@ class Extension:
             warnings.warn(
                 f"lowbitcc: {self.what} could not be built ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); "
-                f"{self.fallback}", RuntimeWarning, stacklevel=3)
+                f"{self.fallback}", RuntimeWarning, stacklevel=4)
             return None
 
 

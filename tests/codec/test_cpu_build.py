@@ -60,23 +60,24 @@ def test_a_build_being_made_unimportable_or_missing_goes_through_torch(case, tmp
 
 
 def test_a_started_build_and_a_load_meanwhile_make_one_module(monkeypatch):
-    """`Extension.start` builds on a thread of its own (once); a `load` that comes meanwhile
-    waits for that build and gets its module: one build, one module, whoever asks first."""
+    """`Extension.start` builds on a thread of its own (once, returning at once); a `load`
+    that comes meanwhile waits for that build and gets its module: one build, one module."""
     extension = cpp_build.Extension("lowbitcc_test", [], [], [], [], [], what="a test module",
                                     fallback="nothing")
-    made, release = [], threading.Event()
+    made, entered, release = [], threading.Event(), threading.Event()
 
     def slow_build():
+        entered.set()
         assert release.wait(30)
-        made.append(object())
+        made.append(threading.current_thread().name)
         return made[-1]
 
     monkeypatch.setattr(extension, "_load", slow_build)
     extension.start()
-    time.sleep(0.2)  # (its thread under way, holding the build's lock)
+    assert entered.wait(30)  # the build runs on the started thread ...
     began = time.monotonic()
     extension.start()
-    assert time.monotonic() - began < 1  # returns at once
+    assert time.monotonic() - began < 1  # ... and a second start returns at once
     got: list[object] = []
     waiting = threading.Thread(target=lambda: got.append(extension.load()))
     waiting.start()
@@ -84,28 +85,68 @@ def test_a_started_build_and_a_load_meanwhile_make_one_module(monkeypatch):
     assert got == []  # the build under way is waited for
     release.set()
     waiting.join(30)
-    assert len(made) == 1 and got == made and extension.load() is made[0]
+    assert made == ["lowbitcc build of lowbitcc_test"] and got == made
+    assert extension.load() == made[0]
 
 
 def test_a_child_forked_while_a_build_is_under_way_loads_anew():
     """A fork while `start`'s thread holds the extension's lock (mid-build) leaves the child a
     lock of its own: its `load` builds or imports for itself instead of waiting forever."""
     import os
+    import signal
 
     extension = cpp_build.Extension("lowbitcc_test", [], [], [], [], [], what="a test module",
                                     fallback="nothing")
-    release = threading.Event()
-    extension._load = lambda: "parent's" if release.wait(30) else None
+    entered, release = threading.Event(), threading.Event()
+
+    def parent_build():
+        entered.set()
+        return "parent's" if release.wait(30) else None
+
+    extension._load = parent_build
     extension.start()
-    time.sleep(0.2)
+    assert entered.wait(30)
     pid = os.fork()
     if pid == 0:  # the child: its own `_load`, not waiting on the parent's thread
         extension._load = lambda: "child's"
         os._exit(0 if extension.load() == "child's" else 1)
-    _, status = os.waitpid(pid, 0)
+    deadline, status = time.monotonic() + 30, None
+    while status is None and time.monotonic() < deadline:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = code if done else None
+        time.sleep(0.05)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
     release.set()
+    assert status is not None, "the forked child's load waited on the parent's build"
     assert os.waitstatus_to_exitcode(status) == 0
     assert extension.load() == "parent's"
+
+
+def test_a_loco_group_starts_the_works_build_once_its_settings_are_agreed(tmp_path):
+    """`create_process_group` starts the Works' build (`native.start`) after the ranks agreed
+    on the settings: not for a group whose settings are refused (its process then exits at
+    once, not after a build), and for one that is made."""
+    code = f"""
+import os, torch.distributed as dist, lowbitcc
+from lowbitcc.backend import native
+started = []
+native.EXTENSION.start = lambda: started.append(True)
+os.environ["LOCO_BITS"] = "99"
+try:
+    dist.init_process_group("loco", init_method="file://{tmp_path}/a", rank=0, world_size=1)
+except ValueError as exc:
+    print("refused", len(started), "LOCO_BITS" in str(exc) or "bits" in str(exc))
+del os.environ["LOCO_BITS"]
+dist.init_process_group("loco", init_method="file://{tmp_path}/b", rank=0, world_size=1)
+print("made", len(started))
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["refused 0 True", "made 1"], done.stdout
 
 
 def test_the_works_build_is_not_started_where_the_works_are_off(monkeypatch):

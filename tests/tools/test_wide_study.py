@@ -246,7 +246,7 @@ def test_merge_adds_what_other_parts_of_the_study_finished_and_runs_only_what_no
     a = part("a", [record(2, 0, "exact", 5.0), record(2, 0, "mxfp4", 2.1)],
              [{"configuration": "gpt", "world": 2, "seed": 0, "summary": []}])
     b = part("b", [record(2, 1, "exact", 2.2)])
-    long = part("long", [record(2, 1, "mxfp4", 2.3, steps=3000)])
+    long = part("long", [record(2, 1, "exact", 2.5), record(2, 1, "mxfp4", 2.3, steps=3000)])
     calls = []
 
     def fake_run_variant(variant, cfg, seed, threads=None):
@@ -262,7 +262,9 @@ def test_merge_adds_what_other_parts_of_the_study_finished_and_runs_only_what_no
         wide.command("tiny", out, merge=[a, long])
     assert calls == []
     saved = json.loads((tmp_path / "out" / "wide.json").read_text())
-    assert len(saved["runs"]) == 2  # a's mxfp4, added before the refusal; nothing of long's
+    assert len(saved["runs"]) == 2  # a's mxfp4, added before; nothing of long's, not its exact
+    with pytest.raises(ValueError, match="--merge found no .*nowhere"):
+        wide.command("tiny", out, merge=[str(tmp_path / "nowhere")])
     wide.command("tiny", out, merge=[a, b])
     assert calls == [(1, "mxfp4")]  # what no part finished
     saved = json.loads((tmp_path / "out" / "wide.json").read_text())

@@ -80,12 +80,16 @@ class Results:
         (`key`; a tracking by its cell), keeping this file's where both have one, and write it;
         returns how many were added. A run of another length than ``steps`` (its last
         evaluation elsewhere) is refused with a `ValueError` before anything is added."""
+        if not other.exists():
+            raise ValueError(f"lowbitcc study --wide: --merge found no {other}")
         data = json.loads(other.read_text())
-        for record in data["runs"]:
-            if record["val_loss"][-1][0] != steps:
-                raise ValueError(
-                    f"lowbitcc study --wide: {other} holds a run of {record['val_loss'][-1][0]} "
-                    f"steps ({self.key(record)}), not this plan's {steps}")
+        lengths = [(r["val_loss"][-1][0], self.key(r)) for r in data["runs"]] + [
+            (t["config"]["steps"], (t["configuration"], t["world"], "tracking"))
+            for t in data.get("tracking", []) if "config" in t]
+        for length, key in lengths:
+            if length != steps:
+                raise ValueError(f"lowbitcc study --wide: {other} holds a run of {length} "
+                                 f"steps ({key}), not this plan's {steps}")
         runs = [r for r in data["runs"] if not self.done(self.key(r))]
         tracks = [t for t in data.get("tracking", [])
                   if not self.tracked((t["configuration"], t["world"]))]
