@@ -50,8 +50,9 @@ def load() -> ModuleType | None:
 
 def start() -> None:
     """Begin `load` on a thread of its own (`cpp_build.Extension.start`; not where
-    ``LOWBITCC_NATIVE_WORKS=0``): a "loco" group's creation calls it first, so that a first
-    build of the Works compiles while the C++ codec's does (two builds of one and three
-    translation units share the cores instead of taking turns)."""
+    ``LOWBITCC_NATIVE_WORKS=0``): a "loco" group's creation calls it once the ranks agreed on
+    the group's settings, before the group's C++ codec build, so that a first build of the
+    Works compiles while the codec's does (two builds of one and three translation units share
+    the cores instead of taking turns)."""
     if os.environ.get("LOWBITCC_NATIVE_WORKS", "1") != "0":
         EXTENSION.start()

@@ -78,8 +78,9 @@ class Results:
         """Add the runs and trackings of ``other`` (another study folder's ``wide.json``: a
         part of the same study run elsewhere) that this file lacks, by the keys a resume uses
         (`key`; a tracking by its cell), keeping this file's where both have one, and write it;
-        returns how many were added. A run of another length than ``steps`` (its last
-        evaluation elsewhere) is refused with a `ValueError` before anything is added."""
+        returns how many were added. A file with a run or tracking of another length than
+        ``steps`` (a run's last evaluation elsewhere), or none at ``other``, is refused with a
+        `ValueError` before anything of it is added."""
         if not other.exists():
             raise ValueError(f"lowbitcc study --wide: --merge found no {other}")
         data = json.loads(other.read_text())
