@@ -17,12 +17,18 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+STALE_LOCK_S = 600.0
+"""A lock file of torch's in a build's folder older than this is most likely left by a build
+that was killed midway (torch removes it when a build ends, failed or not): `Extension.load`
+says so, with the file's path, before torch waits for it to go, which it does without end."""
 
 
 class Extension:
@@ -104,6 +110,16 @@ class Extension:
             if not built.exists():
                 warnings.warn(f"lowbitcc: building {self.what} into {directory} "
                               "(once per install; about a minute)", RuntimeWarning, stacklevel=4)
+            lock = directory / "lock"
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except OSError:  # no lock: no build under way
+                age = 0.0
+            if age > STALE_LOCK_S:
+                warnings.warn(f"lowbitcc: {self.what}: torch's lock file {lock} is "
+                              f"{age / 60:.0f} minutes old, and torch waits until it is gone: "
+                              "if no process is building it (a build killed midway leaves the "
+                              "file behind), delete the file", RuntimeWarning, stacklevel=4)
             directory.mkdir(parents=True, exist_ok=True)
             return cpp_extension.load(
                 name=name,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch.utils.cpp_extension
@@ -161,6 +162,31 @@ def test_the_works_build_is_not_started_where_the_works_are_off(monkeypatch):
     monkeypatch.setenv("LOWBITCC_NATIVE_WORKS", "1")
     native.start()
     assert started == [True]
+
+
+@pytest.mark.parametrize("minutes", [1, 60])
+def test_a_lock_file_a_killed_build_left_is_named_before_torch_waits_for_it(
+        minutes, tmp_path, monkeypatch):
+    """A lock file of torch's older than `cpp_build.STALE_LOCK_S` (a build killed midway):
+    a warning names it before torch's wait, which has no end; a fresh one (a build under way
+    in another process) is waited for quietly."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = cpp_build.build_directory(cpu.EXTENSION.name())
+    directory.mkdir(parents=True)
+    lock = directory / "lock"
+    lock.touch()
+    then = time.time() - 60 * minutes
+    os.utime(lock, (then, then))
+    calls = _torch_load(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cpu.EXTENSION._load() == "torch's module"
+    stale = [str(w.message) for w in caught if "lock file" in str(w.message)]
+    assert len(calls) == 1
+    if minutes > 10:
+        assert len(stale) == 1 and str(lock) in stale[0] and "60 minutes old" in stale[0], stale
+    else:
+        assert stale == []
 
 
 def test_the_build_name_hashes_every_file_the_sources_include():
