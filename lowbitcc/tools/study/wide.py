@@ -214,10 +214,12 @@ def command(form: str, out_dir: str | Path, steps: int | None = None,
     if cells:
         plan = dataclasses.replace(plan, only=parse_cells(plan, cells))
     plan = narrowed(plan, variants, seeds)
-    for folder in merge or []:
-        added = Results(out).merge(Path(folder) / "wide.json", plan.steps)
-        print(f"lowbitcc study --wide: {added} runs and trackings added from {folder}",
-              file=sys.stderr, flush=True)
+    if merge:
+        merged = Results(out)  # (read once, written by each merge that adds)
+        for folder in merge:
+            added = merged.merge(Path(folder) / "wide.json", plan.steps)
+            print(f"lowbitcc study --wide: {added} runs and trackings added from {folder}",
+                  file=sys.stderr, flush=True)
     results = run(plan, out)
     runs = [r for r in results.data["runs"] if r["configuration"] in plan.configurations]
     text = wide_report.format_markdown(runs)
