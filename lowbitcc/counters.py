@@ -61,6 +61,16 @@ class SecondsSource(Protocol):
         ...
 
 
+class CountsSource(Protocol):
+    """What counts calls away from `Stats` (a group's C++ steady runner, its ``ServedCounts``:
+    ``backend/csrc/served_counts.h``) and hands the counts over when they are read."""
+
+    def take_counts(self) -> dict[str, dict[str, float]]:
+        """What was counted since the last take, by category and `Counters` field (only those
+        counted), zeroed."""
+        ...
+
+
 class Stats:
     """Thread-safe accumulation of `Counters` per category."""
 
@@ -71,6 +81,7 @@ class Stats:
         self._accumulators: dict[tuple, torch.Tensor] = {}  # by `accumulator`'s key
         self._read: dict[tuple, list[float]] = {}
         self._sources: weakref.WeakKeyDictionary[SecondsSource, str] = weakref.WeakKeyDictionary()
+        self._counting: weakref.WeakSet[CountsSource] = weakref.WeakSet()
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -123,7 +134,10 @@ class Stats:
 
     def sent(self, category: str) -> dict[str, int]:
         """The bytes a category's calls sent so far (`add`'s keywords: ``wire_bytes``,
-        ``intra_node_bytes``, ``inter_node_bytes``)."""
+        ``intra_node_bytes``, ``inter_node_bytes``), the watched counts included
+        (`watch_counts`)."""
+        with self._reading:
+            self._fold_counting()
         c = self._counters[category]
         with self._lock:
             return {"wire_bytes": c.wire_bytes, "intra_node_bytes": c.intra_node_bytes,
@@ -153,9 +167,37 @@ class Stats:
         with self._lock:
             self._sources[source] = category
 
+    def watch_counts(self, source: CountsSource) -> None:
+        """Add what ``source`` counted (`CountsSource.take_counts`) at each read (`snapshot`,
+        `sent`), while it lives; `reset` drops it. Called with the GIL held, as
+        ``take_counts`` is (the runner's counts are kept under the GIL)."""
+        with self._lock:
+            self._counting.add(source)
+
+    def fold_counts(self, source: CountsSource) -> None:
+        """Add what ``source`` counted now, and watch it no more (a runner that counts in
+        another `Stats` from now on, or goes)."""
+        with self._reading:
+            with self._lock:
+                self._counting.discard(source)
+            self._add_counts(source.take_counts())
+
+    def _add_counts(self, counts: dict[str, dict[str, float]]) -> None:
+        """`add` of `CountsSource.take_counts`' answer, category by category."""
+        for category, deltas in counts.items():
+            self.add(category, **deltas)
+
+    def _fold_counting(self) -> None:
+        """Under ``_reading``: the watched counts (`watch_counts`) added."""
+        with self._lock:
+            counting = list(self._counting)
+        for source in counting:
+            self._add_counts(source.take_counts())
+
     def snapshot(self) -> dict[str, Any]:
         """The counters (waits for the device sums still being computed on this stream); the
-        seconds of the watched sources taken first (`watch`)."""
+        seconds of the watched sources taken first (`watch`), and their counts
+        (`watch_counts`)."""
         with self._reading:  # one reader at a time: each delta is added once
             with self._lock:
                 accumulators = dict(self._accumulators)
@@ -163,6 +205,7 @@ class Stats:
             for source, category in sources:
                 codec_s, wire_s = source.take_seconds()
                 self.add(category, codec_s=codec_s, wire_s=wire_s)
+            self._fold_counting()
             for key, acc in accumulators.items():
                 now = acc.tolist()
                 before = self._read.get(key, [0.0, 0.0])
@@ -184,6 +227,8 @@ class Stats:
         with self._reading, self._lock:
             for source in list(self._sources):
                 source.take_seconds()
+            for counting in list(self._counting):
+                counting.take_counts()
             self._counters = {"compressed": Counters(), "exact": Counters()}
             # zeroed on the current stream: sums of kernels still running elsewhere may count in
             # the new period (statistics only), and the tensors kernels may use stay alive

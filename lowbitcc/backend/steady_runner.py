@@ -15,7 +15,8 @@ without a Python frame, where it is:
 
 The runner reads and writes the same objects the Python path does (the schedule's index, the
 entry's runs and canary, the call number, the feedback-key ordinal, the cost model's count and
-times, the statistics, the issuer's count, the call's tag), and starts and takes the place's
+times, the issuer's count, the call's tag; the statistics' counts it keeps in C++, its
+``counts``, which `counters.Stats` adds when read: `Stats.watch_counts`), and starts and takes the place's
 renewals as `CallSchedule.take` does. Every other call (an exchange, a deviation, a timed exact
 run, a plan without a core, a policy block, a callback's call, another thread's) is answered
 "not mine" with nothing changed, and the Python path takes it. Where the C++ Works cannot be

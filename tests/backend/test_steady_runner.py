@@ -12,6 +12,8 @@ some."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import time
 
 import pytest
@@ -411,6 +413,68 @@ def test_a_served_call_counts_its_codec_and_wire_seconds_by_the_time_it_returns(
         assert len(served) >= 12, seen
         for busy, wall in served:
             assert 0 < busy <= wall, seen
+
+
+def _counts(rank, world, gloo):
+    """Steps of a compressed and an exact all-reduce; what the statistics count of them where
+    the runner served them: read, kept past the group, and where `state.STATS` was replaced."""
+    from lowbitcc.counters import Counters, Stats
+
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=1024, cost_model=False))
+    runner, held = pg._runner, [pg]  # (`held`: let go of with the group, below)
+
+    def steps(n):
+        for _ in range(n):
+            with lowbitcc.compressed():
+                dist.all_reduce(torch.full((4096,), float(rank + 1)), group=held[0])
+            dist.all_reduce(torch.full((256,), float(rank + 1)), group=held[0])  # (exact: < min_size)
+            lowbitcc.end_step()
+
+    def calls(stats):
+        s = stats.snapshot()
+        return s["compressed"]["calls"], s["exact"]["calls"], s["compressed"]["wire_bytes"] > 0
+
+    steps(20)
+    served = runner.served
+    steps(10)
+    fields = {f.name for f in dataclasses.fields(Counters)}
+    taken = runner.counts.take_counts()  # (taken from the statistics: read here instead)
+    seen = {"served": runner.served - served, "categories": sorted(taken),
+            "unknown": sorted(k for counts in taken.values() for k in counts if k not in fields)}
+    lowbitcc.reset_stats()
+    steps(10)
+    seen["read"] = calls(lowbitcc_state.STATS)
+    before = lowbitcc_state.STATS
+    lowbitcc.reset_stats()
+    try:
+        steps(5)  # counted in `before` ...
+        lowbitcc_state.STATS = Stats()
+        steps(3)  # ... these in the new one
+        seen["replaced"] = (calls(before), calls(lowbitcc_state.STATS))
+    finally:
+        lowbitcc_state.STATS = before
+    lowbitcc.reset_stats()
+    steps(4)
+    dist.destroy_process_group(pg)
+    del pg, runner
+    held.clear()
+    gc.collect()
+    seen["gone"] = (calls(lowbitcc_state.STATS), len(lowbitcc_state.STATS._counting))
+    return seen
+
+
+def test_the_counts_of_served_calls_are_read_with_the_statistics_and_kept_past_their_group():
+    """The statistics of served calls are counted in C++ (`ServedCounts`, under the counters'
+    names) and added when read: every call once, in the statistics that were `state.STATS` when
+    it ran (a replaced one's calls in the one replaced), and those not yet read when the group
+    goes, kept."""
+    for seen in run_ranks(_counts, 2, timeout=120):
+        assert seen["served"] == 20, seen
+        assert seen["categories"] == ["compressed", "exact"] and seen["unknown"] == [], seen
+        assert seen["read"] == (10, 10, True), seen
+        assert seen["replaced"] == ((5, 5, True), (3, 3, True)), seen
+        assert seen["gone"] == ((4, 4, True), 0), seen
 
 
 def _nan_outputs(rank, world, gloo):

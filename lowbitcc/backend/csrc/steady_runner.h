@@ -25,7 +25,8 @@
 // (`CallAgreement.next_seq`), the feedback key's ordinal where this rank would compress an exact
 // call or compresses one with error feedback (`CompressedCalls._ordinal`; or the name of a
 // `feedback_key` block, counted in it: `policy.explicit_key`), the cost model's count, the
-// statistics (`exact.count_exact`; a compressed run's `RunTally`), the issuer's count of exact
+// statistics (`exact.count_exact`; a compressed run's `RunTally`: counted in C++,
+// served_counts.h, and added to `state.STATS` when it is read), the issuer's count of exact
 // calls, the call's tag (`IssueQueue._next_tag`); then the inner gloo call (the GIL released)
 // and its `FollowedWork`, kept as the place's canary (an exact all-reduce), or the plan core's
 // run, between the take of its error states and their put (feedback_slots.h), its Work kept as
@@ -33,9 +34,9 @@
 // shows on some ranks only as NaN, `reductions._keep_canaries`).
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
-// statistics', cost model's, ordinals' and feedback store's locks taken as their Python owners
-// take them. Only the gloo call and a plan core's run (encode, then its decode on gloo's thread)
-// run without it.
+// cost model's, ordinals' and feedback store's locks taken as their Python owners take them
+// (attributes looked up by interned names: python_objects.h's `LOWBITCC_NAME`). Only the gloo
+// call and a plan core's run (encode, then its decode on gloo's thread) run without it.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>
@@ -50,6 +51,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <unordered_map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,6 +60,7 @@
 #include "model_timings.h"
 #include "plan_core.h"
 #include "python_objects.h"
+#include "served_counts.h"
 
 namespace lowbitcc {
 
@@ -101,6 +104,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     step_ = py::str("step");
     exact_ = py::str("exact");
     compressed_name_ = py::str("compressed");
+    counts_object_ = py::cast(counts_);
   }
   SteadyRunner(const SteadyRunner&) = delete;
   SteadyRunner& operator=(const SteadyRunner&) = delete;
@@ -108,8 +112,16 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // Destroyed with the GIL held (by its Python object), perhaps with the group's last
   // reference: the gloo group's destructor joins its threads, one of which may be waiting for
   // the GIL (in a Python callback of a call), so the group is let go of without it.
+  // What its calls counted and the statistics have not read yet is theirs now.
   ~SteadyRunner() {
     if (Py_IsInitialized() && PyGILState_Check()) {
+      if (counted_in_ && counts_->pending()) {
+        try {
+          counted_in_.attr(LOWBITCC_NAME("fold_counts"))(counts_object_);
+        } catch (py::error_already_set& error) {
+          error.discard_as_unraisable("lowbitcc: the steady runner's last counts");
+        }
+      }
       py::gil_scoped_release release;
       direct_.reset();
     }
@@ -125,11 +137,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // Hand every finished timing of the runs it served to the cost model now
   // (`ModelTimings::fold`; served calls hand them over in batches): tests read the cost model
   // after their last call.
-  void fold_timings() { timings_.fold(compressed_.attr("cost_model"), true); }
+  void fold_timings() { timings_.fold(compressed_.attr(LOWBITCC_NAME("cost_model")), true); }
 
   // Calls served since the runner was made, and of them compressed ones (tests read them).
   int64_t served() const { return served_; }
   int64_t served_compressed() const { return served_compressed_; }
+  // What its calls counted in the statistics and they have not read yet (`ServedCounts`).
+  py::object counts() const { return counts_object_; }
 
   // `LocoProcessGroup.allreduce(tensors, opts)`: its Work, or None (not served).
   py::object serve_all_reduce(py::handle tensors, py::handle opts) {
@@ -166,8 +180,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     time_exact(steady, work, all_reduce_, tensor, tensor.numel(), issued);
     py::object followed = follow(work, tensor);
     // `Entry.keep`: the place's next run reads the canary of the run before this one
-    steady.entry.attr("canary") = steady.entry.attr("latest");
-    steady.entry.attr("latest") = followed;
+    steady.entry.attr(LOWBITCC_NAME("canary")) = steady.entry.attr(LOWBITCC_NAME("latest"));
+    steady.entry.attr(LOWBITCC_NAME("latest")) = followed;
     return followed;
   }
 
@@ -260,13 +274,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
                              c10d::ReduceOp::RedOpType op, Steady& steady, bool waited = false,
                              bool renewed = false) {
     if (PyThread_get_thread_ident() != main_thread_ ||
-        py::bool_(callback_context_.attr("parent"))) {  // (a tag: 64 bits, unsigned)
+        py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {  // (a tag: 64 bits, unsigned)
       return false;
     }
-    if (py::cast<int64_t>(schedule_.attr("_open")) != 0) {
+    if (py::cast<int64_t>(schedule_.attr(LOWBITCC_NAME("_open"))) != 0) {
       return false;
     }
-    py::object period_obj = schedule_.attr("_period");
+    py::object period_obj = schedule_.attr(LOWBITCC_NAME("_period"));
     if (period_obj.is_none()) {
       return false;
     }
@@ -274,32 +288,32 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     if (period <= 0) {
       return false;
     }
-    int64_t origin = schedule_.attr("_origin").cast<int64_t>();
-    int64_t index = schedule_.attr("_next").cast<int64_t>();
+    int64_t origin = schedule_.attr(LOWBITCC_NAME("_origin")).cast<int64_t>();
+    int64_t index = schedule_.attr(LOWBITCC_NAME("_next")).cast<int64_t>();
     int64_t offset = (index - origin) % period;
     if (offset < 0) {
       offset += period;
     }
-    py::object entries = schedule_.attr("_entries");
+    py::object entries = schedule_.attr(LOWBITCC_NAME("_entries"));
     PyObject* found = detail::item(entries, py::int_(origin + offset));
     if (found == nullptr) {
       return false;
     }
     py::object entry = py::reinterpret_borrow<py::object>(found);
-    const bool exact = entry.attr("exact").cast<bool>();
-    if (exact ? native_ops_.count(static_cast<int64_t>(op)) == 0 || entry.attr("timed").cast<bool>()
+    const bool exact = entry.attr(LOWBITCC_NAME("exact")).cast<bool>();
+    if (exact ? native_ops_.count(static_cast<int64_t>(op)) == 0 || entry.attr(LOWBITCC_NAME("timed")).cast<bool>()
               : op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
       return false;
     }
-    int64_t left = entry.attr("left").cast<int64_t>();
+    int64_t left = entry.attr(LOWBITCC_NAME("left")).cast<int64_t>();
     if (left <= 0) {  // the run after the entry's last takes its renewal (`CallSchedule.entry`)
-      if (renewed || entry.attr("renewal").is_none() || nan(entry.attr("canary"))) {
+      if (renewed || entry.attr(LOWBITCC_NAME("renewal")).is_none() || nan(entry.attr(LOWBITCC_NAME("canary")))) {
         return false;
       }
       take_renewal(index);
       return steady_place_or_raise(collective, like, numel, op, steady, waited, true);
     }
-    if (nan(entry.attr("canary"))) {  // (may wait without the GIL: the policy is read after)
+    if (nan(entry.attr(LOWBITCC_NAME("canary")))) {  // (may wait without the GIL: the policy is read after)
       return false;
     }
     // `explicit_key` names an exact call's key and counts it in its block: the Python path's
@@ -317,10 +331,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return false;
     }
     // `CallSchedule.ran` starts the place's renewal at this run
-    steady.renews = left - 1 <= schedule_.attr("_renew_at").cast<int64_t>() &&
-                    entry.attr("renewal").is_none() && !schedule_.attr("_renew").is_none() &&
-                    !entry.attr("desc").attr("part").cast<bool>();
-    py::tuple key = entry.attr("key");
+    steady.renews = left - 1 <= schedule_.attr(LOWBITCC_NAME("_renew_at")).cast<int64_t>() &&
+                    entry.attr(LOWBITCC_NAME("renewal")).is_none() && !schedule_.attr(LOWBITCC_NAME("_renew")).is_none() &&
+                    !entry.attr(LOWBITCC_NAME("desc")).attr(LOWBITCC_NAME("part")).cast<bool>();
+    py::tuple key = entry.attr(LOWBITCC_NAME("key"));
     if (key.size() != 6 || !detail::equal(key[0], collective) ||
         key[1].ptr() != reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())) ||
         key[2].cast<int64_t>() != static_cast<int64_t>(op) || key[3].cast<int64_t>() != numel ||
@@ -335,19 +349,19 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     // (`policy.wants_compression`), counted in the backward pass's epoch (`policy.epoch`)
     int64_t task = torch::autograd::get_current_graph_task_id();
     bool wants = mode == "auto" || (mode != "never" && task >= 0);
-    steady.ordinal = entry.attr("eligible").cast<bool>() && policy_ != "never" && wants;
+    steady.ordinal = entry.attr(LOWBITCC_NAME("eligible")).cast<bool>() && policy_ != "never" && wants;
     if (steady.ordinal && task < 0) {
       return false;  // the step's epoch: `policy.epoch` reads the optimizer's steps
     }
     steady.task = task;
-    steady.modelled = compressed_.attr("_modelling").cast<bool>() && numel >= min_size_;
+    steady.modelled = compressed_.attr(LOWBITCC_NAME("_modelling")).cast<bool>() && numel >= min_size_;
     // `WorkerIssuer.native_now` times this one for the cost model: so does the runner
     steady.timed = steady.modelled && issuer_counts_ && timed_every_ > 0 &&
-                   (issuer_.attr("_issued").cast<int64_t>() + 1) % timed_every_ == 0;
+                   (issuer_.attr(LOWBITCC_NAME("_issued")).cast<int64_t>() + 1) % timed_every_ == 0;
     if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
       return false;
     }
-    steady.by_model = steady.modelled && entry.attr("by_model").cast<bool>();
+    steady.by_model = steady.modelled && entry.attr(LOWBITCC_NAME("by_model")).cast<bool>();
     steady.entry = std::move(entry);
     steady.index = index;
     steady.left = left;
@@ -359,14 +373,14 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   bool planned_place(py::object entry, const py::str& collective, const at::Tensor& like,
                      c10d::ReduceOp::RedOpType op, int64_t index, int64_t left, bool forced,
                      bool waited, Steady& steady) {
-    py::object plan = entry.attr("plan");
+    py::object plan = entry.attr(LOWBITCC_NAME("plan"));
     if (plan.is_none()) {
       return false;
     }
-    if (!plan.attr("core_checked").cast<bool>()) {
+    if (!plan.attr(LOWBITCC_NAME("core_checked")).cast<bool>()) {
       plan_core_(plan);  // sets the plan's `core` (None: the Python plan runs it)
     }
-    py::object core = plan.attr("core");
+    py::object core = plan.attr(LOWBITCC_NAME("core"));
     if (core.is_none()) {
       return false;
     }
@@ -375,13 +389,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         (planned->feedback() != nullptr && !named_in_utf8())) {
       return false;
     }
-    if (queue_.attr("_pending").cast<int64_t>() != 0) {
+    if (queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0) {
       if (waited) {
         return false;
       }
       // the worker's queued calls on the same gloo group go first: once they have run (the
       // GIL released meanwhile), the place is looked at again
-      queue_.attr("wait_idle")();
+      queue_.attr(LOWBITCC_NAME("wait_idle"))();
       return steady_place_or_raise(collective, like, like.numel(), op, steady, true);
     }
     if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
@@ -406,10 +420,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       steady.core->wait();  // the place's last run, whose buffers this one writes
     }
     ran(steady);
-    if (steady.renews && queue_.attr("_pending").cast<int64_t>() != 0) {
-      queue_.attr("wait_idle")();  // the renewal's exchange, on the same gloo group, goes first
+    if (steady.renews && queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0) {
+      queue_.attr(LOWBITCC_NAME("wait_idle"))();  // the renewal's exchange, on the same gloo group, goes first
     }
-    const int64_t seq = agreement_.attr("next_seq")().cast<int64_t>();
+    const int64_t seq = agreement_.attr(LOWBITCC_NAME("next_seq"))().cast<int64_t>();
     PlanCore& core = *steady.core;
     FeedbackSlots* feedback = core.feedback();
     TakenStates taken;
@@ -421,21 +435,17 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       feedback->take(feedback->derived(next_ordinal(collective, tensor, tensor.numel(), task)),
                      true, tensor, taken);
     }
-    py::object model = compressed_.attr("cost_model");
+    py::object model = compressed_.attr(LOWBITCC_NAME("cost_model"));
     if (steady.modelled) {
       count_class(model, core.size_class());
     }
+    at::Tensor sums = accumulator();  // (and the statistics the counts go to: `counted_in`)
+    counts_->add(ServedCounts::kCompressed, ServedCounts::kCalls, 1);
+    counts_->add(ServedCounts::kCompressed, ServedCounts::kTensorBytes, core.nbytes());
+    counts_->add(ServedCounts::kCompressed, ServedCounts::kLogicalBytes, core.logical_bytes());
     RunTimings timings = core.take_timings();
-    py::object stats = state_.attr("STATS");
-    {
-      detail::Held held(stats.attr("_lock"));
-      py::object counters = stats.attr("_counters")[compressed_name_];
-      detail::add_to(counters, "calls", py::int_(1));
-      detail::add_to(counters, "tensor_bytes", py::int_(core.nbytes()));
-      detail::add_to(counters, "logical_bytes", py::int_(core.logical_bytes()));
-      detail::add_to(counters, "codec_s", py::float_(timings.codec_s));
-      detail::add_to(counters, "wire_s", py::float_(timings.wire_s));
-    }
+    counts_->add_seconds(ServedCounts::kCompressed, ServedCounts::kCodec, timings.codec_s);
+    counts_->add_seconds(ServedCounts::kCompressed, ServedCounts::kWire, timings.wire_s);
     for (double seconds : timings.modelled_s) {
       timings_.add(core.size_class(), false, seconds, core.nbytes());
     }
@@ -443,24 +453,21 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     ++served_;
     ++served_compressed_;
     SentBytes sent;
-    c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, accumulator(),
+    c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, sums,
                                                    steady.modelled, sent,
                                                    feedback != nullptr ? &taken : nullptr);
-    {  // the bytes of the transfers it started (a run that failed: those it had started)
-      detail::Held held(stats.attr("_lock"));
-      py::object counters = stats.attr("_counters")[compressed_name_];
-      detail::add_to(counters, "wire_bytes", py::int_(sent.intra + sent.inter));
-      detail::add_to(counters, "intra_node_bytes", py::int_(sent.intra));
-      detail::add_to(counters, "inter_node_bytes", py::int_(sent.inter));
-    }
+    // the bytes of the transfers it started (a run that failed: those it had started)
+    counts_->add(ServedCounts::kCompressed, ServedCounts::kWireBytes, sent.intra + sent.inter);
+    counts_->add(ServedCounts::kCompressed, ServedCounts::kIntraNodeBytes, sent.intra);
+    counts_->add(ServedCounts::kCompressed, ServedCounts::kInterNodeBytes, sent.inter);
     if (feedback != nullptr) {
       feedback->put(taken);
     }
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
     if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`
-      steady.entry.attr("canary") = steady.entry.attr("latest");
-      steady.entry.attr("latest") = followed;
+      steady.entry.attr(LOWBITCC_NAME("canary")) = steady.entry.attr(LOWBITCC_NAME("latest"));
+      steady.entry.attr(LOWBITCC_NAME("latest")) = followed;
     }
     return followed;
   }
@@ -469,15 +476,15 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // the entry's runs, the renewal started where due (as `ran` itself; what it raises, the call
   // raises, having taken its call number as `Reductions.take` does).
   void ran(const Steady& steady) {
-    schedule_.attr("_next") = py::int_(steady.index + 1);
+    schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(steady.index + 1);
     if (!steady.renews) {
-      steady.entry.attr("left") = py::int_(steady.left - 1);
+      steady.entry.attr(LOWBITCC_NAME("left")) = py::int_(steady.left - 1);
       return;
     }
     try {
-      schedule_.attr("ran")(steady.entry);
+      schedule_.attr(LOWBITCC_NAME("ran"))(steady.entry);
     } catch (py::error_already_set&) {
-      agreement_.attr("next_seq")();
+      agreement_.attr(LOWBITCC_NAME("next_seq"))();
       throw;
     }
   }
@@ -487,10 +494,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // having counted its place and taken its call number.
   void take_renewal(int64_t index) {
     try {
-      schedule_.attr("entry")(index);
+      schedule_.attr(LOWBITCC_NAME("entry"))(index);
     } catch (py::error_already_set& error) {
-      schedule_.attr("_next") = py::int_(index + 1);
-      agreement_.attr("next_seq")();
+      schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(index + 1);
+      agreement_.attr(LOWBITCC_NAME("next_seq"))();
       throw Raised{std::move(error)};
     }
   }
@@ -534,26 +541,61 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
 
   // `CostModel.count`: one more call of `size_class`.
   static void count_class(const py::object& model, const py::object& size_class) {
-    detail::Held held(model.attr("_lock"));
-    py::object kept = model.attr("_classes").attr("get")(size_class);
+    detail::Held held(model.attr(LOWBITCC_NAME("_lock")));
+    py::object kept = model.attr(LOWBITCC_NAME("_classes")).attr(LOWBITCC_NAME("get"))(size_class);
     if (kept.is_none()) {
-      kept = model.attr("_class")(size_class);
+      kept = model.attr(LOWBITCC_NAME("_class"))(size_class);
     }
-    detail::add_to(kept, "calls", py::int_(1));
+    detail::add_to(kept, LOWBITCC_NAME("calls"), py::int_(1));
   }
 
   // The accumulator of the compressed calls' residual sums (`Stats.accumulator`) of the thread
   // the Python path encodes on (the worker, else the calling thread), so that the sums add up
-  // in the same order on either path; asked again where `state.STATS` was replaced. (The worker
-  // runs nothing meanwhile: its queue was idle, and the calling thread is the one that queues.)
+  // in the same order on either path; asked again where `state.STATS` was replaced (`counted_in`).
+  // (The worker runs nothing meanwhile: its queue was idle, and the calling thread is the one
+  // that queues.)
   at::Tensor accumulator() {
-    py::object stats = state_.attr("STATS");
+    py::object stats = counted_in();
     if (!stats.is(sums_of_)) {
-      sums_ = stats.attr("accumulator")(compressed_name_, cpu_device_, encoder_thread_)
+      sums_ = stats.attr(LOWBITCC_NAME("accumulator"))(compressed_name_, cpu_device_,
+                                                       encoder_thread_)
                   .cast<at::Tensor>();
       sums_of_ = stats;
     }
     return sums_;
+  }
+
+  // `state.STATS`, read at each served call as the Python path reads it, which the served
+  // calls' counts (`counts_`) are folded into when it is read (`Stats.watch_counts`); where it
+  // was replaced, what was counted before is the statistics' it replaced, which watch them no
+  // more (`Stats.fold_counts`).
+  py::object counted_in() {
+    py::object stats = state_.attr(LOWBITCC_NAME("STATS"));
+    if (!stats.is(counted_in_)) {
+      if (counted_in_) {
+        counted_in_.attr(LOWBITCC_NAME("fold_counts"))(counts_object_);
+      }
+      stats.attr(LOWBITCC_NAME("watch_counts"))(counts_object_);
+      counted_in_ = stats;
+    }
+    return stats;
+  }
+
+  // `exact._logical_bytes` of a call of `collective` on `nbytes` input bytes, kept per
+  // collective and size (a steady call counts the same size again).
+  int64_t logical_bytes(const py::str& collective, int64_t nbytes) {
+    const bool scatter = collective.is(reduce_scatter_);
+    auto& kept = scatter ? logical_scatter_ : logical_all_reduce_;
+    auto found = kept.find(nbytes);
+    if (found != kept.end()) {
+      return found->second;
+    }
+    if (kept.size() >= kLogicalKept) {
+      kept.clear();
+    }
+    const int64_t bytes = logical_bytes_(collective, nbytes, world_).cast<int64_t>();
+    kept.emplace(nbytes, bytes);
+    return bytes;
   }
 
   // The place's canary: whether the output it views ended in NaN (`Entry.canary`, None: no).
@@ -569,17 +611,17 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       py::gil_scoped_release release;
       return work.nan();
     }
-    return canary.attr("nan")().cast<bool>();
+    return canary.attr(LOWBITCC_NAME("nan"))().cast<bool>();
   }
 
   // What the Python path counts for the run (`CallSchedule.take`, `ran`;
   // `Reductions._run_exact`; `count_planned`; `count_exact`; `WorkerIssuer._times_next`).
   void count(const Steady& steady, const py::str& collective, const at::Tensor& like,
              int64_t numel) {
-    py::object model = compressed_.attr("cost_model");
+    py::object model = compressed_.attr(LOWBITCC_NAME("cost_model"));
     timings_.fold(model, false);  // the runs timed before, in batches
     ran(steady);
-    agreement_.attr("next_seq")();
+    agreement_.attr(LOWBITCC_NAME("next_seq"))();
     if (steady.ordinal) {
       next_ordinal(collective, like, numel, steady.task);
     }
@@ -587,20 +629,16 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     if (steady.modelled) {
       count_class(model, exact_class(collective, nbytes));
       if (issuer_counts_) {
-        detail::add_to(issuer_, "_issued", py::int_(1));
+        detail::add_to(issuer_, LOWBITCC_NAME("_issued"), py::int_(1));
       }
     }
-    py::object sent = logical_bytes_(collective, nbytes, world_);
-    {
-      py::object stats = state_.attr("STATS");  // `count_exact` reads it at each call
-      detail::Held held(stats.attr("_lock"));
-      py::object counters = stats.attr("_counters")[exact_];
-      detail::add_to(counters, "calls", py::int_(1));
-      detail::add_to(counters, "tensor_bytes", py::int_(nbytes));
-      detail::add_to(counters, "logical_bytes", sent);
-      detail::add_to(counters, "wire_bytes", sent);
-      detail::add_to(counters, "model_exact", py::int_(steady.by_model ? 1 : 0));
-    }
+    const int64_t sent = logical_bytes(collective, nbytes);
+    counted_in();  // (`count_exact` reads `state.STATS` at each call)
+    counts_->add(ServedCounts::kExact, ServedCounts::kCalls, 1);
+    counts_->add(ServedCounts::kExact, ServedCounts::kTensorBytes, nbytes);
+    counts_->add(ServedCounts::kExact, ServedCounts::kLogicalBytes, sent);
+    counts_->add(ServedCounts::kExact, ServedCounts::kWireBytes, sent);
+    counts_->add(ServedCounts::kExact, ServedCounts::kModelExact, steady.by_model ? 1 : 0);
     ++served_;
   }
 
@@ -612,13 +650,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     py::object dtype = py::reinterpret_borrow<py::object>(
         reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())));
     py::tuple epoch = task >= 0 ? py::tuple(py::make_tuple(backward_, task))
-                                : py::tuple(py::make_tuple(step_, state_.attr("_optimizer_steps")));
-    detail::Held held(compressed_.attr("_lock"));
-    if (!detail::equal(epoch, compressed_.attr("_epoch"))) {
-      compressed_.attr("_epoch") = epoch;
-      compressed_.attr("_ordinals").attr("clear")();
+                                : py::tuple(py::make_tuple(step_, state_.attr(LOWBITCC_NAME("_optimizer_steps"))));
+    detail::Held held(compressed_.attr(LOWBITCC_NAME("_lock")));
+    if (!detail::equal(epoch, compressed_.attr(LOWBITCC_NAME("_epoch")))) {
+      compressed_.attr(LOWBITCC_NAME("_epoch")) = epoch;
+      compressed_.attr(LOWBITCC_NAME("_ordinals")).attr(LOWBITCC_NAME("clear"))();
     }
-    py::dict ordinals = compressed_.attr("_ordinals");
+    py::dict ordinals = compressed_.attr(LOWBITCC_NAME("_ordinals"));
     py::tuple signature = py::make_tuple(collective, dtype, numel);
     int64_t ordinal = ordinals.contains(signature) ? ordinals[signature].cast<int64_t>() : 0;
     ordinals[signature] = py::int_(ordinal + 1);
@@ -646,11 +684,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
   py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
                     bool checked = true) {
-    py::object ordinal = queue_.attr("_issued").attr("__next__")();
-    uint64_t tag = queue_.attr("_group_tag").cast<uint64_t>() |
+    py::object ordinal = queue_.attr(LOWBITCC_NAME("_issued")).attr(LOWBITCC_NAME("__next__"))();
+    uint64_t tag = queue_.attr(LOWBITCC_NAME("_group_tag")).cast<uint64_t>() |
                    (ordinal.cast<uint64_t>() & 0xFFFFFFFFull);
     py::object followed = followed_(work, std::vector<at::Tensor>{output}, tag, checked);
-    followed.attr("queue") = queue_;
+    followed.attr(LOWBITCC_NAME("queue")) = queue_;
     return followed;
   }
 
@@ -661,6 +699,14 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
   py::object plan_core_, cpu_device_, encoder_thread_, sums_of_;
   at::Tensor sums_;
+  // what its calls counted in the statistics (its Python object, which they watch), and the
+  // statistics it counts in (`counted_in`)
+  std::shared_ptr<ServedCounts> counts_ = std::make_shared<ServedCounts>();
+  py::object counts_object_, counted_in_;
+  // `logical_bytes`' answers by input bytes, for all-reduces and reduce-scatters (at most
+  // `kLogicalKept` sizes each: a steady state has a few)
+  static constexpr size_t kLogicalKept = 1024;
+  std::unordered_map<int64_t, int64_t> logical_all_reduce_, logical_scatter_;
   std::string policy_;
   uint64_t main_thread_;
   int64_t world_, min_size_, timed_every_;

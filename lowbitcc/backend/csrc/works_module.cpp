@@ -1,6 +1,7 @@
 // lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
-// plan_core.h's, `SteadyRunner` steady_runner.h's, `LaunchReplay` launch_replay.h's.
+// plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
+// `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
 #include "launch_replay.h"
 #include "plan_core.h"
@@ -51,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Wait until the place's last C++ run is done.")
       .def("take_seconds", &lowbitcc::PlanCore::take_seconds,
            "The codec and wire seconds its runs measured since the last take (counters.Stats).");
+  py::class_<lowbitcc::ServedCounts, std::shared_ptr<lowbitcc::ServedCounts>>(m, "ServedCounts")
+      .def("take_counts", &lowbitcc::ServedCounts::take_counts,
+           "What the runner's calls counted since the last take, by category and field, zeroed "
+           "(counters.Stats.watch_counts).");
   py::class_<lowbitcc::SteadyRunner>(m, "SteadyRunner")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, py::dict>(), py::arg("direct"),
            py::arg("objects"))
@@ -64,7 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Hand every finished timing of the runs it served to the cost model now (served "
            "calls hand them over 8 at a time).")
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
-      .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed);
+      .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed)
+      .def_property_readonly("counts", &lowbitcc::SteadyRunner::counts);
   py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
       .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
       .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),
