@@ -105,8 +105,8 @@ class FollowedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()));
+      static const c10::TypePtr list_type = c10::ListType::create(c10::TensorType::get());
+      future_ = c10::make_intrusive<c10::ivalue::Future>(list_type);  // (the type made once)
       auto future = future_;
       auto outputs = outputs_;
       const bool checked = checked_;

@@ -542,10 +542,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `CostModel.count`: one more call of `size_class`.
   static void count_class(const py::object& model, const py::object& size_class) {
     detail::Held held(model.attr(LOWBITCC_NAME("_lock")));
-    py::object kept = model.attr(LOWBITCC_NAME("_classes")).attr(LOWBITCC_NAME("get"))(size_class);
-    if (kept.is_none()) {
-      kept = model.attr(LOWBITCC_NAME("_class"))(size_class);
-    }
+    PyObject* found = detail::item(model.attr(LOWBITCC_NAME("_classes")), size_class);
+    py::object kept = found != nullptr ? py::reinterpret_borrow<py::object>(found)
+                                       : model.attr(LOWBITCC_NAME("_class"))(size_class);
     detail::add_to(kept, LOWBITCC_NAME("calls"), py::int_(1));
   }
 
@@ -684,7 +683,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
   py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
                     bool checked = true) {
-    py::object ordinal = queue_.attr(LOWBITCC_NAME("_issued")).attr(LOWBITCC_NAME("__next__"))();
+    py::object issued = queue_.attr(LOWBITCC_NAME("_issued"));  // (`next(self._issued)`)
+    py::object ordinal = py::reinterpret_steal<py::object>(PyIter_Next(issued.ptr()));
+    if (!ordinal) {
+      throw py::error_already_set();
+    }
     uint64_t tag = queue_.attr(LOWBITCC_NAME("_group_tag")).cast<uint64_t>() |
                    (ordinal.cast<uint64_t>() & 0xFFFFFFFFull);
     py::object followed = followed_(work, std::vector<at::Tensor>{output}, tag, checked);
