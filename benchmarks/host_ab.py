@@ -3,8 +3,7 @@ this checkout's, in alternating runs, so that a change of a few percent shows th
 machine's drift (one run's host time moves by 15% and more from one minute to the next).
 
 Feeds CHANGELOG.md: a change's host time per call against the revision before it (the ratios
-quoted with the ``host_ab.py`` command that gave them); docs/performance.md, "Host time per call
-and Python calls per call", says what the host time counts.
+quoted with the ``host_ab.py`` command that gave them); docs/host-time.md, says what the host time counts.
 
 Each run starts ``--ranks`` ranks (``LOCO_ISSUER=inline``, the CUDA path's issuing logic on
 CPU tensors) from a scratch directory with one of the two trees first on ``PYTHONPATH``, and

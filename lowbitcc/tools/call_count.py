@@ -16,7 +16,7 @@ Modes (`MODES`): ``compressed`` (the cost model off: every bucket call compresse
 ``loco`` (so, with error feedback: LoCo on the default format), ``exact`` (the steps under
 `lowbitcc.exact`: every bucket call runs its place's exact entry) and ``default`` (the settings
 as they are: on loopback the cost model sends the call exact once it has timed both paths).
-``lowbitcc calls`` prints the table (docs/performance.md); ``--by-function`` also lists, per
+``lowbitcc calls`` prints the table (docs/host-time.md); ``--by-function`` also lists, per
 mode, the Python functions one loco bucket call runs (per
 step, by module and thread): where the calls go.
 """
@@ -148,7 +148,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def command(args: Any) -> int:
-    """Print the table of `count_calls` per mode (Markdown, as docs/performance.md holds it)."""
+    """Print the table of `count_calls` per mode (Markdown, as docs/host-time.md holds it)."""
     print("| mode | gloo calls | loco calls | extra calls | extra builtins |")
     print("|---|---|---|---|---|")
     listed = {}

@@ -2,7 +2,7 @@
 (`lowbitcc.backend.steady_runner`), the same group's call through the Python path (the runner
 set aside), and gloo's own call, in rounds that alternate the three ways.
 
-Feeds docs/performance.md, "Host time per call and Python calls per call";
+Feeds docs/host-time.md;
 tests/tools/test_exact_issue.py runs it (``-m slow``).
 
 Each rank issues ``--calls`` asynchronous all-reduces of ``--elements`` fp32 elements per

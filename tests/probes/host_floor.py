@@ -5,7 +5,7 @@ same work with none of lowbitcc's Python (against the goal of <= 150 us per call
 (``LOWBITCC_NATIVE_WORKS=0``), since a plan's C++ core (`lowbitcc.backend.plan_cores`) calls
 none of the Python methods this probe records and replays; `lowbitcc perf` times the core.
 
-Feeds docs/performance.md, "Host time per call and Python calls per call" (the floor, and the
+Feeds docs/host-time.md (the floor, and the
 floor/loco shares of the one steady-state call); tests/tools/test_host_floor.py runs it
 (``-m slow``).
 

@@ -4,7 +4,7 @@
 (``LOWBITCC_NATIVE_WORKS=0``), since a plan's C++ core (`lowbitcc.backend.plan_cores`) runs
 none of the Python methods whose phases it marks; `lowbitcc perf` times the core.
 
-Feeds docs/performance.md, "Host time per call and Python calls per call" (its
+Feeds docs/host-time.md (its
 "Re-agreements": the calls that exchanged a descriptor among the timed ones);
 tests/tools/test_host_phases.py runs it (``-m slow``).
 

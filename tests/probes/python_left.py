@@ -11,7 +11,7 @@ issue it three ways, each served by the same C++ path:
 
 c10d minus runner bounds what a C++ ``c10d::Backend`` in place of the Python group could take
 off a DDP bucket call (it would still pay c10d's dispatch into a C++ backend, so it saves
-less); dist minus c10d is torch's, paid by every backend. Feeds docs/performance.md, "The floor,
+less); dist minus c10d is torch's, paid by every backend. Feeds docs/host-time.md, "The floor,
 re-agreements, reduce-scatters, exact calls".
 
 Two ranks, one place (each call a training step, as `lowbitcc perf` times them: the place's
