@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,7 +16,21 @@ import warnings
 import pytest
 import torch.utils.cpp_extension
 
+from lowbitcc.backend import native
 from lowbitcc.codec import cpp_build, cpu
+
+
+def test_where_a_compiler_is_found_both_cpp_modules_build():
+    """Where the machine has the compiler torch builds with (``CXX``, else ``c++``), the C++
+    codec and the C++ Works must build: the tests that need them skip without them (a compile
+    error in one header skipped some hundred), so a build that fails fails here, with the
+    warning that names its error."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) here: the Python paths run instead")
+    assert cpu.load() is not None, "the C++ codec did not build here (its warning says why)"
+    if os.environ.get("LOWBITCC_NATIVE_WORKS", "1") != "0":
+        assert native.load() is not None, "lowbitcc's C++ Works did not build here (its warning says why)"
 
 
 def test_a_made_build_is_imported_without_cpp_extension():
