@@ -169,8 +169,8 @@ class Stats:
 
     def watch_counts(self, source: CountsSource) -> None:
         """Add what ``source`` counted (`CountsSource.take_counts`) at each read (`snapshot`,
-        `sent`), while it lives; `reset` drops it. Called with the GIL held, as
-        ``take_counts`` is (the runner's counts are kept under the GIL)."""
+        `sent`), while it lives; `reset` drops what it counted until then. Called with the GIL
+        held, as ``take_counts`` is (the runner's counts are kept under the GIL)."""
         with self._lock:
             self._counting.add(source)
 
