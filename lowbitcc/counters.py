@@ -76,12 +76,15 @@ class Stats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reading = threading.Lock()  # `snapshot`'s reads of the accumulators, and `reset`
+        # one reader of the accumulators and the watched sources at a time (`snapshot`, `sent`,
+        # `fold_counts`), and `reset`
+        self._reading = threading.Lock()
         self._counters = {"compressed": Counters(), "exact": Counters()}
         self._accumulators: dict[tuple, torch.Tensor] = {}  # by `accumulator`'s key
         self._read: dict[tuple, list[float]] = {}
         self._sources: weakref.WeakKeyDictionary[SecondsSource, str] = weakref.WeakKeyDictionary()
         self._counting: weakref.WeakSet[CountsSource] = weakref.WeakSet()
+        self._gone: list[CountsSource] = []  # `hand_over_counts`' (appended without a lock)
 
     def add(self, category: str, **deltas: float) -> None:
         with self._lock:
@@ -176,22 +179,36 @@ class Stats:
 
     def fold_counts(self, source: CountsSource) -> None:
         """Add what ``source`` counted now, and watch it no more (a runner that counts in
-        another `Stats` from now on, or goes)."""
+        another `Stats` from now on). Takes the statistics' locks: not for a destructor
+        (`hand_over_counts`)."""
         with self._reading:
             with self._lock:
                 self._counting.discard(source)
             self._add_counts(source.take_counts())
+
+    def hand_over_counts(self, source: CountsSource) -> None:
+        """Keep ``source``, whose owner goes, until the next read adds what it counted last (or
+        `reset` drops it). Takes no lock, so that a destructor may call it: the garbage collector
+        can run one inside any of this object's locks, in the thread that holds it."""
+        self._gone.append(source)  # (atomic under the GIL)
 
     def _add_counts(self, counts: dict[str, dict[str, float]]) -> None:
         """`add` of `CountsSource.take_counts`' answer, category by category."""
         for category, deltas in counts.items():
             self.add(category, **deltas)
 
-    def _fold_counting(self) -> None:
-        """Under ``_reading``: the watched counts (`watch_counts`) added."""
+    def _watched_counts(self) -> list[CountsSource]:
+        """Under ``_reading``: the sources to take counts from (`watch_counts`), those handed
+        over (`hand_over_counts`) let go of."""
         with self._lock:
             counting = list(self._counting)
-        for source in counting:
+        while self._gone:
+            counting.append(self._gone.pop())
+        return counting
+
+    def _fold_counting(self) -> None:
+        """Under ``_reading``: the watched counts (`watch_counts`, `hand_over_counts`) added."""
+        for source in self._watched_counts():
             self._add_counts(source.take_counts())
 
     def snapshot(self) -> dict[str, Any]:
@@ -227,8 +244,11 @@ class Stats:
         with self._reading, self._lock:
             for source in list(self._sources):
                 source.take_seconds()
-            for counting in list(self._counting):
-                counting.take_counts()
+            counting = list(self._counting)
+            while self._gone:
+                counting.append(self._gone.pop())
+            for source in counting:
+                source.take_counts()
             self._counters = {"compressed": Counters(), "exact": Counters()}
             # zeroed on the current stream: sums of kernels still running elsewhere may count in
             # the new period (statistics only), and the tensors kernels may use stay alive

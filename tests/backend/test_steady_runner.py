@@ -441,8 +441,11 @@ def _counts(rank, world, gloo):
     fields = {f.name for f in dataclasses.fields(Counters)}
     taken = runner.counts.take_counts()  # (taken from the statistics: read here instead)
     seen = {"served": runner.served - served, "categories": sorted(taken),
-            "unknown": sorted(k for counts in taken.values() for k in counts if k not in fields)}
-    lowbitcc.reset_stats()
+            "unknown": sorted(k for counts in taken.values() for k in counts if k not in fields),
+            "names": sorted(fields - set(type(runner.counts).names()))}
+    steps(3)
+    lowbitcc.reset_stats()  # (drops what the runner counted and was not read)
+    seen["reset"] = calls(lowbitcc_state.STATS)
     steps(10)
     seen["read"] = calls(lowbitcc_state.STATS)
     before = lowbitcc_state.STATS
@@ -458,23 +461,29 @@ def _counts(rank, world, gloo):
     steps(4)
     dist.destroy_process_group(pg)
     del pg, runner
-    held.clear()
-    gc.collect()
-    seen["gone"] = (calls(lowbitcc_state.STATS), len(lowbitcc_state.STATS._counting))
+    stats = lowbitcc_state.STATS
+    with stats._reading, stats._lock:  # (the group let go of inside a read, as the collector may)
+        held.clear()
+        gc.collect()
+        handed = len(stats._gone)
+    seen["gone"] = (calls(stats), len(stats._counting), handed)
     return seen
 
 
 def test_the_counts_of_served_calls_are_read_with_the_statistics_and_kept_past_their_group():
     """The statistics of served calls are counted in C++ (`ServedCounts`, under the counters'
-    names) and added when read: every call once, in the statistics that were `state.STATS` when
-    it ran (a replaced one's calls in the one replaced), and those not yet read when the group
-    goes, kept."""
+    names) and added when read, or dropped by a reset: every call once, in the statistics that
+    were `state.STATS` when it ran (a replaced one's calls in the one replaced), and those not
+    yet read when the group goes, kept, also where it goes inside the statistics' locks (the
+    garbage collector may destroy it there: nothing waits for them)."""
     for seen in run_ranks(_counts, 2, timeout=120):
         assert seen["served"] == 20, seen
         assert seen["categories"] == ["compressed", "exact"] and seen["unknown"] == [], seen
+        assert seen["names"] == ["input_sq", "residual_sq"], seen  # (the encodes' sums)
+        assert seen["reset"] == (0, 0, False), seen
         assert seen["read"] == (10, 10, True), seen
         assert seen["replaced"] == ((5, 5, True), (3, 3, True)), seen
-        assert seen["gone"] == ((4, 4, True), 0), seen
+        assert seen["gone"] == ((4, 4, True), 0, 1), seen
 
 
 def _nan_outputs(rank, world, gloo):

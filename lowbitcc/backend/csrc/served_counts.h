@@ -1,10 +1,11 @@
 // ServedCounts: what the calls a group's steady runner served count in lowbitcc's statistics,
 // kept in C++ and folded into them when they are read (lowbitcc/counters.py, `Stats.watch_counts`:
 // `lowbitcc.stats()`, `Stats.sent`, `Stats.reset`), so that a served call touches no Python
-// object of the statistics (their lock, their `Counters`).
+// object of the statistics (their lock, their `Counters`; but the first call after
+// `state.STATS` was replaced, which hands what it counted before to the statistics replaced).
 //
 // The fields are `Counters`' integer fields and its codec and wire seconds (lowbitcc/counters.py
-// defines them; `kFieldNames` and `kSecondsNames` spell them as it does,
+// defines them; `kFieldNames` and `kSecondsNames` spell them as it does, `names` lists them and
 // tests/backend/test_steady_runner.py checks that they are), by category ("exact",
 // "compressed"). Integers add up to the same totals in any order, so the counts a served call
 // leaves are the Python path's, bit for bit, once read; the seconds are measured, on either
@@ -18,6 +19,8 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace lowbitcc {
 
@@ -40,6 +43,13 @@ class __attribute__((visibility("hidden"))) ServedCounts {
       "intra_node_bytes", "inter_node_bytes", "model_exact"};
   enum Seconds { kCodec, kWire, kSeconds };
   static constexpr std::array<const char*, kSeconds> kSecondsNames{"codec_s", "wire_s"};
+
+  // Every field's name, the counts' then the seconds'.
+  static std::vector<std::string> names() {
+    std::vector<std::string> all(kFieldNames.begin(), kFieldNames.end());
+    all.insert(all.end(), kSecondsNames.begin(), kSecondsNames.end());
+    return all;
+  }
 
   void add(Category category, Field field, int64_t delta) { counts_[category][field] += delta; }
   void add_seconds(Category category, Seconds field, double seconds) {

@@ -34,9 +34,10 @@
 // shows on some ranks only as NaN, `reductions._keep_canaries`).
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
-// cost model's, ordinals' and feedback store's locks taken as their Python owners take them
-// (attributes looked up by interned names: python_objects.h's `LOWBITCC_NAME`). Only the gloo
-// call and a plan core's run (encode, then its decode on gloo's thread) run without it.
+// cost model's, ordinals' and feedback store's locks taken as their Python owners take them,
+// and the statistics' at the first call after `state.STATS` was replaced (`counted_in`);
+// attributes are looked up by interned names (python_objects.h's `LOWBITCC_NAME`). Only the
+// gloo call and a plan core's run (encode, then its decode on gloo's thread) run without it.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>
@@ -112,12 +113,14 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // Destroyed with the GIL held (by its Python object), perhaps with the group's last
   // reference: the gloo group's destructor joins its threads, one of which may be waiting for
   // the GIL (in a Python callback of a call), so the group is let go of without it.
-  // What its calls counted and the statistics have not read yet is theirs now.
+  // What its calls counted and the statistics have not read yet is theirs now, added at their
+  // next read (`Stats.hand_over_counts`, which takes no lock: the garbage collector may destroy
+  // the runner inside one of the statistics' locks, in the thread that holds it).
   ~SteadyRunner() {
     if (Py_IsInitialized() && PyGILState_Check()) {
       if (counted_in_ && counts_->pending()) {
         try {
-          counted_in_.attr(LOWBITCC_NAME("fold_counts"))(counts_object_);
+          counted_in_.attr(LOWBITCC_NAME("hand_over_counts"))(counts_object_);
         } catch (py::error_already_set& error) {
           error.discard_as_unraisable("lowbitcc: the steady runner's last counts");
         }

@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_seconds", &lowbitcc::PlanCore::take_seconds,
            "The codec and wire seconds its runs measured since the last take (counters.Stats).");
   py::class_<lowbitcc::ServedCounts, std::shared_ptr<lowbitcc::ServedCounts>>(m, "ServedCounts")
+      .def_static("names", &lowbitcc::ServedCounts::names,
+                  "Every field's name (counters.Counters' names), the counts' then the seconds'.")
       .def("take_counts", &lowbitcc::ServedCounts::take_counts,
            "What the runner's calls counted since the last take, by category and field, zeroed "
            "(counters.Stats.watch_counts).");
