@@ -241,20 +241,19 @@ class Stats:
         return out
 
     def reset(self) -> None:
-        with self._reading, self._lock:
-            for source in list(self._sources):
-                source.take_seconds()
-            counting = list(self._counting)
-            while self._gone:
-                counting.append(self._gone.pop())
-            for source in counting:
-                source.take_counts()
-            self._counters = {"compressed": Counters(), "exact": Counters()}
-            # zeroed on the current stream: sums of kernels still running elsewhere may count in
-            # the new period (statistics only), and the tensors kernels may use stay alive
-            for acc in self._accumulators.values():
-                acc.zero_()
-            self._read = {}
+        with self._reading:
+            counting = self._watched_counts()
+            with self._lock:
+                for source in list(self._sources):
+                    source.take_seconds()
+                for source in counting:
+                    source.take_counts()
+                self._counters = {"compressed": Counters(), "exact": Counters()}
+                # zeroed on the current stream: sums of kernels still running elsewhere may count
+                # in the new period (statistics only), and the tensors kernels may use stay alive
+                for acc in self._accumulators.values():
+                    acc.zero_()
+                self._read = {}
 
 
 class RunTally:

@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "planned_work.h"
+
 namespace lowbitcc {
 
 // What deviated_output.py says a deviated output is, set once by `set_deviation` (probe 0: not
@@ -105,8 +107,7 @@ class FollowedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!future_) {
-      static const c10::TypePtr list_type = c10::ListType::create(c10::TensorType::get());
-      future_ = c10::make_intrusive<c10::ivalue::Future>(list_type);  // (the type made once)
+      future_ = c10::make_intrusive<c10::ivalue::Future>(outputs_type());
       auto future = future_;
       auto outputs = outputs_;
       const bool checked = checked_;

@@ -376,11 +376,6 @@ class __attribute__((visibility("hidden"))) PlanCore
           seq(seq_), threads(threads_),
           timed(timed_), start(start_), left(transfers),
           result(c10::make_intrusive<c10::ivalue::Future>(outputs_type())) {}
-    // The type of a run's result, a list of tensors (made once: each run's future shares it).
-    static const c10::TypePtr& outputs_type() {
-      static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
-      return type;
-    }
     // A transfer's error (its all-gather's, or its decode's): the run's first is its own.
     void failed(std::exception_ptr error) {
       std::lock_guard<std::mutex> lock(mutex);

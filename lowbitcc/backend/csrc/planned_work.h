@@ -1,5 +1,6 @@
-// PlannedWork: the Work of a plan core's run (plan_core.h), and RunTimings: what the core's
-// runs measured and no one has yet handed to the statistics and the cost model.
+// PlannedWork: the Work of a plan core's run (plan_core.h), RunTimings: what the core's runs
+// measured and no one has yet handed to the statistics and the cost model, and `outputs_type`:
+// the type of a Work's future's value (this Work's and followed_work.h's).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -11,6 +12,13 @@
 #include <vector>
 
 namespace lowbitcc {
+
+// The type of the value of a Work's future, a list of tensors (its outputs): made once, every
+// future shares it.
+inline const c10::TypePtr& outputs_type() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return type;
+}
 
 // The Work of a plan core's run: done when its decode is (`future`, whose value is the call's
 // outputs, or its error what the decode raised); `wait` raises that error, as the Python path's

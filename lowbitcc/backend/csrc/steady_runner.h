@@ -103,7 +103,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     cpu_ = py::str("cpu");
     backward_ = py::str("backward");
     step_ = py::str("step");
-    exact_ = py::str("exact");
     compressed_name_ = py::str("compressed");
     counts_object_ = py::cast(counts_);
   }
@@ -718,7 +717,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   int64_t world_, min_size_, timed_every_;
   bool issuer_counts_;
   std::set<int64_t> native_ops_;
-  py::str all_reduce_, reduce_scatter_, cpu_, backward_, step_, exact_, compressed_name_;
+  py::str all_reduce_, reduce_scatter_, cpu_, backward_, step_, compressed_name_;
   double decline_ = 0.0;
   std::mt19937_64 rng_;
   int64_t served_ = 0, served_compressed_ = 0;
