@@ -10,8 +10,10 @@ the group's waiter thread) serves instead; ``LOWBITCC_NATIVE_WORKS=0`` forces th
 tests run both).
 
 ``SteadyRunner`` and ``PlanCore``: the steady calls served in C++ (`steady_runner`,
-`plan_cores`). A plan core calls the C++ codec through its ``codec_api`` capsule
-(``codec/csrc/codec_api.h``, whose header this module includes).
+`plan_cores`); ``AllReduceMethod`` and ``ReduceScatterMethod``: a group's reduction methods that
+hand a call to its runner first (`steady_runner.install`). A plan core calls the C++ codec
+through its ``codec_api`` capsule (``codec/csrc/codec_api.h``, whose header this module
+includes).
 
 ``LaunchReplay``: a CUDA place's host record issued from C++ (`launch_record`): the kernels by
 the CUDA driver's ``cuLaunchKernel`` (found with ``dlopen``, ``-ldl``), the transfers on the
@@ -30,7 +32,8 @@ from lowbitcc.codec.abi import CSRC as CODEC_CSRC
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
-    [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "launch_replay.h",
+    [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "group_method.h",
+     CSRC / "launch_replay.h",
      CSRC / "model_timings.h",
      CSRC / "plan_core.h", CSRC / "plan_pieces.h", CSRC / "planned_work.h",
      CSRC / "python_objects.h", CSRC / "ring_run.h", CSRC / "served_counts.h",

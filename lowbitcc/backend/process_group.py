@@ -117,6 +117,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         # CPU calls that run as their place's entry, served whole in C++ (`steady_runner`)
         self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
                                             self._queue, size)
+        steady_runner.install(self)  # its reduction methods, asking the runner first
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -184,9 +185,9 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     # -- c10d methods: reductions -------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        # a steady call served whole in C++ (its Work), else None and the Python path
-        return self._runner.serve_all_reduce(tensors, opts) or self._all_reduce(
-            "allreduce", tensors, opts if opts is not None else dist.AllreduceOptions())
+        # (a steady call is served before this, in C++: `steady_runner.install`)
+        return self._all_reduce("allreduce", tensors,
+                                opts if opts is not None else dist.AllreduceOptions())
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -236,9 +237,8 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> Any:
-        return self._runner.serve_reduce_scatter(output, input, opts) or (  # (as `allreduce`)
-            self.reduce_scatter_single_coalesced(
-                [output], [input], opts if opts is not None else dist.ReduceScatterOptions()))
+        return self.reduce_scatter_single_coalesced(  # (as `allreduce`)
+            [output], [input], opts if opts is not None else dist.ReduceScatterOptions())
 
     _reduce_scatter_base = reduce_scatter_single
 

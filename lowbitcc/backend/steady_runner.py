@@ -1,6 +1,9 @@
 """The steady call in C++: `runner` builds a group's ``SteadyRunner``
-(``backend/csrc/steady_runner.h``), which `LocoProcessGroup`'s all-reduce and reduce-scatter ask
-first.
+(``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce``,
+``reduce_scatter_single`` and ``_reduce_scatter_base`` in its instance dict as C++ callables
+(``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs no Python
+frame between c10d's caller (``dist.all_reduce``, DDP's reducer through pybind's trampoline) and
+the wire; every other call goes on to the class's Python method.
 
 A CPU reduction in the steady state of its place (`reductions`) is served whole by the runner,
 without a Python frame, where it is:
@@ -27,6 +30,7 @@ the runner is a `NoRunner` and every call takes the Python path.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -92,16 +96,21 @@ class NoRunner:
     served = served_compressed = 0
 
     @staticmethod
-    def serve_all_reduce(tensors: Any, opts: Any) -> None:
-        return None
-
-    @staticmethod
-    def serve_reduce_scatter(output: Any, input: Any, opts: Any) -> None:  # noqa: A002
-        return None
-
-    @staticmethod
     def fold_timings() -> None:
         return None
+
+
+def install(group: Any) -> None:
+    """Put ``group``'s reduction methods in C++ in its instance dict (see the module
+    docstring), each falling back to the class's Python method; nothing where the group's
+    runner is a `NoRunner` (the class's methods then take every call)."""
+    module = native.load()
+    if module is None or isinstance(group._runner, NoRunner):
+        return
+    cls, ref = type(group), weakref.ref(group)
+    group.allreduce = module.AllReduceMethod(ref, cls.allreduce, module.SteadyRunner)
+    group.reduce_scatter_single = group._reduce_scatter_base = module.ReduceScatterMethod(
+        ref, cls.reduce_scatter_single, module.SteadyRunner)
 
 
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,

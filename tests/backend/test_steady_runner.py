@@ -286,6 +286,74 @@ def test_calls_the_runner_declines_take_the_python_path_and_leave_the_place_stea
             assert served == (1 if name.endswith(", then") else 0), (name, served)
 
 
+def _method_routes(rank, world, gloo):
+    pg = dist.new_group(backend="loco",
+                        pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+    runner = pg._runner
+    routes = {"types": [type(pg.__dict__.get(name)).__name__ for name in
+                        ("allreduce", "reduce_scatter_single", "_reduce_scatter_base")]}
+
+    def fresh():
+        return torch.full((64,), float(rank + 1))
+
+    def through(way):
+        """Served calls and the last output of 12 steady all-reduces issued ``way``."""
+        before, out = runner.served, None
+        for _ in range(12):
+            out = fresh()
+            if way == "c10d":  # c10d's C++ method, as DDP's reducer calls it (the trampoline)
+                dist.ProcessGroup.allreduce(pg, [out], dist.AllreduceOptions()).wait()
+            elif way == "keywords":
+                pg.allreduce(tensors=[out], opts=None).wait()
+            else:
+                dist.all_reduce(out, group=pg)
+            lowbitcc.end_step()
+        return runner.served - before, out
+
+    through("dist")  # the place agreed
+    routes["dist"] = through("dist")
+    routes["c10d"] = through("c10d")
+    routes["keywords"] = through("keywords")
+    pg._runner = steady_runner.NoRunner()  # every call the class's Python method's
+    routes["python"] = through("c10d")
+    pg._runner = runner
+    routes["again"] = through("dist")
+    output = torch.empty(32)
+    before = runner.served
+    for _ in range(12):
+        dist.reduce_scatter_tensor(output, torch.arange(64.0) * (rank + 1), group=pg)
+        lowbitcc.end_step()
+    routes["reduce_scatter"] = (runner.served - before, output.clone())
+    method = pg.allreduce
+    dist.destroy_process_group(pg)
+    pg = None  # (the method holds its group weakly)
+    gc.collect()
+    try:
+        method([fresh()])
+    except RuntimeError as gone:
+        routes["gone"] = str(gone)
+    return routes
+
+
+def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_through_them():
+    """The group's ``allreduce`` and reduce-scatters are its C++ methods (`steady_runner.install`):
+    `dist.all_reduce`, c10d's own C++ ``ProcessGroup.allreduce`` (pybind's trampoline, as DDP's
+    reducer calls it) and a call by keywords are served by the runner once steady, with gloo's
+    sums; a group whose runner is a `NoRunner` runs them through its Python methods, with the
+    same sums; a method kept past its group raises, naming why."""
+    for rank, routes in enumerate(run_ranks(_method_routes, 2, timeout=120)):
+        assert routes["types"] == ["AllReduceMethod", "ReduceScatterMethod",
+                                   "ReduceScatterMethod"], routes["types"]
+        for way in ("dist", "c10d", "keywords", "python", "again"):
+            served, out = routes[way]
+            assert torch.equal(out, torch.full((64,), 3.0)), way
+            assert served == (0 if way == "python" else 12), (way, served)
+        served, out = routes["reduce_scatter"]
+        assert served >= 10, served  # (its place's first runs agree it)
+        assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
+        assert "after its group was gone" in routes["gone"], routes["gone"]
+
+
 def _deviation_at_a_core(rank, world, gloo, collective):
     # one place, its entry compressed: every call a step, outside backward
     pg = dist.new_group(backend="loco",

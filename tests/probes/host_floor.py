@@ -31,6 +31,7 @@ median and mean host time per call over every round, and the floor's share of lo
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -97,7 +98,6 @@ def probe(rank: int, world: int, elements: int, calls: int, rounds: int) -> dict
 
     import lowbitcc
     from lowbitcc.backend.eager import _EAGER
-    from lowbitcc.backend.process_group import LocoProcessGroup
     from lowbitcc.backend.works import DoneWork
     from lowbitcc.codec import cpu
     from lowbitcc.transports import gloo as gloo_transport
@@ -144,7 +144,14 @@ def probe(rank: int, world: int, elements: int, calls: int, rounds: int) -> dict
     floor = _floor(recorder.calls, module, gloo, DoneWork, busy)
     if _EAGER is not None:  # outside torch.compile's frame evaluation, as the group's methods
         floor = _EAGER(floor)
-    own = LocoProcessGroup.allreduce
+    group = dist.group.WORLD
+    own = group.__dict__.get("allreduce")  # the group's C++ method (`steady_runner.install`)
+
+    def use(method: Any) -> None:
+        if method is None:
+            group.__dict__.pop("allreduce", None)  # the class's
+        else:
+            group.allreduce = method
 
     def stats_busy() -> float:
         s = lowbitcc.stats()["compressed"]
@@ -153,7 +160,7 @@ def probe(rank: int, world: int, elements: int, calls: int, rounds: int) -> dict
     hosts: dict[str, list[float]] = {way: [] for way in WAYS}
     for r in range(rounds):
         for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
-            LocoProcessGroup.allreduce = own if way == "loco" else floor
+            use(own if way == "loco" else functools.partial(floor, group))
             try:
                 for i in range(calls):
                     if i % 50 == 0:  # AVG keeps values finite; a fresh start keeps them varied
@@ -166,7 +173,7 @@ def probe(rank: int, world: int, elements: int, calls: int, rounds: int) -> dict
                     lowbitcc.end_step()
                     hosts[way].append((t1 - t0 - (stats_busy() + busy[0] - before)) * 1e6)
             finally:
-                LocoProcessGroup.allreduce = own
+                use(own)
             dist.barrier()
     return hosts
 

@@ -3,9 +3,11 @@ issue it three ways, each served by the same C++ path:
 
 - **dist**: ``dist.all_reduce(..., async_op=True)``, as a user's code calls it: torch's own
   Python wrapper (argument checks, loggers; gloo's calls pay it too), then as **c10d**;
-- **c10d**: the group's C++ ``ProcessGroup.allreduce``, as DDP's reducer calls it: c10d's
-  dispatch into the Python process group (pybind's trampoline, ``LocoProcessGroup.allreduce``
-  and its torch.compile guard), then the runner;
+- **c10d**: the group's C++ ``ProcessGroup.allreduce`` (called as
+  ``dist.ProcessGroup.allreduce(group, ...)``), as DDP's reducer calls it: c10d's dispatch into
+  the Python process group (pybind's trampoline), which finds the group's C++ ``allreduce`` in
+  its instance dict (`steady_runner.install`; before it, the class's Python method and its
+  torch.compile guard), then the runner;
 - **runner**: the group's ``SteadyRunner.serve_all_reduce`` called directly: no dispatch, no
   Python frame of lowbitcc's.
 
@@ -47,7 +49,7 @@ def _rank(rank: int, world: int, calls: int, rounds: int, elements: int) -> dict
         return dist.all_reduce(tensor, group=pg, async_op=True)
 
     def through_c10d() -> object:
-        return pg.allreduce([tensor], opts)
+        return dist.ProcessGroup.allreduce(pg, [tensor], opts)
 
     def direct() -> object:
         return runner.serve_all_reduce([tensor], opts)

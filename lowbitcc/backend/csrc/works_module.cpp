@@ -1,8 +1,9 @@
 // lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
 // plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
-// `LaunchReplay` launch_replay.h's.
+// `AllReduceMethod` and `ReduceScatterMethod` group_method.h's, `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
+#include "group_method.h"
 #include "launch_replay.h"
 #include "plan_core.h"
 #include "steady_runner.h"
@@ -73,6 +74,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed)
       .def_property_readonly("counts", &lowbitcc::SteadyRunner::counts);
+  py::class_<lowbitcc::AllReduceMethod>(m, "AllReduceMethod")
+      .def(py::init<py::object, py::object, py::object>(), py::arg("group"), py::arg("fallback"),
+           py::arg("runner_type"))
+      .def("__call__", &lowbitcc::AllReduceMethod::operator(), py::arg("tensors"),
+           py::arg("opts") = py::none(),
+           "The group's `allreduce`: a steady call served by its runner, else the Python method.");
+  py::class_<lowbitcc::ReduceScatterMethod>(m, "ReduceScatterMethod")
+      .def(py::init<py::object, py::object, py::object>(), py::arg("group"), py::arg("fallback"),
+           py::arg("runner_type"))
+      .def("__call__", &lowbitcc::ReduceScatterMethod::operator(), py::arg("output"),
+           py::arg("input"), py::arg("opts") = py::none(),
+           "The group's `reduce_scatter_single`: as `AllReduceMethod`.");
   py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
       .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
       .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),
