@@ -22,14 +22,31 @@ from typing import Any, TypeVar
 T = TypeVar("T", bound=type)
 
 
+def _set_eval_frame() -> Callable[[Any], Any] | None:
+    try:
+        from torch._C._dynamo import eval_frame
+        return eval_frame.set_eval_frame
+    except (ImportError, AttributeError):
+        return None
+
+
+SET_EVAL_FRAME = _set_eval_frame()
+"""torch.compile's ``set_eval_frame(callback)`` (returns the callback it replaces; None turns
+frame evaluation off), or None where torch lacks it. The group's C++ reduction methods
+(``backend/csrc/group_method.h``) call it around what they run, as `eager_methods`' wrapper
+does."""
+
+
 def _wrapper_factory() -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
     try:
         from torch._C._dynamo import eval_frame
-        set_eval_frame = eval_frame.set_eval_frame
+        set_eval_frame = SET_EVAL_FRAME
         skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP,
                                              eval_frame._FrameAction.DEFAULT)
         set_strategy = eval_frame.set_code_exec_strategy
     except (ImportError, AttributeError, TypeError):
+        return None
+    if set_eval_frame is None:
         return None
 
     def eager(fn: Callable[..., Any]) -> Callable[..., Any]:

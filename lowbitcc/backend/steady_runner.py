@@ -2,8 +2,11 @@
 (``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce``,
 ``reduce_scatter_single`` and ``_reduce_scatter_base`` in its instance dict as C++ callables
 (``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs no Python
-frame between c10d's caller (``dist.all_reduce``, DDP's reducer through pybind's trampoline) and
-the wire; every other call goes on to the class's Python method.
+frame between c10d's caller (``dist.all_reduce`` and ``dist.reduce_scatter_tensor``; DDP's
+reducer through pybind's trampoline, which torch has for ``allreduce`` only) and the wire; every
+other call goes on to the class's Python method. Whoever replaces one of them on a group must
+use a Python callable: pybind's trampoline takes a C function for "not overridden" and keeps
+that for the whole class (every group's calls from C++ would then go to its inner gloo group).
 
 A CPU reduction in the steady state of its place (`reductions`) is served whole by the runner,
 without a Python frame, where it is:
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from lowbitcc import policy, state
 from lowbitcc.backend import exact, native, plan_cores, worker_issue, works
 from lowbitcc.backend.compressed_calls import CompressedCalls
+from lowbitcc.backend.eager import SET_EVAL_FRAME
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
 
@@ -107,10 +111,10 @@ def install(group: Any) -> None:
     module = native.load()
     if module is None or isinstance(group._runner, NoRunner):
         return
-    cls, ref = type(group), weakref.ref(group)
-    group.allreduce = module.AllReduceMethod(ref, cls.allreduce, module.SteadyRunner)
+    cls, ref, eager = type(group), weakref.ref(group), SET_EVAL_FRAME
+    group.allreduce = module.AllReduceMethod(ref, cls.allreduce, module.SteadyRunner, eager)
     group.reduce_scatter_single = group._reduce_scatter_base = module.ReduceScatterMethod(
-        ref, cls.reduce_scatter_single, module.SteadyRunner)
+        ref, cls.reduce_scatter_single, module.SteadyRunner, eager)
 
 
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,

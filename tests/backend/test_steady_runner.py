@@ -354,6 +354,43 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
         assert "after its group was gone" in routes["gone"], routes["gone"]
 
 
+def _frames_seen_by_compile(rank, world, gloo):
+    from torch._C._dynamo import eval_frame
+    from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
+
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=2))
+    seen = []
+    run_as_is = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+
+    def evaluate(frame, *args):  # torch.compile's callback, stood in for: records, compiles none
+        seen.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        return ConvertFrameReturn(frame_exec_strategy=run_as_is, apply_to_code=False)
+
+    tensor = torch.ones(1 << 12)
+    with lowbitcc.compressed():
+        for _ in range(20):  # the place agreed
+            dist.ProcessGroup.allreduce(pg, [tensor], dist.AllreduceOptions()).wait()
+            lowbitcc.end_step()
+        served = pg._runner.served
+        for _ in range(140):  # two renewals' runs among them, whose bookkeeping is Python
+            prior = eval_frame.set_eval_frame(evaluate)
+            try:
+                dist.ProcessGroup.allreduce(pg, [tensor], dist.AllreduceOptions()).wait()
+            finally:
+                eval_frame.set_eval_frame(prior)
+            lowbitcc.end_step()
+    return pg._runner.served - served, seen
+
+
+def test_a_served_call_hands_none_of_its_python_frames_to_torch_compile():
+    """The group's C++ ``allreduce`` turns torch.compile's frame evaluation off around what it
+    runs (the runner's Python bookkeeping at a place's renewal included), as the class's
+    eager-wrapped methods do, when c10d calls it from a compiled region's eager part."""
+    for served, seen in run_ranks(_frames_seen_by_compile, 2, timeout=120):
+        assert served == 140, served
+        assert seen == [], seen[:10]
+
+
 def _deviation_at_a_core(rank, world, gloo, collective):
     # one place, its entry compressed: every call a step, outside backward
     pg = dist.new_group(backend="loco",

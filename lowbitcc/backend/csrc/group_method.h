@@ -1,13 +1,22 @@
 // GroupMethod: one reduction method of a "loco" group (`allreduce`, `reduce_scatter_single`,
 // `_reduce_scatter_base`) as a C++ callable that lowbitcc/backend/steady_runner.py's `install`
 // puts in the group's instance dict, where every caller finds it before the class's Python
-// method: Python's (`dist.all_reduce` calls `group.allreduce`) and c10d's C++ callers (DDP's
-// reducer, functional collectives), whose call pybind's trampoline of the Python process group
-// hands to the attribute it finds (a callable that is not a C function counts as the Python
-// override). A call is first offered to the group's runner (its `_runner`, read at each call, so
-// that a test may swap in a `NoRunner`): a steady call is served there, and so runs no Python
-// frame from c10d to the wire; any other call goes to `fallback`, the class's Python method
-// (eager-wrapped: lowbitcc/backend/eager.py), with the group.
+// method: Python's (`dist.all_reduce` calls `group.allreduce`, `dist.reduce_scatter_tensor`
+// `group._reduce_scatter_base`) and, for `allreduce`, c10d's C++ callers (DDP's reducer, the
+// functional all-reduce), whose call pybind's trampoline of the Python process group hands to
+// the attribute it finds (a callable that is not a C function counts as the Python override;
+// torch's trampoline has no `reduce_scatter_single` or `_reduce_scatter_base`, so a C++ caller
+// of those reaches the group's inner gloo backend, as before these methods). A call is first
+// offered to the group's runner (its `_runner`, read at each call, so that a test may swap in
+// a `NoRunner`): a steady call is served there, and so runs no Python frame from c10d to the
+// wire but at a place's renewal; any other call goes to `fallback`, the class's Python method
+// (eager-wrapped: lowbitcc/backend/eager.py), with the group. Either runs with torch.compile's
+// frame evaluation off (`set_eval_frame`, eager.py's `SET_EVAL_FRAME`), as the class's methods
+// do: c10d may call the group from a compiled region's eager part.
+//
+// Only a callable object may take a method's place in the instance dict: pybind's trampoline
+// takes a C function found there for "not overridden", and keeps that for the group's whole
+// class (every "loco" group's calls from C++ would then go to the inner gloo backend, exact).
 //
 // The group is held weakly (the group holds its methods); a call after it is gone raises.
 // Threads: called with the GIL, as any Python callable.
@@ -23,18 +32,63 @@
 
 namespace lowbitcc {
 
-// What both methods share: the group, the fallback, and the runner read at each call.
+// What both methods share: the group, the fallback, the runner read at each call, and frame
+// evaluation turned off for a scope.
 class __attribute__((visibility("hidden"))) GroupMethod {
  public:
   // `group`: a weak reference to the group; `fallback`: the class's Python method (called as
-  // `fallback(group, *args)`); `runner_type`: the `SteadyRunner` class, whose instances serve.
-  GroupMethod(py::object group, py::object fallback, py::object runner_type)
+  // `fallback(group, *args)`); `runner_type`: the `SteadyRunner` class, whose instances serve;
+  // `set_eval_frame`: torch.compile's (None: torch has none, nothing to turn off).
+  GroupMethod(py::object group, py::object fallback, py::object runner_type,
+              py::object set_eval_frame)
       : group_(std::move(group)),
         fallback_(std::move(fallback)),
-        runner_type_(std::move(runner_type)) {}
+        runner_type_(std::move(runner_type)),
+        set_eval_frame_(std::move(set_eval_frame)) {}
 
  protected:
+  // torch.compile's frame evaluation off for its life, the caller's callback restored after
+  // (what raised too).
+  class Eager {
+   public:
+    explicit Eager(const py::object& set_eval_frame) : set_(set_eval_frame) {
+      if (!set_.is_none()) {
+        prior_ = set_(py::none());
+      }
+    }
+    ~Eager() {
+      if (set_.is_none()) {
+        return;
+      }
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);  // (a raised error kept across the restore)
+      PyObject* done = PyObject_CallOneArg(set_.ptr(), prior_.ptr());
+      if (done == nullptr) {
+        PyErr_WriteUnraisable(set_.ptr());
+      } else {
+        Py_DECREF(done);
+      }
+      PyErr_Restore(type, value, traceback);
+    }
+    Eager(const Eager&) = delete;
+    Eager& operator=(const Eager&) = delete;
+
+   private:
+    const py::object& set_;
+    py::object prior_ = py::none();
+  };
+
   py::object live_group() const {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* group = nullptr;  // (a new reference; PyWeakref_GetObject is deprecated)
+    if (PyWeakref_GetRef(group_.ptr(), &group) < 0) {
+      throw py::error_already_set();
+    }
+    if (group == nullptr) {
+      throw std::runtime_error("lowbitcc: a reduction method was called after its group was gone");
+    }
+    return py::reinterpret_steal<py::object>(group);
+#else
     PyObject* group = PyWeakref_GetObject(group_.ptr());  // (borrowed)
     if (group == nullptr) {
       throw py::error_already_set();
@@ -43,6 +97,7 @@ class __attribute__((visibility("hidden"))) GroupMethod {
       throw std::runtime_error("lowbitcc: a reduction method was called after its group was gone");
     }
     return py::reinterpret_borrow<py::object>(group);
+#endif
   }
 
   // The group's runner where it is a `SteadyRunner` (the caller keeps the object while it
@@ -58,6 +113,7 @@ class __attribute__((visibility("hidden"))) GroupMethod {
   py::object group_;
   py::object fallback_;
   py::object runner_type_;
+  py::object set_eval_frame_;
 };
 
 // `group.allreduce(tensors, opts)`: the runner's Work, else the Python method's result.
@@ -66,6 +122,7 @@ class __attribute__((visibility("hidden"))) AllReduceMethod : public GroupMethod
   using GroupMethod::GroupMethod;
 
   py::object operator()(py::handle tensors, py::handle opts) {
+    Eager eager(set_eval_frame_);
     py::object group = live_group();
     py::object runner = runner_of(group);
     if (!runner.is_none()) {
@@ -84,6 +141,7 @@ class __attribute__((visibility("hidden"))) ReduceScatterMethod : public GroupMe
   using GroupMethod::GroupMethod;
 
   py::object operator()(py::handle output, py::handle input, py::handle opts) {
+    Eager eager(set_eval_frame_);
     py::object group = live_group();
     py::object runner = runner_of(group);
     if (!runner.is_none()) {

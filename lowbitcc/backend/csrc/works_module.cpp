@@ -75,14 +75,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed)
       .def_property_readonly("counts", &lowbitcc::SteadyRunner::counts);
   py::class_<lowbitcc::AllReduceMethod>(m, "AllReduceMethod")
-      .def(py::init<py::object, py::object, py::object>(), py::arg("group"), py::arg("fallback"),
-           py::arg("runner_type"))
+      .def(py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
+           py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"))
       .def("__call__", &lowbitcc::AllReduceMethod::operator(), py::arg("tensors"),
            py::arg("opts") = py::none(),
            "The group's `allreduce`: a steady call served by its runner, else the Python method.");
   py::class_<lowbitcc::ReduceScatterMethod>(m, "ReduceScatterMethod")
-      .def(py::init<py::object, py::object, py::object>(), py::arg("group"), py::arg("fallback"),
-           py::arg("runner_type"))
+      .def(py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
+           py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"))
       .def("__call__", &lowbitcc::ReduceScatterMethod::operator(), py::arg("output"),
            py::arg("input"), py::arg("opts") = py::none(),
            "The group's `reduce_scatter_single`: as `AllReduceMethod`.");
