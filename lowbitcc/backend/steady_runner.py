@@ -2,11 +2,13 @@
 (``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce``,
 ``reduce_scatter_single`` and ``_reduce_scatter_base`` in its instance dict as C++ callables
 (``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs no Python
-frame between c10d's caller (``dist.all_reduce`` and ``dist.reduce_scatter_tensor``; DDP's
-reducer through pybind's trampoline, which torch has for ``allreduce`` only) and the wire; every
-other call goes on to the class's Python method. Whoever replaces one of them on a group must
-use a Python callable: pybind's trampoline takes a C function for "not overridden" and keeps
-that for the whole class (every group's calls from C++ would then go to its inner gloo group).
+frame between c10d's caller and the wire (``dist.all_reduce`` and ``dist.reduce_scatter_tensor``
+from Python; through pybind's trampoline DDP's reducer and the functional all-reduce and
+reduce-scatter, which reach ``allreduce`` and ``reduce_scatter_single_coalesced``, also put
+there); every other call goes on to the class's Python method. Whoever replaces one of them on
+a group must use a Python callable: pybind's trampoline takes a C function for "not
+overridden" and keeps that for the whole class (every group's calls from C++ would then go to
+its inner gloo group).
 
 A CPU reduction in the steady state of its place (`reductions`) is served whole by the runner,
 without a Python frame, where it is:
@@ -105,7 +107,8 @@ class NoRunner:
 
 
 def install(group: Any) -> None:
-    """Put ``group``'s reduction methods in C++ in its instance dict (see the module
+    """Put ``group``'s reduction methods in C++ (and the coalesced reduce-scatter's, which
+    serves one tensor) in its instance dict (see the module
     docstring), each falling back to the class's Python method; nothing where the group's
     runner is a `NoRunner` (the class's methods then take every call)."""
     module = native.load()
@@ -115,6 +118,9 @@ def install(group: Any) -> None:
     group.allreduce = module.AllReduceMethod(ref, cls.allreduce, module.SteadyRunner, eager)
     group.reduce_scatter_single = group._reduce_scatter_base = module.ReduceScatterMethod(
         ref, cls.reduce_scatter_single, module.SteadyRunner, eager)
+    group.reduce_scatter_single_coalesced = group.reduce_scatter_tensor_coalesced = (
+        module.ReduceScatterCoalescedMethod(ref, cls.reduce_scatter_single_coalesced,
+                                            module.SteadyRunner, eager))
 
 
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,

@@ -291,7 +291,8 @@ def _method_routes(rank, world, gloo):
                         pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
     runner = pg._runner
     routes = {"types": [type(pg.__dict__.get(name)).__name__ for name in
-                        ("allreduce", "reduce_scatter_single", "_reduce_scatter_base")]}
+                        ("allreduce", "reduce_scatter_single", "_reduce_scatter_base",
+                         "reduce_scatter_single_coalesced")]}
 
     def fresh():
         return torch.full((64,), float(rank + 1))
@@ -324,6 +325,15 @@ def _method_routes(rank, world, gloo):
         dist.reduce_scatter_tensor(output, torch.arange(64.0) * (rank + 1), group=pg)
         lowbitcc.end_step()
     routes["reduce_scatter"] = (runner.served - before, output.clone())
+    from torch.distributed import _functional_collectives as functional
+
+    before = runner.served  # through c10d's C++ method: the coalesced one's trampoline
+    for _ in range(12):
+        scattered = functional.reduce_scatter_tensor(torch.arange(64.0) * (rank + 1), "sum", 0,
+                                                     pg)
+        scattered = functional.wait_tensor(scattered)
+        lowbitcc.end_step()
+    routes["functional reduce_scatter"] = (runner.served - before, scattered.clone())
     method = pg.allreduce
     dist.destroy_process_group(pg)
     pg = None  # (the method holds its group weakly)
@@ -339,18 +349,21 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
     """The group's ``allreduce`` and reduce-scatters are its C++ methods (`steady_runner.install`):
     `dist.all_reduce`, c10d's own C++ ``ProcessGroup.allreduce`` (pybind's trampoline, as DDP's
     reducer calls it) and a call by keywords are served by the runner once steady, with gloo's
-    sums; a group whose runner is a `NoRunner` runs them through its Python methods, with the
+    sums, and so are `dist.reduce_scatter_tensor` and the functional one (the coalesced
+    method's trampoline); a group whose runner is a `NoRunner` runs them through its Python methods, with the
     same sums; a method kept past its group raises, naming why."""
     for rank, routes in enumerate(run_ranks(_method_routes, 2, timeout=120)):
         assert routes["types"] == ["AllReduceMethod", "ReduceScatterMethod",
-                                   "ReduceScatterMethod"], routes["types"]
+                                   "ReduceScatterMethod", "ReduceScatterCoalescedMethod"], (
+            routes["types"])
         for way in ("dist", "c10d", "keywords", "python", "again"):
             served, out = routes[way]
             assert torch.equal(out, torch.full((64,), 3.0)), way
             assert served == (0 if way == "python" else 12), (way, served)
-        served, out = routes["reduce_scatter"]
-        assert served >= 10, served  # (its place's first runs agree it)
-        assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
+        for way in ("reduce_scatter", "functional reduce_scatter"):
+            served, out = routes[way]
+            assert served >= 10, (way, served)  # (its place's first runs agree it)
+            assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
         assert "after its group was gone" in routes["gone"], routes["gone"]
 
 

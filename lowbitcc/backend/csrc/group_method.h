@@ -1,12 +1,13 @@
 // GroupMethod: one reduction method of a "loco" group (`allreduce`, `reduce_scatter_single`,
-// `_reduce_scatter_base`) as a C++ callable that lowbitcc/backend/steady_runner.py's `install`
+// `_reduce_scatter_base`, `reduce_scatter_single_coalesced`) as a C++ callable that lowbitcc/backend/steady_runner.py's `install`
 // puts in the group's instance dict, where every caller finds it before the class's Python
 // method: Python's (`dist.all_reduce` calls `group.allreduce`, `dist.reduce_scatter_tensor`
-// `group._reduce_scatter_base`) and, for `allreduce`, c10d's C++ callers (DDP's reducer, the
-// functional all-reduce), whose call pybind's trampoline of the Python process group hands to
-// the attribute it finds (a callable that is not a C function counts as the Python override;
-// torch's trampoline has no `reduce_scatter_single` or `_reduce_scatter_base`, so a C++ caller
-// of those reaches the group's inner gloo backend, as before these methods). A call is first
+// `group._reduce_scatter_base`) and, for `allreduce` and `reduce_scatter_single_coalesced`,
+// c10d's C++ callers (DDP's reducer, the functional all-reduce and reduce-scatter), whose call
+// pybind's trampoline of the Python process group hands to the attribute it finds (a callable
+// that is not a C function counts as the Python override; torch's trampoline has no
+// `reduce_scatter_single` or `_reduce_scatter_base`, so a C++ caller of those reaches the
+// group's inner gloo backend, as before these methods). A call is first
 // offered to the group's runner (its `_runner`, read at each call, so that a test may swap in
 // a `NoRunner`): a steady call is served there, and so runs no Python frame from c10d to the
 // wire but at a place's renewal; any other call goes to `fallback`, the class's Python method
@@ -151,6 +152,31 @@ class __attribute__((visibility("hidden"))) ReduceScatterMethod : public GroupMe
       }
     }
     return fallback_(group, output, input, opts);
+  }
+};
+
+// `group.reduce_scatter_single_coalesced(outputs, inputs, opts)` (and the older
+// `reduce_scatter_tensor_coalesced`), as c10d's C++ callers issue a reduce-scatter (the
+// functional `reduce_scatter_tensor`, through pybind's trampoline): one output and one input are
+// the runner's (the place `reduce_scatter_single` takes, which is this call of one tensor),
+// several the Python method's.
+class __attribute__((visibility("hidden"))) ReduceScatterCoalescedMethod : public GroupMethod {
+ public:
+  using GroupMethod::GroupMethod;
+
+  py::object operator()(py::handle outputs, py::handle inputs, py::handle opts) {
+    Eager eager(set_eval_frame_);
+    py::object group = live_group();
+    py::object runner = runner_of(group);
+    if (!runner.is_none() && PyList_Check(outputs.ptr()) && PyList_Check(inputs.ptr()) &&
+        PyList_GET_SIZE(outputs.ptr()) == 1 && PyList_GET_SIZE(inputs.ptr()) == 1) {
+      py::object served = runner.cast<SteadyRunner&>().serve_reduce_scatter(
+          PyList_GET_ITEM(outputs.ptr(), 0), PyList_GET_ITEM(inputs.ptr(), 0), opts);
+      if (!served.is_none()) {
+        return served;
+      }
+    }
+    return fallback_(group, outputs, inputs, opts);
   }
 };
 

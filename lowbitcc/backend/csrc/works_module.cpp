@@ -1,7 +1,8 @@
 // lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
 // plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
-// `AllReduceMethod` and `ReduceScatterMethod` group_method.h's, `LaunchReplay` launch_replay.h's.
+// `AllReduceMethod`, `ReduceScatterMethod` and `ReduceScatterCoalescedMethod` group_method.h's,
+// `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
 #include "group_method.h"
 #include "launch_replay.h"
@@ -86,6 +87,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &lowbitcc::ReduceScatterMethod::operator(), py::arg("output"),
            py::arg("input"), py::arg("opts") = py::none(),
            "The group's `reduce_scatter_single`: as `AllReduceMethod`.");
+  py::class_<lowbitcc::ReduceScatterCoalescedMethod>(m, "ReduceScatterCoalescedMethod")
+      .def(py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
+           py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"))
+      .def("__call__", &lowbitcc::ReduceScatterCoalescedMethod::operator(), py::arg("outputs"),
+           py::arg("inputs"), py::arg("opts") = py::none(),
+           "The group's `reduce_scatter_single_coalesced`: one tensor as `ReduceScatterMethod`.");
   py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
       .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
       .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),
