@@ -117,7 +117,7 @@ class LocoProcessGroup(dist.ProcessGroup):
         # CPU calls that run as their place's entry, served whole in C++ (`steady_runner`)
         self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
                                             self._queue, size)
-        steady_runner.install(self)  # its reduction methods, asking the runner first
+        steady_runner.install(self, LocoProcessGroup)  # its reduction methods, in C++
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)

@@ -106,21 +106,28 @@ class NoRunner:
         return None
 
 
-def install(group: Any) -> None:
-    """Put ``group``'s reduction methods in C++ (and the coalesced reduce-scatter's, which
-    serves one tensor) in its instance dict (see the module
-    docstring), each falling back to the class's Python method; nothing where the group's
-    runner is a `NoRunner` (the class's methods then take every call)."""
+METHODS = {"allreduce": "AllReduceMethod", "reduce_scatter_single": "ReduceScatterMethod",
+           "_reduce_scatter_base": "ReduceScatterMethod",
+           "reduce_scatter_single_coalesced": "ReduceScatterCoalescedMethod",
+           "reduce_scatter_tensor_coalesced": "ReduceScatterCoalescedMethod"}
+"""The group's methods `install` puts in C++, by name: the C++ class of each
+(``backend/csrc/group_method.h``)."""
+
+
+def install(group: Any, base: type) -> None:
+    """Put ``group``'s reduction methods in C++ (`METHODS`; the coalesced reduce-scatter's
+    serves one tensor) in its instance dict (see the module docstring), each falling back to
+    the class's Python method; nothing where the group's runner is a `NoRunner` (the class's
+    methods then take every call), and not a method that a subclass of ``base`` (the group's
+    class, `LocoProcessGroup`) defines anew: the subclass's takes every call of it."""
     module = native.load()
     if module is None or isinstance(group._runner, NoRunner):
         return
-    cls, ref, eager = type(group), weakref.ref(group), SET_EVAL_FRAME
-    group.allreduce = module.AllReduceMethod(ref, cls.allreduce, module.SteadyRunner, eager)
-    group.reduce_scatter_single = group._reduce_scatter_base = module.ReduceScatterMethod(
-        ref, cls.reduce_scatter_single, module.SteadyRunner, eager)
-    group.reduce_scatter_single_coalesced = group.reduce_scatter_tensor_coalesced = (
-        module.ReduceScatterCoalescedMethod(ref, cls.reduce_scatter_single_coalesced,
-                                            module.SteadyRunner, eager))
+    cls, ref = type(group), weakref.ref(group)
+    for name, kind in METHODS.items():
+        if getattr(cls, name) is getattr(base, name):
+            setattr(group, name, getattr(module, kind)(ref, getattr(cls, name),
+                                                       module.SteadyRunner, SET_EVAL_FRAME))
 
 
 def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,

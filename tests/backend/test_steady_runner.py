@@ -334,12 +334,24 @@ def _method_routes(rank, world, gloo):
         scattered = functional.wait_tensor(scattered)
         lowbitcc.end_step()
     routes["functional reduce_scatter"] = (runner.served - before, scattered.clone())
-    method = pg.allreduce
+    from lowbitcc.backend.process_group import LocoProcessGroup
+
+    class Intercepting(LocoProcessGroup):  # a subclass's own allreduce takes its calls
+        def allreduce(self, tensors, opts=None):
+            return LocoProcessGroup.allreduce(self, tensors, opts)
+
+    for name in steady_runner.METHODS:
+        del pg.__dict__[name]
+    pg.__class__ = Intercepting
+    steady_runner.install(pg, LocoProcessGroup)
+    routes["subclass"] = sorted(name for name in steady_runner.METHODS if name in pg.__dict__)
+    pg.__class__ = LocoProcessGroup
+    method = pg.reduce_scatter_single
     dist.destroy_process_group(pg)
     pg = None  # (the method holds its group weakly)
     gc.collect()
     try:
-        method([fresh()])
+        method(torch.empty(32), fresh())
     except RuntimeError as gone:
         routes["gone"] = str(gone)
     return routes
@@ -350,8 +362,9 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
     `dist.all_reduce`, c10d's own C++ ``ProcessGroup.allreduce`` (pybind's trampoline, as DDP's
     reducer calls it) and a call by keywords are served by the runner once steady, with gloo's
     sums, and so are `dist.reduce_scatter_tensor` and the functional one (the coalesced
-    method's trampoline); a group whose runner is a `NoRunner` runs them through its Python methods, with the
-    same sums; a method kept past its group raises, naming why."""
+    method's trampoline); a group whose runner is a `NoRunner` runs them through its Python
+    methods, with the same sums; a subclass that defines a method anew keeps it; a method kept
+    past its group raises, naming why."""
     for rank, routes in enumerate(run_ranks(_method_routes, 2, timeout=120)):
         assert routes["types"] == ["AllReduceMethod", "ReduceScatterMethod",
                                    "ReduceScatterMethod", "ReduceScatterCoalescedMethod"], (
@@ -365,6 +378,8 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
             assert served >= 10, (way, served)  # (its place's first runs agree it)
             assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
         assert "after its group was gone" in routes["gone"], routes["gone"]
+        assert routes["subclass"] == sorted(set(steady_runner.METHODS) - {"allreduce"}), (
+            routes["subclass"])
 
 
 def _frames_seen_by_compile(rank, world, gloo):
