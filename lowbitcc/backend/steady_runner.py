@@ -106,26 +106,33 @@ class NoRunner:
         return None
 
 
-METHODS = {"allreduce": "AllReduceMethod", "reduce_scatter_single": "ReduceScatterMethod",
-           "_reduce_scatter_base": "ReduceScatterMethod",
-           "reduce_scatter_single_coalesced": "ReduceScatterCoalescedMethod",
-           "reduce_scatter_tensor_coalesced": "ReduceScatterCoalescedMethod"}
+METHODS = ({"allreduce": "AllReduceMethod"},
+           {"reduce_scatter_single": "ReduceScatterMethod",
+            "_reduce_scatter_base": "ReduceScatterMethod",
+            "reduce_scatter_single_coalesced": "ReduceScatterCoalescedMethod",
+            "reduce_scatter_tensor_coalesced": "ReduceScatterCoalescedMethod"})
 """The group's methods `install` puts in C++, by name: the C++ class of each
-(``backend/csrc/group_method.h``)."""
+(``backend/csrc/group_method.h``), in families whose Python methods route through one another
+(the class's ``reduce_scatter_single`` through its ``reduce_scatter_single_coalesced``)."""
 
 
 def install(group: Any, base: type) -> None:
     """Put ``group``'s reduction methods in C++ (`METHODS`; the coalesced reduce-scatter's
     serves one tensor) in its instance dict (see the module docstring), each falling back to
-    the class's Python method; nothing where the group's runner is a `NoRunner` (the class's
-    methods then take every call), and not a method that a subclass of ``base`` (the group's
-    class, `LocoProcessGroup`) defines anew: the subclass's takes every call of it."""
+    the class's Python method of its name (``_reduce_scatter_base``'s is the class's alias of
+    ``reduce_scatter_single``, which `eager.eager_methods` leaves unwrapped: the C++ method
+    turns frame evaluation off itself); nothing where the group's runner is a `NoRunner` (the
+    class's methods then take every call), and no method of a family of which a subclass of
+    ``base`` (the group's class, `LocoProcessGroup`) defines one anew: the subclass's then takes
+    every call that would reach it."""
     module = native.load()
     if module is None or isinstance(group._runner, NoRunner):
         return
     cls, ref = type(group), weakref.ref(group)
-    for name, kind in METHODS.items():
-        if getattr(cls, name) is getattr(base, name):
+    for family in METHODS:
+        if any(getattr(cls, name) is not getattr(base, name) for name in family):
+            continue
+        for name, kind in family.items():
             setattr(group, name, getattr(module, kind)(ref, getattr(cls, name),
                                                        module.SteadyRunner, SET_EVAL_FRAME))
 

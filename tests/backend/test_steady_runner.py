@@ -334,18 +334,32 @@ def _method_routes(rank, world, gloo):
         scattered = functional.wait_tensor(scattered)
         lowbitcc.end_step()
     routes["functional reduce_scatter"] = (runner.served - before, scattered.clone())
+    runner.decline_at_random(0.5, 7)  # (the same draws on both ranks: they decline together)
+    before = runner.served
+    for _ in range(200):
+        dist.reduce_scatter_tensor(output, torch.arange(64.0) * (rank + 1), group=pg)
+        lowbitcc.end_step()
+    runner.decline_at_random(0.0, 0)
+    routes["half declined"] = (runner.served - before, output.clone())
     from lowbitcc.backend.process_group import LocoProcessGroup
 
     class Intercepting(LocoProcessGroup):  # a subclass's own allreduce takes its calls
         def allreduce(self, tensors, opts=None):
             return LocoProcessGroup.allreduce(self, tensors, opts)
 
-    for name in steady_runner.METHODS:
-        del pg.__dict__[name]
-    pg.__class__ = Intercepting
-    steady_runner.install(pg, LocoProcessGroup)
-    routes["subclass"] = sorted(name for name in steady_runner.METHODS if name in pg.__dict__)
+    class InterceptingCoalesced(LocoProcessGroup):  # which the reduce-scatters go through
+        def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+            return LocoProcessGroup.reduce_scatter_single_coalesced(self, outputs, inputs, opts)
+
+    names = [name for family in steady_runner.METHODS for name in family]
+    for subclass in (Intercepting, InterceptingCoalesced):
+        for name in names:
+            pg.__dict__.pop(name, None)
+        pg.__class__ = subclass
+        steady_runner.install(pg, LocoProcessGroup)
+        routes[subclass.__name__] = sorted(name for name in names if name in pg.__dict__)
     pg.__class__ = LocoProcessGroup
+    steady_runner.install(pg, LocoProcessGroup)
     method = pg.reduce_scatter_single
     dist.destroy_process_group(pg)
     pg = None  # (the method holds its group weakly)
@@ -363,8 +377,9 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
     reducer calls it) and a call by keywords are served by the runner once steady, with gloo's
     sums, and so are `dist.reduce_scatter_tensor` and the functional one (the coalesced
     method's trampoline); a group whose runner is a `NoRunner` runs them through its Python
-    methods, with the same sums; a subclass that defines a method anew keeps it; a method kept
-    past its group raises, naming why."""
+    methods, with the same sums; a call the runner declines is offered to it once (half
+    declined at random: about half served); a subclass that defines a method anew keeps it and
+    those that route through it; a method kept past its group raises, naming why."""
     for rank, routes in enumerate(run_ranks(_method_routes, 2, timeout=120)):
         assert routes["types"] == ["AllReduceMethod", "ReduceScatterMethod",
                                    "ReduceScatterMethod", "ReduceScatterCoalescedMethod"], (
@@ -377,9 +392,14 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
             served, out = routes[way]
             assert served >= 10, (way, served)  # (its place's first runs agree it)
             assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
+        served, out = routes["half declined"]  # (offered twice: about 150)
+        assert 70 <= served <= 130, served
+        assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
         assert "after its group was gone" in routes["gone"], routes["gone"]
-        assert routes["subclass"] == sorted(set(steady_runner.METHODS) - {"allreduce"}), (
-            routes["subclass"])
+        all_reduce, reduce_scatters = steady_runner.METHODS
+        assert routes["Intercepting"] == sorted(reduce_scatters), routes["Intercepting"]
+        assert routes["InterceptingCoalesced"] == sorted(all_reduce), (
+            routes["InterceptingCoalesced"])
 
 
 def _frames_seen_by_compile(rank, world, gloo):
