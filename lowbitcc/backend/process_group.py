@@ -237,8 +237,7 @@ class LocoProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> Any:
-        # the class's (a subclass's own included), not the group's C++ one, which would offer
-        # the call to the runner a second time (`steady_runner.install`)
+        # the class's, not the group's C++ one: the runner is asked once (`steady_runner`)
         return type(self).reduce_scatter_single_coalesced(
             self, [output], [input], opts if opts is not None else dist.ReduceScatterOptions())
 
