@@ -10,10 +10,10 @@ the group's waiter thread) serves instead; ``LOWBITCC_NATIVE_WORKS=0`` forces th
 tests run both).
 
 ``SteadyRunner`` and ``PlanCore``: the steady calls served in C++ (`steady_runner`,
-`plan_cores`); ``AllReduceMethod`` and ``ReduceScatterMethod``: a group's reduction methods that
-hand a call to its runner first (`steady_runner.install`). A plan core calls the C++ codec
-through its ``codec_api`` capsule (``codec/csrc/codec_api.h``, whose header this module
-includes).
+`plan_cores`); ``AllReduceMethod``, ``ReduceScatterMethod`` and ``ReduceScatterCoalescedMethod``:
+a group's reduction methods that hand a call to its runner first (`steady_runner.install`). A
+plan core calls the C++ codec through its ``codec_api`` capsule (``codec/csrc/codec_api.h``,
+whose header this module includes).
 
 ``LaunchReplay``: a CUDA place's host record issued from C++ (`launch_record`): the kernels by
 the CUDA driver's ``cuLaunchKernel`` (found with ``dlopen``, ``-ldl``), the transfers on the

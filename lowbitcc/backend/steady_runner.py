@@ -1,6 +1,6 @@
 """The steady call in C++: `runner` builds a group's ``SteadyRunner``
-(``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce``,
-``reduce_scatter_single`` and ``_reduce_scatter_base`` in its instance dict as C++ callables
+(``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce`` and
+reduce-scatters (`METHODS`) in its instance dict as C++ callables
 (``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs no Python
 frame between c10d's caller and the wire (``dist.all_reduce`` and ``dist.reduce_scatter_tensor``
 from Python; through pybind's trampoline DDP's reducer and the functional all-reduce and
