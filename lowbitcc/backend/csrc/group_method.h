@@ -33,7 +33,7 @@
 
 namespace lowbitcc {
 
-// What both methods share: the group, the fallback, the runner read at each call, and frame
+// What the methods share: the group, the fallback, the runner read at each call, and frame
 // evaluation turned off for a scope.
 class __attribute__((visibility("hidden"))) GroupMethod {
  public:
@@ -111,6 +111,22 @@ class __attribute__((visibility("hidden"))) GroupMethod {
     return runner;
   }
 
+  // The call: `serve(runner)` where the group's runner is a `SteadyRunner` (None: declined),
+  // else, and where it declines, `fallback(group, args...)`; frame evaluation off throughout.
+  template <typename Serve, typename... Args>
+  py::object call(Serve&& serve, const Args&... args) {
+    Eager eager(set_eval_frame_);
+    py::object group = live_group();
+    py::object runner = runner_of(group);
+    if (!runner.is_none()) {
+      py::object served = serve(runner.cast<SteadyRunner&>());
+      if (!served.is_none()) {
+        return served;
+      }
+    }
+    return fallback_(group, args...);
+  }
+
   py::object group_;
   py::object fallback_;
   py::object runner_type_;
@@ -123,16 +139,8 @@ class __attribute__((visibility("hidden"))) AllReduceMethod : public GroupMethod
   using GroupMethod::GroupMethod;
 
   py::object operator()(py::handle tensors, py::handle opts) {
-    Eager eager(set_eval_frame_);
-    py::object group = live_group();
-    py::object runner = runner_of(group);
-    if (!runner.is_none()) {
-      py::object served = runner.cast<SteadyRunner&>().serve_all_reduce(tensors, opts);
-      if (!served.is_none()) {
-        return served;
-      }
-    }
-    return fallback_(group, tensors, opts);
+    return call([&](SteadyRunner& runner) { return runner.serve_all_reduce(tensors, opts); },
+                tensors, opts);
   }
 };
 
@@ -142,16 +150,9 @@ class __attribute__((visibility("hidden"))) ReduceScatterMethod : public GroupMe
   using GroupMethod::GroupMethod;
 
   py::object operator()(py::handle output, py::handle input, py::handle opts) {
-    Eager eager(set_eval_frame_);
-    py::object group = live_group();
-    py::object runner = runner_of(group);
-    if (!runner.is_none()) {
-      py::object served = runner.cast<SteadyRunner&>().serve_reduce_scatter(output, input, opts);
-      if (!served.is_none()) {
-        return served;
-      }
-    }
-    return fallback_(group, output, input, opts);
+    return call(
+        [&](SteadyRunner& runner) { return runner.serve_reduce_scatter(output, input, opts); },
+        output, input, opts);
   }
 };
 
@@ -165,18 +166,16 @@ class __attribute__((visibility("hidden"))) ReduceScatterCoalescedMethod : publi
   using GroupMethod::GroupMethod;
 
   py::object operator()(py::handle outputs, py::handle inputs, py::handle opts) {
-    Eager eager(set_eval_frame_);
-    py::object group = live_group();
-    py::object runner = runner_of(group);
-    if (!runner.is_none() && PyList_Check(outputs.ptr()) && PyList_Check(inputs.ptr()) &&
-        PyList_GET_SIZE(outputs.ptr()) == 1 && PyList_GET_SIZE(inputs.ptr()) == 1) {
-      py::object served = runner.cast<SteadyRunner&>().serve_reduce_scatter(
-          PyList_GET_ITEM(outputs.ptr(), 0), PyList_GET_ITEM(inputs.ptr(), 0), opts);
-      if (!served.is_none()) {
-        return served;
-      }
-    }
-    return fallback_(group, outputs, inputs, opts);
+    return call(
+        [&](SteadyRunner& runner) -> py::object {
+          if (!PyList_Check(outputs.ptr()) || !PyList_Check(inputs.ptr()) ||
+              PyList_GET_SIZE(outputs.ptr()) != 1 || PyList_GET_SIZE(inputs.ptr()) != 1) {
+            return py::none();
+          }
+          return runner.serve_reduce_scatter(PyList_GET_ITEM(outputs.ptr(), 0),
+                                             PyList_GET_ITEM(inputs.ptr(), 0), opts);
+        },
+        outputs, inputs, opts);
   }
 };
 

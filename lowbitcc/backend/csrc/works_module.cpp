@@ -9,6 +9,19 @@
 #include "plan_core.h"
 #include "steady_runner.h"
 
+namespace {
+
+// One of group_method.h's classes, bound with the constructor they share (its `__call__` is
+// each one's own).
+template <typename Method>
+py::class_<Method> group_method(py::module& m, const char* name) {
+  return py::class_<Method>(m, name).def(
+      py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
+      py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"));
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py)";
   m.def(
@@ -75,21 +88,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed)
       .def_property_readonly("counts", &lowbitcc::SteadyRunner::counts);
-  py::class_<lowbitcc::AllReduceMethod>(m, "AllReduceMethod")
-      .def(py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
-           py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"))
+  group_method<lowbitcc::AllReduceMethod>(m, "AllReduceMethod")
       .def("__call__", &lowbitcc::AllReduceMethod::operator(), py::arg("tensors"),
            py::arg("opts") = py::none(),
            "The group's `allreduce`: a steady call served by its runner, else the Python method.");
-  py::class_<lowbitcc::ReduceScatterMethod>(m, "ReduceScatterMethod")
-      .def(py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
-           py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"))
+  group_method<lowbitcc::ReduceScatterMethod>(m, "ReduceScatterMethod")
       .def("__call__", &lowbitcc::ReduceScatterMethod::operator(), py::arg("output"),
            py::arg("input"), py::arg("opts") = py::none(),
            "The group's `reduce_scatter_single`: as `AllReduceMethod`.");
-  py::class_<lowbitcc::ReduceScatterCoalescedMethod>(m, "ReduceScatterCoalescedMethod")
-      .def(py::init<py::object, py::object, py::object, py::object>(), py::arg("group"),
-           py::arg("fallback"), py::arg("runner_type"), py::arg("set_eval_frame"))
+  group_method<lowbitcc::ReduceScatterCoalescedMethod>(m, "ReduceScatterCoalescedMethod")
       .def("__call__", &lowbitcc::ReduceScatterCoalescedMethod::operator(), py::arg("outputs"),
            py::arg("inputs"), py::arg("opts") = py::none(),
            "The group's `reduce_scatter_single_coalesced`: one tensor as `ReduceScatterMethod`.");
