@@ -10,6 +10,13 @@ and a recv posted in either order cannot deadlock.
 
 Each call returns a `works.LocoWork` (the Works and futures: `lowbitcc.backend.works`).
 
+A second thread issues on the same inner gloo group: the group's issue lane (``lane``, the C++
+``IssueLane``, ``backend/csrc/issue_lane.h``), on which the steady runner queues the plan cores'
+whole runs (the tree's, the ring's, an all-reduce's two phases on more ranks) so that their calls
+return at once. The worker waits until the lane is idle before each job it runs, so the jobs'
+inner operations are issued after the lane's runs queued before them, on every rank alike.
+``lane`` is None where the C++ module cannot be built (no plan core runs then).
+
 Jobs and finishes run without autograd (grad mode is per thread: the worker and waiter, this
 module's threads, turn it off once when they start): a collective writes its outputs in place, as
 gloo's C++ does, also into a parameter that requires grad. Futures with Python callbacks are
@@ -35,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbitcc.backend import native
 from lowbitcc.backend.works import (
     DoneWork,
     FollowedWork,
@@ -108,6 +116,9 @@ class IssueQueue:
         """Jobs submitted and not yet run to their end by the worker (under ``_lock``): the
         steady runner's compressed call waits until none is (`wait_idle`): the worker's calls
         on the same gloo group go first (`steady_runner`)."""
+        module = native.load()
+        self.lane = None if module is None else module.IssueLane()
+        """The group's issue lane (see the module docstring), or None."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
         self._completers = ThreadPoolExecutor(COMPLETERS, thread_name_prefix=f"{name}-completer")
@@ -210,6 +221,8 @@ class IssueQueue:
             self._closed = True
             self._jobs.put(None)
         self._worker.join(timeout=timeout_s)
+        if self.lane is not None:
+            self.lane.close()  # (its runs queued before the worker's last job have run)
         self._waiter.join(timeout=timeout_s)
         self._completers.shutdown(wait=False)
         return True
@@ -227,6 +240,7 @@ class IssueQueue:
 
     def _run_jobs(self) -> None:
         torch.set_grad_enabled(False)  # this thread's own mode: every job without autograd
+        lane_idle = (lambda: None) if self.lane is None else self.lane.wait_idle
         while True:
             item = self._jobs.get()
             if item is None:
@@ -234,6 +248,7 @@ class IssueQueue:
                 return
             job, future = item
             error: BaseException | None = None
+            lane_idle()  # the lane's runs queued before it go first (see the module docstring)
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 (delivered to the caller's wait())

@@ -11,7 +11,8 @@ tests run both).
 
 ``SteadyRunner`` and ``PlanCore``: the steady calls served in C++ (`steady_runner`,
 `plan_cores`); ``AllReduceMethod``, ``ReduceScatterMethod`` and ``ReduceScatterCoalescedMethod``:
-a group's reduction methods that hand a call to its runner first (`steady_runner.install`). A
+a group's reduction methods that hand a call to its runner first (`steady_runner.install`);
+``IssueLane``: the thread a group's plan cores run their whole runs on (`issue_queue`). A
 plan core calls the C++ codec through its ``codec_api`` capsule (``codec/csrc/codec_api.h``,
 whose header this module includes).
 
@@ -33,7 +34,7 @@ CSRC = Path(__file__).parent / "csrc"
 EXTENSION = cpp_build.Extension(
     "lowbitcc_works", [CSRC / "works_module.cpp"],
     [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "group_method.h",
-     CSRC / "launch_replay.h",
+     CSRC / "issue_lane.h", CSRC / "launch_replay.h",
      CSRC / "model_timings.h",
      CSRC / "plan_core.h", CSRC / "plan_pieces.h", CSRC / "planned_work.h",
      CSRC / "python_objects.h", CSRC / "ring_run.h", CSRC / "served_counts.h",

@@ -16,10 +16,12 @@ without a Python frame, where it is:
 - the place's exact entry, for an op the inner gloo group runs itself (`Reductions._run_exact`):
   the call is started on the group's direct gloo group with the GIL released, and its Work is
   the C++ `FollowedWork`;
-- the place's compressed all-reduce entry, whose plan has a C++ core (`plan_cores`): the core
-  encodes in the calling thread, all-gathers on the plan's own gloo group and decodes on gloo's
-  thread (`Reductions._plan_run` and `CallPlan.run`, byte for byte), once the group's worker has
-  run what was queued before it (`IssueQueue.wait_idle`).
+- the place's compressed all-reduce or reduce-scatter entry, whose plan has a C++ core
+  (`plan_cores`): the core encodes in the calling thread, all-gathers on the plan's own gloo
+  group and decodes on gloo's thread (`Reductions._plan_run` and `CallPlan.run`, byte for
+  byte), once the group's worker has run what was queued before it (`IssueQueue.wait_idle`); a
+  core whose runs are whole (the tree's, the ring's, an all-reduce's two phases on more ranks)
+  runs on the queue's issue lane instead, and the call returns once the run is queued.
 
 The runner reads and writes the same objects the Python path does (the schedule's index, the
 entry's runs and canary, the call number, the feedback-key ordinal, the cost model's count and
@@ -70,7 +72,9 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       ``plan_core``: `plan_cores.make_core`; ``cpu_device``: the CPU's ``torch.device`` and
       ``encoder_thread``: the ident of the thread the Python path encodes on (the worker, or
       inline the main thread), whose statistics' accumulator a plan core adds its sums to
-      (`counters.Stats.accumulator`);
+      (`counters.Stats.accumulator`); ``lane``: the queue's issue lane, where the worker
+      issues (`issue_queue`: a plan core's whole runs go there), else None (inline, the calling
+      thread issues every call);
     - ``policy``, ``min_size``, ``world``, ``native_ops``: the group's settings and the ops the
       inner gloo group runs itself.
     """
@@ -92,6 +96,7 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
         "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
         "plan_core": plan_cores.make_core, "cpu_device": torch.device("cpu"),
         "encoder_thread": queue._worker.ident if worker else threading.main_thread().ident,
+        "lane": queue.lane if worker else None,
     }
 
 

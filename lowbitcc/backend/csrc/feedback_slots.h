@@ -25,8 +25,9 @@
 // `CallCompressor.finish` drops them); a state whose encode did not run (the run failed
 // before it) back as it was taken, where it was applied.
 //
-// Threads: `take` and `put` with the GIL held, on the calling thread; the encodes read the slots'
-// tensors without it, between the two.
+// Threads: `take` and `put` with the GIL held, on the thread that runs the run's encodes (the
+// calling thread, or a whole run's on the group's issue lane: issue_lane.h); the encodes read the
+// slots' tensors without it, between the two.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -99,6 +100,13 @@ struct __attribute__((visibility("hidden"))) TakenStates {
   size_t encoded = 0;
   bool encoded_nonfinite = false;
   std::shared_ptr<RunVerdict> verdict;
+};
+
+// The key a run takes its states under: `derived` or `named` (`FeedbackSlots`), and whether it is
+// tracked (derived).
+struct __attribute__((visibility("hidden"))) FeedbackKey {
+  std::string call;
+  bool tracked = false;
 };
 
 class __attribute__((visibility("hidden"))) FeedbackSlots {

@@ -35,17 +35,25 @@
 // once a message did not belong to the call, every message encoded after it is flagged
 // `FLAG_PEER_ERROR` (lowbitcc/codec/wire.py), as `CallCompressor.encode` flags it. The
 // all-gathers' decodes (each rank's reduced row into its place of the source, cast) run on
-// gloo's threads, and `run` returns once every all-gather is started.
+// gloo's threads, and the run's first phase ends once every all-gather is started.
 // A plan of the tree schedule (lowbitcc/schedules/tree.py) or of the ring schedule
 // (lowbitcc/schedules/ring.py) runs whole in the calling thread instead, in the schedule's
 // order: tree_run.h and ring_run.h (their runs' `Tree` and `Ring`: plan_pieces.h).
-// The run's Work (`PlannedWork`) completes with the last decode. The same bytes as the Python
-// path, on the same buffers, so a place's runs may take either path: one run of a place at a
-// time (`wait`, which the runner and the Python plan call before a run).
+// Such a whole run (`runs_whole`: the tree's, the ring's, an all-reduce's two phases on more
+// ranks) waits in its own transfers; where the group has an issue lane (issue_lane.h: the worker
+// issuer's groups) it runs there, what is said above of the calling thread said of the lane's,
+// and `run` returns once it is queued. The thread that issues a run's transfers (the issuing
+// thread: the calling thread, or the lane) takes its error states before its first encode and
+// puts them back after its last, with the GIL (feedback_slots.h), and counts the bytes it sent.
+// The run's Work (`PlannedWork`) completes with the last decode, and not before the issuing
+// thread is done with it. The same bytes as the Python path, on the same buffers, so a place's
+// runs may take either path: one run of a place at a time (each run waits for the place's run
+// before it, and the Python plan calls `wait` before its own).
 //
 // Threads: `run` is called with the GIL held (the caller's); the decodes run on gloo's threads
 // (those that decode through the scratch one at a time, `scratch_mutex_`) and touch no Python
-// object except in the failure path. What a run measured (codec and wire seconds, the cost
+// object except in the failure path; a run on the lane takes the GIL for its error states
+// alone. What a run measured (codec and wire seconds, the cost
 // model's time) is kept here under `mutex_` and handed over once: the codec and wire seconds to
 // the statistics by whichever comes first, a read of them (`take_seconds`, `counters.Stats`
 // watches the core) or the runner at the place's next compressed call (`take_timings`), so a
@@ -77,8 +85,10 @@
 
 #include "codec_api.h"
 #include "feedback_slots.h"
+#include "issue_lane.h"
 #include "plan_pieces.h"
 #include "planned_work.h"
+#include "served_counts.h"
 
 namespace lowbitcc {
 
@@ -275,80 +285,74 @@ class __attribute__((visibility("hidden"))) PlanCore
   // One run (see the file's comment): all-reduce `tensor` in place, or reduce-scatter it into
   // `output`, as call number `seq`, its encodes' residual sums added into `sums` (the
   // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
-  // goes to the cost model; `taken`: its error states (`feedback`'s `take`; null: feedback
-  // off), which its encodes apply and update, and record in (how many ran, a non-finite value)
-  // before it returns, and to whose verdict it gives, once done, whether a decode then met a
-  // non-finite value or a foreign message, or a transfer failed. `sent`: the bytes of the
-  // transfers it started (each counted once started, as `MeteredTransport` counts them: a run
-  // that fails counts those it started), every one started by the time it returns. Called with
-  // the GIL held; its Work.
+  // goes to the cost model; `key`: where feedback is on, the key its error states are taken
+  // under (`FeedbackSlots::take`) before its first encode, by the thread that encodes, and put
+  // back once its encodes are done (`put`), its verdict given when it is done; `counts`: where
+  // the bytes of the transfers it started go (each counted once started, as `MeteredTransport`
+  // counts them: a run that fails counts those it started), counted by the time its Work
+  // completes. `lane`: the group's issue lane (null: none, the inline issuer's group): a whole
+  // run (`runs_whole`) is queued there and the call returns at once; a run that issues on the
+  // calling thread waits for the lane's runs first (issue_lane.h). Either way it waits, first,
+  // for the place's run before it (whose buffers it writes). Called with the GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
-                                     int64_t seq, at::Tensor sums, bool timed, SentBytes& sent,
-                                     TakenStates* taken = nullptr) {
-    TORCH_CHECK((taken != nullptr) == (feedback_ != nullptr),
+                                     int64_t seq, at::Tensor sums, bool timed,
+                                     std::shared_ptr<ServedCounts> counts,
+                                     std::optional<FeedbackKey> key, IssueLane* lane) {
+    TORCH_CHECK(key.has_value() == (feedback_ != nullptr),
                 "lowbitcc: a plan core's run takes error states where it has feedback");
     auto self = shared_from_this();
-    py::gil_scoped_release release;
-    const auto start = std::chrono::steady_clock::now();
-    // (an all-reduce on more ranks: one for the calling thread, one more per all-gather started)
+    // (one for the thread that issues, which it gives back once its states are put back and
+    // its bytes counted; a run of pieces one more per piece, an all-reduce's two phases one
+    // more per all-gather started)
     auto run = std::make_shared<Run>(
-        tensor, output, seq, at::get_num_threads(), timed, start,
-        two_phase_ || tree_ || ring_ ? 1 : static_cast<int64_t>(pieces_.size()));
-    if (taken != nullptr) {
-      run->taken = taken;
-      run->verdict = taken->verdict;
-    }
+        tensor, output, seq, at::get_num_threads(), timed,
+        runs_whole() ? 1 : static_cast<int64_t>(pieces_.size()) + 1, std::move(counts),
+        std::move(key), feedback_ != nullptr);
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      run->previous = std::move(last_);
       last_ = run->result;
     }
-    if (ring_ || tree_) {
-      ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
-      sent = run->sent;
-      return c10::make_intrusive<PlannedWork>(
-          run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
-    }
-    if (two_phase_) {
-      run_two_phases(self, run, sums);
-      sent = run->sent;
-      return c10::make_intrusive<PlannedWork>(run->result, c10d::OpType::ALLREDUCE);
-    }
-    for (size_t k = 0; k < pieces_.size(); ++k) {
-      Piece& piece = pieces_[k];
-      const auto begun = std::chrono::steady_clock::now();
-      auto encoded = begun;
-      std::string header;
-      c10::intrusive_ptr<c10d::Work> transfer;
-      try {
-        header = encode(piece, *run, sums);
-        encoded = std::chrono::steady_clock::now();
-        at::Tensor message = piece.sent.view({-1});
-        if (scatter_) {
-          std::vector<int64_t> equal;  // (empty: equal splits, as `all_to_all_async`)
-          c10d::AllToAllOptions options;
-          transfer = transport_->alltoall_base(piece.received, message, equal, equal, options);
-          sent_to_peers(*run, piece.sent.size(1));  // a row to each
-        } else {
-          c10d::AllgatherOptions options;
-          transfer = transport_->_allgather_base(piece.received, message, options);
-          sent_to_peers(*run, message.numel());
-        }
-      } catch (...) {
-        // no transfer from here on: the run ends with this error once those started are done
-        run->failed(std::current_exception());
-        const auto unstarted = static_cast<int64_t>(pieces_.size() - k);
-        if ((run->left -= unstarted) == 0) {
-          finish(*run);
-        }
-        break;
-      }
-      run->encode_ns += nanos_between(begun, encoded);
-      decode_when_done(self, transfer, run, k, header);
-    }
-    sent = run->sent;
-    return c10::make_intrusive<PlannedWork>(
+    auto work = c10::make_intrusive<PlannedWork>(
         run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
+    if (runs_whole() && lane != nullptr) {
+      try {
+        lane->submit([self, run, sums]() { self->run_whole(run, sums); });
+      } catch (...) {  // (the group was shut down: the run ends before it began)
+        run->failed(std::current_exception());
+        end_encodes(*run);
+        throw;
+      }
+      return work;
+    }
+    {
+      py::gil_scoped_release release;
+      if (lane != nullptr) {
+        lane->wait_idle();  // (its transfers go after the lane's, on the same gloo group)
+      }
+      run->wait_previous();
+    }
+    if (runs_whole()) {
+      run_whole(run, sums);
+      return work;
+    }
+    const bool taken = take_states(*run);
+    {
+      py::gil_scoped_release release;
+      run->start = std::chrono::steady_clock::now();
+      if (taken) {
+        run_pieces(self, run, sums);
+      } else {
+        run->left -= static_cast<int64_t>(pieces_.size());  // (no transfer started)
+      }
+    }
+    end_encodes(*run);
+    return work;
   }
+
+  // Whether its runs are whole (a tree's, a ring's, an all-reduce's two phases on more ranks):
+  // each waits in its own transfers, and runs on the issue lane where the group has one.
+  bool runs_whole() const { return two_phase_ || tree_.has_value() || ring_.has_value(); }
 
   // The codec and wire seconds runs measured since the last take (see the file's comment),
   // handed over once.
@@ -371,10 +375,12 @@ class __attribute__((visibility("hidden"))) PlanCore
   // One run's own state, shared by its transfers' decodes; `result` is its Work's future.
   struct Run {
     Run(at::Tensor tensor_, at::Tensor output_, int64_t seq_, int threads_, bool timed_,
-        std::chrono::steady_clock::time_point start_, int64_t transfers)
+        int64_t transfers, std::shared_ptr<ServedCounts> counts_,
+        std::optional<FeedbackKey> key_, bool feedback)
         : tensor(std::move(tensor_)), flat(tensor.view({-1})), output(std::move(output_)),
-          seq(seq_), threads(threads_),
-          timed(timed_), start(start_), left(transfers),
+          seq(seq_), threads(threads_), timed(timed_), start(std::chrono::steady_clock::now()),
+          left(transfers), counts(std::move(counts_)), key(std::move(key_)),
+          taken(feedback ? &states : nullptr),
           result(c10::make_intrusive<c10::ivalue::Future>(outputs_type())) {}
     // A transfer's error (its all-gather's, or its decode's): the run's first is its own.
     void failed(std::exception_ptr error) {
@@ -383,34 +389,174 @@ class __attribute__((visibility("hidden"))) PlanCore
         first_error = std::move(error);
       }
     }
+    // Wait (without the GIL) for the place's run before it, once.
+    void wait_previous() {
+      if (previous) {
+        previous->wait();
+        previous.reset();
+      }
+    }
     at::Tensor tensor, flat;
     at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce, in place)
     int64_t seq;
     int threads;
     bool timed;
-    std::chrono::steady_clock::time_point start;
-    std::atomic<int64_t> left;  // transfers not yet decoded
+    std::chrono::steady_clock::time_point start;  // its first encode's (the issuing thread's)
+    // transfers not yet decoded, and the issuing thread's token (`end_encodes`); the last
+    // decides the run (`decided`)
+    std::atomic<int64_t> left;
+    // what its Work waits for: the run decided, and the issuing thread done (`end_encodes`)
+    std::atomic<int> parts{2};
     std::atomic<bool> foreign{false};
     std::atomic<bool> nonfinite{false};  // a received message was flagged non-finite
-    // with feedback: the run's error states, for its encodes on the calling thread (not kept
-    // past `run`), and its verdict on them, given by `finish` (or, should the run never finish,
-    // as dropped when it goes)
+    std::shared_ptr<ServedCounts> counts;  // where its sent bytes are counted
+    // with feedback: the key its error states are taken under, the states (for its encodes on
+    // the issuing thread, their Python objects let go of with the GIL once put back:
+    // `end_encodes`), and its verdict on them, given by `decided` (or, should the run never
+    // be, as dropped when it goes)
+    std::optional<FeedbackKey> key;
+    TakenStates states;
     TakenStates* taken = nullptr;
     std::shared_ptr<RunVerdict> verdict;
+    c10::intrusive_ptr<c10::ivalue::Future> previous;  // the place's run before it
     ~Run() {
       if (verdict) {
         verdict->give(true);
+      }
+      if (!states.slots.empty()) {  // (a run that never reached `end_encodes`)
+        if (Py_IsInitialized()) {
+          py::gil_scoped_acquire acquire;
+          states.slots.clear();
+        } else {
+          for (Slot& slot : states.slots) {
+            slot.key.release();
+            slot.state.release();
+          }
+        }
       }
     }
     // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
     // messages encoded after it are flagged (the file's comment)
     std::atomic<bool> peer_error{false};
     std::atomic<int64_t> encode_ns{0}, decode_ns{0};
-    SentBytes sent;  // (the calling thread's: every transfer is started there)
+    SentBytes sent;  // (the issuing thread's: every transfer is started there)
     std::mutex mutex;
     std::exception_ptr first_error;
     c10::intrusive_ptr<c10::ivalue::Future> result;
   };
+
+  // A whole run (`runs_whole`), on the issue lane (without the GIL) or on the calling thread
+  // (the GIL held, its previous run waited for): the place's run before it waited for, its
+  // error states taken (with the GIL), the schedule's run, then `end_encodes`.
+  void run_whole(const std::shared_ptr<Run>& run, const at::Tensor& sums) {
+    const bool held = PyGILState_Check() != 0;
+    bool ok = true;
+    if (run->key) {
+      std::optional<py::gil_scoped_acquire> acquired;
+      if (!held) {
+        run->wait_previous();
+        acquired.emplace();
+      }
+      ok = take_states(*run);
+    }
+    {
+      std::optional<py::gil_scoped_release> released;
+      if (held) {
+        released.emplace();
+      }
+      run->wait_previous();
+      run->start = std::chrono::steady_clock::now();
+      if (ok && (ring_ || tree_)) {
+        ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
+      } else if (ok) {
+        run_two_phases(shared_from_this(), run, sums);
+      }
+    }
+    end_encodes(*run);
+  }
+
+  // `run`'s error states taken under its key (the GIL held); whether they were (else its
+  // error is the run's, which then starts no transfer).
+  bool take_states(Run& run) {
+    if (!run.key) {
+      return true;
+    }
+    try {
+      feedback_->take(run.key->call, run.key->tracked, run.tensor, run.states);
+      run.verdict = run.states.verdict;
+      return true;
+    } catch (...) {
+      run.failed(std::current_exception());
+      return false;
+    }
+  }
+
+  // The issuing thread's end of `run`, every encode done and every transfer started: its token
+  // given back (the run's last to be decoded decides it: the store may wait for its verdict as
+  // the states go back), its error states put back (with the GIL: feedback_slots.h), its sent
+  // bytes counted; then its part of the run is done (`complete`).
+  void end_encodes(Run& run) {
+    if (--run.left == 0) {
+      decided(run);
+    }
+    if (run.taken != nullptr) {
+      py::gil_scoped_acquire acquire;
+      if (run.verdict) {
+        try {
+          feedback_->put(run.states);
+        } catch (...) {
+          run.failed(std::current_exception());
+        }
+      }
+      run.states.slots.clear();
+    }
+    if (run.counts) {
+      const SentBytes& sent = run.sent;
+      run.counts->add(ServedCounts::kCompressed, ServedCounts::kWireBytes, sent.intra + sent.inter);
+      run.counts->add(ServedCounts::kCompressed, ServedCounts::kIntraNodeBytes, sent.intra);
+      run.counts->add(ServedCounts::kCompressed, ServedCounts::kInterNodeBytes, sent.inter);
+    }
+    if (--run.parts == 0) {
+      complete(run);
+    }
+  }
+
+  // A run of the direct schedule's pieces (not an all-reduce's two phases) on the calling
+  // thread without the GIL: each piece encoded and its transfer started, its decode on gloo's
+  // thread (`decode_when_done`).
+  void run_pieces(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run,
+                  const at::Tensor& sums) {
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      Piece& piece = pieces_[k];
+      const auto begun = std::chrono::steady_clock::now();
+      auto encoded = begun;
+      std::string header;
+      c10::intrusive_ptr<c10d::Work> transfer;
+      try {
+        header = encode(piece, *run, sums);
+        encoded = std::chrono::steady_clock::now();
+        at::Tensor message = piece.sent.view({-1});
+        if (scatter_) {
+          std::vector<int64_t> equal;  // (empty: equal splits, as `all_to_all_async`)
+          c10d::AllToAllOptions options;
+          transfer = transport_->alltoall_base(piece.received, message, equal, equal, options);
+          sent_to_peers(*run, piece.sent.size(1));  // a row to each
+        } else {
+          c10d::AllgatherOptions options;
+          transfer = transport_->_allgather_base(piece.received, message, options);
+          sent_to_peers(*run, message.numel());
+        }
+      } catch (...) {
+        // no transfer from here on: the run ends with this error once those started are done
+        // (the issuing thread's token keeps it from ending here)
+        run->failed(std::current_exception());
+        run->left -= static_cast<int64_t>(pieces_.size() - k);
+        break;
+      }
+      run->encode_ns += nanos_between(begun, encoded);
+      decode_when_done(self, transfer, run, k, header);
+    }
+  }
 
   static double seconds(std::chrono::steady_clock::time_point a,
                         std::chrono::steady_clock::time_point b) {
@@ -618,9 +764,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
   }
 
-  // An all-reduce on more ranks, in the calling thread without the GIL (the file's comment):
+  // An all-reduce on more ranks, in the issuing thread without the GIL (the file's comment):
   // the first phase in `direct._pipeline`'s order, each chunk's second phase started as its
-  // first completes; `run`'s token for this thread given back at the end.
+  // first completes.
   void run_two_phases(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run,
                       const at::Tensor& sums) {
     std::deque<std::pair<size_t, c10::intrusive_ptr<c10d::Work>>> scattering;
@@ -676,12 +822,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     while (!scattering.empty()) {
       reduce_oldest();
     }
-    if (--run->left == 0) {
-      finish(*run);
-    }
   }
 
-  // Chunk `k`'s second phase (on the calling thread, its all-to-all complete): the messages of
+  // Chunk `k`'s second phase (on the issuing thread, its all-to-all complete): the messages of
   // this rank's row verified and summed in rank order into the scratch (NaN where one does not
   // belong to the call: the run is then foreign, and its later messages flagged), the sum
   // encoded into `again` and all-gathered; its decode on gloo's thread.
@@ -728,7 +871,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // When `transfer`, piece `k`'s of `run` (its messages' header `header`), completes, on the
   // thread gloo completes it on: its error is the run's, else its decode (the core's kind's:
   // a two ranks' all-reduce's rows, a reduce-scatter's own row, or the second phase's reduced
-  // rows); the run's last finishes it.
+  // rows); the run's last decides it.
   void decode_when_done(const std::shared_ptr<PlanCore>& self,
                         const c10::intrusive_ptr<c10d::Work>& transfer,
                         const std::shared_ptr<Run>& run, size_t k, const std::string& header) {
@@ -747,7 +890,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         run->failed(std::current_exception());
       }
       if (--run->left == 0) {
-        self->finish(*run);
+        self->decided(*run);
       }
     });
   }
@@ -755,7 +898,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // Whether `messages` of shard `shard` and `width` columns that `verify` refused pass the Python
   // path's own check after all (`CallPlan.accepts`, with the GIL: the field-by-field check lets
   // through what `verify`'s whole-header comparison does not, e.g. an unknown flag bit), so that
-  // the sum is what the Python path's is. On the calling thread, without the GIL.
+  // the sum is what the Python path's is. On the issuing thread, without the GIL.
   bool accepts(const at::Tensor& messages, int64_t width, int64_t shard, int64_t seq) {
     py::gil_scoped_acquire acquire;
     py::object plan = plan_();
@@ -764,7 +907,7 @@ class __attribute__((visibility("hidden"))) PlanCore
 
   // The decode of chunk `piece`'s second phase (on gloo's thread; as `chunking.decode_columns`):
   // every rank's message of its reduced row into that row's columns of the source, cast; a
-  // message that does not belong to the call marks the run foreign, for `finish`.
+  // message that does not belong to the call marks the run foreign, for `decided`.
   void decode_reduced_rows(const Piece& piece, const std::string& header, Run& run) {
     const auto begun = std::chrono::steady_clock::now();
     const int64_t width = piece.b - piece.a, P = piece.again.size(1);
@@ -794,7 +937,7 @@ class __attribute__((visibility("hidden"))) PlanCore
 
   // The decode of `piece` of an all-reduce's `run`, its all-gather complete (on gloo's thread;
   // as `direct._decode_row` for each of its rows): a row whose messages do not belong to the
-  // call marks the run foreign, for `finish`.
+  // call marks the run foreign, for `decided`.
   void decode_rows(const Piece& piece, const std::string& header, Run& run) {
     const auto begun = std::chrono::steady_clock::now();
     const int64_t width = piece.b - piece.a, P = piece.sent.size(1);
@@ -822,7 +965,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // The decode of `piece` of a reduce-scatter's `run`, its all-to-all complete (on gloo's
   // thread; as `direct._pipeline`'s `reduce_oldest`): every rank's message of this rank's row,
   // summed in rank order into the output's columns; messages that do not belong to the call
-  // mark the run foreign, for `finish`.
+  // mark the run foreign, for `decided`.
   void decode_own_row(const Piece& piece, const std::string& header, Run& run) {
     const auto begun = std::chrono::steady_clock::now();
     at::Tensor messages = piece.received.view({world_, piece.sent.size(1)});
@@ -851,10 +994,11 @@ class __attribute__((visibility("hidden"))) PlanCore
     target.copy_(scratch.slice(0, 0, target.numel()));
   }
 
-  // The end of `run`, every transfer decoded (on the thread of the last): a transfer's error
-  // is the run's; a foreign message hands the decode to the Python plan, which raises what the
-  // call met (see the file's comment); else the run's outputs complete its future.
-  void finish(Run& run) {
+  // `run` decided, every transfer decoded (on the thread of the last, or the issuing thread):
+  // a transfer's error is the run's; a foreign message hands the decode to the Python plan,
+  // which raises what the call met (see the file's comment); the verdict on its states given;
+  // then its part of the run is done (`complete`).
+  void decided(Run& run) {
     const auto end = std::chrono::steady_clock::now();
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -865,10 +1009,11 @@ class __attribute__((visibility("hidden"))) PlanCore
         timings_.modelled_s.push_back(seconds(run.start, end));
       }
     }
-    // the verdict on its states (put back already: feedback_slots.h): dropped where a decode met
-    // a non-finite value, a transfer failed, or a message `verify` refused is one the Python
-    // plan's decodes, which then redo them, meet as foreign or non-finite too (its field check
-    // accepts some that `verify` does not: those keep the states, as on the Python path)
+    // the verdict on its states (put back by now, or about to be: feedback_slots.h): dropped
+    // where a decode met a non-finite value, a transfer failed, or a message `verify` refused is
+    // one the Python plan's decodes, which then redo them, meet as foreign or non-finite too
+    // (its field check accepts some that `verify` does not: those keep the states, as on the
+    // Python path)
     bool dropped = run.nonfinite || run.foreign || static_cast<bool>(run.first_error);
     if (!run.first_error && run.foreign) {
       try {
@@ -888,6 +1033,14 @@ class __attribute__((visibility("hidden"))) PlanCore
     if (run.verdict) {
       run.verdict->give(dropped);
     }
+    if (--run.parts == 0) {
+      complete(run);
+    }
+  }
+
+  // The end of `run`, decided and its issuing thread done (the last of the two, on its thread):
+  // its error, else its outputs, complete its future (its Work).
+  static void complete(Run& run) {
     if (run.first_error) {
       run.result->setError(run.first_error);
     } else {

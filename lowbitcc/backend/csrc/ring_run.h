@@ -1,10 +1,11 @@
 // A ring schedule's run of a plan core (plan_core.h's `PlanCore`: its members here are declared
 // there): lowbitcc/schedules/ring.py, any number of ranks, in chunks or not; the run's `Ring`
-// (plan_pieces.h). Whole in the calling thread, in the schedule's order: per step and chunk,
-// what arrived from the left decoded and added to the rank's own values of that segment (step
-// 0: the values themselves), encoded and sent to the right; then each chunk's own row summed (a
-// reduce-scatter's result), and an all-reduce's reduced rows encoded and forwarded around the
-// ring unchanged, then decoded into the source. Included by plan_core.h after the class.
+// (plan_pieces.h). Whole in the issuing thread (plan_core.h: the calling thread, or the group's
+// issue lane), in the schedule's order: per step and chunk, what arrived from the left decoded
+// and added to the rank's own values of that segment (step 0: the values themselves), encoded
+// and sent to the right; then each chunk's own row summed (a reduce-scatter's result), and an
+// all-reduce's reduced rows encoded and forwarded around the ring unchanged, then decoded into
+// the source. Included by plan_core.h after the class.
 #pragma once
 
 #include "plan_core.h"
@@ -97,7 +98,7 @@ inline Ring PlanCore::read_ring(py::dict t) {
 }
 
 // A ring schedule's run (the file's comment; `ring._reduce_scatter_chunks`, then
-// `ring.all_reduce`'s all-gather), whole in the calling thread without the GIL; a transfer's
+// `ring.all_reduce`'s all-gather), whole in the issuing thread without the GIL; a transfer's
 // error ends it once every transfer it started is done (`await_all`).
 inline void PlanCore::run_ring(Run& run, const at::Tensor& sums) {
   Ring& ring = *ring_;
@@ -158,7 +159,6 @@ inline void PlanCore::run_ring(Run& run, const at::Tensor& sums) {
     run.failed(std::current_exception());
   }
   await_all(started, run);
-  finish(run);
 }
 
 // A ring all-reduce's all-gather (`ring.all_reduce`): each chunk's reduced row encoded into
@@ -191,7 +191,7 @@ inline void PlanCore::gather_ring(Ring& ring, Run& run, const at::Tensor& sums, 
   for (int64_t k = 0; k < count; ++k) {
     inbox[k]->wait();
     if (run.foreign) {
-      continue;  // (the plan decodes them all again: `finish`)
+      continue;  // (the plan decodes them all again: `decided`)
     }
     const auto begun = std::chrono::steady_clock::now();
     decode_reduced_rows(ring.spreads[k], call_header(ring.chunks[k].header, run.seq), run);

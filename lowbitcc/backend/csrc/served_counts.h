@@ -11,14 +11,16 @@
 // leaves are the Python path's, bit for bit, once read; the seconds are measured, on either
 // path. (The residual sums are not here: the encodes add them to their accumulator.)
 //
-// Threads: every access holds the GIL (the runner's calls; a read of the statistics through
-// `take_counts`).
+// Threads: the counts are kept under their own mutex: the runner's calls and a read of the
+// statistics (`take_counts`) hold the GIL too, a plan core's run on the issue lane (issue_lane.h)
+// counts the bytes it sent without it.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -51,14 +53,19 @@ class __attribute__((visibility("hidden"))) ServedCounts {
     return all;
   }
 
-  void add(Category category, Field field, int64_t delta) { counts_[category][field] += delta; }
+  void add(Category category, Field field, int64_t delta) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counts_[category][field] += delta;
+  }
   void add_seconds(Category category, Seconds field, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
     seconds_[category][field] += seconds;
   }
 
   // What was counted since the last take, by category and field (only those counted), and
   // zeroed: `{"exact": {"calls": 3, ...}, "compressed": {...}}`.
   py::dict take_counts() {
+    std::lock_guard<std::mutex> lock(mutex_);
     py::dict taken;
     for (int c = 0; c < kCategories; ++c) {
       py::dict fields;
@@ -83,6 +90,7 @@ class __attribute__((visibility("hidden"))) ServedCounts {
 
   // Whether anything was counted since the last take.
   bool pending() const {
+    std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& fields : counts_) {
       for (int64_t count : fields) {
         if (count != 0) {
@@ -101,6 +109,7 @@ class __attribute__((visibility("hidden"))) ServedCounts {
   }
 
  private:
+  mutable std::mutex mutex_;
   std::array<std::array<int64_t, kFields>, kCategories> counts_{};
   std::array<std::array<double, kSeconds>, kCategories> seconds_{};
 };

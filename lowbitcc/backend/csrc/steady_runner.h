@@ -29,15 +29,18 @@
 // served_counts.h, and added to `state.STATS` when it is read), the issuer's count of exact
 // calls, the call's tag (`IssueQueue._next_tag`); then the inner gloo call (the GIL released)
 // and its `FollowedWork`, kept as the place's canary (an exact all-reduce), or the plan core's
-// run, between the take of its error states and their put (feedback_slots.h), its Work kept as
+// run, which takes and puts back its error states itself (feedback_slots.h), its Work kept as
 // the place's canary where the plan is off the direct schedule (the tree's: a peer's deviation
-// shows on some ranks only as NaN, `reductions._keep_canaries`).
+// shows on some ranks only as NaN, `reductions._keep_canaries`). A plan core's whole run (the
+// tree's, the ring's, an all-reduce's two phases on more ranks) is queued on the group's issue
+// lane (issue_lane.h; the worker issuer's groups have one) and the call returns at once.
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
 // cost model's, ordinals' and feedback store's locks taken as their Python owners take them,
 // and the statistics' at the first call after `state.STATS` was replaced (`counted_in`);
 // attributes are looked up by interned names (python_objects.h's `LOWBITCC_NAME`). Only the
-// gloo call and a plan core's run (encode, then its decode on gloo's thread) run without it.
+// gloo call and a plan core's run (encode, then its decode on gloo's thread; a whole run on the
+// issue lane, which takes the GIL for its error states alone) run without it.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>
@@ -95,6 +98,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         min_size_(objects["min_size"].cast<int64_t>()),
         timed_every_(objects["timed_every"].cast<int64_t>()),
         issuer_counts_(objects["issuer_counts"].cast<bool>()) {
+    if (!objects["lane"].is_none()) {
+      lane_owner_ = objects["lane"].cast<std::shared_ptr<IssueLane>>();
+      lane_ = lane_owner_.get();
+    }
     for (auto op : objects["native_ops"]) {
       native_ops_.insert(op.cast<int64_t>());
     }
@@ -412,15 +419,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `collective` on
-  // `tensor` (into `steady.output`: a reduce-scatter): its feedback key's ordinal taken and its
-  // error states with it (feedback_slots.h), counted, then the plan core's run, the bytes of
-  // the transfers it started counted and the states put back once its encodes are done; its
-  // Work.
+  // `tensor` (into `steady.output`: a reduce-scatter): its feedback key's ordinal taken, counted,
+  // then the plan core's run (on the issue lane where it runs whole and the group has one), which
+  // takes its error states under that key (feedback_slots.h) and puts them back once its encodes
+  // are done, and counts the bytes of the transfers it started; its Work.
   py::object serve_planned(Steady& steady, const py::str& collective, const at::Tensor& tensor) {
-    {
-      py::gil_scoped_release release;
-      steady.core->wait();  // the place's last run, whose buffers this one writes
-    }
     ran(steady);
     if (steady.renews && queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0) {
       queue_.attr(LOWBITCC_NAME("wait_idle"))();  // the renewal's exchange, on the same gloo group, goes first
@@ -428,14 +431,14 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     const int64_t seq = agreement_.attr(LOWBITCC_NAME("next_seq"))().cast<int64_t>();
     PlanCore& core = *steady.core;
     FeedbackSlots* feedback = core.feedback();
-    TakenStates taken;
+    std::optional<FeedbackKey> key;
     std::optional<std::string> name = count_in_key_block();  // `CompressedCalls.key`
     if (feedback != nullptr && name) {
-      feedback->take(feedback->named(*name), false, tensor, taken);
+      key = FeedbackKey{feedback->named(*name), false};
     } else if (feedback != nullptr) {
       const int64_t task = torch::autograd::get_current_graph_task_id();
-      feedback->take(feedback->derived(next_ordinal(collective, tensor, tensor.numel(), task)),
-                     true, tensor, taken);
+      key = FeedbackKey{feedback->derived(next_ordinal(collective, tensor, tensor.numel(), task)),
+                        true};
     }
     py::object model = compressed_.attr(LOWBITCC_NAME("cost_model"));
     if (steady.modelled) {
@@ -454,17 +457,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     timings_.fold(model, false);  // the runs timed before, in batches
     ++served_;
     ++served_compressed_;
-    SentBytes sent;
+    // (its sent bytes counted in `counts_` and its states put back by its issuing thread)
     c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, sums,
-                                                   steady.modelled, sent,
-                                                   feedback != nullptr ? &taken : nullptr);
-    // the bytes of the transfers it started (a run that failed: those it had started)
-    counts_->add(ServedCounts::kCompressed, ServedCounts::kWireBytes, sent.intra + sent.inter);
-    counts_->add(ServedCounts::kCompressed, ServedCounts::kIntraNodeBytes, sent.intra);
-    counts_->add(ServedCounts::kCompressed, ServedCounts::kInterNodeBytes, sent.inter);
-    if (feedback != nullptr) {
-      feedback->put(taken);
-    }
+                                                   steady.modelled, counts_, std::move(key),
+                                                   lane_);
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
     if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`
@@ -698,6 +694,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   c10::intrusive_ptr<c10d::Backend> direct_;
+  // the group's issue lane (issue_lane.h; null: the inline issuer's group has none)
+  std::shared_ptr<IssueLane> lane_owner_;
+  IssueLane* lane_ = nullptr;
   ModelTimings timings_;  // the runs it timed, not yet handed to the cost model
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;

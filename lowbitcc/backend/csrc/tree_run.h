@@ -1,11 +1,12 @@
 // A tree schedule's run of a plan core (plan_core.h's `PlanCore`: its members here are declared
 // there): lowbitcc/schedules/tree.py, an all-reduce or a reduce-scatter of any number of ranks,
-// never chunked; the run's `Tree` (plan_pieces.h). Whole in the calling thread, in the
-// schedule's order: its children's messages of every row received, each row's verified and
-// summed (a foreign one: NaN, as the Python decode leaves it, and the messages encoded after it
-// flagged), added to its own values, encoded and sent to its parent (a leaf encodes its own
-// values), the root's codes received from the parent and sent on to its children, then
-// decoded: every row into the source (an all-reduce, cast), or its own row into the output.
+// never chunked; the run's `Tree` (plan_pieces.h). Whole in the issuing thread (plan_core.h:
+// the calling thread, or the group's issue lane), in the schedule's order: its children's
+// messages of every row received, each row's verified and summed (a foreign one: NaN, as the
+// Python decode leaves it, and the messages encoded after it flagged), added to its own values,
+// encoded and sent to its parent (a leaf encodes its own values), the root's codes received from
+// the parent and sent on to its children, then decoded: every row into the source (an
+// all-reduce, cast), or its own row into the output.
 // Included by plan_core.h after the class.
 #pragma once
 
@@ -52,7 +53,7 @@ inline Tree PlanCore::read_tree(py::dict t) {
 }
 
 // A tree schedule's run (the file's comment; `tree._reduce_and_broadcast`, then the
-// decode), whole in the calling thread without the GIL; a transfer's error ends it once every
+// decode), whole in the issuing thread without the GIL; a transfer's error ends it once every
 // transfer it started is done (`await_all`).
 inline void PlanCore::run_tree(Run& run, const at::Tensor& sums) {
   Tree& tree = *tree_;
@@ -101,7 +102,6 @@ inline void PlanCore::run_tree(Run& run, const at::Tensor& sums) {
     run.failed(std::current_exception());
   }
   await_all(started, run);
-  finish(run);
 }
 
 // A tree's partial sums: its values times the op's factor (`chunking.all_values`), each row's
@@ -119,7 +119,7 @@ inline void PlanCore::sum_children(Tree& tree, const std::string& header, Run& r
 
 // A tree's last decode of the root's `codes` (uint8 [world, P]): every row into the source
 // (an all-reduce, cast) or this rank's into the output; codes that do not belong to the call
-// mark the run foreign, for `finish`.
+// mark the run foreign, for `decided`.
 inline void PlanCore::decode_codes(const at::Tensor& codes, const std::string& header, Run& run) {
   at::Tensor messages = scatter_ ? codes.slice(0, rank_, rank_ + 1) : codes;
   std::vector<int64_t> shards;

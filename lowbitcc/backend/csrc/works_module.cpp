@@ -2,9 +2,10 @@
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
 // plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
 // `AllReduceMethod`, `ReduceScatterMethod` and `ReduceScatterCoalescedMethod` group_method.h's,
-// `LaunchReplay` launch_replay.h's.
+// `IssueLane` issue_lane.h's, `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
 #include "group_method.h"
+#include "issue_lane.h"
 #include "launch_replay.h"
 #include "plan_core.h"
 #include "steady_runner.h"
@@ -67,6 +68,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Wait until the place's last C++ run is done.")
       .def("take_seconds", &lowbitcc::PlanCore::take_seconds,
            "The codec and wire seconds its runs measured since the last take (counters.Stats).");
+  py::class_<lowbitcc::IssueLane, std::shared_ptr<lowbitcc::IssueLane>>(m, "IssueLane")
+      .def(py::init<>())
+      .def("wait_idle", &lowbitcc::IssueLane::wait_idle,
+           "Wait until every run queued on the lane so far has run to its end (the GIL let go).")
+      .def("close", &lowbitcc::IssueLane::close,
+           "Take no more runs; let those queued run, then end the lane's thread.")
+      .def_property_readonly("idle", &lowbitcc::IssueLane::idle);
   py::class_<lowbitcc::ServedCounts, std::shared_ptr<lowbitcc::ServedCounts>>(m, "ServedCounts")
       .def_static("names", &lowbitcc::ServedCounts::names,
                   "Every field's name (counters.Counters' names), the counts' then the seconds'.")

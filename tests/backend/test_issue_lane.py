@@ -1,0 +1,77 @@
+"""The issue lane (``backend/csrc/issue_lane.h``): a steady compressed call whose plan core runs
+whole (the tree's, the ring's, an all-reduce's two phases on more than two ranks) returns to its
+caller once queued, and its run goes on on the group's lane thread, so that the caller (DDP's
+backward) computes while it travels, as it does beside a gloo call. Its outputs, statistics and
+error states are the Python path's: `test_steady_runner`'s mixed runs compare them; here, that the
+caller is free before its peers have even issued theirs, and what waits for the lane."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc.backend import native
+from tests.support.ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
+
+N = 6000
+"""Elements of the calls: above ``min_size``, a few groups per rank's row."""
+
+
+def _returns_before_peers_issue(rank, world, gloo, schedule, feedback):
+    store = dist.distributed_c10d._get_default_store()
+    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, schedule=schedule,
+                                 feedback=feedback)
+    pg = dist.new_group(backend="loco", pg_options=config,
+                        timeout=datetime.timedelta(seconds=30))
+    runner = pg._runner
+
+    def call(value, async_op=False):
+        tensor = torch.full((N,), value)
+        with lowbitcc.compressed():  # (outside backward the default sends it exact)
+            work = dist.all_reduce(tensor, group=pg, async_op=async_op)
+        lowbitcc.end_step()
+        return tensor, work
+
+    for _ in range(12):  # the place agreed and steady
+        call(float(rank + 1))
+    before = runner.served_compressed
+    # rank 0 calls first; the others call only once rank 0's call has returned to it
+    if rank == 0:
+        tensor, work = call(float(rank + 1), async_op=True)
+        completed_at_return = work.is_completed()
+        store.set(f"returned-{schedule}-{feedback}", "1")
+    else:
+        store.wait([f"returned-{schedule}-{feedback}"], datetime.timedelta(seconds=60))
+        tensor, work = call(float(rank + 1), async_op=True)
+        completed_at_return = None
+    work.wait()
+    served = runner.served_compressed - before
+    after = [call(float(rank + 1))[0] for _ in range(4)]  # the place goes on
+    return completed_at_return, served, tensor, after[-1]
+
+
+@pytest.mark.parametrize(("schedule", "feedback"), [
+    ("direct", False),  # three ranks: the all-reduce's two phases
+    ("tree", False),
+    ("ring", False),
+    ("direct", True),   # with error feedback: its states taken and put back on the lane
+])
+def test_a_whole_run_returns_to_its_caller_before_its_peers_issue_theirs(schedule, feedback):
+    """Rank 0's served call returns with its Work not yet complete although ranks 1 and 2 issue
+    theirs only after it returned (before the lane, the run was the caller's: it waited in its
+    first transfer for peers that waited for it, until the group's timeout); every rank then
+    ends with the same sums, served on every rank."""
+    results = run_ranks(_returns_before_peers_issue, 3, schedule, feedback, timeout=180)
+    assert results[0][0] is False, "rank 0's Work was complete when its call returned"
+    assert [served for _, served, _, _ in results] == [1, 1, 1]
+    want = torch.full((N,), 6.0)
+    for _, _, tensor, after in results:
+        assert torch.equal(tensor, results[0][2]) and torch.equal(after, results[0][3])
+        # (two quantizations, each up to 1/8 off where a group's block scale rounds up)
+        assert torch.allclose(tensor, want, rtol=0.15)
