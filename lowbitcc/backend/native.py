@@ -36,7 +36,7 @@ EXTENSION = cpp_build.Extension(
     [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "group_method.h",
      CSRC / "issue_lane.h", CSRC / "launch_replay.h",
      CSRC / "model_timings.h",
-     CSRC / "plan_core.h", CSRC / "plan_pieces.h", CSRC / "planned_work.h",
+     CSRC / "direct_run.h", CSRC / "plan_core.h", CSRC / "plan_pieces.h", CSRC / "planned_work.h",
      CSRC / "python_objects.h", CSRC / "ring_run.h", CSRC / "served_counts.h",
      CSRC / "steady_runner.h",
      CSRC / "tree_run.h",
