@@ -16,8 +16,10 @@ chosen once when the group is created:
 - CUDA tensors (torch with CUDA and NCCL, a visible GPU): `cuda_issue.CudaIssuer` (the calling
   thread, the caller's stream, the inner ``ProcessGroupNCCL``; docs/gpu.md).
 
-Data movements and the exact reduce are `data_movement.DataMovements`'. The inner gloo and NCCL
-groups are attached, so ``_get_backend(device)`` answers as for NCCL and gloo."""
+Data movements and the exact reduce are `data_movement.DataMovements`'; the c10d methods of the
+data movements and point to point are `movement_methods.DataMovementMethods`', which the group
+inherits. The inner gloo and NCCL groups are attached, so ``_get_backend(device)`` answers as for
+NCCL and gloo."""
 
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
 from lowbitcc.backend import BACKEND_NAME, gloo_threads, steady_runner
 from lowbitcc.backend.arguments import op_problem, scatter_flat_problem, scatter_list_problem
@@ -48,6 +49,7 @@ from lowbitcc.backend.exact import (
 from lowbitcc.backend.inline_issue import InlineIssuer
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
+from lowbitcc.backend.movement_methods import DataMovementMethods
 from lowbitcc.backend.reductions import Reductions
 from lowbitcc.backend.routes import cpu_route, cuda_route, end_device_work, inner_nccl
 from lowbitcc.backend.watchdog import Watchdog
@@ -62,7 +64,7 @@ __all__ = ["CollectiveMismatchError", "LocoProcessGroup", "LocoWork"]
 
 
 @eager_methods
-class LocoProcessGroup(dist.ProcessGroup):
+class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
     """The "loco" process group. Create it with ``init_process_group("loco")``."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
@@ -281,70 +283,3 @@ class LocoProcessGroup(dist.ProcessGroup):
                            in_place=True, collective="reduce")
         return self._moves.reduce(tensors, opts, call, op_problem(opts.reduceOp, tensors),
                                   int(op_type(opts.reduceOp)))
-
-    # -- c10d methods: exact data movement (`DataMovements`) ----------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
-        return self._moves.broadcast(tensors, opts or dist.BroadcastOptions())
-
-    def allgather(self, output_tensors: list[list[torch.Tensor]],
-                  input_tensors: list[torch.Tensor], opts: Any = None) -> LocoWork:
-        return self._moves.allgather(output_tensors, input_tensors, opts or AllgatherOptions())
-
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                          opts: Any = None) -> LocoWork:
-        return self._moves.all_gather_single(output, input, opts, self.config.param_bits)
-
-    _allgather_base = all_gather_single
-
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None) -> LocoWork:
-        return self._moves.all_gather_coalesced(outputs, inputs, opts)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            input_list: list[torch.Tensor], opts: Any = None) -> LocoWork:
-        return self._moves.exact("allgather_coalesced", output_lists, output_lists, input_list,
-                                 opts or AllgatherOptions(), check=("all_gather", input_list, 0))
-
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-               opts: Any = None) -> LocoWork:
-        return self._moves.gather(output_tensors, input_tensors, opts or dist.GatherOptions())
-
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                opts: Any = None) -> LocoWork:
-        return self._moves.scatter(output_tensors, input_tensors, opts or dist.ScatterOptions())
-
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> LocoWork:
-        # sizes may differ between ranks (uneven splits): the descriptor names none
-        return self._moves.exact("alltoall", output_tensors, output_tensors, input_tensors,
-                                 opts or dist.AllToAllOptions(), check=("all_to_all", [], 0))
-
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: Any = None) -> LocoWork:
-        return self._moves.exact("alltoall_base", [output], output, input, output_split_sizes,
-                                 input_split_sizes, opts or dist.AllToAllOptions(),
-                                 check=("all_to_all", [], 0))
-
-    alltoall_base = all_to_all_single
-
-    def barrier(self, opts: Any = None) -> LocoWork:
-        return self._moves.barrier(opts or dist.BarrierOptions())
-
-    def monitored_barrier(self, timeout: datetime.timedelta | float | None = None,
-                          wait_all_ranks: bool = False) -> None:
-        """gloo's debugging barrier (`DataMovements.monitored_barrier`)."""
-        self._moves.monitored_barrier(timeout, wait_all_ranks)
-
-    # -- point to point: issued in order, never waited on by the worker ----------------------
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LocoWork:
-        return self._moves.exact("send", tensors, tensors, dst, tag)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LocoWork:
-        return self._moves.exact("recv", tensors, tensors, src, tag, source_rank=lambda _: src)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> LocoWork:
-        """Receive from whichever rank sends first; the Work's ``_source_rank()`` names it."""
-        return self._moves.recv_anysource(tensors, tag)
