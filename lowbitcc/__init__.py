@@ -63,7 +63,9 @@ def end_step() -> None:
 
 def state_dict() -> dict[str, Any]:
     """The error-feedback state of this process (every "loco" group), tensors cloned, with
-    this process's rank in the default group (None before ``init_process_group``)."""
+    this process's rank in the default group (None before ``init_process_group``). A call holds
+    its states until its Work completes: take this after waiting for the calls issued before
+    (as a training step does: DDP's backward and FSDP's step wait for theirs)."""
     return state.FEEDBACK.state_dict(state.default_rank())
 
 

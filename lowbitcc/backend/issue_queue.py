@@ -15,7 +15,9 @@ A second thread issues on the same inner gloo group: the group's issue lane (``l
 whole runs (the tree's, the ring's, an all-reduce's two phases on more ranks) so that their calls
 return at once. The worker waits until the lane is idle before each job it runs, so the jobs'
 inner operations are issued after the lane's runs queued before them, on every rank alike.
-``lane`` is None where the C++ module cannot be built (no plan core runs then).
+``lane`` is None where the C++ module cannot be built (no plan core runs then). The lane is
+closed by `shutdown`, and at the process's exit (before the interpreter finalizes), each time
+waiting up to the group's timeout for the runs queued on it.
 
 Jobs and finishes run without autograd (grad mode is per thread: the worker and waiter, this
 module's threads, turn it off once when they start): a collective writes its outputs in place, as
@@ -31,9 +33,11 @@ at once, as on gloo.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
+import weakref
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -104,7 +108,8 @@ class IssueQueue:
     `name_group` sets the group's part of the futures' tags, once c10d has named the group.
     """
 
-    def __init__(self, name: str, retire: Callable[[Any], None]) -> None:
+    def __init__(self, name: str, retire: Callable[[Any], None],
+                 timeout_s: float = dist.default_pg_timeout.total_seconds()) -> None:
         self._retire = retire
         self._native = native_followed()
         """`works.native_followed`: the C++ Work of calls the calling thread starts (`follow`)."""
@@ -119,6 +124,8 @@ class IssueQueue:
         module = native.load()
         self.lane = None if module is None else module.IssueLane()
         """The group's issue lane (see the module docstring), or None."""
+        if self.lane is not None:
+            atexit.register(_close_at_exit, weakref.ref(self.lane), timeout_s)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
         self._completers = ThreadPoolExecutor(COMPLETERS, thread_name_prefix=f"{name}-completer")
@@ -221,8 +228,8 @@ class IssueQueue:
             self._closed = True
             self._jobs.put(None)
         self._worker.join(timeout=timeout_s)
-        if self.lane is not None:
-            self.lane.close()  # (its runs queued before the worker's last job have run)
+        if self.lane is not None:  # (its runs queued before the worker's last job have run)
+            self.lane.close(timeout_s)
         self._waiter.join(timeout=timeout_s)
         self._completers.shutdown(wait=False)
         return True
@@ -263,8 +270,8 @@ class IssueQueue:
                 self._settle(future, result)
 
     def wait_idle(self) -> None:
-        """Wait until the worker has run every job submitted so far to its end (each ends:
-        its transfers are bounded by the group's timeout): a job that does nothing, queued
+        """Wait until the worker has run every job submitted so far to its end (each ends once
+        its transfers do, each within the group's timeout): a job that does nothing, queued
         behind them without a tag (it is no call), waited for without the GIL."""
         done = torch.futures.Future()
         with self._lock:
@@ -285,3 +292,12 @@ class IssueQueue:
                 self._settle(future, self.complete(inner))
             except BaseException as exc:  # noqa: BLE001
                 self._settle(future, error=exc)
+
+
+def _close_at_exit(lane: weakref.ref, timeout_s: float) -> None:
+    """At the process's exit: close the issue ``lane`` if it is still there, its queued runs
+    waited for up to ``timeout_s`` seconds, so that none is left to run while the interpreter
+    finalizes."""
+    kept = lane()
+    if kept is not None:
+        kept.close(timeout_s)

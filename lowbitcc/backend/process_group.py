@@ -104,7 +104,7 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
             self._cuda_links = routes["cuda"].links
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                    self._nccl)
-        self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire)
+        self._queue = IssueQueue(f"lowbitcc-r{rank}", self._gloo.retire, timeout.total_seconds())
         self._compressed = CompressedCalls(rank, size, config, self._gloo, routes,
                                            submit=self._queue.submit,
                                            timeout_s=timeout.total_seconds())

@@ -14,10 +14,15 @@
 // thread issues every call itself (lowbitcc/backend/inline_issue.py).
 //
 // Threads: `submit` and `wait_idle` from any thread, the GIL held or not (`wait_idle` lets it go
-// while it waits); the lane's thread is started at the first `submit`, runs its jobs without
-// autograd and without the GIL (a job takes it where it reads or writes a Python object), and is
-// joined by `close` (the group's shutdown, or the lane's destruction), which lets the jobs queued
-// before it run first. A job must not throw: its errors are its run's Work's.
+// while it waits); the lane's thread is started at the first `submit` and runs its jobs without
+// autograd and without the GIL (a job takes it where it reads or writes a Python object, and
+// not once the interpreter is finalizing: `python_running`). `close` (the group's shutdown, the
+// queue's end or the process's exit: issue_queue.py) takes no more jobs and lets those queued
+// run, waiting for them up to its timeout; past it, where it is called on the lane's own thread,
+// and when the lane is destroyed, the thread is left to end by itself (it shares the lane's
+// state). A job must not throw:
+// its errors are its run's Work's. A run ends once its transfers do, each within the group's
+// timeout (a ring's waits in several in turn).
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -26,9 +31,11 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -36,32 +43,54 @@
 
 namespace lowbitcc {
 
+// Whether a thread may take the GIL to touch Python objects: the interpreter is up and not
+// finalizing (a thread that takes the GIL then is ended where it stands).
+inline bool python_running() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
 class __attribute__((visibility("hidden"))) IssueLane {
  public:
-  IssueLane() = default;
+  IssueLane() : state_(std::make_shared<State>()) {}
   IssueLane(const IssueLane&) = delete;
   IssueLane& operator=(const IssueLane&) = delete;
-  ~IssueLane() { close(); }
+  // (It waits for nothing: the thread, if any, runs what was queued and ends by itself. The
+  // lane may be let go of on a thread one of its runs waits for, or on its own.)
+  ~IssueLane() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->closed = true;
+    }
+    state_->queued.notify_all();
+    if (thread_.joinable()) {
+      thread_.detach();
+    }
+  }
 
   // Queue `job`, to run after every job queued before it.
   void submit(std::function<void()> job) {
+    State& s = *state_;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!closed_, "lowbitcc: this process group has been shut down");
+      std::lock_guard<std::mutex> lock(s.mutex);
+      TORCH_CHECK(!s.closed, "lowbitcc: this process group has been shut down");
       if (!thread_.joinable()) {
-        thread_ = std::thread([this] { loop(); });
+        thread_ = std::thread([state = state_] { loop(*state); });
       }
-      jobs_.push_back(std::move(job));
-      busy_.fetch_add(1, std::memory_order_acq_rel);
+      s.jobs.push_back(std::move(job));
+      s.busy.fetch_add(1, std::memory_order_acq_rel);
     }
-    queued_.notify_one();
+    s.queued.notify_one();
   }
 
   // Whether every job queued so far has run to its end.
-  bool idle() const { return busy_.load(std::memory_order_acquire) == 0; }
+  bool idle() const { return state_->busy.load(std::memory_order_acquire) == 0; }
 
-  // Wait until every job queued so far has run to its end (each ends: its transfers are bounded
-  // by the group's timeout); the GIL, where the caller holds it, let go meanwhile.
+  // Wait until every job queued so far has run to its end; the GIL, where the caller holds it,
+  // let go meanwhile.
   void wait_idle() {
     if (idle()) {
       return;
@@ -70,59 +99,86 @@ class __attribute__((visibility("hidden"))) IssueLane {
     if (Py_IsInitialized() && PyGILState_Check()) {
       released.emplace();
     }
-    std::unique_lock<std::mutex> lock(mutex_);
-    ran_.wait(lock, [this] { return idle(); });
+    State& s = *state_;
+    std::unique_lock<std::mutex> lock(s.mutex);
+    s.ran.wait(lock, [&s] { return s.busy.load() == 0; });
   }
 
-  // Take no more jobs; run those queued, then end the thread (the GIL let go meanwhile).
-  // Idempotent.
-  void close() {
+  // Take no more jobs; wait up to `timeout_s` seconds (negative: without bound) for those queued
+  // to run, the GIL let go meanwhile; then end the thread with them, or leave it to end by
+  // itself (see the file's comment). Whether every job had run. Idempotent.
+  bool close(double timeout_s) {
+    State& s = *state_;
     std::thread ending;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      closed_ = true;
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.closed = true;
       ending = std::move(thread_);
     }
-    queued_.notify_all();
+    s.queued.notify_all();
     if (!ending.joinable()) {
-      return;
+      return idle();
+    }
+    if (ending.get_id() == std::this_thread::get_id()) {
+      ending.detach();  // (the lane let go of by one of its own jobs)
+      return false;
     }
     std::optional<py::gil_scoped_release> released;
     if (Py_IsInitialized() && PyGILState_Check()) {
       released.emplace();
     }
-    ending.join();
+    bool drained = true;
+    {
+      std::unique_lock<std::mutex> lock(s.mutex);
+      auto done = [&s] { return s.busy.load() == 0; };
+      if (timeout_s < 0) {
+        s.ran.wait(lock, done);
+      } else {
+        drained = s.ran.wait_for(lock, std::chrono::duration<double>(timeout_s), done);
+      }
+    }
+    if (drained) {
+      ending.join();  // (it returns at once: closed, no job left)
+    } else {
+      ending.detach();
+    }
+    return drained;
   }
 
  private:
-  void loop() {
+  // What the lane's thread shares with the lane (the thread holds it too: see `close`).
+  struct State {
+    std::mutex mutex;
+    std::condition_variable queued, ran;
+    std::deque<std::function<void()>> jobs;
+    std::atomic<int64_t> busy{0};  // jobs queued and not yet run to their end
+    bool closed = false;
+  };
+
+  static void loop(State& s) {
     c10::AutoGradMode no_grad(false);  // (this thread's mode: outputs are written in place)
     for (;;) {
       std::function<void()> job;
       {
-        std::unique_lock<std::mutex> lock(mutex_);
-        queued_.wait(lock, [this] { return closed_ || !jobs_.empty(); });
-        if (jobs_.empty()) {
+        std::unique_lock<std::mutex> lock(s.mutex);
+        s.queued.wait(lock, [&s] { return s.closed || !s.jobs.empty(); });
+        if (s.jobs.empty()) {
           return;  // closed, every job run
         }
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
+        job = std::move(s.jobs.front());
+        s.jobs.pop_front();
       }
       job();
       job = nullptr;  // (what it held is let go before the lane counts it done)
       {
-        std::lock_guard<std::mutex> lock(mutex_);
-        busy_.fetch_sub(1, std::memory_order_acq_rel);
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.busy.fetch_sub(1, std::memory_order_acq_rel);
       }
-      ran_.notify_all();
+      s.ran.notify_all();
     }
   }
 
-  std::mutex mutex_;
-  std::condition_variable queued_, ran_;
-  std::deque<std::function<void()>> jobs_;
-  std::atomic<int64_t> busy_{0};  // jobs queued and not yet run to their end
-  bool closed_ = false;
+  std::shared_ptr<State> state_;
   std::thread thread_;
 };
 

@@ -53,12 +53,14 @@
 //
 // Threads: `run` is called with the GIL held (the caller's); the decodes run on gloo's threads
 // (those that decode through the scratch one at a time, `scratch_mutex_`) and touch no Python
-// object except in the failure path; a run on the lane takes the GIL for its error states
-// alone. What a run measured (codec and wire seconds, the cost
-// model's time) is kept here under `mutex_` and handed over once: the codec and wire seconds to
-// the statistics by whichever comes first, a read of them (`take_seconds`, `counters.Stats`
-// watches the core) or the runner at the place's next compressed call (`take_timings`), so a
-// read after a call's wait counts its seconds; the cost model's times by the runner.
+// object except in the failure path; a run on the lane takes the GIL for its error states (and,
+// where a message does not belong to the call, for the Python plan's check and decode), never
+// once the interpreter is finalizing (`python_running`, issue_lane.h). What a run measured
+// (codec and wire seconds, the cost model's time) is kept here under `mutex_` and handed over
+// once: the codec and wire seconds to the statistics by whichever comes first, a read of them
+// (`take_seconds`, `counters.Stats` watches the core) or the runner at the place's next
+// compressed call (`take_timings`), so a read after a call's wait counts its seconds; the cost
+// model's times by the runner.
 #pragma once
 
 #include <torch/csrc/Dtype.h>
@@ -227,7 +229,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // threads (gloo_threads.py), is parked for a Python thread to let go of.
   ~PlanCore() {
     transport_.reset();  // (not the group's last reference: its Python object holds one)
-    if (!Py_IsInitialized()) {
+    if (!python_running()) {
       plan_.release();
       size_class_.release();
       transport_object_.release();
@@ -390,6 +392,28 @@ class __attribute__((visibility("hidden"))) PlanCore
         first_error = std::move(error);
       }
     }
+    // Whether it has an error yet.
+    bool has_error() {
+      std::lock_guard<std::mutex> lock(mutex);
+      return static_cast<bool>(first_error);
+    }
+    // Its error states' Python objects let go of: with the GIL, or, the interpreter finalizing,
+    // left as they are (`python_running`).
+    void let_go_of_states() {
+      if (states.slots.empty()) {
+        return;
+      }
+      if (python_running()) {
+        py::gil_scoped_acquire acquire;
+        states.slots.clear();
+        return;
+      }
+      for (Slot& slot : states.slots) {
+        slot.key.release();
+        slot.state.release();
+      }
+      states.slots.clear();
+    }
     // Wait (without the GIL) for the place's run before it, once.
     void wait_previous() {
       if (previous) {
@@ -424,17 +448,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       if (verdict) {
         verdict->give(true);
       }
-      if (!states.slots.empty()) {  // (a run that never reached `end_encodes`)
-        if (Py_IsInitialized()) {
-          py::gil_scoped_acquire acquire;
-          states.slots.clear();
-        } else {
-          for (Slot& slot : states.slots) {
-            slot.key.release();
-            slot.state.release();
-          }
-        }
-      }
+      let_go_of_states();  // (a run that never reached `end_encodes`)
     }
     // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
     // messages encoded after it are flagged (the file's comment)
@@ -452,7 +466,11 @@ class __attribute__((visibility("hidden"))) PlanCore
   void run_whole(const std::shared_ptr<Run>& run, const at::Tensor& sums) {
     const bool held = PyGILState_Check() != 0;
     bool ok = true;
-    if (run->key) {
+    if (run->key && !held && !python_running()) {
+      run->failed(std::make_exception_ptr(
+          std::runtime_error("lowbitcc: a compressed call's run began as the interpreter exited")));
+      ok = false;
+    } else if (run->key) {
       std::optional<py::gil_scoped_acquire> acquired;
       if (!held) {
         run->wait_previous();
@@ -500,17 +518,15 @@ class __attribute__((visibility("hidden"))) PlanCore
     if (--run.left == 0) {
       decided(run);
     }
-    if (run.taken != nullptr) {
+    if (run.taken != nullptr && run.verdict && python_running()) {
       py::gil_scoped_acquire acquire;
-      if (run.verdict) {
-        try {
-          feedback_->put(run.states);
-        } catch (...) {
-          run.failed(std::current_exception());
-        }
+      try {
+        feedback_->put(run.states);
+      } catch (...) {  // (its verdict may be given already: the call raises this all the same)
+        run.failed(std::current_exception());
       }
-      run.states.slots.clear();
     }
+    run.let_go_of_states();
     if (run.counts) {
       const SentBytes& sent = run.sent;
       run.counts->add(ServedCounts::kCompressed, ServedCounts::kWireBytes, sent.intra + sent.inter);
@@ -747,6 +763,9 @@ class __attribute__((visibility("hidden"))) PlanCore
   // through what `verify`'s whole-header comparison does not, e.g. an unknown flag bit), so that
   // the sum is what the Python path's is. On the issuing thread, without the GIL.
   bool accepts(const at::Tensor& messages, int64_t width, int64_t shard, int64_t seq) {
+    if (!python_running()) {
+      return false;
+    }
     py::gil_scoped_acquire acquire;
     py::object plan = plan_();
     return !plan.is_none() && plan.attr("accepts")(messages, width, shard, seq).cast<bool>();
@@ -785,9 +804,13 @@ class __attribute__((visibility("hidden"))) PlanCore
     // one the Python plan's decodes, which then redo them, meet as foreign or non-finite too
     // (its field check accepts some that `verify` does not: those keep the states, as on the
     // Python path)
-    bool dropped = run.nonfinite || run.foreign || static_cast<bool>(run.first_error);
-    if (!run.first_error && run.foreign) {
+    const bool failed = run.has_error();
+    bool dropped = run.nonfinite || run.foreign || failed;
+    if (!failed && run.foreign) {
       try {
+        if (!python_running()) {
+          throw std::runtime_error("lowbitcc: a call met a foreign message as the interpreter exited");
+        }
         py::gil_scoped_acquire acquire;
         py::object plan = plan_();
         if (plan.is_none()) {

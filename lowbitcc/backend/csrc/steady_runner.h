@@ -40,7 +40,8 @@
 // and the statistics' at the first call after `state.STATS` was replaced (`counted_in`);
 // attributes are looked up by interned names (python_objects.h's `LOWBITCC_NAME`). Only the
 // gloo call and a plan core's run (encode, then its decode on gloo's thread; a whole run on the
-// issue lane, which takes the GIL for its error states alone) run without it.
+// issue lane, which takes the GIL for its error states and a foreign message's Python check)
+// run without it.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>

@@ -72,8 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("wait_idle", &lowbitcc::IssueLane::wait_idle,
            "Wait until every run queued on the lane so far has run to its end (the GIL let go).")
-      .def("close", &lowbitcc::IssueLane::close,
-           "Take no more runs; let those queued run, then end the lane's thread.")
+      .def("close", &lowbitcc::IssueLane::close, py::arg("timeout_s"),
+           "Take no more runs; wait up to `timeout_s` seconds (negative: without bound) for those "
+           "queued, then end the lane's thread or leave it to end by itself; whether all had run.")
       .def_property_readonly("idle", &lowbitcc::IssueLane::idle);
   py::class_<lowbitcc::ServedCounts, std::shared_ptr<lowbitcc::ServedCounts>>(m, "ServedCounts")
       .def_static("names", &lowbitcc::ServedCounts::names,
