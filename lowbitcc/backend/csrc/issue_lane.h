@@ -27,6 +27,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
@@ -156,6 +157,7 @@ class __attribute__((visibility("hidden"))) IssueLane {
   };
 
   static void loop(State& s) {
+    at::init_num_threads();  // (torch's intra-op threads, as its own threads set them)
     c10::AutoGradMode no_grad(false);  // (this thread's mode: outputs are written in place)
     for (;;) {
       std::function<void()> job;
