@@ -16,7 +16,8 @@ the decode back to the plan (`call_plan.CallPlan.finish_received`, over ``core_r
 the errors are the Python path's. A plan of the tree schedule (``schedules/tree.py``, an
 all-reduce or a reduce-scatter on any number of ranks, with the same settings) gets one too
 (`_tree`), and so does one of the ring schedule (``schedules/ring.py``, on two ranks or more, in
-chunks or not: `_ring`): its run is the schedule's, whole in the calling thread. Every other plan
+chunks or not: `_ring`): its run is the schedule's, whole on its issuing thread (the group's issue
+lane, ``backend/csrc/issue_lane.h``, or inline the calling thread). Every other plan
 (the hierarchical schedule's, a CUDA plan's) has none (``core`` None) and runs in Python.
 
 Error feedback. With feedback on, each encode of a run takes its error state from the plan's
