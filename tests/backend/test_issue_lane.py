@@ -8,6 +8,7 @@ caller is free before its peers have even issued theirs, and what waits for the 
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -75,3 +76,43 @@ def test_a_whole_run_returns_to_its_caller_before_its_peers_issue_theirs(schedul
         assert torch.equal(tensor, results[0][2]) and torch.equal(after, results[0][3])
         # (two quantizations, each up to 1/8 off where a group's block scale rounds up)
         assert torch.allclose(tensor, want, rtol=0.15)
+
+
+def _shut_down_with_a_run_queued(rank, world, gloo):
+    store = dist.distributed_c10d._get_default_store()
+    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, schedule="tree")
+    pg = dist.new_group(backend="loco", pg_options=config,
+                        timeout=datetime.timedelta(seconds=5))
+    for _ in range(12):  # the place agreed and steady
+        tensor = torch.full((N,), float(rank + 1))
+        with lowbitcc.compressed():
+            dist.all_reduce(tensor, group=pg)
+        lowbitcc.end_step()
+    if rank != 0:  # the peers never issue the next call, and stay until rank 0 is done
+        store.wait(["shut-down"], datetime.timedelta(seconds=120))
+        return None
+    before = pg._runner.served_compressed
+    with lowbitcc.compressed():
+        work = dist.all_reduce(torch.full((N,), 1.0), group=pg, async_op=True)
+    queued = pg._runner.served_compressed - before
+    begun = time.monotonic()
+    pg.shutdown()
+    took = time.monotonic() - begun
+    try:
+        work.wait()
+        raised = None
+    except Exception as exc:  # noqa: BLE001 (the test reads its type)
+        raised = type(exc).__name__
+    store.set("shut-down", "1")
+    return queued, took, raised
+
+
+def test_a_group_shuts_down_within_its_timeout_with_a_run_queued_on_its_lane():
+    """Rank 0's served tree call waits on its lane for peers that never issue theirs; its
+    group's shutdown returns within about its timeout (5 s: the run's transfers fail by then,
+    and the lane is waited for no longer), and the call's Work raises instead of hanging."""
+    results = run_ranks(_shut_down_with_a_run_queued, 3, timeout=120)
+    queued, took, raised = results[0]
+    assert queued == 1, "the call was not served"
+    assert took < 30, took
+    assert raised is not None
