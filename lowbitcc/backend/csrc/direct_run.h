@@ -40,12 +40,11 @@ inline void PlanCore::run_pieces(const std::shared_ptr<PlanCore>& self,
       }
     } catch (...) {
       // no transfer from here on: the run ends with this error once those started are done
-      // (the issuing thread's token keeps it from ending here)
       run->failed(std::current_exception());
-      run->left -= static_cast<int64_t>(pieces_.size() - k);
       break;
     }
     run->encode_ns += nanos_between(begun, encoded);
+    ++run->left;  // (started: its callback gives it back)
     decode_when_done(self, transfer, run, k, header);
   }
 }

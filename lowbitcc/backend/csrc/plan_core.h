@@ -304,13 +304,8 @@ class __attribute__((visibility("hidden"))) PlanCore
     TORCH_CHECK(key.has_value() == (feedback_ != nullptr),
                 "lowbitcc: a plan core's run takes error states where it has feedback");
     auto self = shared_from_this();
-    // (one for the thread that issues, which it gives back once its states are put back and
-    // its bytes counted; a run of pieces one more per piece, an all-reduce's two phases one
-    // more per all-gather started)
-    auto run = std::make_shared<Run>(
-        tensor, output, seq, at::get_num_threads(), timed,
-        runs_whole() ? 1 : static_cast<int64_t>(pieces_.size()) + 1, std::move(counts),
-        std::move(key), feedback_ != nullptr);
+    auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed,
+                                     std::move(counts), std::move(key), feedback_ != nullptr);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       run->previous = std::move(last_);
@@ -320,7 +315,7 @@ class __attribute__((visibility("hidden"))) PlanCore
         run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
     if (runs_whole() && lane != nullptr) {
       try {
-        lane->submit([self, run, sums]() { self->run_whole(run, sums); });
+        lane->submit([self, run, sums]() { self->issue(run, sums); });
       } catch (...) {  // (the group was shut down: the run ends before it began)
         run->failed(std::current_exception());
         end_encodes(*run);
@@ -335,21 +330,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       }
       run->wait_previous();
     }
-    if (runs_whole()) {
-      run_whole(run, sums);
-      return work;
-    }
-    const bool taken = take_states(*run);
-    {
-      py::gil_scoped_release release;
-      run->start = std::chrono::steady_clock::now();
-      if (taken) {
-        run_pieces(self, run, sums);
-      } else {
-        run->left -= static_cast<int64_t>(pieces_.size());  // (no transfer started)
-      }
-    }
-    end_encodes(*run);
+    issue(run, sums);
     return work;
   }
 
@@ -378,11 +359,10 @@ class __attribute__((visibility("hidden"))) PlanCore
   // One run's own state, shared by its transfers' decodes; `result` is its Work's future.
   struct Run {
     Run(at::Tensor tensor_, at::Tensor output_, int64_t seq_, int threads_, bool timed_,
-        int64_t transfers, std::shared_ptr<ServedCounts> counts_,
-        std::optional<FeedbackKey> key_, bool feedback)
+        std::shared_ptr<ServedCounts> counts_, std::optional<FeedbackKey> key_, bool feedback)
         : tensor(std::move(tensor_)), flat(tensor.view({-1})), output(std::move(output_)),
           seq(seq_), threads(threads_), timed(timed_), start(std::chrono::steady_clock::now()),
-          left(transfers), counts(std::move(counts_)), key(std::move(key_)),
+          counts(std::move(counts_)), key(std::move(key_)),
           taken(feedback ? &states : nullptr),
           result(c10::make_intrusive<c10::ivalue::Future>(outputs_type())) {}
     // A transfer's error (its all-gather's, or its decode's): the run's first is its own.
@@ -427,9 +407,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     int threads;
     bool timed;
     std::chrono::steady_clock::time_point start;  // its first encode's (the issuing thread's)
-    // transfers not yet decoded, and the issuing thread's token (`end_encodes`); the last
-    // decides the run (`decided`)
-    std::atomic<int64_t> left;
+    // the issuing thread's token (given back by `end_encodes`) and one per transfer started and
+    // not yet decoded (each taken as it is started); the last decides the run (`decided`)
+    std::atomic<int64_t> left{1};
     // what its Work waits for: the run decided, and the issuing thread done (`end_encodes`)
     std::atomic<int> parts{2};
     std::atomic<bool> foreign{false};
@@ -460,11 +440,15 @@ class __attribute__((visibility("hidden"))) PlanCore
     c10::intrusive_ptr<c10::ivalue::Future> result;
   };
 
-  // A whole run (`runs_whole`), on the issue lane (without the GIL) or on the calling thread
-  // (the GIL held, its previous run waited for): the place's run before it waited for, its
-  // error states taken (with the GIL), the schedule's run, then `end_encodes`.
-  void run_whole(const std::shared_ptr<Run>& run, const at::Tensor& sums) {
+  // `run` on its issuing thread: the issue lane (without the GIL: a whole run), or the calling
+  // thread (the GIL held, the place's run before it waited for): the place's run before it
+  // waited for, its error states taken (with the GIL), its schedule's run (none where they could
+  // not be), then `end_encodes`.
+  void issue(const std::shared_ptr<Run>& run, const at::Tensor& sums) {
     const bool held = PyGILState_Check() != 0;
+    if (!held) {
+      run->wait_previous();
+    }
     bool ok = true;
     if (run->key && !held && !python_running()) {
       run->failed(std::make_exception_ptr(
@@ -473,7 +457,6 @@ class __attribute__((visibility("hidden"))) PlanCore
     } else if (run->key) {
       std::optional<py::gil_scoped_acquire> acquired;
       if (!held) {
-        run->wait_previous();
         acquired.emplace();
       }
       ok = take_states(*run);
@@ -483,12 +466,13 @@ class __attribute__((visibility("hidden"))) PlanCore
       if (held) {
         released.emplace();
       }
-      run->wait_previous();
       run->start = std::chrono::steady_clock::now();
       if (ok && (ring_ || tree_)) {
         ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
-      } else if (ok) {
+      } else if (ok && two_phase_) {
         run_two_phases(shared_from_this(), run, sums);
+      } else if (ok) {
+        run_pieces(shared_from_this(), run, sums);
       }
     }
     end_encodes(*run);

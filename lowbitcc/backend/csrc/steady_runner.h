@@ -100,8 +100,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         timed_every_(objects["timed_every"].cast<int64_t>()),
         issuer_counts_(objects["issuer_counts"].cast<bool>()) {
     if (!objects["lane"].is_none()) {
-      lane_owner_ = objects["lane"].cast<std::shared_ptr<IssueLane>>();
-      lane_ = lane_owner_.get();
+      lane_ = objects["lane"].cast<std::shared_ptr<IssueLane>>();
     }
     for (auto op : objects["native_ops"]) {
       native_ops_.insert(op.cast<int64_t>());
@@ -461,7 +460,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     // (its sent bytes counted in `counts_` and its states put back by its issuing thread)
     c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, sums,
                                                    steady.modelled, counts_, std::move(key),
-                                                   lane_);
+                                                   lane_.get());
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
     if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`
@@ -696,8 +695,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
 
   c10::intrusive_ptr<c10d::Backend> direct_;
   // the group's issue lane (issue_lane.h; null: the inline issuer's group has none)
-  std::shared_ptr<IssueLane> lane_owner_;
-  IssueLane* lane_ = nullptr;
+  std::shared_ptr<IssueLane> lane_;
   ModelTimings timings_;  // the runs it timed, not yet handed to the cost model
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;
