@@ -116,3 +116,56 @@ def test_a_group_shuts_down_within_its_timeout_with_a_run_queued_on_its_lane():
     assert queued == 1, "the call was not served"
     assert took < 30, took
     assert raised is not None
+
+
+def _synchronous_calls_stay_on_their_thread(rank, world, gloo, schedule):
+    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, schedule=schedule)
+    pg = dist.new_group(backend="loco", pg_options=config,
+                        timeout=datetime.timedelta(seconds=30))
+    runner, lane = pg._runner, pg._queue.lane
+    value = torch.linspace(-1.0, 1.0, N) * (rank + 1)
+
+    def call(collective, async_op):
+        with lowbitcc.compressed():  # (outside backward the default sends it exact)
+            if collective == "all_reduce":
+                tensor = value.clone()
+                work = dist.all_reduce(tensor, group=pg, async_op=async_op)
+            else:
+                tensor = torch.empty(N // world)
+                work = dist.reduce_scatter_tensor(tensor, value.clone(), group=pg,
+                                                  async_op=async_op)
+        if async_op:
+            work.wait()
+        lowbitcc.end_step()
+        return tensor
+
+    for _ in range(12):  # both places agreed and steady
+        call("all_reduce", True)
+        call("reduce_scatter", True)
+    counted = {}
+    for async_op in (False, True):
+        before, queued = runner.served_compressed, lane.submitted
+        outputs = [call(collective, async_op) for _ in range(3)  # (the places' order)
+                   for collective in ("all_reduce", "reduce_scatter")]
+        counted[async_op] = (runner.served_compressed - before, lane.submitted - queued, outputs)
+    return counted
+
+
+@pytest.mark.parametrize("schedule", ["direct", "tree"])
+def test_a_synchronous_call_runs_whole_on_its_calling_thread(schedule):
+    """A call whose caller waits for it at once (``async_op=False``: c10d's ``asyncOp``) gains
+    nothing from the lane and would pay its two thread wakes: its whole run (on three ranks the
+    direct schedule's all-reduce, the tree's all-reduce and reduce-scatter) is issued on the
+    calling thread, served all the same, with the same sums as the lane's runs; the same calls
+    made with ``async_op=True`` are queued on the lane, one run each."""
+    results = run_ranks(_synchronous_calls_stay_on_their_thread, 3, schedule, timeout=180)
+    whole = 6 if schedule == "tree" else 3  # (the direct reduce-scatter never runs whole)
+    for counted in results:
+        assert counted[False][:2] == (6, 0), counted[False][:2]
+        assert counted[True][:2] == (6, whole), counted[True][:2]
+        for got, want in zip(counted[False][2], counted[True][2], strict=True):
+            assert torch.equal(got, want)
+    for counted in results[1:]:
+        for got, want in zip(counted[False][2], results[0][False][2], strict=True):
+            if got.numel() == N:  # (the all-reduces: every rank's sums are the same)
+                assert torch.equal(got, want)

@@ -83,8 +83,15 @@ class __attribute__((visibility("hidden"))) IssueLane {
       }
       s.jobs.push_back(std::move(job));
       s.busy.fetch_add(1, std::memory_order_acq_rel);
+      ++s.submitted;
     }
     s.queued.notify_one();
+  }
+
+  // How many jobs have been queued since it was made (tests read it).
+  int64_t submitted() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->submitted;
   }
 
   // Whether every job queued so far has run to its end.
@@ -153,6 +160,7 @@ class __attribute__((visibility("hidden"))) IssueLane {
     std::condition_variable queued, ran;
     std::deque<std::function<void()>> jobs;
     std::atomic<int64_t> busy{0};  // jobs queued and not yet run to their end
+    int64_t submitted = 0;         // jobs queued since the lane was made
     bool closed = false;
   };
 

@@ -43,7 +43,8 @@
 // Such a whole run (`runs_whole`: the tree's, the ring's, an all-reduce's two phases on more
 // ranks) waits in its own transfers; where the group has an issue lane (issue_lane.h: the worker
 // issuer's groups) it runs there, what is said above of the calling thread said of the lane's,
-// and `run` returns once it is queued. The thread that issues a run's transfers (the issuing
+// and `run` returns once it is queued; but a synchronous call's (c10d's `asyncOp` false: its
+// caller waits for it at once) runs on the calling thread all the same. The thread that issues a run's transfers (the issuing
 // thread: the calling thread, or the lane) takes its error states before its first encode and
 // puts them back after its last, with the GIL (feedback_slots.h), and counts the bytes it sent.
 // The run's Work (`PlannedWork`) completes with the last decode, and not before the issuing
@@ -294,13 +295,16 @@ class __attribute__((visibility("hidden"))) PlanCore
   // the bytes of the transfers it started go (each counted once started, as `MeteredTransport`
   // counts them: a run that fails counts those it started), counted by the time its Work
   // completes. `lane`: the group's issue lane (null: none, the inline issuer's group): a whole
-  // run (`runs_whole`) is queued there and the call returns at once; a run that issues on the
+  // run (`runs_whole`) is queued there and the call returns at once, unless `synchronous` (the
+  // caller waits for the Work as soon as it has it: c10d's `asyncOp` false), where handing it
+  // over would only add the lane's two thread wakes to the call; a run that issues on the
   // calling thread waits for the lane's runs first (issue_lane.h). Either way it waits, first,
   // for the place's run before it (whose buffers it writes). Called with the GIL held; its Work.
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
                                      int64_t seq, at::Tensor sums, bool timed,
                                      std::shared_ptr<ServedCounts> counts,
-                                     std::optional<FeedbackKey> key, IssueLane* lane) {
+                                     std::optional<FeedbackKey> key, IssueLane* lane,
+                                     bool synchronous) {
     TORCH_CHECK(key.has_value() == (feedback_ != nullptr),
                 "lowbitcc: a plan core's run takes error states where it has feedback");
     auto self = shared_from_this();
@@ -313,7 +317,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     auto work = c10::make_intrusive<PlannedWork>(
         run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
-    if (runs_whole() && lane != nullptr) {
+    if (runs_whole() && lane != nullptr && !synchronous) {
       try {
         lane->submit([self, run, sums]() { self->issue(run, sums); });
       } catch (...) {  // (the group was shut down: the run ends before it began)

@@ -33,7 +33,9 @@
 // the place's canary where the plan is off the direct schedule (the tree's: a peer's deviation
 // shows on some ranks only as NaN, `reductions._keep_canaries`). A plan core's whole run (the
 // tree's, the ring's, an all-reduce's two phases on more ranks) is queued on the group's issue
-// lane (issue_lane.h; the worker issuer's groups have one) and the call returns at once.
+// lane (issue_lane.h; the worker issuer's groups have one) and the call returns at once; a
+// synchronous call's (c10d's `asyncOp` false, as `dist.all_reduce` without `async_op` sets
+// it: its caller waits for the Work at once) runs on the calling thread instead.
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
 // cost model's, ordinals' and feedback store's locks taken as their Python owners take them,
@@ -176,7 +178,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return py::none();
     }
     if (steady.core) {
-      return serve_planned(steady, all_reduce_, tensor);
+      return serve_planned(steady, all_reduce_, tensor, !options.asyncOp);
     }
     count(steady, all_reduce_, tensor, tensor.numel());
     std::vector<at::Tensor> inputs{tensor};
@@ -218,7 +220,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return py::none();
     }
     if (steady.core) {
-      return serve_planned(steady, reduce_scatter_, input);
+      return serve_planned(steady, reduce_scatter_, input, !options.asyncOp);
     }
     count(steady, reduce_scatter_, input, input.numel());
     c10::intrusive_ptr<c10d::Work> work;
@@ -420,10 +422,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
 
   // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `collective` on
   // `tensor` (into `steady.output`: a reduce-scatter): its feedback key's ordinal taken, counted,
-  // then the plan core's run (on the issue lane where it runs whole and the group has one), which
-  // takes its error states under that key (feedback_slots.h) and puts them back once its encodes
-  // are done, and counts the bytes of the transfers it started; its Work.
-  py::object serve_planned(Steady& steady, const py::str& collective, const at::Tensor& tensor) {
+  // then the plan core's run (on the issue lane where it runs whole, the group has one and the
+  // call is not `synchronous`: c10d's `asyncOp` false), which takes its error states under that
+  // key (feedback_slots.h) and puts them back once its encodes are done, and counts the bytes of
+  // the transfers it started; its Work.
+  py::object serve_planned(Steady& steady, const py::str& collective, const at::Tensor& tensor,
+                           bool synchronous) {
     ran(steady);
     if (steady.renews && queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0) {
       queue_.attr(LOWBITCC_NAME("wait_idle"))();  // the renewal's exchange, on the same gloo group, goes first
@@ -460,7 +464,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     // (its sent bytes counted in `counts_` and its states put back by its issuing thread)
     c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, sums,
                                                    steady.modelled, counts_, std::move(key),
-                                                   lane_.get());
+                                                   lane_.get(), synchronous);
     // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
     py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
     if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`

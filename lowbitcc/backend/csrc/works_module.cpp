@@ -75,7 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &lowbitcc::IssueLane::close, py::arg("timeout_s"),
            "Take no more runs; wait up to `timeout_s` seconds (negative: without bound) for those "
            "queued, then end the lane's thread or leave it to end by itself; whether all had run.")
-      .def_property_readonly("idle", &lowbitcc::IssueLane::idle);
+      .def_property_readonly("idle", &lowbitcc::IssueLane::idle)
+      .def_property_readonly("submitted", &lowbitcc::IssueLane::submitted,
+                             "How many runs have been queued on the lane since it was made.");
   py::class_<lowbitcc::ServedCounts, std::shared_ptr<lowbitcc::ServedCounts>>(m, "ServedCounts")
       .def_static("names", &lowbitcc::ServedCounts::names,
                   "Every field's name (counters.Counters' names), the counts' then the seconds'.")
