@@ -126,7 +126,9 @@ class CallPlan:
         self.core_kept: tuple[Any, ...] | None = None
         """A tree or ring schedule's core: what its decodes read (`schedules.tree.decode_kept`:
         its children's messages, None for a leaf, and the root's codes; `schedules.ring.
-        decode_kept`: what each step received, each chunk's gathered rows, its columns)."""
+        decode_kept`: what each step received, each chunk's gathered rows, its columns); a
+        hierarchical schedule's: ``("hier", rail)``, where its rail's all-reduce decodes (fp32
+        ``[nodes * m]``; its transfers are ``core_received``'s and ``core_gathered``'s)."""
 
     @property
     def transport(self) -> Any:
@@ -244,12 +246,25 @@ class CallPlan:
     def _finish_off_direct(self, tensor: torch.Tensor, output: torch.Tensor | None) -> None:
         """`finish_received`'s decodes for a tree or ring schedule's core (their schedules'
         ``decode_kept``): into flat ``tensor`` (an all-reduce), or into ``output`` (straight
-        where it is contiguous fp32, else through the plan's buffer and a cast)."""
+        where it is contiguous fp32, else through the plan's buffer and a cast); for a
+        hierarchical schedule's, its rail's (the direct schedule's decodes, an all-reduce's
+        into the core's scratch: the node's exact steps ran in C++, its output as they left
+        it)."""
         target, straight = (None, True) if output is None else self._scattered_into(output)
         flat, rank = tensor.view(-1), self.group.rank
         into = flat if output is None else None
         assert self.core_kept is not None and self._factor is not None
-        if self.schedule == "tree":
+        if self.schedule == "hierarchical":  # the rail's decodes (an all-reduce's: its scratch)
+            lay, rail, direct = self.links.layout, self.core_kept[1], schedules.direct
+            if output is not None:
+                direct.decode_scattered(self.core_received, target, self.comp, lay.node,
+                                        lay.nodes)
+            elif self.core_gathered:
+                direct.decode_two_phases(self.core_received, self.core_gathered, rail,
+                                         self.comp, self.m, lay.node, lay.nodes)
+            else:
+                direct.decode_gathered(self.core_received, rail, self.comp, self.m, lay.nodes)
+        elif self.schedule == "tree":
             children, codes = self.core_kept
             schedules.tree.decode_kept(children, codes, self.comp, self.m, rank, into, target)
         else:

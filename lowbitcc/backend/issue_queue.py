@@ -12,12 +12,12 @@ Each call returns a `works.LocoWork` (the Works and futures: `lowbitcc.backend.w
 
 A second thread issues on the same inner gloo group: the group's issue lane (``lane``, the C++
 ``IssueLane``, ``backend/csrc/issue_lane.h``), on which the steady runner queues the plan cores'
-whole runs (the tree's, the ring's, an all-reduce's two phases on more ranks) so that their calls
-return at once. The worker waits until the lane is idle before each job it runs, so the jobs'
-inner operations are issued after the lane's runs queued before them, on every rank alike.
-``lane`` is None where the C++ module cannot be built (no plan core runs then). The lane is
-closed by `shutdown`, and at the process's exit (before the interpreter finalizes), each time
-waiting up to the group's timeout for the runs queued on it.
+whole runs (the tree's, the ring's, the hierarchical schedule's, an all-reduce's two phases on
+more ranks) so that their calls return at once. The worker waits until the lane is idle before
+each job it runs, so the jobs' inner operations are issued after the lane's runs queued before
+them, on every rank alike. ``lane`` is None where the C++ module cannot be built (no plan core
+runs then). The lane is closed by `shutdown`, and at the process's exit (before the interpreter
+finalizes), each time waiting up to the group's timeout for the runs queued on it.
 
 Jobs and finishes run without autograd (grad mode is per thread: the worker and waiter, this
 module's threads, turn it off once when they start): a collective writes its outputs in place, as

@@ -15,10 +15,14 @@ Python run writes, byte for byte; where a message of a run does not belong to th
 the decode back to the plan (`call_plan.CallPlan.finish_received`, over ``core_received``), so
 the errors are the Python path's. A plan of the tree schedule (``schedules/tree.py``, an
 all-reduce or a reduce-scatter on any number of ranks, with the same settings) gets one too
-(`_tree`), and so does one of the ring schedule (``schedules/ring.py``, on two ranks or more, in
-chunks or not: `_ring`): its run is the schedule's, whole on its issuing thread (the group's issue
-lane, ``backend/csrc/issue_lane.h``, or inline the calling thread). Every other plan
-(the hierarchical schedule's, a CUDA plan's) has none (``core`` None) and runs in Python.
+(`whole_runs.tree`), and so does one of the ring schedule (``schedules/ring.py``, on two ranks or
+more, in chunks or not: `whole_runs.ring`), and one of the hierarchical schedule
+(``schedules/hierarchical.py``, on two nodes or more of two ranks or more, over gloo node and
+rail groups: `whole_runs.hier`, the node's exact steps, around the direct schedule's pieces on
+the rail): its run is the schedule's, whole on its issuing thread (the group's issue lane,
+``backend/csrc/issue_lane.h``, or the calling thread: inline, or a synchronous call). Every other
+plan (a CUDA plan's, one whose hierarchical schedule has one node or one rank a node) has none
+(``core`` None) and runs in Python.
 
 Error feedback. With feedback on, each encode of a run takes its error state from the plan's
 `feedback.FeedbackStore` under the call's key and the encode's stage (`CallCompressor.encode`'s
@@ -46,10 +50,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lowbitcc import state
-from lowbitcc.backend import gloo_threads, native
+from lowbitcc.backend import gloo_threads, native, whole_runs
 from lowbitcc.codec import cpu, wire
 from lowbitcc.codec.abi import ERROR_MODES, FORMAT_CODES
 from lowbitcc.codec.error_state import ErrorState
+from lowbitcc.schedules import hierarchical
 from lowbitcc.schedules.chunking import chunks, stage
 from lowbitcc.transports.gloo import GlooTransport
 from lowbitcc.transports.metered import MeteredTransport
@@ -76,7 +81,9 @@ def make_core(plan: Any) -> None:
     if ring is not None:  # the ring's: what each step received, each chunk's gathered rows
         plan.core_kept = (ring["arrived"], [g["gathered"] for g in ring.get("gathers", [])],
                           [(c["a"], c["b"]) for c in ring["chunks"]])
-    plan.core = module.PlanCore(plan.transport.inner.group, spec, codec_module.codec_api,
+    if spec["hier"] is not None:  # what its Python decodes read: the rail's transfers
+        plan.core_kept = ("hier", spec["hier"]["rail_scratch"])
+    plan.core = module.PlanCore(spec["transport"].inner.group, spec, codec_module.codec_api,
                                 gloo_threads.park)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
 
@@ -99,8 +106,13 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       ``again`` (uint8 ``[1, P]``) and ``again_nonfinite``, the buffers its second phase's
       encode writes (stage ``ag``'s; ``again_stage`` and ``again_state_numel``: its error
       state's), and ``again_received``, the all-gather's (``[world * P]``);
-    - ``tree``: a tree schedule's run (`_tree`; then no ``pieces``), else None; ``ring``: a
-      ring schedule's (`_ring`), else None;
+    - ``tree``: a tree schedule's run (`whole_runs.tree`; then no ``pieces``), else None;
+      ``ring``: a ring schedule's (`whole_runs.ring`), else None; ``hier``: a hierarchical
+      schedule's node steps (`whole_runs.hier`), else None: its ``pieces`` are then its
+      rail's, the direct schedule's over the rail link (``world`` the nodes, ``rank`` this
+      rank's node, ``numel`` the nodes' rows of ``m``, ``dtype`` fp32 and ``factor`` 1: the
+      rail encodes the node's exact sums);
+    - ``transport``: the link its pieces, tree or ring travel on (the world's, or the rail's);
     - ``flags_offset`` and ``peer_error_flag``: where a message's flags lie and the flag its
       encodes set once a message of the call did not belong to it (`wire`'s);
     - ``bits``, ``group_size``, ``format`` (`abi.FORMAT_CODES`), ``checksum``, ``step``: the
@@ -113,44 +125,92 @@ def core_spec(plan: Any) -> dict[str, Any] | None:
       the transport does, by its peers' nodes);
     - ``feedback``: its error feedback (`_feedback`), None where off.
     """
-    codec, comp, world = plan._own_codec, plan.comp, plan.transport
-    if (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
-            or (plan.group.size < 2 and plan.collective == "all_reduce")
-            or plan.schedule not in ("direct", "tree", "ring") or plan.graph is not None
-            or (plan.schedule == "ring" and plan.group.size < 2)
-            or plan._factor is None
-            or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
-            or codec.rounding != "nearest" or type(world) is not MeteredTransport
-            or type(world.inner) is not GlooTransport):
+    if not _served(plan):
         return None
-    m, rows = plan.m, plan.group.size
-    ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule != "tree" else [(0, m)]
-    scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
-    pieces, tree, ring = _transfers(plan, ranges, scattered)
+    codec, comp, m = plan._own_codec, plan.comp, plan.m
+    world, rows, rank, hier = plan.transport, plan.group.size, plan.group.rank, None
+    if plan.schedule == "hierarchical":
+        rail = _rail(plan)
+        if rail is None:
+            return None
+        world, rows, rank, hier = rail
+    ranges, pieces, tree, ring = _transfers(plan, rows)
     return {
-        "plan": plan, "pieces": pieces, "tree": tree, "ring": ring,
+        "plan": plan, "pieces": pieces, "tree": tree, "ring": ring, "hier": hier,
+        "transport": world,
         "scratch": plan.kept_buffers.fp32(max(b - a for a, b in ranges), plan.device),
-        "seq_offset": wire.SEQ_OFFSET, "flags_offset": wire.FLAGS_OFFSET,
-        "peer_error_flag": wire.FLAG_PEER_ERROR, "bits": codec.bits,
-        "group_size": codec.group_size, "format": FORMAT_CODES[codec.fmt],
-        "checksum": codec.checksum, "step": cpu.CHECKSUM_STEP,
-        "collective": plan.collective, "dtype": plan.codec_dtype, "numel": plan.numel, "m": m,
-        "world": rows, "rank": plan.group.rank, "factor": plan._factor, "beta": comp.beta,
+        **_codec_entries(codec),
+        "collective": plan.collective, "m": m, "world": rows, "rank": rank, "beta": comp.beta,
+        "dtype": torch.float32 if hier else plan.codec_dtype,
+        "numel": rows * m if hier else plan.numel, "factor": 1.0 if hier else plan._factor,
         "modelled": plan.modelled, "size_class": plan.size_class, "nbytes": plan.nbytes,
         "logical_bytes": plan.logical_bytes, "same_node": list(world._same_node),
         "feedback": _feedback(plan),
     }
 
 
-def _transfers(plan: Any, ranges: list[tuple[int, int]], scattered: bool
-               ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None]:
-    """``plan``'s transfers over its chunks' columns ``ranges`` (`core_spec`'s ``pieces``,
-    ``tree`` and ``ring``: the direct schedule's pieces, else a tree's or a ring's run)."""
+def _served(plan: Any) -> bool:
+    """Whether a core may serve ``plan`` (the module docstring's settings; a hierarchical
+    schedule's nodes are `core_spec`'s to check)."""
+    codec = plan._own_codec
+    return not (codec is None or plan.collective not in ("all_reduce", "reduce_scatter")
+                or (plan.group.size < 2 and plan.collective == "all_reduce")
+                or plan.schedule not in ("direct", "tree", "ring", "hierarchical")
+                or plan.graph is not None
+                or (plan.schedule == "ring" and plan.group.size < 2)
+                or plan._factor is None
+                or plan.codec_dtype not in CORE_DTYPES or codec.kernels is not cpu.KERNELS
+                or codec.rounding != "nearest" or not _gloo(plan.transport))
+
+
+def _rail(plan: Any) -> tuple[Any, int, int, dict[str, Any]] | None:
+    """A hierarchical ``plan``'s rail link, its size and this rank's place in it, and its node
+    steps (`whole_runs.hier`), where a core serves it: two nodes or more of two ranks or more,
+    over gloo (else None: one node is exact, one rank a node the direct schedule's runs)."""
+    lay = plan.links.layout
+    if (not lay.regular or lay.nodes < 2 or lay.node_size < 2
+            or not _gloo(plan.links.node()) or not _gloo(plan.links.rail())):
+        return None
+    return plan.links.rail(), lay.nodes, lay.node, whole_runs.hier(plan)
+
+
+def _codec_entries(codec: Any) -> dict[str, Any]:
+    """`core_spec`'s entries of ``codec`` (a `ShardCodec`): its messages' call number's and
+    flags' offsets and its peer-error flag (`wire`'s), its bits, group size, format
+    (`abi.FORMAT_CODES`), checksum and the checksum's step."""
+    return {
+        "seq_offset": wire.SEQ_OFFSET, "flags_offset": wire.FLAGS_OFFSET,
+        "peer_error_flag": wire.FLAG_PEER_ERROR, "bits": codec.bits,
+        "group_size": codec.group_size, "format": FORMAT_CODES[codec.fmt],
+        "checksum": codec.checksum, "step": cpu.CHECKSUM_STEP,
+    }
+
+
+def _gloo(link: Any) -> bool:
+    """Whether ``link`` is a gloo group metered as the core meters it (`MeteredTransport`)."""
+    return type(link) is MeteredTransport and type(link.inner) is GlooTransport
+
+
+def _transfers(plan: Any, rows: int) -> tuple[list[tuple[int, int]], list[dict[str, Any]],
+                                             dict[str, Any] | None, dict[str, Any] | None]:
+    """``plan``'s chunks' columns, and its transfers over them between ``rows`` ranks
+    (`core_spec`'s ``pieces``, ``tree`` and ``ring``: the direct schedule's pieces, the
+    hierarchical schedule's its rail's, else a tree's or a ring's run)."""
+    m, codec = plan.m, plan._own_codec
+    ranges = chunks(m, plan.chunk, codec.group_size) if plan.schedule != "tree" else [(0, m)]
+    return (ranges, *_transfers_over(plan, ranges, rows))
+
+
+def _transfers_over(plan: Any, ranges: list[tuple[int, int]], rows: int
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None]:
+    """`_transfers`' transfers over ``ranges``."""
+    scattered = plan.collective == "reduce_scatter" or rows > 2  # a first phase's all-to-all
     if plan.schedule == "tree":
-        return [], _tree(plan), None
+        return [], whole_runs.tree(plan), None
     if plan.schedule == "ring":
-        return [], None, _ring(plan, ranges)
-    return _pieces(plan, ranges, scattered), None, None
+        return [], None, whole_runs.ring(plan, ranges)
+    prefix = hierarchical.PREFIX if plan.schedule == "hierarchical" else ""
+    return _pieces(plan, ranges, scattered, rows, prefix), None, None
 
 
 def _feedback(plan: Any) -> dict[str, Any] | None:
@@ -186,36 +246,41 @@ def take_state(store: Any, key: str, numel: int, error_dtype: str, reset_interva
     return state, uses, True
 
 
-def _pieces(plan: Any, ranges: list[tuple[int, int]], scattered: bool) -> list[dict[str, Any]]:
-    """``plan``'s transfers (`core_spec`'s ``pieces``) for its chunks' columns ``ranges``: a
-    first phase's all-to-all per chunk where ``scattered`` (a reduce-scatter, an all-reduce on
-    more than two ranks: with its second phase), else the two ranks' all-gathers."""
-    m, rows = plan.m, plan.group.size
+def _pieces(plan: Any, ranges: list[tuple[int, int]], scattered: bool, rows: int,
+            prefix: str) -> list[dict[str, Any]]:
+    """``plan``'s transfers (`core_spec`'s ``pieces``) between ``rows`` ranks for its chunks'
+    columns ``ranges``, their stages named after ``prefix`` (the direct schedule's inside
+    another's, `direct.all_reduce`'s): a first phase's all-to-all per chunk where ``scattered``
+    (a reduce-scatter, an all-reduce on more than two ranks: with its second phase), else the
+    two ranks' all-gathers."""
+    m = plan.m
     if scattered:  # `direct._pipeline`: chunk k's rows are "rs.k.row"
-        pieces = ([_piece(plan, "rs", 0, rows, 0, m, scattered)] if len(ranges) == 1 else
-                  [_scattered_chunk(plan, stage("rs", k, len(ranges)), a, b)
+        name = prefix + "rs"
+        pieces = ([_piece(plan, name, 0, rows, 0, m, scattered, rows)] if len(ranges) == 1 else
+                  [_scattered_chunk(plan, stage(name, k, len(ranges)), a, b, rows)
                    for k, (a, b) in enumerate(ranges)])
         if plan.collective == "all_reduce":  # the second phase: chunk k's stage is "ag.k"
             for k, piece in enumerate(pieces):
-                _second_phase(plan, piece, stage("ag", k, len(ranges)))
+                _second_phase(plan, piece, stage(prefix + "ag", k, len(ranges)), rows)
         return pieces
+    name = prefix + "gather"
     if len(ranges) == 1:
-        return [_piece(plan, "gather", 0, rows, 0, m, scattered)]
+        return [_piece(plan, name, 0, rows, 0, m, scattered, rows)]
     # `direct._gather_all_reduce`'s stages: chunk k's row r is "gather.k.r"
-    return [_piece(plan, f"{stage('gather', k, len(ranges))}.{r}", r, 1, a, b, scattered)
+    return [_piece(plan, f"{stage(name, k, len(ranges))}.{r}", r, 1, a, b, scattered, rows)
             for k, (a, b) in enumerate(ranges) for r in range(rows)]
 
 
 def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int,
-           scattered: bool) -> dict[str, Any]:
-    """One transfer of ``plan``'s core that one encode writes: stage ``name``'s buffers
-    (`compressor.CallCompressor`'s ``encode`` and ``received`` ask for the same), ``rows`` rows
-    from ``row0``, columns ``a .. b``, sent by an all-to-all where ``scattered`` (`_pieces`),
-    else all-gathered (see `core_spec`)."""
+           scattered: bool, world: int) -> dict[str, Any]:
+    """One transfer between ``world`` ranks of ``plan``'s core that one encode writes: stage
+    ``name``'s buffers (`compressor.CallCompressor`'s ``encode`` and ``received`` ask for the
+    same), ``rows`` rows from ``row0``, columns ``a .. b``, sent by an all-to-all where
+    ``scattered`` (`_pieces`), else all-gathered (see `core_spec`)."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     messages, nonfinite = kept.messages(name, rows, b - a, codec, device)
     # an all-to-all receives a row from every rank, an all-gather every rank's rows
-    received = messages.numel() if scattered else plan.group.size * messages.numel()
+    received = messages.numel() if scattered else world * messages.numel()
     return {
         "row0": row0, "rows": rows, "a": a, "b": b, "sent": messages,
         "encodes": [{"row0": row0, "rows": rows, "messages": messages, "nonfinite": nonfinite,
@@ -226,11 +291,12 @@ def _piece(plan: Any, name: str, row0: int, rows: int, a: int, b: int,
     }
 
 
-def _scattered_chunk(plan: Any, name: str, a: int, b: int) -> dict[str, Any]:
-    """A reduce-scatter's transfer of chunk stage ``name`` (columns ``a .. b``): each row
-    encoded with its own stage ``name.row`` (`chunking.encode_row`) into its row of the core's
-    ``sent``, which the schedule makes by concatenating the rows' messages (see `core_spec`)."""
-    codec, kept, device, rows = plan._own_codec, plan.kept_buffers, plan.device, plan.group.size
+def _scattered_chunk(plan: Any, name: str, a: int, b: int, rows: int) -> dict[str, Any]:
+    """A reduce-scatter's transfer between ``rows`` ranks of chunk stage ``name`` (columns
+    ``a .. b``): each row encoded with its own stage ``name.row`` (`chunking.encode_row`) into
+    its row of the core's ``sent``, which the schedule makes by concatenating the rows'
+    messages (see `core_spec`)."""
+    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     size = codec.message_bytes(b - a)
     sent = kept.get(f"core sent {name}", rows * size, torch.uint8, device).view(rows, size)
     encodes = []
@@ -245,89 +311,13 @@ def _scattered_chunk(plan: Any, name: str, a: int, b: int) -> dict[str, Any]:
     }
 
 
-def _second_phase(plan: Any, piece: dict[str, Any], name: str) -> None:
-    """Add to ``piece``, a chunk's all-to-all of an all-reduce on more than two ranks, the
+def _second_phase(plan: Any, piece: dict[str, Any], name: str, rows: int) -> None:
+    """Add to ``piece``, a chunk's all-to-all of an all-reduce on ``rows`` > 2 ranks, the
     buffers of its second phase, stage ``name``: this rank's message of the reduced row and its
     non-finite bytes (`CallCompressor.encode` of one row asks for the same) and the all-gather's
     received buffer (see `core_spec`)."""
     codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
     again, nonfinite = kept.messages(name, 1, piece["b"] - piece["a"], codec, device)
     piece.update(again=again, again_nonfinite=nonfinite,
-                 again_received=kept.received(name, plan.group.size * again.numel(), device),
+                 again_received=kept.received(name, rows * again.numel(), device),
                  again_stage=name, again_state_numel=codec.padded(piece["b"] - piece["a"]))
-
-
-def _tree(plan: Any) -> dict[str, Any]:
-    """A tree schedule's run on this rank (`core_spec`'s ``tree``; `schedules.tree`): its
-    ``children`` and ``parent`` (-1: the root); its one encode of every row, stage ``stage``
-    ("tree.down" at the root, else "tree.up": the buffers `CallCompressor.encode` asks for),
-    ``messages`` uint8 ``[world, P]`` and ``nonfinite``, with its error state's
-    ``state_numel``; ``header`` and ``used`` (its messages'); where it has children
-    ``partial`` (fp32 ``[world * m]``, the sums it encodes) and ``from_children`` (uint8
-    ``[children, world, P]``), where it has a parent ``from_parent`` (uint8 ``[world, P]``, the
-    root's codes), the buffers they are received into (the core's own)."""
-    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
-    rows, rank, m = plan.group.size, plan.group.rank, plan.m
-    children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < rows]
-    parent = (rank - 1) // 2 if rank else -1
-    name = "tree.down" if rank == 0 else "tree.up"
-    messages, nonfinite = kept.messages(name, rows, m, codec, device)
-    size = messages.shape[1]
-    tree: dict[str, Any] = {
-        "children": children, "parent": parent, "stage": name, "messages": messages,
-        "nonfinite": nonfinite, "state_numel": rows * codec.padded(m), "header": codec.header(m),
-        "used": wire.used_bytes(m, codec.bits, codec.group_size, codec.fmt),
-    }
-    if children:
-        tree["partial"] = kept.get("core tree partial", rows * m, torch.float32, device)
-        tree["from_children"] = kept.get("core tree children", len(children) * rows * size,
-                                         torch.uint8, device).view(len(children), rows, size)
-    if parent >= 0:
-        tree["from_parent"] = kept.get("core tree parent", rows * size, torch.uint8,
-                                       device).view(rows, size)
-    return tree
-
-
-def _ring(plan: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
-    """A ring schedule's run on this rank (`core_spec`'s ``ring``; `schedules.ring`) over its
-    chunks' columns ``ranges``: ``chunks``, each chunk's ``a``, ``b``, ``header`` and ``used``;
-    ``steps[s][k]``, the encode step ``s`` sends of chunk ``k`` (stage ``ring.rs.s``'s buffers,
-    as `CallCompressor.encode` asks for them: ``messages`` uint8 ``[1, P]``, ``nonfinite``,
-    ``stage``, ``state_numel``); ``arrived[s][k]``, uint8 ``[P]``, what step ``s`` receives from
-    the left; an all-reduce's ``gathers[k]``: chunk ``k``'s ``gathered`` (uint8 ``[world, P]``,
-    every rank's reduced row, its own encoded in place with stage ``ring.ag``'s ``nonfinite``,
-    ``stage`` and ``state_numel``); ``partial``, ``own`` (fp32, the widest chunk) and
-    ``reduced`` (fp32 ``[m]``), the sums it makes; the core's own buffers but the messages'."""
-    codec, kept, device = plan._own_codec, plan.kept_buffers, plan.device
-    rows, m = plan.group.size, plan.m
-    count, widest = len(ranges), max(b - a for a, b in ranges)
-    ring: dict[str, Any] = {
-        "chunks": [{"a": a, "b": b, "header": codec.header(b - a),
-                    "used": wire.used_bytes(b - a, codec.bits, codec.group_size, codec.fmt)}
-                   for a, b in ranges],
-        "steps": [], "arrived": [],
-        "partial": kept.get("core ring partial", widest, torch.float32, device),
-        "own": kept.get("core ring own", widest, torch.float32, device),
-        "reduced": kept.get("core ring reduced", m, torch.float32, device),
-    }
-    sizes = [codec.message_bytes(b - a) for a, b in ranges]
-    for s in range(rows - 1):
-        step = []
-        for k, (a, b) in enumerate(ranges):
-            name = stage(f"ring.rs.{s}", k, count)
-            messages, nonfinite = kept.messages(name, 1, b - a, codec, device)
-            step.append({"messages": messages, "nonfinite": nonfinite, "stage": name,
-                         "state_numel": codec.padded(b - a)})
-        ring["steps"].append(step)
-        ring["arrived"].append([kept.get(f"core ring arrived {s}.{k}", size, torch.uint8, device)
-                                for k, size in enumerate(sizes)])
-    if plan.collective == "all_reduce":
-        ring["gathers"] = []
-        for k, (a, b) in enumerate(ranges):
-            name = stage("ring.ag", k, count)
-            _, nonfinite = kept.messages(name, 1, b - a, codec, device)
-            gathered = kept.get(f"core ring gathered {k}", rows * sizes[k], torch.uint8,
-                                device).view(rows, sizes[k])
-            ring["gathers"].append({"gathered": gathered, "nonfinite": nonfinite, "stage": name,
-                                    "state_numel": codec.padded(b - a)})
-    return ring

@@ -20,8 +20,10 @@ without a Python frame, where it is:
   (`plan_cores`): the core encodes in the calling thread, all-gathers on the plan's own gloo
   group and decodes on gloo's thread (`Reductions._plan_run` and `CallPlan.run`, byte for
   byte), once the group's worker has run what was queued before it (`IssueQueue.wait_idle`); a
-  core whose runs are whole (the tree's, the ring's, an all-reduce's two phases on more ranks)
-  runs on the queue's issue lane instead, and the call returns once the run is queued.
+  core whose runs are whole (the tree's, the ring's, the hierarchical schedule's, an
+  all-reduce's two phases on more ranks) runs on the queue's issue lane instead, and the call
+  returns once the run is queued (a synchronous call's, c10d's ``asyncOp`` false, on the
+  calling thread: its caller waits for it at once).
 
 The runner reads and writes the same objects the Python path does (the schedule's index, the
 entry's runs and canary, the call number, the feedback-key ordinal, the cost model's count and

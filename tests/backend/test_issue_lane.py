@@ -1,5 +1,6 @@
 """The issue lane (``backend/csrc/issue_lane.h``): a steady compressed call whose plan core runs
-whole (the tree's, the ring's, an all-reduce's two phases on more than two ranks) returns to its
+whole (the tree's, the ring's, the hierarchical's, an all-reduce's two phases on more than two
+ranks) returns to its
 caller once queued, and its run goes on on the group's lane thread, so that the caller (DDP's
 backward) computes while it travels, as it does beside a gloo call. Its outputs, statistics and
 error states are the Python path's: `test_steady_runner`'s mixed runs compare them; here, that the

@@ -35,7 +35,7 @@ STEPS = 80
 Python path's runs that start and take them, fall between the runner's."""
 
 COMPRESSED = ("compressed", "chunked", "loco", "loco-chunked", "tree", "tree-loco", "ring",
-              "ring-loco-chunked")
+              "ring-loco-chunked", "hier", "hier-loco-chunked")
 """The modes whose calls are compressed (`_train`)."""
 
 COUNTED = ("calls", "tensor_bytes", "logical_bytes", "wire_bytes", "model_exact",
@@ -88,12 +88,15 @@ def _train(rank, world, gloo, mode, issuer):
     # "chunked": rows cut into chunks of 512 elements (a plan core's transfer per row and chunk)
     # "loco", "loco-chunked": with error feedback (LoCo on NVFP4)
     # "tree", "tree-loco", "ring", "ring-loco-chunked": the tree's and the ring's plans (their
-    # cores' runs), without and with feedback
+    # cores' runs), without and with feedback; "hier", "hier-loco-chunked": the hierarchical
+    # schedule's over nodes of two ranks
     feedback = "loco" in mode
-    schedule = mode.split("-")[0] if mode.startswith(("tree", "ring")) else "direct"
+    schedule = {"tree": "tree", "ring": "ring", "hier": "hierarchical"}.get(mode.split("-")[0],
+                                                                           "direct")
     config = lowbitcc.LocoConfig(issuer=issuer, min_size=1 << 30 if mode == "small" else 1024,
                                  chunk_size=512 if mode.endswith("chunked") else 1 << 20,
-                                 feedback=feedback, schedule=schedule)
+                                 feedback=feedback, schedule=schedule,
+                                 node_size=2 if schedule == "hierarchical" else 0)
     named = (lambda: lowbitcc.feedback_key("chunk")) if feedback else contextlib.nullcontext
     runs = {}
     for variant in ("gloo", "python", "native", "mixed"):
@@ -163,6 +166,11 @@ def _train(rank, world, gloo, mode, issuer):
     (2, "ring-loco-chunked", "auto"),
     pytest.param(3, "ring-loco-chunked", "auto", marks=pytest.mark.slow),
     pytest.param(2, "ring", "inline", marks=pytest.mark.slow),
+    # the hierarchical schedule: two nodes of two ranks (its rail's all-reduce an all-gather)
+    (4, "hier", "auto"),
+    pytest.param(4, "hier-loco-chunked", "auto", marks=pytest.mark.slow),
+    pytest.param(4, "hier", "inline", marks=pytest.mark.slow),
+    pytest.param(6, "hier", "auto", marks=pytest.mark.slow),  # three nodes: the two phases
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
     compressed = mode in COMPRESSED
@@ -727,7 +735,7 @@ def _feedback_through_faults(rank, world, gloo, collective, schedule, issuer):
     # an all-reduce's step also has two places under one named key (the second takes the state
     # the first stored, its run perhaps still decoding)
     config = lowbitcc.LocoConfig(min_size=2, cost_model=False, feedback=True, schedule=schedule,
-                                 issuer=issuer)
+                                 issuer=issuer, node_size=2 if schedule == "hierarchical" else 0)
     runs = {}
     for variant in ("python", "native", "mixed"):
         pg = dist.new_group(backend="loco", pg_options=config)
@@ -747,7 +755,12 @@ def _feedback_through_faults(rank, world, gloo, collective, schedule, issuer):
                     if collective == "all_reduce":
                         dist.all_reduce(tensor, group=pg)
                         out = tensor
-                        for _ in range(2):  # two more places, one key: the same state in turn
+                        # (not the hierarchical schedule's: there only the ranks that read a
+                        # flagged message raise at the deviating call, the others at the
+                        # place's run after next, so a raise that skipped the step's later
+                        # calls would leave the ranks' programs issuing different calls)
+                        shared_places = 0 if schedule == "hierarchical" else 2
+                        for _ in range(shared_places):  # two more places, one key: in turn
                             with lowbitcc.feedback_key("shared"):
                                 shared = torch.randn(2048, generator=gen)
                                 dist.all_reduce(shared, group=pg)
@@ -774,7 +787,10 @@ def _feedback_through_faults(rank, world, gloo, collective, schedule, issuer):
     (3, "all_reduce", "tree", "auto"), (2, "reduce_scatter", "tree", "auto"),
     (3, "all_reduce", "ring", "auto"), (2, "reduce_scatter", "ring", "auto"),
     # (the calling thread's issuer: a run that raises keeps its canary as the worker's does)
-    (3, "all_reduce", "tree", "inline"), (3, "all_reduce", "ring", "inline")])
+    (3, "all_reduce", "tree", "inline"), (3, "all_reduce", "ring", "inline"),
+    # two nodes of two ranks: rank 1's node partner sums its NaN-run call exactly, rank 3 (the
+    # other node, its rail's peer) meets its flagged messages
+    (4, "all_reduce", "hierarchical", "auto"), (4, "reduce_scatter", "hierarchical", "auto")])
 def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
         world, collective, schedule, issuer):
     """A LoCo place whose rank 0 sends a NaN once and whose rank 1 deviates once: its plan's core
@@ -786,8 +802,12 @@ def test_error_states_through_a_nan_and_a_deviation_are_the_same_on_either_path(
         want = runs["python"]
         # (the tree: a rank that met no deviated message leaves NaN outputs, whose canaries make
         # every rank exchange, and raise, at the places' runs after next: `call_schedule`)
+        # (hierarchical: rank 1's node partner sums the NaN of its agreed run exactly, and
+        # raises at the canary of its run after next, `deviation`)
         calls = [c for c, _ in want["raised"]]
-        assert calls == [16] if schedule == "direct" else calls[0] == 16, (rank, want["raised"])
+        assert (calls == [16] if schedule == "direct" else
+                calls[0] in (16, 18) if schedule == "hierarchical" else calls[0] == 16), (
+            rank, want["raised"])
         assert want["feedback"], "the calls kept error states"
         for variant in ("native", "mixed"):
             run = runs[variant]

@@ -178,6 +178,9 @@ inline void PlanCore::decode_when_done(const std::shared_ptr<PlanCore>& self,
     }
     if (--run->left == 0) {
       self->decided(*run);
+    } else if (run->awaiting) {  // (a hierarchical run's issuing thread waits: `await_decodes`)
+      std::lock_guard<std::mutex> lock(run->mutex);
+      run->decoded.notify_all();
     }
   });
 }

@@ -1,8 +1,8 @@
-// IssueLane: the thread on which a group's plan cores run their whole runs (plan_core.h: the
-// tree schedule's, the ring's, an all-reduce's two phases on more than two ranks), one at a time
-// in the order they were queued, so that a steady call served by one (steady_runner.h) returns
-// to its caller once queued and the caller (DDP's backward) goes on computing while the run
-// travels, as beside a gloo call.
+// IssueLane: the thread on which a group's plan cores run their whole runs (plan_core.h: the tree
+// schedule's, the ring's, the hierarchical's, an all-reduce's two phases on more than two ranks),
+// one at a time in the order they were queued, so that a steady call served by one
+// (steady_runner.h) returns to its caller once queued and the caller (DDP's backward) goes on
+// computing while the run travels, as beside a gloo call.
 //
 // Gloo matches the collectives of a group by the order each rank issues them in, so every
 // transfer on the gloo group the lane issues on (the group's world transport, the worker's) is

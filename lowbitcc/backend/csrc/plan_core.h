@@ -40,17 +40,19 @@
 // A plan of the tree schedule (lowbitcc/schedules/tree.py) or of the ring schedule
 // (lowbitcc/schedules/ring.py) runs whole in the calling thread instead, in the schedule's
 // order: tree_run.h and ring_run.h (their runs' `Tree` and `Ring`: plan_pieces.h).
-// Such a whole run (`runs_whole`: the tree's, the ring's, an all-reduce's two phases on more
-// ranks) waits in its own transfers; where the group has an issue lane (issue_lane.h: the worker
-// issuer's groups) it runs there, what is said above of the calling thread said of the lane's,
-// and `run` returns once it is queued; but a synchronous call's (c10d's `asyncOp` false: its
-// caller waits for it at once) runs on the calling thread all the same. The thread that issues a run's transfers (the issuing
-// thread: the calling thread, or the lane) takes its error states before its first encode and
-// puts them back after its last, with the GIL (feedback_slots.h), and counts the bytes it sent.
-// The run's Work (`PlannedWork`) completes with the last decode, and not before the issuing
-// thread is done with it. The same bytes as the Python path, on the same buffers, so a place's
-// runs may take either path: one run of a place at a time (each run waits for the place's run
-// before it, and the Python plan calls `wait` before its own).
+// A plan of the hierarchical schedule (lowbitcc/schedules/hierarchical.py) runs the node's exact
+// steps around the direct schedule's pieces on its rail: hier_run.h (`Hier`: plan_pieces.h).
+// Such a whole run (`runs_whole`: the tree's, the ring's, the hierarchical's, an all-reduce's two
+// phases on more ranks) waits in its own transfers; where the group has an issue lane
+// (issue_lane.h: the worker issuer's groups) it runs there, what is said above of the calling
+// thread said of the lane's, and `run` returns once it is queued; but a synchronous call's (c10d's
+// `asyncOp` false: its caller waits for it at once) runs on the calling thread all the same. The
+// thread that issues a run's transfers (the issuing thread: the calling thread, or the lane) takes
+// its error states before its first encode and puts them back after its last, with the GIL
+// (feedback_slots.h), and counts the bytes it sent. The run's Work (`PlannedWork`) completes with
+// the last decode, and not before the issuing thread is done with it. The same bytes as the Python
+// path, on the same buffers, so a place's runs may take either path: one run of a place at a time
+// (each run waits for the place's run before it, and the Python plan calls `wait` before its own).
 //
 // Threads: `run` is called with the GIL held (the caller's); the decodes run on gloo's threads
 // (those that decode through the scratch one at a time, `scratch_mutex_`) and touch no Python
@@ -75,6 +77,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -146,6 +149,13 @@ class __attribute__((visibility("hidden"))) PlanCore
                 "lowbitcc: a plan core runs a reduce-scatter, or an all-reduce of 2 ranks or more");
     if (!spec["feedback"].is_none()) {
       feedback_ = std::make_unique<FeedbackSlots>(spec["feedback"].cast<py::dict>(), group_size_);
+    }
+    call_dtype_ = dtype_;
+    call_numel_ = numel_;
+    if (!spec["hier"].is_none()) {  // (then its pieces are its rail's, below)
+      hier_ = read_hier(spec["hier"].cast<py::dict>());
+      call_dtype_ = hier_->dtype;
+      call_numel_ = hier_->numel;
     }
     if (!spec["ring"].is_none()) {
       ring_ = read_ring(spec["ring"].cast<py::dict>());
@@ -230,10 +240,14 @@ class __attribute__((visibility("hidden"))) PlanCore
   // threads (gloo_threads.py), is parked for a Python thread to let go of.
   ~PlanCore() {
     transport_.reset();  // (not the group's last reference: its Python object holds one)
+    if (hier_) {
+      hier_->node.reset();  // (nor the node group's)
+    }
     if (!python_running()) {
       plan_.release();
       size_class_.release();
       transport_object_.release();
+      node_object_.release();
       park_.release();
       if (feedback_) {
         feedback_.release();  // (its Python objects: kept, the interpreter is gone)
@@ -244,10 +258,14 @@ class __attribute__((visibility("hidden"))) PlanCore
     feedback_.reset();
     try {
       park_(transport_object_);
+      if (node_object_) {
+        park_(node_object_);
+      }
     } catch (py::error_already_set& error) {
       error.discard_as_unraisable("lowbitcc: parking a plan core's gloo group");
     }
     transport_object_ = py::object();
+    node_object_ = py::object();
     park_ = py::object();
     plan_ = py::object();
     size_class_ = py::object();
@@ -258,15 +276,15 @@ class __attribute__((visibility("hidden"))) PlanCore
   // input's dtype and a world's share of its elements), is this plan's: the source's dtype and
   // number of elements, both contiguous.
   bool fits(const at::Tensor& tensor, const at::Tensor& output) const {
-    return tensor.scalar_type() == dtype_ && tensor.numel() == numel_ &&
+    return tensor.scalar_type() == call_dtype_ && tensor.numel() == call_numel_ &&
            tensor.is_contiguous() && output.defined() == scatter_ &&
            (!scatter_ || output.is_contiguous());
   }
 
   bool modelled() const { return modelled_; }
   // Whether a run's output is kept as its place's canary (a plan off the direct schedule: the
-  // tree's and the ring's, call_schedule.py).
-  bool keeps_canary() const { return tree_.has_value() || ring_.has_value(); }
+  // tree's, the ring's and the hierarchical's, call_schedule.py).
+  bool keeps_canary() const { return tree_.has_value() || ring_.has_value() || hier_.has_value(); }
   // Its runs' error states (null: feedback off).
   FeedbackSlots* feedback() const { return feedback_.get(); }
   const py::object& size_class() const { return size_class_; }
@@ -338,9 +356,12 @@ class __attribute__((visibility("hidden"))) PlanCore
     return work;
   }
 
-  // Whether its runs are whole (a tree's, a ring's, an all-reduce's two phases on more ranks):
-  // each waits in its own transfers, and runs on the issue lane where the group has one.
-  bool runs_whole() const { return two_phase_ || tree_.has_value() || ring_.has_value(); }
+  // Whether its runs are whole (a tree's, a ring's, a hierarchical one's, an all-reduce's two
+  // phases on more ranks): each waits in its own transfers, and runs on the issue lane where
+  // the group has one.
+  bool runs_whole() const {
+    return two_phase_ || tree_.has_value() || ring_.has_value() || hier_.has_value();
+  }
 
   // The codec and wire seconds runs measured since the last take (see the file's comment),
   // handed over once.
@@ -437,6 +458,10 @@ class __attribute__((visibility("hidden"))) PlanCore
     // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
     // messages encoded after it are flagged (the file's comment)
     std::atomic<bool> peer_error{false};
+    // (a hierarchical run) its issuing thread waits for its rail's decodes (`await_decodes`),
+    // each of which signals `decoded` once `awaiting` is set
+    std::atomic<bool> awaiting{false};
+    std::condition_variable decoded;
     std::atomic<int64_t> encode_ns{0}, decode_ns{0};
     SentBytes sent;  // (the issuing thread's: every transfer is started there)
     std::mutex mutex;
@@ -471,7 +496,9 @@ class __attribute__((visibility("hidden"))) PlanCore
         released.emplace();
       }
       run->start = std::chrono::steady_clock::now();
-      if (ok && (ring_ || tree_)) {
+      if (ok && hier_) {
+        run_hier(shared_from_this(), run, sums);
+      } else if (ok && (ring_ || tree_)) {
         ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
       } else if (ok && two_phase_) {
         run_two_phases(shared_from_this(), run, sums);
@@ -692,6 +719,13 @@ class __attribute__((visibility("hidden"))) PlanCore
   void sum_children(Tree& tree, const std::string& header, Run& run);
   void decode_codes(const at::Tensor& codes, const std::string& header, Run& run);
 
+  // The hierarchical schedule's run and what it reads (hier_run.h).
+  Hier read_hier(py::dict h);
+  void run_hier(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run,
+                const at::Tensor& sums);
+  void node_gather(Run& run);
+  static void await_decodes(Run& run);
+
   // Wait for every transfer a run started and has not waited for (its error the run's): none
   // may still write or read the core's buffers once the run is done, nor be left for the next
   // run's transfers of the same peer and tag to meet. (A gloo send or receive is waited for
@@ -762,7 +796,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   // The fp32 sum in rank order of `messages` of `width` columns into `target`: straight where
   // it is fp32 and as wide, else through the scratch (one decode at a time) and a cast.
   void sum_into(const at::Tensor& messages, int64_t width, at::Tensor target, int threads) {
-    if (dtype_ == at::kFloat && target.numel() == width) {
+    if (target.scalar_type() == at::kFloat && target.numel() == width) {
       api_->decode_sum(messages, width, bits_, group_size_, format_, threads, target);
       return;
     }
@@ -833,10 +867,13 @@ class __attribute__((visibility("hidden"))) PlanCore
 
   c10::intrusive_ptr<c10d::Backend> transport_;
   py::object transport_object_, park_;  // the group's Python object; gloo_threads.park
+  py::object node_object_;  // a hierarchical run's node group's Python object (else none)
   py::object plan_;  // a weak reference: the plan keeps its core
   py::object size_class_;
   at::Tensor scratch_;
   at::ScalarType dtype_;
+  at::ScalarType call_dtype_;  // the call's (a hierarchical core's `dtype_` is its rail's fp32)
+  int64_t call_numel_ = 0;     // the call's (a hierarchical core's `numel_`: its rail's)
   bool scatter_;    // a reduce-scatter's core (else an all-reduce's)
   bool two_phase_;  // an all-reduce's on more than two ranks
   int64_t numel_, m_, world_, rank_, bits_, group_size_, format_, step_, seq_offset_;
@@ -852,6 +889,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   std::vector<Piece> pieces_;
   std::optional<Tree> tree_;  // a tree schedule's run (then no `pieces_`)
   std::optional<Ring> ring_;  // a ring schedule's run (then no `pieces_`)
+  std::optional<Hier> hier_;  // a hierarchical schedule's node steps (`pieces_`: its rail's)
   std::unique_ptr<FeedbackSlots> feedback_;  // null: feedback off
   const lowbitcc_cpu::CodecApi* api_ = nullptr;
   std::mutex mutex_, scratch_mutex_;
@@ -862,5 +900,6 @@ class __attribute__((visibility("hidden"))) PlanCore
 }  // namespace lowbitcc
 
 #include "direct_run.h"
+#include "hier_run.h"
 #include "ring_run.h"
 #include "tree_run.h"

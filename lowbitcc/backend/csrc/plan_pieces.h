@@ -1,9 +1,11 @@
 // What a plan core's runs are made of (plan_core.h): its encodes (`Encode`), its transfers
-// (`Piece`), and the tree's and the ring's runs on this rank (`Tree`, `Ring`), read once from the
-// plan's spec (lowbitcc/backend/plan_cores.py) into the buffers the plan keeps.
+// (`Piece`), the tree's and the ring's runs on this rank (`Tree`, `Ring`) and the hierarchical
+// schedule's node steps (`Hier`), read once from the plan's spec
+// (lowbitcc/backend/plan_cores.py) into the buffers the plan keeps.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdint>
 #include <string>
@@ -75,6 +77,22 @@ struct Ring {
   std::vector<std::vector<at::Tensor>> arrived;
   std::vector<Piece> chunks, gathers, spreads;
   at::Tensor partial, own, reduced;
+};
+
+// A hierarchical schedule's node steps on this rank (lowbitcc/schedules/hierarchical.py; `nodes`
+// N of `node_size` L ranks, rows of m): over the node's gloo group `node`, the call's source
+// (`numel` elements of `dtype`, times `factor`) in `values` (fp32 [N L m], zero past its end),
+// its rows by local rank in `send` (fp32 [L, N m]), all-to-all into `received` (uint8
+// [4 L N m]) and summed in local-rank order into `partial` (fp32 [N m]), the rail's source; an
+// all-reduce's rail decodes into `partial` too, which the node then all-gathers into
+// `gathered` (uint8 [4 L N m]) and the call's tensor takes in row order (through `everything`,
+// fp32 [N L m], where it is shorter).
+struct Hier {
+  c10::intrusive_ptr<c10d::Backend> node;
+  int64_t nodes = 0, node_size = 0, numel = 0;
+  at::ScalarType dtype = at::kFloat;
+  double factor = 1.0;
+  at::Tensor values, send, received, partial, gathered, everything;
 };
 
 }  // namespace lowbitcc

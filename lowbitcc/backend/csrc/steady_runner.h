@@ -32,10 +32,10 @@
 // run, which takes and puts back its error states itself (feedback_slots.h), its Work kept as
 // the place's canary where the plan is off the direct schedule (the tree's: a peer's deviation
 // shows on some ranks only as NaN, `reductions._keep_canaries`). A plan core's whole run (the
-// tree's, the ring's, an all-reduce's two phases on more ranks) is queued on the group's issue
-// lane (issue_lane.h; the worker issuer's groups have one) and the call returns at once; a
-// synchronous call's (c10d's `asyncOp` false, as `dist.all_reduce` without `async_op` sets
-// it: its caller waits for the Work at once) runs on the calling thread instead.
+// tree's, the ring's, the hierarchical schedule's, an all-reduce's two phases on more ranks) is
+// queued on the group's issue lane (issue_lane.h; the worker issuer's groups have one) and the call
+// returns at once; a synchronous call's (c10d's `asyncOp` false, as `dist.all_reduce` without
+// `async_op` sets it: its caller waits for the Work at once) runs on the calling thread instead.
 //
 // Threads: the caller holds the GIL; every Python object is read and written under it, the
 // cost model's, ordinals' and feedback store's locks taken as their Python owners take them,
