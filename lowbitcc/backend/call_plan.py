@@ -128,7 +128,8 @@ class CallPlan:
         its children's messages, None for a leaf, and the root's codes; `schedules.ring.
         decode_kept`: what each step received, each chunk's gathered rows, its columns); a
         hierarchical schedule's: ``("hier", rail)``, where its rail's all-reduce decodes (fp32
-        ``[nodes * m]``; its transfers are ``core_received``'s and ``core_gathered``'s)."""
+        ``[nodes * m]``, the core's rail sums; its transfers are ``core_received``'s and
+        ``core_gathered``'s)."""
 
     @property
     def transport(self) -> Any:
@@ -247,9 +248,9 @@ class CallPlan:
         """`finish_received`'s decodes for a tree or ring schedule's core (their schedules'
         ``decode_kept``): into flat ``tensor`` (an all-reduce), or into ``output`` (straight
         where it is contiguous fp32, else through the plan's buffer and a cast); for a
-        hierarchical schedule's, its rail's (the direct schedule's decodes, an all-reduce's
-        into the core's scratch: the node's exact steps ran in C++, its output as they left
-        it)."""
+        hierarchical schedule's, its rail's (the direct schedule's decodes; an all-reduce's
+        into the core's rail sums, ``core_kept``'s, which the core then all-gathers over the
+        node: it calls this before that step, ``backend/csrc/hier_run.h``)."""
         target, straight = (None, True) if output is None else self._scattered_into(output)
         flat, rank = tensor.view(-1), self.group.rank
         into = flat if output is None else None

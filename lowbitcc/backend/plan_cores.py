@@ -82,7 +82,7 @@ def make_core(plan: Any) -> None:
         plan.core_kept = (ring["arrived"], [g["gathered"] for g in ring.get("gathers", [])],
                           [(c["a"], c["b"]) for c in ring["chunks"]])
     if spec["hier"] is not None:  # what its Python decodes read: the rail's transfers
-        plan.core_kept = ("hier", spec["hier"]["rail_scratch"])
+        plan.core_kept = ("hier", spec["hier"]["partial"])
     plan.core = module.PlanCore(spec["transport"].inner.group, spec, codec_module.codec_api,
                                 gloo_threads.park)
     state.STATS.watch("compressed", plan.core)  # a read of the statistics counts its seconds
@@ -166,9 +166,11 @@ def _served(plan: Any) -> bool:
 def _rail(plan: Any) -> tuple[Any, int, int, dict[str, Any]] | None:
     """A hierarchical ``plan``'s rail link, its size and this rank's place in it, and its node
     steps (`whole_runs.hier`), where a core serves it: two nodes or more of two ranks or more,
-    over gloo (else None: one node is exact, one rank a node the direct schedule's runs)."""
+    over gloo (else None: one node is exact, one rank a node the direct schedule's runs), its
+    node and rail links made (by its first runs: making one is collective, so a core is never
+    made where they are not)."""
     lay = plan.links.layout
-    if (not lay.regular or lay.nodes < 2 or lay.node_size < 2
+    if (not lay.regular or lay.nodes < 2 or lay.node_size < 2 or not plan.links.made()
             or not _gloo(plan.links.node()) or not _gloo(plan.links.rail())):
         return None
     return plan.links.rail(), lay.nodes, lay.node, whole_runs.hier(plan)

@@ -91,18 +91,16 @@ def ring(plan: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 def hier(plan: Any) -> dict[str, Any]:
-    """A hierarchical schedule's node steps on this rank (`plan_cores.core_spec`'s
-    ``hier``;
+    """A hierarchical schedule's node steps on this rank (`plan_cores.core_spec`'s ``hier``;
     `schedules.hierarchical`, ``N`` nodes of ``L`` ranks, rows of ``m``): ``node``, the node
     link; ``nodes`` and ``node_size``; the call's ``numel``, ``dtype`` and ``factor`` (its op's
     input factor); ``values`` (fp32 ``[N L m]``: the source times the factor, zero past its
-    end), ``send`` (fp32 ``[L, N m]``: its rows by local rank), ``received`` (uint8
-    ``[4 L N m]``: the node's all-to-all) and ``partial`` (fp32 ``[N m]``: their sum in local
-    rank order, which the rail encodes and an all-reduce's rail decodes into); an all-reduce's
-    ``gathered`` (uint8 ``[4 L N m]``: the node's all-gather of its ranks' rails) and
-    ``everything`` (fp32 ``[N L m]``: the sums in row order, where the call's tensor is not
-    that long); ``rail_scratch`` (fp32 ``[N m]``: where `CallPlan.finish_received` decodes the
-    rail's messages). The core's own buffers."""
+    end), ``send`` (fp32 ``[L, N m]``: its rows by local rank), ``received`` (uint8 ``[4 L N
+    m]``: the node's all-to-all) and ``partial`` (fp32 ``[N m]``: their sum in local rank order,
+    which the rail encodes and an all-reduce's rail decodes into); an all-reduce's ``gathered``
+    (uint8 ``[4 L N m]``: the node's all-gather of its ranks' rails) and ``everything`` (fp32
+    ``[N L m]``: the sums in row order, where the call's tensor is not that long). The core's
+    own buffers."""
     lay, kept, device, m = plan.links.layout, plan.kept_buffers, plan.device, plan.m
     size = lay.nodes * lay.node_size * m
 
@@ -114,7 +112,7 @@ def hier(plan: Any) -> dict[str, Any]:
         "numel": plan.numel, "dtype": plan.codec_dtype, "factor": plan._factor,
         "values": fp32("values", size), "send": fp32("send", size),
         "received": kept.get("core hier received", 4 * size, torch.uint8, device),
-        "partial": fp32("partial", lay.nodes * m), "rail_scratch": fp32("rail", lay.nodes * m),
+        "partial": fp32("partial", lay.nodes * m),
     }
     if plan.collective == "all_reduce":
         hier["gathered"] = kept.get("core hier gathered", 4 * size, torch.uint8, device)

@@ -55,6 +55,11 @@ class Links:
             if close is not None:
                 close()
 
+    def made(self) -> bool:
+        """Whether the node and rail links are both made already (asking makes no link)."""
+        links = self if self._shared is None else self._shared
+        return links._node is not None and links._rail is not None
+
     def node(self) -> Transport:
         if self._shared is not None:
             return self._shared.node()

@@ -729,6 +729,67 @@ def test_a_final_message_the_python_check_accepts_keeps_the_error_states_on_eith
             assert got[2] == (0 if rank == sender else 1), (rank, got[2])
 
 
+def _rail_message_changed(rank, world, gloo, served, change):
+    # two nodes of two ranks; rank 2 (node 1's first) sends through the Python path, patched:
+    # its rail all-gather's codes of the call after the place is steady
+    pg = served_group(rank, 2, served, schedule="hierarchical", node_size=2, feedback=True)
+    x = torch.linspace(-1, 1, 4 * 4096) * (rank + 1)
+
+    def call(step):
+        out = x * (1 + step / 7)
+        with lowbitcc.compressed():
+            dist.all_reduce(out, group=pg)
+        lowbitcc.end_step()
+        return out
+
+    for step in range(12):
+        call(step)
+    before = served_by_cores(pg)
+
+    def changed(send, rest):  # (the rail's codes; not the node's fp32 nor an exchange frame)
+        codes = send.view(-1)
+        if codes[:4].numpy().tobytes() == lowbitcc.codec.wire.SHARD_MAGIC:
+            if change == "flag":  # a flag bit no version uses: the Python check accepts it
+                send.view(2, -1)[:, lowbitcc.codec.wire.FLAGS_OFFSET] |= 0x08
+            else:  # another call's number: foreign everywhere
+                send.view(2, -1)[:, lowbitcc.codec.wire.SEQ_OFFSET] ^= 0x01
+
+    try:
+        with sending_changed(rank == 2, "all_gather_async", changed):
+            out = call(12)
+        raised = None
+    except Exception as exc:  # noqa: BLE001 (the test reads its type)
+        raised, out = type(exc).__name__, None
+    cores = served_by_cores(pg) - before
+    return raised, out, call(13), cores
+
+
+@pytest.mark.parametrize("change", ["flag", "seq"])
+def test_a_hierarchical_rail_message_the_cpp_check_refuses_decodes_as_in_python(change):
+    """Rank 2's rail codes of a steady hierarchical all-reduce (two nodes of two ranks, LoCo)
+    carry a flag bit no version uses ("flag": the C++ ``verify`` refuses them, the Python check
+    accepts them) or another call's number ("seq": foreign): ranks 0, 1 and 3 run the call
+    through the plan's C++ core or through Python, and leave the same outputs and errors, bit
+    for bit (the core hands the rail's decodes to the Python plan before the node's all-gather,
+    so that what the node gathers is the Python path's sums); the next call, which applies the
+    error states, is the same too."""
+    python, served = (run_ranks(_rail_message_changed, 4, way, change, timeout=180)
+                      for way in (False, True))
+    for rank, (want, got) in enumerate(zip(python, served, strict=True)):
+        assert got[0] == want[0], (rank, got[0], want[0])
+        if change == "flag":
+            assert want[0] is None and torch.isfinite(want[1]).all(), (rank, want[0])
+        elif rank in (0, 2):  # rail 0's ranks received them (1 and 3: NaN, from the node)
+            assert want[0] == "WireFormatError", (rank, want[0])
+        else:
+            assert want[0] is None and torch.isnan(want[1]).any(), (rank, want[0])
+        assert (got[1] is None and want[1] is None) or torch.equal(
+            got[1].view(torch.int32), want[1].view(torch.int32)), rank  # (NaN included)
+        assert torch.equal(got[2], want[2]), rank  # the call after it
+        if native.load() is not None:
+            assert got[3] == (0 if rank == 2 else 1), (rank, got[3])
+
+
 def _with_rank_0s_frame_corrupt_on_rank_1(rank, offset, call,
                                           copies=lowbitcc.codec.exchange_frame.FRAME_COPIES):
     """Run ``call()``; in the first exchange, byte ``offset`` of the first ``copies`` copies of

@@ -14,11 +14,14 @@
 //   3. (an all-reduce) once every rail decode is done (`await_decodes`), `partial` all-gathered
 //      over the node and each rank's rows put in their places of the call's tensor, cast.
 // The bytes each step sends count as the node's (to this node's ranks) and the rail's (to other
-// nodes'), as the Python path's metered links count them. A rail message that does not belong
-// to the call leaves the rail's sums NaN before the node all-gathers them (every rank completes
-// the same transfers), and the Python plan's decodes of the rail then raise what the call met
-// (`CallPlan.finish_received`); a failed transfer ends the run where it stands (its error the
-// run's), as an exception ends the Python schedule. Included by plan_core.h after the class.
+// nodes'), as the Python path's metered links count them. Where a rail message does not belong
+// to the call by the C++ check, the Python plan's decodes of the rail take over
+// (`CallPlan.finish_received`): a reduce-scatter's once the run is decided, as the direct
+// schedule's; an all-reduce's before the node's all-gather (`decode_rail_in_python`), so that
+// what the node gathers is the Python path's rail sums and every rank completes the same
+// transfers, the error they raise the run's. A failed transfer ends the run where it stands (its
+// error the run's), as an exception ends the Python schedule. Included by plan_core.h after the
+// class.
 #pragma once
 
 #include "plan_core.h"
@@ -97,7 +100,11 @@ inline void PlanCore::run_hier(const std::shared_ptr<PlanCore>& self,
   }
   // 3. the node's all-gather, exact, once the rail's sums are decoded
   await_decodes(*run);
-  if (run->has_error()) {
+  const bool failed = run->has_error();  // (a transfer's error: the run ends, as in Python)
+  if (run->foreign) {
+    decode_rail_in_python(*run);
+  }
+  if (failed) {
     return;
   }
   try {
@@ -107,15 +114,38 @@ inline void PlanCore::run_hier(const std::shared_ptr<PlanCore>& self,
   }
 }
 
+// An all-reduce's rail decodes where a rail message did not belong to the call by the C++ check:
+// the Python plan's instead (`CallPlan.finish_received`, with the GIL), into `partial`, which so
+// holds what the Python path's decodes write (its sums; NaN where its own check refuses a message
+// too), and what they raise is the run's error, the node's all-gather still to run (every rank
+// issues it); the run is then no longer foreign (`decided` hands nothing back again).
+inline void PlanCore::decode_rail_in_python(Run& run) {
+  run.foreign = false;
+  try {
+    if (!python_running()) {
+      hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
+      throw std::runtime_error("lowbitcc: a call met a foreign message as the interpreter exited");
+    }
+    py::gil_scoped_acquire acquire;
+    py::object plan = plan_();
+    if (plan.is_none()) {
+      hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
+      throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
+    }
+    if (plan.attr("finish_received")(run.tensor, run.seq, py::none()).cast<bool>()) {
+      run.nonfinite = true;
+    }
+  } catch (...) {
+    run.failed(std::current_exception());
+  }
+}
+
 // An all-reduce's last step (`hierarchical.all_reduce`'s node all-gather): the rail's sums
-// (`partial`; NaN where a rail message did not belong to the call) all-gathered over the node,
-// each rank's rows put in their places of the call's tensor, cast.
+// (`partial`) all-gathered over the node, each rank's rows put in their places of the call's
+// tensor, cast.
 inline void PlanCore::node_gather(Run& run) {
   Hier& h = *hier_;
   const int64_t N = h.nodes, L = h.node_size;
-  if (run.foreign) {
-    h.partial.fill_(std::numeric_limits<float>::quiet_NaN());
-  }
   c10d::AllgatherOptions options;
   at::Tensor sent = h.partial.view(at::kByte);
   auto transfer = h.node->_allgather_base(h.gathered, sent, options);

@@ -724,6 +724,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   void run_hier(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run,
                 const at::Tensor& sums);
   void node_gather(Run& run);
+  void decode_rail_in_python(Run& run);
   static void await_decodes(Run& run);
 
   // Wait for every transfer a run started and has not waited for (its error the run's): none
