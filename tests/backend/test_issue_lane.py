@@ -170,3 +170,37 @@ def test_a_synchronous_call_runs_whole_on_its_calling_thread(schedule):
         for got, want in zip(counted[False][2], results[0][False][2], strict=True):
             if got.numel() == N:  # (the all-reduces: every rank's sums are the same)
                 assert torch.equal(got, want)
+
+
+def _served_after_shutdown(rank, world, gloo):
+    store = dist.distributed_c10d._get_default_store()
+    config = lowbitcc.LocoConfig(min_size=2, cost_model=False, schedule="hierarchical",
+                                 node_size=2)
+    pg = dist.new_group(backend="loco", pg_options=config,
+                        timeout=datetime.timedelta(seconds=10))
+    tensor = torch.full((N,), float(rank + 1))
+    for _ in range(12):  # the place agreed and steady
+        with lowbitcc.compressed():
+            dist.all_reduce(tensor, group=pg)
+        lowbitcc.end_step()
+    pg.shutdown()
+    store.set(f"shut-{rank}", "1")
+    store.wait([f"shut-{r}" for r in range(world)], datetime.timedelta(seconds=60))
+    before = pg._runner.served_compressed
+    begun = time.monotonic()
+    try:
+        with lowbitcc.compressed():
+            dist.all_reduce(tensor, group=pg)  # (synchronous: it would run on this thread)
+        raised = None
+    except Exception as exc:  # noqa: BLE001 (the test reads its message)
+        raised = str(exc)
+    return raised, pg._runner.served_compressed - before, time.monotonic() - begun
+
+
+def test_a_steady_call_on_a_group_that_was_shut_down_raises_at_once():
+    """After every rank shut its group down, a steady synchronous hierarchical all-reduce (whose
+    node and rail gloo groups are its own, not shut down with the group's) is not run on the
+    calling thread: it raises that the group was shut down, at once, on every rank."""
+    for raised, _, took in run_ranks(_served_after_shutdown, 4, timeout=120):
+        assert raised is not None and "shut down" in raised, raised
+        assert took < 5, took

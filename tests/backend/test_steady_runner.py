@@ -171,6 +171,7 @@ def _train(rank, world, gloo, mode, issuer):
     pytest.param(4, "hier-loco-chunked", "auto", marks=pytest.mark.slow),
     pytest.param(4, "hier", "inline", marks=pytest.mark.slow),
     pytest.param(6, "hier", "auto", marks=pytest.mark.slow),  # three nodes: the two phases
+    pytest.param(6, "hier-loco-chunked", "auto", marks=pytest.mark.slow),  # (in chunks)
 ])
 def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(world, mode, issuer):
     compressed = mode in COMPRESSED

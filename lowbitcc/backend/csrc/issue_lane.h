@@ -94,6 +94,12 @@ class __attribute__((visibility("hidden"))) IssueLane {
     return state_->submitted;
   }
 
+  // Whether it was closed (its group shut down): it takes no more jobs.
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->closed;
+  }
+
   // Whether every job queued so far has run to its end.
   bool idle() const { return state_->busy.load(std::memory_order_acquire) == 0; }
 

@@ -325,6 +325,9 @@ class __attribute__((visibility("hidden"))) PlanCore
                                      bool synchronous) {
     TORCH_CHECK(key.has_value() == (feedback_ != nullptr),
                 "lowbitcc: a plan core's run takes error states where it has feedback");
+    // (its group was shut down: no run starts, on the lane or on the calling thread)
+    TORCH_CHECK(lane == nullptr || !lane->closed(),
+                "lowbitcc: this process group has been shut down");
     auto self = shared_from_this();
     auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed,
                                      std::move(counts), std::move(key), feedback_ != nullptr);
