@@ -90,6 +90,7 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
         world = GlooTransport(self._direct) if inline else self._gloo
         routes = {"cpu": cpu_route(config, world, store, global_ranks or list(range(size)),
                                    rank, timeout)}
+        self._cpu_links = routes["cpu"].links  # its node and rail groups, shut down with it
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._inner)
         self._nccl: Any = None
@@ -163,6 +164,7 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
             self._inner.shutdown()
             if self._direct is not self._inner:
                 self._direct.shutdown()
+            self._cpu_links.close()
             if self._cuda is not None:  # and so its inner NCCL groups, graphs first
                 alive = self._cuda.watchdog.dead is None
                 end_device_work(self._compressed.graphs, self._cuda_links, self._nccl,

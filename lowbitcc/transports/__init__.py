@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -54,6 +55,30 @@ def open_nccl_links(group: object, stats: Stats, *, store: dist.Store,
                  SubGroups(store, timeout, metered))
 
 
+class GlooSubGroups:
+    """The node and rail ``ProcessGroupGloo`` groups of one group's CPU links, as its
+    `links.SubTransport`: each made on first use on ``store`` (prefix
+    ``lowbitcc/gloo-{name}{color}``) with ``timeout``, handed out metered into ``stats``, and
+    kept, so that the group shuts them down with itself (`shutdown`; `Links.close`). Made and
+    used by the threads that call the group."""
+
+    def __init__(self, store: dist.Store, timeout: datetime.timedelta, stats: Stats) -> None:
+        self.store, self.timeout, self.stats = store, timeout, stats
+        self.groups: list[Any] = []
+
+    def __call__(self, name: str, color: int, key: int, size: int) -> Transport:
+        prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", self.store)
+        group = dist.ProcessGroupGloo(prefixed, key, size, self.timeout)
+        self.groups.append(group)
+        return MeteredTransport(GlooTransport(group), self.stats,
+                                same_node=_sub_same_node(name, key, size))
+
+    def shutdown(self) -> None:
+        """Shut every group made down."""
+        for group in self.groups:
+            group.shutdown()
+
+
 def _sub_same_node(name: str, key: int, size: int) -> list[bool]:
     """`MeteredTransport`'s ``same_node`` of a `Links` sub-transport where this rank is ``key``
     of ``size``: a node link's ranks share its node, a rail link's are one per node."""
@@ -66,21 +91,16 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
 
     ``kind`` is "gloo" or "mpi" (see `cpu_kind` for "auto" and "nccl"). ``world`` is the
     group's inner gloo transport (gloo's world link); node and rail gloo groups live on
-    ``store``. Every link is metered into ``stats``. Collective over the group when ``kind`` is
-    "mpi".
+    ``store`` (`GlooSubGroups`, shut down by `Links.close`). Every link is metered into
+    ``stats``. Collective over the group when ``kind`` is "mpi".
     """
     kind = cpu_kind(kind)
     node_size = topology.node_size_from(node_size)
     layout = topology.layout(global_ranks, rank, node_size)
     same_node = topology.same_node(global_ranks, rank, node_size)
     if kind == "gloo":
-        def gloo_group(name: str, color: int, key: int, size: int) -> Transport:
-            prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", store)
-            return MeteredTransport(
-                GlooTransport(dist.ProcessGroupGloo(prefixed, key, size, timeout)), stats,
-                same_node=_sub_same_node(name, key, size))
-
-        return Links(MeteredTransport(world, stats, same_node=same_node), layout, gloo_group)
+        return Links(MeteredTransport(world, stats, same_node=same_node), layout,
+                     GlooSubGroups(store, timeout, stats))
     if kind == "mpi":
         from lowbitcc.transports import mpi
 

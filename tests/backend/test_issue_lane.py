@@ -183,6 +183,18 @@ def _served_after_shutdown(rank, world, gloo):
         with lowbitcc.compressed():
             dist.all_reduce(tensor, group=pg)
         lowbitcc.end_step()
+    subgroups = pg._cpu_links._make  # (`transports.GlooSubGroups`: the node's, the rail's)
+    shut = []
+
+    class Recorded:  # each made group, its shutdown recorded
+        def __init__(self, group):
+            self.group = group
+
+        def shutdown(self):
+            shut.append(self.group.size())
+            self.group.shutdown()
+
+    subgroups.groups = [Recorded(group) for group in subgroups.groups]
     pg.shutdown()
     store.set(f"shut-{rank}", "1")
     store.wait([f"shut-{r}" for r in range(world)], datetime.timedelta(seconds=60))
@@ -194,13 +206,14 @@ def _served_after_shutdown(rank, world, gloo):
         raised = None
     except Exception as exc:  # noqa: BLE001 (the test reads its message)
         raised = str(exc)
-    return raised, pg._runner.served_compressed - before, time.monotonic() - begun
+    return raised, pg._runner.served_compressed - before, time.monotonic() - begun, shut
 
 
 def test_a_steady_call_on_a_group_that_was_shut_down_raises_at_once():
-    """After every rank shut its group down, a steady synchronous hierarchical all-reduce (whose
-    node and rail gloo groups are its own, not shut down with the group's) is not run on the
-    calling thread: it raises that the group was shut down, at once, on every rank."""
-    for raised, _, took in run_ranks(_served_after_shutdown, 4, timeout=120):
+    """After every rank shut its group down (and with it its node and rail gloo groups, two of
+    two ranks each), a steady synchronous hierarchical all-reduce is not run on the calling
+    thread: it raises that the group was shut down, at once, on every rank."""
+    for raised, _, took, shut in run_ranks(_served_after_shutdown, 4, timeout=120):
         assert raised is not None and "shut down" in raised, raised
         assert took < 5, took
+        assert shut == [2, 2], shut
