@@ -229,6 +229,7 @@ class IssueQueue:
             self._jobs.put(None)
         self._worker.join(timeout=timeout_s)
         if self.lane is not None:  # (its runs queued before the worker's last job have run)
+            self.lane.shut_down()
             self.lane.close(timeout_s)
         self._waiter.join(timeout=timeout_s)
         self._completers.shutdown(wait=False)

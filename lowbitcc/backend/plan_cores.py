@@ -66,7 +66,11 @@ CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def make_core(plan: Any) -> None:
     """Give ``plan`` (a `call_plan.CallPlan` that has run once: its input factor is known) its
     ``core``: a ``PlanCore`` where one serves it (see the module docstring), else None; and
-    mark it ``core_checked``. Called once per plan, by the runner, with the GIL held."""
+    mark it ``core_checked`` (not a hierarchical plan whose node and rail links its runs have not
+    made yet: asked again at its next run). Called once per plan, by the runner, with the GIL
+    held."""
+    if plan.schedule == "hierarchical" and not plan.links.made():
+        return
     plan.core_checked = True
     module, codec_module = native.load(), cpu.load()
     spec = None if module is None or codec_module is None else core_spec(plan)
@@ -167,8 +171,8 @@ def _rail(plan: Any) -> tuple[Any, int, int, dict[str, Any]] | None:
     """A hierarchical ``plan``'s rail link, its size and this rank's place in it, and its node
     steps (`whole_runs.hier`), where a core serves it: two nodes or more of two ranks or more,
     over gloo (else None: one node is exact, one rank a node the direct schedule's runs), its
-    node and rail links made (by its first runs: making one is collective, so a core is never
-    made where they are not)."""
+    node and rail links made (by its runs: making one is collective, so a core never makes
+    one; `make_core` asks again later)."""
     lay = plan.links.layout
     if (not lay.regular or lay.nodes < 2 or lay.node_size < 2 or not plan.links.made()
             or not _gloo(plan.links.node()) or not _gloo(plan.links.rail())):

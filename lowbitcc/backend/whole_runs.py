@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.codec import wire
 from lowbitcc.schedules.chunking import stage
 
@@ -100,7 +101,9 @@ def hier(plan: Any) -> dict[str, Any]:
     which the rail encodes and an all-reduce's rail decodes into); an all-reduce's ``gathered``
     (uint8 ``[4 L N m]``: the node's all-gather of its ranks' rails) and ``everything`` (fp32
     ``[N L m]``: the sums in row order, where the call's tensor is not that long). The core's
-    own buffers."""
+    own buffers; and ``deferred_errors``, what the Python plan's decodes of the rail raise once
+    they are all done (`compressor.CallCompressor.raise_deferred`'s: NaN left where a message
+    was refused, and nothing else amiss)."""
     lay, kept, device, m = plan.links.layout, plan.kept_buffers, plan.device, plan.m
     size = lay.nodes * lay.node_size * m
 
@@ -110,6 +113,7 @@ def hier(plan: Any) -> dict[str, Any]:
     hier: dict[str, Any] = {
         "node": plan.links.node().inner.group, "nodes": lay.nodes, "node_size": lay.node_size,
         "numel": plan.numel, "dtype": plan.codec_dtype, "factor": plan._factor,
+        "deferred_errors": (wire.WireFormatError, CollectiveMismatchError),
         "values": fp32("values", size), "send": fp32("send", size),
         "received": kept.get("core hier received", 4 * size, torch.uint8, device),
         "partial": fp32("partial", lay.nodes * m),

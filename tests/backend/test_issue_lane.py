@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc.backend import native
-from tests.support.ranks import run_ranks
+from tests.support.ranks import run_ranks, run_script_ranks
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
 
@@ -217,3 +217,40 @@ def test_a_steady_call_on_a_group_that_was_shut_down_raises_at_once():
         assert raised is not None and "shut down" in raised, raised
         assert took < 5, took
         assert shut == [2, 2], shut
+
+
+AT_EXIT = r"""
+import atexit, datetime, torch, torch.distributed as dist, lowbitcc
+
+def last_call():  # (registered before the group: it runs after the group's lane was closed)
+    before = pg._runner.served_compressed
+    tensor = torch.full((6000,), float(dist.get_rank() + 1))
+    with lowbitcc.compressed():
+        dist.all_reduce(tensor, group=pg)  # synchronous: its run on this thread
+    print(pg._runner.served_compressed - before, float(tensor[0]), flush=True)
+
+atexit.register(last_call)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+for _ in range(12):  # the place agreed and steady
+    tensor = torch.full((6000,), float(dist.get_rank() + 1))
+    with lowbitcc.compressed():
+        dist.all_reduce(tensor, group=pg)
+    lowbitcc.end_step()
+"""
+
+
+def test_a_synchronous_call_at_exit_after_the_lane_closed_still_runs():
+    """At the process's exit the group's lane is closed (``issue_queue._close_at_exit``, which
+    waits for its runs) before exit handlers registered earlier run: a steady synchronous call
+    made there (three ranks: its run whole) still runs, served, on the calling thread, with
+    the same sums on every rank; the group was not shut down."""
+    import os
+
+    ranks = run_script_ranks(AT_EXIT, world=3, port=20000 + (os.getpid() * 7) % 20000)
+    lines = []
+    for code, out, err in ranks:
+        assert code == 0 and out.strip(), err[-3000:]
+        lines.append(out.split())
+    assert all(line[0] == "1" for line in lines), lines
+    assert len({line[1] for line in lines}) == 1, lines

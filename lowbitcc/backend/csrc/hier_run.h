@@ -32,6 +32,7 @@ namespace lowbitcc {
 inline Hier PlanCore::read_hier(py::dict h) {
   Hier hier;
   node_object_ = h["node"];
+  deferred_errors_ = h["deferred_errors"];
   hier.node = node_object_.cast<c10::intrusive_ptr<c10d::Backend>>();
   hier.nodes = h["nodes"].cast<int64_t>();
   hier.node_size = h["node_size"].cast<int64_t>();
@@ -101,7 +102,7 @@ inline void PlanCore::run_hier(const std::shared_ptr<PlanCore>& self,
   // 3. the node's all-gather, exact, once the rail's sums are decoded
   await_decodes(*run);
   const bool failed = run->has_error();  // (a transfer's error: the run ends, as in Python)
-  if (run->foreign) {
+  if (run->foreign && !failed) {
     decode_rail_in_python(*run);
   }
   if (failed) {
@@ -135,7 +136,15 @@ inline void PlanCore::decode_rail_in_python(Run& run) {
     if (plan.attr("finish_received")(run.tensor, run.seq, py::none()).cast<bool>()) {
       run.nonfinite = true;
     }
+  } catch (py::error_already_set& error) {
+    // what the decodes raise: a wire error leaves NaN where it was met; anything else may have
+    // stopped them halfway, so no sum of this rank's rail goes to the node
+    if (!error.matches(deferred_errors_)) {
+      hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+    run.failed(std::current_exception());
   } catch (...) {
+    hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
     run.failed(std::current_exception());
   }
 }

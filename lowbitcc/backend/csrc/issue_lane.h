@@ -94,11 +94,11 @@ class __attribute__((visibility("hidden"))) IssueLane {
     return state_->submitted;
   }
 
-  // Whether it was closed (its group shut down): it takes no more jobs.
-  bool closed() const {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    return state_->closed;
-  }
+  // Its group was shut down (`IssueQueue.shutdown`, before it closes the lane): no run of the
+  // group starts any more, here or on a calling thread (`PlanCore::run`). A lane closed at the
+  // process's exit alone is not: its group's calling threads still issue their runs.
+  void shut_down() { shut_down_ = true; }
+  bool was_shut_down() const { return shut_down_; }
 
   // Whether every job queued so far has run to its end.
   bool idle() const { return state_->busy.load(std::memory_order_acquire) == 0; }
@@ -196,6 +196,7 @@ class __attribute__((visibility("hidden"))) IssueLane {
 
   std::shared_ptr<State> state_;
   std::thread thread_;
+  std::atomic<bool> shut_down_{false};
 };
 
 }  // namespace lowbitcc

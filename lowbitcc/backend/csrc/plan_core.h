@@ -248,6 +248,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       size_class_.release();
       transport_object_.release();
       node_object_.release();
+      deferred_errors_.release();
       park_.release();
       if (feedback_) {
         feedback_.release();  // (its Python objects: kept, the interpreter is gone)
@@ -266,6 +267,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
     transport_object_ = py::object();
     node_object_ = py::object();
+    deferred_errors_ = py::object();
     park_ = py::object();
     plan_ = py::object();
     size_class_ = py::object();
@@ -326,7 +328,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     TORCH_CHECK(key.has_value() == (feedback_ != nullptr),
                 "lowbitcc: a plan core's run takes error states where it has feedback");
     // (its group was shut down: no run starts, on the lane or on the calling thread)
-    TORCH_CHECK(lane == nullptr || !lane->closed(),
+    TORCH_CHECK(lane == nullptr || !lane->was_shut_down(),
                 "lowbitcc: this process group has been shut down");
     auto self = shared_from_this();
     auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed,
@@ -872,6 +874,7 @@ class __attribute__((visibility("hidden"))) PlanCore
   c10::intrusive_ptr<c10d::Backend> transport_;
   py::object transport_object_, park_;  // the group's Python object; gloo_threads.park
   py::object node_object_;  // a hierarchical run's node group's Python object (else none)
+  py::object deferred_errors_;  // what a hierarchical run's Python rail decodes raise when done
   py::object plan_;  // a weak reference: the plan keeps its core
   py::object size_class_;
   at::Tensor scratch_;

@@ -75,6 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &lowbitcc::IssueLane::close, py::arg("timeout_s"),
            "Take no more runs; wait up to `timeout_s` seconds (negative: without bound) for those "
            "queued, then end the lane's thread or leave it to end by itself; whether all had run.")
+      .def("shut_down", &lowbitcc::IssueLane::shut_down,
+           "Mark its group shut down: no run of the group starts any more (then `close` it).")
       .def_property_readonly("idle", &lowbitcc::IssueLane::idle)
       .def_property_readonly("submitted", &lowbitcc::IssueLane::submitted,
                              "How many runs have been queued on the lane since it was made.");
