@@ -94,6 +94,7 @@ def _group_with_sub_groups(log: list) -> LocoProcessGroup:
     stub = types.SimpleNamespace(shutdown=lambda: None)
     group._queue = types.SimpleNamespace(shutdown=lambda timeout_s: True)
     group._inner = group._direct = stub
+    group._cpu_links = types.SimpleNamespace(close=lambda: None)
     return group
 
 
