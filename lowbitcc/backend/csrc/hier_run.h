@@ -28,7 +28,7 @@
 
 namespace lowbitcc {
 
-// The node steps of a hierarchical core's spec (plan_cores.py's `_hier`).
+// The node steps of a hierarchical core's spec (whole_runs.py's `hier`).
 inline Hier PlanCore::read_hier(py::dict h) {
   Hier hier;
   node_object_ = h["node"];

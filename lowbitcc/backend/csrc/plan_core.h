@@ -102,9 +102,10 @@ namespace lowbitcc {
 class __attribute__((visibility("hidden"))) PlanCore
     : public std::enable_shared_from_this<PlanCore> {
  public:
-  // `transport`: the plan's inner gloo group (its Python object); `spec`: plan_cores.py's
-  // `core_spec` (its docstring names each entry); `api`: the codec's `codec_api` capsule;
-  // `park`: gloo_threads.py's `park`, which keeps what the core lets go of on a gloo thread.
+  // `transport`: the gloo group its transfers travel on (its Python object: the plan's inner
+  // group, or a hierarchical plan's rail's); `spec`: plan_cores.py's `core_spec` (its docstring
+  // names each entry); `api`: the codec's `codec_api` capsule; `park`: gloo_threads.py's
+  // `park`, which keeps what the core lets go of on a gloo thread.
   PlanCore(py::object transport, py::dict spec, py::capsule api, py::object park)
       : transport_(transport.cast<c10::intrusive_ptr<c10d::Backend>>()),
         transport_object_(std::move(transport)),

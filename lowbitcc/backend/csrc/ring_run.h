@@ -12,7 +12,7 @@
 
 namespace lowbitcc {
 
-// One row's encode of `spec["ring"]` (plan_cores.py's `_ring`): its messages into a `Piece`
+// One row's encode of `spec["ring"]` (whole_runs.py's `ring`): its messages into a `Piece`
 // of columns `a .. b` of row `row0`, framed as shard `shard`.
 inline Piece PlanCore::read_row_encode(py::dict e, int64_t row0, int64_t a, int64_t b,
                                        int64_t shard, const Piece& chunk) {
@@ -31,7 +31,7 @@ inline Piece PlanCore::read_row_encode(py::dict e, int64_t row0, int64_t a, int6
   return piece;
 }
 
-// `spec["ring"]` (plan_cores.py's `_ring`) as the run's `Ring`, its buffers checked.
+// `spec["ring"]` (whole_runs.py's `ring`) as the run's `Ring`, its buffers checked.
 inline Ring PlanCore::read_ring(py::dict t) {
   Ring ring;
   ring.left = (rank_ + world_ - 1) % world_;

@@ -14,7 +14,7 @@
 
 namespace lowbitcc {
 
-// `spec["tree"]` (plan_cores.py's `_tree`) as the run's `Tree`, its buffers checked.
+// `spec["tree"]` (whole_runs.py's `tree`) as the run's `Tree`, its buffers checked.
 inline Tree PlanCore::read_tree(py::dict t) {
   Tree tree;
   tree.children = t["children"].cast<std::vector<int64_t>>();
