@@ -28,6 +28,7 @@ from tests.support.corrupt_calls import (
     sending_changed,
     served_by_cores,
     served_group,
+    steady_all_reduce,
 )
 from tests.support.ranks import run_ranks
 
@@ -686,17 +687,7 @@ def _unknown_flag_in_a_final_decode(rank, world, gloo, served, schedule):
     sender, method, final_tag = FINAL_MESSAGES[schedule]
     # (the sender runs in Python, where it is patched)
     pg = served_group(rank, sender, served, schedule=schedule, feedback=True, beta=0.8)
-    x = torch.linspace(-1, 1, 3 * 4096) * (rank + 1)
-
-    def call(step):
-        out = x * (1 + step / 7)
-        with lowbitcc.compressed():
-            dist.all_reduce(out, group=pg)
-        lowbitcc.end_step()
-        return out
-
-    for step in range(12):
-        call(step)
+    call = steady_all_reduce(pg, torch.linspace(-1, 1, 3 * 4096) * (rank + 1))
     before = served_by_cores(pg)
     rows = world if schedule == "tree" else 1  # the messages one send carries
 
@@ -733,17 +724,7 @@ def _rail_message_changed(rank, world, gloo, served, change):
     # two nodes of two ranks; rank 2 (node 1's first) sends through the Python path, patched:
     # its rail all-gather's codes of the call after the place is steady
     pg = served_group(rank, 2, served, schedule="hierarchical", node_size=2, feedback=True)
-    x = torch.linspace(-1, 1, 4 * 4096) * (rank + 1)
-
-    def call(step):
-        out = x * (1 + step / 7)
-        with lowbitcc.compressed():
-            dist.all_reduce(out, group=pg)
-        lowbitcc.end_step()
-        return out
-
-    for step in range(12):
-        call(step)
+    call = steady_all_reduce(pg, torch.linspace(-1, 1, 4 * 4096) * (rank + 1))
     before = served_by_cores(pg)
 
     def changed(send, rest):  # (the rail's codes; not the node's fp32 nor an exchange frame)

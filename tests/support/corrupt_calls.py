@@ -54,6 +54,23 @@ def sending_changed(on: bool, method: str,
         setattr(gloo_transport.GlooTransport, method, original)
 
 
+def steady_all_reduce(pg: Any, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """``call(step)``: a compressed all-reduce on ``pg`` of ``x`` scaled by step ``step`` (a new
+    tensor, returned), one training step each; the place made steady by steps 0 to 11 before
+    it is handed out."""
+
+    def call(step: int) -> torch.Tensor:
+        out = x * (1 + step / 7)
+        with lowbitcc.compressed():
+            dist.all_reduce(out, group=pg)
+        lowbitcc.end_step()
+        return out
+
+    for step in range(12):
+        call(step)
+    return call
+
+
 def served_by_cores(pg: Any) -> int:
     """How many compressed calls ``pg``'s C++ runner has served (0: the Python path's)."""
     return getattr(pg._runner, "served_compressed", 0)
