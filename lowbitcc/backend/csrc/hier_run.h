@@ -122,30 +122,23 @@ inline void PlanCore::run_hier(const std::shared_ptr<PlanCore>& self,
 // issues it); the run is then no longer foreign (`decided` hands nothing back again).
 inline void PlanCore::decode_rail_in_python(Run& run) {
   run.foreign = false;
+  // what the decodes raised is one of the call's deferred errors: NaN left where it was met;
+  // anything else may have stopped them halfway, so no sum of this rank's rail goes to the node
+  bool deferred = false;
   try {
-    if (!python_running()) {
-      hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
-      throw std::runtime_error("lowbitcc: a call met a foreign message as the interpreter exited");
-    }
-    py::gil_scoped_acquire acquire;
-    py::object plan = plan_();
-    if (plan.is_none()) {
-      hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
-      throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
-    }
-    if (plan.attr("finish_received")(run.tensor, run.seq, py::none()).cast<bool>()) {
+    if (finish_in_python(run)) {
       run.nonfinite = true;
     }
+    return;
   } catch (py::error_already_set& error) {
-    // what the decodes raise: a wire error leaves NaN where it was met; anything else may have
-    // stopped them halfway, so no sum of this rank's rail goes to the node
-    if (!error.matches(deferred_errors_)) {
-      hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
-    }
+    py::gil_scoped_acquire acquire;  // (`matches` asks the interpreter)
+    deferred = error.matches(deferred_errors_);
     run.failed(std::current_exception());
   } catch (...) {
-    hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
     run.failed(std::current_exception());
+  }
+  if (!deferred) {
+    hier_->partial.fill_(std::numeric_limits<float>::quiet_NaN());
   }
 }
 

@@ -837,18 +837,7 @@ class __attribute__((visibility("hidden"))) PlanCore
     bool dropped = run.nonfinite || run.foreign || failed;
     if (!failed && run.foreign) {
       try {
-        if (!python_running()) {
-          throw std::runtime_error("lowbitcc: a call met a foreign message as the interpreter exited");
-        }
-        py::gil_scoped_acquire acquire;
-        py::object plan = plan_();
-        if (plan.is_none()) {
-          throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
-        }
-        const bool nonfinite = plan.attr("finish_received")(
-            run.tensor, run.seq, run.output.defined() ? py::cast(run.output) : py::none())
-                                   .cast<bool>();
-        dropped = run.nonfinite || nonfinite;
+        dropped = run.nonfinite || finish_in_python(run);
       } catch (...) {
         run.failed(std::current_exception());
       }
@@ -859,6 +848,25 @@ class __attribute__((visibility("hidden"))) PlanCore
     if (--run.parts == 0) {
       complete(run);
     }
+  }
+
+  // The Python plan's decodes of what `run` received (`CallPlan.finish_received`, with the GIL),
+  // where a message did not belong to the call by the C++ check: they write what the Python
+  // path's decodes write and raise what the call met; whether they met a non-finite value.
+  // Throws what they raise, or a `std::runtime_error` where the interpreter is exiting or the
+  // plan is gone.
+  bool finish_in_python(const Run& run) {
+    if (!python_running()) {
+      throw std::runtime_error("lowbitcc: a call met a foreign message as the interpreter exited");
+    }
+    py::gil_scoped_acquire acquire;
+    py::object plan = plan_();
+    if (plan.is_none()) {
+      throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
+    }
+    return plan.attr("finish_received")(
+        run.tensor, run.seq, run.output.defined() ? py::cast(run.output) : py::none())
+        .cast<bool>();
   }
 
   // The end of `run`, decided and its issuing thread done (the last of the two, on its thread):
