@@ -18,7 +18,7 @@ from lowbitcc.counters import Stats
 from lowbitcc.transports import topology
 from lowbitcc.transports.base import Pending, Transport
 from lowbitcc.transports.gloo import GlooTransport
-from lowbitcc.transports.links import Links
+from lowbitcc.transports.links import KeptSubGroups, Links
 from lowbitcc.transports.metered import MeteredTransport
 
 NAMES = ("gloo", "mpi", "nccl")
@@ -39,44 +39,41 @@ def open_nccl_links(group: object, stats: Stats, *, store: dist.Store,
                     node_size: int) -> Links:
     """The `Links` for CUDA tensors of a group whose rank ``i`` is global rank
     ``global_ranks[i]``: the world link over ``group`` (a ``ProcessGroupNCCL``), node and rail
-    links over NCCL groups on ``store`` made on first use with ``timeout`` (`nccl.SubGroups`,
-    shut down or aborted by `Links.close`); every link metered into ``stats`` by link class, as
-    `open_links`' are."""
-    from lowbitcc.transports.nccl import NcclTransport, SubGroups
+    links over NCCL groups on ``store`` made on first use with ``timeout`` (`nccl.sub_group`,
+    kept by `KeptSubGroups`, shut down or aborted by `Links.close`); every link metered into
+    ``stats`` by link class, as `open_links`' are."""
+    from lowbitcc.transports.nccl import NcclTransport, sub_group
 
     node_size = topology.node_size_from(node_size)
     layout = topology.layout(global_ranks, rank, node_size)
     same_node = topology.same_node(global_ranks, rank, node_size)
 
-    def metered(name: str, key: int, size: int, link: Transport) -> Transport:
-        return MeteredTransport(link, stats, same_node=_sub_same_node(name, key, size))
+    def nccl_group(name: str, color: int, key: int, size: int) -> Any:
+        return sub_group(store, name, color, key, size, timeout)
 
-    return Links(MeteredTransport(NcclTransport(group), stats, same_node=same_node), layout,
-                 SubGroups(store, timeout, metered))
-
-
-class GlooSubGroups:
-    """The node and rail ``ProcessGroupGloo`` groups of one group's CPU links, as its
-    `links.SubTransport`: each made on first use on ``store`` (prefix
-    ``lowbitcc/gloo-{name}{color}``) with ``timeout``, handed out metered into ``stats``, and
-    kept, so that the group shuts them down with itself (`shutdown`; `Links.close`). Made and
-    used by the threads that call the group."""
-
-    def __init__(self, store: dist.Store, timeout: datetime.timedelta, stats: Stats) -> None:
-        self.store, self.timeout, self.stats = store, timeout, stats
-        self.groups: list[Any] = []
-
-    def __call__(self, name: str, color: int, key: int, size: int) -> Transport:
-        prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", self.store)
-        group = dist.ProcessGroupGloo(prefixed, key, size, self.timeout)
-        self.groups.append(group)
-        return MeteredTransport(GlooTransport(group), self.stats,
+    def metered(name: str, key: int, size: int, group: Any) -> Transport:
+        return MeteredTransport(NcclTransport(group), stats,
                                 same_node=_sub_same_node(name, key, size))
 
-    def shutdown(self) -> None:
-        """Shut every group made down."""
-        for group in self.groups:
-            group.shutdown()
+    return Links(MeteredTransport(NcclTransport(group), stats, same_node=same_node), layout,
+                 KeptSubGroups(nccl_group, metered))
+
+
+def gloo_sub_groups(store: dist.Store, timeout: datetime.timedelta, stats: Stats,
+                    ) -> KeptSubGroups:
+    """The node and rail links of a group's CPU links (`open_links`, "gloo"): each a
+    ``ProcessGroupGloo`` made on first use on ``store`` (prefix ``lowbitcc/gloo-{name}{color}``)
+    with ``timeout``, metered into ``stats``, kept for the group's shutdown."""
+
+    def gloo_group(name: str, color: int, key: int, size: int) -> Any:
+        prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", store)
+        return dist.ProcessGroupGloo(prefixed, key, size, timeout)
+
+    def metered(name: str, key: int, size: int, group: Any) -> Transport:
+        return MeteredTransport(GlooTransport(group), stats,
+                                same_node=_sub_same_node(name, key, size))
+
+    return KeptSubGroups(gloo_group, metered)
 
 
 def _sub_same_node(name: str, key: int, size: int) -> list[bool]:
@@ -91,7 +88,7 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
 
     ``kind`` is "gloo" or "mpi" (see `cpu_kind` for "auto" and "nccl"). ``world`` is the
     group's inner gloo transport (gloo's world link); node and rail gloo groups live on
-    ``store`` (`GlooSubGroups`, shut down by `Links.close`). Every link is metered into
+    ``store`` (`gloo_sub_groups`, shut down by `Links.close`). Every link is metered into
     ``stats``. Collective over the group when ``kind`` is "mpi".
     """
     kind = cpu_kind(kind)
@@ -100,7 +97,7 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
     same_node = topology.same_node(global_ranks, rank, node_size)
     if kind == "gloo":
         return Links(MeteredTransport(world, stats, same_node=same_node), layout,
-                     GlooSubGroups(store, timeout, stats))
+                     gloo_sub_groups(store, timeout, stats))
     if kind == "mpi":
         from lowbitcc.transports import mpi
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from lowbitcc.transports.base import Transport
 from lowbitcc.transports.topology import NodeLayout
@@ -10,6 +11,39 @@ from lowbitcc.transports.topology import NodeLayout
 SubTransport = Callable[[str, int, int, int], Transport]
 """``make(name, color, key, size)``: a transport over the ranks that passed the same ``name``
 and ``color``, ordered by ``key``; called by every rank of the group at the same point."""
+
+
+class KeptSubGroups:
+    """A `SubTransport` over process groups of its own: each link's group made on first use by
+    ``make_group(name, color, key, size)`` (collective over the link's ranks), handed out as
+    ``wrap(name, key, size, group)`` (the transport over it, metered), and kept, so that the
+    group whose links they are shuts them down (`shutdown`) or aborts them (`abort`) with itself
+    (`Links.close`) rather than leaving them to torch's exit. The node and rail gloo groups of a
+    group's CPU links (`transports.open_links`) and NCCL groups of its CUDA links
+    (`transports.open_nccl_links`) are kept so. Made and used by the threads that call the
+    group."""
+
+    def __init__(self, make_group: Callable[[str, int, int, int], Any],
+                 wrap: Callable[[str, int, int, Any], Transport]) -> None:
+        self._make_group, self._wrap = make_group, wrap
+        self.groups: list[Any] = []
+
+    def __call__(self, name: str, color: int, key: int, size: int) -> Transport:
+        group = self._make_group(name, color, key, size)
+        self.groups.append(group)
+        return self._wrap(name, key, size, group)
+
+    def shutdown(self) -> None:
+        """Shut every group made down (NCCL's: its communicator destroyed once its work is
+        done)."""
+        for group in self.groups:
+            group.shutdown()
+
+    def abort(self) -> None:
+        """Abort every group made (NCCL's: its kernels end, torch's watchdog stops watching
+        it)."""
+        for group in self.groups:
+            group.abort()
 
 
 class Links:
@@ -49,7 +83,7 @@ class Links:
 
     def close(self, abort: bool = False) -> None:
         """Shut down (``abort``: abort) the node and rail links' groups made so far, where
-        their maker keeps them (`nccl.SubGroups`); the world transport is the caller's."""
+        their maker keeps them (`KeptSubGroups`); the world transport is the caller's."""
         if self._shared is None:
             close = getattr(self._make, "abort" if abort else "shutdown", None)
             if close is not None:

@@ -18,7 +18,6 @@ first use, each its own ``ProcessGroupNCCL`` on the group's store.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,34 +40,6 @@ def sub_group(store: dist.Store, name: str, color: int, key: int, size: int,
     options.is_high_priority_stream = False
     prefixed = dist.PrefixStore(f"lowbitcc/nccl-{name}{color}", store)
     return dist.ProcessGroupNCCL(prefixed, key, size, options)
-
-
-class SubGroups:
-    """The node and rail ``ProcessGroupNCCL`` groups of one group's links, as its
-    `links.SubTransport`: each made on first use (`sub_group`, on ``store`` with ``timeout``),
-    handed out as ``wrap(name, key, size, NcclTransport(group))``, and kept, so that the group
-    shuts them down (`shutdown`) or aborts them (`abort`) with itself rather than leaving them
-    to torch's exit-time abort. Made and used by the threads that call the group."""
-
-    def __init__(self, store: dist.Store, timeout: datetime.timedelta,
-                 wrap: Callable[[str, int, int, NcclTransport], Any]) -> None:
-        self.store, self.timeout, self.wrap = store, timeout, wrap
-        self.groups: list[Any] = []
-
-    def __call__(self, name: str, color: int, key: int, size: int) -> Any:
-        group = sub_group(self.store, name, color, key, size, self.timeout)
-        self.groups.append(group)
-        return self.wrap(name, key, size, NcclTransport(group))
-
-    def shutdown(self) -> None:
-        """Shut every group made down (its communicator destroyed once its work is done)."""
-        for group in self.groups:
-            group.shutdown()
-
-    def abort(self) -> None:
-        """Abort every group made (its kernels end; torch's watchdog stops watching it)."""
-        for group in self.groups:
-            group.abort()
 
 
 def _sync(options: Any) -> Any:

@@ -183,7 +183,7 @@ def _served_after_shutdown(rank, world, gloo):
         with lowbitcc.compressed():
             dist.all_reduce(tensor, group=pg)
         lowbitcc.end_step()
-    subgroups = pg._cpu_links._make  # (`transports.GlooSubGroups`: the node's, the rail's)
+    subgroups = pg._cpu_links._make  # (`links.KeptSubGroups`: the node's, the rail's)
     shut = []
 
     class Recorded:  # each made group, its shutdown recorded
