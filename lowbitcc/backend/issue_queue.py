@@ -221,7 +221,12 @@ class IssueQueue:
         return run_all
 
     def shutdown(self, timeout_s: float) -> bool:
-        """Stop accepting calls, let the queued ones finish; False if it was already shut down."""
+        """Stop accepting calls, let the queued ones finish (each thread waited for at most
+        ``timeout_s``); False if it was already shut down. True also where a thread outlived
+        its wait (a transfer a peer never answers): the group then shuts its inner groups down
+        under it, which is what ends such a transfer where the inner group's shutdown aborts its
+        work (NCCL's; gloo's does nothing in torch 2.13, and its transfer ends at its own
+        timeout)."""
         with self._lock:
             if self._closed:
                 return False
