@@ -125,6 +125,12 @@ inline void PlanCore::decode_rail_in_python(Run& run) {
   // what the decodes raised is one of the call's deferred errors: NaN left where it was met;
   // anything else may have stopped them halfway, so no sum of this rank's rail goes to the node
   bool deferred = false;
+  const auto begun = std::chrono::steady_clock::now();
+  struct Timed {  // the time taken, however the decodes end (`python_ns`)
+    Run& run;
+    std::chrono::steady_clock::time_point begun;
+    ~Timed() { run.python_ns += nanos_since(begun); }
+  } timed{run, begun};
   try {
     if (finish_in_python(run)) {
       run.nonfinite = true;

@@ -469,6 +469,9 @@ class __attribute__((visibility("hidden"))) PlanCore
     std::atomic<bool> awaiting{false};
     std::condition_variable decoded;
     std::atomic<int64_t> encode_ns{0}, decode_ns{0};
+    // (a hierarchical run) the time its rail's decodes took in Python, within the run: neither
+    // its codec's (the Python plan counts its own codec seconds) nor its wire's
+    int64_t python_ns = 0;
     SentBytes sent;  // (the issuing thread's: every transfer is started there)
     std::mutex mutex;
     std::exception_ptr first_error;
@@ -823,7 +826,7 @@ class __attribute__((visibility("hidden"))) PlanCore
       std::lock_guard<std::mutex> lock(mutex_);
       const double codec_s = (run.encode_ns.load() + run.decode_ns.load()) * 1e-9;
       timings_.codec_s += codec_s;
-      timings_.wire_s += seconds(run.start, end) - codec_s;
+      timings_.wire_s += seconds(run.start, end) - codec_s - run.python_ns * 1e-9;
       if (run.timed) {
         timings_.modelled_s.push_back(seconds(run.start, end));
       }
