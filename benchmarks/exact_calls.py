@@ -1,18 +1,30 @@
 """What an exact all-reduce through "loco" costs against gloo's own, with the default settings.
 
-Feeds docs/host-time.md (its "Exact calls":
-loco over gloo at 1 MiB and 16 MiB).
+Feeds docs/host-time.md (its "Exact calls": loco over gloo at 1 MiB and 16 MiB).
 
 Every call place has a schedule entry, so a call that stays exact (here: issued outside
 backward, so the policy leaves it exact) exchanges its descriptor on its place's first runs
-only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`). Each rank
-makes a "loco" group with the environment's config and a plain gloo group, then times
-synchronous all-reduces on both in blocks of ``--block`` calls back to back (each call one
-step, ``lowbitcc.end_step``), alternating the two and which goes first, a barrier before each
-block, and prints per size the median time per call and loco's over gloo's (2 local ranks
-unless ``--np``).
+only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`), served in C++
+(`lowbitcc.backend.steady_runner`). Each rank makes a "loco" group with the environment's
+config and plain gloo groups, then times synchronous all-reduces three ways in blocks of
+``--block`` calls back to back (each call one step, ``lowbitcc.end_step``), the ways' order
+rotated from block to block, a barrier before each block:
 
-    python benchmarks/exact_calls.py [--calls 200] [--sizes 262144 4194304] [--np 2]
+- **loco**: ``dist.all_reduce`` on the "loco" group;
+- **direct**: the same call on the "loco" group's own inner gloo group (``_direct``, the one
+  its exact entries are issued on), as gloo's C++ call: the same sockets and threads as loco's,
+  so loco over direct is what lowbitcc adds to the call;
+- **gloo**: ``dist.all_reduce`` on ``--groups`` plain gloo groups (``dist.new_group``), in turn,
+  the median over all of them.
+
+Two gloo groups made alike can differ by more than two-fold in time per call on a small shared
+VM (measured on this project's 2-core VM, 2026-12-01: 0.62 against 1.49 ms and 1.55 against
+0.66 ms at 1 MiB, whichever was made first), so a comparison with one other group measures the
+groups, not lowbitcc; the gloo column shows the spread over several. Printed per size: the
+median time per call of each way, the slowest and fastest gloo group's, and loco's over direct
+and over gloo (2 local ranks unless ``--np``).
+
+    python benchmarks/exact_calls.py [--calls 200] [--sizes 262144 4194304] [--np 2] [--groups 3]
 """
 
 from __future__ import annotations
@@ -25,33 +37,45 @@ WARMUP = 4
 """Untimed calls per size first: the place agrees (and the period closes) there."""
 
 
-def _rank(rank: int, world: int, sizes: list[int], calls: int,
-          block: int) -> dict[int, tuple[float, float]]:
+def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
+          groups: int) -> dict[int, dict[str, float]]:
     import torch
     import torch.distributed as dist
 
     import lowbitcc
 
-    gloo = dist.new_group(backend="gloo")
+    plain = [dist.new_group(backend="gloo") for _ in range(groups)]
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig.from_env())
+    direct = loco._direct  # (the "loco" group's inner gloo group of its exact entries)
     out = {}
     for n in sizes:
         x = torch.randn(n)
         for _ in range(WARMUP):
             dist.all_reduce(x.clone(), group=loco)
             lowbitcc.end_step()
-        times: dict[str, list[float]] = {"loco": [], "gloo": []}
+
+        def on_direct(y: torch.Tensor) -> None:
+            direct.allreduce([y]).wait()
+
+        ways = {"loco": lambda y: dist.all_reduce(y, group=loco), "direct": on_direct}
+        for i, group in enumerate(plain):
+            ways[f"gloo{i}"] = lambda y, group=group: dist.all_reduce(y, group=group)
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        names = list(ways)
         for i in range(calls // block):
-            pair = [("loco", loco), ("gloo", gloo)]
-            for name, group in pair if i % 2 else pair[::-1]:
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 y = x.clone()
-                dist.barrier(gloo)
+                dist.barrier(plain[0])
                 start = time.perf_counter()
                 for _ in range(block):  # back to back, as training's calls and perf's
-                    dist.all_reduce(y, group=group)
+                    ways[name](y)
                     lowbitcc.end_step()
                 times[name].append((time.perf_counter() - start) / block)
-        out[n] = (statistics.median(times["loco"]), statistics.median(times["gloo"]))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        gloo = [medians[f"gloo{i}"] for i in range(groups)]
+        out[n] = {"loco": medians["loco"], "direct": medians["direct"],
+                  "gloo": statistics.median(sum((times[f"gloo{i}"] for i in range(groups)), [])),
+                  "gloo_min": min(gloo), "gloo_max": max(gloo)}
     return out
 
 
@@ -63,13 +87,20 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10,
                         help="calls timed back to back, alternating loco's and gloo's blocks")
     parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=3,
+                        help="plain gloo groups the gloo column is the median over")
     args = parser.parse_args()
     from lowbitcc.tools import spawn
 
-    result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls, args.block)[0]
-    print(f"{'bytes':>10} {'loco ms':>9} {'gloo ms':>9} {'loco/gloo':>9}")
-    for n, (loco_s, gloo_s) in result.items():
-        print(f"{n * 4:>10} {loco_s * 1e3:>9.3f} {gloo_s * 1e3:>9.3f} {loco_s / gloo_s:>9.3f}")
+    result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls, args.block,
+                             args.groups)[0]
+    print(f"{'bytes':>10} {'loco ms':>9} {'direct ms':>9} {'gloo ms':>9} {'gloo range ms':>15} "
+          f"{'loco/direct':>11} {'loco/gloo':>9}")
+    for n, r in result.items():
+        spread = f"{r['gloo_min'] * 1e3:.3f}-{r['gloo_max'] * 1e3:.3f}"
+        print(f"{n * 4:>10} {r['loco'] * 1e3:>9.3f} {r['direct'] * 1e3:>9.3f} "
+              f"{r['gloo'] * 1e3:>9.3f} {spread:>15} {r['loco'] / r['direct']:>11.3f} "
+              f"{r['loco'] / r['gloo']:>9.3f}")
 
 
 if __name__ == "__main__":
