@@ -8,14 +8,17 @@ only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`)
 (`lowbitcc.backend.steady_runner`). Each rank makes a "loco" group with the environment's
 config and plain gloo groups, then times synchronous all-reduces three ways in blocks of
 ``--block`` calls back to back (each call one step, ``lowbitcc.end_step``), the ways' order
-rotated from block to block, a barrier before each block:
+rotated from block to block, a barrier before each block. Each way makes the call c10d's C++
+callers make (DDP's reducer: ``ProcessGroup.allreduce([tensor])``, then the Work's ``wait``),
+without ``dist.all_reduce``'s Python wrapper, which every backend pays alike (27-54 us here,
+docs/host-time.md):
 
-- **loco**: ``dist.all_reduce`` on the "loco" group;
+- **loco**: the "loco" group's ``allreduce``;
 - **direct**: the same call on the "loco" group's own inner gloo group (``_direct``, the one
-  its exact entries are issued on), as gloo's C++ call: the same sockets and threads as loco's,
-  so loco over direct is what lowbitcc adds to the call;
-- **gloo**: ``dist.all_reduce`` on ``--groups`` plain gloo groups (``dist.new_group``), in turn,
-  the median over all of them.
+  its exact entries are issued on): the same sockets and threads as loco's, so loco over
+  direct is what lowbitcc adds to the call;
+- **gloo**: the same call on ``--groups`` plain gloo groups (``dist.new_group``, their gloo
+  backends), in turn, the median over all of them.
 
 Two gloo groups made alike can differ by more than two-fold in time per call on a small shared
 VM (measured on this project's 2-core VM, 2026-12-01: 0.62 against 1.49 ms and 1.55 against
@@ -54,12 +57,11 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
             dist.all_reduce(x.clone(), group=loco)
             lowbitcc.end_step()
 
-        def on_direct(y: torch.Tensor) -> None:
-            direct.allreduce([y]).wait()
-
-        ways = {"loco": lambda y: dist.all_reduce(y, group=loco), "direct": on_direct}
+        backends = {"loco": loco, "direct": direct}
         for i, group in enumerate(plain):
-            ways[f"gloo{i}"] = lambda y, group=group: dist.all_reduce(y, group=group)
+            backends[f"gloo{i}"] = group._get_backend(torch.device("cpu"))
+        ways = {name: lambda y, b=backend: b.allreduce([y]).wait()
+                for name, backend in backends.items()}
         times: dict[str, list[float]] = {name: [] for name in ways}
         names = list(ways)
         for i in range(calls // block):
