@@ -8,7 +8,8 @@ only; then it is the inner gloo group's own call (`lowbitcc.backend.reductions`)
 (`lowbitcc.backend.steady_runner`). Each rank makes a "loco" group with the environment's
 config and plain gloo groups, then times synchronous all-reduces three ways in blocks of
 ``--block`` calls back to back (each call one step, ``lowbitcc.end_step``), the ways' order
-rotated from block to block, a barrier before each block. Each way makes the call c10d's C++
+rotated from block to block and reversed every other block (so that no way always follows
+another), a barrier on a gloo group of its own before each block. Each way makes the call c10d's C++
 callers make (DDP's reducer: ``ProcessGroup.allreduce([tensor])``, then the Work's ``wait``),
 without ``dist.all_reduce``'s Python wrapper, which every backend pays alike (27-54 us here,
 docs/host-time.md):
@@ -18,12 +19,12 @@ docs/host-time.md):
   its exact entries are issued on): the same sockets and threads as loco's, so loco over
   direct is what lowbitcc adds to the call;
 - **gloo**: the same call on ``--groups`` plain gloo groups (``dist.new_group``, their gloo
-  backends), in turn, the median over all of them.
+  backends), in turn; the median over all their blocks.
 
 Two gloo groups made alike can differ by more than two-fold in time per call on a small shared
-VM (measured on this project's 2-core VM, 2026-12-01: 0.62 against 1.49 ms and 1.55 against
-0.66 ms at 1 MiB, whichever was made first), so a comparison with one other group measures the
-groups, not lowbitcc; the gloo column shows the spread over several. Printed per size: the
+VM (`tests/probes/gloo_groups.py`; docs/performance.md, "The machine"), so a comparison with
+one other group measures the groups, not lowbitcc; the gloo column shows the spread over
+several. Printed per size: the
 median time per call of each way, the slowest and fastest gloo group's, and loco's over direct
 and over gloo (2 local ranks unless ``--np``).
 
@@ -48,6 +49,7 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
     import lowbitcc
 
     plain = [dist.new_group(backend="gloo") for _ in range(groups)]
+    sync = dist.new_group(backend="gloo")  # (the barrier's: no way's group gets extra calls)
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig.from_env())
     direct = loco._direct  # (the "loco" group's inner gloo group of its exact entries)
     out = {}
@@ -65,9 +67,10 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
         times: dict[str, list[float]] = {name: [] for name in ways}
         names = list(ways)
         for i in range(calls // block):
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            order = names[i % len(names):] + names[:i % len(names)]
+            for name in order if i % 2 else order[::-1]:
                 y = x.clone()
-                dist.barrier(plain[0])
+                dist.barrier(sync)
                 start = time.perf_counter()
                 for _ in range(block):  # back to back, as training's calls and perf's
                     ways[name](y)
@@ -87,11 +90,13 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 18, 1 << 22],
                         help="elements (fp32): 1 MiB and 16 MiB by default")
     parser.add_argument("--block", type=int, default=10,
-                        help="calls timed back to back, alternating loco's and gloo's blocks")
+                        help="calls timed back to back per block; the ways' blocks alternate")
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--groups", type=int, default=3,
                         help="plain gloo groups the gloo column is the median over")
     args = parser.parse_args()
+    if args.groups < 1:
+        parser.error("--groups must be at least 1")
     from lowbitcc.tools import spawn
 
     result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls, args.block,
