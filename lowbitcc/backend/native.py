@@ -36,6 +36,7 @@ EXTENSION = cpp_build.Extension(
     [CSRC / "feedback_slots.h", CSRC / "followed_work.h", CSRC / "group_method.h",
      CSRC / "issue_lane.h", CSRC / "launch_replay.h",
      CSRC / "model_timings.h",
+     CSRC / "core_decide.h", CSRC / "core_encode.h", CSRC / "core_spec.h",
      CSRC / "direct_run.h", CSRC / "hier_run.h", CSRC / "plan_core.h", CSRC / "plan_pieces.h",
      CSRC / "planned_work.h",
      CSRC / "python_objects.h", CSRC / "ring_run.h", CSRC / "served_counts.h",

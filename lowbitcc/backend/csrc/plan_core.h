@@ -64,6 +64,11 @@
 // (`take_seconds`, `counters.Stats` watches the core) or the runner at the place's next
 // compressed call (`take_timings`), so a read after a call's wait counts its seconds; the cost
 // model's times by the runner.
+//
+// Its members are defined by concept: how a core is made from its plan's spec (core_spec.h), its
+// encodes (core_encode.h), its decodes' sums and a run's end (core_decide.h), and each schedule's
+// run (direct_run.h, tree_run.h, ring_run.h, hier_run.h); the class, a run's state (`Run`), its
+// issuing and the members are here.
 #pragma once
 
 #include <torch/csrc/Dtype.h>
@@ -102,136 +107,12 @@ namespace lowbitcc {
 class __attribute__((visibility("hidden"))) PlanCore
     : public std::enable_shared_from_this<PlanCore> {
  public:
-  // `transport`: the gloo group its transfers travel on (its Python object: the plan's inner
-  // group, or a hierarchical plan's rail's); `spec`: plan_cores.py's `core_spec` (its docstring
-  // names each entry); `api`: the codec's `codec_api` capsule; `park`: gloo_threads.py's
-  // `park`, which keeps what the core lets go of on a gloo thread.
-  PlanCore(py::object transport, py::dict spec, py::capsule api, py::object park)
-      : transport_(transport.cast<c10::intrusive_ptr<c10d::Backend>>()),
-        transport_object_(std::move(transport)),
-        park_(std::move(park)),
-        plan_(py::weakref(spec["plan"])),
-        size_class_(spec["size_class"]),
-        scratch_(spec["scratch"].cast<at::Tensor>()),
-        dtype_(reinterpret_cast<THPDtype*>(spec["dtype"].ptr())->scalar_type),
-        scatter_(spec["collective"].cast<std::string>() == "reduce_scatter"),
-        two_phase_(!scatter_ && spec["world"].cast<int64_t>() > 2),
-        numel_(spec["numel"].cast<int64_t>()),
-        m_(spec["m"].cast<int64_t>()),
-        world_(spec["world"].cast<int64_t>()),
-        rank_(spec["rank"].cast<int64_t>()),
-        bits_(spec["bits"].cast<int64_t>()),
-        group_size_(spec["group_size"].cast<int64_t>()),
-        format_(spec["format"].cast<int64_t>()),
-        step_(spec["step"].cast<int64_t>()),
-        seq_offset_(spec["seq_offset"].cast<int64_t>()),
-        flags_offset_(spec["flags_offset"].cast<int64_t>()),
-        peer_error_flag_(spec["peer_error_flag"].cast<uint8_t>()),
-        factor_(spec["factor"].cast<double>()),
-        beta_(spec["beta"].cast<double>()),
-        checksum_(spec["checksum"].cast<bool>()),
-        modelled_(spec["modelled"].cast<bool>()),
-        nbytes_(spec["nbytes"].cast<int64_t>()),
-        logical_bytes_(spec["logical_bytes"].cast<int64_t>()),
-        same_node_(spec["same_node"].cast<std::vector<bool>>()) {
-    for (int64_t r = 0; r < static_cast<int64_t>(same_node_.size()); ++r) {
-      if (r != rank_) {
-        ++(same_node_[r] ? peers_inside_ : peers_across_);
-      }
-    }
-    api_ = static_cast<const lowbitcc_cpu::CodecApi*>(
-        PyCapsule_GetPointer(api.ptr(), lowbitcc_cpu::kCodecApiName));
-    if (api_ == nullptr) {
-      throw py::error_already_set();
-    }
-    TORCH_CHECK(api_->version == lowbitcc_cpu::kCodecApiVersion, "lowbitcc: the C++ codec's API ",
-                api_->version, " is not the runner's ", lowbitcc_cpu::kCodecApiVersion);
-    TORCH_CHECK((world_ >= 2 || scatter_) && scratch_.scalar_type() == at::kFloat,
-                "lowbitcc: a plan core runs a reduce-scatter, or an all-reduce of 2 ranks or more");
-    if (!spec["feedback"].is_none()) {
-      feedback_ = std::make_unique<FeedbackSlots>(spec["feedback"].cast<py::dict>(), group_size_);
-    }
-    call_dtype_ = dtype_;
-    call_numel_ = numel_;
-    if (!spec["hier"].is_none()) {  // (then its pieces are its rail's, below)
-      hier_ = read_hier(spec["hier"].cast<py::dict>());
-      call_dtype_ = hier_->dtype;
-      call_numel_ = hier_->numel;
-    }
-    if (!spec["ring"].is_none()) {
-      ring_ = read_ring(spec["ring"].cast<py::dict>());
-      if (feedback_) {
-        std::vector<size_t> order;
-        for (const auto& step : ring_->steps) {
-          for (const Piece& piece : step) {
-            order.push_back(piece.encodes[0].slot);
-          }
-        }
-        for (const Piece& piece : ring_->gathers) {
-          order.push_back(piece.encodes[0].slot);
-        }
-        feedback_->set_order(order);
-      }
-      return;
-    }
-    if (!spec["tree"].is_none()) {
-      tree_ = read_tree(spec["tree"].cast<py::dict>());
-      if (feedback_) {
-        feedback_->set_order({tree_->piece.encodes[0].slot});
-      }
-      return;
-    }
-    for (auto item : spec["pieces"]) {
-      py::dict p = item.cast<py::dict>();
-      Piece piece{p["row0"].cast<int64_t>(), p["rows"].cast<int64_t>(), p["a"].cast<int64_t>(),
-                  p["b"].cast<int64_t>(), p["used"].cast<int64_t>(), {},
-                  p["sent"].cast<at::Tensor>(), p["received"].cast<at::Tensor>(),
-                  p["header"].cast<std::string>(), {}, {}, {}, 0};
-      const int64_t P = piece.sent.size(1);
-      const bool to_all = scatter_ || two_phase_;  // the first phase is an all-to-all
-      bool fit = (int64_t)piece.header.size() == loco::kHeaderBytes &&
-                 piece.sent.is_contiguous() && piece.sent.size(0) == piece.rows &&
-                 piece.received.numel() ==
-                     (to_all ? piece.sent.numel() : world_ * piece.sent.numel()) &&
-                 (!to_all || (piece.row0 == 0 && piece.rows == world_)) &&
-                 scratch_.numel() >= piece.b - piece.a;
-      if (two_phase_) {
-        piece.again = p["again"].cast<at::Tensor>();
-        piece.again_nonfinite = p["again_nonfinite"].cast<at::Tensor>();
-        piece.again_received = p["again_received"].cast<at::Tensor>();
-        if (feedback_) {
-          piece.again_slot = feedback_->add(p["again_stage"].cast<std::string>(),
-                                            p["again_state_numel"].cast<int64_t>());
-        }
-        fit = fit && piece.again.is_contiguous() && piece.again.size(0) == 1 &&
-              piece.again.size(1) == P && piece.again_nonfinite.is_contiguous() &&
-              piece.again_received.numel() == world_ * P &&
-              piece.again_received.is_contiguous();
-      }
-      for (auto unit : p["encodes"]) {
-        py::dict e = unit.cast<py::dict>();
-        Encode encode{e["row0"].cast<int64_t>(), e["rows"].cast<int64_t>(),
-                      e["messages"].cast<at::Tensor>(), e["nonfinite"].cast<at::Tensor>(), {}, 0};
-        if (feedback_) {
-          encode.slot = feedback_->add(e["stage"].cast<std::string>(),
-                                       e["state_numel"].cast<int64_t>());
-        }
-        for (int64_t r = encode.row0; r < encode.row0 + encode.rows; ++r) {
-          encode.shards.push_back(r);
-        }
-        fit = fit && encode.messages.is_contiguous() && encode.messages.size(0) == encode.rows &&
-              encode.messages.size(1) == P &&
-              (encode.rows == 1 || (encode.row0 == 0 && piece.a == 0 && piece.b == m_));
-        piece.encodes.push_back(std::move(encode));
-      }
-      TORCH_CHECK(fit && !piece.encodes.empty(),
-                  "lowbitcc: a plan core's buffers do not fit its call");
-      pieces_.push_back(std::move(piece));
-    }
-    if (feedback_) {
-      feedback_->set_order(encode_order());
-    }
-  }
+  // Made from the plan's spec (core_spec.h): `transport`: the gloo group its transfers travel
+  // on (its Python object: the plan's inner group, or a hierarchical plan's rail's); `spec`:
+  // plan_cores.py's `core_spec` (its docstring names each entry); `api`: the codec's
+  // `codec_api` capsule; `park`: gloo_threads.py's `park`, which keeps what the core lets go
+  // of on a gloo thread.
+  PlanCore(py::object transport, py::dict spec, py::capsule api, py::object park);
 
   PlanCore(const PlanCore&) = delete;
   PlanCore& operator=(const PlanCore&) = delete;
@@ -588,113 +469,15 @@ class __attribute__((visibility("hidden"))) PlanCore
     run.sent.inter += peers_across_ * row_bytes;
   }
 
-  // The encodes and frames of `piece` of `run` (as `chunking.encode_columns` / `encode_row`:
-  // each encode's rows' columns where they lie in the flat source, zero past its end); its
-  // header. `values`: fp32 values encoded in the source's place, unscaled (a tree's partial
-  // sums; undefined: the source, times the op's factor).
+  // The encodes, and what they and `verify` found (core_encode.h).
   std::string encode(Piece& piece, Run& run, const at::Tensor& sums,
-                     const at::Tensor& values = at::Tensor()) {
-    const std::string header = call_header(piece.header, run.seq);
-    const int64_t m = piece.b - piece.a;
-    const at::Tensor& flat = values.defined() ? values : run.flat;
-    const int64_t numel = flat.numel();
-    const double factor = values.defined() ? 1.0 : factor_;
-    for (Encode& unit : piece.encodes) {
-      const int64_t lo = std::min(unit.row0 * m_ + piece.a, numel);
-      const int64_t hi = unit.rows == 1 ? std::min(unit.row0 * m_ + piece.b, numel) : numel;
-      loco::EncodeArgs a{};
-      a.src = static_cast<const char*>(flat.data_ptr()) + lo * flat.element_size();
-      a.msgs = unit.messages.data_ptr<uint8_t>();
-      a.nonfinite = unit.nonfinite.data_ptr<uint8_t>();
-      a.sums = sums.data_ptr<double>();
-      a.numel = hi - lo;
-      a.rows = unit.rows;
-      a.m = m;
-      a.ng = (m + group_size_ - 1) / group_size_;
-      a.P = unit.messages.size(1);
-      a.factor = static_cast<float>(factor);
-      a.scale_input = factor != 1.0;
-      a.beta = static_cast<float>(beta_);
-      a.omb = static_cast<float>(1.0 - beta_);
-      a.G = static_cast<int32_t>(group_size_);
-      a.format = static_cast<int32_t>(format_);
-      apply_state(a, run, unit.slot);
-      api_->encode(a, bits_, run.threads, values.defined() ? at::kFloat : dtype_);
-      encoded(run, api_->frame(unit.messages, header, unit.shards, unit.nonfinite, piece.used, 0,
-                               checksum_, step_, run.threads));
-      if (run.peer_error) {
-        flag_peer_error(unit.messages);
-      }
-    }
-    return header;
-  }
-
-  // The error state slots in the order a run's encodes run: each transfer's in turn; on more
-  // ranks chunk k's second phase after chunk k + 1's first (`run_two_phases`, as
-  // `direct._in_pipeline_order`).
-  std::vector<size_t> encode_order() const {
-    std::vector<size_t> order;
-    for (size_t k = 0; k < pieces_.size(); ++k) {
-      for (const Encode& unit : pieces_[k].encodes) {
-        order.push_back(unit.slot);
-      }
-      if (two_phase_ && k >= 1) {
-        order.push_back(pieces_[k - 1].again_slot);
-      }
-    }
-    if (two_phase_) {
-      order.push_back(pieces_.back().again_slot);
-    }
-    return order;
-  }
-
-  // An encode's error state, `run`'s slot `slot` (feedback_slots.h), in `a`: applied or written
-  // from zero, in the plan's storage; none where feedback is off. The encode is counted (the
-  // encodes run in `encode_order`'s order).
-  void apply_state(loco::EncodeArgs& a, Run& run, size_t slot) const {
-    a.mode = loco::kErrorNone;
-    if (run.taken == nullptr) {
-      return;
-    }
-    Slot& state = run.taken->slots[slot];
-    a.mode = feedback_->mode();
-    a.has_error = state.applied;
-    if (a.mode == loco::kErrorInt8) {
-      a.ecodes = state.data.data_ptr<int8_t>();
-      a.escales = state.scales.data_ptr<float>();
-    } else if (a.mode == loco::kErrorFp32) {
-      a.ef32 = state.data.data_ptr<float>();
-    } else {
-      a.ebf16 = reinterpret_cast<uint16_t*>(state.data.data_ptr<at::BFloat16>());
-    }
-    TORCH_CHECK(feedback_->in_order(run.taken->encoded++, slot),
-                "lowbitcc: a plan core's encodes ran out of their order");
-  }
-
-  // An encode of `run` was framed; `nonfinite`: it met a non-finite value (its states are then
-  // not put back: `FeedbackSlots::put`).
-  static void encoded(Run& run, bool nonfinite) {
-    if (nonfinite && run.taken != nullptr) {
-      run.taken->encoded_nonfinite = true;
-    }
-  }
-
-  // What `verify` found of messages `run` received (1: a row flagged non-finite).
-  static void received(Run& run, int64_t verdict) {
-    if (verdict > 0) {
-      run.nonfinite = true;
-    }
-  }
-
-  // `CallCompressor.encode`'s flag on messages (uint8 [rows, P]) encoded after a message of the
-  // call did not belong to it.
-  void flag_peer_error(const at::Tensor& messages) const {
-    uint8_t* bytes = messages.data_ptr<uint8_t>();
-    const int64_t P = messages.size(1);
-    for (int64_t r = 0; r < messages.size(0); ++r) {
-      bytes[r * P + flags_offset_] |= peer_error_flag_;
-    }
-  }
+                     const at::Tensor& values = at::Tensor());
+  void scaled_values(const Run& run, int64_t lo, int64_t hi, at::Tensor into) const;
+  std::vector<size_t> encode_order() const;
+  void apply_state(loco::EncodeArgs& a, Run& run, size_t slot) const;
+  static void encoded(Run& run, bool nonfinite);
+  static void received(Run& run, int64_t verdict);
+  void flag_peer_error(const at::Tensor& messages) const;
 
   // The direct schedule's runs and their decodes (direct_run.h).
   void run_pieces(const std::shared_ptr<PlanCore>& self, const std::shared_ptr<Run>& run,
@@ -759,129 +542,14 @@ class __attribute__((visibility("hidden"))) PlanCore
     return header;
   }
 
-  // The fp32 sum in rank order of `messages` (uint8 [n, P], every one shard `shard`'s `width`
-  // columns under `header`) into `target` (fp32 [width]): where `verify` and then the Python
-  // path's own check (`accepts`) refuse them, NaN, the run foreign and the messages it encodes
-  // after flagged, as the Python decode leaves them (`CallCompressor._deferred`).
+  // The decodes' sums, and the run decided and completed (core_decide.h).
   void sum_messages(const at::Tensor& messages, int64_t width, int64_t shard,
-                    const std::string& header, at::Tensor target, Run& run) {
-    const int64_t verdict =
-        api_->verify(messages, header, std::vector<int64_t>(messages.size(0), shard), checksum_,
-                     step_, run.threads);
-    if (verdict < 0 && !accepts(messages, width, shard, run.seq)) {
-      run.foreign = true;
-      run.peer_error = true;
-      target.fill_(std::numeric_limits<float>::quiet_NaN());
-      return;
-    }
-    received(run, verdict);
-    api_->decode_sum(messages, width, bits_, group_size_, format_, run.threads, target);
-  }
-
-  // The source's elements `lo .. hi` in fp32 `into`, zero past them, times the op's factor
-  // (`chunking.all_values` / `row_values`).
-  void scaled_values(const Run& run, int64_t lo, int64_t hi, at::Tensor into) const {
-    into.slice(0, 0, hi - lo).copy_(run.flat.slice(0, lo, hi));
-    if (hi - lo < into.numel()) {
-      into.slice(0, hi - lo).zero_();
-    }
-    if (factor_ != 1.0) {
-      into.mul_(factor_);
-    }
-  }
-
-  // Whether `messages` of shard `shard` and `width` columns that `verify` refused pass the Python
-  // path's own check after all (`CallPlan.accepts`, with the GIL: the field-by-field check lets
-  // through what `verify`'s whole-header comparison does not, e.g. an unknown flag bit), so that
-  // the sum is what the Python path's is. On the issuing thread, without the GIL.
-  bool accepts(const at::Tensor& messages, int64_t width, int64_t shard, int64_t seq) {
-    if (!python_running()) {
-      return false;
-    }
-    py::gil_scoped_acquire acquire;
-    py::object plan = plan_();
-    return !plan.is_none() && plan.attr("accepts")(messages, width, shard, seq).cast<bool>();
-  }
-
-  // The fp32 sum in rank order of `messages` of `width` columns into `target`: straight where
-  // it is fp32 and as wide, else through the scratch (one decode at a time) and a cast.
-  void sum_into(const at::Tensor& messages, int64_t width, at::Tensor target, int threads) {
-    if (target.scalar_type() == at::kFloat && target.numel() == width) {
-      api_->decode_sum(messages, width, bits_, group_size_, format_, threads, target);
-      return;
-    }
-    std::lock_guard<std::mutex> lock(scratch_mutex_);
-    at::Tensor scratch = scratch_.slice(0, 0, width);
-    api_->decode_sum(messages, width, bits_, group_size_, format_, threads, scratch);
-    target.copy_(scratch.slice(0, 0, target.numel()));
-  }
-
-  // `run` decided, every transfer decoded (on the thread of the last, or the issuing thread):
-  // a transfer's error is the run's; a foreign message hands the decode to the Python plan,
-  // which raises what the call met (see the file's comment); the verdict on its states given;
-  // then its part of the run is done (`complete`).
-  void decided(Run& run) {
-    const auto end = std::chrono::steady_clock::now();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      const double codec_s = (run.encode_ns.load() + run.decode_ns.load()) * 1e-9;
-      timings_.codec_s += codec_s;
-      timings_.wire_s += seconds(run.start, end) - codec_s - run.python_ns * 1e-9;
-      if (run.timed) {
-        timings_.modelled_s.push_back(seconds(run.start, end));
-      }
-    }
-    // the verdict on its states (put back by now, or about to be: feedback_slots.h): dropped
-    // where a decode met a non-finite value, a transfer failed, or a message `verify` refused is
-    // one the Python plan's decodes, which then redo them, meet as foreign or non-finite too
-    // (its field check accepts some that `verify` does not: those keep the states, as on the
-    // Python path)
-    const bool failed = run.has_error();
-    bool dropped = run.nonfinite || run.foreign || failed;
-    if (!failed && run.foreign) {
-      try {
-        dropped = run.nonfinite || finish_in_python(run);
-      } catch (...) {
-        run.failed(std::current_exception());
-      }
-    }
-    if (run.verdict) {
-      run.verdict->give(dropped);
-    }
-    if (--run.parts == 0) {
-      complete(run);
-    }
-  }
-
-  // The Python plan's decodes of what `run` received (`CallPlan.finish_received`, with the GIL),
-  // where a message did not belong to the call by the C++ check: they write what the Python
-  // path's decodes write and raise what the call met; whether they met a non-finite value.
-  // Throws what they raise, or a `std::runtime_error` where the interpreter is exiting or the
-  // plan is gone.
-  bool finish_in_python(const Run& run) {
-    if (!python_running()) {
-      throw std::runtime_error("lowbitcc: a call met a foreign message as the interpreter exited");
-    }
-    py::gil_scoped_acquire acquire;
-    py::object plan = plan_();
-    if (plan.is_none()) {
-      throw std::runtime_error("lowbitcc: a call met a foreign message after its plan was gone");
-    }
-    return plan.attr("finish_received")(
-        run.tensor, run.seq, run.output.defined() ? py::cast(run.output) : py::none())
-        .cast<bool>();
-  }
-
-  // The end of `run`, decided and its issuing thread done (the last of the two, on its thread):
-  // its error, else its outputs, complete its future (its Work).
-  static void complete(Run& run) {
-    if (run.first_error) {
-      run.result->setError(run.first_error);
-    } else {
-      run.result->markCompleted(c10::IValue(
-          std::vector<at::Tensor>{run.output.defined() ? run.output : run.tensor}));
-    }
-  }
+                    const std::string& header, at::Tensor target, Run& run);
+  bool accepts(const at::Tensor& messages, int64_t width, int64_t shard, int64_t seq);
+  void sum_into(const at::Tensor& messages, int64_t width, at::Tensor target, int threads);
+  void decided(Run& run);
+  bool finish_in_python(const Run& run);
+  static void complete(Run& run);
 
   c10::intrusive_ptr<c10d::Backend> transport_;
   py::object transport_object_, park_;  // the group's Python object; gloo_threads.park
@@ -918,6 +586,9 @@ class __attribute__((visibility("hidden"))) PlanCore
 
 }  // namespace lowbitcc
 
+#include "core_decide.h"
+#include "core_encode.h"
+#include "core_spec.h"
 #include "direct_run.h"
 #include "hier_run.h"
 #include "ring_run.h"
