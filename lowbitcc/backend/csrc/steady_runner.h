@@ -44,6 +44,9 @@
 // gloo call and a plan core's run (encode, then its decode on gloo's thread; a whole run on the
 // issue lane, which takes the GIL for its error states and a foreign message's Python check)
 // run without it.
+//
+// Its members are defined by concept: whether a call runs as its place's entry (runner_place.h),
+// what a served call counts and leaves (runner_count.h); the serving itself is here.
 #pragma once
 
 #include <torch/csrc/DynamicTypes.h>
@@ -263,162 +266,17 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     py::error_already_set error;
   };
 
-  // Whether the call runs as its place's entry now (see the file's comment), fills `steady`.
-  // Nothing is changed, but where the place's renewal is due to be taken at this run: it is
-  // taken as `CallSchedule.take` takes it (the Python path then finds it taken).
+  // Whether the call runs as its place's entry now, and what that found (runner_place.h).
   bool steady_place(const py::str& collective, const at::Tensor& like, int64_t numel,
-                    c10d::ReduceOp::RedOpType op, Steady& steady) {
-    try {
-      return steady_place_or_raise(collective, like, numel, op, steady);
-    } catch (Raised& raised) {
-      throw raised.error;
-    } catch (py::error_already_set&) {  // nothing changed: the Python path raises as it does
-      return false;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }
-
-  // (`waited`: the worker's queue was waited for once already; `renewed`: the place's renewal
-  // was taken by this call.)
+                    c10d::ReduceOp::RedOpType op, Steady& steady);
   bool steady_place_or_raise(const py::str& collective, const at::Tensor& like, int64_t numel,
                              c10d::ReduceOp::RedOpType op, Steady& steady, bool waited = false,
-                             bool renewed = false) {
-    if (PyThread_get_thread_ident() != main_thread_ ||
-        py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {  // (a tag: 64 bits, unsigned)
-      return false;
-    }
-    if (py::cast<int64_t>(schedule_.attr(LOWBITCC_NAME("_open"))) != 0) {
-      return false;
-    }
-    py::object period_obj = schedule_.attr(LOWBITCC_NAME("_period"));
-    if (period_obj.is_none()) {
-      return false;
-    }
-    int64_t period = period_obj.cast<int64_t>();
-    if (period <= 0) {
-      return false;
-    }
-    int64_t origin = schedule_.attr(LOWBITCC_NAME("_origin")).cast<int64_t>();
-    int64_t index = schedule_.attr(LOWBITCC_NAME("_next")).cast<int64_t>();
-    int64_t offset = (index - origin) % period;
-    if (offset < 0) {
-      offset += period;
-    }
-    py::object entries = schedule_.attr(LOWBITCC_NAME("_entries"));
-    PyObject* found = detail::item(entries, py::int_(origin + offset));
-    if (found == nullptr) {
-      return false;
-    }
-    py::object entry = py::reinterpret_borrow<py::object>(found);
-    const bool exact = entry.attr(LOWBITCC_NAME("exact")).cast<bool>();
-    if (exact ? native_ops_.count(static_cast<int64_t>(op)) == 0 || entry.attr(LOWBITCC_NAME("timed")).cast<bool>()
-              : op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
-      return false;
-    }
-    int64_t left = entry.attr(LOWBITCC_NAME("left")).cast<int64_t>();
-    if (left <= 0) {  // the run after the entry's last takes its renewal (`CallSchedule.entry`)
-      if (renewed || entry.attr(LOWBITCC_NAME("renewal")).is_none() || nan(entry.attr(LOWBITCC_NAME("canary")))) {
-        return false;
-      }
-      take_renewal(index);
-      return steady_place_or_raise(collective, like, numel, op, steady, waited, true);
-    }
-    if (nan(entry.attr(LOWBITCC_NAME("canary")))) {  // (may wait without the GIL: the policy is read after)
-      return false;
-    }
-    // `explicit_key` names an exact call's key and counts it in its block: the Python path's
-    // (a compressed call counts in it, and with feedback its states are the key's:
-    // `serve_planned`)
-    if (exact && PyList_GET_SIZE(key_stack_.ptr()) != 0) {
-      return false;
-    }
-    Py_ssize_t modes = PyList_GET_SIZE(mode_stack_.ptr());
-    std::string mode =
-        modes ? py::cast<std::string>(PyList_GET_ITEM(mode_stack_.ptr(), modes - 1)) : policy_;
-    // `Reductions._wish`: "exact" and an entry compressed, or "compressed" (the cost model's
-    // consent too) and an entry exact, is a deviation
-    if (mode == (exact ? "always" : "never")) {
-      return false;
-    }
-    // `CallSchedule.ran` starts the place's renewal at this run
-    steady.renews = left - 1 <= schedule_.attr(LOWBITCC_NAME("_renew_at")).cast<int64_t>() &&
-                    entry.attr(LOWBITCC_NAME("renewal")).is_none() && !schedule_.attr(LOWBITCC_NAME("_renew")).is_none() &&
-                    !entry.attr(LOWBITCC_NAME("desc")).attr(LOWBITCC_NAME("part")).cast<bool>();
-    py::tuple key = entry.attr(LOWBITCC_NAME("key"));
-    if (key.size() != 6 || !detail::equal(key[0], collective) ||
-        key[1].ptr() != reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())) ||
-        key[2].cast<int64_t>() != static_cast<int64_t>(op) || key[3].cast<int64_t>() != numel ||
-        key[4].cast<bool>() || py::bool_(key[5])) {  // (a parent's tag: 64 bits, unsigned)
-      return false;  // a deviation: the Python path runs it
-    }
-    if (!exact) {
-      return planned_place(std::move(entry), collective, like, op, index, left,
-                           modes != 0 && mode == "always", waited, steady);
-    }
-    // `CompressedCalls.count_planned`: the ordinal where this rank would compress the call
-    // (`policy.wants_compression`), counted in the backward pass's epoch (`policy.epoch`)
-    int64_t task = torch::autograd::get_current_graph_task_id();
-    bool wants = mode == "auto" || (mode != "never" && task >= 0);
-    steady.ordinal = entry.attr(LOWBITCC_NAME("eligible")).cast<bool>() && policy_ != "never" && wants;
-    if (steady.ordinal && task < 0) {
-      return false;  // the step's epoch: `policy.epoch` reads the optimizer's steps
-    }
-    steady.task = task;
-    steady.modelled = compressed_.attr(LOWBITCC_NAME("_modelling")).cast<bool>() && numel >= min_size_;
-    // `WorkerIssuer.native_now` times this one for the cost model: so does the runner
-    steady.timed = steady.modelled && issuer_counts_ && timed_every_ > 0 &&
-                   (issuer_.attr(LOWBITCC_NAME("_issued")).cast<int64_t>() + 1) % timed_every_ == 0;
-    if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
-      return false;
-    }
-    steady.by_model = steady.modelled && entry.attr(LOWBITCC_NAME("by_model")).cast<bool>();
-    steady.entry = std::move(entry);
-    steady.index = index;
-    steady.left = left;
-    return true;
-  }
-
-  // The rest of `steady_place` for a compressed entry: whether its plan's core serves the
-  // call (`forced`: a `compressed()` block is the innermost, `policy.forced`).
+                             bool renewed = false);
   bool planned_place(py::object entry, const py::str& collective, const at::Tensor& like,
                      c10d::ReduceOp::RedOpType op, int64_t index, int64_t left, bool forced,
-                     bool waited, Steady& steady) {
-    py::object plan = entry.attr(LOWBITCC_NAME("plan"));
-    if (plan.is_none()) {
-      return false;
-    }
-    if (!plan.attr(LOWBITCC_NAME("core_checked")).cast<bool>()) {
-      plan_core_(plan);  // sets the plan's `core` (None: the Python plan runs it)
-    }
-    py::object core = plan.attr(LOWBITCC_NAME("core"));
-    if (core.is_none()) {
-      return false;
-    }
-    auto planned = core.cast<std::shared_ptr<PlanCore>>();
-    if (!planned->fits(like, steady.output) ||
-        (planned->feedback() != nullptr && !named_in_utf8())) {
-      return false;
-    }
-    if (queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0) {
-      if (waited) {
-        return false;
-      }
-      // the worker's queued calls on the same gloo group go first: once they have run (the
-      // GIL released meanwhile), the place is looked at again
-      queue_.attr(LOWBITCC_NAME("wait_idle"))();
-      return steady_place_or_raise(collective, like, like.numel(), op, steady, true);
-    }
-    if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
-      return false;
-    }
-    steady.modelled = planned->modelled() && !forced;  // `Reductions._plan_run`'s `timed`
-    steady.core = std::move(planned);
-    steady.entry = std::move(entry);
-    steady.index = index;
-    steady.left = left;
-    return true;
-  }
+                     bool waited, Steady& steady);
+  void take_renewal(int64_t index);
+  static bool nan(const py::object& canary);
 
   // A compressed entry's run (`Reductions._plan_run`, `CallPlan.run`) of `collective` on
   // `tensor` (into `steady.output`: a reduce-scatter): its feedback key's ordinal taken, counted,
@@ -474,36 +332,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     return followed;
   }
 
-  // `CallSchedule.take` at a served call's place: the schedule's index, and `CallSchedule.ran`:
-  // the entry's runs, the renewal started where due (as `ran` itself; what it raises, the call
-  // raises, having taken its call number as `Reductions.take` does).
-  void ran(const Steady& steady) {
-    schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(steady.index + 1);
-    if (!steady.renews) {
-      steady.entry.attr(LOWBITCC_NAME("left")) = py::int_(steady.left - 1);
-      return;
-    }
-    try {
-      schedule_.attr(LOWBITCC_NAME("ran"))(steady.entry);
-    } catch (py::error_already_set&) {
-      agreement_.attr(LOWBITCC_NAME("next_seq"))();
-      throw;
-    }
-  }
-
-  // `CallSchedule.entry` at `index`, which the run after an entry's last calls to take its
-  // renewal; what it raises, the call raises, as `CallSchedule.take` and `Reductions.take` do:
-  // having counted its place and taken its call number.
-  void take_renewal(int64_t index) {
-    try {
-      schedule_.attr(LOWBITCC_NAME("entry"))(index);
-    } catch (py::error_already_set& error) {
-      schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(index + 1);
-      agreement_.attr(LOWBITCC_NAME("next_seq"))();
-      throw Raised{std::move(error)};
-    }
-  }
-
   // Whether the name of the innermost `feedback_key` block, if any, has a UTF-8 form (the
   // core's keys are built in UTF-8; Python accepts any str, e.g. one with lone surrogates,
   // whose calls are then the Python path's).
@@ -523,179 +351,23 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     return true;
   }
 
-  // `policy.explicit_key`: the call counts in the innermost `feedback_key` block, if any; the
-  // key the block names for it (none: no block).
-  std::optional<std::string> count_in_key_block() {
-    if (PyList_GET_SIZE(key_stack_.ptr()) == 0) {
-      return std::nullopt;
-    }
-    detail::Held held(policy_lock_);
-    const Py_ssize_t blocks = PyList_GET_SIZE(key_stack_.ptr());
-    if (blocks == 0) {
-      return std::nullopt;
-    }
-    py::list block = py::reinterpret_borrow<py::list>(PyList_GET_ITEM(key_stack_.ptr(), blocks - 1));
-    const int64_t calls = block[1].cast<int64_t>();
-    block[1] = py::int_(calls + 1);
-    std::string name = block[0].cast<std::string>();
-    return calls == 0 ? name : name + "#" + std::to_string(calls);
-  }
-
-  // `CostModel.count`: one more call of `size_class`.
-  static void count_class(const py::object& model, const py::object& size_class) {
-    detail::Held held(model.attr(LOWBITCC_NAME("_lock")));
-    PyObject* found = detail::item(model.attr(LOWBITCC_NAME("_classes")), size_class);
-    py::object kept = found != nullptr ? py::reinterpret_borrow<py::object>(found)
-                                       : model.attr(LOWBITCC_NAME("_class"))(size_class);
-    detail::add_to(kept, LOWBITCC_NAME("calls"), py::int_(1));
-  }
-
-  // The accumulator of the compressed calls' residual sums (`Stats.accumulator`) of the thread
-  // the Python path encodes on (the worker, else the calling thread), so that the sums add up
-  // in the same order on either path; asked again where `state.STATS` was replaced (`counted_in`).
-  // (The worker runs nothing meanwhile: its queue was idle, and the calling thread is the one
-  // that queues.)
-  at::Tensor accumulator() {
-    py::object stats = counted_in();
-    if (!stats.is(sums_of_)) {
-      sums_ = stats.attr(LOWBITCC_NAME("accumulator"))(compressed_name_, cpu_device_,
-                                                       encoder_thread_)
-                  .cast<at::Tensor>();
-      sums_of_ = stats;
-    }
-    return sums_;
-  }
-
-  // `state.STATS`, read at each served call as the Python path reads it, which the served
-  // calls' counts (`counts_`) are folded into when it is read (`Stats.watch_counts`); where it
-  // was replaced, what was counted before is the statistics' it replaced, which watch them no
-  // more (`Stats.fold_counts`).
-  py::object counted_in() {
-    py::object stats = state_.attr(LOWBITCC_NAME("STATS"));
-    if (!stats.is(counted_in_)) {
-      if (counted_in_) {
-        counted_in_.attr(LOWBITCC_NAME("fold_counts"))(counts_object_);
-      }
-      stats.attr(LOWBITCC_NAME("watch_counts"))(counts_object_);
-      counted_in_ = stats;
-    }
-    return stats;
-  }
-
-  // `exact._logical_bytes` of a call of `collective` on `nbytes` input bytes, kept per
-  // collective and size (a steady call counts the same size again).
-  int64_t logical_bytes(const py::str& collective, int64_t nbytes) {
-    const bool scatter = collective.is(reduce_scatter_);
-    auto& kept = scatter ? logical_scatter_ : logical_all_reduce_;
-    auto found = kept.find(nbytes);
-    if (found != kept.end()) {
-      return found->second;
-    }
-    if (kept.size() >= kLogicalKept) {
-      kept.clear();
-    }
-    const int64_t bytes = logical_bytes_(collective, nbytes, world_).cast<int64_t>();
-    kept.emplace(nbytes, bytes);
-    return bytes;
-  }
-
-  // The place's canary: whether the output it views ended in NaN (`Entry.canary`, None: no).
-  static bool nan(const py::object& canary) {
-    if (canary.is_none()) {
-      return false;
-    }
-    if (py::isinstance<FollowedWork>(canary)) {
-      FollowedWork& work = canary.cast<FollowedWork&>();
-      if (work.isCompleted()) {  // the steady state: its run after next reads it
-        return work.nan();
-      }
-      py::gil_scoped_release release;
-      return work.nan();
-    }
-    return canary.attr(LOWBITCC_NAME("nan"))().cast<bool>();
-  }
-
-  // What the Python path counts for the run (`CallSchedule.take`, `ran`;
-  // `Reductions._run_exact`; `count_planned`; `count_exact`; `WorkerIssuer._times_next`).
+  // What a served call counts and leaves (runner_count.h).
+  void ran(const Steady& steady);
+  std::optional<std::string> count_in_key_block();
+  static void count_class(const py::object& model, const py::object& size_class);
+  at::Tensor accumulator();
+  py::object counted_in();
+  int64_t logical_bytes(const py::str& collective, int64_t nbytes);
   void count(const Steady& steady, const py::str& collective, const at::Tensor& like,
-             int64_t numel) {
-    py::object model = compressed_.attr(LOWBITCC_NAME("cost_model"));
-    timings_.fold(model, false);  // the runs timed before, in batches
-    ran(steady);
-    agreement_.attr(LOWBITCC_NAME("next_seq"))();
-    if (steady.ordinal) {
-      next_ordinal(collective, like, numel, steady.task);
-    }
-    int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
-    if (steady.modelled) {
-      count_class(model, exact_class(collective, nbytes));
-      if (issuer_counts_) {
-        detail::add_to(issuer_, LOWBITCC_NAME("_issued"), py::int_(1));
-      }
-    }
-    const int64_t sent = logical_bytes(collective, nbytes);
-    counted_in();  // (`count_exact` reads `state.STATS` at each call)
-    counts_->add(ServedCounts::kExact, ServedCounts::kCalls, 1);
-    counts_->add(ServedCounts::kExact, ServedCounts::kTensorBytes, nbytes);
-    counts_->add(ServedCounts::kExact, ServedCounts::kLogicalBytes, sent);
-    counts_->add(ServedCounts::kExact, ServedCounts::kWireBytes, sent);
-    counts_->add(ServedCounts::kExact, ServedCounts::kModelExact, steady.by_model ? 1 : 0);
-    ++served_;
-  }
-
-  // `CompressedCalls._ordinal`: the position of a call of `collective` on `numel` elements of
-  // `like`'s dtype among the calls of that signature in the current epoch (`policy.epoch`: the
-  // backward pass `task`, or where none runs, -1, the optimizer step), counted.
+             int64_t numel);
   int64_t next_ordinal(const py::str& collective, const at::Tensor& like, int64_t numel,
-                       int64_t task) {
-    py::object dtype = py::reinterpret_borrow<py::object>(
-        reinterpret_cast<PyObject*>(torch::getTHPDtype(like.scalar_type())));
-    py::tuple epoch = task >= 0 ? py::tuple(py::make_tuple(backward_, task))
-                                : py::tuple(py::make_tuple(step_, state_.attr(LOWBITCC_NAME("_optimizer_steps"))));
-    detail::Held held(compressed_.attr(LOWBITCC_NAME("_lock")));
-    if (!detail::equal(epoch, compressed_.attr(LOWBITCC_NAME("_epoch")))) {
-      compressed_.attr(LOWBITCC_NAME("_epoch")) = epoch;
-      compressed_.attr(LOWBITCC_NAME("_ordinals")).attr(LOWBITCC_NAME("clear"))();
-    }
-    py::dict ordinals = compressed_.attr(LOWBITCC_NAME("_ordinals"));
-    py::tuple signature = py::make_tuple(collective, dtype, numel);
-    int64_t ordinal = ordinals.contains(signature) ? ordinals[signature].cast<int64_t>() : 0;
-    ordinals[signature] = py::int_(ordinal + 1);
-    return ordinal;
-  }
-
-  // The cost model's size class of an exact call of `nbytes` input bytes
-  // (`CostModel.size_class`).
-  py::tuple exact_class(const py::str& collective, int64_t nbytes) const {
-    int64_t log2 = 63 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(nbytes, 1)));
-    return py::make_tuple(collective, cpu_, log2);
-  }
-
-  // A timed exact run (`Steady::timed`; `WorkerIssuer.native_now`): its gloo `work`, issued
-  // at `issued`, timed until it completes (`ModelTimings`).
+                       int64_t task);
+  py::tuple exact_class(const py::str& collective, int64_t nbytes) const;
   void time_exact(const Steady& steady, const c10::intrusive_ptr<c10d::Work>& work,
                   const py::str& collective, const at::Tensor& like, int64_t numel,
-                  std::chrono::steady_clock::time_point issued) {
-    if (steady.timed) {
-      const int64_t nbytes = numel * static_cast<int64_t>(like.element_size());
-      timings_.start_exact(work, exact_class(collective, nbytes), nbytes, issued);
-    }
-  }
-
-  // `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
+                  std::chrono::steady_clock::time_point issued);
   py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
-                    bool checked = true) {
-    py::object issued = queue_.attr(LOWBITCC_NAME("_issued"));  // (`next(self._issued)`)
-    py::object ordinal = py::reinterpret_steal<py::object>(PyIter_Next(issued.ptr()));
-    if (!ordinal) {
-      throw py::error_already_set();
-    }
-    uint64_t tag = queue_.attr(LOWBITCC_NAME("_group_tag")).cast<uint64_t>() |
-                   (ordinal.cast<uint64_t>() & 0xFFFFFFFFull);
-    py::object followed = followed_(work, std::vector<at::Tensor>{output}, tag, checked);
-    followed.attr(LOWBITCC_NAME("queue")) = queue_;
-    return followed;
-  }
+                    bool checked = true);
 
   c10::intrusive_ptr<c10d::Backend> direct_;
   // the group's issue lane (issue_lane.h; null: the inline issuer's group has none)
@@ -726,3 +398,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
 };
 
 }  // namespace lowbitcc
+
+#include "runner_count.h"
+#include "runner_place.h"
