@@ -66,9 +66,9 @@
 // model's times by the runner.
 //
 // Its members are defined by concept: how a core is made from its plan's spec (core_spec.h), its
-// encodes (core_encode.h), its decodes' sums and a run's end (core_decide.h), and each schedule's
-// run (direct_run.h, tree_run.h, ring_run.h, hier_run.h); the class, a run's state (`Run`), its
-// issuing and the members are here.
+// encodes (core_encode.h), its decodes' sums and a run's end (core_decide.h), a run's state
+// (core_run.h) and its issuing (core_issue.h), and each schedule's run (direct_run.h,
+// tree_run.h, ring_run.h, hier_run.h); the class and its members are here.
 #pragma once
 
 #include <torch/csrc/Dtype.h>
@@ -188,60 +188,13 @@ class __attribute__((visibility("hidden"))) PlanCore
     }
   }
 
-  // One run (see the file's comment): all-reduce `tensor` in place, or reduce-scatter it into
-  // `output`, as call number `seq`, its encodes' residual sums added into `sums` (the
-  // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
-  // goes to the cost model; `key`: where feedback is on, the key its error states are taken
-  // under (`FeedbackSlots::take`) before its first encode, by the thread that encodes, and put
-  // back once its encodes are done (`put`), its verdict given when it is done; `counts`: where
-  // the bytes of the transfers it started go (each counted once started, as `MeteredTransport`
-  // counts them: a run that fails counts those it started), counted by the time its Work
-  // completes. `lane`: the group's issue lane (null: none, the inline issuer's group): a whole
-  // run (`runs_whole`) is queued there and the call returns at once, unless `synchronous` (the
-  // caller waits for the Work as soon as it has it: c10d's `asyncOp` false), where handing it
-  // over would only add the lane's two thread wakes to the call; a run that issues on the
-  // calling thread waits for the lane's runs first (issue_lane.h). Either way it waits, first,
-  // for the place's run before it (whose buffers it writes). Called with the GIL held; its Work.
+  // One run: all-reduce `tensor` in place, or reduce-scatter it into `output`, as call number
+  // `seq`; called with the GIL held; its Work (core_issue.h says what each argument is).
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& tensor, const at::Tensor& output,
                                      int64_t seq, at::Tensor sums, bool timed,
                                      std::shared_ptr<ServedCounts> counts,
                                      std::optional<FeedbackKey> key, IssueLane* lane,
-                                     bool synchronous) {
-    TORCH_CHECK(key.has_value() == (feedback_ != nullptr),
-                "lowbitcc: a plan core's run takes error states where it has feedback");
-    // (its group was shut down: no run starts, on the lane or on the calling thread)
-    TORCH_CHECK(lane == nullptr || !lane->was_shut_down(),
-                "lowbitcc: this process group has been shut down");
-    auto self = shared_from_this();
-    auto run = std::make_shared<Run>(tensor, output, seq, at::get_num_threads(), timed,
-                                     std::move(counts), std::move(key), feedback_ != nullptr);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      run->previous = std::move(last_);
-      last_ = run->result;
-    }
-    auto work = c10::make_intrusive<PlannedWork>(
-        run->result, scatter_ ? c10d::OpType::_REDUCE_SCATTER_BASE : c10d::OpType::ALLREDUCE);
-    if (runs_whole() && lane != nullptr && !synchronous) {
-      try {
-        lane->submit([self, run, sums]() { self->issue(run, sums); });
-      } catch (...) {  // (the group was shut down: the run ends before it began)
-        run->failed(std::current_exception());
-        end_encodes(*run);
-        throw;
-      }
-      return work;
-    }
-    {
-      py::gil_scoped_release release;
-      if (lane != nullptr) {
-        lane->wait_idle();  // (its transfers go after the lane's, on the same gloo group)
-      }
-      run->wait_previous();
-    }
-    issue(run, sums);
-    return work;
-  }
+                                     bool synchronous);
 
   // Whether its runs are whole (a tree's, a ring's, a hierarchical one's, an all-reduce's two
   // phases on more ranks): each waits in its own transfers, and runs on the issue lane where
@@ -268,180 +221,17 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
 
  private:
-  // One run's own state, shared by its transfers' decodes; `result` is its Work's future.
-  struct Run {
-    Run(at::Tensor tensor_, at::Tensor output_, int64_t seq_, int threads_, bool timed_,
-        std::shared_ptr<ServedCounts> counts_, std::optional<FeedbackKey> key_, bool feedback)
-        : tensor(std::move(tensor_)), flat(tensor.view({-1})), output(std::move(output_)),
-          seq(seq_), threads(threads_), timed(timed_), start(std::chrono::steady_clock::now()),
-          counts(std::move(counts_)), key(std::move(key_)),
-          taken(feedback ? &states : nullptr),
-          result(c10::make_intrusive<c10::ivalue::Future>(outputs_type())) {}
-    // A transfer's error (its all-gather's, or its decode's): the run's first is its own.
-    void failed(std::exception_ptr error) {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!first_error) {
-        first_error = std::move(error);
-      }
-    }
-    // Whether it has an error yet.
-    bool has_error() {
-      std::lock_guard<std::mutex> lock(mutex);
-      return static_cast<bool>(first_error);
-    }
-    // Its error states' Python objects let go of: with the GIL, or, the interpreter finalizing,
-    // left as they are (`python_running`).
-    void let_go_of_states() {
-      if (states.slots.empty()) {
-        return;
-      }
-      if (python_running()) {
-        py::gil_scoped_acquire acquire;
-        states.slots.clear();
-        return;
-      }
-      for (Slot& slot : states.slots) {
-        slot.key.release();
-        slot.state.release();
-      }
-      states.slots.clear();
-    }
-    // Wait (without the GIL) for the place's run before it, once.
-    void wait_previous() {
-      if (previous) {
-        previous->wait();
-        previous.reset();
-      }
-    }
-    at::Tensor tensor, flat;
-    at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce, in place)
-    int64_t seq;
-    int threads;
-    bool timed;
-    std::chrono::steady_clock::time_point start;  // its first encode's (the issuing thread's)
-    // the issuing thread's token (given back by `end_encodes`) and one per transfer started and
-    // not yet decoded (each taken as it is started); the last decides the run (`decided`)
-    std::atomic<int64_t> left{1};
-    // what its Work waits for: the run decided, and the issuing thread done (`end_encodes`)
-    std::atomic<int> parts{2};
-    std::atomic<bool> foreign{false};
-    std::atomic<bool> nonfinite{false};  // a received message was flagged non-finite
-    std::shared_ptr<ServedCounts> counts;  // where its sent bytes are counted
-    // with feedback: the key its error states are taken under, the states (for its encodes on
-    // the issuing thread, their Python objects let go of with the GIL once put back:
-    // `end_encodes`), and its verdict on them, given by `decided` (or, should the run never
-    // be, as dropped when it goes)
-    std::optional<FeedbackKey> key;
-    TakenStates states;
-    TakenStates* taken = nullptr;
-    std::shared_ptr<RunVerdict> verdict;
-    c10::intrusive_ptr<c10::ivalue::Future> previous;  // the place's run before it
-    ~Run() {
-      if (verdict) {
-        verdict->give(true);
-      }
-      let_go_of_states();  // (a run that never reached `end_encodes`)
-    }
-    // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
-    // messages encoded after it are flagged (the file's comment)
-    std::atomic<bool> peer_error{false};
-    // (a hierarchical run) its issuing thread waits for its rail's decodes (`await_decodes`),
-    // each of which signals `decoded` once `awaiting` is set
-    std::atomic<bool> awaiting{false};
-    std::condition_variable decoded;
-    std::atomic<int64_t> encode_ns{0}, decode_ns{0};
-    // (a hierarchical run) the time its rail's decodes took in Python, within the run: neither
-    // its codec's (the Python plan counts its own codec seconds) nor its wire's
-    int64_t python_ns = 0;
-    SentBytes sent;  // (the issuing thread's: every transfer is started there)
-    std::mutex mutex;
-    std::exception_ptr first_error;
-    c10::intrusive_ptr<c10::ivalue::Future> result;
-  };
+  // One run's own state, shared by its transfers' decodes (core_run.h).
+  struct Run;
 
-  // `run` on its issuing thread: the issue lane (without the GIL: a whole run), or the calling
-  // thread (the GIL held, the place's run before it waited for): the place's run before it
-  // waited for, its error states taken (with the GIL), its schedule's run (none where they could
-  // not be), then `end_encodes`.
-  void issue(const std::shared_ptr<Run>& run, const at::Tensor& sums) {
-    const bool held = PyGILState_Check() != 0;
-    if (!held) {
-      run->wait_previous();
-    }
-    bool ok = true;
-    if (run->key && !held && !python_running()) {
-      run->failed(std::make_exception_ptr(
-          std::runtime_error("lowbitcc: a compressed call's run began as the interpreter exited")));
-      ok = false;
-    } else if (run->key) {
-      std::optional<py::gil_scoped_acquire> acquired;
-      if (!held) {
-        acquired.emplace();
-      }
-      ok = take_states(*run);
-    }
-    {
-      std::optional<py::gil_scoped_release> released;
-      if (held) {
-        released.emplace();
-      }
-      run->start = std::chrono::steady_clock::now();
-      if (ok && hier_) {
-        run_hier(shared_from_this(), run, sums);
-      } else if (ok && (ring_ || tree_)) {
-        ring_ ? run_ring(*run, sums) : run_tree(*run, sums);
-      } else if (ok && two_phase_) {
-        run_two_phases(shared_from_this(), run, sums);
-      } else if (ok) {
-        run_pieces(shared_from_this(), run, sums);
-      }
-    }
-    end_encodes(*run);
-  }
-
-  // `run`'s error states taken under its key (the GIL held); whether they were (else its
-  // error is the run's, which then starts no transfer).
-  bool take_states(Run& run) {
-    if (!run.key) {
-      return true;
-    }
-    try {
-      feedback_->take(run.key->call, run.key->tracked, run.tensor, run.states);
-      run.verdict = run.states.verdict;
-      return true;
-    } catch (...) {
-      run.failed(std::current_exception());
-      return false;
-    }
-  }
-
-  // The issuing thread's end of `run`, every encode done and every transfer started: its token
-  // given back (the run's last to be decoded decides it: the store may wait for its verdict as
-  // the states go back), its error states put back (with the GIL: feedback_slots.h), its sent
-  // bytes counted; then its part of the run is done (`complete`).
-  void end_encodes(Run& run) {
-    if (--run.left == 0) {
-      decided(run);
-    }
-    if (run.taken != nullptr && run.verdict && python_running()) {
-      py::gil_scoped_acquire acquire;
-      try {
-        feedback_->put(run.states);
-      } catch (...) {  // (its verdict may be given already: the call raises this all the same)
-        run.failed(std::current_exception());
-      }
-    }
-    run.let_go_of_states();
-    if (run.counts) {
-      const SentBytes& sent = run.sent;
-      run.counts->add(ServedCounts::kCompressed, ServedCounts::kWireBytes, sent.intra + sent.inter);
-      run.counts->add(ServedCounts::kCompressed, ServedCounts::kIntraNodeBytes, sent.intra);
-      run.counts->add(ServedCounts::kCompressed, ServedCounts::kInterNodeBytes, sent.inter);
-    }
-    if (--run.parts == 0) {
-      complete(run);
-    }
-  }
+  // A run issued, its states taken and put back, and the bytes its transfers send counted; a
+  // run's transfers awaited (core_issue.h).
+  void issue(const std::shared_ptr<Run>& run, const at::Tensor& sums);
+  bool take_states(Run& run);
+  void end_encodes(Run& run);
+  void sent_to(Run& run, int64_t peer, int64_t bytes) const;
+  void sent_to_peers(Run& run, int64_t row_bytes) const;
+  static void await_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& started, Run& run);
 
   static double seconds(std::chrono::steady_clock::time_point a,
                         std::chrono::steady_clock::time_point b) {
@@ -456,17 +246,6 @@ class __attribute__((visibility("hidden"))) PlanCore
   }
   static int64_t nanos_since(std::chrono::steady_clock::time_point begun) {
     return nanos_between(begun, std::chrono::steady_clock::now());
-  }
-
-  // A transfer of `run` started that sends `bytes` to transport rank `peer` (a send), or
-  // `row_bytes` to every other rank (an all-to-all's row, an all-gather's messages): its bytes
-  // in `run.sent`, to this node's ranks or others' (`MeteredTransport.send_async`, `_to_peers`).
-  void sent_to(Run& run, int64_t peer, int64_t bytes) const {
-    (same_node_[peer] ? run.sent.intra : run.sent.inter) += bytes;
-  }
-  void sent_to_peers(Run& run, int64_t row_bytes) const {
-    run.sent.intra += peers_inside_ * row_bytes;
-    run.sent.inter += peers_across_ * row_bytes;
   }
 
   // The encodes, and what they and `verify` found (core_encode.h).
@@ -519,22 +298,6 @@ class __attribute__((visibility("hidden"))) PlanCore
   void decode_rail_in_python(Run& run);
   static void await_decodes(Run& run);
 
-  // Wait for every transfer a run started and has not waited for (its error the run's): none
-  // may still write or read the core's buffers once the run is done, nor be left for the next
-  // run's transfers of the same peer and tag to meet. (A gloo send or receive is waited for
-  // once: a second wait waits for a second message.)
-  static void await_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& started, Run& run) {
-    for (const auto& work : started) {
-      try {
-        if (!work->isCompleted()) {
-          work->wait();
-        }
-      } catch (...) {
-        run.failed(std::current_exception());
-      }
-    }
-  }
-
   // `header` with call number `seq` (what `encode` writes its messages under).
   std::string call_header(std::string header, int64_t seq) const {
     const uint32_t seq32 = static_cast<uint32_t>(seq);
@@ -586,8 +349,10 @@ class __attribute__((visibility("hidden"))) PlanCore
 
 }  // namespace lowbitcc
 
+#include "core_run.h"
 #include "core_decide.h"
 #include "core_encode.h"
+#include "core_issue.h"
 #include "core_spec.h"
 #include "direct_run.h"
 #include "hier_run.h"
