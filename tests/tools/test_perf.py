@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lowbitcc.tools.perf.collectives import COLLECTIVES
-from lowbitcc.tools.perf.harness import _finite_calls, parse_table
+from lowbitcc.tools.perf.harness import _finite_calls
+from lowbitcc.tools.perf.table import parse_table
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowbitcc.tools.link_spec import Link
-from lowbitcc.tools.perf.harness import PerfOptions, measure, parse_table
+from lowbitcc.tools.perf.harness import PerfOptions, measure
 from lowbitcc.tools.perf.outputs import plot, write_json
+from lowbitcc.tools.perf.table import parse_table
 from lowbitcc.tools.spawn import launch, local_gpu
 
 __all__ = ["PerfOptions", "main", "measure", "parse_table", "rank_main"]
