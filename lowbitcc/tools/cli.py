@@ -43,7 +43,8 @@ def _perf(args: argparse.Namespace) -> int:
 
     opts = perf.PerfOptions(
         collective=args.collective, min_bytes=args.b, max_bytes=args.e, factor=args.f,
-        step_bytes=args.i, iters=args.n, warmup=args.w, check=args.c, dtype=args.d, op=args.o,
+        step_bytes=args.i, iters=args.n, warmup=args.w, rounds=args.rounds, check=args.c,
+        dtype=args.d, op=args.o,
         average=args.a, backends=tuple(args.backend), bits=tuple(args.bits),
         schedules=tuple(args.schedule), json_path=args.json, plot_path=args.plot,
         device=args.device,
@@ -252,6 +253,9 @@ def _add_perf(sub: Any) -> None:
     pe.add_argument("-n", "--iters", dest="n", type=int, default=20, help="timed calls (default 20)")
     pe.add_argument("-w", "--warmup_iters", dest="w", type=int, default=5,
                     help="untimed calls first (default 5)")
+    pe.add_argument("--rounds", type=int, default=4,
+                    help="blocks each backend's and placement's -n calls are split into, timed "
+                         "in turn with the others' (default 4; 1: one after another)")
     pe.add_argument("-c", "--check", dest="c", type=int, default=1, choices=(0, 1),
                     help="compare with the exact result (default 1)")
     pe.add_argument("-d", "--datatype", dest="d", default="float",

@@ -142,3 +142,33 @@ def test_in_place_sums_are_restored_before_they_overflow(dtype, world):
     assert bool(torch.isinf(x * world ** 5).all())  # and not needlessly often
     assert _finite_calls(COLLECTIVES["all_reduce"], dtype, world, "avg") == 0
     assert _finite_calls(COLLECTIVES["all_gather"], dtype, world, "sum") == 0
+
+
+class _Block:
+    """A `harness._Timed` stand-in: records the blocks it is timed in."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def block(self, iters: int, warmup: int) -> None:
+        self.log.append((self.name, iters, warmup))
+
+
+def test_backends_are_timed_in_turn_in_rounds_whose_order_reverses():
+    """`--rounds`: each run's -n calls split into blocks taken in turn with the others' (the
+    order reversed every other round), its -w warm-up in the first round only; more rounds
+    than calls give each call a round."""
+    from lowbitcc.tools.perf import harness
+
+    log: list = []
+    runs = [_Block(name, log) for name in ("loco-out", "loco-in", "gloo-out", "gloo-in")]
+    harness._interleaved(runs, harness.PerfOptions(iters=10, warmup=3, rounds=3))
+    assert [name for name, _, _ in log] == (
+        ["loco-out", "loco-in", "gloo-out", "gloo-in", "gloo-in", "gloo-out", "loco-in",
+         "loco-out", "loco-out", "loco-in", "gloo-out", "gloo-in"])
+    for run in runs:
+        blocks = [(iters, warmup) for name, iters, warmup in log if name == run.name]
+        assert blocks == [(4, 3), (3, 0), (3, 0)]
+    log.clear()
+    harness._interleaved(runs[:1], harness.PerfOptions(iters=2, warmup=1, rounds=4))
+    assert log == [("loco-out", 1, 1), ("loco-out", 1, 0)]

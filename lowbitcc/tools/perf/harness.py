@@ -1,9 +1,13 @@
 """The harness of `lowbitcc perf`: size sweep, warm-up, timing, check, table, JSON and plot.
 
-For each size (``-b`` to ``-e``, times ``-f`` or plus ``-i``) and each backend, out-of-place then
-in-place: ``-w`` untimed calls, a barrier, ``-n`` timed calls (their mean is the time, averaged
-over ranks as ``-a`` says), then one more call on fresh data whose result is compared with the
-exact one (relative L2 error, worst rank) and whose bytes on the wire are counted. Each timed
+For each size (``-b`` to ``-e``, times ``-f`` or plus ``-i``), each backend's out-of-place and
+in-place runs are timed in turn, ``--rounds`` times (the order reversed every other round; each
+run's ``-w`` untimed calls in the first round only, a barrier before each block of timed calls),
+``-n`` timed calls each in all (their mean is the time, averaged over ranks as ``-a`` says), so
+that every backend is timed in the same minutes of a machine whose speed drifts; then each runs
+one more call on fresh data whose result is compared with the exact one (relative L2 error,
+worst rank) and whose bytes on the wire are counted. Every backend's buffers of one size are
+kept until that size is done. Each timed
 call is one training step (`Backend.end_step`; for loco `lowbitcc.end_step`, so that its
 calls repeat as training's do) and runs under its own context: loco's calls use one
 error-feedback key per (size, placement), the same at every step as training's, and a fresh
@@ -55,6 +59,7 @@ class PerfOptions:
     step_bytes: int = 0
     iters: int = 20
     warmup: int = 5
+    rounds: int = 4
     check: int = 1
     dtype: str = "float"
     op: str = "sum"
@@ -74,8 +79,8 @@ class PerfOptions:
             raise ValueError(f"lowbitcc perf: need 0 < -b ({self.min_bytes}) <= -e ({self.max_bytes})")
         if self.step_bytes < 0 or (self.step_bytes == 0 and self.factor < 2):
             raise ValueError("lowbitcc perf: -f must be >= 2 (or give -i > 0)")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError("lowbitcc perf: -n must be >= 1 and -w >= 0")
+        if self.iters < 1 or self.warmup < 0 or self.rounds < 1:
+            raise ValueError("lowbitcc perf: -n and --rounds must be >= 1 and -w >= 0")
         if dtype_name(self.dtype) not in DTYPES:
             raise ValueError(f"lowbitcc perf: unknown -d {self.dtype!r}; known: " + ", ".join(DTYPES))
         if self.op not in ("sum", "avg", "max", "min"):
@@ -104,60 +109,90 @@ def sizes(opts: PerfOptions) -> list[int]:
 
 
 # -- measurement (every rank) --------------------------------------------------------------------
-def _timed(coll: Collective, backend: backends_mod.Backend, count: int, data: torch.Tensor,
-           expected: torch.Tensor | None, opts: PerfOptions, in_place: bool) -> dict[str, float]:
-    """Time one backend at one size; ``data`` is this rank's input, ``expected`` its exact
-    output (None with ``-c 0``). Collectives outside the backend run on the default group."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    place = "in" if in_place else "out"
-    device = device_of(opts)
-    bufs = coll.buffers(count, n, rank, data.dtype, in_place, device)
-    bufs.inp.copy_(data)
+class _Timed:
+    """One backend and placement at one size, timed in blocks (`block`) that `measure`
+    interleaves with the other backends' and placements' (``--rounds``), then checked once
+    (`result`). ``data`` is this rank's input, ``expected`` its exact output (None with ``-c
+    0``). Collectives outside the backend run on the default group."""
 
-    def launch() -> None:
-        coll.launch(backend, bufs.out, bufs.inp, opts.op)
+    def __init__(self, coll: Collective, backend: backends_mod.Backend, count: int,
+                 data: torch.Tensor, expected: torch.Tensor | None, opts: PerfOptions,
+                 in_place: bool) -> None:
+        self.coll, self.backend, self.count, self.data = coll, backend, count, data
+        self.expected, self.opts = expected, opts
+        self.place = "in" if in_place else "out"
+        self.device = device_of(opts)
+        n = dist.get_world_size()
+        self.bufs = coll.buffers(count, n, dist.get_rank(), data.dtype, in_place, self.device)
+        self.bufs.inp.copy_(data)
+        self.finite_for = _finite_calls(coll, data.dtype, n, opts.op) if in_place else 0
+        self.calls = itertools.count()
+        self.iters = 0
+        self.elapsed = self.calling = self.busy = 0.0
+        self.counts_busy = backend.busy_seconds() is not None
 
-    finite_for = _finite_calls(coll, data.dtype, n, opts.op) if in_place else 0
-    calls = itertools.count()
+    def launch(self) -> None:
+        self.coll.launch(self.backend, self.bufs.out, self.bufs.inp, self.opts.op)
 
-    def call() -> float:
+    def call(self) -> float:
         """One training step's call: its calling-thread seconds (the input restored first where
         its in-place sums would soon overflow, outside those seconds)."""
-        if finite_for and next(calls) % finite_for == finite_for - 1:
-            bufs.inp.copy_(data)
-        with backend.context(f"{coll.name}|{count}|{place}"):
+        if self.finite_for and next(self.calls) % self.finite_for == self.finite_for - 1:
+            self.bufs.inp.copy_(self.data)
+        with self.backend.context(f"{self.coll.name}|{self.count}|{self.place}"):
             begun = time.perf_counter()
-            launch()
+            self.launch()
             took = time.perf_counter() - begun
-        backend.end_step()
+        self.backend.end_step()
         return took
 
-    for _ in range(opts.warmup):
-        call()
-    _synchronize(device)
-    dist.barrier()
-    busy = backend.busy_seconds()
-    start = time.perf_counter()
-    calling = sum(call() for _ in range(opts.iters))
-    _synchronize(device)
-    elapsed = (time.perf_counter() - start) / opts.iters
-    host = None if busy is None else (calling - (backend.busy_seconds() - busy)) / opts.iters
-    elapsed = _across_ranks(elapsed, opts.average)
-    if host is not None:
-        host = _across_ranks(host, opts.average)
+    def block(self, iters: int, warmup: int) -> None:
+        """``warmup`` untimed calls, a barrier, then ``iters`` timed ones, added to the totals."""
+        for _ in range(warmup):
+            self.call()
+        _synchronize(self.device)
+        dist.barrier()
+        busy = self.backend.busy_seconds()
+        start = time.perf_counter()
+        self.calling += sum(self.call() for _ in range(iters))
+        _synchronize(self.device)
+        self.elapsed += time.perf_counter() - start
+        if busy is not None:
+            self.busy += self.backend.busy_seconds() - busy
+        self.iters += iters
 
-    bufs.inp.copy_(data)
-    with backend.context(f"{coll.name}|{count}|{place}|check"):
-        wire = backend.measured_wire_bytes(launch)
-    error = math.nan
-    if expected is not None:
-        diff = (bufs.out.cpu().double() - expected.double()).norm()
-        norm = expected.double().norm()
-        error = float(diff / norm) if norm > 0 else float(diff)
-        error = _across_ranks(error, 3)
-    return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire.total,
-            "intra_node_bytes": wire.intra_node, "inter_node_bytes": wire.inter_node,
-            "host_us": None if host is None else host * 1e6}
+    def result(self) -> dict[str, float]:
+        """The mean time per timed call and host time (averaged over ranks as ``-a`` says),
+        then one more call on fresh data: its error (worst rank) and its bytes on the wire."""
+        opts, backend = self.opts, self.backend
+        elapsed = _across_ranks(self.elapsed / self.iters, opts.average)
+        host = None
+        if self.counts_busy:
+            host = _across_ranks((self.calling - self.busy) / self.iters, opts.average)
+        self.bufs.inp.copy_(self.data)
+        with backend.context(f"{self.coll.name}|{self.count}|{self.place}|check"):
+            wire = backend.measured_wire_bytes(self.launch)
+        error = math.nan
+        if self.expected is not None:
+            diff = (self.bufs.out.cpu().double() - self.expected.double()).norm()
+            norm = self.expected.double().norm()
+            error = float(diff / norm) if norm > 0 else float(diff)
+            error = _across_ranks(error, 3)
+        return {"time_us": elapsed * 1e6, "error": error, "wire_bytes": wire.total,
+                "intra_node_bytes": wire.intra_node, "inter_node_bytes": wire.inter_node,
+                "host_us": None if host is None else host * 1e6}
+
+
+def _interleaved(timed: list[_Timed], opts: PerfOptions) -> None:
+    """Time every one of ``timed`` (each backend's out-of-place and in-place runs at one size)
+    in ``opts.rounds`` rounds of about ``iters / rounds`` calls each, in turn, the order
+    reversed every other round, each warmed up with ``-w`` calls in the first round only: so
+    that the backends' times come from the same minutes of a machine whose speed drifts."""
+    rounds = max(1, min(opts.rounds, opts.iters))
+    for r in range(rounds):
+        iters = opts.iters // rounds + (r < opts.iters % rounds)
+        for t in timed if r % 2 == 0 else timed[::-1]:
+            t.block(iters, opts.warmup if r == 0 else 0)
 
 
 def device_of(opts: PerfOptions) -> torch.device:
@@ -220,8 +255,12 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
         data = fill(dist.get_rank(), in_count, dtype)
         expected = (coll.expected([fill(r, in_count, dtype) for r in range(n)], dist.get_rank(),
                                   opts.op) if opts.check else None)
+        timed = {(backend.name, place): _Timed(coll, backend, count, data, expected, opts,
+                                               place == "in_place")
+                 for backend in made for place in ("out_of_place", "in_place")}
+        _interleaved(list(timed.values()), opts)
         for backend in made:
-            results = {place: _timed(coll, backend, count, data, expected, opts, place == "in_place")
+            results = {place: timed[backend.name, place].result()
                        for place in ("out_of_place", "in_place")}
             row = _row(coll, backend, nbytes, count, n, itemsize, results, opts)
             rows.append(row)
@@ -230,7 +269,7 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
             bar.update(1)
     bar.close()
     result = {"collective": opts.collective, "nranks": n, "dtype": dtype_name(opts.dtype),
-              "op": opts.op, "iters": opts.iters, "warmup": opts.warmup,
+              "op": opts.op, "iters": opts.iters, "warmup": opts.warmup, "rounds": opts.rounds,
               "backends": names, "exact_backends": [b.name for b in made if b.exact],
               "rows": rows, "avg_busbw": _avg_busbw(rows, names)}
     if printer:

@@ -62,6 +62,7 @@ class TablePrinter:
         lines = [
             f"# lowbitcc perf {o.collective}: nranks {self.nranks} minBytes {o.min_bytes} "
             f"maxBytes {o.max_bytes} step: {step} warmup iters: {o.warmup} iters: {o.iters} "
+            f"rounds: {o.rounds} "
             f"validation: {o.check} backends: {' '.join(names)} schedule: {' '.join(o.schedules)}",
             "#",
             "# Using devices",
