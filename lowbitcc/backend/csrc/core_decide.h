@@ -58,7 +58,7 @@ inline void PlanCore::sum_into(const at::Tensor& messages, int64_t width, at::Te
 
 // `run` decided, every transfer decoded (on the thread of the last, or the issuing thread):
 // a transfer's error is the run's; a foreign message hands the decode to the Python plan,
-// which raises what the call met (see the file's comment); the verdict on its states given;
+// which raises what the call met (plan_core.h's file comment); the verdict on its states given;
 // then its part of the run is done (`complete`).
 inline void PlanCore::decided(Run& run) {
   const auto end = std::chrono::steady_clock::now();

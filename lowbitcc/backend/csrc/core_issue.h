@@ -9,7 +9,7 @@
 
 namespace lowbitcc {
 
-// One run (see the file's comment): all-reduce `tensor` in place, or reduce-scatter it into
+// One run (plan_core.h's file comment): all-reduce `tensor` in place, or reduce-scatter it into
 // `output`, as call number `seq`, its encodes' residual sums added into `sums` (the
 // statistics' accumulator of the thread the Python path encodes on); `timed`: its wall time
 // goes to the cost model; `key`: where feedback is on, the key its error states are taken

@@ -81,7 +81,7 @@ struct PlanCore::Run {
     let_go_of_states();  // (a run that never reached `end_encodes`)
   }
   // (an all-reduce on more ranks) a first phase's message did not belong to the call: the
-  // messages encoded after it are flagged (the file's comment)
+  // messages encoded after it are flagged (plan_core.h's file comment)
   std::atomic<bool> peer_error{false};
   // (a hierarchical run) its issuing thread waits for its rail's decodes (`await_decodes`),
   // each of which signals `decoded` once `awaiting` is set

@@ -17,7 +17,7 @@
 // (`plan_cores.take_state`, which waits for that run). The keys are taken one by one in the
 // order the run's encodes will run, as the Python path takes them (the order of the store's
 // layouts, its least recently used first, is the Python path's).
-// `put`, once the run's encodes are done (plan_core.h): each state back under its key in the
+// `put`, once the run's encodes are done (core_issue.h's `end_encodes`): each state back under its key in the
 // order the encodes ran, one use more, with the run's verdict (`TakenStates::verdict`, which
 // the core gives once the run is done: dropped where its decodes then met a non-finite value or
 // a foreign message, or a transfer failed), the store bounded to its `max_keys` (its own

@@ -9,7 +9,8 @@
 
 namespace lowbitcc {
 
-// Whether the call runs as its place's entry now (see the file's comment), fills `steady`.
+// Whether the call runs as its place's entry now (steady_runner.h's file comment), fills
+// `steady`.
 // Nothing is changed, but where the place's renewal is due to be taken at this run: it is
 // taken as `CallSchedule.take` takes it (the Python path then finds it taken).
 inline bool SteadyRunner::steady_place(const py::str& collective, const at::Tensor& like,

@@ -3,7 +3,8 @@
 An adapter says only what differs between collectives: how ``count`` (the size column, in
 elements) splits into input and output, the bus-bandwidth factor, where the buffers are in the
 in-place variant, the exact expected result, and which backend method to call. The harness
-(`lowbitcc.tools.perf.harness`) owns everything else.
+(`lowbitcc.tools.perf.harness`) owns the timing and the check, `lowbitcc.tools.perf.table` the
+printed table.
 
 Sizes follow nccl-tests: for all-reduce, count is the tensor; for reduce-scatter, count is the
 whole input (each rank receives count/n); for all-gather, count is the whole output. Bus

@@ -1,4 +1,5 @@
-"""The harness of `lowbitcc perf`: size sweep, warm-up, timing, check, table, JSON and plot.
+"""The harness of `lowbitcc perf`: size sweep, warm-up, timing and check (the printed table:
+`lowbitcc.tools.perf.table`; the JSON and plot: `lowbitcc.tools.perf.outputs`).
 
 For each size (``-b`` to ``-e``, times ``-f`` or plus ``-i``), each backend's out-of-place and
 in-place runs are timed in turn, ``--rounds`` times (the order reversed every other round; each
@@ -7,7 +8,10 @@ run's ``-w`` untimed calls in the first round only, a barrier before each block 
 that every backend is timed in the same minutes of a machine whose speed drifts; then each runs
 one more call on fresh data whose result is compared with the exact one (relative L2 error,
 worst rank) and whose bytes on the wire are counted. Every backend's buffers of one size are
-kept until that size is done. Each timed
+kept until that size is done. Each block ends when the device's queued work is done (as the one
+block did before), and a block's first call follows another backend's block, as a training
+step's first call follows other work; a loco renewal started near a block's end may overlap
+the next backend's block. Each timed
 call is one training step (`Backend.end_step`; for loco `lowbitcc.end_step`, so that its
 calls repeat as training's do) and runs under its own context: loco's calls use one
 error-feedback key per (size, placement), the same at every step as training's, and a fresh
@@ -183,12 +187,17 @@ class _Timed:
                 "host_us": None if host is None else host * 1e6}
 
 
+def rounds_of(opts: PerfOptions) -> int:
+    """The rounds a sweep runs: ``--rounds``, at most one per timed call (``-n``)."""
+    return max(1, min(opts.rounds, opts.iters))
+
+
 def _interleaved(timed: list[_Timed], opts: PerfOptions) -> None:
     """Time every one of ``timed`` (each backend's out-of-place and in-place runs at one size)
     in ``opts.rounds`` rounds of about ``iters / rounds`` calls each, in turn, the order
     reversed every other round, each warmed up with ``-w`` calls in the first round only: so
     that the backends' times come from the same minutes of a machine whose speed drifts."""
-    rounds = max(1, min(opts.rounds, opts.iters))
+    rounds = rounds_of(opts)
     for r in range(rounds):
         iters = opts.iters // rounds + (r < opts.iters % rounds)
         for t in timed if r % 2 == 0 else timed[::-1]:
@@ -241,7 +250,8 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
     names = backends_mod.expand(list(opts.backends), list(opts.bits), list(opts.schedules))
     made = [backends_mod.create(name, opts.schedules[0], opts.device) for name in names]
     rows: list[dict[str, Any]] = []
-    printer = TablePrinter(opts, n, device_of(opts)) if dist.get_rank() == 0 else None
+    printer = (TablePrinter(dataclasses.replace(opts, rounds=rounds_of(opts)), n, device_of(opts))
+               if dist.get_rank() == 0 else None)
     bar = progress_bar(len(sizes(opts)) * len(made), progress and printer is not None)
     if printer:
         printer.header(names)
@@ -260,7 +270,7 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
                  for backend in made for place in ("out_of_place", "in_place")}
         _interleaved(list(timed.values()), opts)
         for backend in made:
-            results = {place: timed[backend.name, place].result()
+            results = {place: timed.pop((backend.name, place)).result()
                        for place in ("out_of_place", "in_place")}
             row = _row(coll, backend, nbytes, count, n, itemsize, results, opts)
             rows.append(row)
@@ -269,7 +279,7 @@ def measure(opts: PerfOptions, progress: bool = False) -> dict[str, Any]:
             bar.update(1)
     bar.close()
     result = {"collective": opts.collective, "nranks": n, "dtype": dtype_name(opts.dtype),
-              "op": opts.op, "iters": opts.iters, "warmup": opts.warmup, "rounds": opts.rounds,
+              "op": opts.op, "iters": opts.iters, "warmup": opts.warmup, "rounds": rounds_of(opts),
               "backends": names, "exact_backends": [b.name for b in made if b.exact],
               "rows": rows, "avg_busbw": _avg_busbw(rows, names)}
     if printer:
