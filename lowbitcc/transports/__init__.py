@@ -9,7 +9,7 @@ tensors; `NAMES` lists the kinds, and `lowbitcc.config` validates against it.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -51,12 +51,8 @@ def open_nccl_links(group: object, stats: Stats, *, store: dist.Store,
     def nccl_group(name: str, color: int, key: int, size: int) -> Any:
         return sub_group(store, name, color, key, size, timeout)
 
-    def metered(name: str, key: int, size: int, group: Any) -> Transport:
-        return MeteredTransport(NcclTransport(group), stats,
-                                same_node=_sub_same_node(name, key, size))
-
     return Links(MeteredTransport(NcclTransport(group), stats, same_node=same_node), layout,
-                 KeptSubGroups(nccl_group, metered))
+                 KeptSubGroups(nccl_group, _metered_sub(stats, NcclTransport)))
 
 
 def gloo_sub_groups(store: dist.Store, timeout: datetime.timedelta, stats: Stats,
@@ -69,17 +65,21 @@ def gloo_sub_groups(store: dist.Store, timeout: datetime.timedelta, stats: Stats
         prefixed = dist.PrefixStore(f"lowbitcc/gloo-{name}{color}", store)
         return dist.ProcessGroupGloo(prefixed, key, size, timeout)
 
-    def metered(name: str, key: int, size: int, group: Any) -> Transport:
-        return MeteredTransport(GlooTransport(group), stats,
-                                same_node=_sub_same_node(name, key, size))
-
-    return KeptSubGroups(gloo_group, metered)
+    return KeptSubGroups(gloo_group, _metered_sub(stats, GlooTransport))
 
 
-def _sub_same_node(name: str, key: int, size: int) -> list[bool]:
-    """`MeteredTransport`'s ``same_node`` of a `Links` sub-transport where this rank is ``key``
-    of ``size``: a node link's ranks share its node, a rail link's are one per node."""
-    return [True] * size if name == "node" else [i == key for i in range(size)]
+def _metered_sub(stats: Stats, link: Callable[[Any], Transport],
+                 ) -> Callable[[str, int, int, Any], Transport]:
+    """How a node or rail link (`links.SubTransport`) is handed out, whatever its transport:
+    ``wrap(name, key, size, group)`` is ``link(group)`` metered into ``stats``, this rank
+    ``key`` of ``size``, its same-node ranks those a node link's ranks share (all) or a rail
+    link's (one per node: only itself)."""
+
+    def wrap(name: str, key: int, size: int, group: Any) -> Transport:
+        same_node = [True] * size if name == "node" else [i == key for i in range(size)]
+        return MeteredTransport(link(group), stats, same_node=same_node)
+
+    return wrap
 
 
 def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ranks: Sequence[int],
@@ -103,10 +103,10 @@ def open_links(kind: str, *, world: GlooTransport, store: dist.Store, global_ran
 
         comm = mpi.communicator(global_ranks, rank)
         timeout_s = timeout.total_seconds()
+        metered = _metered_sub(stats, lambda split: mpi.MpiTransport(split, timeout_s))
 
         def mpi_split(name: str, color: int, key: int, size: int) -> Transport:
-            return MeteredTransport(mpi.MpiTransport(comm.Split(color, key), timeout_s), stats,
-                                    same_node=_sub_same_node(name, key, size))
+            return metered(name, key, size, comm.Split(color, key))
 
         return Links(MeteredTransport(mpi.MpiTransport(comm, timeout_s), stats,
                                       same_node=same_node), layout, mpi_split)
