@@ -51,21 +51,19 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
     plain = [dist.new_group(backend="gloo") for _ in range(groups)]
     sync = dist.new_group(backend="gloo")  # (the barrier's: no way's group gets extra calls)
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig.from_env())
-    direct = loco._direct  # (the "loco" group's inner gloo group of its exact entries)
+    # each way's C++ backend: the "loco" group, its inner gloo group of its exact entries, and
+    # each plain group's gloo backend
+    backends = {"loco": loco, "direct": loco._direct}
+    for i, group in enumerate(plain):
+        backends[f"gloo{i}"] = group._get_backend(torch.device("cpu"))
+    names = list(backends)
     out = {}
     for n in sizes:
         x = torch.randn(n)
         for _ in range(WARMUP):
             dist.all_reduce(x.clone(), group=loco)
             lowbitcc.end_step()
-
-        backends = {"loco": loco, "direct": direct}
-        for i, group in enumerate(plain):
-            backends[f"gloo{i}"] = group._get_backend(torch.device("cpu"))
-        ways = {name: lambda y, b=backend: b.allreduce([y]).wait()
-                for name, backend in backends.items()}
-        times: dict[str, list[float]] = {name: [] for name in ways}
-        names = list(ways)
+        times: dict[str, list[float]] = {name: [] for name in names}
         for i in range(calls // block):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order if i % 2 else order[::-1]:
@@ -73,7 +71,7 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
                 dist.barrier(sync)
                 start = time.perf_counter()
                 for _ in range(block):  # back to back, as training's calls and perf's
-                    ways[name](y)
+                    backends[name].allreduce([y]).wait()
                     lowbitcc.end_step()
                 times[name].append((time.perf_counter() - start) / block)
         medians = {name: statistics.median(t) for name, t in times.items()}
