@@ -16,7 +16,7 @@
 # e.g. PLANS_S=150, plans N seconds for that phase instead):
 #| env       150  pip install -e . (no deps), versions, the C++ codec's and works' builds, NVRTC
 #| frame     120  pytest: frame, check, encode_sum, decode_rows kernels, the call counter
-#| plans     230  pytest: call plans on CUDA, their host records (C++ and Python), renewals
+#| plans     230  pytest: call plans on CUDA, host records (C++, Python), renewals, device runner
 #| graphs    240  pytest: graph replay bit for bit; planned_call_goals.py --graphs: host time
 #| goals     160  planned_call_goals.py: the goals per planned call (GOALS_ARGS: 2 sizes)
 #| hier      200  pytest: the hierarchical schedule on NCCL node and rail groups
@@ -150,7 +150,7 @@ phase_frame() {  # the frame kernels, the poison word and the encode-cleared ver
 
 phase_plans() {  # call plans on CUDA, their host records and place renewals: bits
     x "${gpu_pytest[@]}" --timeout 150 tests/gpu/test_multirank.py \
-        -k "call_plans or call_records or compressed_cuda_call_that_deviates or renewed"
+        -k "call_plans or call_records or compressed_cuda_call_that_deviates or renewed or device_runner"
 }
 
 phase_graphs() {  # graph replay of a place (LOCO_CALL_GRAPHS=1): bits against the eager calls,

@@ -225,12 +225,18 @@ class CudaIssuer:
                                args[-1].asyncOp, [run])
 
     def native(self, method: str, outputs: list[torch.Tensor], *args: Any) -> dist.Work:
-        """``nccl.<method>(*args)`` (the caller's options included); its Work, or a
-        `StreamWork` (`ready_work` while a graph is captured)."""
+        """``nccl.<method>(*args)`` (the caller's options included); its Work, or where it
+        returned none, `synced`'s."""
         self.watchdog.check()
         work = getattr(self.nccl, method)(*args)
-        if work is not None:
-            return work
+        return work if work is not None else self.synced(outputs, args)
+
+    def synced(self, outputs: list[torch.Tensor], args: tuple = ()) -> dist.Work:
+        """The Work of a call NCCL ran synchronously and returned none for (c10d's
+        ``asyncOp`` false), whose results are ``outputs``: a `StreamWork` ordered after it on
+        the current stream of its tensors' device (``outputs``', else ``args``'), or while a
+        graph is captured a `ready_work`. The group's device runner asks for it too
+        (`steady_runner.device_runner`)."""
         device = _device([*outputs, *args]) or torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_current_stream_capturing():
             return ready_work(outputs, device)

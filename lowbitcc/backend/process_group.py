@@ -120,6 +120,10 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
         # CPU calls that run as their place's entry, served whole in C++ (`steady_runner`)
         self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
                                             self._queue, size)
+        # CUDA calls that run as their place's exact entry, served in C++ too
+        self._device_runner = steady_runner.device_runner(
+            self._nccl, self._compressed, self._cuda, "cuda", size
+        ) if self._cuda is not None else steady_runner.NoRunner()
         steady_runner.install(self, LocoProcessGroup)  # its reduction methods, in C++
 
     # -- identity -----------------------------------------------------------------------------

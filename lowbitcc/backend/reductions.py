@@ -9,8 +9,9 @@ gets there decides the call:
   runs the inner group's own call at once, counted as its job would count it (call number,
   feedback-key ordinal, statistics, the cost model's count and one timing in
   `worker_issue.EXACT_TIMED`; for an all-reduce the issuer keeps a view of the output's last
-  element, the place's *canary*; on CPU the C++ runner, `steady_runner`, serves such a call
-  whole before it reaches this module, doing the same on the same objects). A *compressed*
+  element, the place's *canary*; the C++ runners, `steady_runner`, serve such a call whole
+  before it reaches this module, doing the same on the same objects: on CPU the group's
+  runner, on CUDA its device runner). A *compressed*
   entry runs by the place's
   `call_plan.CallPlan`, made by its first run: a `plan_run.PlanRun` handed to the device's
   issuer (the worker on the CPU, the calling thread inline and on CUDA), which runs the

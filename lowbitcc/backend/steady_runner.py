@@ -34,6 +34,16 @@ run, a plan without a core, a policy block, a callback's call, another thread's)
 "not mine" with nothing changed, and the Python path takes it. Where the C++ Works cannot be
 built (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``), and in a group without a CPU call schedule,
 the runner is a `NoRunner` and every call takes the Python path.
+
+A CUDA group has a second runner, its *device runner* (`device_runner`, the group's
+``_device_runner``; ``backend/csrc/runner_device.h``): a ``SteadyRunner`` of CUDA tensors over
+the group's inner ``ProcessGroupNCCL``, which serves the exact entries of all-reduces and
+reduce-scatters as `CudaIssuer` issues them (any thread but a callback's, the inner group's own
+Work handed back, or where it ran the call synchronously and returned none the issuer's
+`CudaIssuer.synced`; an all-reduce's `DeviceCanary` kept at its place) and
+declines every other call, compressed entries included (`CudaIssuer.compressed` takes them).
+The group's methods ask the CPU runner, then the device runner; each serves only its device
+type's tensors.
 """
 
 from __future__ import annotations
@@ -78,16 +88,56 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       issues (`issue_queue`: a plan core's whole runs go there), else None (inline, the calling
       thread issues every call);
     - ``policy``, ``min_size``, ``world``, ``native_ops``: the group's settings and the ops the
-      inner gloo group runs itself.
+      inner gloo group runs itself;
+    - ``device``: the device type it serves ("cpu"); ``own_work``: False (it hands back a
+      ``FollowedWork``); ``canary``, ``watchdog``, ``synced``: None (a device runner's,
+      `device_runner_objects`).
     """
     schedule = compressed.call_schedules.get("cpu")
     followed = queue._native  # the class `IssueQueue.follow` builds (`works.native_followed`)
     if schedule is None or followed is None:
         return None
     worker = isinstance(issuer, worker_issue.WorkerIssuer)
+    return _objects(compressed, issuer, schedule, world) | {
+        "device": "cpu", "own_work": False, "canary": None, "watchdog": None, "synced": None,
+        "queue": queue, "followed": followed,
+        "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
+        "plan_core": plan_cores.make_core, "cpu_device": torch.device("cpu"),
+        "encoder_thread": queue._worker.ident if worker else threading.main_thread().ident,
+        "lane": queue.lane if worker else None,
+    }
+
+
+def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, device: str,
+                          world: int) -> dict[str, Any] | None:
+    """What the ``SteadyRunner`` of ``device``'s calls reads and writes (None: the group has
+    no call schedule for ``device``): `runner_objects`' shared names, with ``device``,
+    ``own_work`` True (it hands back the inner backend's own Work), ``schedule`` its
+    `CallSchedule`, ``issuer`` its issuer (a `CudaIssuer`), ``canary`` the
+    issuer's ``canary`` (kept at an exact all-reduce's place), ``watchdog`` the issuer's
+    `watchdog.Watchdog` and ``synced`` its `CudaIssuer.synced` (the Work of a call the inner
+    backend ran synchronously and returned none for; None: it has neither); none of the
+    compressed entries' (``plan_core``, ``queue``, ``followed``, ``lane``, ``cpu_device``,
+    ``encoder_thread``: None) nor the worker's timing (``timed_every`` 0, ``issuer_counts``
+    False)."""
+    schedule = compressed.call_schedules.get(device)
+    if schedule is None:
+        return None
+    return _objects(compressed, issuer, schedule, world) | {
+        "device": device, "own_work": True, "canary": issuer.canary,
+        "watchdog": getattr(issuer, "watchdog", None), "synced": getattr(issuer, "synced", None),
+        "queue": None, "followed": None,
+        "timed_every": 0, "issuer_counts": False, "plan_core": None, "cpu_device": None,
+        "encoder_thread": None, "lane": None,
+    }
+
+
+def _objects(compressed: CompressedCalls, issuer: Issuer, schedule: Any,
+             world: int) -> dict[str, Any]:
+    """The names `runner_objects` and `device_runner_objects` share."""
     return {
         "schedule": schedule, "compressed": compressed, "agreement": compressed.agreement,
-        "issuer": issuer, "queue": queue, "followed": followed, "state": state,
+        "issuer": issuer, "state": state,
         "logical_bytes": exact._logical_bytes, "mode_stack": policy._mode_stack,
         "key_stack": policy._key_stack, "policy_lock": policy._lock, "callback_context": works._context,
         "main_thread": threading.main_thread().ident, "tensor_type": torch.Tensor,
@@ -95,10 +145,6 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
         "reduce_scatter_options_type": dist.ReduceScatterOptions,
         "policy": compressed.config.policy, "min_size": compressed.config.min_size,
         "world": world, "native_ops": sorted(int(op) for op in issuer.native_ops),
-        "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
-        "plan_core": plan_cores.make_core, "cpu_device": torch.device("cpu"),
-        "encoder_thread": queue._worker.ident if worker else threading.main_thread().ident,
-        "lane": queue.lane if worker else None,
     }
 
 
@@ -128,12 +174,14 @@ def install(group: Any, base: type) -> None:
     serves one tensor) in its instance dict (see the module docstring), each falling back to
     the class's Python method of its name (``_reduce_scatter_base``'s is the class's alias of
     ``reduce_scatter_single``, which `eager.eager_methods` leaves unwrapped: the C++ method
-    turns frame evaluation off itself); nothing where the group's runner is a `NoRunner` (the
-    class's methods then take every call), and no method of a family of which a subclass of
-    ``base`` (the group's class, `LocoProcessGroup`) defines one anew: the subclass's then takes
-    every call that would reach it."""
+    turns frame evaluation off itself); nothing where neither of the group's runners
+    (``_runner``, ``_device_runner``) is a ``SteadyRunner`` (the class's methods then take every
+    call), and no method of a family of which a subclass of ``base`` (the group's class,
+    `LocoProcessGroup`) defines one anew: the subclass's then takes every call that would reach
+    it."""
     module = native.load()
-    if module is None or isinstance(group._runner, NoRunner):
+    if module is None or (isinstance(group._runner, NoRunner)
+                          and isinstance(group._device_runner, NoRunner)):
         return
     cls, ref = type(group), weakref.ref(group)
     for family in METHODS:
@@ -154,3 +202,17 @@ def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: Issu
     if module is None or objects is None:
         return NoRunner()
     return module.SteadyRunner(direct, objects)
+
+
+def device_runner(inner: Any, compressed: CompressedCalls, issuer: Issuer, device: str,
+                  world: int) -> Any:
+    """The group's ``SteadyRunner`` of ``device``'s calls (a CUDA group's: ``inner`` its
+    ``ProcessGroupNCCL``, ``issuer`` its `CudaIssuer`), which serves their exact entries
+    (``backend/csrc/runner_device.h``), or a `NoRunner` (no C++ module, or no call schedule
+    for ``device``). Tests make one of "cpu" over a group's direct gloo group and its CPU
+    issuer: the same code, on CPU tensors."""
+    module = native.load()
+    objects = device_runner_objects(compressed, issuer, device, world)
+    if module is None or objects is None:
+        return NoRunner()
+    return module.SteadyRunner(inner, objects)

@@ -26,18 +26,23 @@ STEADY = [(100_000, F32, SUM), (3000, F32, SUM), (1000, F32, dist.ReduceOp.AVG),
 worker while the place agrees."""
 
 
-def _steps(rank, world, gloo, issuer, plan, compressed=False, uneven=(), device="cpu"):
+def _steps(rank, world, gloo, issuer, plan, compressed=False, uneven=(), device="cpu",
+           async_op=False, on_group=None):
     """Steps of exact calls (``compressed``: forced compression) on a loco group of ``issuer``:
     ``plan(rank, step)`` gives the step's calls (None: stop). Returns per step the exchanges,
     per call its outcome ("ok", "mismatch", "nan": NaN but the first `PROBE` elements, "some
     nan"), and the results of the steps without an error against gloo's (bitwise, or close for
     compressed calls); steps in ``uneven`` (where ranks' calls differ) have no reference.
-    ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py)."""
+    ``device`` "cuda": the tensors live on the rank's GPU (tests/gpu/test_multirank.py).
+    ``async_op``: each call asynchronous, then waited for; ``on_group(group)`` is called with
+    the group once made."""
     if device == "cuda":
         from lowbitcc.tools import spawn
 
         device = spawn.gpu_device(rank)
     group = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(issuer=issuer))
+    if on_group is not None:
+        on_group(group)
     seen = counting_exchanges()
     gen = torch.Generator().manual_seed(rank)
     exchanges, outcomes, same = [], [], []
@@ -49,11 +54,10 @@ def _steps(rank, world, gloo, issuer, plan, compressed=False, uneven=(), device=
             ref = torch.randn(numel, generator=gen).to(dtype)
             x = ref.to(device, copy=True)
             try:
-                if compressed:
-                    with lowbitcc.compressed():
-                        dist.all_reduce(x, op=op, group=group)
-                else:
-                    dist.all_reduce(x, op=op, group=group)
+                with lowbitcc.compressed() if compressed else contextlib.nullcontext():
+                    work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+                if async_op:
+                    work.wait()
                 # a deviation's buffer is NaN but for its first few (probed) elements
                 nans = int(torch.isnan(x).sum())
                 row.append("ok" if not nans else "nan" if nans >= numel - PROBE else "some nan")
@@ -178,6 +182,50 @@ def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, iss
         assert [o for s in (0, 1, 2, 4, 6, 7, 8) for o in outcomes[s]] == ["ok"] * 7 * len(STEADY)
         assert same[4] and same[6] and same[7] and same[8], same
         assert exchanges[7:] == [1, 0], exchanges  # learned again
+
+
+def _served_steps(rank, world, gloo, issuer, plan, uneven=(), device="cpu", async_op=False,
+                  decline=0.0):
+    """`_steps` (``async_op``: of asynchronous calls, each waited for) with the group's device
+    runner, declining the share ``decline`` of its calls at random (the Python path's then),
+    (`steady_runner.device_runner`): on "cuda" the group's own, which serves its CUDA
+    tensors' exact entries; on "cpu" one made of "cpu" in place of the group's CPU runner (the
+    same code, over the group's direct gloo group); and how many calls it served."""
+    from lowbitcc.backend import steady_runner
+
+    runners = []
+
+    def swap(group):
+        if device == "cpu":
+            group._runner = steady_runner.NoRunner()
+            group._device_runner = steady_runner.device_runner(
+                group._direct, group._compressed, group._issuers["cpu"], "cpu", world)
+        if decline:
+            group._device_runner.decline_at_random(decline, 1000 * world + rank)
+        runners.append(group._device_runner)
+
+    got = _steps(rank, world, gloo, issuer, plan, False, uneven, device, async_op, swap)
+    return (*got, runners[0].served)
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_deviation_at_a_place_a_device_runner_serves_raises_on_every_rank(world, async_op):
+    """As a CUDA group's device runner serves an exact all-reduce (on CPU here, the inline
+    issuer's, `_served_steps`): rank 1 raises at once; the others' Works are the inner
+    group's own, which read nothing, so their outputs are NaN; the place's next run (step 4)
+    runs as agreed, and every rank raises at the run after it (step 5: the canary the runner
+    kept); then the ranks agree anew, and the runner serves the places again."""
+    plan = functools.partial(_one_rank_deviates, "size")
+    results = run_ranks(_served_steps, world, "inline", plan, (3,), "cpu", async_op,
+                        timeout=120)
+    for rank, (exchanges, outcomes, same, served) in enumerate(results):
+        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+        assert outcomes[4][1] == "ok" and exchanges[4] == 0, (outcomes, exchanges)
+        assert outcomes[5][1] == "mismatch", outcomes
+        assert same[7] and same[8] and exchanges[8] == 0, (same, exchanges)
+        # every steady call of the three SUM places (AVG is not gloo's own op: Python's)
+        assert served >= 3 * 4, served
 
 
 def _one_rank_forces_compression(rank, world, gloo, issuer):

@@ -80,7 +80,10 @@ def _feedback_states(pg):
     return out
 
 
-def _train(rank, world, gloo, mode, issuer):
+def _train(rank, world, gloo, mode, issuer, variants=("gloo", "python", "native", "mixed")):
+    """Each of ``variants``' runs (`_state`); "device" and "device-mixed": the group's CPU
+    runner off and a device runner of "cpu" in its place (`steady_runner.device_runner`, as
+    a CUDA group's, over the group's direct gloo group), all its calls or half."""
     compressed = mode in COMPRESSED
     block = lowbitcc.exact if mode == "exact" else (
         lowbitcc.compressed if compressed else contextlib.nullcontext)
@@ -99,13 +102,18 @@ def _train(rank, world, gloo, mode, issuer):
                                  node_size=2 if schedule == "hierarchical" else 0)
     named = (lambda: lowbitcc.feedback_key("chunk")) if feedback else contextlib.nullcontext
     runs = {}
-    for variant in ("gloo", "python", "native", "mixed"):
+    for variant in variants:
         lowbitcc.reset_stats()
         pg = gloo if variant == "gloo" else dist.new_group(backend="loco", pg_options=config)
-        runner = None if variant == "gloo" else pg._runner
+        if variant.startswith("device"):
+            pg._runner = steady_runner.NoRunner()
+            pg._device_runner = steady_runner.device_runner(
+                pg._direct, pg._compressed, pg._issuers["cpu"], "cpu", world)
+        runner = None if variant == "gloo" else (
+            pg._device_runner if variant.startswith("device") else pg._runner)
         if variant == "python":
             pg._runner = steady_runner.NoRunner()
-        elif variant == "mixed":
+        elif variant.endswith("mixed"):
             runner.decline_at_random(0.5, 1000 * world + rank)
         model, opt = bucketed_ddp(pg)
         gen = torch.Generator().manual_seed(rank)
@@ -215,6 +223,44 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
             assert state["model"] and state["issued"], state  # its cost-model counts were
             # and its timings (the runner times the worker's one in 8 as the worker does)
             assert any(exact for _, exact, _ in state["timed"]), state
+
+
+@pytest.mark.parametrize(("world", "mode"), [
+    (2, "exact"), (3, "small"), (2, "compressed"), pytest.param(3, "exact", marks=pytest.mark.slow)])
+def test_a_device_runner_serves_exact_entries_as_the_python_path_does(world, mode):
+    """A device runner (a CUDA group's, `steady_runner.device_runner`; made here of "cpu" over
+    the group's direct gloo group, under the inline issuer, which issues on the calling thread
+    as `CudaIssuer` does) serves the exact entries of all-reduces (DDP's buckets, asynchronous)
+    and reduce-scatters (synchronous) and leaves the same outputs, call numbers, schedule
+    indices, ordinals, cost-model counts and statistics as the Python path, served whole or
+    declining at random; only the tags differ: its Work is the inner backend's own, untagged,
+    as a CUDA call's (the Python path's inline issuer tags its `FollowedWork`), so each call
+    it served took one tag fewer. It serves no compressed entry: those are the Python path's
+    (`CudaIssuer.compressed`)."""
+    variants = ("gloo", "python", "device", "device-mixed")
+    for rank, runs in enumerate(run_ranks(_train, world, mode, "inline", variants,
+                                          timeout=400)):
+        want = runs["python" if mode == "compressed" else "gloo"]
+        for variant in variants[1:]:
+            run = runs[variant]
+            assert torch.equal(run["params"], want["params"]), (rank, variant)
+            assert torch.equal(run["scattered"], want["scattered"]), (rank, variant)
+            if mode == "compressed":
+                assert torch.equal(run["reduced"], want["reduced"]), (rank, variant)
+            got, python = dict(run["state"]), dict(runs["python"]["state"])
+            assert got.pop("tag") == python.pop("tag") - run["served"], (rank, variant)
+            assert got == python, (rank, variant)
+        state = runs["python"]["state"]
+        served = runs["device"]["served"]
+        if mode == "compressed":
+            assert state["stats"]["compressed"]["calls"] >= 5 * STEPS - 5, state
+            assert served == 0, (rank, served)  # every call compressed: not a device runner's
+            continue
+        calls = state["stats"]["exact"]["calls"]
+        assert calls >= 3 * STEPS, state  # DDP's two buckets and a reduce-scatter a step
+        assert served > 0.92 * calls, (rank, calls, served)
+        assert 0.3 * served < runs["device-mixed"]["served"] < 0.7 * served, (rank, runs)
+        assert state["ordinals"] if mode == "small" else state["model"], state
 
 
 def _assert_same_states(got, want, where):

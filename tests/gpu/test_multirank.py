@@ -335,6 +335,26 @@ def test_an_exact_cuda_call_that_deviates_on_one_rank_raises_on_every_rank(world
         assert same[7] and same[8] and exchanges[8] == 0, (same, exchanges)
 
 
+@pytest.mark.parametrize(("async_op", "decline"), [(False, 0.0), (True, 0.5)])
+def test_exact_cuda_calls_are_served_by_the_device_runner(async_op, decline):
+    """Exact CUDA calls at steady places, synchronous or not, are the group's device runner's
+    (`steady_runner.device_runner`: NCCL's own call and Work, or where NCCL returns none
+    `CudaIssuer.synced`'s, served in C++), every op NCCL runs itself included; a deviation on
+    rank 1 raises as through Python: at once on rank 1, NaN outputs on the others, and on every
+    rank at the place's run after next (the canary the runner kept: a `DeviceCanary`); and
+    the same where the runner declines half its calls at random, a different draw per rank,
+    so that steady calls take the Python path too. Two ranks (the suite's `plans` phase)."""
+    plan = functools.partial(places._one_rank_deviates, "size")
+    for rank, (exchanges, outcomes, same, served) in enumerate(
+            _ranks(places._served_steps, 2, "auto", plan, (3,), "cuda", async_op, decline)):
+        assert outcomes[3][1] == ("mismatch" if rank == 1 else "nan"), outcomes
+        assert outcomes[4][1] == "ok" and exchanges[4] == 0, (outcomes, exchanges)
+        assert outcomes[5][1] == "mismatch", outcomes
+        assert same[7] and same[8] and exchanges[8] == 0, (same, exchanges)
+        # the four places' steady runs (AVG: NCCL's own op), or about half of them
+        assert served >= (4 * 4 if not decline else 4), served
+
+
 def _compressed_deviation(rank, world, gloo):
     results, _, errors, _ = schedule._passes(
         rank, world, gloo, "auto", functools.partial(schedule._one_rank_deviates, "size"),

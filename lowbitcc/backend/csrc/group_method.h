@@ -8,9 +8,10 @@
 // that is not a C function counts as the Python override; torch's trampoline has no
 // `reduce_scatter_single` or `_reduce_scatter_base`, so a C++ caller of those reaches the
 // group's inner gloo backend, as before these methods). A call is first
-// offered to the group's runner (its `_runner`, read at each call, so that a test may swap in
-// a `NoRunner`): a steady call is served there, and so runs no Python frame from c10d to the
-// wire but at a place's renewal; any other call goes to `fallback`, the class's Python method
+// offered to the group's runners (its `_runner`, CPU tensors', then its `_device_runner`, a
+// CUDA group's CUDA tensors', read at each call, so that a test may swap in a `NoRunner`): a
+// steady call is served there, and so runs no Python frame from c10d to the wire but at a
+// place's renewal; any other call goes to `fallback`, the class's Python method
 // (eager-wrapped: lowbitcc/backend/eager.py), with the group. Either runs with torch.compile's
 // frame evaluation off (`set_eval_frame`, eager.py's `SET_EVAL_FRAME`), as the class's methods
 // do: c10d may call the group from a compiled region's eager part.
@@ -101,27 +102,30 @@ class __attribute__((visibility("hidden"))) GroupMethod {
 #endif
   }
 
-  // The group's runner where it is a `SteadyRunner` (the caller keeps the object while it
-  // serves), else None (a `NoRunner`: the Python path).
-  py::object runner_of(const py::object& group) const {
-    py::object runner = group.attr(LOWBITCC_NAME("_runner"));
+  // The group's runner `name` where it is a `SteadyRunner` (the caller keeps the object while
+  // it serves), else None (a `NoRunner`: the Python path).
+  py::object runner_of(const py::object& group, py::handle name) const {
+    py::object runner = group.attr(name);
     if (Py_TYPE(runner.ptr()) != reinterpret_cast<PyTypeObject*>(runner_type_.ptr())) {
       return py::none();
     }
     return runner;
   }
 
-  // The call: `serve(runner)` where the group's runner is a `SteadyRunner` (None: declined),
-  // else, and where it declines, `fallback(group, args...)`; frame evaluation off throughout.
+  // The call: `serve(runner)` by the group's CPU runner, then its device runner (each a
+  // `SteadyRunner` serves only its device type's tensors; None: declined), else, and where both
+  // decline, `fallback(group, args...)`; frame evaluation off throughout.
   template <typename Serve, typename... Args>
   py::object call(Serve&& serve, const Args&... args) {
     Eager eager(set_eval_frame_);
     py::object group = live_group();
-    py::object runner = runner_of(group);
-    if (!runner.is_none()) {
-      py::object served = serve(runner.cast<SteadyRunner&>());
-      if (!served.is_none()) {
-        return served;
+    for (py::handle name : {LOWBITCC_NAME("_runner"), LOWBITCC_NAME("_device_runner")}) {
+      py::object runner = runner_of(group, name);
+      if (!runner.is_none()) {
+        py::object served = serve(runner.cast<SteadyRunner&>());
+        if (!served.is_none()) {
+          return served;
+        }
       }
     }
     return fallback_(group, args...);

@@ -155,7 +155,7 @@ inline int64_t SteadyRunner::next_ordinal(const py::str& collective, const at::T
 // (`CostModel.size_class`).
 inline py::tuple SteadyRunner::exact_class(const py::str& collective, int64_t nbytes) const {
   int64_t log2 = 63 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(nbytes, 1)));
-  return py::make_tuple(collective, cpu_, log2);
+  return py::make_tuple(collective, device_name_, log2);
 }
 
 // A timed exact run (`Steady::timed`; `WorkerIssuer.native_now`): its gloo `work`, issued

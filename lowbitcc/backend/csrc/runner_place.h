@@ -32,8 +32,13 @@ inline bool SteadyRunner::steady_place(const py::str& collective, const at::Tens
 inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const at::Tensor& like,
                                                 int64_t numel, c10d::ReduceOp::RedOpType op,
                                                 Steady& steady, bool waited, bool renewed) {
-  if (PyThread_get_thread_ident() != main_thread_ ||
+  // `call_entry.takes_place`: a CPU call only from the main thread, none from a callback
+  if ((device_type_ == c10::DeviceType::CPU && PyThread_get_thread_ident() != main_thread_) ||
       py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {  // (a tag: 64 bits, unsigned)
+    return false;
+  }
+  // `Watchdog.check`: a group the watchdog ended raises at every call, on the Python path
+  if (!watchdog_.is_none() && !watchdog_.attr(LOWBITCC_NAME("dead")).is_none()) {
     return false;
   }
   if (py::cast<int64_t>(schedule_.attr(LOWBITCC_NAME("_open"))) != 0) {
@@ -60,6 +65,9 @@ inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const
   }
   py::object entry = py::reinterpret_borrow<py::object>(found);
   const bool exact = entry.attr(LOWBITCC_NAME("exact")).cast<bool>();
+  if (!exact && own_work_) {  // a device runner serves exact entries only
+    return false;
+  }
   if (exact ? native_ops_.count(static_cast<int64_t>(op)) == 0 || entry.attr(LOWBITCC_NAME("timed")).cast<bool>()
             : op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
     return false;

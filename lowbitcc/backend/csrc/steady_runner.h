@@ -1,5 +1,9 @@
 // SteadyRunner: a CPU reduction that runs as its place's entry, served in C++ from the group's
-// own Python objects (lowbitcc/backend/steady_runner.py builds it).
+// own Python objects (lowbitcc/backend/steady_runner.py builds it). A CUDA group's *device
+// runner* is one too, of CUDA tensors, which serves only exact entries, on the inner NCCL
+// backend, from any thread but a callback's (runner_device.h; what differs from the CPU runner
+// is said where it differs: `own_work_`, `device_type_`, `device_name_`, `canary_`, `synced_`,
+// `watchdog_`); the rest of this comment is the CPU runner's.
 //
 // `serve_all_reduce` and `serve_reduce_scatter` are what `LocoProcessGroup`'s methods call
 // first. Each either serves the call whole or answers None ("not mine") having changed nothing,
@@ -103,7 +107,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         world_(objects["world"].cast<int64_t>()),
         min_size_(objects["min_size"].cast<int64_t>()),
         timed_every_(objects["timed_every"].cast<int64_t>()),
-        issuer_counts_(objects["issuer_counts"].cast<bool>()) {
+        issuer_counts_(objects["issuer_counts"].cast<bool>()),
+        device_name_(objects["device"]),
+        device_type_(c10::Device(objects["device"].cast<std::string>()).type()),
+        canary_(objects["canary"]),
+        synced_(objects["synced"]),
+        watchdog_(objects["watchdog"]),
+        own_work_(objects["own_work"].cast<bool>()) {
     if (!objects["lane"].is_none()) {
       lane_ = objects["lane"].cast<std::shared_ptr<IssueLane>>();
     }
@@ -112,7 +122,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     all_reduce_ = py::str("all_reduce");
     reduce_scatter_ = py::str("reduce_scatter");
-    cpu_ = py::str("cpu");
     backward_ = py::str("backward");
     step_ = py::str("step");
     compressed_name_ = py::str("compressed");
@@ -172,7 +181,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       options = opts.cast<c10d::AllreduceOptions>();
     }
     py::handle item = PyList_GET_ITEM(tensors.ptr(), 0);
-    if (!plain_cpu(item)) {
+    if (!plain_on_device(item)) {
       return py::none();
     }
     at::Tensor tensor = THPVariable_Unpack(item.ptr());
@@ -183,8 +192,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     if (steady.core) {
       return serve_planned(steady, all_reduce_, tensor, !options.asyncOp);
     }
-    count(steady, all_reduce_, tensor, tensor.numel());
     std::vector<at::Tensor> inputs{tensor};
+    if (own_work_) {
+      return serve_own(steady, all_reduce_, tensor, item, item,
+                       [&] { return direct_->allreduce(inputs, options); });
+    }
+    count(steady, all_reduce_, tensor, tensor.numel());
     c10::intrusive_ptr<c10d::Work> work;
     const auto issued = std::chrono::steady_clock::now();
     {
@@ -209,7 +222,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       }
       options = opts.cast<c10d::ReduceScatterOptions>();
     }
-    if (!plain_cpu(input_obj) || !plain_cpu(output_obj)) {
+    if (!plain_on_device(input_obj) || !plain_on_device(output_obj)) {
       return py::none();
     }
     at::Tensor input = THPVariable_Unpack(input_obj.ptr());
@@ -224,6 +237,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     }
     if (steady.core) {
       return serve_planned(steady, reduce_scatter_, input, !options.asyncOp);
+    }
+    if (own_work_) {  // (`Reductions._run_exact` keeps no canary of a reduce-scatter)
+      return serve_own(steady, reduce_scatter_, input, output_obj, py::none(),
+                       [&] { return direct_->_reduce_scatter_base(output, input, options); });
     }
     count(steady, reduce_scatter_, input, input.numel());
     c10::intrusive_ptr<c10d::Work> work;
@@ -252,13 +269,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce's)
   };
 
-  // A plain (not a subclass) dense CPU torch.Tensor.
-  bool plain_cpu(py::handle obj) const {
+  // A plain (not a subclass) dense torch.Tensor on the runner's device type.
+  bool plain_on_device(py::handle obj) const {
     if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(tensor_type_.ptr())) {
       return false;
     }
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
-    return t.layout() == at::kStrided && t.device().is_cpu();
+    return t.layout() == at::kStrided && t.device().type() == device_type_;
   }
 
   // What a renewal taken here raised (`take_renewal`): the call raises it, as its Python path.
@@ -285,71 +302,21 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // key (feedback_slots.h) and puts them back once its encodes are done, and counts the bytes of
   // the transfers it started; its Work.
   py::object serve_planned(Steady& steady, const py::str& collective, const at::Tensor& tensor,
-                           bool synchronous) {
-    ran(steady);
-    if (steady.renews && queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0) {
-      queue_.attr(LOWBITCC_NAME("wait_idle"))();  // the renewal's exchange, on the same gloo group, goes first
-    }
-    const int64_t seq = agreement_.attr(LOWBITCC_NAME("next_seq"))().cast<int64_t>();
-    PlanCore& core = *steady.core;
-    FeedbackSlots* feedback = core.feedback();
-    std::optional<FeedbackKey> key;
-    std::optional<std::string> name = count_in_key_block();  // `CompressedCalls.key`
-    if (feedback != nullptr && name) {
-      key = FeedbackKey{feedback->named(*name), false};
-    } else if (feedback != nullptr) {
-      const int64_t task = torch::autograd::get_current_graph_task_id();
-      key = FeedbackKey{feedback->derived(next_ordinal(collective, tensor, tensor.numel(), task)),
-                        true};
-    }
-    py::object model = compressed_.attr(LOWBITCC_NAME("cost_model"));
-    if (steady.modelled) {
-      count_class(model, core.size_class());
-    }
-    at::Tensor sums = accumulator();  // (and the statistics the counts go to: `counted_in`)
-    counts_->add(ServedCounts::kCompressed, ServedCounts::kCalls, 1);
-    counts_->add(ServedCounts::kCompressed, ServedCounts::kTensorBytes, core.nbytes());
-    counts_->add(ServedCounts::kCompressed, ServedCounts::kLogicalBytes, core.logical_bytes());
-    RunTimings timings = core.take_timings();
-    counts_->add_seconds(ServedCounts::kCompressed, ServedCounts::kCodec, timings.codec_s);
-    counts_->add_seconds(ServedCounts::kCompressed, ServedCounts::kWire, timings.wire_s);
-    for (double seconds : timings.modelled_s) {
-      timings_.add(core.size_class(), false, seconds, core.nbytes());
-    }
-    timings_.fold(model, false);  // the runs timed before, in batches
-    ++served_;
-    ++served_compressed_;
-    // (its sent bytes counted in `counts_` and its states put back by its issuing thread)
-    c10::intrusive_ptr<c10d::Work> work = core.run(tensor, steady.output, seq, sums,
-                                                   steady.modelled, counts_, std::move(key),
-                                                   lane_.get(), synchronous);
-    // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
-    py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
-    if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`
-      steady.entry.attr(LOWBITCC_NAME("canary")) = steady.entry.attr(LOWBITCC_NAME("latest"));
-      steady.entry.attr(LOWBITCC_NAME("latest")) = followed;
-    }
-    return followed;
-  }
+                           bool synchronous);
 
   // Whether the name of the innermost `feedback_key` block, if any, has a UTF-8 form (the
   // core's keys are built in UTF-8; Python accepts any str, e.g. one with lone surrogates,
   // whose calls are then the Python path's).
-  bool named_in_utf8() const {
-    const Py_ssize_t blocks = PyList_GET_SIZE(key_stack_.ptr());
-    if (blocks == 0) {
-      return true;
-    }
-    PyObject* block = PyList_GET_ITEM(key_stack_.ptr(), blocks - 1);
-    PyObject* name = PyList_Check(block) && PyList_GET_SIZE(block) == 2
-                         ? PyList_GET_ITEM(block, 0) : nullptr;
-    if (name == nullptr || !PyUnicode_Check(name) ||
-        PyUnicode_AsUTF8AndSize(name, nullptr) == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    return true;
-  }
+  bool named_in_utf8() const;
+
+  // A device runner's exact entry (runner_device.h): counted, `issue` (the inner backend's
+  // call) run with the GIL released, its Work handed back as it is (none: `synced_`'s, of
+  // `output`), and an all-reduce's canary (`canary_of`: its output; None: a reduce-scatter,
+  // which keeps none) kept at the place.
+  template <typename Issue>
+  py::object serve_own(const Steady& steady, const py::str& collective, const at::Tensor& like,
+                       py::handle output, py::handle canary_of, Issue&& issue);
+  bool still_at(const Steady& steady);
 
   // What a served call counts and leaves (runner_count.h).
   void ran(const Steady& steady);
@@ -390,8 +357,17 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   uint64_t main_thread_;
   int64_t world_, min_size_, timed_every_;
   bool issuer_counts_;
+  // the device type it serves, by name (in the cost model's size classes) and by type; the
+  // issuer's `canary` and `synced` (the Work of a call the inner backend ran synchronously and
+  // returned none for) and the group's watchdog (None: the CPU runner's, which has none);
+  // whether it hands back the inner backend's own Work (a device runner) rather than a
+  // `FollowedWork`
+  py::str device_name_;
+  c10::DeviceType device_type_;
+  py::object canary_, synced_, watchdog_;
+  bool own_work_;
   std::set<int64_t> native_ops_;
-  py::str all_reduce_, reduce_scatter_, cpu_, backward_, step_, compressed_name_;
+  py::str all_reduce_, reduce_scatter_, backward_, step_, compressed_name_;
   double decline_ = 0.0;
   std::mt19937_64 rng_;
   int64_t served_ = 0, served_compressed_ = 0;
@@ -400,4 +376,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
 }  // namespace lowbitcc
 
 #include "runner_count.h"
+#include "runner_device.h"
 #include "runner_place.h"
+#include "runner_planned.h"
