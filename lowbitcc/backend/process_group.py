@@ -122,7 +122,7 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
                                             self._queue, size)
         # CUDA calls that run as their place's exact entry, served in C++ too
         self._device_runner = steady_runner.device_runner(
-            self._nccl, self._compressed, self._cuda, "cuda", size
+            self._nccl, self._compressed, self._cuda, self._reductions, "cuda", size
         ) if self._cuda is not None else steady_runner.NoRunner()
         steady_runner.install(self, LocoProcessGroup)  # its reduction methods, in C++
 

@@ -40,10 +40,10 @@ A CUDA group has a second runner, its *device runner* (`device_runner`, the grou
 the group's inner ``ProcessGroupNCCL``, which serves the exact entries of all-reduces and
 reduce-scatters as `CudaIssuer` issues them (any thread but a callback's, the inner group's own
 Work handed back, or where it ran the call synchronously and returned none the issuer's
-`CudaIssuer.synced`; an all-reduce's `DeviceCanary` kept at its place) and
-declines every other call, compressed entries included (`CudaIssuer.compressed` takes them).
-The group's methods ask the CPU runner, then the device runner; each serves only its device
-type's tensors.
+`CudaIssuer.synced`; an all-reduce's `DeviceCanary` kept at its place), takes the places of
+compressed entries as `CallSchedule.take` does and hands their runs to the Python path's
+`Reductions.run` (`CudaIssuer.run_plan`), and declines every other call. The group's methods
+ask the CPU runner, then the device runner; each serves only its device type's tensors.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
     - ``policy``, ``min_size``, ``world``, ``native_ops``: the group's settings and the ops the
       inner gloo group runs itself;
     - ``device``: the device type it serves ("cpu"); ``own_work``: False (it hands back a
-      ``FollowedWork``); ``canary``, ``watchdog``, ``synced``: None (a device runner's,
-      `device_runner_objects`).
+      ``FollowedWork``); ``canary``, ``watchdog``, ``synced``, ``reductions``: None (a device
+      runner's, `device_runner_objects`).
     """
     schedule = compressed.call_schedules.get("cpu")
     followed = queue._native  # the class `IssueQueue.follow` builds (`works.native_followed`)
@@ -100,6 +100,7 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
     worker = isinstance(issuer, worker_issue.WorkerIssuer)
     return _objects(compressed, issuer, schedule, world) | {
         "device": "cpu", "own_work": False, "canary": None, "watchdog": None, "synced": None,
+        "reductions": None,
         "queue": queue, "followed": followed,
         "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
         "plan_core": plan_cores.make_core, "cpu_device": torch.device("cpu"),
@@ -108,15 +109,16 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
     }
 
 
-def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, device: str,
-                          world: int) -> dict[str, Any] | None:
+def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, reductions: Any,
+                          device: str, world: int) -> dict[str, Any] | None:
     """What the ``SteadyRunner`` of ``device``'s calls reads and writes (None: the group has
     no call schedule for ``device``): `runner_objects`' shared names, with ``device``,
     ``own_work`` True (it hands back the inner backend's own Work), ``schedule`` its
     `CallSchedule`, ``issuer`` its issuer (a `CudaIssuer`), ``canary`` the
     issuer's ``canary`` (kept at an exact all-reduce's place), ``watchdog`` the issuer's
     `watchdog.Watchdog` and ``synced`` its `CudaIssuer.synced` (the Work of a call the inner
-    backend ran synchronously and returned none for; None: it has neither); none of the
+    backend ran synchronously and returned none for; None: it has neither), ``reductions``
+    the group's `Reductions` (whose ``run`` runs a compressed entry); none of the
     compressed entries' (``plan_core``, ``queue``, ``followed``, ``lane``, ``cpu_device``,
     ``encoder_thread``: None) nor the worker's timing (``timed_every`` 0, ``issuer_counts``
     False)."""
@@ -126,7 +128,7 @@ def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, device: s
     return _objects(compressed, issuer, schedule, world) | {
         "device": device, "own_work": True, "canary": issuer.canary,
         "watchdog": getattr(issuer, "watchdog", None), "synced": getattr(issuer, "synced", None),
-        "queue": None, "followed": None,
+        "reductions": reductions, "queue": None, "followed": None,
         "timed_every": 0, "issuer_counts": False, "plan_core": None, "cpu_device": None,
         "encoder_thread": None, "lane": None,
     }
@@ -204,15 +206,16 @@ def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: Issu
     return module.SteadyRunner(direct, objects)
 
 
-def device_runner(inner: Any, compressed: CompressedCalls, issuer: Issuer, device: str,
-                  world: int) -> Any:
+def device_runner(inner: Any, compressed: CompressedCalls, issuer: Issuer, reductions: Any,
+                  device: str, world: int) -> Any:
     """The group's ``SteadyRunner`` of ``device``'s calls (a CUDA group's: ``inner`` its
-    ``ProcessGroupNCCL``, ``issuer`` its `CudaIssuer`), which serves their exact entries
+    ``ProcessGroupNCCL``, ``issuer`` its `CudaIssuer`, ``reductions`` its `Reductions`), which
+    serves their exact entries and takes the places of their compressed ones
     (``backend/csrc/runner_device.h``), or a `NoRunner` (no C++ module, or no call schedule
     for ``device``). Tests make one of "cpu" over a group's direct gloo group and its CPU
     issuer: the same code, on CPU tensors."""
     module = native.load()
-    objects = device_runner_objects(compressed, issuer, device, world)
+    objects = device_runner_objects(compressed, issuer, reductions, device, world)
     if module is None or objects is None:
         return NoRunner()
     return module.SteadyRunner(inner, objects)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import lowbitcc
+from lowbitcc.backend import native
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.deviated_output import PROBE
 from tests.support.exchanges import counting_exchanges, counting_renewals
@@ -199,7 +200,8 @@ def _served_steps(rank, world, gloo, issuer, plan, uneven=(), device="cpu", asyn
         if device == "cpu":
             group._runner = steady_runner.NoRunner()
             group._device_runner = steady_runner.device_runner(
-                group._direct, group._compressed, group._issuers["cpu"], "cpu", world)
+                group._direct, group._compressed, group._issuers["cpu"], group._reductions,
+                "cpu", world)
         if decline:
             group._device_runner.decline_at_random(decline, 1000 * world + rank)
         runners.append(group._device_runner)
@@ -208,6 +210,7 @@ def _served_steps(rank, world, gloo, issuer, plan, uneven=(), device="cpu", asyn
     return (*got, runners[0].served)
 
 
+@pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
 @pytest.mark.parametrize("async_op", [False, True])
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_deviation_at_a_place_a_device_runner_serves_raises_on_every_rank(world, async_op):

@@ -108,7 +108,7 @@ def _train(rank, world, gloo, mode, issuer, variants=("gloo", "python", "native"
         if variant.startswith("device"):
             pg._runner = steady_runner.NoRunner()
             pg._device_runner = steady_runner.device_runner(
-                pg._direct, pg._compressed, pg._issuers["cpu"], "cpu", world)
+                pg._direct, pg._compressed, pg._issuers["cpu"], pg._reductions, "cpu", world)
         runner = None if variant == "gloo" else (
             pg._device_runner if variant.startswith("device") else pg._runner)
         if variant == "python":
@@ -226,35 +226,45 @@ def test_the_runner_and_the_python_path_mixed_at_random_leave_the_same_state(wor
 
 
 @pytest.mark.parametrize(("world", "mode"), [
-    (2, "exact"), (3, "small"), (2, "compressed"), pytest.param(3, "exact", marks=pytest.mark.slow)])
-def test_a_device_runner_serves_exact_entries_as_the_python_path_does(world, mode):
+    (2, "exact"), (3, "small"), (2, "compressed"),
+    pytest.param(3, "exact", marks=pytest.mark.slow),
+    pytest.param(2, "loco", marks=pytest.mark.slow),  # the feedback keys, Python's
+    pytest.param(3, "tree", marks=pytest.mark.slow),  # off the direct schedule: canaries
+])
+def test_a_device_runner_serves_steady_calls_as_the_python_path_does(world, mode):
     """A device runner (a CUDA group's, `steady_runner.device_runner`; made here of "cpu" over
     the group's direct gloo group, under the inline issuer, which issues on the calling thread
     as `CudaIssuer` does) serves the exact entries of all-reduces (DDP's buckets, asynchronous)
     and reduce-scatters (synchronous) and leaves the same outputs, call numbers, schedule
     indices, ordinals, cost-model counts and statistics as the Python path, served whole or
     declining at random; only the tags differ: its Work is the inner backend's own, untagged,
-    as a CUDA call's (the Python path's inline issuer tags its `FollowedWork`), so each call
-    it served took one tag fewer. It serves no compressed entry: those are the Python path's
-    (`CudaIssuer.compressed`)."""
+    as a CUDA call's (the Python path's inline issuer tags its `FollowedWork`), so each exact
+    call it served took one tag fewer. A compressed entry's place it takes, and hands the run
+    to the Python path's `Reductions.run` (on CUDA `CudaIssuer.run_plan`)."""
     variants = ("gloo", "python", "device", "device-mixed")
     for rank, runs in enumerate(run_ranks(_train, world, mode, "inline", variants,
                                           timeout=400)):
-        want = runs["python" if mode == "compressed" else "gloo"]
+        want = runs["python" if mode in COMPRESSED else "gloo"]
         for variant in variants[1:]:
             run = runs[variant]
             assert torch.equal(run["params"], want["params"]), (rank, variant)
             assert torch.equal(run["scattered"], want["scattered"]), (rank, variant)
-            if mode == "compressed":
+            if mode in COMPRESSED:
                 assert torch.equal(run["reduced"], want["reduced"]), (rank, variant)
             got, python = dict(run["state"]), dict(runs["python"]["state"])
-            assert got.pop("tag") == python.pop("tag") - run["served"], (rank, variant)
+            exact_served = run["served"] - run["served_compressed"]
+            assert got.pop("tag") == python.pop("tag") - exact_served, (rank, variant)
             assert got == python, (rank, variant)
+            _assert_same_states(run["feedback"], runs["python"]["feedback"], (rank, variant))
         state = runs["python"]["state"]
         served = runs["device"]["served"]
-        if mode == "compressed":
-            assert state["stats"]["compressed"]["calls"] >= 5 * STEPS - 5, state
-            assert served == 0, (rank, served)  # every call compressed: not a device runner's
+        if mode in COMPRESSED:
+            calls = state["stats"]["compressed"]["calls"]
+            assert calls >= 5 * STEPS - 5, state
+            served = runs["device"]["served_compressed"]
+            assert served > 0.9 * calls, (rank, calls, served)
+            assert 0.3 * served < runs["device-mixed"]["served_compressed"] < 0.7 * served, (
+                rank, runs["device-mixed"])
             continue
         calls = state["stats"]["exact"]["calls"]
         assert calls >= 3 * STEPS, state  # DDP's two buckets and a reduce-scatter a step

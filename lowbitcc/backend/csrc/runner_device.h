@@ -1,9 +1,15 @@
 // A device runner's steady call (steady_runner.h's `SteadyRunner`, made by
 // lowbitcc/backend/steady_runner.py's `device_runner`: a CUDA group's, over its inner
-// ProcessGroupNCCL; its members here are declared there). It serves the place's exact entry of a
-// dense tensor of its device type, issued by any thread but a future's callback, while the
-// group's watchdog has not ended it: what `Reductions._run_exact` and `CudaIssuer.native_now`
-// do, in the same order. The call is
+// ProcessGroupNCCL; its members here are declared there). It takes the place of a dense tensor
+// of its device type issued by any thread but a future's callback, while the group's watchdog
+// has not ended it, where the call is the place's steady entry, as `CallSchedule.take` does.
+//
+// A compressed entry's run is then the Python path's (`serve_run`): `Reductions.run` with the
+// arguments `LocoProcessGroup`'s method would give it (on CUDA `CudaIssuer.run_plan`: the
+// plan's host record replayed in C++ on the call's stream, launch_replay.h).
+//
+// An exact entry it serves whole (`serve_own`): what `Reductions._run_exact` and
+// `CudaIssuer.native_now` do, in the same order. The call is
 // counted (`count`, as the CPU runner's exact entry: the schedule's index and the entry's runs,
 // the call number, the ordinal, the cost model's count, the statistics; no issuer count and no
 // tag, which a CUDA call has not), the inner backend's call is issued with the caller's options
@@ -61,6 +67,19 @@ inline py::object SteadyRunner::serve_own(const Steady& steady, const py::str& c
     steady.entry.attr(LOWBITCC_NAME("latest")) = canary;
   }
   return handed;
+}
+
+inline py::object SteadyRunner::serve_run(const Steady& steady, const py::str& collective,
+                                          int64_t numel, py::handle tensor, py::handle output,
+                                          const py::object& op, const py::object& native) {
+  if (!still_at(steady)) {  // another thread took the place meanwhile: the Python path's
+    return py::none();
+  }
+  ran(steady);
+  ++served_;
+  ++served_compressed_;
+  return reductions_.attr(LOWBITCC_NAME("run"))(steady.entry, collective, tensor, output,
+                                                 py::int_(numel), op, native);
 }
 
 // Whether the schedule is still at the place `steady_place` found (its index next, the entry's

@@ -65,9 +65,6 @@ inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const
   }
   py::object entry = py::reinterpret_borrow<py::object>(found);
   const bool exact = entry.attr(LOWBITCC_NAME("exact")).cast<bool>();
-  if (!exact && own_work_) {  // a device runner serves exact entries only
-    return false;
-  }
   if (exact ? native_ops_.count(static_cast<int64_t>(op)) == 0 || entry.attr(LOWBITCC_NAME("timed")).cast<bool>()
             : op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
     return false;
@@ -107,6 +104,16 @@ inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const
       key[2].cast<int64_t>() != static_cast<int64_t>(op) || key[3].cast<int64_t>() != numel ||
       key[4].cast<bool>() || py::bool_(key[5])) {  // (a parent's tag: 64 bits, unsigned)
     return false;  // a deviation: the Python path runs it
+  }
+  if (!exact && own_work_) {  // a device runner's compressed entry: `Reductions.run` runs it
+    if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
+      return false;
+    }
+    steady.python_run = true;
+    steady.entry = std::move(entry);
+    steady.index = index;
+    steady.left = left;
+    return true;
   }
   if (!exact) {
     return planned_place(std::move(entry), collective, like, op, index, left,

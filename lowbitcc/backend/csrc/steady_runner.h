@@ -3,7 +3,8 @@
 // runner* is one too, of CUDA tensors, which serves only exact entries, on the inner NCCL
 // backend, from any thread but a callback's (runner_device.h; what differs from the CPU runner
 // is said where it differs: `own_work_`, `device_type_`, `device_name_`, `canary_`, `synced_`,
-// `watchdog_`); the rest of this comment is the CPU runner's.
+// `watchdog_`), and takes the places of compressed entries, whose runs are the Python path's
+// (`reductions_`); the rest of this comment is the CPU runner's.
 //
 // `serve_all_reduce` and `serve_reduce_scatter` are what `LocoProcessGroup`'s methods call
 // first. Each either serves the call whole or answers None ("not mine") having changed nothing,
@@ -111,6 +112,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         device_name_(objects["device"]),
         device_type_(c10::Device(objects["device"].cast<std::string>()).type()),
         canary_(objects["canary"]),
+        reductions_(objects["reductions"]),
         synced_(objects["synced"]),
         watchdog_(objects["watchdog"]),
         own_work_(objects["own_work"].cast<bool>()) {
@@ -192,6 +194,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     if (steady.core) {
       return serve_planned(steady, all_reduce_, tensor, !options.asyncOp);
     }
+    if (steady.python_run) {  // (`LocoProcessGroup.allreduce`'s options and native call)
+      py::object given = opts.is_none() ? allreduce_options_type_()
+                                        : py::reinterpret_borrow<py::object>(opts);
+      return serve_run(steady, all_reduce_, tensor.numel(), item, item,
+                       given.attr(LOWBITCC_NAME("reduceOp")),
+                       py::make_tuple(LOWBITCC_NAME("allreduce"), py::make_tuple(tensors, given)));
+    }
     std::vector<at::Tensor> inputs{tensor};
     if (own_work_) {
       return serve_own(steady, all_reduce_, tensor, item, item,
@@ -238,6 +247,14 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     if (steady.core) {
       return serve_planned(steady, reduce_scatter_, input, !options.asyncOp);
     }
+    if (steady.python_run) {  // (`reduce_scatter_single_coalesced`'s options and native call)
+      py::object given = opts.is_none() ? reduce_scatter_options_type_()
+                                        : py::reinterpret_borrow<py::object>(opts);
+      return serve_run(steady, reduce_scatter_, input.numel(), input_obj, output_obj,
+                       given.attr(LOWBITCC_NAME("reduceOp")),
+                       py::make_tuple(LOWBITCC_NAME("_reduce_scatter_base"),
+                                      py::make_tuple(output_obj, input_obj, given)));
+    }
     if (own_work_) {  // (`Reductions._run_exact` keeps no canary of a reduce-scatter)
       return serve_own(steady, reduce_scatter_, input, output_obj, py::none(),
                        [&] { return direct_->_reduce_scatter_base(output, input, options); });
@@ -265,6 +282,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     bool timed = false;  // an exact run the cost model times (`ModelTimings`)
     int64_t task = -1;
     bool renews = false;  // the run starts the place's renewal
+    bool python_run = false;  // a device runner's compressed entry: `Reductions.run` runs it
     std::shared_ptr<PlanCore> core;  // a compressed entry's plan core; null: an exact entry
     at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce's)
   };
@@ -317,6 +335,12 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   py::object serve_own(const Steady& steady, const py::str& collective, const at::Tensor& like,
                        py::handle output, py::handle canary_of, Issue&& issue);
   bool still_at(const Steady& steady);
+  // A device runner's compressed entry (runner_device.h): its place taken (the schedule's
+  // index and the entry's runs), then `Reductions.run(entry, collective, tensor, output, numel,
+  // op, native)`, the Python path's run of an entry, whose Work it returns.
+  py::object serve_run(const Steady& steady, const py::str& collective, int64_t numel,
+                       py::handle tensor, py::handle output, const py::object& op,
+                       const py::object& native);
 
   // What a served call counts and leaves (runner_count.h).
   void ran(const Steady& steady);
@@ -359,12 +383,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   bool issuer_counts_;
   // the device type it serves, by name (in the cost model's size classes) and by type; the
   // issuer's `canary` and `synced` (the Work of a call the inner backend ran synchronously and
-  // returned none for) and the group's watchdog (None: the CPU runner's, which has none);
+  // returned none for), the group's `Reductions` (a compressed entry's run) and watchdog (None:
+  // the CPU runner's, which has none of them);
   // whether it hands back the inner backend's own Work (a device runner) rather than a
   // `FollowedWork`
   py::str device_name_;
   c10::DeviceType device_type_;
-  py::object canary_, synced_, watchdog_;
+  py::object canary_, reductions_, synced_, watchdog_;
   bool own_work_;
   std::set<int64_t> native_ops_;
   py::str all_reduce_, reduce_scatter_, backward_, step_, compressed_name_;
