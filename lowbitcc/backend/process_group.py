@@ -120,7 +120,8 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
         # CPU calls that run as their place's entry, served whole in C++ (`steady_runner`)
         self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
                                             self._queue, size)
-        # CUDA calls that run as their place's exact entry, served in C++ too
+        # CUDA calls that run as their place's entry: an exact one served in C++ too, a
+        # compressed one's place taken there (`steady_runner.device_runner`)
         self._device_runner = steady_runner.device_runner(
             self._nccl, self._compressed, self._cuda, self._reductions, "cuda", size
         ) if self._cuda is not None else steady_runner.NoRunner()

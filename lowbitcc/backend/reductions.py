@@ -11,7 +11,8 @@ gets there decides the call:
   `worker_issue.EXACT_TIMED`; for an all-reduce the issuer keeps a view of the output's last
   element, the place's *canary*; the C++ runners, `steady_runner`, serve such a call whole
   before it reaches this module, doing the same on the same objects: on CPU the group's
-  runner, on CUDA its device runner). A *compressed*
+  runner, on CUDA its device runner, which of a compressed entry takes the place and calls
+  `run` itself). A *compressed*
   entry runs by the place's
   `call_plan.CallPlan`, made by its first run: a `plan_run.PlanRun` handed to the device's
   issuer (the worker on the CPU, the calling thread inline and on CUDA), which runs the

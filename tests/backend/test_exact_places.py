@@ -186,9 +186,10 @@ def test_an_exact_call_that_deviates_on_one_rank_raises_on_every_rank(world, iss
 
 
 def _served_steps(rank, world, gloo, issuer, plan, uneven=(), device="cpu", async_op=False,
-                  decline=0.0):
-    """`_steps` (``async_op``: of asynchronous calls, each waited for) with the group's device
-    runner, declining the share ``decline`` of its calls at random (the Python path's then),
+                  decline=0.0, compressed=False):
+    """`_steps` (``async_op``: of asynchronous calls, each waited for; ``compressed``: forced
+    compression) with the group's device runner, declining the share ``decline`` of its calls
+    at random (the Python path's then),
     (`steady_runner.device_runner`): on "cuda" the group's own, which serves its CUDA
     tensors' exact entries; on "cpu" one made of "cpu" in place of the group's CPU runner (the
     same code, over the group's direct gloo group); and how many calls it served."""
@@ -206,7 +207,7 @@ def _served_steps(rank, world, gloo, issuer, plan, uneven=(), device="cpu", asyn
             group._device_runner.decline_at_random(decline, 1000 * world + rank)
         runners.append(group._device_runner)
 
-    got = _steps(rank, world, gloo, issuer, plan, False, uneven, device, async_op, swap)
+    got = _steps(rank, world, gloo, issuer, plan, compressed, uneven, device, async_op, swap)
     return (*got, runners[0].served)
 
 
@@ -229,6 +230,17 @@ def test_a_deviation_at_a_place_a_device_runner_serves_raises_on_every_rank(worl
         assert same[7] and same[8] and exchanges[8] == 0, (same, exchanges)
         # every steady call of the three SUM places (AVG is not gloo's own op: Python's)
         assert served >= 3 * 4, served
+
+
+@pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
+def test_compressed_places_a_device_runner_takes_exchange_no_descriptor_in_steady_state():
+    """The places of steady compressed calls taken by a device runner (of "cpu" here, the
+    inline issuer's; tests/gpu/test_multirank.py's on CUDA), their runs `Reductions.run`'s: no
+    descriptor exchanged after the agreement, results close to gloo's."""
+    for exchanges, _, same, served in run_ranks(_served_steps, 2, "inline", _compressed_steps,
+                                                (), "cpu", False, 0.0, True, timeout=120):
+        assert exchanges == [2, 1, 0, 0, 0] and all(same), (exchanges, same)
+        assert served >= 2 * 3, served  # two places, their steady runs
 
 
 def _one_rank_forces_compression(rank, world, gloo, issuer):

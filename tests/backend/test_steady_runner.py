@@ -273,6 +273,65 @@ def test_a_device_runner_serves_steady_calls_as_the_python_path_does(world, mode
         assert state["ordinals"] if mode == "small" else state["model"], state
 
 
+def _run_arguments(rank, world, gloo):
+    """What `Reductions.run` is handed for the steady compressed calls of one step, issued by
+    the Python path and by a device runner of "cpu" (under the inline issuer): an all-reduce
+    without options and with AVG, a reduce-scatter through ``_reduce_scatter_base`` and through
+    the coalesced method, both without options; per call its collective, numel, op, the native
+    call's method, its argument count, its options' type and op, and whether the tensors
+    handed are the caller's own objects. And the compressed calls the device runner took."""
+    seen, taken = {}, 0
+    for way in ("python", "device"):
+        pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+            min_size=2, cost_model=False, issuer="inline"))
+        pg._runner = steady_runner.NoRunner()
+        record = []
+        real = pg._reductions.run
+
+        def spy(*args, record=record, real=real):
+            record.append(args)
+            return real(*args)
+
+        pg._reductions.run = spy  # (found by the Python path and the runner alike)
+        if way == "device":
+            pg._device_runner = steady_runner.device_runner(
+                pg._direct, pg._compressed, pg._issuers["cpu"], pg._reductions, "cpu", world)
+        x, out = torch.ones(4096), torch.empty(4096 // world)
+        averaged = dist.AllreduceOptions()
+        averaged.reduceOp = dist.ReduceOp.AVG
+        for _ in range(6):
+            del record[:]
+            listed = [x]
+            with lowbitcc.compressed():
+                for work in (pg.allreduce(listed), pg.allreduce([x], averaged),
+                             pg._reduce_scatter_base(out, x),
+                             pg.reduce_scatter_tensor_coalesced([out], [x])):
+                    work.wait()
+            lowbitcc.end_step()
+        rows = []
+        for _, collective, tensor, output, numel, op, (method, args) in record:
+            mine = ((args[0] is listed or args[0][0] is x) and tensor is x and output is x
+                    if collective == "all_reduce" else
+                    args[0] is out and args[1] is x and tensor is x and output is out)
+            rows.append((collective, numel, str(op.op), method, len(args),
+                         type(args[-1]).__name__, str(args[-1].reduceOp.op), mine))
+        seen[way] = rows
+        if way == "device":
+            taken = pg._device_runner.served_compressed
+    return seen, taken
+
+
+def test_a_device_runner_hands_reductions_run_what_the_python_path_hands_it():
+    """A compressed entry whose place a device runner took runs by `Reductions.run` with the
+    arguments `LocoProcessGroup`'s methods give it: the caller's tensors and list, its options
+    or fresh default ones, the native call (on CUDA the method a graph capture runs, whose
+    options say whether the call takes a side stream)."""
+    for seen, taken in run_ranks(_run_arguments, 2, timeout=120):
+        assert seen["device"] == seen["python"] and len(seen["python"]) == 4, seen
+        assert all(row[-1] for row in seen["python"]), seen
+        assert taken >= 4 * 3, taken  # the four places' steady runs
+
+
 def _assert_same_states(got, want, where):
     assert got.keys() == want.keys(), where
     assert got["order"] == want["order"], where
@@ -504,11 +563,17 @@ def test_a_served_call_hands_none_of_its_python_frames_to_torch_compile():
         assert seen == [], seen[:10]
 
 
-def _deviation_at_a_core(rank, world, gloo, collective):
-    # one place, its entry compressed: every call a step, outside backward
-    pg = dist.new_group(backend="loco",
-                        pg_options=lowbitcc.LocoConfig(min_size=2, cost_model=False))
+def _deviation_at_a_core(rank, world, gloo, collective, device=False):
+    # one place, its entry compressed: every call a step, outside backward; ``device``: a
+    # device runner of "cpu" in place of the CPU runner (it takes the place, the run is
+    # `Reductions.run`'s), under the inline issuer
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(
+        min_size=2, cost_model=False, issuer="inline" if device else "auto"))
     runner = pg._runner
+    if device:
+        pg._runner = steady_runner.NoRunner()
+        runner = pg._device_runner = steady_runner.device_runner(
+            pg._direct, pg._compressed, pg._issuers["cpu"], pg._reductions, "cpu", world)
 
     def call(n):
         tensor = torch.full((n,), float(rank + 1))
@@ -539,16 +604,18 @@ def _deviation_at_a_core(rank, world, gloo, collective):
     return steady, raised, served_deviation, after[-1], runner.served_compressed - before
 
 
-@pytest.mark.parametrize(("world", "collective"), [
-    (2, "all_reduce"), (2, "reduce_scatter"), (3, "all_reduce")])
+@pytest.mark.parametrize(("world", "collective", "device"), [
+    (2, "all_reduce", False), (2, "reduce_scatter", False), (3, "all_reduce", False),
+    (2, "all_reduce", True), (2, "reduce_scatter", True)])
 def test_a_call_whose_messages_do_not_belong_to_it_raises_from_a_plan_core_as_from_python(
-        world, collective):
+        world, collective, device):
     """Rank 1 deviates from a steady compressed place that the other ranks' plan cores serve:
     their cores meet rank 1's flagged messages (on three ranks in the all-reduce's first phase,
     whose sums they send flagged in the second) and hand the decode back to the plan, so every
     rank raises `CollectiveMismatchError` at that call, and the place runs (served again)
-    after."""
-    results = run_ranks(_deviation_at_a_core, world, collective, timeout=120)
+    after. The same where a device runner takes the place (``device``) and the Python plan runs
+    it."""
+    results = run_ranks(_deviation_at_a_core, world, collective, device, timeout=120)
     assert [raised for _, raised, *_ in results] == ["CollectiveMismatchError"] * world
     # the others ran it in C++, rank 1 (deviating) in Python
     assert [core for _, _, core, _, _ in results] == [0 if r == 1 else 1 for r in range(world)]

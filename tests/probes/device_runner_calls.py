@@ -1,7 +1,7 @@
 """Python function calls per steady call that a device runner (`steady_runner.device_runner`: a
 CUDA group's, here of "cpu" over the group's direct gloo group, under the inline issuer, which
 issues on the calling thread as `CudaIssuer` does) leaves, against the Python path it stands
-in for. Feeds docs/host-time.md and docs/gpu.md; counted, not timed, so any load on the machine
+in for. Feeds docs/gpu.md; counted, not timed, so any load on the machine
 leaves the counts as they are.
 
 Each rank runs ``--calls`` synchronous all-reduces of ``--elements`` fp32 elements per way and

@@ -5,8 +5,9 @@
 // has not ended it, where the call is the place's steady entry, as `CallSchedule.take` does.
 //
 // A compressed entry's run is then the Python path's (`serve_run`): `Reductions.run` with the
-// arguments `LocoProcessGroup`'s method would give it (on CUDA `CudaIssuer.run_plan`: the
-// plan's host record replayed in C++ on the call's stream, launch_replay.h).
+// arguments `LocoProcessGroup`'s method would give it (on CUDA `CudaIssuer.run_plan` on the
+// call's stream, whose plan replays its host record in C++ where it keeps one, launch_replay.h:
+// the direct schedule's plans of one chunk, not their first runs).
 //
 // An exact entry it serves whole (`serve_own`): what `Reductions._run_exact` and
 // `CudaIssuer.native_now` do, in the same order. The call is

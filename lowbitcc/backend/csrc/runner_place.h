@@ -1,7 +1,8 @@
 // Whether a call runs as its place's entry now (steady_runner.h's `SteadyRunner`: its members
 // here are declared there): the schedule's entry at the call's index read as `CallSchedule.take`
 // reads it, the place's renewal taken where it is due, the policy's blocks, the entry's key and
-// canary, and, for a compressed entry, its plan's C++ core and the worker's queue. Included by
+// canary, and, for a compressed entry, its plan's C++ core and the worker's queue (a device
+// runner's compressed entry: none of those two, its run being `Reductions.run`'s). Included by
 // steady_runner.h after the class.
 #pragma once
 
@@ -82,7 +83,7 @@ inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const
   }
   // `explicit_key` names an exact call's key and counts it in its block: the Python path's
   // (a compressed call counts in it, and with feedback its states are the key's:
-  // `serve_planned`)
+  // `serve_planned`, or a device runner's `Reductions.run`)
   if (exact && PyList_GET_SIZE(key_stack_.ptr()) != 0) {
     return false;
   }
@@ -185,16 +186,20 @@ inline bool SteadyRunner::planned_place(py::object entry, const py::str& collect
 }
 
 // `CallSchedule.entry` at `index`, which the run after an entry's last calls to take its
-// renewal; what it raises, the call raises, as `CallSchedule.take` and `Reductions.take` do:
-// having counted its place and taken its call number.
+// renewal, called as `CallSchedule.take` calls it: the index moved on first (what it raises,
+// the call raises, as `CallSchedule.take` and `Reductions.take` do: having counted its place,
+// or where a peer's deviation report made the schedule forget what it learned, with the index
+// `forget` left, and having taken its call number); where it returns, the index is put back,
+// and the place is looked at again.
 inline void SteadyRunner::take_renewal(int64_t index) {
+  schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(index + 1);
   try {
     schedule_.attr(LOWBITCC_NAME("entry"))(index);
   } catch (py::error_already_set& error) {
-    schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(index + 1);
     agreement_.attr(LOWBITCC_NAME("next_seq"))();
     throw Raised{std::move(error)};
   }
+  schedule_.attr(LOWBITCC_NAME("_next")) = py::int_(index);
 }
 
 // The place's canary: whether the output it views ended in NaN (`Entry.canary`, None: no).
