@@ -107,7 +107,7 @@ inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const
     return false;  // a deviation: the Python path runs it
   }
   if (!exact && own_work_) {  // a device runner's compressed entry: `Reductions.run` runs it
-    if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
+    if (declines_at_random()) {
       return false;
     }
     steady.python_run = true;
@@ -133,7 +133,7 @@ inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const
   // `WorkerIssuer.native_now` times this one for the cost model: so does the runner
   steady.timed = steady.modelled && issuer_counts_ && timed_every_ > 0 &&
                  (issuer_.attr(LOWBITCC_NAME("_issued")).cast<int64_t>() + 1) % timed_every_ == 0;
-  if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
+  if (declines_at_random()) {
     return false;
   }
   steady.by_model = steady.modelled && entry.attr(LOWBITCC_NAME("by_model")).cast<bool>();
@@ -174,7 +174,7 @@ inline bool SteadyRunner::planned_place(py::object entry, const py::str& collect
     queue_.attr(LOWBITCC_NAME("wait_idle"))();
     return steady_place_or_raise(collective, like, like.numel(), op, steady, true);
   }
-  if (decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_) {
+  if (declines_at_random()) {
     return false;
   }
   steady.modelled = planned->modelled() && !forced;  // `Reductions._plan_run`'s `timed`

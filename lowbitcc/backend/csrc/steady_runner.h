@@ -159,6 +159,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     rng_.seed(seed);
   }
 
+  // Whether `decline_at_random`'s switch declines the call now (one draw), where it is on.
+  bool declines_at_random() {
+    return decline_ > 0.0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < decline_;
+  }
+
   // Hand every finished timing of the runs it served to the cost model now
   // (`ModelTimings::fold`; served calls hand them over in batches): tests read the cost model
   // after their last call.
