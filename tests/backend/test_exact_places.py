@@ -17,6 +17,7 @@ import lowbitcc
 from lowbitcc.backend import native
 from lowbitcc.backend.call_agreement import CollectiveMismatchError
 from lowbitcc.backend.deviated_output import PROBE
+from tests.support.device_runners import cpu_device_runner
 from tests.support.exchanges import counting_exchanges, counting_renewals
 from tests.support.ranks import run_ranks
 
@@ -193,16 +194,11 @@ def _served_steps(rank, world, gloo, issuer, plan, uneven=(), device="cpu", asyn
     (`steady_runner.device_runner`): on "cuda" the group's own, which serves its CUDA
     tensors' exact entries; on "cpu" one made of "cpu" in place of the group's CPU runner (the
     same code, over the group's direct gloo group); and how many calls it served."""
-    from lowbitcc.backend import steady_runner
-
     runners = []
 
     def swap(group):
         if device == "cpu":
-            group._runner = steady_runner.NoRunner()
-            group._device_runner = steady_runner.device_runner(
-                group._direct, group._compressed, group._issuers["cpu"], group._reductions,
-                "cpu", world)
+            cpu_device_runner(group)
         if decline:
             group._device_runner.decline_at_random(decline, 1000 * world + rank)
         runners.append(group._device_runner)

@@ -25,6 +25,7 @@ import lowbitcc
 from lowbitcc import state as lowbitcc_state
 from lowbitcc.backend import native, steady_runner
 from tests.support.corrupt_calls import corrupt_first_codes
+from tests.support.device_runners import cpu_device_runner
 from tests.support.ranks import run_ranks, run_script_ranks
 from tests.support.training import bucketed_ddp, flat_parameters
 
@@ -106,9 +107,7 @@ def _train(rank, world, gloo, mode, issuer, variants=("gloo", "python", "native"
         lowbitcc.reset_stats()
         pg = gloo if variant == "gloo" else dist.new_group(backend="loco", pg_options=config)
         if variant.startswith("device"):
-            pg._runner = steady_runner.NoRunner()
-            pg._device_runner = steady_runner.device_runner(
-                pg._direct, pg._compressed, pg._issuers["cpu"], pg._reductions, "cpu", world)
+            cpu_device_runner(pg)
         runner = None if variant == "gloo" else (
             pg._device_runner if variant.startswith("device") else pg._runner)
         if variant == "python":
@@ -294,8 +293,7 @@ def _run_arguments(rank, world, gloo):
 
         pg._reductions.run = spy  # (found by the Python path and the runner alike)
         if way == "device":
-            pg._device_runner = steady_runner.device_runner(
-                pg._direct, pg._compressed, pg._issuers["cpu"], pg._reductions, "cpu", world)
+            cpu_device_runner(pg)
         x, out = torch.ones(4096), torch.empty(4096 // world)
         averaged = dist.AllreduceOptions()
         averaged.reduceOp = dist.ReduceOp.AVG
@@ -571,9 +569,7 @@ def _deviation_at_a_core(rank, world, gloo, collective, device=False):
         min_size=2, cost_model=False, issuer="inline" if device else "auto"))
     runner = pg._runner
     if device:
-        pg._runner = steady_runner.NoRunner()
-        runner = pg._device_runner = steady_runner.device_runner(
-            pg._direct, pg._compressed, pg._issuers["cpu"], pg._reductions, "cpu", world)
+        runner = cpu_device_runner(pg)
 
     def call(n):
         tensor = torch.full((n,), float(rank + 1))

@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+"""This checkout, put first on ``sys.path``: the ranks import its test bed
+(`tests.support.device_runners`)."""
 
 WAYS = ("python", "device", "cpu")
 KINDS = ("exact", "compressed")
@@ -46,6 +51,7 @@ def _rank(rank: int, world: int, calls: int, elements: int) -> dict[str, dict[st
 
     import lowbitcc
     from lowbitcc.backend import steady_runner
+    from tests.support.device_runners import cpu_device_runner
 
     out: dict[str, dict[str, float]] = {}
     for way in WAYS:
@@ -55,9 +61,7 @@ def _rank(rank: int, world: int, calls: int, elements: int) -> dict[str, dict[st
         if way != "cpu":
             group._runner = steady_runner.NoRunner()
         if way == "device":
-            runner = group._device_runner = steady_runner.device_runner(
-                group._direct, group._compressed, group._issuers["cpu"], group._reductions,
-                "cpu", world)
+            runner = cpu_device_runner(group)
         tensor = torch.ones(elements)
         for kind in KINDS:
             block = lowbitcc.compressed if kind == "compressed" else contextlib.nullcontext
@@ -87,6 +91,7 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=262144)
     parser.add_argument("--np", type=int, default=2)
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
     from lowbitcc.tools.spawn import run_ranks
 
     results = run_ranks(_rank, args.np, args.calls, args.elements, backend="gloo",
