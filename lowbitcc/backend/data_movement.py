@@ -10,7 +10,9 @@ The one compressed data movement, the ``param_bits`` all-gather, is here too (`G
 after the descriptor exchange, every rank wanting it compressed, `schedules.gather`: one encode
 of this rank's flat input, one all-gather of codes, one decode of every rank's codes into the
 output; no error feedback: parameters are not accumulated). The process group's c10d methods
-delegate here.
+delegate here; but an all-gather or broadcast of one tensor that the group's runner serves
+(`steady_runner`, ``backend/csrc/runner_moves.h``: the same count and the inner group's own
+call, from the calling thread where the worker would issue it at once) does not come here.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ EXTENSION = cpp_build.Extension(
      CSRC / "direct_run.h", CSRC / "hier_run.h", CSRC / "plan_core.h", CSRC / "plan_pieces.h",
      CSRC / "planned_work.h",
      CSRC / "python_objects.h", CSRC / "ring_run.h", CSRC / "runner_count.h",
-     CSRC / "runner_device.h", CSRC / "runner_place.h",
+     CSRC / "runner_device.h", CSRC / "runner_moves.h", CSRC / "runner_place.h",
      CSRC / "runner_planned.h", CSRC / "served_counts.h",
      CSRC / "steady_runner.h",
      CSRC / "tree_run.h",

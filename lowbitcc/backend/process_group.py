@@ -118,8 +118,8 @@ class LocoProcessGroup(DataMovementMethods, dist.ProcessGroup):
         self._reductions = Reductions(size, self._compressed, self._issuers, self._queue)
         self._native = self._reductions.native
         # CPU calls that run as their place's entry, served whole in C++ (`steady_runner`)
-        self._runner = steady_runner.runner(self._direct, self._compressed, self._issuers["cpu"],
-                                            self._queue, size)
+        self._runner = steady_runner.runner(self._direct, self._inner, self._compressed,
+                                            self._issuers["cpu"], self._queue, size)
         # CUDA calls that run as their place's entry: an exact one served in C++ too, a
         # compressed one's place taken there (`steady_runner.device_runner`)
         self._device_runner = steady_runner.device_runner(

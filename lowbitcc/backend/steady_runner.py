@@ -1,11 +1,12 @@
 """The steady call in C++: `runner` builds a group's ``SteadyRunner``
 (``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce`` and
-reduce-scatters (`METHODS`) in its instance dict as C++ callables
-(``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs no Python
-frame between c10d's caller and the wire (``dist.all_reduce`` and ``dist.reduce_scatter_tensor``
-from Python; through pybind's trampoline DDP's reducer and the functional all-reduce and
-reduce-scatter, which reach ``allreduce`` and ``reduce_scatter_single_coalesced``, also put
-there); every other call goes on to the class's Python method. Whoever replaces one of them on
+reduce-scatters, and its all-gathers and broadcast (`METHODS`), in its instance dict as C++
+callables (``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs
+no Python frame between c10d's caller and the wire (``dist.all_reduce`` and
+``dist.reduce_scatter_tensor`` from Python; through pybind's trampoline DDP's reducer and the
+functional all-reduce and reduce-scatter, which reach ``allreduce`` and
+``reduce_scatter_single_coalesced``, also put there); every other call goes on to the class's
+Python method. Whoever replaces one of them on
 a group must use a Python callable: pybind's trampoline takes a C function for "not
 overridden" and keeps that for the whole class (every group's calls from C++ would then go to
 its inner gloo group).
@@ -35,6 +36,16 @@ run, a plan without a core, a policy block, a callback's call, another thread's)
 built (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``), and in a group without a CPU call schedule,
 the runner is a `NoRunner` and every call takes the Python path.
 
+A data movement of one tensor (``_allgather_base``: ``dist.all_gather_into_tensor``, FSDP's
+parameter gathers; ``allgather``: ``dist.all_gather``; ``broadcast``: DDP's buffers) is served
+whole by the runner too (``backend/csrc/runner_moves.h``), as `data_movement.DataMovements.exact`
+runs it: counted in the statistics, then the inner gloo group's own call, started by the calling
+thread (the main thread) with the GIL released where the group's worker would start it at once
+(nothing queued on it or its issue lane: the call keeps its issue order), and its
+``FollowedWork``; not where the group exchanges a descriptor before each data movement
+(``check_all``) nor a ``param_bits`` all-gather, nor arguments gloo would refuse (the Python
+path's error then reaches the call's Work, as before).
+
 A CUDA group has a second runner, its *device runner* (`device_runner`, the group's
 ``_device_runner``; ``backend/csrc/runner_device.h``): a ``SteadyRunner`` of CUDA tensors over
 the group's inner ``ProcessGroupNCCL``, which serves the exact entries of all-reduces and
@@ -42,8 +53,10 @@ reduce-scatters as `CudaIssuer` issues them (any thread but a callback's, the in
 Work handed back, or where it ran the call synchronously and returned none the issuer's
 `CudaIssuer.synced`; an all-reduce's `DeviceCanary` kept at its place), takes the places of
 compressed entries as `CallSchedule.take` does and hands their runs to the Python path's
-`Reductions.run` (`CudaIssuer.run_plan`), and declines every other call. The group's methods
-ask the CPU runner, then the device runner; each serves only its device type's tensors.
+`Reductions.run` (`CudaIssuer.run_plan`), serves the data movements above on the inner NCCL
+group (NCCL's Work, as `CudaIssuer.native` issues them), and declines every other call. The
+group's methods ask the CPU runner, then the device runner; each serves only its device type's
+tensors.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from lowbitcc import policy, state
 from lowbitcc.backend import exact, native, plan_cores, worker_issue, works
@@ -63,7 +77,7 @@ from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
 
 
-def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
+def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue, inner: Any,
                    world: int) -> dict[str, Any] | None:
     """What a ``SteadyRunner`` reads and writes, by the names it uses (None: the group has no
     CPU call schedule, so no call has an exact entry):
@@ -91,7 +105,13 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       inner gloo group runs itself;
     - ``device``: the device type it serves ("cpu"); ``own_work``: False (it hands back a
       ``FollowedWork``); ``canary``, ``watchdog``, ``synced``, ``reductions``: None (a device
-      runner's, `device_runner_objects`).
+      runner's, `device_runner_objects`);
+    - ``inner``: the group's inner gloo group (a ``ProcessGroupGloo``, where its worker issues
+      its calls), which the data movements it serves go to (``backend/csrc/runner_moves.h``);
+      ``allgather_options_type``, ``broadcast_options_type``: their options' exact types;
+      ``moves_checked``: whether the group exchanges a descriptor before each CPU data movement
+      (`CompressedCalls.checks_data_movement`) and ``param_bits`` its setting (neither is
+      served then).
     """
     schedule = compressed.call_schedules.get("cpu")
     followed = queue._native  # the class `IssueQueue.follow` builds (`works.native_followed`)
@@ -100,7 +120,7 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
     worker = isinstance(issuer, worker_issue.WorkerIssuer)
     return _objects(compressed, issuer, schedule, world) | {
         "device": "cpu", "own_work": False, "canary": None, "watchdog": None, "synced": None,
-        "reductions": None,
+        "reductions": None, "inner": inner,
         "queue": queue, "followed": followed,
         "timed_every": worker_issue.EXACT_TIMED, "issuer_counts": worker,
         "plan_core": plan_cores.make_core, "cpu_device": torch.device("cpu"),
@@ -109,8 +129,9 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
     }
 
 
-def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, reductions: Any,
-                          device: str, world: int) -> dict[str, Any] | None:
+def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, reductions: Any, inner: Any,
+                          device: str, world: int,
+                          queue: IssueQueue | None = None) -> dict[str, Any] | None:
     """What the ``SteadyRunner`` of ``device``'s calls reads and writes (None: the group has
     no call schedule for ``device``): `runner_objects`' shared names, with ``device``,
     ``own_work`` True (it hands back the inner backend's own Work), ``schedule`` its
@@ -118,8 +139,11 @@ def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, reduction
     issuer's ``canary`` (kept at an exact all-reduce's place), ``watchdog`` the issuer's
     `watchdog.Watchdog` and ``synced`` its `CudaIssuer.synced` (the Work of a call the inner
     backend ran synchronously and returned none for; None: it has neither), ``reductions``
-    the group's `Reductions` (whose ``run`` runs a compressed entry); none of the
-    compressed entries' (``plan_core``, ``queue``, ``followed``, ``lane``, ``cpu_device``,
+    the group's `Reductions` (whose ``run`` runs a compressed entry), ``inner`` the backend
+    its data movements go to (a CUDA group's inner ``ProcessGroupNCCL``), ``queue`` None (the
+    calling thread issues the Python path's data movements too, as `CudaIssuer` does; the CPU
+    test bed's: the group's `IssueQueue`, whose worker issues them, and ``lane`` its lane); none
+    of the compressed entries' (``plan_core``, ``followed``, ``cpu_device``,
     ``encoder_thread``: None) nor the worker's timing (``timed_every`` 0, ``issuer_counts``
     False)."""
     schedule = compressed.call_schedules.get(device)
@@ -128,9 +152,9 @@ def device_runner_objects(compressed: CompressedCalls, issuer: Issuer, reduction
     return _objects(compressed, issuer, schedule, world) | {
         "device": device, "own_work": True, "canary": issuer.canary,
         "watchdog": getattr(issuer, "watchdog", None), "synced": getattr(issuer, "synced", None),
-        "reductions": reductions, "queue": None, "followed": None,
+        "reductions": reductions, "inner": inner, "queue": queue, "followed": None,
         "timed_every": 0, "issuer_counts": False, "plan_core": None, "cpu_device": None,
-        "encoder_thread": None, "lane": None,
+        "encoder_thread": None, "lane": None if queue is None else queue.lane,
     }
 
 
@@ -145,6 +169,9 @@ def _objects(compressed: CompressedCalls, issuer: Issuer, schedule: Any,
         "main_thread": threading.main_thread().ident, "tensor_type": torch.Tensor,
         "allreduce_options_type": dist.AllreduceOptions,
         "reduce_scatter_options_type": dist.ReduceScatterOptions,
+        "allgather_options_type": AllgatherOptions, "broadcast_options_type": dist.BroadcastOptions,
+        "moves_checked": compressed.checks_data_movement(),
+        "param_bits": compressed.config.param_bits,
         "policy": compressed.config.policy, "min_size": compressed.config.min_size,
         "world": world, "native_ops": sorted(int(op) for op in issuer.native_ops),
     }
@@ -165,10 +192,14 @@ METHODS = ({"allreduce": "AllReduceMethod"},
            {"reduce_scatter_single": "ReduceScatterMethod",
             "_reduce_scatter_base": "ReduceScatterMethod",
             "reduce_scatter_single_coalesced": "ReduceScatterCoalescedMethod",
-            "reduce_scatter_tensor_coalesced": "ReduceScatterCoalescedMethod"})
+            "reduce_scatter_tensor_coalesced": "ReduceScatterCoalescedMethod"},
+           {"all_gather_single": "AllGatherBaseMethod", "_allgather_base": "AllGatherBaseMethod"},
+           {"allgather": "AllGatherMethod"},
+           {"broadcast": "BroadcastMethod"})
 """The group's methods `install` puts in C++, by name: the C++ class of each
 (``backend/csrc/group_method.h``), in families whose Python methods route through one another
-(the class's ``reduce_scatter_single`` through its ``reduce_scatter_single_coalesced``)."""
+(the class's ``reduce_scatter_single`` through its ``reduce_scatter_single_coalesced``) or are
+one method by two names (``all_gather_single`` and ``_allgather_base``)."""
 
 
 def install(group: Any, base: type) -> None:
@@ -194,28 +225,32 @@ def install(group: Any, base: type) -> None:
                                                        module.SteadyRunner, SET_EVAL_FRAME))
 
 
-def runner(direct: Any, compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue,
-           world: int) -> Any:
+def runner(direct: Any, inner: Any, compressed: CompressedCalls, issuer: Issuer,
+           queue: IssueQueue, world: int) -> Any:
     """The group's ``SteadyRunner`` over its ``direct`` gloo group (a ``ProcessGroupGloo``,
-    which the calling thread alone uses for exact entries), or a `NoRunner` (see the module
-    docstring)."""
+    which the calling thread alone uses for exact entries; its data movements go to ``inner``,
+    the group's inner gloo group), or a `NoRunner` (see the module docstring)."""
     module = native.load()
-    objects = runner_objects(compressed, issuer, queue, world)
+    objects = runner_objects(compressed, issuer, queue, inner, world)
     if module is None or objects is None:
         return NoRunner()
     return module.SteadyRunner(direct, objects)
 
 
 def device_runner(inner: Any, compressed: CompressedCalls, issuer: Issuer, reductions: Any,
-                  device: str, world: int) -> Any:
+                  device: str, world: int, *, moves_to: Any = None,
+                  queue: IssueQueue | None = None) -> Any:
     """The group's ``SteadyRunner`` of ``device``'s calls (a CUDA group's: ``inner`` its
     ``ProcessGroupNCCL``, ``issuer`` its `CudaIssuer`, ``reductions`` its `Reductions`), which
-    serves their exact entries and takes the places of their compressed ones
-    (``backend/csrc/runner_device.h``), or a `NoRunner` (no C++ module, or no call schedule
-    for ``device``). Tests make one of "cpu" over a group's direct gloo group and its CPU
-    issuer: the same code, on CPU tensors."""
+    serves their exact entries and data movements and takes the places of their compressed
+    ones (``backend/csrc/runner_device.h``, ``runner_moves.h``), or a `NoRunner` (no C++ module,
+    or no call schedule for ``device``). Tests make one of "cpu" over a group's direct gloo
+    group and its CPU issuer: the same code, on CPU tensors, its data movements going to
+    ``moves_to`` (the group's inner gloo group; None: ``inner``) once ``queue``'s worker is
+    idle (`device_runner_objects`)."""
     module = native.load()
-    objects = device_runner_objects(compressed, issuer, reductions, device, world)
+    objects = device_runner_objects(compressed, issuer, reductions,
+                                    inner if moves_to is None else moves_to, device, world, queue)
     if module is None or objects is None:
         return NoRunner()
     return module.SteadyRunner(inner, objects)

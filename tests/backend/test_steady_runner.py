@@ -518,9 +518,11 @@ def test_a_groups_reduction_methods_are_cpp_and_every_caller_reaches_the_runner_
         assert 70 <= served <= 130, served
         assert torch.equal(out, torch.arange(64.0)[32 * rank:32 * (rank + 1)] * 3), out
         assert "after its group was gone" in routes["gone"], routes["gone"]
-        all_reduce, reduce_scatters = steady_runner.METHODS
-        assert routes["Intercepting"] == sorted(reduce_scatters), routes["Intercepting"]
-        assert routes["InterceptingCoalesced"] == sorted(all_reduce), (
+        all_reduce, reduce_scatters, *moves = steady_runner.METHODS  # (data movements: their own)
+        movements = [name for family in moves for name in family]
+        assert routes["Intercepting"] == sorted([*reduce_scatters, *movements]), (
+            routes["Intercepting"])
+        assert routes["InterceptingCoalesced"] == sorted([*all_reduce, *movements]), (
             routes["InterceptingCoalesced"])
 
 

@@ -1,5 +1,7 @@
 // GroupMethod: one reduction method of a "loco" group (`allreduce`, `reduce_scatter_single`,
-// `_reduce_scatter_base`, `reduce_scatter_single_coalesced`) as a C++ callable that lowbitcc/backend/steady_runner.py's `install`
+// `_reduce_scatter_base`, `reduce_scatter_single_coalesced`), or one of its data movements
+// (`_allgather_base`, `allgather`, `broadcast`: `MovementMethod`, `BroadcastMethod`), as a C++
+// callable that lowbitcc/backend/steady_runner.py's `install`
 // puts in the group's instance dict, where every caller finds it before the class's Python
 // method: Python's (`dist.all_reduce` calls `group.allreduce`, `dist.reduce_scatter_tensor`
 // `group._reduce_scatter_base`) and, for `allreduce` and `reduce_scatter_single_coalesced`,
@@ -180,6 +182,35 @@ class __attribute__((visibility("hidden"))) ReduceScatterCoalescedMethod : publi
                                              PyList_GET_ITEM(inputs.ptr(), 0), opts);
         },
         outputs, inputs, opts);
+  }
+};
+
+// `group._allgather_base(output, input, opts)` (and `all_gather_single`, the class's name of
+// it), `group.allgather(outputs, inputs, opts)` and `group.broadcast(tensors, opts)`: a data
+// movement the runner serves (runner_moves.h), else the Python method's; `Serve` is the
+// runner's method of it.
+template <py::object (SteadyRunner::*Serve)(py::handle, py::handle, py::handle)>
+class __attribute__((visibility("hidden"))) MovementMethod : public GroupMethod {
+ public:
+  using GroupMethod::GroupMethod;
+
+  py::object operator()(py::handle first, py::handle second, py::handle opts) {
+    return call([&](SteadyRunner& runner) { return (runner.*Serve)(first, second, opts); },
+                first, second, opts);
+  }
+};
+
+using AllGatherBaseMethod = MovementMethod<&SteadyRunner::serve_all_gather_base>;
+using AllGatherMethod = MovementMethod<&SteadyRunner::serve_all_gather>;
+
+// `group.broadcast(tensors, opts)`: as `MovementMethod`.
+class __attribute__((visibility("hidden"))) BroadcastMethod : public GroupMethod {
+ public:
+  using GroupMethod::GroupMethod;
+
+  py::object operator()(py::handle tensors, py::handle opts) {
+    return call([&](SteadyRunner& runner) { return runner.serve_broadcast(tensors, opts); },
+                tensors, opts);
   }
 };
 

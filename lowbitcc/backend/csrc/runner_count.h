@@ -172,7 +172,7 @@ inline void SteadyRunner::time_exact(const Steady& steady,
 
 // `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
 inline py::object SteadyRunner::follow(const c10::intrusive_ptr<c10d::Work>& work,
-                                       const at::Tensor& output, bool checked) {
+                                       std::vector<at::Tensor> outputs, bool checked) {
   py::object issued = queue_.attr(LOWBITCC_NAME("_issued"));  // (`next(self._issued)`)
   py::object ordinal = py::reinterpret_steal<py::object>(PyIter_Next(issued.ptr()));
   if (!ordinal) {
@@ -180,7 +180,7 @@ inline py::object SteadyRunner::follow(const c10::intrusive_ptr<c10d::Work>& wor
   }
   uint64_t tag = queue_.attr(LOWBITCC_NAME("_group_tag")).cast<uint64_t>() |
                  (ordinal.cast<uint64_t>() & 0xFFFFFFFFull);
-  py::object followed = followed_(work, std::vector<at::Tensor>{output}, tag, checked);
+  py::object followed = followed_(work, std::move(outputs), tag, checked);
   followed.attr(LOWBITCC_NAME("queue")) = queue_;
   return followed;
 }

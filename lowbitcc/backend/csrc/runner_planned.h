@@ -51,7 +51,7 @@ inline py::object SteadyRunner::serve_planned(Steady& steady, const py::str& col
                                                  steady.modelled, counts_, std::move(key),
                                                  lane_.get(), synchronous);
   // (a peer's deviation reaches a compressed call as its messages, not as its output's NaN)
-  py::object followed = follow(work, steady.output.defined() ? steady.output : tensor, false);
+  py::object followed = follow(work, {steady.output.defined() ? steady.output : tensor}, false);
   if (core.keeps_canary()) {  // `reductions._keep_canaries`, then `Entry.keep`
     steady.entry.attr(LOWBITCC_NAME("canary")) = steady.entry.attr(LOWBITCC_NAME("latest"));
     steady.entry.attr(LOWBITCC_NAME("latest")) = followed;

@@ -85,6 +85,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `runner_objects` names and describes each).
   SteadyRunner(c10::intrusive_ptr<c10d::Backend> direct, py::dict objects)
       : direct_(std::move(direct)),
+        inner_(objects["inner"].cast<c10::intrusive_ptr<c10d::Backend>>()),
         schedule_(objects["schedule"]),
         compressed_(objects["compressed"]),
         agreement_(objects["agreement"]),
@@ -100,6 +101,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         tensor_type_(objects["tensor_type"]),
         allreduce_options_type_(objects["allreduce_options_type"]),
         reduce_scatter_options_type_(objects["reduce_scatter_options_type"]),
+        allgather_options_type_(objects["allgather_options_type"]),
+        broadcast_options_type_(objects["broadcast_options_type"]),
         plan_core_(objects["plan_core"]),
         cpu_device_(objects["cpu_device"]),
         encoder_thread_(objects["encoder_thread"]),
@@ -115,7 +118,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         reductions_(objects["reductions"]),
         synced_(objects["synced"]),
         watchdog_(objects["watchdog"]),
-        own_work_(objects["own_work"].cast<bool>()) {
+        own_work_(objects["own_work"].cast<bool>()),
+        moves_checked_(objects["moves_checked"].cast<bool>()),
+        param_bits_(objects["param_bits"].cast<int64_t>()) {
     if (!objects["lane"].is_none()) {
       lane_ = objects["lane"].cast<std::shared_ptr<IssueLane>>();
     }
@@ -149,6 +154,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       }
       py::gil_scoped_release release;
       direct_.reset();
+      inner_.reset();
     }
   }
 
@@ -169,9 +175,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // after their last call.
   void fold_timings() { timings_.fold(compressed_.attr(LOWBITCC_NAME("cost_model")), true); }
 
-  // Calls served since the runner was made, and of them compressed ones (tests read them).
+  // Calls served since the runner was made, of them compressed ones, and data movements
+  // (runner_moves.h; tests read them).
   int64_t served() const { return served_; }
   int64_t served_compressed() const { return served_compressed_; }
+  int64_t served_moves() const { return served_moves_; }
   // What its calls counted in the statistics and they have not read yet (`ServedCounts`).
   py::object counts() const { return counts_object_; }
 
@@ -219,7 +227,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       work = direct_->allreduce(inputs, options);
     }
     time_exact(steady, work, all_reduce_, tensor, tensor.numel(), issued);
-    py::object followed = follow(work, tensor);
+    py::object followed = follow(work, {tensor});
     // `Entry.keep`: the place's next run reads the canary of the run before this one
     steady.entry.attr(LOWBITCC_NAME("canary")) = steady.entry.attr(LOWBITCC_NAME("latest"));
     steady.entry.attr(LOWBITCC_NAME("latest")) = followed;
@@ -272,8 +280,14 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       work = direct_->_reduce_scatter_base(output, input, options);
     }
     time_exact(steady, work, reduce_scatter_, input, input.numel(), issued);
-    return follow(work, output);
+    return follow(work, {output});
   }
+
+  // The group's data movements (runner_moves.h): `_allgather_base(output, input, opts)`,
+  // `allgather(outputs, inputs, opts)`, `broadcast(tensors, opts)`: their Work, or None.
+  py::object serve_all_gather_base(py::handle output, py::handle input, py::handle opts);
+  py::object serve_all_gather(py::handle outputs, py::handle inputs, py::handle opts);
+  py::object serve_broadcast(py::handle tensors, py::handle opts);
 
  private:
   // What `steady_place` found: the entry, and what its run counts.
@@ -362,16 +376,30 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   void time_exact(const Steady& steady, const c10::intrusive_ptr<c10d::Work>& work,
                   const py::str& collective, const at::Tensor& like, int64_t numel,
                   std::chrono::steady_clock::time_point issued);
-  py::object follow(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
+  py::object follow(const c10::intrusive_ptr<c10d::Work>& work, std::vector<at::Tensor> outputs,
                     bool checked = true);
 
+  // A data movement's checks and its serving (runner_moves.h).
+  template <typename Options>
+  static bool options_of(py::handle opts, const py::object& type, Options& options);
+  bool moved(py::handle obj) const;
+  static bool moved_dtype(at::ScalarType type);
+  bool moves_here();
+  template <typename Issue>
+  py::object serve_move(const std::vector<at::Tensor>& outputs, const at::Tensor& counted,
+                        Issue&& issue, int64_t copies = 1);
+
   c10::intrusive_ptr<c10d::Backend> direct_;
+  // the backend the group's data movements go to (runner_moves.h): the inner gloo group (a
+  // device runner: its inner backend, `direct_`)
+  c10::intrusive_ptr<c10d::Backend> inner_;
   // the group's issue lane (issue_lane.h; null: the inline issuer's group has none)
   std::shared_ptr<IssueLane> lane_;
   ModelTimings timings_;  // the runs it timed, not yet handed to the cost model
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
+  py::object allgather_options_type_, broadcast_options_type_;
   py::object plan_core_, cpu_device_, encoder_thread_, sums_of_;
   at::Tensor sums_;
   // what its calls counted in the statistics (its Python object, which they watch), and the
@@ -396,16 +424,21 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   c10::DeviceType device_type_;
   py::object canary_, reductions_, synced_, watchdog_;
   bool own_work_;
+  // whether the group exchanges a descriptor before each CPU data movement, and its
+  // `param_bits` (runner_moves.h: neither is served then)
+  bool moves_checked_;
+  int64_t param_bits_;
   std::set<int64_t> native_ops_;
   py::str all_reduce_, reduce_scatter_, backward_, step_, compressed_name_;
   double decline_ = 0.0;
   std::mt19937_64 rng_;
-  int64_t served_ = 0, served_compressed_ = 0;
+  int64_t served_ = 0, served_compressed_ = 0, served_moves_ = 0;
 };
 
 }  // namespace lowbitcc
 
 #include "runner_count.h"
 #include "runner_device.h"
+#include "runner_moves.h"
 #include "runner_place.h"
 #include "runner_planned.h"

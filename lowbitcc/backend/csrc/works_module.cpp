@@ -1,7 +1,8 @@
 // lowbitcc's C++ Works and steady calls (lowbitcc/backend/native.py): the module's Python
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
 // plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
-// `AllReduceMethod`, `ReduceScatterMethod` and `ReduceScatterCoalescedMethod` group_method.h's,
+// `AllReduceMethod`, `ReduceScatterMethod`, `ReduceScatterCoalescedMethod`, `AllGatherBaseMethod`,
+// `AllGatherMethod` and `BroadcastMethod` group_method.h's,
 // `IssueLane` issue_lane.h's, `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
 #include "group_method.h"
@@ -100,6 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "calls hand them over 8 at a time).")
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed)
+      .def_property_readonly("served_moves", &lowbitcc::SteadyRunner::served_moves)
       .def_property_readonly("counts", &lowbitcc::SteadyRunner::counts);
   group_method<lowbitcc::AllReduceMethod>(m, "AllReduceMethod")
       .def("__call__", &lowbitcc::AllReduceMethod::operator(), py::arg("tensors"),
@@ -113,6 +115,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &lowbitcc::ReduceScatterCoalescedMethod::operator(), py::arg("outputs"),
            py::arg("inputs"), py::arg("opts") = py::none(),
            "The group's `reduce_scatter_single_coalesced`: one tensor as `ReduceScatterMethod`.");
+  group_method<lowbitcc::AllGatherBaseMethod>(m, "AllGatherBaseMethod")
+      .def("__call__", &lowbitcc::AllGatherBaseMethod::operator(), py::arg("output"),
+           py::arg("input"), py::arg("opts") = py::none(),
+           "The group's `_allgather_base`: a data movement served by its runner, else the Python "
+           "method.");
+  group_method<lowbitcc::AllGatherMethod>(m, "AllGatherMethod")
+      .def("__call__", &lowbitcc::AllGatherMethod::operator(), py::arg("output_tensors"),
+           py::arg("input_tensors"), py::arg("opts") = py::none(),
+           "The group's `allgather`: as `AllGatherBaseMethod`.");
+  group_method<lowbitcc::BroadcastMethod>(m, "BroadcastMethod")
+      .def("__call__", &lowbitcc::BroadcastMethod::operator(), py::arg("tensors"),
+           py::arg("opts") = py::none(), "The group's `broadcast`: as `AllGatherBaseMethod`.");
   py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
       .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
       .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),

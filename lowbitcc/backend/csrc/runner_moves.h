@@ -1,0 +1,205 @@
+// A group's exact data movements served in C++ (steady_runner.h's `SteadyRunner`: its members
+// here are declared there): an all-gather into one tensor (`_allgather_base`, as
+// `dist.all_gather_into_tensor` issues it: FSDP's parameter gathers), an all-gather into a list
+// (`allgather`, `dist.all_gather`) and a broadcast (`broadcast`, `dist.broadcast`: DDP's
+// buffers), each of one tensor, as `data_movement.DataMovements.exact` runs them: counted in the
+// statistics (one exact call, the bytes of its first argument: the outputs; `ServedCounts`),
+// then the inner backend's own call with the caller's options, the GIL released.
+//
+// The CPU runner issues it on the group's inner gloo group (`inner_`, the one the worker issues
+// the group's calls and compressed transfers on) from the calling thread, where the worker
+// would issue it at once: nothing queued on the worker (`IssueQueue._pending`) or its issue lane
+// (issue_lane.h), so the call keeps its issue order on every rank; and not where the group
+// exchanges a descriptor before each data movement (`CompressedCalls.checks_data_movement`,
+// `moves_checked_`) or an all-gather may travel as `param_bits` codes (`param_bits_`). Its Work
+// is the `FollowedWork` of the gloo call (tagged as the worker's Work; its value the outputs,
+// flattened), not read for a deviation. A device runner issues it on the inner NCCL group, as
+// `CudaIssuer.native` does: the group's watchdog asked once it is counted, NCCL's Work handed
+// back (none: `synced_`'s, of the outputs); its CPU test bed (steady_runner.py's
+// `device_runner`) on the group's inner gloo group, where the worker is idle, as the CPU runner.
+//
+// Served only where neither backend can refuse the arguments at issue (where either would, the
+// Python path takes the call and the error reaches its Work, as before): plain dense tensors of
+// the runner's device type, contiguous, of one dtype gloo moves (`moved_dtype`), sizes that
+// match the group's (an output of `world_` inputs), the exact options types, a root rank of the
+// group; a call from the main thread (CPU; a device runner: any thread) outside any future's
+// callback, while the group is open and its watchdog has not ended it. Anything else is "not
+// mine" (None) with nothing changed. Included by steady_runner.h after the class.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "steady_runner.h"
+
+namespace lowbitcc {
+
+inline py::object SteadyRunner::serve_all_gather_base(py::handle output_obj, py::handle input_obj,
+                                                      py::handle opts) {
+  c10d::AllgatherOptions options;
+  if (!options_of(opts, allgather_options_type_, options) || !moved(output_obj) ||
+      !moved(input_obj) || (param_bits_ != 0 && device_type_ == c10::DeviceType::CPU)) {
+    return py::none();
+  }
+  at::Tensor output = THPVariable_Unpack(output_obj.ptr());
+  at::Tensor input = THPVariable_Unpack(input_obj.ptr());
+  if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * world_ ||
+      !moves_here()) {
+    return py::none();
+  }
+  return serve_move({output}, output, [&] { return inner_->_allgather_base(output, input, options); });
+}
+
+inline py::object SteadyRunner::serve_all_gather(py::handle outputs_obj, py::handle inputs_obj,
+                                                 py::handle opts) {
+  c10d::AllgatherOptions options;
+  if (!options_of(opts, allgather_options_type_, options) || !PyList_Check(inputs_obj.ptr()) ||
+      PyList_GET_SIZE(inputs_obj.ptr()) != 1 || !PyList_Check(outputs_obj.ptr()) ||
+      PyList_GET_SIZE(outputs_obj.ptr()) != 1) {
+    return py::none();
+  }
+  py::handle input_obj = PyList_GET_ITEM(inputs_obj.ptr(), 0);
+  py::handle list = PyList_GET_ITEM(outputs_obj.ptr(), 0);
+  if (!moved(input_obj) || !PyList_Check(list.ptr()) || PyList_GET_SIZE(list.ptr()) != world_) {
+    return py::none();
+  }
+  at::Tensor input = THPVariable_Unpack(input_obj.ptr());
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(world_);
+  for (Py_ssize_t i = 0; i < world_; ++i) {
+    py::handle item = PyList_GET_ITEM(list.ptr(), i);
+    if (!moved(item)) {
+      return py::none();
+    }
+    const at::Tensor& out = THPVariable_Unpack(item.ptr());
+    if (out.scalar_type() != input.scalar_type() || out.sizes() != input.sizes()) {
+      return py::none();
+    }
+    outputs.push_back(out);
+  }
+  if (!moves_here()) {
+    return py::none();
+  }
+  at::Tensor counted = outputs[0];  // (every output the input's size: `world_` of them)
+  std::vector<std::vector<at::Tensor>> lists{outputs};
+  std::vector<at::Tensor> inputs{input};
+  return serve_move(outputs, counted, [&] { return inner_->allgather(lists, inputs, options); },
+                    world_);
+}
+
+inline py::object SteadyRunner::serve_broadcast(py::handle tensors_obj, py::handle opts) {
+  c10d::BroadcastOptions options;
+  if (!options_of(opts, broadcast_options_type_, options) || !PyList_Check(tensors_obj.ptr()) ||
+      PyList_GET_SIZE(tensors_obj.ptr()) != 1 || options.rootTensor != 0 ||
+      options.rootRank < 0 || options.rootRank >= world_) {
+    return py::none();
+  }
+  py::handle item = PyList_GET_ITEM(tensors_obj.ptr(), 0);
+  if (!moved(item) || !moves_here()) {
+    return py::none();
+  }
+  std::vector<at::Tensor> tensors{THPVariable_Unpack(item.ptr())};
+  return serve_move(tensors, tensors[0], [&] { return inner_->broadcast(tensors, options); });
+}
+
+// The options of a data movement: the default where `opts` is None, else `opts` itself where it
+// is of exactly `type` (c10d's; a subclass: the Python path's); false where it is not.
+template <typename Options>
+inline bool SteadyRunner::options_of(py::handle opts, const py::object& type, Options& options) {
+  if (opts.is_none()) {
+    return true;
+  }
+  if (Py_TYPE(opts.ptr()) != reinterpret_cast<PyTypeObject*>(type.ptr())) {
+    return false;
+  }
+  options = opts.cast<Options>();
+  return true;
+}
+
+// A tensor a served data movement moves: plain, dense, of the runner's device type (as
+// `plain_on_device`), contiguous, of a dtype gloo moves.
+inline bool SteadyRunner::moved(py::handle obj) const {
+  if (!plain_on_device(obj)) {
+    return false;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+  return t.is_contiguous() && moved_dtype(t.scalar_type());
+}
+
+// The dtypes ProcessGroupGloo's data movements take (its `GENERATE_ALL_TYPES`).
+inline bool SteadyRunner::moved_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kChar:
+    case at::kByte:
+    case at::kBool:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Whether a data movement whose arguments serve is the runner's now (the file's comment): the
+// calling thread, the group and its watchdog, the worker's queue and lane, the test switch.
+inline bool SteadyRunner::moves_here() {
+  if ((device_type_ == c10::DeviceType::CPU && PyThread_get_thread_ident() != main_thread_) ||
+      py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {
+    return false;
+  }
+  if (!watchdog_.is_none() && !watchdog_.attr(LOWBITCC_NAME("dead")).is_none()) {
+    return false;  // (`Watchdog.check` raises on the Python path)
+  }
+  if (!queue_.is_none()) {  // the worker issues the Python path's (`DataMovements.exact`)
+    if (moves_checked_ || py::bool_(queue_.attr(LOWBITCC_NAME("_closed"))) ||
+        queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0 ||
+        (lane_ && !lane_->idle())) {
+      return false;
+    }
+  }
+  return !declines_at_random();
+}
+
+// A data movement the runner serves: counted (`DataMovements.exact`: one exact call, the bytes of
+// `counted`, `copies` times), `issue` (the inner backend's call) run with the GIL released, its
+// Work: a `FollowedWork` of `outputs` (CPU), the inner backend's own (a device runner; none:
+// `synced_`'s, of `outputs`).
+template <typename Issue>
+inline py::object SteadyRunner::serve_move(const std::vector<at::Tensor>& outputs,
+                                           const at::Tensor& counted, Issue&& issue,
+                                           int64_t copies) {
+  counted_in();  // (`DataMovements.exact` reads `state.STATS` at each call)
+  counts_->add(ServedCounts::kExact, ServedCounts::kCalls, 1);
+  counts_->add(ServedCounts::kExact, ServedCounts::kTensorBytes,
+               copies * counted.numel() * static_cast<int64_t>(counted.element_size()));
+  ++served_;
+  ++served_moves_;
+  if (!watchdog_.is_none()) {  // (`CudaIssuer.native`)
+    watchdog_.attr(LOWBITCC_NAME("check"))();
+  }
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    py::gil_scoped_release release;
+    work = issue();
+  }
+  if (!own_work_) {
+    return follow(work, outputs, false);
+  }
+  if (work) {
+    return py::cast(work);
+  }
+  if (synced_.is_none()) {  // (counted: the call was issued, as on every rank)
+    throw std::runtime_error(
+        "lowbitcc: the inner backend returned no Work for a data movement it ran");
+  }
+  return synced_(py::cast(outputs));
+}
+
+}  // namespace lowbitcc

@@ -1,0 +1,187 @@
+"""A group's data movements served in C++ (``backend/csrc/runner_moves.h``: ``_allgather_base``,
+``allgather`` and ``broadcast`` of one tensor) against the Python path they stand in for
+(`data_movement.DataMovements.exact`, on the group's worker). Each rank runs the same calls on
+fresh "loco" groups: every call through Python (no runner), every call the runner can serve
+served, the runner declining at random (half its calls, a different draw per rank, so the ranks'
+paths differ call by call), and a device runner of "cpu" (the CPU test bed of a CUDA group's)
+serving all it can or half. Between the data movements run compressed all-reduces (their
+places' first runs on the worker, the steady ones by the plan core) and exact ones, so a data
+movement meets the worker busy, where it must wait its turn. All must leave the same outputs
+(gloo's), tags, call numbers, schedule index and statistics, and the runner must have served
+most data movements; a served one runs no more Python calls than gloo's own."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowbitcc
+from lowbitcc.backend import native, steady_runner
+from tests.support.device_runners import cpu_device_runner
+from tests.support.ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
+
+STEPS = 24
+MOVES_PER_STEP = 5
+"""The data movements `_moves` issues each step: two all-gathers into a tensor, an all-gather
+into a list, two broadcasts."""
+
+
+def _moves(rank, world, gloo, variant, config):
+    """One run of ``variant`` (see the module docstring) on a fresh group of ``config``: its
+    outputs, what it leaves on the group and in the statistics, and its runner's served data
+    movements."""
+    lowbitcc.reset_stats()
+    pg = dist.new_group(backend="loco", pg_options=config)
+    runner = pg._runner
+    if variant.startswith("device"):
+        runner = cpu_device_runner(pg)
+    if variant == "python":
+        pg._runner = steady_runner.NoRunner()
+    elif variant.endswith("mixed"):
+        runner.decline_at_random(0.5, 1000 * world + rank)
+    gen = torch.Generator().manual_seed(rank)
+    outputs = []
+    for step in range(STEPS):
+        x = torch.randn(1000 + step % 3, generator=gen)  # (three sizes: new places, then steady)
+        out = torch.empty(world * x.numel())
+        dist.all_gather_into_tensor(out, x, group=pg)
+        outputs.append(out)
+        with lowbitcc.compressed():  # a place's first runs queue their exchange on the worker
+            g = torch.randn(4096 + step % 3, generator=gen)
+            work = dist.all_reduce(g, group=pg, async_op=True)
+        out2 = torch.empty(world * 7, dtype=torch.float64)
+        dist.all_gather_into_tensor(out2, torch.full((7,), float(rank + step), dtype=torch.float64),
+                                    group=pg, async_op=True).wait()
+        work.wait()
+        outputs += [out2, g]
+        parts = [torch.empty(5, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(parts, torch.arange(5) * (rank + 1) + step, group=pg)
+        outputs += parts
+        b = torch.full((33,), float(rank * 100 + step)) if rank == step % world else torch.zeros(33)
+        dist.broadcast(b, src=step % world, group=pg)
+        small = torch.full((8,), float(rank))
+        dist.all_reduce(small, group=pg)  # exact: below min_size
+        h = torch.randn(2048, generator=gen).to(torch.bfloat16)
+        dist.broadcast(h, src=0, group=pg, async_op=True).wait()
+        outputs += [b, small, h]
+    state = {
+        "tag": next(pg._queue._issued),
+        "next_seq": pg._compressed.agreement.next_seq(),
+        "index": pg._compressed.call_schedules["cpu"]._next,
+        "stats": {cat: {k: v for k, v in lowbitcc.stats()[cat].items()
+                        if k in ("calls", "tensor_bytes", "logical_bytes", "wire_bytes")}
+                  for cat in ("exact", "compressed")},
+    }
+    return {"outputs": outputs, "state": state,
+            "served": getattr(runner, "served_moves", 0)}
+
+
+def _runs(rank, world, gloo, config):
+    runs = {v: _moves(rank, world, gloo, v, config)
+            for v in ("python", "native", "mixed", "device", "device-mixed")}
+    # the gloo group's own all-gather into a tensor, for the outputs' values
+    x = torch.full((3,), float(rank))
+    out = torch.empty(3 * world)
+    dist.all_gather_into_tensor(out, x, group=gloo)
+    return runs, out
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_data_movements_served_in_cpp_and_by_python_at_random_leave_the_same_state(world):
+    config = lowbitcc.LocoConfig(min_size=1024)
+    for rank, (runs, gathered) in enumerate(run_ranks(_runs, world, config, timeout=300)):
+        assert torch.equal(gathered, torch.arange(world).repeat_interleave(3).float())
+        want = runs["python"]
+        assert want["served"] == 0
+        for variant in ("native", "mixed", "device", "device-mixed"):
+            run = runs[variant]
+            assert len(run["outputs"]) == len(want["outputs"])
+            for i, (got, expected) in enumerate(zip(run["outputs"], want["outputs"])):
+                assert torch.equal(got, expected), (rank, variant, i)
+            state, expected = dict(run["state"]), dict(want["state"])
+            if variant.startswith("device"):  # (a CUDA Work has no tag: nor has its test bed's)
+                del state["tag"], expected["tag"]
+            assert state == expected, (rank, variant)
+        moves = STEPS * MOVES_PER_STEP
+        # served: all but those that met the worker busy (a place's first runs, renewals)
+        for whole, mixed in (("native", "mixed"), ("device", "device-mixed")):
+            assert moves // 2 < runs[whole]["served"] <= moves, (rank, whole)
+            assert 0 < runs[mixed]["served"] < runs[whole]["served"], (rank, mixed)
+
+
+def _not_served(rank, world, gloo):
+    """Data movements the runner must leave to the Python path: under ``check_all`` (each
+    exchanges a descriptor), a ``param_bits`` all-gather, a non-contiguous output, sizes gloo
+    refuses; their served counts and what each call raised."""
+    counts = {}
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16, check_all=True))
+    x, out = torch.ones(64), torch.empty(64 * world)
+    dist.all_gather_into_tensor(out, x, group=pg)
+    dist.broadcast(x, src=0, group=pg)
+    counts["check_all"] = pg._runner.served_moves
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16, param_bits=8))
+    dist.all_gather_into_tensor(out, x, group=pg)
+    counts["param_bits"] = pg._runner.served_moves
+    dist.broadcast(x, src=0, group=pg)
+    counts["param_bits broadcast"] = pg._runner.served_moves
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16))
+    parts = [torch.empty(64, 2)[:, 0] for _ in range(world)]  # (strided)
+    dist.all_gather(parts, x, group=pg)
+    counts["strided"] = pg._runner.served_moves
+    raised = None
+    try:
+        dist.all_gather_into_tensor(torch.empty(64 * world + 1), x, group=pg)
+    except Exception as exc:  # noqa: BLE001 (the Python path's error, whatever gloo raises)
+        raised = type(exc).__name__
+    counts["wrong size"] = pg._runner.served_moves
+    return counts, raised, torch.equal(torch.cat(parts), torch.ones(64 * world))
+
+
+def test_data_movements_the_runner_cannot_serve_take_the_python_path():
+    for counts, raised, gathered in run_ranks(_not_served, 2):
+        assert counts == {"check_all": 0, "param_bits": 0, "param_bits broadcast": 1,
+                          "strided": 0, "wrong size": 0}
+        assert raised is not None
+        assert gathered
+
+
+def _python_calls(rank, world, gloo):
+    """Python calls ("call" events on the calling thread, `sys.setprofile`) per data movement
+    on the gloo group and on a "loco" group whose runner serves it."""
+    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16))
+    x, out = torch.ones(256), torch.empty(256 * world)
+    parts = [torch.empty(256) for _ in range(world)]
+    calls = {
+        "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(out, x, group=g),
+        "all_gather": lambda g: dist.all_gather(parts, x, group=g),
+        "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
+    }
+    events = {"call": 0}
+
+    def count(frame, event, arg):
+        if event in events:
+            events[event] += 1
+
+    counts = {}
+    for name, call in calls.items():
+        for group in (gloo, pg):
+            call(group)  # (first calls: imports, caches)
+            events["call"] = 0
+            sys.setprofile(count)
+            for _ in range(20):
+                call(group)
+            sys.setprofile(None)
+            counts[name, group is pg] = events["call"] / 20
+    return counts, pg._runner.served_moves
+
+
+def test_a_served_data_movement_runs_no_more_python_than_gloo_does():
+    for counts, served in run_ranks(_python_calls, 2):
+        assert served == 3 * 21
+        for name in ("all_gather_into_tensor", "all_gather", "broadcast"):
+            assert counts[name, True] <= counts[name, False], (name, counts)
