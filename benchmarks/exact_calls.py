@@ -1,6 +1,8 @@
-"""What an exact all-reduce through "loco" costs against gloo's own, with the default settings.
+"""What an exact all-reduce through "loco" costs against gloo's own, with the default settings
+(``--collective all_gather`` or ``broadcast``: an exact data movement's).
 
-Feeds docs/host-time.md (its "Exact calls": loco over gloo at 1 MiB and 16 MiB).
+Feeds docs/host-time.md (its "Exact calls": loco over gloo at 1 MiB and 16 MiB; its "Data
+movements").
 
 Every call place has a schedule entry, so a call that stays exact (here: issued outside
 backward, so the policy leaves it exact) exchanges its descriptor on its place's first runs
@@ -28,7 +30,13 @@ several. Printed per size: the
 median time per call of each way, the slowest and fastest gloo group's, and loco's over direct
 and over gloo (2 local ranks unless ``--np``).
 
+With ``--collective all_gather`` each way's call is ``_allgather_base(output, tensor)`` (what
+``dist.all_gather_into_tensor`` and FSDP call; the output ``--np`` times the size), with
+``broadcast`` ``broadcast([tensor])`` from rank 0, and **direct** is the "loco" group's inner gloo
+group (``_inner``, the one its data movements go to); sizes are per rank.
+
     python benchmarks/exact_calls.py [--calls 200] [--sizes 262144 4194304] [--np 2] [--groups 3]
+        [--collective all_reduce]
 """
 
 from __future__ import annotations
@@ -40,9 +48,17 @@ import time
 WARMUP = 4
 """Untimed calls per size first: the place agrees (and the period closes) there."""
 
+COLLECTIVES = {
+    "all_reduce": ("_direct", lambda backend, x, gathered: backend.allreduce([x])),
+    "all_gather": ("_inner", lambda backend, x, gathered: backend._allgather_base(gathered, x)),
+    "broadcast": ("_inner", lambda backend, x, gathered: backend.broadcast([x])),
+}
+"""Each collective's "direct" group (an attribute of the "loco" group) and the call each way
+makes on a backend, of ``x`` (into ``gathered``: an all-gather's output)."""
+
 
 def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
-          groups: int) -> dict[int, dict[str, float]]:
+          groups: int, collective: str) -> dict[int, dict[str, float]]:
     import torch
     import torch.distributed as dist
 
@@ -53,15 +69,17 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
     loco = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig.from_env())
     # each way's C++ backend: the "loco" group, its inner gloo group of its exact entries, and
     # each plain group's gloo backend
-    backends = {"loco": loco, "direct": loco._direct}
+    direct, call = COLLECTIVES[collective]
+    backends = {"loco": loco, "direct": getattr(loco, direct)}
     for i, group in enumerate(plain):
         backends[f"gloo{i}"] = group._get_backend(torch.device("cpu"))
     names = list(backends)
     out = {}
     for n in sizes:
         x = torch.randn(n)
+        gathered = torch.empty(world * n)
         for _ in range(WARMUP):
-            dist.all_reduce(x.clone(), group=loco)
+            call(loco, x.clone(), gathered).wait()
             lowbitcc.end_step()
         times: dict[str, list[float]] = {name: [] for name in names}
         for i in range(calls // block):
@@ -71,7 +89,7 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, block: int,
                 dist.barrier(sync)
                 start = time.perf_counter()
                 for _ in range(block):  # back to back, as training's calls and perf's
-                    backends[name].allreduce([y]).wait()
+                    call(backends[name], y, gathered).wait()
                     lowbitcc.end_step()
                 times[name].append((time.perf_counter() - start) / block)
         medians = {name: statistics.median(t) for name, t in times.items()}
@@ -92,13 +110,14 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--groups", type=int, default=3,
                         help="plain gloo groups the gloo column is the median over")
+    parser.add_argument("--collective", choices=sorted(COLLECTIVES), default="all_reduce")
     args = parser.parse_args()
     if args.groups < 1:
         parser.error("--groups must be at least 1")
     from lowbitcc.tools import spawn
 
     result = spawn.run_ranks(_rank, args.np, args.sizes, args.calls, args.block,
-                             args.groups)[0]
+                             args.groups, args.collective)[0]
     print(f"{'bytes':>10} {'loco ms':>9} {'direct ms':>9} {'gloo ms':>9} {'gloo range ms':>15} "
           f"{'loco/direct':>11} {'loco/gloo':>9}")
     for n, r in result.items():

@@ -366,6 +366,48 @@ def test_compressed_cuda_places_are_taken_by_the_device_runner():
         assert served >= 2 * 3, served  # two places, their steady runs
 
 
+def _cuda_moves(rank, world, gloo, decline):
+    """All-gathers into a tensor and a list and broadcasts of CUDA tensors on a "loco" group, as
+    the same calls on the gloo group give them on CPU tensors; the device runner's served data
+    movements."""
+    device = spawn.gpu_device(rank)
+    pg = dist.new_group(backend="loco")
+    if decline:
+        pg._device_runner.decline_at_random(decline, 1000 + rank)
+    same = []
+    for step in range(6):
+        x = torch.randn(4099, generator=torch.Generator().manual_seed(10 * rank + step))
+        gathered = {}
+        for group, on in ((pg, device), (gloo, torch.device("cpu"))):
+            out = torch.empty(world * x.numel(), device=on)
+            work = dist.all_gather_into_tensor(out, x.to(on), group=group,
+                                               async_op=step % 2 == 1)
+            if work is not None:
+                work.wait()
+            parts = [torch.empty(7, dtype=torch.int64, device=on) for _ in range(world)]
+            dist.all_gather(parts, torch.arange(7, device=on) * (rank + 1) + step, group=group)
+            b = x.to(on).to(torch.bfloat16)
+            dist.broadcast(b, src=step % world, group=group)
+            gathered[group is pg] = [out.cpu(), *(p.cpu() for p in parts), b.cpu()]
+        same.append(all(torch.equal(a, b) for a, b in zip(gathered[True], gathered[False],
+                                                           strict=True)))
+    torch.cuda.synchronize(device)
+    return same, pg._device_runner.served_moves
+
+
+@pytest.mark.parametrize("decline", [0.0, 0.5])
+def test_cuda_data_movements_are_served_by_the_device_runner(decline):
+    """CUDA all-gathers (into a tensor, synchronous or not, and into a list) and broadcasts
+    are the group's device runner's (`backend/csrc/runner_moves.h`: NCCL's own call and Work,
+    served in C++), NCCL's results bit for bit (gloo's on the same CPU tensors); and the same
+    where the runner declines half of them at random, a different draw per rank. Two ranks (the
+    suite's `plans` phase)."""
+    moves = 6 * 3  # a step's all-gathers into a tensor and into a list, and its broadcast
+    for same, served in _ranks(_cuda_moves, 2, decline):
+        assert all(same), same
+        assert (served == moves) if not decline else (0 < served < moves), served
+
+
 def _compressed_deviation(rank, world, gloo):
     results, _, errors, _ = schedule._passes(
         rank, world, gloo, "auto", functools.partial(schedule._one_rank_deviates, "size"),
