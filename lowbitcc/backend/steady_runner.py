@@ -37,7 +37,8 @@ built (no compiler, or ``LOWBITCC_NATIVE_WORKS=0``), and in a group without a CP
 the runner is a `NoRunner` and every call takes the Python path.
 
 A data movement of one tensor (``_allgather_base``: ``dist.all_gather_into_tensor``, FSDP's
-parameter gathers; ``allgather``: ``dist.all_gather``; ``broadcast``: DDP's buffers) is served
+parameter gathers; ``allgather``: ``dist.all_gather``; ``broadcast``: DDP's buffers;
+``alltoall_base``: ``dist.all_to_all_single``, a mixture of experts' tokens) is served
 whole by the runner too (``backend/csrc/runner_moves.h``), as `data_movement.DataMovements.exact`
 runs it: counted in the statistics, then the inner gloo group's own call, started by the calling
 thread (the main thread) with the GIL released where the group's worker would start it at once
@@ -108,7 +109,8 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       runner's, `device_runner_objects`);
     - ``inner``: the group's inner gloo group (a ``ProcessGroupGloo``, where its worker issues
       its calls), which the data movements it serves go to (``backend/csrc/runner_moves.h``);
-      ``allgather_options_type``, ``broadcast_options_type``: their options' exact types;
+      ``allgather_options_type``, ``broadcast_options_type``, ``alltoall_options_type``: their
+      options' exact types;
       ``moves_checked``: whether the group exchanges a descriptor before each CPU data movement
       (`CompressedCalls.checks_data_movement`) and ``param_bits`` its setting (neither is
       served then).
@@ -170,6 +172,7 @@ def _objects(compressed: CompressedCalls, issuer: Issuer, schedule: Any,
         "allreduce_options_type": dist.AllreduceOptions,
         "reduce_scatter_options_type": dist.ReduceScatterOptions,
         "allgather_options_type": AllgatherOptions, "broadcast_options_type": dist.BroadcastOptions,
+        "alltoall_options_type": dist.AllToAllOptions,
         "moves_checked": compressed.checks_data_movement(),
         "param_bits": compressed.config.param_bits,
         "policy": compressed.config.policy, "min_size": compressed.config.min_size,
@@ -195,11 +198,13 @@ METHODS = ({"allreduce": "AllReduceMethod"},
             "reduce_scatter_tensor_coalesced": "ReduceScatterCoalescedMethod"},
            {"all_gather_single": "AllGatherBaseMethod", "_allgather_base": "AllGatherBaseMethod"},
            {"allgather": "AllGatherMethod"},
-           {"broadcast": "BroadcastMethod"})
+           {"broadcast": "BroadcastMethod"},
+           {"all_to_all_single": "AllToAllMethod", "alltoall_base": "AllToAllMethod"})
 """The group's methods `install` puts in C++, by name: the C++ class of each
 (``backend/csrc/group_method.h``), in families whose Python methods route through one another
 (the class's ``reduce_scatter_single`` through its ``reduce_scatter_single_coalesced``) or are
-one method by two names (``all_gather_single`` and ``_allgather_base``)."""
+one method by two names (``all_gather_single`` and ``_allgather_base``, ``all_to_all_single``
+and ``alltoall_base``)."""
 
 
 def install(group: Any, base: type) -> None:

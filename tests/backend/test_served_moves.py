@@ -1,5 +1,5 @@
 """A group's data movements served in C++ (``backend/csrc/runner_moves.h``: ``_allgather_base``,
-``allgather`` and ``broadcast`` of one tensor) against the Python path they stand in for
+``allgather``, ``broadcast`` and ``alltoall_base`` of one tensor) against the Python path they stand in for
 (`data_movement.DataMovements.exact`, on the group's worker). Each rank runs the same calls on
 fresh "loco" groups: every call through Python (no runner), every call the runner can serve
 served, the runner declining at random (half its calls, a different draw per rank, so the ranks'
@@ -26,9 +26,9 @@ from tests.support.ranks import run_ranks
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
 
 STEPS = 24
-MOVES_PER_STEP = 5
+MOVES_PER_STEP = 6
 """The data movements `_moves` issues each step: two all-gathers into a tensor, an all-gather
-into a list, two broadcasts."""
+into a list, two broadcasts, an all-to-all."""
 
 
 def _moves(rank, world, gloo, variant, config):
@@ -69,6 +69,13 @@ def _moves(rank, world, gloo, variant, config):
         h = torch.randn(2048, generator=gen).to(torch.bfloat16)
         dist.broadcast(h, src=0, group=pg, async_op=True).wait()
         outputs += [b, small, h]
+        # even steps: equal splits; odd ones: rank r sends r + j + 1 rows to rank j
+        splits = [] if step % 2 == 0 else [rank + j + 1 for j in range(world)]
+        rows = 2 * world if not splits else sum(splits)
+        sent = torch.randn(rows, 3, generator=gen)
+        received = torch.empty(rows, 3)
+        dist.all_to_all_single(received, sent, splits or None, splits or None, group=pg)
+        outputs.append(received)
     state = {
         "tag": next(pg._queue._issued),
         "next_seq": pg._compressed.agreement.next_seq(),
@@ -156,10 +163,12 @@ def _python_calls(rank, world, gloo):
     pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16))
     x, out = torch.ones(256), torch.empty(256 * world)
     parts = [torch.empty(256) for _ in range(world)]
+    rows, received = torch.ones(world, 256), torch.empty(world, 256)
     calls = {
         "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(out, x, group=g),
         "all_gather": lambda g: dist.all_gather(parts, x, group=g),
         "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
+        "all_to_all_single": lambda g: dist.all_to_all_single(received, rows, group=g),
     }
     events = {"call": 0}
 
@@ -182,6 +191,6 @@ def _python_calls(rank, world, gloo):
 
 def test_a_served_data_movement_runs_no_more_python_than_gloo_does():
     for counts, served in run_ranks(_python_calls, 2):
-        assert served == 3 * 21
-        for name in ("all_gather_into_tensor", "all_gather", "broadcast"):
+        assert served == 4 * 21
+        for name in ("all_gather_into_tensor", "all_gather", "broadcast", "all_to_all_single"):
             assert counts[name, True] <= counts[name, False], (name, counts)

@@ -367,9 +367,9 @@ def test_compressed_cuda_places_are_taken_by_the_device_runner():
 
 
 def _cuda_moves(rank, world, gloo, decline):
-    """All-gathers into a tensor and a list and broadcasts of CUDA tensors on a "loco" group, as
-    the same calls on the gloo group give them on CPU tensors; the device runner's served data
-    movements."""
+    """All-gathers into a tensor and a list, broadcasts and all-to-alls (equal splits and
+    uneven ones) of CUDA tensors on a "loco" group, as the same calls on the gloo group give
+    them on CPU tensors; the device runner's served data movements."""
     device = spawn.gpu_device(rank)
     pg = dist.new_group(backend="loco")
     if decline:
@@ -388,7 +388,12 @@ def _cuda_moves(rank, world, gloo, decline):
             dist.all_gather(parts, torch.arange(7, device=on) * (rank + 1) + step, group=group)
             b = x.to(on).to(torch.bfloat16)
             dist.broadcast(b, src=step % world, group=group)
-            gathered[group is pg] = [out.cpu(), *(p.cpu() for p in parts), b.cpu()]
+            splits = [] if step % 2 == 0 else [rank + j + 1 for j in range(world)]
+            sent = x[:2 * world if not splits else sum(splits)].to(on)
+            received = torch.empty_like(sent)
+            dist.all_to_all_single(received, sent, splits or None, splits or None, group=group)
+            gathered[group is pg] = [out.cpu(), *(p.cpu() for p in parts), b.cpu(),
+                                     received.cpu()]
         same.append(all(torch.equal(a, b) for a, b in zip(gathered[True], gathered[False],
                                                            strict=True)))
     torch.cuda.synchronize(device)
@@ -397,12 +402,12 @@ def _cuda_moves(rank, world, gloo, decline):
 
 @pytest.mark.parametrize("decline", [0.0, 0.5])
 def test_cuda_data_movements_are_served_by_the_device_runner(decline):
-    """CUDA all-gathers (into a tensor, synchronous or not, and into a list) and broadcasts
-    are the group's device runner's (`backend/csrc/runner_moves.h`: NCCL's own call and Work,
+    """CUDA all-gathers (into a tensor, synchronous or not, and into a list), broadcasts and
+    all-to-alls are the group's device runner's (`backend/csrc/runner_moves.h`: NCCL's own call and Work,
     served in C++), NCCL's results bit for bit (gloo's on the same CPU tensors); and the same
     where the runner declines half of them at random, a different draw per rank. Two ranks (the
     suite's `plans` phase)."""
-    moves = 6 * 3  # a step's all-gathers into a tensor and into a list, and its broadcast
+    moves = 6 * 4  # a step's all-gathers into a tensor and into a list, broadcast, all-to-all
     for same, served in _ranks(_cuda_moves, 2, decline):
         assert all(same), same
         assert (served == moves) if not decline else (0 < served < moves), served

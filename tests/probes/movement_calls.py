@@ -1,7 +1,8 @@
 """Python function calls per exact data movement on every Python thread of the process, on a
 "loco" group against the gloo group's own call: an all-gather into one tensor
 (``dist.all_gather_into_tensor``: FSDP's parameter gathers), an all-gather into a list
-(``dist.all_gather``) and a broadcast (``dist.broadcast``: DDP's buffers), each of one tensor.
+(``dist.all_gather``), a broadcast (``dist.broadcast``: DDP's buffers) and an all-to-all
+(``dist.all_to_all_single``: a mixture of experts' tokens), each of one tensor.
 Feeds docs/host-time.md ("Data movements"); counted, not timed, so any load on the machine
 leaves the counts as they are; tests/tools/test_movement_calls.py runs it (``-m slow``).
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 """This checkout, put first on ``sys.path`` (the ranks import its package)."""
 
 WAYS = ("gloo", "loco", "python")
-COLLECTIVES = ("all_gather_into_tensor", "all_gather", "broadcast")
+COLLECTIVES = ("all_gather_into_tensor", "all_gather", "broadcast", "all_to_all_single")
 
 
 def _rank(rank: int, world: int, calls: int, elements: int) -> dict[str, dict[str, float]]:
@@ -53,10 +54,12 @@ def _rank(rank: int, world: int, calls: int, elements: int) -> dict[str, dict[st
     groups["python"]._runner = steady_runner.NoRunner()
     x, out = torch.ones(elements), torch.empty(world * elements)
     parts = [torch.empty(elements) for _ in range(world)]
+    rows, received = torch.ones(world, elements), torch.empty(world, elements)
     issue = {
         "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(out, x, group=g),
         "all_gather": lambda g: dist.all_gather(parts, x, group=g),
         "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
+        "all_to_all_single": lambda g: dist.all_to_all_single(received, rows, group=g),
     }
     result: dict[str, dict[str, float]] = {}
     for collective in COLLECTIVES:

@@ -1,6 +1,6 @@
 """`tests/probes/movement_calls.py`: run the script on two local ranks and check what it prints:
-the runner serves every all-gather and broadcast, whose Python calls on every thread are then
-gloo's own, where the Python path's run on the group's worker and waiter too."""
+the runner serves every all-gather, broadcast and all-to-all, whose Python calls on every thread
+are then gloo's own, where the Python path's run on the group's worker and waiter too."""
 
 import re
 import subprocess
@@ -21,7 +21,8 @@ def test_served_data_movements_run_gloos_python_calls_on_every_thread():
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        for collective in ("all_gather_into_tensor", "all_gather", "broadcast"):
+        for collective in ("all_gather_into_tensor", "all_gather", "broadcast",
+                           "all_to_all_single"):
             line = re.search(rf"rank {rank} {collective}: gloo (\S+), loco (\S+), python (\S+) "
                              r"\(served (\d+)\)", done.stdout)
             assert line is not None, done.stdout

@@ -1,6 +1,7 @@
 // GroupMethod: one reduction method of a "loco" group (`allreduce`, `reduce_scatter_single`,
 // `_reduce_scatter_base`, `reduce_scatter_single_coalesced`), or one of its data movements
-// (`_allgather_base`, `allgather`, `broadcast`: `MovementMethod`, `BroadcastMethod`), as a C++
+// (`_allgather_base`, `allgather`, `broadcast`, `alltoall_base`: `MovementMethod`,
+// `BroadcastMethod`, `AllToAllMethod`), as a C++
 // callable that lowbitcc/backend/steady_runner.py's `install`
 // puts in the group's instance dict, where every caller finds it before the class's Python
 // method: Python's (`dist.all_reduce` calls `group.allreduce`, `dist.reduce_scatter_tensor`
@@ -211,6 +212,22 @@ class __attribute__((visibility("hidden"))) BroadcastMethod : public GroupMethod
   py::object operator()(py::handle tensors, py::handle opts) {
     return call([&](SteadyRunner& runner) { return runner.serve_broadcast(tensors, opts); },
                 tensors, opts);
+  }
+};
+
+// `group.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)` (and
+// `all_to_all_single`, the class's name of it): as `MovementMethod`.
+class __attribute__((visibility("hidden"))) AllToAllMethod : public GroupMethod {
+ public:
+  using GroupMethod::GroupMethod;
+
+  py::object operator()(py::handle output, py::handle input, py::handle output_splits,
+                        py::handle input_splits, py::handle opts) {
+    return call(
+        [&](SteadyRunner& runner) {
+          return runner.serve_all_to_all(output, input, output_splits, input_splits, opts);
+        },
+        output, input, output_splits, input_splits, opts);
   }
 };
 

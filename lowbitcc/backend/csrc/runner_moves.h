@@ -1,8 +1,9 @@
 // A group's exact data movements served in C++ (steady_runner.h's `SteadyRunner`: its members
 // here are declared there): an all-gather into one tensor (`_allgather_base`, as
 // `dist.all_gather_into_tensor` issues it: FSDP's parameter gathers), an all-gather into a list
-// (`allgather`, `dist.all_gather`) and a broadcast (`broadcast`, `dist.broadcast`: DDP's
-// buffers), each of one tensor, as `data_movement.DataMovements.exact` runs them: counted in the
+// (`allgather`, `dist.all_gather`), a broadcast (`broadcast`, `dist.broadcast`: DDP's buffers)
+// and an all-to-all of one tensor (`alltoall_base`, `dist.all_to_all_single`: a mixture of
+// experts' tokens), each of one tensor, as `data_movement.DataMovements.exact` runs them: counted in the
 // statistics (one exact call, the bytes of its first argument: the outputs; `ServedCounts`),
 // then the inner backend's own call with the caller's options, the GIL released.
 //
@@ -21,8 +22,8 @@
 // Served only where neither backend can refuse the arguments at issue (where either would, the
 // Python path takes the call and the error reaches its Work, as before): plain dense tensors of
 // the runner's device type, contiguous, of one dtype gloo moves (`moved_dtype`), sizes that
-// match the group's (an output of `world_` inputs), the exact options types, a root rank of the
-// group; a call from the main thread (CPU; a device runner: any thread) outside any future's
+// match the group's (an output of `world_` inputs; an all-to-all's splits, `splits_fit`), the
+// exact options types, a root rank of the group; a call from the main thread (CPU; a device runner: any thread) outside any future's
 // callback, while the group is open and its watchdog has not ended it. Anything else is "not
 // mine" (None) with nothing changed. Included by steady_runner.h after the class.
 #pragma once
@@ -103,6 +104,62 @@ inline py::object SteadyRunner::serve_broadcast(py::handle tensors_obj, py::hand
   }
   std::vector<at::Tensor> tensors{THPVariable_Unpack(item.ptr())};
   return serve_move(tensors, tensors[0], [&] { return inner_->broadcast(tensors, options); });
+}
+
+inline py::object SteadyRunner::serve_all_to_all(py::handle output_obj, py::handle input_obj,
+                                                 py::handle output_splits, py::handle input_splits,
+                                                 py::handle opts) {
+  c10d::AllToAllOptions options;
+  if (!options_of(opts, alltoall_options_type_, options) || !moved(output_obj) ||
+      !moved(input_obj)) {
+    return py::none();
+  }
+  at::Tensor output = THPVariable_Unpack(output_obj.ptr());
+  at::Tensor input = THPVariable_Unpack(input_obj.ptr());
+  std::vector<int64_t> out_splits, in_splits;
+  if (output.scalar_type() != input.scalar_type() || output.dim() == 0 || input.dim() == 0 ||
+      output.sizes().slice(1) != input.sizes().slice(1) ||
+      !splits_fit(output_splits, output, out_splits) ||
+      !splits_fit(input_splits, input, in_splits) ||
+      (out_splits.empty() && in_splits.empty() && output.numel() != input.numel()) ||
+      !moves_here()) {
+    return py::none();
+  }
+  return serve_move({output}, output, [&] {
+    return inner_->alltoall_base(output, input, out_splits, in_splits, options);
+  });
+}
+
+// Whether `splits` (an all-to-all's split sizes: a list of ints) fit `tensor` as gloo and NCCL
+// check them (c10d's `checkSplitSizes`): none, and its first dimension a multiple of the group's
+// ranks; or one per rank, none negative, summing to its first dimension. Fills `sizes`.
+inline bool SteadyRunner::splits_fit(py::handle splits, const at::Tensor& tensor,
+                                     std::vector<int64_t>& sizes) const {
+  if (!PyList_Check(splits.ptr())) {
+    return false;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(splits.ptr());
+  if (n == 0) {
+    return tensor.size(0) % world_ == 0;
+  }
+  if (n != world_) {
+    return false;
+  }
+  int64_t sum = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(splits.ptr(), i);
+    if (!PyLong_CheckExact(item)) {
+      return false;
+    }
+    int overflow = 0;
+    const long long size = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0 || size < 0) {
+      return false;
+    }
+    sizes.push_back(size);
+    sum += size;
+  }
+  return sum == tensor.size(0);
 }
 
 // The options of a data movement: the default where `opts` is None, else `opts` itself where it

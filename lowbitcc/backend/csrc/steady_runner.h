@@ -103,6 +103,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         reduce_scatter_options_type_(objects["reduce_scatter_options_type"]),
         allgather_options_type_(objects["allgather_options_type"]),
         broadcast_options_type_(objects["broadcast_options_type"]),
+        alltoall_options_type_(objects["alltoall_options_type"]),
         plan_core_(objects["plan_core"]),
         cpu_device_(objects["cpu_device"]),
         encoder_thread_(objects["encoder_thread"]),
@@ -284,10 +285,13 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   }
 
   // The group's data movements (runner_moves.h): `_allgather_base(output, input, opts)`,
-  // `allgather(outputs, inputs, opts)`, `broadcast(tensors, opts)`: their Work, or None.
+  // `allgather(outputs, inputs, opts)`, `broadcast(tensors, opts)`, `alltoall_base(output,
+  // input, output_split_sizes, input_split_sizes, opts)`: their Work, or None.
   py::object serve_all_gather_base(py::handle output, py::handle input, py::handle opts);
   py::object serve_all_gather(py::handle outputs, py::handle inputs, py::handle opts);
   py::object serve_broadcast(py::handle tensors, py::handle opts);
+  py::object serve_all_to_all(py::handle output, py::handle input, py::handle output_splits,
+                              py::handle input_splits, py::handle opts);
 
  private:
   // What `steady_place` found: the entry, and what its run counts.
@@ -383,6 +387,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   template <typename Options>
   static bool options_of(py::handle opts, const py::object& type, Options& options);
   bool moved(py::handle obj) const;
+  bool splits_fit(py::handle splits, const at::Tensor& tensor, std::vector<int64_t>& sizes) const;
   static bool moved_dtype(at::ScalarType type);
   bool moves_here();
   template <typename Issue>
@@ -399,7 +404,7 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   py::object schedule_, compressed_, agreement_, issuer_, queue_, followed_, state_;
   py::object logical_bytes_, mode_stack_, key_stack_, policy_lock_, callback_context_;
   py::object tensor_type_, allreduce_options_type_, reduce_scatter_options_type_;
-  py::object allgather_options_type_, broadcast_options_type_;
+  py::object allgather_options_type_, broadcast_options_type_, alltoall_options_type_;
   py::object plan_core_, cpu_device_, encoder_thread_, sums_of_;
   at::Tensor sums_;
   // what its calls counted in the statistics (its Python object, which they watch), and the

@@ -2,7 +2,7 @@
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
 // plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
 // `AllReduceMethod`, `ReduceScatterMethod`, `ReduceScatterCoalescedMethod`, `AllGatherBaseMethod`,
-// `AllGatherMethod` and `BroadcastMethod` group_method.h's,
+// `AllGatherMethod`, `BroadcastMethod` and `AllToAllMethod` group_method.h's,
 // `IssueLane` issue_lane.h's, `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
 #include "group_method.h"
@@ -127,6 +127,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   group_method<lowbitcc::BroadcastMethod>(m, "BroadcastMethod")
       .def("__call__", &lowbitcc::BroadcastMethod::operator(), py::arg("tensors"),
            py::arg("opts") = py::none(), "The group's `broadcast`: as `AllGatherBaseMethod`.");
+  group_method<lowbitcc::AllToAllMethod>(m, "AllToAllMethod")
+      .def("__call__", &lowbitcc::AllToAllMethod::operator(), py::arg("output"), py::arg("input"),
+           py::arg("output_split_sizes"), py::arg("input_split_sizes"),
+           py::arg("opts") = py::none(), "The group's `alltoall_base`: as `AllGatherBaseMethod`.");
   py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
       .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
       .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),
