@@ -184,7 +184,7 @@ class NoRunner:
     """The runner of a group without one (see the module docstring): every call is "not
     mine"."""
 
-    served = served_compressed = 0
+    served = served_compressed = served_moves = 0
 
     @staticmethod
     def fold_timings() -> None:

@@ -20,7 +20,8 @@
 // `device_runner`) on the group's inner gloo group, where the worker is idle, as the CPU runner.
 //
 // Served only where neither backend can refuse the arguments at issue (where either would, the
-// Python path takes the call and the error reaches its Work, as before): plain dense tensors of
+// Python path takes the call and the error reaches its Work, as before; an error either raises
+// at issue for other reasons, a broken connection, the served call raises at once): plain dense tensors of
 // the runner's device type, contiguous, of one dtype gloo moves (`moved_dtype`), sizes that
 // match the group's (an output of `world_` inputs; an all-to-all's splits, `splits_fit`), the
 // exact options types, a root rank of the group; a call from the main thread (CPU; a device runner: any thread) outside any future's
@@ -47,11 +48,16 @@ inline py::object SteadyRunner::serve_all_gather_base(py::handle output_obj, py:
   }
   at::Tensor output = THPVariable_Unpack(output_obj.ptr());
   at::Tensor input = THPVariable_Unpack(input_obj.ptr());
-  if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * world_ ||
-      !moves_here()) {
+  // (gloo cuts the output into `world_` pieces along its first dimension, each of the input's
+  // shape: a stacked output, or a 0-d input, it refuses; NCCL takes any of the right size,
+  // which the Python path then runs)
+  if (output.scalar_type() != input.scalar_type() || input.dim() == 0 ||
+      output.dim() != input.dim() || output.size(0) != input.size(0) * world_ ||
+      output.sizes().slice(1) != input.sizes().slice(1) || !moves_here()) {
     return py::none();
   }
-  return serve_move({output}, output, [&] { return inner_->_allgather_base(output, input, options); });
+  return serve_move({output}, output,
+                    [&] { return inner_->_allgather_base(output, input, options); });
 }
 
 inline py::object SteadyRunner::serve_all_gather(py::handle outputs_obj, py::handle inputs_obj,
