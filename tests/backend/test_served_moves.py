@@ -46,6 +46,7 @@ def _moves(rank, world, gloo, variant, config):
         runner.decline_at_random(0.5, 1000 * world + rank)
     gen = torch.Generator().manual_seed(rank)
     outputs = []
+    all_to_alls = 0  # (served)
     for step in range(STEPS):
         x = torch.randn(1000 + step % 3, generator=gen)  # (three sizes: new places, then steady)
         out = torch.empty(world * x.numel())
@@ -74,12 +75,15 @@ def _moves(rank, world, gloo, variant, config):
         h = torch.randn(2048, generator=gen).to(torch.bfloat16)
         dist.broadcast(h, src=0, group=pg, async_op=True).wait()
         outputs += [b, small, h]
-        # even steps: equal splits; odd ones: rank r sends r + j + 1 rows to rank j
-        splits = [] if step % 2 == 0 else [rank + j + 1 for j in range(world)]
-        rows = 2 * world if not splits else sum(splits)
-        sent = torch.randn(rows, 3, generator=gen)
-        received = torch.empty(rows, 3)
-        dist.all_to_all_single(received, sent, splits or None, splits or None, group=pg)
+        # even steps: equal splits; odd ones: rank r sends 2r + j + 1 rows to rank j (a rank j=0
+        # among them receives none where it is told to), as a mixture of experts' tokens
+        sends = [2 * rank + j + 1 for j in range(world)] if step % 2 else None
+        receives = [2 * j + rank + 1 for j in range(world)] if step % 2 else None
+        sent = torch.randn(sum(sends) if sends else 2 * world, 3, generator=gen)
+        received = torch.empty(sum(receives) if receives else 2 * world, 3)
+        before = getattr(runner, "served_moves", 0)
+        dist.all_to_all_single(received, sent, receives, sends, group=pg)
+        all_to_alls += getattr(runner, "served_moves", 0) - before
         outputs.append(received)
     state = {
         "tag": next(pg._queue._issued),
@@ -90,7 +94,7 @@ def _moves(rank, world, gloo, variant, config):
                   for cat in ("exact", "compressed")},
     }
     return {"outputs": outputs, "state": state,
-            "served": getattr(runner, "served_moves", 0)}
+            "served": getattr(runner, "served_moves", 0), "all_to_alls": all_to_alls}
 
 
 def _runs(rank, world, gloo, config):
@@ -127,6 +131,7 @@ def test_data_movements_served_in_cpp_and_by_python_at_random_leave_the_same_sta
         # served: all but those that met the worker busy (a place's first runs, renewals)
         for whole, mixed in (("native", "mixed"), ("device", "device-mixed")):
             assert moves // 2 < runs[whole]["served"] <= moves, (rank, whole)
+            assert STEPS // 2 < runs[whole]["all_to_alls"] <= STEPS, (rank, whole)
             assert 0 < runs[mixed]["served"] < runs[whole]["served"], (rank, mixed)
 
 
@@ -150,11 +155,22 @@ def _not_served(rank, world, gloo):
     dist.all_gather(parts, x, group=pg)
     counts["strided"] = pg._runner.served_moves
     raised = {}
-    for case, output in (("wrong size", torch.empty(64 * world + 1)),
-                         ("stacked", torch.empty(world, 64))):  # (gloo's pieces: [1, 64])
-        work = dist.all_gather_into_tensor(output, x, group=pg, async_op=True)
-        try:  # the Python path's: gloo's error at the Work's wait
-            work.wait()
+    rows = torch.ones(4 * world, 2)
+    calls = {  # (an all-gather's output gloo cuts into pieces of the wrong shape)
+        "wrong size": lambda: dist.all_gather_into_tensor(torch.empty(64 * world + 1), x,
+                                                          group=pg, async_op=True),
+        "stacked": lambda: dist.all_gather_into_tensor(torch.empty(world, 64), x, group=pg,
+                                                       async_op=True),
+        # an all-to-all's splits: one too many; not the rows there are
+        "splits of too many ranks": lambda: dist.all_to_all_single(
+            torch.empty_like(rows), rows, [1] * (world + 1), [1] * (world + 1), group=pg,
+            async_op=True),
+        "splits of other rows": lambda: dist.all_to_all_single(
+            torch.empty_like(rows), rows, [1] * world, [1] * world, group=pg, async_op=True),
+    }
+    for case, call in calls.items():
+        try:  # the Python path's error (gloo's, at the Work's wait; or torch's wrapper's)
+            call().wait()
         except Exception as exc:  # noqa: BLE001 (whatever gloo raises)
             raised[case] = type(exc).__name__
         counts[case] = pg._runner.served_moves
@@ -164,8 +180,10 @@ def _not_served(rank, world, gloo):
 def test_data_movements_the_runner_cannot_serve_take_the_python_path():
     for counts, raised, gathered in run_ranks(_not_served, 2):
         assert counts == {"check_all": 0, "param_bits": 0, "param_bits broadcast": 1,
-                          "strided": 0, "wrong size": 0, "stacked": 0}
-        assert set(raised) == {"wrong size", "stacked"}, raised
+                          "strided": 0, "wrong size": 0, "stacked": 0,
+                          "splits of too many ranks": 0, "splits of other rows": 0}
+        assert set(raised) == set(counts) - {"check_all", "param_bits", "param_bits broadcast",
+                                             "strided"}, raised
         assert gathered
 
 

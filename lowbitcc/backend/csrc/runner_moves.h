@@ -19,12 +19,13 @@
 // back (none: `synced_`'s, of the outputs); its CPU test bed (steady_runner.py's
 // `device_runner`) on the group's inner gloo group, where the worker is idle, as the CPU runner.
 //
-// Served only where neither backend can refuse the arguments at issue (where either would, the
-// Python path takes the call and the error reaches its Work, as before; an error either raises
-// at issue for other reasons, a broken connection, the served call raises at once): plain dense tensors of
-// the runner's device type, contiguous, of one dtype gloo moves (`moved_dtype`), sizes that
-// match the group's (an output of `world_` inputs; an all-to-all's splits, `splits_fit`), the
-// exact options types, a root rank of the group; a call from the main thread (CPU; a device runner: any thread) outside any future's
+// Served only where neither backend can refuse the arguments, at issue or when the call runs
+// (where either would, the Python path takes the call and the error reaches its Work, as
+// before; what a backend raises at issue for another reason, a connection lost, a served call
+// raises at once): plain dense tensors of the runner's device type, on one device, contiguous,
+// of one dtype gloo moves (`moved_dtype`), sizes that match the group's (an output of `world_`
+// inputs; an all-to-all's splits, `splits_fit`), the exact options types, a root rank of the
+// group; a call from the main thread (CPU; a device runner: any thread) outside any future's
 // callback, while the group is open and its watchdog has not ended it. Anything else is "not
 // mine" (None) with nothing changed. Included by steady_runner.h after the class.
 #pragma once
@@ -51,8 +52,8 @@ inline py::object SteadyRunner::serve_all_gather_base(py::handle output_obj, py:
   // (gloo cuts the output into `world_` pieces along its first dimension, each of the input's
   // shape: a stacked output, or a 0-d input, it refuses; NCCL takes any of the right size,
   // which the Python path then runs)
-  if (output.scalar_type() != input.scalar_type() || input.dim() == 0 ||
-      output.dim() != input.dim() || output.size(0) != input.size(0) * world_ ||
+  if (output.scalar_type() != input.scalar_type() || output.device() != input.device() ||
+      input.dim() == 0 || output.dim() != input.dim() || output.size(0) != input.size(0) * world_ ||
       output.sizes().slice(1) != input.sizes().slice(1) || !moves_here()) {
     return py::none();
   }
@@ -82,7 +83,8 @@ inline py::object SteadyRunner::serve_all_gather(py::handle outputs_obj, py::han
       return py::none();
     }
     const at::Tensor& out = THPVariable_Unpack(item.ptr());
-    if (out.scalar_type() != input.scalar_type() || out.sizes() != input.sizes()) {
+    if (out.scalar_type() != input.scalar_type() || out.device() != input.device() ||
+        out.sizes() != input.sizes()) {
       return py::none();
     }
     outputs.push_back(out);
@@ -123,7 +125,8 @@ inline py::object SteadyRunner::serve_all_to_all(py::handle output_obj, py::hand
   at::Tensor output = THPVariable_Unpack(output_obj.ptr());
   at::Tensor input = THPVariable_Unpack(input_obj.ptr());
   std::vector<int64_t> out_splits, in_splits;
-  if (output.scalar_type() != input.scalar_type() || output.dim() == 0 || input.dim() == 0 ||
+  if (output.scalar_type() != input.scalar_type() || output.device() != input.device() ||
+      output.dim() == 0 || input.dim() == 0 ||
       output.sizes().slice(1) != input.sizes().slice(1) ||
       !splits_fit(output_splits, output, out_splits) ||
       !splits_fit(input_splits, input, in_splits) ||
@@ -136,9 +139,11 @@ inline py::object SteadyRunner::serve_all_to_all(py::handle output_obj, py::hand
   });
 }
 
-// Whether `splits` (an all-to-all's split sizes: a list of ints) fit `tensor` as gloo and NCCL
-// check them (c10d's `checkSplitSizes`): none, and its first dimension a multiple of the group's
-// ranks; or one per rank, none negative, summing to its first dimension. Fills `sizes`.
+// Whether `splits` (an all-to-all's split sizes: a list of ints) fit `tensor` as c10d's
+// `checkSplitSizes` checks them (NCCL at issue, gloo when the call runs): none, and its first
+// dimension a multiple of the group's ranks; or one per rank summing to its first dimension,
+// none negative (which neither checks, and which would make the transfers' lengths wrong).
+// Fills `sizes`.
 inline bool SteadyRunner::splits_fit(py::handle splits, const at::Tensor& tensor,
                                      std::vector<int64_t>& sizes) const {
   if (!PyList_Check(splits.ptr())) {
@@ -151,6 +156,7 @@ inline bool SteadyRunner::splits_fit(py::handle splits, const at::Tensor& tensor
   if (n != world_) {
     return false;
   }
+  sizes.reserve(n);
   int64_t sum = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(splits.ptr(), i);
@@ -159,7 +165,7 @@ inline bool SteadyRunner::splits_fit(py::handle splits, const at::Tensor& tensor
     }
     int overflow = 0;
     const long long size = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow != 0 || size < 0) {
+    if (overflow != 0 || size < 0 || size > tensor.size(0) - sum) {  // (the sum bounded: no wrap)
       return false;
     }
     sizes.push_back(size);
