@@ -2,8 +2,8 @@
 // here are declared there): an all-gather into one tensor (`_allgather_base`, as
 // `dist.all_gather_into_tensor` issues it: FSDP's parameter gathers), an all-gather into a list
 // (`allgather`, `dist.all_gather`), a broadcast (`broadcast`, `dist.broadcast`: DDP's buffers)
-// and an all-to-all of one tensor (`alltoall_base`, `dist.all_to_all_single`: a mixture of
-// experts' tokens), each of one tensor, as `data_movement.DataMovements.exact` runs them: counted in the
+// and an all-to-all (`alltoall_base`, `dist.all_to_all_single`: a mixture of experts' tokens),
+// each of one tensor, as `data_movement.DataMovements.exact` runs them: counted in the
 // statistics (one exact call, the bytes of its first argument: the outputs; `ServedCounts`),
 // then the inner backend's own call with the caller's options, the GIL released.
 //
