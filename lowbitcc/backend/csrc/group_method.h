@@ -1,8 +1,7 @@
 // GroupMethod: one reduction method of a "loco" group (`allreduce`, `reduce_scatter_single`,
 // `_reduce_scatter_base`, `reduce_scatter_single_coalesced`), or one of its data movements
-// (`_allgather_base`, `allgather`, `broadcast`, `alltoall_base`: `MovementMethod`,
-// `BroadcastMethod`, `AllToAllMethod`), as a C++
-// callable that lowbitcc/backend/steady_runner.py's `install`
+// (`_allgather_base`, `allgather`, `broadcast`, `alltoall_base`), as a C++ callable that
+// lowbitcc/backend/steady_runner.py's `install`
 // puts in the group's instance dict, where every caller finds it before the class's Python
 // method: Python's (`dist.all_reduce` calls `group.allreduce`, `dist.reduce_scatter_tensor`
 // `group._reduce_scatter_base`) and, for `allreduce` and `reduce_scatter_single_coalesced`,
@@ -140,28 +139,33 @@ class __attribute__((visibility("hidden"))) GroupMethod {
   py::object set_eval_frame_;
 };
 
-// `group.allreduce(tensors, opts)`: the runner's Work, else the Python method's result.
-class __attribute__((visibility("hidden"))) AllReduceMethod : public GroupMethod {
+// A method whose call the runners serve by `Serve` (their method of the same arguments, each a
+// Python object as the caller passed it): the runner's Work, else the Python method's result.
+template <auto Serve>
+class ServedMethod;
+
+template <typename... Handles, py::object (SteadyRunner::*Serve)(Handles...)>
+class __attribute__((visibility("hidden"))) ServedMethod<Serve> : public GroupMethod {
  public:
   using GroupMethod::GroupMethod;
 
-  py::object operator()(py::handle tensors, py::handle opts) {
-    return call([&](SteadyRunner& runner) { return runner.serve_all_reduce(tensors, opts); },
-                tensors, opts);
+  py::object operator()(Handles... args) {
+    return call([&](SteadyRunner& runner) { return (runner.*Serve)(args...); }, args...);
   }
 };
 
-// `group.reduce_scatter_single(output, input, opts)` (and `_reduce_scatter_base`): as above.
-class __attribute__((visibility("hidden"))) ReduceScatterMethod : public GroupMethod {
- public:
-  using GroupMethod::GroupMethod;
-
-  py::object operator()(py::handle output, py::handle input, py::handle opts) {
-    return call(
-        [&](SteadyRunner& runner) { return runner.serve_reduce_scatter(output, input, opts); },
-        output, input, opts);
-  }
-};
+// `group.allreduce(tensors, opts)`.
+using AllReduceMethod = ServedMethod<&SteadyRunner::serve_all_reduce>;
+// `group.reduce_scatter_single(output, input, opts)` (and `_reduce_scatter_base`).
+using ReduceScatterMethod = ServedMethod<&SteadyRunner::serve_reduce_scatter>;
+// The data movements (runner_moves.h): `group._allgather_base(output, input, opts)` (and
+// `all_gather_single`, the class's name of it), `group.allgather(outputs, inputs, opts)`,
+// `group.broadcast(tensors, opts)`, `group.alltoall_base(output, input, output_split_sizes,
+// input_split_sizes, opts)` (and `all_to_all_single`).
+using AllGatherBaseMethod = ServedMethod<&SteadyRunner::serve_all_gather_base>;
+using AllGatherMethod = ServedMethod<&SteadyRunner::serve_all_gather>;
+using BroadcastMethod = ServedMethod<&SteadyRunner::serve_broadcast>;
+using AllToAllMethod = ServedMethod<&SteadyRunner::serve_all_to_all>;
 
 // `group.reduce_scatter_single_coalesced(outputs, inputs, opts)` (and the older
 // `reduce_scatter_tensor_coalesced`), as c10d's C++ callers issue a reduce-scatter (the
@@ -183,51 +187,6 @@ class __attribute__((visibility("hidden"))) ReduceScatterCoalescedMethod : publi
                                              PyList_GET_ITEM(inputs.ptr(), 0), opts);
         },
         outputs, inputs, opts);
-  }
-};
-
-// `group._allgather_base(output, input, opts)` (and `all_gather_single`, the class's name of
-// it), `group.allgather(outputs, inputs, opts)` and `group.broadcast(tensors, opts)`: a data
-// movement the runner serves (runner_moves.h), else the Python method's; `Serve` is the
-// runner's method of it.
-template <py::object (SteadyRunner::*Serve)(py::handle, py::handle, py::handle)>
-class __attribute__((visibility("hidden"))) MovementMethod : public GroupMethod {
- public:
-  using GroupMethod::GroupMethod;
-
-  py::object operator()(py::handle first, py::handle second, py::handle opts) {
-    return call([&](SteadyRunner& runner) { return (runner.*Serve)(first, second, opts); },
-                first, second, opts);
-  }
-};
-
-using AllGatherBaseMethod = MovementMethod<&SteadyRunner::serve_all_gather_base>;
-using AllGatherMethod = MovementMethod<&SteadyRunner::serve_all_gather>;
-
-// `group.broadcast(tensors, opts)`: as `MovementMethod`.
-class __attribute__((visibility("hidden"))) BroadcastMethod : public GroupMethod {
- public:
-  using GroupMethod::GroupMethod;
-
-  py::object operator()(py::handle tensors, py::handle opts) {
-    return call([&](SteadyRunner& runner) { return runner.serve_broadcast(tensors, opts); },
-                tensors, opts);
-  }
-};
-
-// `group.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)` (and
-// `all_to_all_single`, the class's name of it): as `MovementMethod`.
-class __attribute__((visibility("hidden"))) AllToAllMethod : public GroupMethod {
- public:
-  using GroupMethod::GroupMethod;
-
-  py::object operator()(py::handle output, py::handle input, py::handle output_splits,
-                        py::handle input_splits, py::handle opts) {
-    return call(
-        [&](SteadyRunner& runner) {
-          return runner.serve_all_to_all(output, input, output_splits, input_splits, opts);
-        },
-        output, input, output_splits, input_splits, opts);
   }
 };
 

@@ -174,20 +174,6 @@ inline bool SteadyRunner::splits_fit(py::handle splits, const at::Tensor& tensor
   return sum == tensor.size(0);
 }
 
-// The options of a data movement: the default where `opts` is None, else `opts` itself where it
-// is of exactly `type` (c10d's; a subclass: the Python path's); false where it is not.
-template <typename Options>
-inline bool SteadyRunner::options_of(py::handle opts, const py::object& type, Options& options) {
-  if (opts.is_none()) {
-    return true;
-  }
-  if (Py_TYPE(opts.ptr()) != reinterpret_cast<PyTypeObject*>(type.ptr())) {
-    return false;
-  }
-  options = opts.cast<Options>();
-  return true;
-}
-
 // A tensor a served data movement moves: plain, dense, of the runner's device type (as
 // `plain_on_device`), contiguous, of a dtype gloo moves.
 inline bool SteadyRunner::moved(py::handle obj) const {
@@ -219,12 +205,8 @@ inline bool SteadyRunner::moved_dtype(at::ScalarType type) {
 // Whether a data movement whose arguments serve is the runner's now (the file's comment): the
 // calling thread, the group and its watchdog, the worker's queue and lane, the test switch.
 inline bool SteadyRunner::moves_here() {
-  if ((device_type_ == c10::DeviceType::CPU && PyThread_get_thread_ident() != main_thread_) ||
-      py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {
+  if (!serves_this_thread()) {
     return false;
-  }
-  if (!watchdog_.is_none() && !watchdog_.attr(LOWBITCC_NAME("dead")).is_none()) {
-    return false;  // (`Watchdog.check` raises on the Python path)
   }
   if (!queue_.is_none()) {  // the worker issues the Python path's (`DataMovements.exact`)
     if (moves_checked_ || py::bool_(queue_.attr(LOWBITCC_NAME("_closed"))) ||

@@ -33,13 +33,7 @@ inline bool SteadyRunner::steady_place(const py::str& collective, const at::Tens
 inline bool SteadyRunner::steady_place_or_raise(const py::str& collective, const at::Tensor& like,
                                                 int64_t numel, c10d::ReduceOp::RedOpType op,
                                                 Steady& steady, bool waited, bool renewed) {
-  // `call_entry.takes_place`: a CPU call only from the main thread, none from a callback
-  if ((device_type_ == c10::DeviceType::CPU && PyThread_get_thread_ident() != main_thread_) ||
-      py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {  // (a tag: 64 bits, unsigned)
-    return false;
-  }
-  // `Watchdog.check`: a group the watchdog ended raises at every call, on the Python path
-  if (!watchdog_.is_none() && !watchdog_.attr(LOWBITCC_NAME("dead")).is_none()) {
+  if (!serves_this_thread()) {
     return false;
   }
   if (py::cast<int64_t>(schedule_.attr(LOWBITCC_NAME("_open"))) != 0) {

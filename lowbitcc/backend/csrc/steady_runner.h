@@ -1,10 +1,11 @@
 // SteadyRunner: a CPU reduction that runs as its place's entry, served in C++ from the group's
-// own Python objects (lowbitcc/backend/steady_runner.py builds it). A CUDA group's *device
-// runner* is one too, of CUDA tensors, which serves only exact entries, on the inner NCCL
-// backend, from any thread but a callback's (runner_device.h; what differs from the CPU runner
-// is said where it differs: `own_work_`, `device_type_`, `device_name_`, `canary_`, `synced_`,
-// `watchdog_`), and takes the places of compressed entries, whose runs are the Python path's
-// (`reductions_`); the rest of this comment is the CPU runner's.
+// own Python objects (lowbitcc/backend/steady_runner.py builds it); and the group's exact data
+// movements of one tensor (runner_moves.h). A CUDA group's *device runner* is one too, of CUDA
+// tensors, which serves exact entries and data movements on the inner NCCL backend, from any
+// thread but a callback's (runner_device.h; what differs from the CPU runner is said where it
+// differs: `own_work_`, `device_type_`, `device_name_`, `canary_`, `synced_`, `watchdog_`), and
+// takes the places of compressed entries, whose runs are the Python path's (`reductions_`); the
+// rest of this comment is the CPU runner's reductions'.
 //
 // `serve_all_reduce` and `serve_reduce_scatter` are what `LocoProcessGroup`'s methods call
 // first. Each either serves the call whole or answers None ("not mine") having changed nothing,
@@ -190,11 +191,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
       return py::none();
     }
     c10d::AllreduceOptions options;
-    if (!opts.is_none()) {
-      if (Py_TYPE(opts.ptr()) != reinterpret_cast<PyTypeObject*>(allreduce_options_type_.ptr())) {
-        return py::none();
-      }
-      options = opts.cast<c10d::AllreduceOptions>();
+    if (!options_of(opts, allreduce_options_type_, options)) {
+      return py::none();
     }
     py::handle item = PyList_GET_ITEM(tensors.ptr(), 0);
     if (!plain_on_device(item)) {
@@ -238,14 +236,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `LocoProcessGroup.reduce_scatter_single(output, input, opts)`: its Work, or None.
   py::object serve_reduce_scatter(py::handle output_obj, py::handle input_obj, py::handle opts) {
     c10d::ReduceScatterOptions options;
-    if (!opts.is_none()) {
-      if (Py_TYPE(opts.ptr()) !=
-          reinterpret_cast<PyTypeObject*>(reduce_scatter_options_type_.ptr())) {
-        return py::none();
-      }
-      options = opts.cast<c10d::ReduceScatterOptions>();
-    }
-    if (!plain_on_device(input_obj) || !plain_on_device(output_obj)) {
+    if (!options_of(opts, reduce_scatter_options_type_, options) ||
+        !plain_on_device(input_obj) || !plain_on_device(output_obj)) {
       return py::none();
     }
     at::Tensor input = THPVariable_Unpack(input_obj.ptr());
@@ -309,6 +301,31 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
     std::shared_ptr<PlanCore> core;  // a compressed entry's plan core; null: an exact entry
     at::Tensor output;  // a reduce-scatter's (undefined: an all-reduce's)
   };
+
+  // A call's c10d options: the default where `opts` is None, else `opts` itself where it is of
+  // exactly `type` (c10d's; a subclass: the Python path's); false where it is not.
+  template <typename Options>
+  static bool options_of(py::handle opts, const py::object& type, Options& options) {
+    if (opts.is_none()) {
+      return true;
+    }
+    if (Py_TYPE(opts.ptr()) != reinterpret_cast<PyTypeObject*>(type.ptr())) {
+      return false;
+    }
+    options = opts.cast<Options>();
+    return true;
+  }
+
+  // Whether the calling thread's calls may be served now: a CPU call only from the main thread
+  // (`call_entry.takes_place`), none from a future's callback, none once the group's watchdog
+  // ended it (`Watchdog.check`: such a group raises at every call, on the Python path).
+  bool serves_this_thread() const {
+    if ((device_type_ == c10::DeviceType::CPU && PyThread_get_thread_ident() != main_thread_) ||
+        py::bool_(callback_context_.attr(LOWBITCC_NAME("parent")))) {  // (a tag: 64 bits)
+      return false;
+    }
+    return watchdog_.is_none() || watchdog_.attr(LOWBITCC_NAME("dead")).is_none();
+  }
 
   // A plain (not a subclass) dense torch.Tensor on the runner's device type.
   bool plain_on_device(py::handle obj) const {
@@ -384,8 +401,6 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
                     bool checked = true);
 
   // A data movement's checks and its serving (runner_moves.h).
-  template <typename Options>
-  static bool options_of(py::handle opts, const py::object& type, Options& options);
   bool moved(py::handle obj) const;
   bool splits_fit(py::handle splits, const at::Tensor& tensor, std::vector<int64_t>& sizes) const;
   static bool moved_dtype(at::ScalarType type);
