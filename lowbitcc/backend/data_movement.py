@@ -1,16 +1,16 @@
 """`DataMovements`: the exact calls of a "loco" group that move data (and its exact `reduce`).
 
-Broadcast, the all-gathers, gather, scatter, all-to-all, barrier, reduce and point to point
-go to the group's inner gloo group as they are (CUDA tensors: to its inner NCCL group, issued
-at once by `cuda_issue.CudaIssuer`), so they are gloo's (NCCL's) results bit for bit. CPU calls
-are queued in issue order on the group's worker (`issue_queue`); under ``check_all`` they
-exchange a call descriptor first (`CompressedCalls.checked`), and a call whose arguments this
-rank refuses takes part in that exchange flagged invalid (`refuse`), so that every rank raises.
-The one compressed data movement, the ``param_bits`` all-gather, is here too (`GatherCall`:
-after the descriptor exchange, every rank wanting it compressed, `schedules.gather`: one encode
-of this rank's flat input, one all-gather of codes, one decode of every rank's codes into the
-output; no error feedback: parameters are not accumulated). The process group's c10d methods
-delegate here; but an all-gather or broadcast of one tensor that the group's runner serves
+Broadcast, the all-gathers, gather, scatter, all-to-all, barrier, reduce and point to point go
+to the group's inner gloo group as they are (CUDA tensors: to its inner NCCL group, issued at
+once by `cuda_issue.CudaIssuer`), so they are gloo's (NCCL's) results bit for bit. CPU calls are
+queued in issue order on the group's worker (`issue_queue`); under ``check_all`` they exchange a
+call descriptor first (`CompressedCalls.checked`), and a call whose arguments this rank refuses
+takes part in that exchange flagged invalid (`refuse`), so that every rank raises. The one
+compressed data movement, the ``param_bits`` all-gather, is here too (`GatherCall`: after the
+descriptor exchange, every rank wanting it compressed, `schedules.gather`: one encode of this
+rank's flat input, one all-gather of codes, one decode of every rank's codes into the output; no
+error feedback: parameters are not accumulated). The process group's c10d methods delegate here;
+but an all-gather, broadcast or all-to-all of one tensor that the group's runner serves
 (`steady_runner`, ``backend/csrc/runner_moves.h``: the same count and the inner group's own
 call, from the calling thread where the worker would issue it at once) does not come here.
 """

@@ -1,15 +1,14 @@
 """The steady call in C++: `runner` builds a group's ``SteadyRunner``
 (``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce`` and
-reduce-scatters, and its all-gathers and broadcast (`METHODS`), in its instance dict as C++
-callables (``backend/csrc/group_method.h``) that ask the runner first, so that a steady call runs
-no Python frame between c10d's caller and the wire (``dist.all_reduce`` and
+reduce-scatters, and its all-gathers, broadcast and all-to-all (`METHODS`), in its instance dict
+as C++ callables (``backend/csrc/group_method.h``) that ask the runner first, so that a steady
+call runs no Python frame between c10d's caller and the wire (``dist.all_reduce`` and
 ``dist.reduce_scatter_tensor`` from Python; through pybind's trampoline DDP's reducer and the
 functional all-reduce and reduce-scatter, which reach ``allreduce`` and
 ``reduce_scatter_single_coalesced``, also put there); every other call goes on to the class's
-Python method. Whoever replaces one of them on
-a group must use a Python callable: pybind's trampoline takes a C function for "not
-overridden" and keeps that for the whole class (every group's calls from C++ would then go to
-its inner gloo group).
+Python method. Whoever replaces one of them on a group must use a Python callable: pybind's
+trampoline takes a C function for "not overridden" and keeps that for the whole class (every
+group's calls from C++ would then go to its inner gloo group).
 
 A CPU reduction in the steady state of its place (`reductions`) is served whole by the runner,
 without a Python frame, where it is:
