@@ -12,14 +12,14 @@ most data movements; a served one runs no more Python calls than gloo's own."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import lowbitcc
 from lowbitcc.backend import native, steady_runner
+from lowbitcc.tools import spawn
+from tests.probes import movement_calls
 from tests.support.device_runners import cpu_device_runner
 from tests.support.ranks import run_ranks
 
@@ -187,40 +187,13 @@ def test_data_movements_the_runner_cannot_serve_take_the_python_path():
         assert gathered
 
 
-def _python_calls(rank, world, gloo):
-    """Python calls ("call" events on the calling thread, `sys.setprofile`) per data movement
-    on the gloo group and on a "loco" group whose runner serves it."""
-    pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16))
-    x, out = torch.ones(256), torch.empty(256 * world)
-    parts = [torch.empty(256) for _ in range(world)]
-    rows, received = torch.ones(world, 256), torch.empty(world, 256)
-    calls = {
-        "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(out, x, group=g),
-        "all_gather": lambda g: dist.all_gather(parts, x, group=g),
-        "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
-        "all_to_all_single": lambda g: dist.all_to_all_single(received, rows, group=g),
-    }
-    events = {"call": 0}
-
-    def count(frame, event, arg):
-        if event in events:
-            events[event] += 1
-
-    counts = {}
-    for name, call in calls.items():
-        for group in (gloo, pg):
-            call(group)  # (first calls: imports, caches)
-            events["call"] = 0
-            sys.setprofile(count)
-            for _ in range(20):
-                call(group)
-            sys.setprofile(None)
-            counts[name, group is pg] = events["call"] / 20
-    return counts, pg._runner.served_moves
-
-
 def test_a_served_data_movement_runs_no_more_python_than_gloo_does():
-    for counts, served in run_ranks(_python_calls, 2):
-        assert served == 4 * 21
-        for name in ("all_gather_into_tensor", "all_gather", "broadcast", "all_to_all_single"):
-            assert counts[name, True] <= counts[name, False], (name, counts)
+    """Python calls per served data movement on every thread (`tests/probes/movement_calls.py`'s
+    count, 20 calls of each): gloo's own, and fewer than the Python path's."""
+    for result in spawn.run_ranks(movement_calls._rank, 2, 20, 256, backend="gloo",
+                                  timeout_s=120):
+        for name in movement_calls.COLLECTIVES:
+            loco, gloo = result[f"{name} loco"], result[f"{name} gloo"]
+            assert loco["served"] == 20, (name, result)
+            assert loco["calls"] <= gloo["calls"] < result[f"{name} python"]["calls"], (
+                name, result)
