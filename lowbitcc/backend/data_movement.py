@@ -10,9 +10,10 @@ compressed data movement, the ``param_bits`` all-gather, is here too (`GatherCal
 descriptor exchange, every rank wanting it compressed, `schedules.gather`: one encode of this
 rank's flat input, one all-gather of codes, one decode of every rank's codes into the output; no
 error feedback: parameters are not accumulated). The process group's c10d methods delegate here;
-but an all-gather, broadcast or all-to-all of one tensor that the group's runner serves
-(`steady_runner`, ``backend/csrc/runner_moves.h``: the same count and the inner group's own
-call, from the calling thread where the worker would issue it at once) does not come here.
+but an all-gather, broadcast, all-to-all or point-to-point call of one tensor that the group's
+runner serves (`steady_runner`, ``backend/csrc/runner_moves.h``: the same count and the inner
+group's own call, from the calling thread where the worker would issue it at once) does not
+come here.
 """
 
 from __future__ import annotations

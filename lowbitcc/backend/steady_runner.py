@@ -1,8 +1,8 @@
 """The steady call in C++: `runner` builds a group's ``SteadyRunner``
 (``backend/csrc/steady_runner.h``), and `install` puts the group's ``allreduce`` and
-reduce-scatters, and its all-gathers, broadcast and all-to-all (`METHODS`), in its instance dict
-as C++ callables (``backend/csrc/group_method.h``) that ask the runner first, so that a steady
-call runs no Python frame between c10d's caller and the wire (``dist.all_reduce`` and
+reduce-scatters, and its all-gathers, broadcast, all-to-all, sends and receives (`METHODS`), in its
+instance dict as C++ callables (``backend/csrc/group_method.h``) that ask the runner first, so that
+a steady call runs no Python frame between c10d's caller and the wire (``dist.all_reduce`` and
 ``dist.reduce_scatter_tensor`` from Python; through pybind's trampoline DDP's reducer and the
 functional all-reduce and reduce-scatter, which reach ``allreduce`` and
 ``reduce_scatter_single_coalesced``, also put there); every other call goes on to the class's
@@ -37,14 +37,17 @@ the runner is a `NoRunner` and every call takes the Python path.
 
 A data movement of one tensor (``_allgather_base``: ``dist.all_gather_into_tensor``, FSDP's
 parameter gathers; ``allgather``: ``dist.all_gather``; ``broadcast``: DDP's buffers;
-``alltoall_base``: ``dist.all_to_all_single``, a mixture of experts' tokens) is served
+``alltoall_base``: ``dist.all_to_all_single``, a mixture of experts' tokens), and a
+point-to-point call (``send``, ``recv``, ``recv_anysource``: a pipeline's stages) is served
 whole by the runner too (``backend/csrc/runner_moves.h``), as `data_movement.DataMovements.exact`
 runs it: counted in the statistics, then the inner gloo group's own call, started by the calling
 thread (the main thread) with the GIL released where the group's worker would start it at once
 (nothing queued on it or its issue lane: the call keeps its issue order), and its
-``FollowedWork``; not where the group exchanges a descriptor before each data movement
-(``check_all``) nor a ``param_bits`` all-gather, nor arguments gloo would refuse (the Python
-path's error then reaches the call's Work, as before).
+``FollowedWork`` (a receive's waited for once: gloo's own waits for another message at each
+``wait``); not where the group exchanges a descriptor before each collective data movement
+(``check_all``; a point-to-point call exchanges none) nor a ``param_bits`` all-gather, nor
+arguments gloo would refuse (the Python path's error then reaches the call's Work, as
+before).
 
 A CUDA group has a second runner, its *device runner* (`device_runner`, the group's
 ``_device_runner``; ``backend/csrc/runner_device.h``): a ``SteadyRunner`` of CUDA tensors over
@@ -198,7 +201,10 @@ METHODS = ({"allreduce": "AllReduceMethod"},
            {"all_gather_single": "AllGatherBaseMethod", "_allgather_base": "AllGatherBaseMethod"},
            {"allgather": "AllGatherMethod"},
            {"broadcast": "BroadcastMethod"},
-           {"all_to_all_single": "AllToAllMethod", "alltoall_base": "AllToAllMethod"})
+           {"all_to_all_single": "AllToAllMethod", "alltoall_base": "AllToAllMethod"},
+           {"send": "SendMethod"},
+           {"recv": "RecvMethod"},
+           {"recv_anysource": "RecvAnysourceMethod"})
 """The group's methods `install` puts in C++, by name: the C++ class of each
 (``backend/csrc/group_method.h``), in families whose Python methods route through one another
 (the class's ``reduce_scatter_single`` through its ``reduce_scatter_single_coalesced``) or are

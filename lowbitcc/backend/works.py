@@ -307,7 +307,9 @@ def native_followed() -> type | None:
         def get_future(self) -> torch.futures.Future:
             future = self.__dict__.get("_future")
             if future is None:
-                future = self._future = completed_later(self.queue, self.tag, self.inner,
+                # (the waiter waits on this Work: a point-to-point call's inner Work is waited
+                # for once, followed_work.h)
+                future = self._future = completed_later(self.queue, self.tag, self,
                                                         self.outputs, self.checked)
             return future
 

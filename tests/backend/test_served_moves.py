@@ -1,5 +1,6 @@
 """A group's data movements served in C++ (``backend/csrc/runner_moves.h``: ``_allgather_base``,
-``allgather``, ``broadcast`` and ``alltoall_base`` of one tensor) against the Python path they stand in for
+``allgather``, ``broadcast`` and ``alltoall_base`` of one tensor, ``send``, ``recv`` and
+``recv_anysource``) against the Python path they stand in for
 (`data_movement.DataMovements.exact`, on the group's worker). Each rank runs the same calls on
 fresh "loco" groups: every call through Python (no runner), every call the runner can serve
 served, the runner declining at random (half its calls, a different draw per rank, so the ranks'
@@ -26,9 +27,10 @@ from tests.support.ranks import run_ranks
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ module cannot be built here")
 
 STEPS = 24
-MOVES_PER_STEP = 6
+MOVES_PER_STEP = 10
 """The data movements `_moves` issues each step: two all-gathers into a tensor, an all-gather
-into a list, two broadcasts, an all-to-all."""
+into a list, two broadcasts, an all-to-all, two sends, a receive and a receive from any
+source."""
 
 
 def _moves(rank, world, gloo, variant, config):
@@ -46,7 +48,7 @@ def _moves(rank, world, gloo, variant, config):
         runner.decline_at_random(0.5, 1000 * world + rank)
     gen = torch.Generator().manual_seed(rank)
     outputs = []
-    all_to_alls = 0  # (served)
+    all_to_alls = points = 0  # (served: all-to-alls, point-to-point calls)
     for step in range(STEPS):
         x = torch.randn(1000 + step % 3, generator=gen)  # (three sizes: new places, then steady)
         out = torch.empty(world * x.numel())
@@ -85,6 +87,21 @@ def _moves(rank, world, gloo, variant, config):
         dist.all_to_all_single(received, sent, receives, sends, group=pg)
         all_to_alls += getattr(runner, "served_moves", 0) - before
         outputs.append(received)
+        # a pipeline's stages: each rank sends to the next and receives from the one before
+        # (tagged by step), then receives from any source what the one before sends
+        after, before = (rank + 1) % world, (rank - 1) % world
+        before_points = getattr(runner, "served_moves", 0)
+        got = torch.empty(17)
+        sending = dist.isend(torch.full((17,), float(rank * 10 + step)), after, group=pg,
+                             tag=step)
+        dist.irecv(got, before, group=pg, tag=step).wait()
+        sending.wait()
+        anywhere = torch.empty(3, dtype=torch.int64)
+        sending = dist.isend(torch.arange(3) + rank + step, after, group=pg)
+        source = dist.recv(anywhere, group=pg)
+        sending.wait()
+        points += getattr(runner, "served_moves", 0) - before_points
+        outputs += [got, anywhere, torch.tensor(source)]
     state = {
         "tag": next(pg._queue._issued),
         "next_seq": pg._compressed.agreement.next_seq(),
@@ -94,7 +111,8 @@ def _moves(rank, world, gloo, variant, config):
                   for cat in ("exact", "compressed")},
     }
     return {"outputs": outputs, "state": state,
-            "served": getattr(runner, "served_moves", 0), "all_to_alls": all_to_alls}
+            "served": getattr(runner, "served_moves", 0), "all_to_alls": all_to_alls,
+            "points": points}
 
 
 def _runs(rank, world, gloo, config):
@@ -132,19 +150,60 @@ def test_data_movements_served_in_cpp_and_by_python_at_random_leave_the_same_sta
         for whole, mixed in (("native", "mixed"), ("device", "device-mixed")):
             assert moves // 2 < runs[whole]["served"] <= moves, (rank, whole)
             assert STEPS // 2 < runs[whole]["all_to_alls"] <= STEPS, (rank, whole)
+            assert 2 * STEPS < runs[whole]["points"] <= 4 * STEPS, (rank, whole)
             assert 0 < runs[mixed]["served"] < runs[whole]["served"], (rank, mixed)
+
+
+def _point_to_point(rank, world, gloo):
+    """A receive's Work, the Python path's (queued) and the runner's (served), as a caller sees
+    it: waited for twice, complete after, its future's value, its sender, and a send's."""
+    seen = {}
+    for way in ("python", "native"):
+        pg = dist.new_group(backend="loco")
+        if way == "python":
+            pg._runner = steady_runner.NoRunner()
+        after, before = (rank + 1) % world, (rank - 1) % world
+        got = torch.empty(4)
+        receiving = dist.irecv(got, before, group=pg, tag=7)
+        sending = dist.isend(torch.arange(4.0) * (rank + 1), after, group=pg, tag=7)
+        waits = [receiving.wait(), receiving.wait(), sending.wait(), sending.wait()]
+        value = [t.tolist() for t in receiving.get_future().wait()]
+        seen[way] = {"waits": waits, "completed": [receiving.is_completed(),
+                                                   sending.is_completed()],
+                     "value": value, "got": got.tolist(), "source": receiving._source_rank(),
+                     "success": receiving.is_success() and sending.exception() is None,
+                     "served": getattr(pg._runner, "served_moves", 0)}
+    return seen
+
+
+def test_a_served_point_to_point_call_is_waited_for_once_and_keeps_the_python_paths_work():
+    """gloo's own receive waits for another message at each ``wait``: a served one waits once,
+    and its Work reads as the Python path's."""
+    for rank, seen in enumerate(run_ranks(_point_to_point, 3)):
+        assert seen["native"]["served"] == 2 and seen["python"]["served"] == 0
+        del seen["native"]["served"], seen["python"]["served"]
+        assert seen["native"] == seen["python"], rank
+        assert seen["native"]["got"] == [i * ((rank - 1) % 3 + 1) for i in range(4)]
+        assert seen["native"]["value"] == [seen["native"]["got"]]
+        assert seen["native"]["source"] == (rank - 1) % 3
 
 
 def _not_served(rank, world, gloo):
     """Data movements the runner must leave to the Python path: under ``check_all`` (each
-    exchanges a descriptor), a ``param_bits`` all-gather, a non-contiguous output, sizes gloo
-    refuses; their served counts and what each call raised."""
+    exchanges a descriptor; a point-to-point call exchanges none, and is served), a
+    ``param_bits`` all-gather, a non-contiguous output, sizes or peers gloo refuses; their
+    served counts and what each call raised."""
     counts = {}
     pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16, check_all=True))
     x, out = torch.ones(64), torch.empty(64 * world)
     dist.all_gather_into_tensor(out, x, group=pg)
     dist.broadcast(x, src=0, group=pg)
     counts["check_all"] = pg._runner.served_moves
+    after, before = (rank + 1) % world, (rank - 1) % world
+    sending = dist.isend(x, after, group=pg)
+    dist.recv(torch.empty(64), before, group=pg)
+    sending.wait()
+    counts["check_all point to point"] = pg._runner.served_moves
     pg = dist.new_group(backend="loco", pg_options=lowbitcc.LocoConfig(min_size=16, param_bits=8))
     dist.all_gather_into_tensor(out, x, group=pg)
     counts["param_bits"] = pg._runner.served_moves
@@ -167,6 +226,9 @@ def _not_served(rank, world, gloo):
             async_op=True),
         "splits of other rows": lambda: dist.all_to_all_single(
             torch.empty_like(rows), rows, [1] * world, [1] * world, group=pg, async_op=True),
+        # a send to this rank itself; of a strided tensor (c10d's wrapper lets both through)
+        "send to itself": lambda: pg.send([x], rank, 0),
+        "strided send": lambda: pg.send([torch.ones(64, 2)[:, 0]], after, 0),
     }
     for case, call in calls.items():
         try:  # the Python path's error (gloo's, at the Work's wait; or torch's wrapper's)
@@ -179,10 +241,12 @@ def _not_served(rank, world, gloo):
 
 def test_data_movements_the_runner_cannot_serve_take_the_python_path():
     for counts, raised, gathered in run_ranks(_not_served, 2):
-        assert counts == {"check_all": 0, "param_bits": 0, "param_bits broadcast": 1,
-                          "strided": 0, "wrong size": 0, "stacked": 0,
-                          "splits of too many ranks": 0, "splits of other rows": 0}
-        assert set(raised) == set(counts) - {"check_all", "param_bits", "param_bits broadcast",
+        assert counts == {"check_all": 0, "check_all point to point": 2, "param_bits": 0,
+                          "param_bits broadcast": 1, "strided": 0, "wrong size": 0,
+                          "stacked": 0, "splits of too many ranks": 0,
+                          "splits of other rows": 0, "send to itself": 0, "strided send": 0}
+        assert set(raised) == set(counts) - {"check_all", "check_all point to point",
+                                             "param_bits", "param_bits broadcast",
                                              "strided"}, raised
         assert gathered
 
@@ -194,6 +258,7 @@ def test_a_served_data_movement_runs_no_more_python_than_gloo_does():
                                   timeout_s=120):
         for name in movement_calls.COLLECTIVES:
             loco, gloo = result[f"{name} loco"], result[f"{name} gloo"]
-            assert loco["served"] == 20, (name, result)
+            assert loco["served"] == 20 * movement_calls.CALLS_PER_ISSUE.get(name, 1), (
+                name, result)
             assert loco["calls"] <= gloo["calls"] < result[f"{name} python"]["calls"], (
                 name, result)

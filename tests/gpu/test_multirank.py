@@ -367,9 +367,10 @@ def test_compressed_cuda_places_are_taken_by_the_device_runner():
 
 
 def _cuda_moves(rank, world, gloo, decline):
-    """All-gathers into a tensor and a list, broadcasts and all-to-alls (equal splits and
-    uneven ones) of CUDA tensors on a "loco" group, as the same calls on the gloo group give
-    them on CPU tensors; the device runner's served data movements."""
+    """All-gathers into a tensor and a list, broadcasts, all-to-alls (equal splits and
+    uneven ones) and a send to the next rank with a receive from the one before of CUDA tensors
+    on a "loco" group, as the same calls on the gloo group give them on CPU tensors; the device
+    runner's served data movements."""
     device = spawn.gpu_device(rank)
     pg = dist.new_group(backend="loco")
     if decline:
@@ -392,8 +393,14 @@ def _cuda_moves(rank, world, gloo, decline):
             sent = x[:2 * world if not splits else sum(splits)].to(on)
             received = torch.empty_like(sent)
             dist.all_to_all_single(received, sent, splits or None, splits or None, group=group)
+            got = torch.empty(33, device=on)  # (even ranks send first: NCCL's sends block)
+            for turn in (rank % 2, 1 - rank % 2):
+                if turn == 0:
+                    dist.send(x[:33].to(on), (rank + 1) % world, group=group)
+                else:
+                    dist.recv(got, (rank - 1) % world, group=group)
             gathered[group is pg] = [out.cpu(), *(p.cpu() for p in parts), b.cpu(),
-                                     received.cpu()]
+                                     received.cpu(), got.cpu()]
         same.append(all(torch.equal(a, b) for a, b in zip(gathered[True], gathered[False],
                                                            strict=True)))
     torch.cuda.synchronize(device)
@@ -402,12 +409,12 @@ def _cuda_moves(rank, world, gloo, decline):
 
 @pytest.mark.parametrize("decline", [0.0, 0.5])
 def test_cuda_data_movements_are_served_by_the_device_runner(decline):
-    """CUDA all-gathers (into a tensor, synchronous or not, and into a list), broadcasts and
-    all-to-alls are the group's device runner's (`backend/csrc/runner_moves.h`: NCCL's own call and Work,
-    served in C++), NCCL's results bit for bit (gloo's on the same CPU tensors); and the same
-    where the runner declines half of them at random, a different draw per rank. Two ranks (the
-    suite's `plans` phase)."""
-    moves = 6 * 4  # a step's all-gathers into a tensor and into a list, broadcast, all-to-all
+    """CUDA all-gathers (into a tensor, synchronous or not, and into a list), broadcasts,
+    all-to-alls, sends and receives are the group's device runner's
+    (`backend/csrc/runner_moves.h`: NCCL's own call and Work, served in C++), NCCL's results bit
+    for bit (gloo's on the same CPU tensors); and the same where the runner declines half of them
+    at random, a different draw per rank. Two ranks (the suite's `plans` phase)."""
+    moves = 6 * 6  # a step's all-gathers into a tensor and a list, broadcast, all-to-all, p2p
     for same, served in _ranks(_cuda_moves, 2, decline):
         assert all(same), same
         assert (served == moves) if not decline else (0 < served < moves), served

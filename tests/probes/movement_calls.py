@@ -1,12 +1,14 @@
 """Python function calls per exact data movement on every Python thread of the process, on a
 "loco" group against the gloo group's own call: an all-gather into one tensor
 (``dist.all_gather_into_tensor``: FSDP's parameter gathers), an all-gather into a list
-(``dist.all_gather``), a broadcast (``dist.broadcast``: DDP's buffers) and an all-to-all
-(``dist.all_to_all_single``: a mixture of experts' tokens), each of one tensor.
+(``dist.all_gather``), a broadcast (``dist.broadcast``: DDP's buffers), an all-to-all
+(``dist.all_to_all_single``: a mixture of experts' tokens), each of one tensor, and a pipeline
+stage's exchange (``send_recv``: ``dist.isend`` to the next rank and ``dist.irecv`` from the one
+before, both waited for: two calls, whose Python calls are counted together).
 Feeds docs/host-time.md ("Data movements"); counted, not timed, so any load on the machine
 leaves the counts as they are; tests/tools/test_movement_calls.py runs it (``-m slow``).
 
-A group's runner serves these in C++ (``backend/csrc/runner_moves.h``: the inner gloo group's own
+A group's runner serves them in C++ (``backend/csrc/runner_moves.h``: the inner gloo group's own
 call from the calling thread); a call it declines goes to the group's worker and waiter threads
 (`data_movement.DataMovements.exact`), whose Python is counted too: the profile function is set
 for every thread (``threading.setprofile``) before the groups and their threads are made, and
@@ -15,7 +17,7 @@ for the calling thread while it counts. Each rank runs ``--calls`` synchronous c
 ``gloo`` (a plain gloo group), ``loco`` (a "loco" group, the default settings) and ``python``
 (the same with its runner set aside: every call the Python path's). Printed per rank and
 collective: the Python calls ("call" events) per call of each way, with the calls the runner
-served.
+served (``send_recv``: two per exchange).
 
     python tests/probes/movement_calls.py [--calls 200] [--elements 65536]
 """
@@ -25,12 +27,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 """This checkout, put first on ``sys.path`` (the ranks import its package)."""
 
 WAYS = ("gloo", "loco", "python")
-COLLECTIVES = ("all_gather_into_tensor", "all_gather", "broadcast", "all_to_all_single")
+COLLECTIVES = ("all_gather_into_tensor", "all_gather", "broadcast", "all_to_all_single",
+               "send_recv")
+CALLS_PER_ISSUE = {"send_recv": 2}
+"""The calls of the group one issue of a collective makes, where not one."""
 
 
 def _rank(rank: int, world: int, calls: int, elements: int) -> dict[str, dict[str, float]]:
@@ -55,11 +61,19 @@ def _rank(rank: int, world: int, calls: int, elements: int) -> dict[str, dict[st
     x, out = torch.ones(elements), torch.empty(world * elements)
     parts = [torch.empty(elements) for _ in range(world)]
     rows, received = torch.ones(world, elements), torch.empty(world, elements)
+    after, before, got = (rank + 1) % world, (rank - 1) % world, torch.empty(elements)
+
+    def send_recv(group: Any) -> None:
+        sending = dist.isend(x, after, group=group)
+        dist.irecv(got, before, group=group).wait()
+        sending.wait()
+
     issue = {
         "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(out, x, group=g),
         "all_gather": lambda g: dist.all_gather(parts, x, group=g),
         "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
         "all_to_all_single": lambda g: dist.all_to_all_single(received, rows, group=g),
+        "send_recv": send_recv,
     }
     result: dict[str, dict[str, float]] = {}
     for collective in COLLECTIVES:

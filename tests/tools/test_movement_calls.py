@@ -1,6 +1,7 @@
 """`tests/probes/movement_calls.py`: run the script on two local ranks and check what it prints:
-the runner serves every all-gather, broadcast and all-to-all, whose Python calls on every thread
-are then gloo's own, where the Python path's run on the group's worker and waiter too."""
+the runner serves every all-gather, broadcast, all-to-all, send and receive, whose Python calls
+on every thread are then gloo's own, where the Python path's run on the group's worker and
+waiter too."""
 
 import re
 import subprocess
@@ -22,10 +23,11 @@ def test_served_data_movements_run_gloos_python_calls_on_every_thread():
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         for collective in ("all_gather_into_tensor", "all_gather", "broadcast",
-                           "all_to_all_single"):
+                           "all_to_all_single", "send_recv"):
             line = re.search(rf"rank {rank} {collective}: gloo (\S+), loco (\S+), python (\S+) "
                              r"\(served (\d+)\)", done.stdout)
             assert line is not None, done.stdout
             gloo, loco, python = (float(v) for v in line.groups()[:3])
-            assert int(line.group(4)) == 30, line.group(0)
+            assert int(line.group(4)) == 30 * (2 if collective == "send_recv" else 1), (
+                line.group(0))
             assert loco <= gloo < python - 20, line.group(0)

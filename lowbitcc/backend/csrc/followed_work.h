@@ -8,6 +8,16 @@
 // (lowbitcc/backend/deviated_output.py, whose `PROBE` and `MESSAGE` `set_deviation` hands over
 // once) is this Work's error instead: `wait` throws `DeviatedCallError` (raised in Python as the
 // class `set_deviation` names, `CollectiveMismatchError`), the future completes with it.
+//
+// A point-to-point call's (a gloo send, receive or receive from any source: runner_moves.h) is
+// waited for once: gloo's `RecvWork::wait` waits for another message at each call, so this
+// Work's `wait` has the inner one's waited for once, without a bound, and every `wait` waits for
+// that, up to its own bound (`wait_once`), then rethrows the inner Work's error. A wait that times
+// out leaves the call in flight, as a queued call's (works.py's `LocoWork.wait`).
+// Its completion is gloo's own (`isCompleted` true once waited); its `sourceRank` waits first,
+// as a queued receive's (works.py's `LocoWork._source_rank`); it has no C++ future (gloo's has
+// none), and its Python future is the waiter's (works.py's `native_followed`), which waits on this
+// Work.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -15,13 +25,16 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/isnan.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 #include <exception>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -78,7 +91,14 @@ class FollowedWork : public c10d::Work {
         inner_(std::move(inner)),
         outputs_(std::move(outputs)),
         tag_(tag),
-        checked_(checked) {}
+        checked_(checked),
+        once_(point_to_point(inner_->retrieveOpType())) {}
+
+  // Whether a Work of `type` is a point-to-point call's (the file's comment).
+  static bool point_to_point(c10d::OpType type) {
+    return type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+           type == c10d::OpType::RECVANYSOURCE;
+  }
 
   bool isCompleted() override { return inner_->isCompleted(); }
   bool isSuccess() const override { return inner_->isSuccess() && !deviated(); }
@@ -90,11 +110,20 @@ class FollowedWork : public c10d::Work {
     return error;
   }
   bool wait(std::chrono::milliseconds timeout) override {
+    if (once_) {
+      return wait_once(timeout);
+    }
     const bool done = inner_->wait(timeout);
     if (deviated(true)) {
       throw DeviatedCallError(deviation().message);
     }
     return done;
+  }
+  int sourceRank() const override {
+    if (once_ && inner_->retrieveOpType() != c10d::OpType::SEND) {
+      const_cast<FollowedWork*>(this)->wait_once(::kNoTimeout);  // (a receive's: once done)
+    }
+    return inner_->sourceRank();
   }
   void synchronize() override { inner_->synchronize(); }
   void abort() override { inner_->abort(); }
@@ -166,6 +195,51 @@ class FollowedWork : public c10d::Work {
     return verdict == 1;
   }
 
+  // A point-to-point call's wait (the file's comment): the inner Work waited for once, without
+  // a bound (gloo's timed wait, when it times out, fails every pair of its group), by the first
+  // thread that waits without one, or for a waiter with a bound by a thread of its own started
+  // then; every waiter waits for that one wait, up to its bound, and rethrows its error.
+  bool wait_once(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(wait_mutex_);
+    if (!waited_ && !waiting_) {
+      waiting_ = true;
+      if (timeout == ::kNoTimeout) {
+        lock.unlock();
+        wait_inner();
+        lock.lock();
+      } else {
+        std::thread([work = c10::intrusive_ptr<FollowedWork>::reclaim_copy(this)] {
+          work->wait_inner();
+        }).detach();
+      }
+    }
+    if (timeout == ::kNoTimeout) {
+      waited_cv_.wait(lock, [this] { return waited_; });
+    } else if (!waited_cv_.wait_for(lock, timeout, [this] { return waited_; })) {
+      C10_THROW_ERROR(DistBackendError,
+                      "lowbitcc: Work.wait timed out after " + std::to_string(timeout.count()) +
+                          " ms (the point-to-point call is still in flight; a peer may be "
+                          "stalled)");
+    }
+    if (std::exception_ptr error = inner_->exception()) {
+      std::rethrow_exception(error);
+    }
+    return true;
+  }
+
+  // `wait_once`'s one wait of the inner Work (its error kept by gloo: `exception()`).
+  void wait_inner() {
+    try {
+      inner_->wait();
+    } catch (...) {
+    }
+    {
+      std::lock_guard<std::mutex> lock(wait_mutex_);
+      waited_ = true;
+    }
+    waited_cv_.notify_all();
+  }
+
   uint64_t tag() const { return tag_; }
   bool checked() const { return checked_; }
   c10::intrusive_ptr<c10d::Work> inner() const { return inner_; }
@@ -179,6 +253,11 @@ class FollowedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool checked_;
   mutable std::atomic<int> verdict_{-1};  // `deviated`'s: -1 not read yet
+  const bool once_;  // a point-to-point call's (`wait_once`)
+  std::mutex wait_mutex_;  // `wait_once`'s: guards `waiting_` and `waited_`
+  std::condition_variable waited_cv_;  // notified once `waited_`
+  bool waiting_ = false;  // a thread waits on the inner Work (or has)
+  bool waited_ = false;  // the inner Work's wait has returned or thrown
 };
 
 }  // namespace lowbitcc

@@ -1,6 +1,7 @@
 // GroupMethod: one reduction method of a "loco" group (`allreduce`, `reduce_scatter_single`,
 // `_reduce_scatter_base`, `reduce_scatter_single_coalesced`), or one of its data movements
-// (`_allgather_base`, `allgather`, `broadcast`, `alltoall_base`), as a C++ callable that
+// (`_allgather_base`, `allgather`, `broadcast`, `alltoall_base`) or point-to-point calls (`send`,
+// `recv`, `recv_anysource`), as a C++ callable that
 // lowbitcc/backend/steady_runner.py's `install`
 // puts in the group's instance dict, where every caller finds it before the class's Python
 // method: Python's (`dist.all_reduce` calls `group.allreduce`, `dist.reduce_scatter_tensor`
@@ -166,6 +167,11 @@ using AllGatherBaseMethod = ServedMethod<&SteadyRunner::serve_all_gather_base>;
 using AllGatherMethod = ServedMethod<&SteadyRunner::serve_all_gather>;
 using BroadcastMethod = ServedMethod<&SteadyRunner::serve_broadcast>;
 using AllToAllMethod = ServedMethod<&SteadyRunner::serve_all_to_all>;
+// The point-to-point calls (runner_moves.h): `group.send(tensors, dst, tag)`,
+// `group.recv(tensors, src, tag)`, `group.recv_anysource(tensors, tag)`.
+using SendMethod = ServedMethod<&SteadyRunner::serve_send>;
+using RecvMethod = ServedMethod<&SteadyRunner::serve_recv>;
+using RecvAnysourceMethod = ServedMethod<&SteadyRunner::serve_recv_anysource>;
 
 // `group.reduce_scatter_single_coalesced(outputs, inputs, opts)` (and the older
 // `reduce_scatter_tensor_coalesced`), as c10d's C++ callers issue a reduce-scatter (the

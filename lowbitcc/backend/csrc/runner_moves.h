@@ -3,7 +3,8 @@
 // `dist.all_gather_into_tensor` issues it: FSDP's parameter gathers), an all-gather into a list
 // (`allgather`, `dist.all_gather`), a broadcast (`broadcast`, `dist.broadcast`: DDP's buffers)
 // and an all-to-all (`alltoall_base`, `dist.all_to_all_single`: a mixture of experts' tokens),
-// each of one tensor, as `data_movement.DataMovements.exact` runs them: counted in the
+// each of one tensor, and the point-to-point calls (`send`, `recv`, `recv_anysource`: pipeline
+// stages' activations), as `data_movement.DataMovements.exact` runs them: counted in the
 // statistics (one exact call, the bytes of its first argument: the outputs; `ServedCounts`),
 // then the inner backend's own call with the caller's options, the GIL released.
 //
@@ -12,9 +13,12 @@
 // would issue it at once: nothing queued on the worker (`IssueQueue._pending`) or its issue lane
 // (issue_lane.h), so the call keeps its issue order on every rank; and not where the group
 // exchanges a descriptor before each data movement (`CompressedCalls.checks_data_movement`,
-// `moves_checked_`) or an all-gather may travel as `param_bits` codes (`param_bits_`). Its Work
-// is the `FollowedWork` of the gloo call (tagged as the worker's Work; its value the outputs,
-// flattened), not read for a deviation. A device runner issues it on the inner NCCL group, as
+// `moves_checked_`; a point-to-point call exchanges none) or an all-gather may travel as
+// `param_bits` codes (`param_bits_`). Its Work is the `FollowedWork` of the gloo call (tagged as
+// the worker's Work; its value the outputs, flattened), not read for a deviation; a
+// point-to-point call's is waited for once (followed_work.h), its completion gloo's own (true
+// once waited, where the Python path's waiter completes a queued one when its message is in).
+// A device runner issues it on the inner NCCL group, as
 // `CudaIssuer.native` does: the group's watchdog asked once it is counted, NCCL's Work handed
 // back (none: `synced_`'s, of the outputs); its CPU test bed (steady_runner.py's
 // `device_runner`) on the group's inner gloo group, where the worker is idle, as the CPU runner.
@@ -25,13 +29,15 @@
 // raises at once): plain dense tensors of the runner's device type, on one device, contiguous,
 // of one dtype gloo moves (`moved_dtype`), sizes that match the group's (an output of `world_`
 // inputs; an all-to-all's splits, `splits_fit`), the exact options types, a root rank of the
-// group; a call from the main thread (CPU; a device runner: any thread) outside any future's
+// group, a peer rank of the group other than this rank's and a tag of a C int (a receive from
+// any source: CPU tensors, which NCCL cannot receive); a call from the main thread (CPU; a device runner: any thread) outside any future's
 // callback, while the group is open and its watchdog has not ended it. Anything else is "not
 // mine" (None) with nothing changed. Included by steady_runner.h after the class.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <climits>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -139,6 +145,57 @@ inline py::object SteadyRunner::serve_all_to_all(py::handle output_obj, py::hand
   });
 }
 
+inline py::object SteadyRunner::serve_send(py::handle tensors, py::handle dst, py::handle tag) {
+  return serve_point(Point::kSend, tensors, dst, tag);
+}
+
+inline py::object SteadyRunner::serve_recv(py::handle tensors, py::handle src, py::handle tag) {
+  return serve_point(Point::kRecv, tensors, src, tag);
+}
+
+inline py::object SteadyRunner::serve_recv_anysource(py::handle tensors, py::handle tag) {
+  return serve_point(Point::kRecvAnysource, tensors, py::none(), tag);
+}
+
+// A point-to-point call of `kind`: `tensors` a list of one tensor, `peer` the other rank (None: a
+// receive from any source), `tag` the call's tag (Python ints).
+inline py::object SteadyRunner::serve_point(Point kind, py::handle tensors_obj, py::handle peer_obj,
+                                            py::handle tag_obj) {
+  if (!PyList_Check(tensors_obj.ptr()) || PyList_GET_SIZE(tensors_obj.ptr()) != 1 ||
+      !PyLong_CheckExact(tag_obj.ptr()) ||
+      (kind == Point::kRecvAnysource ? device_type_ != c10::DeviceType::CPU
+                                     : !PyLong_CheckExact(peer_obj.ptr()))) {
+    return py::none();
+  }
+  int overflow = 0;
+  const long long tag = PyLong_AsLongLongAndOverflow(tag_obj.ptr(), &overflow);
+  if (overflow != 0 || tag < INT_MIN || tag > INT_MAX) {
+    return py::none();
+  }
+  long long peer = -1;
+  if (kind != Point::kRecvAnysource) {
+    peer = PyLong_AsLongLongAndOverflow(peer_obj.ptr(), &overflow);
+    if (overflow != 0 || peer < 0 || peer >= world_ || peer == inner_->getRank()) {
+      return py::none();
+    }
+  }
+  py::handle item = PyList_GET_ITEM(tensors_obj.ptr(), 0);
+  if (!moved(item) || !moves_here(false)) {
+    return py::none();
+  }
+  std::vector<at::Tensor> tensors{THPVariable_Unpack(item.ptr())};
+  return serve_move(tensors, tensors[0], [&] {
+    switch (kind) {
+      case Point::kSend:
+        return inner_->send(tensors, static_cast<int>(peer), static_cast<int>(tag));
+      case Point::kRecv:
+        return inner_->recv(tensors, static_cast<int>(peer), static_cast<int>(tag));
+      default:
+        return inner_->recvAnysource(tensors, static_cast<int>(tag));
+    }
+  });
+}
+
 // Whether `splits` (an all-to-all's split sizes: a list of ints) fit `tensor` as c10d's
 // `checkSplitSizes` checks them (NCCL at issue, gloo when the call runs): none, and its first
 // dimension a multiple of the group's ranks; or one per rank summing to its first dimension,
@@ -203,13 +260,14 @@ inline bool SteadyRunner::moved_dtype(at::ScalarType type) {
 }
 
 // Whether a data movement whose arguments serve is the runner's now (the file's comment): the
-// calling thread, the group and its watchdog, the worker's queue and lane, the test switch.
-inline bool SteadyRunner::moves_here() {
+// calling thread, the group and its watchdog, the worker's queue and lane, the test switch
+// (`described`: a call the group describes under `check_all`, which the Python path takes then).
+inline bool SteadyRunner::moves_here(bool described) {
   if (!serves_this_thread()) {
     return false;
   }
   if (!queue_.is_none()) {  // the worker issues the Python path's (`DataMovements.exact`)
-    if (moves_checked_ || py::bool_(queue_.attr(LOWBITCC_NAME("_closed"))) ||
+    if ((described && moves_checked_) || py::bool_(queue_.attr(LOWBITCC_NAME("_closed"))) ||
         queue_.attr(LOWBITCC_NAME("_pending")).cast<int64_t>() != 0 ||
         (lane_ && !lane_->idle())) {
       return false;

@@ -1,6 +1,6 @@
 // SteadyRunner: a CPU reduction that runs as its place's entry, served in C++ from the group's
 // own Python objects (lowbitcc/backend/steady_runner.py builds it); and the group's exact data
-// movements of one tensor (runner_moves.h). A CUDA group's *device runner* is one too, of CUDA
+// movements of one tensor and point-to-point calls (runner_moves.h). A CUDA group's *device runner* is one too, of CUDA
 // tensors, which serves exact entries and data movements on the inner NCCL backend, from any
 // thread but a callback's (runner_device.h; what differs from the CPU runner is said where it
 // differs: `own_work_`, `device_type_`, `device_name_`, `canary_`, `synced_`, `watchdog_`), and
@@ -284,6 +284,11 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   py::object serve_broadcast(py::handle tensors, py::handle opts);
   py::object serve_all_to_all(py::handle output, py::handle input, py::handle output_splits,
                               py::handle input_splits, py::handle opts);
+  // Its point-to-point calls (runner_moves.h): `send(tensors, dst, tag)`, `recv(tensors, src,
+  // tag)`, `recv_anysource(tensors, tag)`: their Work, or None.
+  py::object serve_send(py::handle tensors, py::handle dst, py::handle tag);
+  py::object serve_recv(py::handle tensors, py::handle src, py::handle tag);
+  py::object serve_recv_anysource(py::handle tensors, py::handle tag);
 
  private:
   // What `steady_place` found: the entry, and what its run counts.
@@ -404,7 +409,9 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   bool moved(py::handle obj) const;
   bool splits_fit(py::handle splits, const at::Tensor& tensor, std::vector<int64_t>& sizes) const;
   static bool moved_dtype(at::ScalarType type);
-  bool moves_here();
+  bool moves_here(bool described = true);
+  enum class Point { kSend, kRecv, kRecvAnysource };
+  py::object serve_point(Point kind, py::handle tensors, py::handle peer, py::handle tag);
   template <typename Issue>
   py::object serve_move(const std::vector<at::Tensor>& outputs, const at::Tensor& counted,
                         Issue&& issue, int64_t copies = 1);

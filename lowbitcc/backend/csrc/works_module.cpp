@@ -2,7 +2,8 @@
 // bindings. `FollowedWork` is followed_work.h's, `RunVerdict` feedback_slots.h's, `PlanCore`
 // plan_core.h's, `ServedCounts` served_counts.h's, `SteadyRunner` steady_runner.h's,
 // `AllReduceMethod`, `ReduceScatterMethod`, `ReduceScatterCoalescedMethod`, `AllGatherBaseMethod`,
-// `AllGatherMethod`, `BroadcastMethod` and `AllToAllMethod` group_method.h's,
+// `AllGatherMethod`, `BroadcastMethod`, `AllToAllMethod`, `SendMethod`, `RecvMethod` and
+// `RecvAnysourceMethod` group_method.h's,
 // `IssueLane` issue_lane.h's, `LaunchReplay` launch_replay.h's.
 #include "followed_work.h"
 #include "group_method.h"
@@ -131,6 +132,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &lowbitcc::AllToAllMethod::operator(), py::arg("output"), py::arg("input"),
            py::arg("output_split_sizes"), py::arg("input_split_sizes"),
            py::arg("opts") = py::none(), "The group's `alltoall_base`: as `AllGatherBaseMethod`.");
+  group_method<lowbitcc::SendMethod>(m, "SendMethod")
+      .def("__call__", &lowbitcc::SendMethod::operator(), py::arg("tensors"), py::arg("dst"),
+           py::arg("tag") = 0, "The group's `send`: as `AllGatherBaseMethod`.");
+  group_method<lowbitcc::RecvMethod>(m, "RecvMethod")
+      .def("__call__", &lowbitcc::RecvMethod::operator(), py::arg("tensors"), py::arg("src"),
+           py::arg("tag") = 0, "The group's `recv`: as `AllGatherBaseMethod`.");
+  group_method<lowbitcc::RecvAnysourceMethod>(m, "RecvAnysourceMethod")
+      .def("__call__", &lowbitcc::RecvAnysourceMethod::operator(), py::arg("tensors"),
+           py::arg("tag") = 0, "The group's `recv_anysource`: as `AllGatherBaseMethod`.");
   py::class_<lowbitcc::LaunchReplay, std::shared_ptr<lowbitcc::LaunchReplay>>(m, "LaunchReplay")
       .def(py::init<int64_t, py::object>(), py::arg("device"), py::arg("recorder"))
       .def("add_kernel", &lowbitcc::LaunchReplay::add_kernel, py::arg("function"),
