@@ -78,6 +78,7 @@ from lowbitcc.backend.compressed_calls import CompressedCalls
 from lowbitcc.backend.eager import SET_EVAL_FRAME
 from lowbitcc.backend.issue_queue import IssueQueue
 from lowbitcc.backend.issuer import Issuer
+from lowbitcc.transports import gloo
 
 
 def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueue, inner: Any,
@@ -115,7 +116,10 @@ def runner_objects(compressed: CompressedCalls, issuer: Issuer, queue: IssueQueu
       options' exact types;
       ``moves_checked``: whether the group exchanges a descriptor before each CPU data movement
       (`CompressedCalls.checks_data_movement`) and ``param_bits`` its setting (neither is
-      served then).
+      served then);
+    - ``retain_s``, ``retain_last``: how long it keeps the gloo Works of the calls it served
+      (``backend/csrc/retired_works.h``), as `GlooTransport.retire` keeps the Python path's
+      (`gloo.RETAIN_S`, `gloo.RETAIN_LAST`).
     """
     schedule = compressed.call_schedules.get("cpu")
     followed = queue._native  # the class `IssueQueue.follow` builds (`works.native_followed`)
@@ -177,6 +181,7 @@ def _objects(compressed: CompressedCalls, issuer: Issuer, schedule: Any,
         "alltoall_options_type": dist.AllToAllOptions,
         "moves_checked": compressed.checks_data_movement(),
         "param_bits": compressed.config.param_bits,
+        "retain_s": gloo.RETAIN_S, "retain_last": gloo.RETAIN_LAST,
         "policy": compressed.config.policy, "min_size": compressed.config.min_size,
         "world": world, "native_ops": sorted(int(op) for op in issuer.native_ops),
     }

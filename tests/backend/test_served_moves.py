@@ -13,6 +13,8 @@ most data movements; a served one runs no more Python calls than gloo's own."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import lowbitcc
 from lowbitcc.backend import native, steady_runner
 from lowbitcc.tools import spawn
+from lowbitcc.transports import gloo as gloo_transport
 from tests.probes import movement_calls
 from tests.support.device_runners import cpu_device_runner
 from tests.support.ranks import run_ranks
@@ -186,6 +189,34 @@ def test_a_served_point_to_point_call_is_waited_for_once_and_keeps_the_python_pa
         assert seen["native"]["got"] == [i * ((rank - 1) % 3 + 1) for i in range(4)]
         assert seen["native"]["value"] == [seen["native"]["got"]]
         assert seen["native"]["source"] == (rank - 1) % 3
+
+
+def _kept(rank, world, gloo):
+    """How many gloo Works the runner keeps: after ten served all-gathers, after four
+    point-to-point exchanges (none kept), and after one more all-gather past `RETAIN_S`."""
+    pg = dist.new_group(backend="loco")
+    out, x = torch.empty(world * 64), torch.ones(64)
+    for _ in range(10):
+        dist.all_gather_into_tensor(out, x, group=pg)
+    kept = [pg._runner.kept_works]
+    for _ in range(4):
+        sending = dist.isend(x, (rank + 1) % world, group=pg)
+        dist.recv(torch.empty(64), (rank - 1) % world, group=pg)
+        sending.wait()
+    kept.append(pg._runner.kept_works)
+    time.sleep(gloo_transport.RETAIN_S + 0.1)
+    dist.all_gather_into_tensor(out, x, group=pg)
+    return kept + [pg._runner.kept_works, pg._runner.served_moves]
+
+
+def test_the_runner_keeps_its_served_calls_gloo_works_a_while():
+    """As the Python path's transport (`GlooTransport.retire`): a served call's gloo Work is let
+    go of by the calling thread once older than `RETAIN_S`, never while among the last
+    `RETAIN_LAST` (``backend/csrc/retired_works.h``); a point-to-point call's is not kept."""
+    for first, after_points, later, served in run_ranks(_kept, 2):
+        assert served == 10 + 8 + 1
+        assert gloo_transport.RETAIN_LAST <= first <= 10 and after_points == first
+        assert later == gloo_transport.RETAIN_LAST + 1
 
 
 def _not_served(rank, world, gloo):

@@ -170,9 +170,14 @@ inline void SteadyRunner::time_exact(const Steady& steady,
   }
 }
 
-// `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`.
+// `IssueQueue.follow`: the call's tagged `FollowedWork` (its Python class) over gloo's `work`,
+// which the runner keeps a while (`retired_`, as the Python path's waiter retires it), but a
+// point-to-point call's.
 inline py::object SteadyRunner::follow(const c10::intrusive_ptr<c10d::Work>& work,
                                        std::vector<at::Tensor> outputs, bool checked) {
+  if (!FollowedWork::point_to_point(work->retrieveOpType())) {
+    retired_.keep(work);
+  }
   py::object issued = queue_.attr(LOWBITCC_NAME("_issued"));  // (`next(self._issued)`)
   py::object ordinal = py::reinterpret_steal<py::object>(PyIter_Next(issued.ptr()));
   if (!ordinal) {

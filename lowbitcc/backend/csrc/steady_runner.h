@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "followed_work.h"
+#include "retired_works.h"
 #include "model_timings.h"
 #include "plan_core.h"
 #include "python_objects.h"
@@ -122,7 +123,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
         watchdog_(objects["watchdog"]),
         own_work_(objects["own_work"].cast<bool>()),
         moves_checked_(objects["moves_checked"].cast<bool>()),
-        param_bits_(objects["param_bits"].cast<int64_t>()) {
+        param_bits_(objects["param_bits"].cast<int64_t>()),
+        retired_(objects["retain_s"].cast<double>(), objects["retain_last"].cast<int64_t>()) {
     if (!objects["lane"].is_none()) {
       lane_ = objects["lane"].cast<std::shared_ptr<IssueLane>>();
     }
@@ -181,6 +183,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // (runner_moves.h; tests read them).
   int64_t served() const { return served_; }
   int64_t served_compressed() const { return served_compressed_; }
+  // How many gloo Works of the calls it served it keeps now (`retired_`).
+  int64_t kept_works() const { return static_cast<int64_t>(retired_.size()); }
   int64_t served_moves() const { return served_moves_; }
   // What its calls counted in the statistics and they have not read yet (`ServedCounts`).
   py::object counts() const { return counts_object_; }
@@ -455,6 +459,8 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `param_bits` (runner_moves.h: neither is served then)
   bool moves_checked_;
   int64_t param_bits_;
+  // the gloo Works of the calls it served, kept a while (`follow`; retired_works.h)
+  RetiredWorks retired_;
   std::set<int64_t> native_ops_;
   py::str all_reduce_, reduce_scatter_, backward_, step_, compressed_name_;
   double decline_ = 0.0;

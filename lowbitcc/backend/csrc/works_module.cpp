@@ -103,6 +103,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("served", &lowbitcc::SteadyRunner::served)
       .def_property_readonly("served_compressed", &lowbitcc::SteadyRunner::served_compressed)
       .def_property_readonly("served_moves", &lowbitcc::SteadyRunner::served_moves)
+      .def_property_readonly("kept_works", &lowbitcc::SteadyRunner::kept_works,
+                             "How many gloo Works of the calls it served it keeps now "
+                             "(retired_works.h).")
       .def_property_readonly("counts", &lowbitcc::SteadyRunner::counts);
   group_method<lowbitcc::AllReduceMethod>(m, "AllReduceMethod")
       .def("__call__", &lowbitcc::AllReduceMethod::operator(), py::arg("tensors"),
