@@ -39,7 +39,7 @@ EXTENSION = cpp_build.Extension(
      CSRC / "core_decide.h", CSRC / "core_encode.h", CSRC / "core_issue.h",
      CSRC / "core_run.h", CSRC / "core_spec.h",
      CSRC / "direct_run.h", CSRC / "hier_run.h", CSRC / "plan_core.h", CSRC / "plan_pieces.h",
-     CSRC / "planned_work.h",
+     CSRC / "planned_work.h", CSRC / "point_completer.h",
      CSRC / "python_objects.h", CSRC / "retired_works.h", CSRC / "ring_run.h",
      CSRC / "runner_count.h",
      CSRC / "runner_device.h", CSRC / "runner_moves.h", CSRC / "runner_place.h",

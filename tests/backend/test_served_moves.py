@@ -13,6 +13,8 @@ most data movements; a served one runs no more Python calls than gloo's own."""
 
 from __future__ import annotations
 
+import datetime
+import gc
 import time
 
 import pytest
@@ -158,8 +160,10 @@ def test_data_movements_served_in_cpp_and_by_python_at_random_leave_the_same_sta
 
 
 def _point_to_point(rank, world, gloo):
-    """A receive's Work, the Python path's (queued) and the runner's (served), as a caller sees
-    it: waited for twice, complete after, its future's value, its sender, and a send's."""
+    """Point-to-point Works, the Python path's (queued) and the runner's (served), as a caller
+    sees them: a receive complete once its message is in, unwaited; its sender read before any
+    wait; waited for twice; its future's value; a send's; a receive waited for with a bound
+    before its message is sent, then without; a send whose Work is dropped at once."""
     seen = {}
     for way in ("python", "native"):
         pg = dist.new_group(backend="loco")
@@ -169,26 +173,53 @@ def _point_to_point(rank, world, gloo):
         got = torch.empty(4)
         receiving = dist.irecv(got, before, group=pg, tag=7)
         sending = dist.isend(torch.arange(4.0) * (rank + 1), after, group=pg, tag=7)
+        deadline = time.monotonic() + 30
+        while not receiving.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        unwaited = receiving.is_completed()
+        source = receiving._source_rank()
         waits = [receiving.wait(), receiving.wait(), sending.wait(), sending.wait()]
         value = [t.tolist() for t in receiving.get_future().wait()]
-        seen[way] = {"waits": waits, "completed": [receiving.is_completed(),
-                                                   sending.is_completed()],
-                     "value": value, "got": got.tolist(), "source": receiving._source_rank(),
+        late = torch.empty(2)
+        receiving = dist.irecv(late, before, group=pg, tag=8)
+        try:
+            receiving.wait(timeout=datetime.timedelta(seconds=0.3))
+            timed_out = False
+        except dist.DistBackendError as exc:
+            timed_out = "timed out" in str(exc)
+        dist.barrier(group=gloo)  # (every rank's bounded wait over before any sends)
+        sending = dist.isend(torch.full((2,), float(rank)), after, group=pg, tag=8)
+        late_waits = [receiving.wait(), sending.wait()]
+        dropped = torch.empty(3)
+        receiving = dist.irecv(dropped, before, group=pg, tag=9)
+        dist.isend(torch.arange(3.0) + rank, after, group=pg, tag=9)  # (its Work let go of)
+        gc.collect()
+        receiving.wait()
+        seen[way] = {"unwaited": unwaited, "waits": waits, "completed": [
+                         receiving.is_completed(), sending.is_completed()],
+                     "value": value, "got": got.tolist(), "source": source,
                      "success": receiving.is_success() and sending.exception() is None,
+                     "timed out": timed_out, "late": late.tolist(), "late waits": late_waits,
+                     "dropped": dropped.tolist(),
                      "served": getattr(pg._runner, "served_moves", 0)}
     return seen
 
 
 def test_a_served_point_to_point_call_is_waited_for_once_and_keeps_the_python_paths_work():
-    """gloo's own receive waits for another message at each ``wait``: a served one waits once,
-    and its Work reads as the Python path's."""
+    """gloo's own receive waits for another message at each ``wait``, and completes only in a
+    ``wait``: a served one is waited for once, by the runner's completer, and its Work reads as
+    the Python path's."""
     for rank, seen in enumerate(run_ranks(_point_to_point, 3)):
-        assert seen["native"]["served"] == 2 and seen["python"]["served"] == 0
+        assert seen["native"]["served"] == 6 and seen["python"]["served"] == 0
         del seen["native"]["served"], seen["python"]["served"]
         assert seen["native"] == seen["python"], rank
-        assert seen["native"]["got"] == [i * ((rank - 1) % 3 + 1) for i in range(4)]
+        before = (rank - 1) % 3
+        assert seen["native"]["unwaited"] and seen["native"]["timed out"]
+        assert seen["native"]["got"] == [i * (before + 1) for i in range(4)]
         assert seen["native"]["value"] == [seen["native"]["got"]]
-        assert seen["native"]["source"] == (rank - 1) % 3
+        assert seen["native"]["source"] == before
+        assert seen["native"]["late"] == [float(before)] * 2
+        assert seen["native"]["dropped"] == [before + i for i in range(3)]
 
 
 def _kept(rank, world, gloo):
@@ -260,6 +291,7 @@ def _not_served(rank, world, gloo):
         # a send to this rank itself; of a strided tensor (c10d's wrapper lets both through)
         "send to itself": lambda: pg.send([x], rank, 0),
         "strided send": lambda: pg.send([torch.ones(64, 2)[:, 0]], after, 0),
+        "negative tag": lambda: pg.send([x], after, -1),
     }
     for case, call in calls.items():
         try:  # the Python path's error (gloo's, at the Work's wait; or torch's wrapper's)
@@ -275,7 +307,8 @@ def test_data_movements_the_runner_cannot_serve_take_the_python_path():
         assert counts == {"check_all": 0, "check_all point to point": 2, "param_bits": 0,
                           "param_bits broadcast": 1, "strided": 0, "wrong size": 0,
                           "stacked": 0, "splits of too many ranks": 0,
-                          "splits of other rows": 0, "send to itself": 0, "strided send": 0}
+                          "splits of other rows": 0, "send to itself": 0, "strided send": 0,
+                          "negative tag": 0}
         assert set(raised) == set(counts) - {"check_all", "check_all point to point",
                                              "param_bits", "param_bits broadcast",
                                              "strided"}, raised

@@ -10,14 +10,17 @@
 // class `set_deviation` names, `CollectiveMismatchError`), the future completes with it.
 //
 // A point-to-point call's (a gloo send, receive or receive from any source: runner_moves.h) is
-// waited for once: gloo's `RecvWork::wait` waits for another message at each call, so this
-// Work's `wait` has the inner one's waited for once, without a bound, and every `wait` waits for
-// that, up to its own bound (`wait_once`), then rethrows the inner Work's error. A wait that times
-// out leaves the call in flight, as a queued call's (works.py's `LocoWork.wait`).
-// Its completion is gloo's own (`isCompleted` true once waited); its `sourceRank` waits first,
-// as a queued receive's (works.py's `LocoWork._source_rank`); it has no C++ future (gloo's has
-// none), and its Python future is the waiter's (works.py's `native_followed`), which waits on this
-// Work.
+// waited for once: gloo's `RecvWork::wait` waits for another message at each call, and its timed
+// wait, when it times out, fails every pair of its group. So this Work's inner one is waited for
+// once, without a bound, by the runner's completer (point_completer.h, which holds it until then:
+// gloo writes a send only inside its wait), or by a caller that waits without a bound first;
+// every `wait` waits for that one, up to its own bound, then rethrows the inner Work's error
+// (`wait_once`). A wait that times out leaves the call in flight, as a queued call's (works.py's
+// `LocoWork.wait`). It reads as complete once that wait has returned (`isCompleted`, gloo's), as
+// a queued call's does once the group's waiter saw its message; its `sourceRank` and `result` wait
+// first, without the GIL, as a queued receive's (works.py's `LocoWork._source_rank`); it has no
+// C++ future (gloo's has none), and its Python future is the waiter's (works.py's
+// `native_followed`), which waits on this Work.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -34,7 +37,7 @@
 #include <exception>
 #include <condition_variable>
 #include <mutex>
-#include <thread>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -129,7 +132,11 @@ class FollowedWork : public c10d::Work {
   void abort() override { inner_->abort(); }
 
   std::vector<at::Tensor> result() override {
-    wait(::kNoTimeout);
+    if (once_) {
+      wait_once(::kNoTimeout);
+    } else {
+      wait(::kNoTimeout);
+    }
     return outputs_;
   }
 
@@ -196,22 +203,20 @@ class FollowedWork : public c10d::Work {
   }
 
   // A point-to-point call's wait (the file's comment): the inner Work waited for once, without
-  // a bound (gloo's timed wait, when it times out, fails every pair of its group), by the first
-  // thread that waits without one, or for a waiter with a bound by a thread of its own started
-  // then; every waiter waits for that one wait, up to its bound, and rethrows its error.
+  // a bound (gloo's timed wait, when it times out, fails every pair of its group): by the
+  // runner's completer (point_completer.h, `settle`), or by a caller that waits without a bound
+  // before it does; every waiter waits for that one wait, up to its bound, then rethrows its
+  // error. Waits without the GIL.
   bool wait_once(std::chrono::milliseconds timeout) {
+    std::optional<py::gil_scoped_release> release;
+    if (PyGILState_Check()) {  // (`_source_rank` and `result` are bound holding it)
+      release.emplace();
+    }
     std::unique_lock<std::mutex> lock(wait_mutex_);
-    if (!waited_ && !waiting_) {
-      waiting_ = true;
-      if (timeout == ::kNoTimeout) {
-        lock.unlock();
-        wait_inner();
-        lock.lock();
-      } else {
-        std::thread([work = c10::intrusive_ptr<FollowedWork>::reclaim_copy(this)] {
-          work->wait_inner();
-        }).detach();
-      }
+    if (!waiting_ && timeout == ::kNoTimeout) {
+      lock.unlock();
+      settle();
+      lock.lock();
     }
     if (timeout == ::kNoTimeout) {
       waited_cv_.wait(lock, [this] { return waited_; });
@@ -224,17 +229,28 @@ class FollowedWork : public c10d::Work {
     if (std::exception_ptr error = inner_->exception()) {
       std::rethrow_exception(error);
     }
-    return true;
+    return completed_;
   }
 
-  // `wait_once`'s one wait of the inner Work (its error kept by gloo: `exception()`).
-  void wait_inner() {
+  // The one wait of a point-to-point call's inner Work (`wait_once`), unless a thread has begun
+  // it: returns once it has, its error kept by gloo (`exception()`), whether it completed (false:
+  // aborted) in `completed_`. Called without the GIL.
+  void settle() {
+    {
+      std::lock_guard<std::mutex> lock(wait_mutex_);
+      if (waiting_) {
+        return;
+      }
+      waiting_ = true;
+    }
+    bool completed = false;
     try {
-      inner_->wait();
+      completed = inner_->wait();
     } catch (...) {
     }
     {
       std::lock_guard<std::mutex> lock(wait_mutex_);
+      completed_ = completed;
       waited_ = true;
     }
     waited_cv_.notify_all();
@@ -258,6 +274,7 @@ class FollowedWork : public c10d::Work {
   std::condition_variable waited_cv_;  // notified once `waited_`
   bool waiting_ = false;  // a thread waits on the inner Work (or has)
   bool waited_ = false;  // the inner Work's wait has returned or thrown
+  bool completed_ = false;  // what it returned (false: thrown, or aborted)
 };
 
 }  // namespace lowbitcc

@@ -16,8 +16,8 @@
 // `moves_checked_`; a point-to-point call exchanges none) or an all-gather may travel as
 // `param_bits` codes (`param_bits_`). Its Work is the `FollowedWork` of the gloo call (tagged as
 // the worker's Work; its value the outputs, flattened), not read for a deviation; a
-// point-to-point call's is waited for once (followed_work.h), its completion gloo's own (true
-// once waited, where the Python path's waiter completes a queued one when its message is in).
+// point-to-point call's is waited for once (followed_work.h), by the runner's completer
+// (point_completer.h) as the Python path's waiter waits for a queued one.
 // A device runner issues it on the inner NCCL group, as
 // `CudaIssuer.native` does: the group's watchdog asked once it is counted, NCCL's Work handed
 // back (none: `synced_`'s, of the outputs); its CPU test bed (steady_runner.py's
@@ -29,8 +29,8 @@
 // raises at once): plain dense tensors of the runner's device type, on one device, contiguous,
 // of one dtype gloo moves (`moved_dtype`), sizes that match the group's (an output of `world_`
 // inputs; an all-to-all's splits, `splits_fit`), the exact options types, a root rank of the
-// group, a peer rank of the group other than this rank's and a tag of a C int (a receive from
-// any source: CPU tensors, which NCCL cannot receive); a call from the main thread (CPU; a device runner: any thread) outside any future's
+// group, a peer rank of the group other than this rank's and a tag of a non-negative C int (a
+// receive from any source: CPU tensors, which NCCL cannot receive); a call from the main thread (CPU; a device runner: any thread) outside any future's
 // callback, while the group is open and its watchdog has not ended it. Anything else is "not
 // mine" (None) with nothing changed. Included by steady_runner.h after the class.
 #pragma once
@@ -169,7 +169,7 @@ inline py::object SteadyRunner::serve_point(Point kind, py::handle tensors_obj, 
   }
   int overflow = 0;
   const long long tag = PyLong_AsLongLongAndOverflow(tag_obj.ptr(), &overflow);
-  if (overflow != 0 || tag < INT_MIN || tag > INT_MAX) {
+  if (overflow != 0 || tag < 0 || tag > INT_MAX) {  // (gloo refuses a negative tag at issue)
     return py::none();
   }
   long long peer = -1;
@@ -184,7 +184,7 @@ inline py::object SteadyRunner::serve_point(Point kind, py::handle tensors_obj, 
     return py::none();
   }
   std::vector<at::Tensor> tensors{THPVariable_Unpack(item.ptr())};
-  return serve_move(tensors, tensors[0], [&] {
+  py::object handed = serve_move(tensors, tensors[0], [&] {
     switch (kind) {
       case Point::kSend:
         return inner_->send(tensors, static_cast<int>(peer), static_cast<int>(tag));
@@ -194,6 +194,14 @@ inline py::object SteadyRunner::serve_point(Point kind, py::handle tensors_obj, 
         return inner_->recvAnysource(tensors, static_cast<int>(tag));
     }
   });
+  if (!own_work_) {  // (the completer holds and waits for it; those it has waited for let go of)
+    if (!points_) {
+      points_ = std::make_unique<PointCompleter>();
+    }
+    points_->add(handed.cast<c10::intrusive_ptr<FollowedWork>>());
+    points_->take_done();
+  }
+  return handed;
 }
 
 // Whether `splits` (an all-to-all's split sizes: a list of ints) fit `tensor` as c10d's

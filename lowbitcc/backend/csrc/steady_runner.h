@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "followed_work.h"
+#include "point_completer.h"
 #include "retired_works.h"
 #include "model_timings.h"
 #include "plan_core.h"
@@ -459,8 +460,10 @@ class __attribute__((visibility("hidden"))) SteadyRunner {
   // `param_bits` (runner_moves.h: neither is served then)
   bool moves_checked_;
   int64_t param_bits_;
-  // the gloo Works of the calls it served, kept a while (`follow`; retired_works.h)
+  // the gloo Works of the calls it served, kept a while (`follow`; retired_works.h), and the
+  // thread that waits for its point-to-point calls (made at the first; point_completer.h)
   RetiredWorks retired_;
+  std::unique_ptr<PointCompleter> points_;
   std::set<int64_t> native_ops_;
   py::str all_reduce_, reduce_scatter_, backward_, step_, compressed_name_;
   double decline_ = 0.0;
