@@ -154,7 +154,14 @@ world = dist.get_world_size()
 for _ in range(50):
     out = torch.empty(world * 4096)
     dist.all_gather_into_tensor(out, torch.ones(4096))   # served by the group's runner
-assert dist.group.WORLD._runner.served_moves >= 49
+rank = dist.get_rank()
+for _ in range(20):  # a pipeline's exchanges (served: held and waited for by the runner's thread)
+    sending = dist.isend(torch.ones(4096), (rank + 1) % world)
+    dist.recv(torch.empty(4096), (rank - 1) % world)
+    sending.wait()
+dist.isend(torch.ones(65536), (rank + 1) % world)  # its Work dropped at once
+dist.recv(torch.empty(65536), (rank - 1) % world)
+assert dist.group.WORLD._runner.served_moves >= 49 + 42
 out = torch.empty(world * 262144)
 dist.all_gather_into_tensor(out, torch.ones(262144), async_op=True)  # its Work dropped at once
 # no destroy_process_group: the interpreter exits with the last call in flight or just done
@@ -166,9 +173,11 @@ dist.all_gather_into_tensor(out, torch.ones(262144), async_op=True)  # its Work 
 def test_a_rank_exits_cleanly_right_after_served_calls():
     """A gloo thread that lets go of a call's Work last frees its tensors, taking the GIL: at
     the interpreter's exit that aborts the process ("terminate called without an active
-    exception"; plain gloo, this script on a "gloo" group: 7 launches in 10). The runner keeps
-    its served calls' Works (``backend/csrc/retired_works.h``), as the Python path's transport
-    does: 8 launches, every rank exits 0 (6 launches in 10 aborted without)."""
+    exception"; plain gloo, this script's all-gathers on a "gloo" group: 7 launches in 10). The
+    runner keeps its served calls' Works (``backend/csrc/retired_works.h``), as the Python
+    path's transport does, and its point-to-point calls' thread never lets go of one last
+    (``backend/csrc/point_completer.h``): 8 launches, every rank exits 0 (6 launches in 10
+    aborted without keeping the Works)."""
     env = clean_env()
     for launch in range(8):
         done = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", EXIT_SCRIPT],

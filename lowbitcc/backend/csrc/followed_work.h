@@ -12,14 +12,15 @@
 // A point-to-point call's (a gloo send, receive or receive from any source: runner_moves.h) is
 // waited for once: gloo's `RecvWork::wait` waits for another message at each call, and its timed
 // wait, when it times out, fails every pair of its group. So this Work's inner one is waited for
-// once, without a bound, by the runner's completer (point_completer.h, which holds it until then:
-// gloo writes a send only inside its wait), or by a caller that waits without a bound first;
-// every `wait` waits for that one, up to its own bound, then rethrows the inner Work's error
-// (`wait_once`). A wait that times out leaves the call in flight, as a queued call's (works.py's
-// `LocoWork.wait`). It reads as complete once that wait has returned (`isCompleted`, gloo's), as
-// a queued call's does once the group's waiter saw its message; its `sourceRank` and `result` wait
-// first, without the GIL, as a queued receive's (works.py's `LocoWork._source_rank`); it has no
-// C++ future (gloo's has none), and its Python future is the waiter's (works.py's
+// once, without a bound of its own (gloo's is the group's timeout), by the runner's completer
+// (point_completer.h, which holds it until then: gloo's transfer writes into and out of the Work's
+// own buffer, and a send whose Work is gone is never written), or by a caller that waits without a
+// bound first; every `wait` waits for that one, up to its own bound, then rethrows the inner Work's
+// error (`wait_once`). A wait that times out leaves the call in flight, as a queued call's
+// (works.py's `LocoWork.wait`). It reads as complete once that wait has returned (`isCompleted`,
+// gloo's), as a queued call's does once the group's waiter saw its message; its `sourceRank` and
+// `result` wait first, without the GIL, as a queued receive's (works.py's `LocoWork._source_rank`);
+// it has no C++ future (gloo's has none), and its Python future is the waiter's (works.py's
 // `native_followed`), which waits on this Work.
 #pragma once
 
@@ -203,10 +204,10 @@ class FollowedWork : public c10d::Work {
   }
 
   // A point-to-point call's wait (the file's comment): the inner Work waited for once, without
-  // a bound (gloo's timed wait, when it times out, fails every pair of its group): by the
-  // runner's completer (point_completer.h, `settle`), or by a caller that waits without a bound
-  // before it does; every waiter waits for that one wait, up to its bound, then rethrows its
-  // error. Waits without the GIL.
+  // a bound of its own (gloo's timed wait, when it times out, fails every pair of its group):
+  // by the runner's completer (point_completer.h, `settle`), or by a caller that waits without a
+  // bound before it does; every waiter waits for that one wait, up to its bound, then rethrows
+  // its error. Waits without the GIL.
   bool wait_once(std::chrono::milliseconds timeout) {
     std::optional<py::gil_scoped_release> release;
     if (PyGILState_Check()) {  // (`_source_rank` and `result` are bound holding it)

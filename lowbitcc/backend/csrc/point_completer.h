@@ -9,9 +9,13 @@
 // one wait of gloo's Work), after which it reads as complete (`isCompleted`), as a queued call's
 // Work does once the waiter has seen its message; a caller's own `wait` waits for that same one
 // wait (or, where the completer has not reached the call yet and the caller waits without a
-// bound, is it). A Work it has waited for is not let go of on its thread (whose release could be
-// the last, freeing tensors with the GIL at the interpreter's exit): it is handed back to the
-// runner's serving thread (`take_done`), which lets go of it with the GIL.
+// bound, is it). The calls are waited for in the order they were served, as the waiter waits for
+// queued ones: a receive whose message is late holds back the completion of those after it (not
+// their transfers), and gloo ends its wait at the group's timeout. A Work it has waited for is
+// not let go of on its thread (whose release could be the last, freeing tensors with the GIL at
+// the interpreter's exit): it is handed back to the runner's serving thread (`take_done`), which
+// lets go of it with the GIL, as does the destructor (the runner's, with the GIL); those it waits
+// for after that it never lets go of (a group's last calls, kept until the process ends).
 //
 // The thread is started by the first `add` and ends once the runner is gone (`close`) and every
 // call handed to it has been waited for; it holds only this object's shared state.
@@ -34,7 +38,11 @@ class PointCompleter {
   PointCompleter() = default;
   PointCompleter(const PointCompleter&) = delete;
   PointCompleter& operator=(const PointCompleter&) = delete;
-  ~PointCompleter() { close(); }
+  // Called with the GIL held (the runner's destructor): the Works waited for are let go of here.
+  ~PointCompleter() {
+    close();
+    take_done();
+  }
 
   // Hand `work` (a served point-to-point call's) to the completer, starting its thread first
   // where none runs. Called with the GIL held.
@@ -42,8 +50,8 @@ class PointCompleter {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->waiting.push_back(std::move(work));
     if (!started_) {
-      started_ = true;
       std::thread(run, state_).detach();
+      started_ = true;
     }
     state_->changed.notify_one();
   }
@@ -74,8 +82,11 @@ class PointCompleter {
     std::unique_lock<std::mutex> lock(state->mutex);
     while (true) {
       state->changed.wait(lock, [&] { return state->closed || !state->waiting.empty(); });
-      if (state->waiting.empty()) {
-        return;  // (closed, nothing left)
+      if (state->waiting.empty()) {  // (closed, nothing left)
+        for (auto& work : state->done) {  // (waited for since the runner's end: never let go of)
+          work.release();
+        }
+        return;
       }
       c10::intrusive_ptr<FollowedWork> work = state->waiting.front();
       lock.unlock();

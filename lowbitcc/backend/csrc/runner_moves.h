@@ -23,16 +23,17 @@
 // back (none: `synced_`'s, of the outputs); its CPU test bed (steady_runner.py's
 // `device_runner`) on the group's inner gloo group, where the worker is idle, as the CPU runner.
 //
-// Served only where neither backend can refuse the arguments, at issue or when the call runs
-// (where either would, the Python path takes the call and the error reaches its Work, as
-// before; what a backend raises at issue for another reason, a connection lost, a served call
-// raises at once): plain dense tensors of the runner's device type, on one device, contiguous,
-// of one dtype gloo moves (`moved_dtype`), sizes that match the group's (an output of `world_`
-// inputs; an all-to-all's splits, `splits_fit`), the exact options types, a root rank of the
-// group, a peer rank of the group other than this rank's and a tag of a non-negative C int (a
-// receive from any source: CPU tensors, which NCCL cannot receive); a call from the main thread (CPU; a device runner: any thread) outside any future's
-// callback, while the group is open and its watchdog has not ended it. Anything else is "not
-// mine" (None) with nothing changed. Included by steady_runner.h after the class.
+// Served only where neither backend can refuse the arguments, at issue or when the call runs (where
+// either would, the Python path takes the call and the error reaches its Work, as before; what a
+// backend raises at issue for another reason, a connection lost, a served call raises at once):
+// plain dense tensors of the runner's device type, on one device, contiguous, of one dtype gloo
+// moves (`moved_dtype`), sizes that match the group's (an output of `world_` inputs; an
+// all-to-all's splits, `splits_fit`), the exact options types, a root rank of the group, a peer
+// rank of the group other than this rank's and a tag of a non-negative C int (a receive from any
+// source: CPU tensors, which NCCL cannot receive); a call from the main thread (CPU; a device
+// runner: any thread) outside any future's callback, while the group is open and its watchdog has
+// not ended it. Anything else is "not mine" (None) with nothing changed. Included by
+// steady_runner.h after the class.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,11 +1,11 @@
 // SteadyRunner: a CPU reduction that runs as its place's entry, served in C++ from the group's
 // own Python objects (lowbitcc/backend/steady_runner.py builds it); and the group's exact data
-// movements of one tensor and point-to-point calls (runner_moves.h). A CUDA group's *device runner* is one too, of CUDA
-// tensors, which serves exact entries and data movements on the inner NCCL backend, from any
-// thread but a callback's (runner_device.h; what differs from the CPU runner is said where it
-// differs: `own_work_`, `device_type_`, `device_name_`, `canary_`, `synced_`, `watchdog_`), and
-// takes the places of compressed entries, whose runs are the Python path's (`reductions_`); the
-// rest of this comment is the CPU runner's reductions'.
+// movements of one tensor and point-to-point calls (runner_moves.h). A CUDA group's *device
+// runner* is one too, of CUDA tensors, which serves exact entries and data movements on the
+// inner NCCL backend, from any thread but a callback's (runner_device.h; what differs from the
+// CPU runner is said where it differs: `own_work_`, `device_type_`, `device_name_`, `canary_`,
+// `synced_`, `watchdog_`), and takes the places of compressed entries, whose runs are the Python
+// path's (`reductions_`); the rest of this comment is the CPU runner's reductions'.
 //
 // `serve_all_reduce` and `serve_reduce_scatter` are what `LocoProcessGroup`'s methods call
 // first. Each either serves the call whole or answers None ("not mine") having changed nothing,
