@@ -5,8 +5,8 @@
 // gloo completes a send or a receive only inside its Work's `wait`, and the Work owns the
 // transfer's buffer: a send whose Work nobody waits for and everybody lets go of is never
 // written. So each served point-to-point call's `FollowedWork` is handed here at once (`add`):
-// the completer holds it and waits for it (`FollowedWork::wait_once` without a bound: the call's
-// one wait of gloo's Work), after which it reads as complete (`isCompleted`), as a queued call's
+// the completer holds it and waits for it (`FollowedWork::settle`: the call's one wait of gloo's
+// Work, without a bound of its own), after which it reads as complete (`isCompleted`), as a queued call's
 // Work does once the waiter has seen its message; a caller's own `wait` waits for that same one
 // wait (or, where the completer has not reached the call yet and the caller waits without a
 // bound, is it). The calls are waited for in the order they were served, as the waiter waits for
